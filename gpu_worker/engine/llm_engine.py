@@ -1,0 +1,125 @@
+"""The engine: add requests, abort them, step. Each step is schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.engine.model_runner import ModelRunner
+from gpu_worker.engine.sampler import Sampler
+from gpu_worker.engine.scheduler import Scheduler
+from gpu_worker.engine.sequence import Request, Sequence
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    kv_cache_mb: int = 2048
+    max_model_len: int = 4096
+    threads: int = 0
+
+
+@dataclass
+class StepOutput:
+    id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, model=model)
+        cache = self.runner.cache
+        budget = max(1, config.kv_cache_mb * 2**20 // cache.bytes_per_token)
+        self.scheduler = Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, budget,
+                                   self.runner.max_model_len)
+        self.sampler = Sampler()
+        self.seqs: dict[str, Sequence] = {}
+        self._pending: list[StepOutput] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.runner.eos_token_ids
+
+    def add_request(self, req: Request) -> None:
+        if req.id in self.seqs:
+            raise ValueError(f"request {req.id!r} is already in the engine")
+        if not req.prompt_ids:
+            self._pending.append(StepOutput(req.id, finish_reason="error", error="empty prompt"))
+            return
+        seq = Sequence(req)
+        if seq.num_generated >= req.max_tokens:
+            self._pending.append(StepOutput(req.id, finish_reason="length"))
+            return
+        self.seqs[req.id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return False
+        self.scheduler.remove(seq)
+        self._pending.append(StepOutput(req_id, finish_reason=reason))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_usage(self) -> float:
+        return min(1.0, self.scheduler.kv_tokens() / self.scheduler.kv_budget_tokens)
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        batch, rejected = self.scheduler.schedule()
+        for seq in rejected:
+            self.seqs.pop(seq.id, None)
+            outputs.append(StepOutput(seq.id, finish_reason="error",
+                                      error=f"sequence of {seq.num_tokens} tokens does not fit the KV-cache "
+                                            f"budget or the context of {self.max_model_len} tokens"))
+        if batch.num_tokens == 0:
+            if not self.scheduler.running:
+                self.runner.cache.shrink_if_idle()
+            return outputs
+        logits = self.runner.run(batch)
+        for s in batch.decode:
+            s.num_computed += 1
+        for s, n in batch.chunks:
+            s.num_computed += n
+        sampled = batch.decode + [s for s, _ in batch.chunks if s.num_computed == s.num_tokens]
+        for seq, token in zip(sampled, self.sampler(logits, sampled)):
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            outputs.append(StepOutput(seq.id, [token], reason))
+            if reason is not None:
+                self.seqs.pop(seq.id, None)
+                self.scheduler.remove(seq)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        req = seq.req
+        if token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_generated >= req.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None

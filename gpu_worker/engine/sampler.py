@@ -1,0 +1,46 @@
+"""Per-request sampling inside one batch: greedy, temperature, top-k, top-p, seeded.
+
+A sampled token depends only on the row's logits, the request's seed and the token's index,
+so a request reproduces whatever else shares its batch, and after preemption or resumption
+on another worker.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.engine.sequence import Sequence
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def token_seed(seed: int, index: int) -> int:
+    return ((seed * 6364136223846793005 + index * _MIX) ^ (seed >> 7)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._gen = torch.Generator()
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        out = logits.argmax(dim=-1).tolist()
+        for i, s in enumerate(seqs):
+            if not s.greedy:
+                out[i] = self._sample(logits[i].cpu(), s)
+        return out
+
+    def _sample(self, row: torch.Tensor, s: Sequence) -> int:
+        r = s.req
+        row = row / r.temperature
+        if 0 < r.top_k < row.numel():
+            kth = torch.topk(row, r.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if r.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sorted_p, dim=-1)
+            drop = cum - sorted_p > r.top_p  # keep the smallest prefix whose mass reaches top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        self._gen.manual_seed(token_seed(r.seed, s.num_generated))
+        return int(torch.multinomial(probs, 1, generator=self._gen).item())

@@ -1,0 +1,1 @@
+"""What every stage of conveyor agrees on: settings, Redis names, message schemas, the job model."""

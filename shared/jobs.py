@@ -1,0 +1,147 @@
+"""The job model: statuses, finish reasons, the record kept in Redis and its state transitions.
+
+A job record is a Redis hash (`names.job_key`). Transitions that race (a cancel against a
+worker starting the job, two workers finishing it) are Lua scripts, so each is atomic.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class JobStatus(str, Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+ACTIVE = frozenset({JobStatus.queued, JobStatus.running})
+TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+
+
+class FinishReason(str, Enum):
+    stop = "stop"
+    length = "length"
+    cancelled = "cancelled"
+    error = "error"
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Job(BaseModel):
+    """The job object clients see (poll, `done` event, submit and cancel responses)."""
+
+    id: str
+    object: str = "job"
+    status: JobStatus
+    model: str
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage
+    error: str | None = None
+    queue_position: int | None = None
+    created_at: float
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @classmethod
+    def from_record(cls, rec: dict[str, str]) -> Job:
+        def num(name: str) -> float | None:
+            v = rec.get(name)
+            return float(v) if v else None
+
+        prompt = int(rec.get("prompt_tokens") or 0)
+        completion = int(rec.get("completion_tokens") or 0)
+        return cls(
+            id=rec["id"],
+            status=JobStatus(rec["status"]),
+            model=rec.get("model", ""),
+            text=rec.get("text", ""),
+            finish_reason=FinishReason(rec["finish_reason"]) if rec.get("finish_reason") else None,
+            usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
+            error=rec.get("error") or None,
+            created_at=float(rec["created_at"]),
+            started_at=num("started_at"),
+            first_token_at=num("first_token_at"),
+            finished_at=num("finished_at"),
+        )
+
+    @property
+    def ended(self) -> bool:
+        return self.status in TERMINAL
+
+
+def new_record(job_id: str, model: str, request_json: str, background: bool) -> dict[str, Any]:
+    return {
+        "id": job_id,
+        "status": JobStatus.queued.value,
+        "model": model,
+        "request": request_json,
+        "created_at": repr(time.time()),
+        "seq": 0,
+        "background": int(background),
+    }
+
+
+# KEYS[1] job hash.  ARGV: now, worker id.
+# Returns {code, seq}: code 1 started, 2 already running (a redelivery: resume), 0 ended or cancelled, -1 missing.
+START_SCRIPT = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {-1, 0} end
+local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
+if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return {0, seq} end
+if st == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
+  return {1, seq}
+end
+if st == 'running' then
+  redis.call('HSET', KEYS[1], 'worker', ARGV[2])
+  return {2, seq}
+end
+return {0, seq}
+"""
+
+# KEYS[1] job hash, KEYS[2] event stream, KEYS[3] token list key.
+# ARGV: status, finish_reason, error, now, ttl, channel, required current status ('' = any active),
+#       then field/value pairs to set.
+# Ends an active job exactly once: sets the terminal state, appends `done` to its event stream,
+# publishes it, and starts the retention clock. Returns the done event's seq, or 0 if the job had
+# already ended (or was not in the required status), -1 if it does not exist.
+FINISH_SCRIPT = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return -1 end
+if st ~= 'queued' and st ~= 'running' then return 0 end
+if ARGV[7] ~= '' and st ~= ARGV[7] then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finish_reason', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
+for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
+redis.call('XADD', KEYS[2], '0-' .. seq, 'type', 'done')
+local ttl = tonumber(ARGV[5])
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('EXPIRE', KEYS[3], ttl)
+redis.call('PUBLISH', ARGV[6], cjson.encode({seq = seq, type = 'done'}))
+return seq
+"""
+
+# KEYS[1] job hash, KEYS[2] control channel is ARGV[1]. Returns the status before the request.
+REQUEST_CANCEL_SCRIPT = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return '' end
+if st == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+  redis.call('PUBLISH', ARGV[1], cjson.encode({op = 'cancel', job_id = ARGV[2]}))
+end
+return st
+"""

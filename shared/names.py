@@ -1,0 +1,53 @@
+"""Every Redis key, stream, group and channel conveyor uses, under one prefix."""
+
+from __future__ import annotations
+
+PREFIX = "conveyor"
+
+# streams and their consumer groups (the autoscaler and KEDA read these names)
+JOBS_STREAM = f"{PREFIX}:jobs"
+TOKENIZED_STREAM = f"{PREFIX}:tokenized"
+DEAD_LETTER_STREAM = f"{PREFIX}:dead"
+TOKENIZER_GROUP = "tokenizers"
+INFERENCE_GROUP = "inference"
+STREAM_GROUPS = {JOBS_STREAM: TOKENIZER_GROUP, TOKENIZED_STREAM: INFERENCE_GROUP}
+
+# pub/sub
+CONTROL_CHANNEL = f"{PREFIX}:control"
+CHANNEL_PREFIX = f"{PREFIX}:chan:"
+
+# pools (heartbeat keys are grouped by pool)
+TOKENIZER_POOL = "tokenizer"
+INFERENCE_POOL = "inference"
+POOLS = (TOKENIZER_POOL, INFERENCE_POOL)
+
+STATS_KEY = f"{PREFIX}:stats"
+
+
+def job_key(job_id: str) -> str:
+    return f"{PREFIX}:job:{job_id}"
+
+
+def events_key(job_id: str) -> str:
+    return f"{PREFIX}:events:{job_id}"
+
+
+def tokens_key(job_id: str) -> str:
+    """Generated token ids so far (int32 little-endian), so another worker can resume the job."""
+    return f"{PREFIX}:tokens:{job_id}"
+
+
+def job_channel(job_id: str) -> str:
+    return f"{CHANNEL_PREFIX}{job_id}"
+
+
+def idempotency_key(key: str) -> str:
+    return f"{PREFIX}:idem:{key}"
+
+
+def heartbeat_key(pool: str, worker_id: str) -> str:
+    return f"{PREFIX}:hb:{pool}:{worker_id}"
+
+
+def heartbeat_pattern(pool: str) -> str:
+    return f"{PREFIX}:hb:{pool}:*"

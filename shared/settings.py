@@ -1,0 +1,85 @@
+"""One Settings object, read from the environment (no prefix: REDIS_URL, MODEL, PORT, ...)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "conveyor"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", protected_namespaces=())
+
+    # where things live
+    redis_url: str = Field("", description="Redis to use; empty means the supervisor starts its own")
+    cache_dir: Path = Field(default_factory=default_cache_dir, validation_alias="CONVEYOR_CACHE")
+    model: str = Field("", description="local model directory or hub id; empty means the default model")
+    model_name: str = Field("", description="name reported by the API; defaults to the model dir's name")
+
+    # api/
+    host: str = "127.0.0.1"
+    port: int = 8000
+    default_max_tokens: int = 256
+    max_tokens_cap: int = Field(4096, description="largest max_tokens a request may ask for")
+    max_prompt_chars: int = Field(200_000, description="requests with more prompt text get 413")
+    max_stop_strings: int = 8
+    job_ttl_s: int = Field(24 * 3600, description="how long job records and event streams are kept")
+    idempotency_ttl_s: int = 24 * 3600
+    sse_ping_s: float = 15.0
+    sse_queue_size: int = 256
+
+    # workers/ tokenizer pool
+    tokenizer_batch: int = Field(64, description="most jobs per Arrow record batch")
+
+    # gpu_worker/ engine
+    engine: str = Field("torch", description="torch | synthetic (a zero-cost benchmark instrument)")
+    device: str = "auto"
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
+    max_num_seqs: int = Field(64, description="most sequences running at once")
+    max_num_batched_tokens: int = Field(512, description="most tokens per step (decode + prefill chunks)")
+    kv_cache_mb: int = Field(2048, description="KV-cache budget; the newest request is preempted past it")
+    max_model_len: int = Field(4096, description="context cap; 0 means the model's own")
+    torch_threads: int = 0
+
+    # reliability
+    claim_idle_ms: int = Field(30_000, description="pending entries idle this long are taken from dead consumers")
+    refresh_s: float = Field(5.0, description="how often a worker marks its in-flight entries as alive")
+    delivery_limit: int = Field(3, description="deliveries before an entry goes to the dead-letter stream")
+    heartbeat_s: float = 5.0
+    drain_grace_s: float = 30.0
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.engine not in ("torch", "synthetic"):
+            raise ValueError("ENGINE must be 'torch' or 'synthetic'")
+        if self.max_tokens_cap < 1 or self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError("DEFAULT_MAX_TOKENS must be between 1 and MAX_TOKENS_CAP")
+        return self
+
+    @property
+    def model_path(self) -> str:
+        return self.model or str(self.cache_dir / "models" / DEFAULT_MODEL_NAME)
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        return Path(self.model_path).name if self.model else DEFAULT_MODEL_NAME
+
+    @property
+    def redis_data_dir(self) -> Path:
+        return self.cache_dir / "redis"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
