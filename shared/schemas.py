@@ -80,6 +80,7 @@ DELTA_SCHEMA = pa.schema(
         pa.field("job_id", pa.string(), nullable=False),
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
         pa.field("finish_reason", pa.string(), nullable=True),
+        pa.field("error", pa.string(), nullable=True),
     ]
 )
 

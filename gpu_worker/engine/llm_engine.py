@@ -61,6 +61,9 @@ class LLMEngine:
             self._pending.append(StepOutput(req.id, finish_reason="error", error="empty prompt"))
             return
         seq = Sequence(req)
+        if req.resume_ids and self._finish_reason(seq, req.resume_ids[-1]) == "stop":
+            self._pending.append(StepOutput(req.id, finish_reason="stop"))
+            return
         if seq.num_generated >= req.max_tokens:
             self._pending.append(StepOutput(req.id, finish_reason="length"))
             return

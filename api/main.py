@@ -1,0 +1,43 @@
+"""Assembles the API: routers, error handlers, and a lifespan that opens the Redis pool and relay."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from api import errors
+from api.relay import Relay
+from api.routes import health, jobs
+from api.store import JobStore
+from shared.redis_client import async_client
+from shared.settings import Settings, get_settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = async_client(settings.redis_url)
+        app.state.settings = settings
+        app.state.redis = client
+        app.state.store = JobStore(client, settings)
+        app.state.relay = Relay(client, settings.sse_queue_size)
+        await app.state.relay.start()
+        try:
+            yield
+        finally:
+            await app.state.relay.stop()
+            await client.aclose()
+
+    app = FastAPI(title="conveyor", version="0.1.0", lifespan=lifespan,
+                  description="LLM generation as a distributed worker system")
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    return app
+
+
+app = create_app()

@@ -1,0 +1,75 @@
+"""The API's view of jobs in Redis: submit, read, cancel, replay events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import redis.asyncio as aredis
+
+from shared import names
+from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, Job, JobStatus, new_record
+from shared.schemas import GenerationRequest
+from shared.settings import Settings
+
+
+class JobStore:
+    def __init__(self, client: aredis.Redis, settings: Settings) -> None:
+        self.r, self.settings = client, settings
+        self._finish = client.register_script(FINISH_SCRIPT)
+        self._request_cancel = client.register_script(REQUEST_CANCEL_SCRIPT)
+
+    async def submit(self, req: GenerationRequest, idempotency_key: str | None = None,
+                     background: bool = True) -> tuple[Job, bool]:
+        """Store and enqueue a job. Returns (job, replayed): replayed when the key was seen before."""
+        job_id = "job_" + uuid.uuid4().hex
+        if idempotency_key:
+            key = names.idempotency_key(idempotency_key)
+            if not await self.r.set(key, job_id, nx=True, ex=self.settings.idempotency_ttl_s):
+                existing = await self.r.get(key)
+                job = await self.get(existing) if existing else None
+                if job is not None:
+                    return job, True
+                await self.r.set(key, job_id, ex=self.settings.idempotency_ttl_s)
+        request_json = req.model_dump_json(exclude_defaults=True)
+        record = new_record(job_id, self.settings.served_model_name, request_json, background)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(names.job_key(job_id), mapping=record)
+        pipe.expire(names.job_key(job_id), self.settings.job_ttl_s)
+        pipe.xadd(names.JOBS_STREAM, {"job_id": job_id, "request": request_json})
+        await pipe.execute()
+        return Job.from_record({k: str(v) for k, v in record.items()}), False
+
+    async def get(self, job_id: str) -> Job | None:
+        rec = await self.r.hgetall(names.job_key(job_id))
+        return Job.from_record(rec) if rec else None
+
+    async def cancel(self, job_id: str, wait_s: float = 2.0) -> tuple[Job | None, bool]:
+        """Returns (job, changed). changed is False when the job had already ended."""
+        ended = await self._finish(
+            keys=[names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id)],
+            args=[JobStatus.cancelled.value, "cancelled", "", repr(time.time()), self.settings.job_ttl_s,
+                  names.job_channel(job_id), JobStatus.queued.value])
+        if int(ended) > 0:
+            return await self.get(job_id), True
+        before = await self._request_cancel(keys=[names.job_key(job_id)], args=[names.CONTROL_CHANNEL, job_id])
+        if not before:
+            return None, False
+        if before != JobStatus.running.value:
+            return await self.get(job_id), False
+        deadline = time.monotonic() + wait_s  # the engine frees the slot at its next step
+        job = await self.get(job_id)
+        while job is not None and not job.ended and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+            job = await self.get(job_id)
+        return job, True
+
+    async def read_events(self, job_id: str, after: int, count: int = 1000) -> list[tuple[int, str, str]]:
+        """Events with seq > after, in order: (seq, type, text)."""
+        items = await self.r.xrange(names.events_key(job_id), min=f"(0-{after}", max="+", count=count)
+        return [(int(eid.split("-")[1]), f.get("type", ""), f.get("text", "")) for eid, f in items]
+
+    async def queue_position(self, job_id: str) -> int | None:
+        """1-based position among jobs not yet started, or None if it is not waiting."""
+        return None

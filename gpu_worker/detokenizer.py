@@ -1,0 +1,64 @@
+"""Incremental detokenizing with stop strings, per job.
+
+Text that might be the beginning of a stop string is held back until it is clearly not;
+so nothing streamed is ever retracted, and a stop string never reaches the client.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class StopMatcher:
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add generated text; return (text safe to emit now, whether a stop string was hit)."""
+        buf = self.pending + text
+        if not self.stops:
+            self.pending = ""
+            return buf, False
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        self.pending = buf[len(buf) - hold :]
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Detokenizer:
+    """Token ids in, safe-to-stream text out."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.matcher = StopMatcher(stops)
+
+    def decode(self, token_ids: list[int]) -> str:
+        parts = []
+        for t in token_ids:
+            piece = self.stream.step(self.tokenizer, t)
+            if piece:
+                parts.append(piece)
+        return "".join(parts)
+
+    def push(self, token_ids: list[int]) -> tuple[str, bool]:
+        return self.matcher.push(self.decode(token_ids))
+
+    def resume(self, token_ids: list[int], emitted: str) -> None:
+        """Rebuild state for a job continued from `token_ids` of which `emitted` was already streamed."""
+        text = self.decode(token_ids)
+        self.matcher.pending = text[len(emitted) :] if text.startswith(emitted) else ""

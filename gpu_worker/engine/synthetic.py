@@ -1,0 +1,64 @@
+"""A zero-cost synthetic engine: a benchmark instrument for the plumbing, never the default.
+
+It has the engine's interface and emits one fixed token per running request per step, with no
+model, so the cost of everything around the engine (streams, lanes, relay) can be measured.
+Selected with ENGINE=synthetic.
+"""
+
+from __future__ import annotations
+
+from gpu_worker.engine.llm_engine import StepOutput
+from gpu_worker.engine.sequence import Request
+
+WORD_TOKEN = 2030  # " the" in the SmolLM2 vocabulary; any ordinary token works
+
+
+class SyntheticEngine:
+    max_model_len = 1 << 20
+
+    def __init__(self, max_num_seqs: int = 256) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.remaining: dict[str, int] = {}
+        self.waiting: list[str] = []
+        self._pending: list[StepOutput] = []
+
+    def add_request(self, req: Request) -> None:
+        self.remaining[req.id] = max(0, req.max_tokens - len(req.resume_ids))
+        self.waiting.append(req.id)
+
+    def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
+        if self.remaining.pop(req_id, None) is None:
+            return False
+        if req_id in self.waiting:
+            self.waiting.remove(req_id)
+        self._pending.append(StepOutput(req_id, finish_reason=reason))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.remaining or self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.remaining) - len(self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def kv_usage(self) -> float:
+        return 0.0
+
+    def step(self) -> list[StepOutput]:
+        outs, self._pending = self._pending, []
+        while self.waiting and self.num_running < self.max_num_seqs:
+            self.waiting.pop(0)
+        running = [r for r in self.remaining if r not in self.waiting]
+        for rid in running:
+            left = self.remaining[rid] - 1
+            done = left <= 0
+            outs.append(StepOutput(rid, [WORD_TOKEN], "length" if done else None))
+            if done:
+                del self.remaining[rid]
+            else:
+                self.remaining[rid] = left
+        return outs

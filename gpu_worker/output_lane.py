@@ -1,0 +1,164 @@
+"""The output lane: a process of its own beside the engine. It turns per-step token-id deltas
+into text (incrementally, with stop strings held back) and, per step, in one MULTI/EXEC:
+appends each chunk to the job's event stream, publishes it, updates the job record and the
+saved token ids. Finished jobs get their terminal state; the engine process hears back
+("done" to acknowledge the stream entry, "abort" when a stop string ended a sequence).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass
+from multiprocessing.queues import Queue
+from typing import Any
+
+import orjson
+import redis
+from tokenizers import Tokenizer
+
+from shared import names
+from shared.job_ops import JobOps
+from shared.jobs import FinishReason
+from shared.redis_client import sync_client
+from shared.schemas import DELTA_SCHEMA, from_ipc
+from shared.settings import Settings
+from gpu_worker.detokenizer import Detokenizer
+
+log = logging.getLogger("conveyor.output_lane")
+
+
+@dataclass
+class JobState:
+    detok: Detokenizer
+    seq: int
+    text: str
+    n_tokens: int
+    fresh: bool = True  # no write from this lane yet
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def unpack_ids(data: bytes | None) -> list[int]:
+    if not data:
+        return []
+    return list(struct.unpack(f"<{len(data) // 4}i", data[: len(data) // 4 * 4]))
+
+
+class OutputLane:
+    def __init__(self, settings: Settings, feedback: Queue[Any], client: redis.Redis | None = None) -> None:
+        self.client = client or sync_client(settings.redis_url, decode=False)
+        self.ttl = settings.job_ttl_s
+        self.jobs = JobOps(self.client, self.ttl)
+        self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
+        self.feedback = feedback
+        self.states: dict[str, JobState] = {}
+
+    def register(self, meta: dict[str, Any]) -> None:
+        detok = Detokenizer(self.tokenizer, meta["stop"])
+        resume = meta.get("resume_ids") or []
+        if resume:
+            detok.resume(resume, meta.get("emitted", ""))
+        self.states[meta["job_id"]] = JobState(detok, int(meta.get("seq", 0)), meta.get("emitted", ""), len(resume))
+
+    def handle_deltas(self, data: bytes) -> None:
+        pipe, done = self.build(data)
+        self.commit(pipe, done)
+
+    def build(self, data: bytes) -> tuple[Any, list[str]]:
+        rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
+        pipe = self.client.pipeline(transaction=True)
+        done: list[str] = []
+        now = repr(time.time())
+        for row in rows:
+            job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
+            st = self.states.get(job_id)
+            if st is None:
+                continue  # already finished here (a stop string ended it before the engine heard)
+            key = names.job_key(job_id)
+            if st.fresh:
+                for k in (names.events_key(job_id), names.tokens_key(job_id)):
+                    pipe.expire(k, self.ttl)  # harmless if the key does not exist yet
+            emit, hit = "", False
+            if ids:
+                if st.n_tokens == 0:
+                    pipe.hset(key, "first_token_at", now)
+                # SETRANGE at our own offset (not APPEND) so a retried write cannot duplicate ids
+                pipe.setrange(names.tokens_key(job_id), st.n_tokens * 4, pack_ids(ids))
+                st.n_tokens += len(ids)
+                emit, hit = st.detok.push(ids)
+            if hit:
+                if reason is None:
+                    self.feedback.put(("abort", job_id, "stop"))
+                reason = FinishReason.stop.value
+            elif reason is not None:
+                emit += st.detok.matcher.flush()
+            if emit:
+                st.seq += 1
+                st.text += emit
+                pipe.xadd(names.events_key(job_id), {"type": "token", "text": emit}, id=f"0-{st.seq}")
+                pipe.publish(names.job_channel(job_id), orjson.dumps({"seq": st.seq, "type": "token", "text": emit}))
+                pipe.hset(key, mapping={"text": st.text, "seq": st.seq, "completion_tokens": st.n_tokens})
+                if st.fresh:
+                    pipe.expire(names.events_key(job_id), self.ttl)
+            elif ids:
+                pipe.hset(key, "completion_tokens", st.n_tokens)
+            st.fresh = st.fresh and not emit and not ids
+            if reason is not None:
+                self.jobs.finish(job_id, FinishReason(reason), row.get("error") or "",
+                                 {"text": st.text, "completion_tokens": st.n_tokens}, pipe=pipe)
+                done.append(job_id)
+        return pipe, done
+
+    def commit(self, pipe: Any, done: list[str]) -> None:
+        backoff = 0.1
+        stack, scripts = list(pipe.command_stack), set(pipe.scripts)
+        while True:
+            try:
+                results = pipe.execute(raise_on_error=False)
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                pipe = self.client.pipeline(transaction=True)  # execute() reset the old one: replay it
+                pipe.scripts = set(scripts)
+                for args, options in stack:
+                    pipe.pipeline_execute_command(*args, **options)
+        for i, res in enumerate(results):
+            if isinstance(res, Exception) and "equal or smaller" not in str(res):
+                log.warning("output write %d failed: %s", i, res)
+        for job_id in done:
+            del self.states[job_id]
+            self.feedback.put(("done", job_id))
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(settings_env: dict[str, str], inbox: Queue[Any], feedback: Queue[Any]) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process decides when the lane stops
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+    settings = Settings(**settings_env) if settings_env else Settings()
+    lane = OutputLane(settings, feedback)
+    while True:
+        msg = inbox.get()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "register":
+            lane.register(msg[1])
+        elif msg[0] == "deltas":
+            lane.handle_deltas(msg[1])

@@ -1,0 +1,1 @@
+"""Running conveyor: the CLI, the local supervisor and autoscaler, model fetching, deployment manifests."""

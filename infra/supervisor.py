@@ -1,0 +1,178 @@
+"""`conveyor up`: the whole stack on one machine.
+
+Starts Redis (unless REDIS_URL is set), the API and the worker pools as child processes;
+restarts a crashed child with backoff; scales pools on queue lag when autoscaling is on;
+on Ctrl-C or SIGTERM stops everything it started (workers drain first), leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from infra.redis_server import RedisServer
+from shared import names
+from shared.settings import Settings
+
+log = logging.getLogger("conveyor.supervisor")
+
+
+@dataclass
+class Child:
+    proc: subprocess.Popen[bytes]
+    started: float = field(default_factory=time.monotonic)
+    stopping: bool = False
+
+
+class Pool:
+    """A set of identical child processes that can grow, shrink and be restarted."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], size: int,
+                 min_size: int = 1, max_size: int = 1, grace_s: float = 30.0) -> None:
+        self.name, self.argv, self.env = name, argv, env
+        self.target, self.min_size, self.max_size, self.grace_s = size, min_size, max_size, grace_s
+        self.children: list[Child] = []
+        self.restarts = 0
+        self._next_restart = 0.0
+        self._backoff = 1.0
+
+    def _spawn(self) -> None:
+        proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        self.children.append(Child(proc))
+        log.info("%s: started pid %d (%d running)", self.name, proc.pid, len(self.live()))
+
+    def live(self) -> list[Child]:
+        return [c for c in self.children if not c.stopping and c.proc.poll() is None]
+
+    def reconcile(self) -> None:
+        """Reap exited children, restart crashes with backoff, and move toward the target size."""
+        now = time.monotonic()
+        for c in list(self.children):
+            code = c.proc.poll()
+            if code is None:
+                continue
+            self.children.remove(c)
+            if not c.stopping:
+                log.warning("%s: pid %d exited with %s", self.name, c.proc.pid, code)
+                self.restarts += 1
+                quick = now - c.started < 30
+                self._backoff = min(self._backoff * 2, 30.0) if quick else 1.0
+                self._next_restart = now + (self._backoff if quick else 0)
+        live = self.live()
+        if len(live) < self.target and now >= self._next_restart:
+            for _ in range(self.target - len(live)):
+                self._spawn()
+        elif len(live) > self.target:
+            for c in live[self.target :][::-1]:
+                self._drain(c)
+
+    def _drain(self, c: Child) -> None:
+        c.stopping = True
+        log.info("%s: draining pid %d", self.name, c.proc.pid)
+        c.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.stopping = True
+                c.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, deadline: float) -> None:
+        for c in self.children:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                c.proc.wait(left)
+            except subprocess.TimeoutExpired:
+                log.warning("%s: pid %d did not stop in time; killing it", self.name, c.proc.pid)
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+            else:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGKILL)  # anything it left in its group
+                except ProcessLookupError:
+                    pass
+
+
+def _wait_ready(url: str, stop: threading.Event, timeout: float = 300.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not stop.is_set():
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        stop.wait(0.5)
+    return False
+
+
+def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True) -> int:
+    stop = threading.Event()
+
+    def _signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping the stack", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _signal)
+    signal.signal(signal.SIGTERM, _signal)
+
+    redis_server: RedisServer | None = None
+    env = dict(os.environ)
+    if not settings.redis_url:
+        redis_server = RedisServer(settings.redis_data_dir, port=int(os.environ.get("REDIS_PORT", "0")))
+        env["REDIS_URL"] = redis_server.start()
+        log.info("redis-server started at %s (data in %s)", env["REDIS_URL"], settings.redis_data_dir)
+    cli = [sys.executable, "-m", "infra.cli"]
+    grace = settings.drain_grace_s
+    api = Pool("api", cli + ["api"], env, 1, grace_s=10)
+    pools = {
+        names.TOKENIZER_POOL: Pool(names.TOKENIZER_POOL, cli + ["tokenizer"], env, tokenizers,
+                                   min_size=tokenizers, max_size=max(tokenizers, int(env.get("TOKENIZER_MAX", "4")))
+                                   if autoscale else tokenizers, grace_s=grace),
+        names.INFERENCE_POOL: Pool(names.INFERENCE_POOL, cli + ["inference"], env, inference,
+                                   min_size=inference, max_size=max(inference, int(env.get("INFERENCE_MAX", "1")))
+                                   if autoscale else inference, grace_s=grace),
+    }
+    everything = [api, *pools.values()]
+    url = f"http://{settings.host}:{settings.port}"
+    try:
+        for p in everything:
+            p.reconcile()
+        ready = threading.Thread(target=lambda: _wait_ready(url, stop) and print(
+            f"conveyor is up at {url}  (Ctrl-C stops it)", flush=True), daemon=True)
+        ready.start()
+        scaler = _autoscaler(env["REDIS_URL"], pools) if autoscale else None
+        while not stop.is_set():
+            if scaler is not None:
+                scaler()
+            for p in everything:
+                p.reconcile()
+            stop.wait(1.0)
+    finally:
+        api.stop()
+        api.wait(time.monotonic() + 10)
+        for p in pools.values():
+            p.stop()
+        deadline = time.monotonic() + grace + 5
+        for p in pools.values():
+            p.wait(deadline)
+        if redis_server is not None:
+            redis_server.stop()
+        log.info("stopped")
+    return 0
+
+
+def _autoscaler(redis_url: str, pools: dict[str, Pool]):  # type: ignore[no-untyped-def]
+    """Returns a callable run every supervisor period (None when the policy is unavailable)."""
+    try:
+        from infra.autoscale import Autoscaler
+    except ImportError:
+        return None
+    return Autoscaler(redis_url, pools)

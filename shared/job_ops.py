@@ -1,0 +1,42 @@
+"""Job state transitions for the (synchronous) workers, over the Lua scripts in shared.jobs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from shared import names
+from shared.jobs import FINISH_SCRIPT, START_SCRIPT, FinishReason, JobStatus
+
+STATUS_FOR = {
+    FinishReason.stop: JobStatus.succeeded,
+    FinishReason.length: JobStatus.succeeded,
+    FinishReason.cancelled: JobStatus.cancelled,
+    FinishReason.error: JobStatus.failed,
+}
+
+
+class JobOps:
+    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
+        self.client, self.ttl_s = client, ttl_s
+        self._start = client.register_script(START_SCRIPT)
+        self._finish = client.register_script(FINISH_SCRIPT)
+
+    def start(self, job_id: str, worker_id: str) -> tuple[int, int]:
+        code, seq = self._start(keys=[names.job_key(job_id)], args=[repr(time.time()), worker_id])
+        return int(code), int(seq)
+
+    def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
+               pipe: Any = None, required_status: str = "") -> Any:
+        """End an active job exactly once (see FINISH_SCRIPT). With `pipe`, queues it there."""
+        args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), self.ttl_s,
+                           names.job_channel(job_id), required_status]
+        for k, v in (fields or {}).items():
+            args += [k, v]
+        keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id)]
+        return self._finish(keys=keys, args=args, client=pipe or self.client)
+
+    def fail(self, job_id: str, error: str) -> Any:
+        return self.finish(job_id, FinishReason.error, error)

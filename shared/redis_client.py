@@ -1,0 +1,29 @@
+"""Redis clients with the same reconnect policy everywhere: exponential backoff with jitter."""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aredis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError, TimeoutError
+from redis.retry import Retry
+
+RETRYABLE = (ConnectionError, TimeoutError, ConnectionResetError, OSError)
+
+
+def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
+    return redis.Redis.from_url(
+        url, decode_responses=decode, health_check_interval=15, socket_keepalive=True,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries),
+        retry_on_error=[ConnectionError, TimeoutError],
+    )
+
+
+def async_client(url: str, max_connections: int = 64) -> aredis.Redis:
+    # The API fails fast (one short retry) so a Redis outage becomes a 503, not a hung request.
+    return aredis.Redis.from_url(
+        url, decode_responses=True, max_connections=max_connections, socket_connect_timeout=2,
+        socket_timeout=10, health_check_interval=15,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.2), 1),
+        retry_on_error=[ConnectionError, TimeoutError],
+    )

@@ -1,0 +1,116 @@
+"""At-least-once consumption of a Redis stream by a consumer group.
+
+New entries come from XREADGROUP; entries a dead consumer left pending come back through
+XAUTOCLAIM once idle past a deadline. A live consumer keeps its own in-flight entries fresh
+(XCLAIM ... JUSTID resets their idle time) so long generations are not stolen. An entry
+delivered more than `delivery_limit` times goes to the dead-letter stream instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+
+from shared import names
+
+log = logging.getLogger(__name__)
+
+Fields = dict[bytes | str, bytes | str]
+
+
+@dataclass
+class Entry:
+    id: str
+    fields: Fields
+    deliveries: int = 1
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class StreamConsumer:
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
+                 claim_idle_ms: int = 30_000, delivery_limit: int = 3) -> None:
+        self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
+        self.claim_idle_ms, self.delivery_limit = claim_idle_ms, delivery_limit
+        self._claim_cursor = "0-0"
+
+    def ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int, block_ms: int) -> list[Entry]:
+        try:
+            reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_group()  # the stream was deleted (or Redis lost its data): start over
+            return []
+        entries: list[Entry] = []
+        for _stream, items in reply or []:
+            entries.extend(Entry(_s(eid), fields) for eid, fields in items if fields is not None)
+        return entries
+
+    def claim_stale(self, count: int = 64) -> tuple[list[Entry], list[Entry]]:
+        """Take over entries idle past the deadline. Returns (to process, dead-lettered)."""
+        try:
+            reply = self.client.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
+                                           start_id=self._claim_cursor, count=count)
+        except redis.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                self.ensure_group()
+                return [], []
+            raise
+        # Redis 6.2 replies [cursor, entries]; 7.x adds a third element, the deleted ids.
+        cursor, items = reply[0], reply[1]
+        self._claim_cursor = _s(cursor)
+        claimed = [(_s(eid), fields) for eid, fields in items]
+        gone = [eid for eid, fields in claimed if fields is None]  # trimmed away meanwhile (6.2)
+        if gone:
+            self.ack(gone)
+        live = [(eid, fields) for eid, fields in claimed if fields is not None]
+        if not live:
+            return [], []
+        counts = self._delivery_counts([eid for eid, _ in live])
+        keep, dead = [], []
+        for eid, fields in live:
+            entry = Entry(eid, fields, counts.get(eid, 1))
+            (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
+        for entry in dead:
+            self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
+        return keep, dead
+
+    def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
+        lo, hi = min(ids, key=_id_key), max(ids, key=_id_key)
+        rows = self.client.xpending_range(self.stream, self.group, min=lo, max=hi, count=len(ids) + 64)
+        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
+
+    def refresh(self, ids: list[str]) -> None:
+        """Reset the idle time of entries this consumer still works on."""
+        if ids:
+            self.client.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+
+    def ack(self, ids: list[str]) -> None:
+        if ids:
+            self.client.xack(self.stream, self.group, *ids)
+
+    def dead_letter(self, entry: Entry, reason: str) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(names.DEAD_LETTER_STREAM, {**entry.fields, "source_stream": self.stream, "source_id": entry.id,
+                                              "reason": reason, "at": repr(time.time())}, maxlen=10_000)
+        pipe.xack(self.stream, self.group, entry.id)
+        pipe.execute()
+        log.error("dead-lettered %s %s: %s", self.stream, entry.id, reason)
+
+
+def _id_key(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)

@@ -1,0 +1,165 @@
+"""The tokenizer pool's worker: `jobs` stream -> chat template + tokenize + validate ->
+one Arrow record batch per read -> `tokenized` stream. No torch here.
+
+An entry is acknowledged only in the same transaction that adds its tokenized batch, so a
+worker that dies mid-batch leaves its entries pending for another worker to claim.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import redis
+from pydantic import ValidationError
+
+from shared import names
+from shared.heartbeat import Heartbeat, new_worker_id
+from shared.job_ops import JobOps
+from shared.redis_client import sync_client
+from shared.schemas import TOKENIZED_SCHEMA, GenerationRequest, to_ipc
+from shared.settings import Settings
+from shared.stream_consumer import Entry, StreamConsumer
+from workers.tokenizer.prompt import PromptBuilder, PromptError
+
+log = logging.getLogger("conveyor.tokenizer")
+
+
+def model_context(model_dir: str, cap: int) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    own = int(cfg.get("max_position_embeddings") or cap or 4096)
+    return min(own, cap) if cap > 0 else own
+
+
+class TokenizerWorker:
+    def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
+        self.settings = settings
+        self.client = client or sync_client(settings.redis_url, decode=False)
+        self.worker_id = new_worker_id(names.TOKENIZER_POOL)
+        self.consumer = StreamConsumer(self.client, names.JOBS_STREAM, names.TOKENIZER_GROUP, self.worker_id,
+                                       settings.claim_idle_ms, settings.delivery_limit)
+        self.jobs = JobOps(self.client, settings.job_ttl_s)
+        self.prompts = PromptBuilder(settings.model_path)
+        self.context = model_context(settings.model_path, settings.max_model_len)
+        self.stop_event = threading.Event()
+        self.counters = {"processed": 0, "failed": 0, "batches": 0}
+
+    def run(self) -> None:
+        self.consumer.ensure_group()
+        hb = Heartbeat(self.client, names.TOKENIZER_POOL, self.worker_id, self.settings.heartbeat_s,
+                       lambda: dict(self.counters))
+        hb.start()
+        log.info("tokenizer worker %s ready (context %d tokens)", self.worker_id, self.context)
+        next_claim = 0.0
+        backoff = 0.1
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    if time.monotonic() >= next_claim:
+                        keep, dead = self.consumer.claim_stale(self.settings.tokenizer_batch)
+                        self._fail_dead(dead)
+                        if keep:
+                            self.process(keep)
+                        next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
+                    entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=500)
+                    if entries:
+                        self.process(entries)
+                    backoff = 0.1
+                except redis.ConnectionError as exc:
+                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
+                    self.stop_event.wait(backoff + random.random() * backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            hb.stop()
+            log.info("tokenizer worker %s stopped", self.worker_id)
+
+    def _fail_dead(self, dead: list[Entry]) -> None:
+        for entry in dead:
+            job_id = _field(entry.fields, "job_id")
+            if job_id:
+                self.jobs.fail(job_id, "the job could not be tokenized: its message failed "
+                                       f"{entry.deliveries} times and was moved to the dead-letter stream")
+
+    def process(self, entries: list[Entry]) -> None:
+        rows: list[dict[str, Any]] = []
+        texts: list[str] = []
+        raw: list[bool] = []
+        job_ids = [_field(e.fields, "job_id") for e in entries]
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested")
+        states = pipe.execute()
+        for entry, job_id, (status, cancel) in zip(entries, job_ids, states):
+            if not job_id or status != b"queued" or cancel == b"1":
+                continue  # cancelled, expired or already taken further: nothing to do
+            try:
+                req = GenerationRequest.model_validate_json(_field(entry.fields, "request") or "")
+                texts.append(self.prompts.render(req))
+            except (ValidationError, PromptError) as exc:
+                self._fail(job_id, f"invalid request: {exc}")
+                continue
+            raw.append(req.prompt is not None)
+            rows.append(_row(job_id, req))
+        if rows:
+            for row, ids in zip(rows, self.prompts.encode_batch(texts, raw)):
+                row["prompt_ids"] = ids
+            rows = [r for r in rows if self._validate(r)]
+        pipe = self.client.pipeline(transaction=True)
+        if rows:
+            batch = pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
+            pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": len(rows)})
+            for r in rows:
+                pipe.hset(names.job_key(r["job_id"]), "prompt_tokens", len(r["prompt_ids"]))
+        pipe.xack(names.JOBS_STREAM, names.TOKENIZER_GROUP, *[e.id for e in entries])
+        pipe.execute()
+        self.counters["processed"] += len(rows)
+        self.counters["batches"] += 1
+
+    def _validate(self, row: dict[str, Any]) -> bool:
+        n = len(row["prompt_ids"])
+        if n == 0:
+            self._fail(row["job_id"], "the prompt is empty after tokenization")
+            return False
+        if n + row["max_tokens"] > self.context:
+            self._fail(row["job_id"], f"the prompt is {n} tokens; with max_tokens {row['max_tokens']} it exceeds "
+                                      f"the model's context of {self.context} tokens")
+            return False
+        return True
+
+    def _fail(self, job_id: str, error: str) -> None:
+        self.counters["failed"] += 1
+        self.jobs.fail(job_id, error)
+
+
+def _field(fields: dict[Any, Any], name: str) -> str | None:
+    v = fields.get(name.encode(), fields.get(name))
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _row(job_id: str, req: GenerationRequest) -> dict[str, Any]:
+    return {
+        "job_id": job_id, "prompt_ids": [], "max_tokens": req.max_tokens, "temperature": req.temperature,
+        "top_p": req.top_p, "top_k": req.top_k,
+        "seed": req.seed % (1 << 63) if req.seed is not None else random.getrandbits(63),
+        "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
+    }
+
+
+def main(settings: Settings) -> int:
+    worker = TokenizerWorker(settings)
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.info("signal %d: finishing the current batch and stopping", signum)
+        worker.stop_event.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    worker.run()
+    return 0
