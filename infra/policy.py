@@ -43,7 +43,7 @@ class PoolPolicy:
     min_replicas: int  # [ScaledObject minReplicaCount]
     max_replicas: int  # [ScaledObject maxReplicaCount]
     lag_per_replica: int  # target lag per replica [redis-streams lagCount]
-    activation_lag: int = 0  # at or below this lag, with nothing in flight, the pool is idle [activationLagCount]
+    activation_lag: int = 0  # at or below it, with nothing in flight, the pool is idle [activationLagCount]
     tolerance: float = 0.1  # [HPA tolerance]
     scale_in_cooldown_s: float = 300.0  # [HPA scaleDown stabilizationWindowSeconds, KEDA cooldownPeriod]
     poll_interval_s: float = 5.0  # how often the caller decides [KEDA pollingInterval]
@@ -107,7 +107,8 @@ def desired_replicas(
     floor = policy.min_replicas if idle else max(policy.min_replicas, 1)
 
     if idle:
-        wanted, why = policy.min_replicas, f"idle (lag <= activation {policy.activation_lag}, nothing in flight)"
+        wanted = policy.min_replicas
+        why = f"idle (lag <= activation {policy.activation_lag}, nothing in flight)"
     else:
         wanted = math.ceil(load / policy.lag_per_replica)
         why = f"ceil({float(load):.1f}/{policy.lag_per_replica})={wanted}"
@@ -145,7 +146,11 @@ def _remember(
 # Local defaults; infra/k8s/scaledobject-*.yaml carry the same numbers (tests/test_manifests.py checks).
 DEFAULT_POLICIES: dict[str, PoolPolicy] = {
     # A replica per full tokenizer batch of queued jobs (TOKENIZER_BATCH = 64); cheap to start and stop.
-    names.TOKENIZER_POOL: PoolPolicy(min_replicas=1, max_replicas=8, lag_per_replica=64, scale_in_cooldown_s=60.0),
+    names.TOKENIZER_POOL: PoolPolicy(
+        min_replicas=1, max_replicas=8, lag_per_replica=64, activation_lag=0, scale_in_cooldown_s=60.0
+    ),
     # `tokenized` entries are batches of jobs that no engine had room for; a replica loads a model.
-    names.INFERENCE_POOL: PoolPolicy(min_replicas=1, max_replicas=4, lag_per_replica=2, scale_in_cooldown_s=300.0),
+    names.INFERENCE_POOL: PoolPolicy(
+        min_replicas=1, max_replicas=4, lag_per_replica=2, activation_lag=0, scale_in_cooldown_s=300.0
+    ),
 }

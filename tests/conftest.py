@@ -64,3 +64,74 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, model_path: str) ->
         if (Path(model_path) / name).exists():
             shutil.copy(Path(model_path) / name, out / name)
     return str(out)
+
+
+class Stack:
+    """The whole stack under the real supervisor (`conveyor up`), on the session's Redis."""
+
+    def __init__(self, url: str, redis_url: str, proc: "subprocess.Popen[bytes]", env: dict[str, str]) -> None:
+        self.url, self.redis_url, self.proc, self.env = url, redis_url, proc, env
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+
+    def worker_pids(self, pool: str) -> list[int]:
+        import json
+
+        r = self.redis()
+        keys = list(r.scan_iter(match=f"conveyor:hb:{pool}:*"))
+        return [json.loads(v)["pid"] for v in r.mget(keys) if v] if keys else []
+
+
+def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
+                args: list[str] | None = None) -> Stack:
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from infra.redis_server import free_port
+
+    port = free_port()
+    env = dict(os.environ)
+    env.update({
+        "REDIS_URL": redis_url, "PORT": str(port), "HOST": "127.0.0.1", "MODEL": model,
+        "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
+        "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING", "CONVEYOR_CACHE": str(tmp),
+    })
+    env.update(extra or {})
+    log = open(tmp / "stack.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--no-autoscale", *(args or [])],
+                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stack exited early; see {tmp / 'stack.log'}")
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:
+                if resp.status == 200:
+                    return Stack(url, redis_url, proc, env)
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("stack did not become ready")
+
+
+def stop_stack(stack: Stack) -> None:
+    import signal
+    import subprocess
+
+    stack.proc.send_signal(signal.SIGTERM)
+    try:
+        stack.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        stack.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, model_path: str) -> Iterator[Stack]:
+    """The real default model behind the full stack (db 0 of the session's Redis)."""
+    s = start_stack(tmp_path_factory.mktemp("stack"), redis_server.url, model_path)
+    yield s
+    stop_stack(s)

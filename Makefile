@@ -1,0 +1,49 @@
+# conveyor: `make run` starts the whole stack; `make test` runs the test suite. Both set up first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch; GPU hosts override, e.g. `make TORCH_SPEC='torch==2.13.0' TORCH_INDEX=...`
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: help setup model run test test-fast bench-engine bench-serve lint clean
+
+help:
+	@echo "make run    - set up, fetch the model, start the stack, print the URL"
+	@echo "make test   - set up, fetch the model, run the tests against a real redis-server"
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) install --quiet -e ".[gpu,test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: setup
+	$(VENV)/bin/conveyor model pull
+
+run: model
+	$(VENV)/bin/conveyor up
+
+test: model
+	$(VENV)/bin/pytest -q
+
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow"
+
+bench-engine: model
+	$(PY) bench/engine.py
+
+bench-serve: model
+	$(PY) bench/serve.py
+
+lint: setup
+	$(VENV)/bin/ruff check api workers gpu_worker shared infra tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,69 @@
+"""Queue signals read from Redis for the autoscaler and /metrics: a consumer group's lag and pending.
+
+Redis 7 reports a group's lag in XINFO GROUPS (the number KEDA's lag mode reads). Redis 6.2 has
+no such field, and Redis 7 answers NULL when it cannot tell (after entries in the undelivered range
+were deleted or trimmed); then the entries after the group's last-delivered-id are counted in pages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import redis
+
+from shared import names
+
+PAGE = 200
+COUNT_LIMIT = 1_000  # a counted lag stops here: well past where every pool is at its max
+
+POOL_STREAMS: dict[str, tuple[str, str]] = {
+    names.TOKENIZER_POOL: (names.JOBS_STREAM, names.TOKENIZER_GROUP),
+    names.INFERENCE_POOL: (names.TOKENIZED_STREAM, names.INFERENCE_GROUP),
+}
+
+
+def group_lag(client: redis.Redis, stream: str, group: str, limit: int = COUNT_LIMIT) -> tuple[int, int]:
+    """(lag, pending) of `group` on `stream`.
+
+    lag: entries not yet delivered to the group; pending: delivered and not acknowledged. A missing
+    stream is (0, 0); a stream without the group is (XLEN, 0), since a group created from the start
+    will be handed every entry. A lag that has to be counted (Redis 6.2, or Redis 7's NULL) is exact
+    up to `limit` and reported as `limit` above it.
+    """
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError as e:
+        if "no such key" in str(e).lower():
+            return 0, 0
+        raise
+    info = next((g for g in groups if _text(g["name"]) == group), None)
+    if info is None:
+        return int(client.xlen(stream)), 0
+    pending = int(info["pending"])
+    lag = info.get("lag")
+    if lag is not None:
+        return int(lag), pending
+    return _count_after(client, stream, _text(info["last-delivered-id"]), limit), pending
+
+
+def pool_lags(client: redis.Redis) -> dict[str, tuple[int, int]]:
+    """(lag, pending) for each pool's input stream, by pool name."""
+    return {pool: group_lag(client, stream, group) for pool, (stream, group) in POOL_STREAMS.items()}
+
+
+def _count_after(client: redis.Redis, stream: str, last_id: str, limit: int) -> int:
+    if last_id == "0-0":
+        return min(int(client.xlen(stream)), limit)
+    count, start = 0, f"({last_id}"
+    while count < limit:
+        want = min(PAGE, limit - count)
+        page = cast(list[tuple[Any, Any]], client.xrange(stream, start, "+", count=want))
+        count += len(page)
+        if len(page) < want:
+            break
+        start = f"({_text(page[-1][0])}"
+    return count
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

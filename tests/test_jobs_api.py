@@ -1,0 +1,186 @@
+"""The job path end to end: real Redis, real workers, the real default model."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.helpers import chat, read_events, submit, tokens_text, wait
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+    "What is 2 plus 2?",
+    "Give me a synonym for happy.",
+    "Who wrote Romeo and Juliet?",
+    "Describe a cat in five words.",
+    "What color is the sky on a clear day?",
+]
+
+
+@pytest.fixture
+def client(stack) -> httpx.Client:  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        yield c
+
+
+def test_capital_of_france(client: httpx.Client) -> None:
+    job = submit(client, messages=chat("What is the capital of France?"), temperature=0, max_tokens=40)
+    assert job["status"] == "queued"
+    done = wait(client, job["id"])
+    assert done["status"] == "succeeded", done
+    assert "Paris" in done["text"]
+    assert done["finish_reason"] == "stop"
+    assert done["usage"]["prompt_tokens"] > 10 and done["usage"]["completion_tokens"] > 0
+    assert done["usage"]["total_tokens"] == done["usage"]["prompt_tokens"] + done["usage"]["completion_tokens"]
+    assert done["created_at"] <= done["started_at"] <= done["first_token_at"] <= done["finished_at"]
+
+
+def test_submit_returns_location(client: httpx.Client) -> None:
+    r = client.post("/v1/jobs", json={"prompt": "Once upon a time", "max_tokens": 3})
+    assert r.status_code == 202
+    assert r.headers["location"] == f"/v1/jobs/{r.json()['id']}"
+    assert client.get(r.headers["location"]).status_code == 200
+    wait(client, r.json()["id"])
+
+
+def test_stream_concatenates_to_polled_text(client: httpx.Client) -> None:
+    job = submit(client, messages=chat("Write a short poem about rivers."), temperature=0, max_tokens=60)
+    events = read_events(client, job["id"])
+    assert events[-1]["event"] == "done"
+    final = json.loads(events[-1]["data"])
+    assert final["status"] == "succeeded"
+    seqs = [int(e["id"]) for e in events]
+    assert seqs == list(range(1, len(events) + 1))
+    assert tokens_text(events) == final["text"] == wait(client, job["id"])["text"]
+
+
+def test_resume_with_last_event_id_and_after(client: httpx.Client) -> None:
+    job = submit(client, messages=chat("Tell me about the moon."), temperature=0, max_tokens=60)
+    first = read_events(client, job["id"], limit=5)
+    k = int(first[-1]["id"])
+    rest = read_events(client, job["id"], headers={"Last-Event-ID": str(k)})
+    assert [int(e["id"]) for e in rest] == list(range(k + 1, k + 1 + len(rest)))
+    assert rest[-1]["event"] == "done"
+    assert tokens_text(first) + tokens_text(rest) == wait(client, job["id"])["text"]
+    again = read_events(client, job["id"], params={"after": 2})
+    assert int(again[0]["id"]) == 3 and again[-1]["event"] == "done"
+
+
+def test_replay_after_the_job_ended(client: httpx.Client) -> None:
+    job = submit(client, messages=chat("Say hello."), temperature=0, max_tokens=20)
+    final = wait(client, job["id"])
+    events = read_events(client, job["id"])
+    assert events[-1]["event"] == "done"
+    assert tokens_text(events) == final["text"]
+
+
+def test_sixteen_at_once_match_runs_alone(client: httpx.Client) -> None:
+    body = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    alone = {}
+    for p in PROMPTS:
+        alone[p] = wait(client, submit(client, messages=chat(p), **body)["id"])["text"]
+    prompts = PROMPTS * 2
+    with ThreadPoolExecutor(16) as pool:
+        jobs = list(pool.map(lambda p: submit(client, messages=chat(p), **body), prompts))
+    results = [wait(client, j["id"]) for j in jobs]
+    assert all(r["status"] == "succeeded" for r in results)
+    for p, r in zip(prompts, results):
+        assert r["text"] == alone[p], p
+        assert r["usage"]["completion_tokens"] == 24
+
+
+def test_cancel_running_job(client: httpx.Client) -> None:
+    job = submit(client, prompt="Count slowly:", max_tokens=900, ignore_eos=True, temperature=0)
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/jobs/{job['id']}").json()["usage"]["completion_tokens"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    r = client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 200
+    final = wait(client, job["id"], timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert final["status"] == "cancelled" and final["finish_reason"] == "cancelled"
+    assert final["usage"]["completion_tokens"] < 900
+    assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 409
+    events = read_events(client, job["id"])
+    assert events[-1]["event"] == "done" and tokens_text(events) == final["text"]
+
+
+def test_cancel_queued_job_and_unknown(client: httpx.Client) -> None:
+    # fill the engine so the next job waits in a queue, then cancel it before it starts
+    blockers = [submit(client, prompt="Go on:", max_tokens=400, ignore_eos=True) for _ in range(3)]
+    job = submit(client, prompt="Never mind", max_tokens=5)
+    r = client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 200
+    assert wait(client, job["id"])["status"] == "cancelled"
+    assert client.post("/v1/jobs/job_nope/cancel").status_code == 404
+    for b in blockers:
+        client.post(f"/v1/jobs/{b['id']}/cancel")
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"max_tokens": 5}, 422),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 422),
+    ({"prompt": "x", "max_tokens": 100000}, 422),
+    ({"prompt": "x", "max_tokens": 0}, 422),
+    ({"prompt": "x", "temperature": -1}, 422),
+    ({"prompt": "x", "top_p": 0}, 422),
+    ({"messages": []}, 422),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 422),
+    ({"prompt": "x", "stop": [""]}, 422),
+    ({"prompt": "x", "bogus": 1}, 422),
+])
+def test_bad_input(client: httpx.Client, body: dict, status: int) -> None:  # type: ignore[type-arg]
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["type"] and err["message"]
+
+
+def test_malformed_json_and_unknown_id(client: httpx.Client) -> None:
+    r = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
+    r = client.get("/v1/jobs/job_doesnotexist")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert client.get("/v1/jobs/job_doesnotexist/events").status_code == 404
+
+
+def test_prompt_longer_than_context_fails_clearly(client: httpx.Client) -> None:
+    long_prompt = "word " * 1500  # the test stack caps the context at 1024 tokens
+    job = submit(client, prompt=long_prompt, max_tokens=10)
+    final = wait(client, job["id"])
+    assert final["status"] == "failed" and final["finish_reason"] == "error"
+    assert "context" in final["error"]
+    # prompt fits, but not with max_tokens
+    job = submit(client, prompt="word " * 900, max_tokens=500)
+    assert "context" in wait(client, job["id"])["error"]
+    # the workers survived: a normal job still runs
+    ok = wait(client, submit(client, messages=chat("Hi"), max_tokens=5)["id"])
+    assert ok["status"] == "succeeded"
+
+
+def test_stop_string_cut_and_never_streamed(client: httpx.Client) -> None:
+    free = wait(client, submit(client, messages=chat("What is the capital of France?"), temperature=0,
+                                max_tokens=30)["id"])
+    assert "Paris" in free["text"]
+    job = submit(client, messages=chat("What is the capital of France?"), temperature=0, max_tokens=30,
+                 stop=["Paris"])
+    events = read_events(client, job["id"])
+    final = json.loads(events[-1]["data"])
+    assert final["finish_reason"] == "stop" and final["status"] == "succeeded"
+    assert final["text"] == free["text"][: free["text"].index("Paris")]
+    assert all("Paris" not in json.loads(e["data"])["text"] for e in events if e["event"] == "token")
+    assert tokens_text(events) == final["text"]
+
+
+def test_readyz_and_healthz(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json()["workers"]["inference"] >= 1
