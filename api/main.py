@@ -7,9 +7,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, metrics
 from api.relay import Relay
-from api.routes import health, jobs
+from api.routes import health, jobs, openai
 from api.store import JobStore
 from shared.redis_client import async_client
 from shared.settings import Settings, get_settings
@@ -37,6 +37,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(openai.router)
+    app.include_router(metrics.router)
     return app
 
 

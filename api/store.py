@@ -9,7 +9,7 @@ import uuid
 import redis.asyncio as aredis
 
 from shared import names
-from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, Job, JobStatus, new_record
+from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, SUBMIT_SCRIPT, Job, JobStatus, new_record
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
 
@@ -19,6 +19,7 @@ class JobStore:
         self.r, self.settings = client, settings
         self._finish = client.register_script(FINISH_SCRIPT)
         self._request_cancel = client.register_script(REQUEST_CANCEL_SCRIPT)
+        self._submit = client.register_script(SUBMIT_SCRIPT)
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None,
                      background: bool = True) -> tuple[Job, bool]:
@@ -34,12 +35,17 @@ class JobStore:
                 await self.r.set(key, job_id, ex=self.settings.idempotency_ttl_s)
         request_json = req.model_dump_json(exclude_defaults=True)
         record = new_record(job_id, self.settings.served_model_name, request_json, background)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hset(names.job_key(job_id), mapping=record)
-        pipe.expire(names.job_key(job_id), self.settings.job_ttl_s)
-        pipe.xadd(names.JOBS_STREAM, {"job_id": job_id, "request": request_json})
-        await pipe.execute()
-        return Job.from_record({k: str(v) for k, v in record.items()}), False
+        args: list[str | int] = [self.settings.job_ttl_s]
+        for k, v in record.items():
+            if k != "request":
+                args += [k, v]
+        args += [job_id, request_json]
+        ordinal, dequeued = await self._submit(
+            keys=[names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER],
+            args=args)
+        job = Job.from_record({k: str(v) for k, v in record.items()})
+        job.queue_position = max(1, int(ordinal) - int(dequeued))
+        return job, False
 
     async def get(self, job_id: str) -> Job | None:
         rec = await self.r.hgetall(names.job_key(job_id))
@@ -48,7 +54,7 @@ class JobStore:
     async def cancel(self, job_id: str, wait_s: float = 2.0) -> tuple[Job | None, bool]:
         """Returns (job, changed). changed is False when the job had already ended."""
         ended = await self._finish(
-            keys=[names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id)],
+            keys=[names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.DEQUEUED_COUNTER],
             args=[JobStatus.cancelled.value, "cancelled", "", repr(time.time()), self.settings.job_ttl_s,
                   names.job_channel(job_id), JobStatus.queued.value])
         if int(ended) > 0:
@@ -71,5 +77,12 @@ class JobStore:
         return [(int(eid.split("-")[1]), f.get("type", ""), f.get("text", "")) for eid, f in items]
 
     async def queue_position(self, job_id: str) -> int | None:
-        """1-based position among jobs not yet started, or None if it is not waiting."""
-        return None
+        """Roughly how many jobs are ahead of this one, plus one: its submit ordinal minus the
+        jobs that have left the queue (started, failed or cancelled) since the service began."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hget(names.job_key(job_id), "ordinal")
+        pipe.get(names.DEQUEUED_COUNTER)
+        ordinal, dequeued = await pipe.execute()
+        if ordinal is None:
+            return None
+        return max(1, int(ordinal) - int(dequeued or 0))

@@ -56,6 +56,8 @@ async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0)
                 job = await store.get(job_id)
                 if job is None:
                     return
+                if job.status.value == "queued":
+                    job.queue_position = await store.queue_position(job_id)
                 key = (job.status.value, job.queue_position)
                 if key != status_sent and not job.ended:
                     status_sent = key

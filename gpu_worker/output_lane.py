@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import struct
 import time
@@ -23,6 +24,7 @@ from tokenizers import Tokenizer
 from shared import names
 from shared.job_ops import JobOps
 from shared.jobs import FinishReason
+from shared.metrics import E2E, GENERATION_TOKENS, ITL, PROMPT_TOKENS, QUEUE, REQUEST_SUCCESS, TTFT, Histograms
 from shared.redis_client import sync_client
 from shared.schemas import DELTA_SCHEMA, from_ipc
 from shared.settings import Settings
@@ -37,6 +39,9 @@ class JobState:
     seq: int
     text: str
     n_tokens: int
+    created_at: float
+    prompt_tokens: int
+    last_token_at: float = 0.0
     fresh: bool = True  # no write from this lane yet
 
 
@@ -58,13 +63,30 @@ class OutputLane:
         self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
         self.feedback = feedback
         self.states: dict[str, JobState] = {}
+        self.metrics = Histograms()
+        self._last_flush = time.monotonic()
 
     def register(self, meta: dict[str, Any]) -> None:
         detok = Detokenizer(self.tokenizer, meta["stop"])
         resume = meta.get("resume_ids") or []
         if resume:
             detok.resume(resume, meta.get("emitted", ""))
-        self.states[meta["job_id"]] = JobState(detok, int(meta.get("seq", 0)), meta.get("emitted", ""), len(resume))
+        self.states[meta["job_id"]] = JobState(detok, int(meta.get("seq", 0)), meta.get("emitted", ""), len(resume),
+                                               float(meta.get("created_at") or time.time()),
+                                               int(meta.get("prompt_tokens", 0)))
+        if meta.get("started"):
+            self.metrics.observe(QUEUE, time.time() - self.states[meta["job_id"]].created_at)
+
+    def flush_metrics(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_flush >= 1.0:
+            self._last_flush = now
+            pipe = self.client.pipeline(transaction=False)
+            self.metrics.flush(pipe)
+            try:
+                pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("metrics flush failed: %s", exc)
 
     def handle_deltas(self, data: bytes) -> None:
         pipe, done = self.build(data)
@@ -74,7 +96,8 @@ class OutputLane:
         rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
         pipe = self.client.pipeline(transaction=True)
         done: list[str] = []
-        now = repr(time.time())
+        wall = time.time()
+        now = repr(wall)
         for row in rows:
             job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
             st = self.states.get(job_id)
@@ -88,6 +111,10 @@ class OutputLane:
             if ids:
                 if st.n_tokens == 0:
                     pipe.hset(key, "first_token_at", now)
+                    self.metrics.observe(TTFT, wall - st.created_at)
+                elif st.last_token_at:
+                    self.metrics.observe(ITL, (wall - st.last_token_at) / len(ids))
+                st.last_token_at = wall
                 # SETRANGE at our own offset (not APPEND) so a retried write cannot duplicate ids
                 pipe.setrange(names.tokens_key(job_id), st.n_tokens * 4, pack_ids(ids))
                 st.n_tokens += len(ids)
@@ -113,6 +140,10 @@ class OutputLane:
                 self.jobs.finish(job_id, FinishReason(reason), row.get("error") or "",
                                  {"text": st.text, "completion_tokens": st.n_tokens}, pipe=pipe)
                 done.append(job_id)
+                self.metrics.observe(E2E, wall - st.created_at)
+                self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
+                self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
+                self.metrics.inc(f"{REQUEST_SUCCESS}:{reason}")
         return pipe, done
 
     def commit(self, pipe: Any, done: list[str]) -> None:
@@ -155,10 +186,16 @@ def main(settings_env: dict[str, str], inbox: Queue[Any], feedback: Queue[Any]) 
     settings = Settings(**settings_env) if settings_env else Settings()
     lane = OutputLane(settings, feedback)
     while True:
-        msg = inbox.get()
+        try:
+            msg = inbox.get(timeout=1.0)
+        except queue.Empty:
+            lane.flush_metrics()
+            continue
         if msg[0] == "stop":
+            lane.flush_metrics(force=True)
             return
         if msg[0] == "register":
             lane.register(msg[1])
         elif msg[0] == "deltas":
             lane.handle_deltas(msg[1])
+            lane.flush_metrics()

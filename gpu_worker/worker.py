@@ -131,8 +131,9 @@ class InferenceWorker:
             return
         started: list[tuple[dict[str, Any], int, int]] = []
         for row in batch.to_pylist():
-            code, seq = self.jobs.start(row["job_id"], self.worker_id)
+            code, seq, created = self.jobs.start(row["job_id"], self.worker_id)
             if code in (1, 2):
+                row["created_at"] = created
                 started.append((row, code, seq))
         if not started:
             self.consumer.ack([entry.id])
@@ -155,7 +156,9 @@ class InferenceWorker:
                 self.stats["jobs_resumed"] += 1
             self.stats["jobs_started"] += 1
             self.to_lane.put(("register", {"job_id": row["job_id"], "stop": row["stop"], "seq": seq,
-                                           "resume_ids": resume_ids, "emitted": emitted}))
+                                           "resume_ids": resume_ids, "emitted": emitted,
+                                           "created_at": row["created_at"], "prompt_tokens": len(row["prompt_ids"]),
+                                           "started": code == 1}))
             self.inbox.put(("add", Request(
                 id=row["job_id"], prompt_ids=row["prompt_ids"], max_tokens=row["max_tokens"],
                 temperature=row["temperature"], top_p=row["top_p"], top_k=row["top_k"], seed=row["seed"],

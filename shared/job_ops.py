@@ -24,9 +24,10 @@ class JobOps:
         self._start = client.register_script(START_SCRIPT)
         self._finish = client.register_script(FINISH_SCRIPT)
 
-    def start(self, job_id: str, worker_id: str) -> tuple[int, int]:
-        code, seq = self._start(keys=[names.job_key(job_id)], args=[repr(time.time()), worker_id])
-        return int(code), int(seq)
+    def start(self, job_id: str, worker_id: str) -> tuple[int, int, float]:
+        """Returns (code, seq, created_at); see START_SCRIPT for the codes."""
+        code, seq, created = self._start(keys=[names.job_key(job_id), names.DEQUEUED_COUNTER], args=[repr(time.time()), worker_id])
+        return int(code), int(seq), float(created or 0.0)
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
                pipe: Any = None, required_status: str = "") -> Any:
@@ -35,7 +36,7 @@ class JobOps:
                            names.job_channel(job_id), required_status]
         for k, v in (fields or {}).items():
             args += [k, v]
-        keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id)]
+        keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.DEQUEUED_COUNTER]
         return self._finish(keys=keys, args=args, client=pipe or self.client)
 
     def fail(self, job_id: str, error: str) -> Any:

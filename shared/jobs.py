@@ -94,25 +94,28 @@ def new_record(job_id: str, model: str, request_json: str, background: bool) -> 
     }
 
 
-# KEYS[1] job hash.  ARGV: now, worker id.
-# Returns {code, seq}: code 1 started, 2 already running (a redelivery: resume), 0 ended or cancelled, -1 missing.
+# KEYS[1] job hash, KEYS[2] dequeued counter.  ARGV: now, worker id.
+# Returns {code, seq, created_at}: code 1 started, 2 already running (a redelivery: resume),
+# 0 ended or cancelled, -1 missing.
 START_SCRIPT = """
 local st = redis.call('HGET', KEYS[1], 'status')
-if not st then return {-1, 0} end
+if not st then return {-1, 0, ''} end
 local seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
-if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return {0, seq} end
+local created = redis.call('HGET', KEYS[1], 'created_at') or ''
+if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return {0, seq, created} end
 if st == 'queued' then
   redis.call('HSET', KEYS[1], 'status', 'running', 'started_at', ARGV[1], 'worker', ARGV[2])
-  return {1, seq}
+  redis.call('INCR', KEYS[2])
+  return {1, seq, created}
 end
 if st == 'running' then
   redis.call('HSET', KEYS[1], 'worker', ARGV[2])
-  return {2, seq}
+  return {2, seq, created}
 end
-return {0, seq}
+return {0, seq, created}
 """
 
-# KEYS[1] job hash, KEYS[2] event stream, KEYS[3] token list key.
+# KEYS[1] job hash, KEYS[2] event stream, KEYS[3] token list key, KEYS[4] dequeued counter.
 # ARGV: status, finish_reason, error, now, ttl, channel, required current status ('' = any active),
 #       then field/value pairs to set.
 # Ends an active job exactly once: sets the terminal state, appends `done` to its event stream,
@@ -123,6 +126,7 @@ local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return -1 end
 if st ~= 'queued' and st ~= 'running' then return 0 end
 if ARGV[7] ~= '' and st ~= ARGV[7] then return 0 end
+if st == 'queued' then redis.call('INCR', KEYS[4]) end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finish_reason', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
 for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
@@ -133,6 +137,19 @@ redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', KEYS[3], ttl)
 redis.call('PUBLISH', ARGV[6], cjson.encode({seq = seq, type = 'done'}))
 return seq
+"""
+
+# KEYS[1] job hash, KEYS[2] jobs stream, KEYS[3] submitted counter, KEYS[4] dequeued counter.
+# ARGV: ttl, then the record as field/value pairs, then 'request' and the request JSON last.
+# Stores the record with its queue ordinal and enqueues the job, atomically, in one round trip.
+SUBMIT_SCRIPT = """
+local ordinal = redis.call('INCR', KEYS[3])
+local n = #ARGV
+for i = 2, n - 2, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], 'ordinal', ordinal)
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+redis.call('XADD', KEYS[2], '*', 'job_id', ARGV[n - 1], 'request', ARGV[n])
+return {ordinal, tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
 # KEYS[1] job hash, KEYS[2] control channel is ARGV[1]. Returns the status before the request.

@@ -22,6 +22,9 @@ INFERENCE_POOL = "inference"
 POOLS = (TOKENIZER_POOL, INFERENCE_POOL)
 
 STATS_KEY = f"{PREFIX}:stats"
+# queue position: ordinal of a job at submit, minus how many jobs have left the queue since
+SUBMITTED_COUNTER = f"{PREFIX}:submitted"
+DEQUEUED_COUNTER = f"{PREFIX}:dequeued"
 
 
 def job_key(job_id: str) -> str:

@@ -1,0 +1,102 @@
+"""GET /metrics: Prometheus text for the whole system, read from Redis at scrape time.
+
+Workers report through Redis (heartbeats with gauges, histogram hashes, counters), so one
+scrape of any API process sees every pool. Names follow vLLM's, under `conveyor:`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from infra.signals import group_lag
+from shared import metrics as m
+from shared import names
+from shared.redis_client import sync_client
+
+router = APIRouter(tags=["metrics"])
+
+
+class SystemCollector:
+    def __init__(self, client: redis.Redis, relay_streams: int) -> None:
+        self.client, self.relay_streams = client, relay_streams
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.client
+        workers: dict[str, list[dict[str, Any]]] = {}
+        for pool in names.POOLS:
+            keys = list(r.scan_iter(match=names.heartbeat_pattern(pool), count=500))
+            workers[pool] = [json.loads(v) for v in (r.mget(keys) if keys else []) if v]
+        inf = workers[names.INFERENCE_POOL]
+        lags = {stream: group_lag(r, stream, group) for stream, group in names.STREAM_GROUPS.items()}
+
+        running = GaugeMetricFamily("conveyor:num_requests_running", "Sequences in engine batches")
+        running.add_metric([], sum(w.get("running", 0) for w in inf))
+        yield running
+        waiting = GaugeMetricFamily("conveyor:num_requests_waiting",
+                                    "Jobs waiting: in engine queues plus stream entries not yet delivered")
+        waiting.add_metric([], sum(w.get("waiting", 0) for w in inf) + sum(lag for lag, _ in lags.values()))
+        yield waiting
+        kv = GaugeMetricFamily("conveyor:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels=["worker"])
+        for w in inf:
+            kv.add_metric([str(w.get("pid"))], float(w.get("kv_cache_usage", 0.0)))
+        yield kv
+        live = GaugeMetricFamily("conveyor:workers_live", "Workers with a fresh heartbeat", labels=["pool"])
+        for pool, ws in workers.items():
+            live.add_metric([pool], len(ws))
+        yield live
+        lag_g = GaugeMetricFamily("conveyor:stream_lag", "Entries not yet delivered to the group",
+                                  labels=["stream", "group"])
+        pend_g = GaugeMetricFamily("conveyor:stream_pending", "Entries delivered and not yet acknowledged",
+                                   labels=["stream", "group"])
+        for stream, (lag, pending) in lags.items():
+            lag_g.add_metric([stream, names.STREAM_GROUPS[stream]], lag)
+            pend_g.add_metric([stream, names.STREAM_GROUPS[stream]], pending)
+        yield lag_g
+        yield pend_g
+        dead = GaugeMetricFamily("conveyor:dead_letters", "Entries in the dead-letter stream")
+        dead.add_metric([], int(r.xlen(names.DEAD_LETTER_STREAM)))
+        yield dead
+        streams = GaugeMetricFamily("conveyor:sse_streams", "Streams open on this API process")
+        streams.add_metric([], self.relay_streams)
+        yield streams
+
+        stats = r.hgetall(names.STATS_KEY)
+        for name, help_ in ((m.PROMPT_TOKENS, "Prompt tokens processed"),
+                            (m.GENERATION_TOKENS, "Tokens generated")):
+            c = CounterMetricFamily(name, help_)
+            c.add_metric([], float(stats.get(name, 0)))
+            yield c
+        success = CounterMetricFamily(m.REQUEST_SUCCESS, "Finished requests", labels=["finished_reason"])
+        for key, v in stats.items():
+            if key.startswith(m.REQUEST_SUCCESS + ":"):
+                success.add_metric([key.split(":")[-1]], float(v))
+        yield success
+        for name in m.HISTOGRAMS:
+            buckets, total = m.read_histogram(r.hgetall(m.hist_key(name)), name)
+            h = HistogramMetricFamily(name, name.split(":")[1].replace("_", " "))
+            h.add_metric([], buckets, total)
+            yield h
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics for the whole system."""
+    state = request.app.state
+    if not hasattr(state, "metrics_client"):
+        state.metrics_client = sync_client(state.settings.redis_url, retries=1)
+
+    def render() -> bytes:
+        registry = CollectorRegistry()
+        registry.register(SystemCollector(state.metrics_client, state.relay.active))  # type: ignore[arg-type]
+        return generate_latest(registry)
+
+    body = await asyncio.to_thread(render)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,162 @@
+"""OpenAI-compatible endpoints on the same job path. These jobs belong to their request:
+a client that disconnects cancels its generation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from api.deps import RelayDep, SettingsDep, StoreDep
+from api.errors import ApiError, error_body
+from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.relay import Relay
+from api.routes.jobs import SSE_HEADERS, check_limits
+from api.store import JobStore
+from api.streaming import DoneEvent, TokenEvent, job_events
+from shared.jobs import Job, JobStatus
+from shared.settings import Settings
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+def _check_model(requested: str | None, settings: Settings) -> None:
+    if requested and requested != settings.served_model_name:
+        raise ApiError(404, f"the model '{requested}' does not exist; this server runs "
+                            f"'{settings.served_model_name}'", type_="model_not_found", param="model")
+
+
+def _usage(job: Job) -> dict[str, int]:
+    return job.usage.model_dump()
+
+
+def _finish(job: Job) -> str | None:
+    return job.finish_reason.value if job.finish_reason else None
+
+
+def _failure(job: Job) -> ApiError:
+    if job.started_at is None:  # refused before generation: the request itself was the problem
+        return ApiError(400, job.error or "invalid request", type_="invalid_request_error")
+    return ApiError(503, f"generation failed: {job.error or 'unknown error'}", type_="generation_failed",
+                    headers={"Retry-After": "1"})
+
+
+@router.get("/models")
+async def models(settings: SettingsDep) -> dict[str, Any]:
+    """The served model."""
+    return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": 0,
+                                        "owned_by": "conveyor"}]}
+
+
+async def _wait_for_end(store: JobStore, relay: Relay, job_id: str, request: Request) -> Job:
+    async def consume() -> Job | None:
+        async for ev in job_events(store, relay, job_id):
+            if isinstance(ev, DoneEvent):
+                return ev.job
+        return None
+
+    task = asyncio.create_task(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                job = task.result()
+                if job is None:
+                    raise ApiError(503, "the job expired before it ended")
+                return job
+            if await request.is_disconnected():
+                await store.cancel(job_id, wait_s=0)
+                raise ApiError(499, "client closed the request")
+    except asyncio.CancelledError:
+        await asyncio.shield(store.cancel(job_id, wait_s=0))
+        raise
+    finally:
+        task.cancel()
+
+
+def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk: Any,
+            role_chunk: bool) -> EventSourceResponse:
+    async def events() -> AsyncIterator[ServerSentEvent]:
+        finished = False
+        try:
+            if role_chunk:
+                yield ServerSentEvent(data=orjson.dumps(chunk(job, {"role": "assistant", "content": ""}, "", None)).decode())
+            async for ev in job_events(store, relay, job.id):
+                if isinstance(ev, TokenEvent):
+                    yield ServerSentEvent(data=orjson.dumps(chunk(job, {"content": ev.text}, ev.text, None)).decode())
+                elif isinstance(ev, DoneEvent):
+                    finished = True
+                    end = ev.job
+                    if end.status is JobStatus.failed:
+                        err = _failure(end)
+                        yield ServerSentEvent(data=orjson.dumps(error_body(err.status, err.message, err.type)).decode())
+                    else:
+                        yield ServerSentEvent(data=orjson.dumps(chunk(job, {}, "", _finish(end))).decode())
+                        if include_usage:
+                            last = chunk(job, {}, "", None)
+                            last["choices"] = []
+                            last["usage"] = _usage(end)
+                            yield ServerSentEvent(data=orjson.dumps(last).decode())
+                    break
+            yield ServerSentEvent(data="[DONE]")
+        finally:
+            if not finished:  # the client went away mid-stream: free the engine slot
+                await asyncio.shield(store.cancel(job.id, wait_s=0))
+
+    return EventSourceResponse(events(), ping=15, headers=SSE_HEADERS)
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, store: StoreDep, relay: RelayDep,
+                           settings: SettingsDep) -> Any:
+    """OpenAI chat completions, streaming or not."""
+    _check_model(body.model, settings)
+    gen = check_limits(body.to_generation(), settings)
+    job, _ = await store.submit(gen, background=False)
+    created = int(time.time())
+    cid = "chatcmpl-" + job.id.removeprefix("job_")
+
+    def chunk(j: Job, delta: dict[str, Any], _text: str, finish: str | None) -> dict[str, Any]:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": j.model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    if body.stream:
+        return _stream(store, relay, job, bool(body.stream_options and body.stream_options.include_usage), chunk,
+                       role_chunk=True)
+    end = await _wait_for_end(store, relay, job.id, request)
+    if end.status is JobStatus.failed:
+        raise _failure(end)
+    return {"id": cid, "object": "chat.completion", "created": created, "model": end.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": end.text},
+                         "logprobs": None, "finish_reason": _finish(end)}],
+            "usage": _usage(end), "system_fingerprint": None}
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request, store: StoreDep, relay: RelayDep,
+                      settings: SettingsDep) -> Any:
+    """OpenAI text completions, streaming or not."""
+    _check_model(body.model, settings)
+    gen = check_limits(body.to_generation(), settings)
+    job, _ = await store.submit(gen, background=False)
+    created = int(time.time())
+    cid = "cmpl-" + job.id.removeprefix("job_")
+
+    def chunk(j: Job, _delta: dict[str, Any], text: str, finish: str | None) -> dict[str, Any]:
+        return {"id": cid, "object": "text_completion", "created": created, "model": j.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+    if body.stream:
+        return _stream(store, relay, job, bool(body.stream_options and body.stream_options.include_usage), chunk,
+                       role_chunk=False)
+    end = await _wait_for_end(store, relay, job.id, request)
+    if end.status is JobStatus.failed:
+        raise _failure(end)
+    return {"id": cid, "object": "text_completion", "created": created, "model": end.model,
+            "choices": [{"index": 0, "text": end.text, "logprobs": None, "finish_reason": _finish(end)}],
+            "usage": _usage(end)}

@@ -1,0 +1,259 @@
+"""What conveyor's Redis traffic costs Redis, measured on a real redis-server started here.
+
+    .venv/bin/python bench/redis_ops.py                          # embedded redis-server 6.2, ~1.5 min
+    .venv/bin/python bench/redis_ops.py --server /usr/bin/redis-server --seconds 5
+
+Every scenario replays the commands the code sends (key names from shared.names, the Lua scripts
+from shared.jobs) with append-only persistence on (everysec), as `conveyor up` runs Redis. Client
+processes drive it for --seconds; the figure that matters is Redis's own main-thread CPU time
+(INFO cpu), because a Python client on this machine cannot saturate Redis: commands (or jobs) per
+Redis CPU-second is what one Redis core sustains once Redis is the bottleneck.
+
+Scenarios:
+- xadd-300B:  XADD of a ~300-byte entry to the jobs stream (depth 1: one command per round trip;
+              depth 64: pipelined)
+- publish:    PUBLISH of a ~80-byte chunk to a per-job channel, one pattern subscriber reading
+- chunk-step: one output-lane step for 32 running jobs: MULTI, per job SETRANGE tokens + XADD
+              event + PUBLISH + HSET text/seq/completion_tokens, EXEC
+- job:        a job's whole life in waves of 32 concurrent jobs of --tokens tokens: submit
+              (MULTI HSET EXPIRE XADD EXEC), tokenizer (XREADGROUP, HMGET, MULTI XADD HSET.. XACK
+              EXEC), inference (XREADGROUP, START script, one chunk-step per token, FINISH
+              script, XACK); `job/8` streams one chunk per 8 tokens instead of one per token
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from infra.redis_server import RedisServer, redis_binary  # noqa: E402
+from shared import names  # noqa: E402
+from shared.jobs import FINISH_SCRIPT, START_SCRIPT  # noqa: E402
+
+REQUEST = '{"messages":[{"role":"user","content":"' + "x" * 200 + '"}],"max_tokens":256,"temperature":0.7}'
+BATCH = 32
+Step = Callable[[redis.Redis, int], int]  # (client, iteration) -> units done (commands, chunks or jobs)
+
+
+def xadd(depth: int) -> Step:
+    def step(r: redis.Redis, i: int) -> int:
+        pipe = r.pipeline(transaction=False)
+        for k in range(depth):
+            pipe.xadd(names.JOBS_STREAM, {"job_id": f"{os.getpid()}-{i}-{k}", "request": REQUEST},
+                      maxlen=100_000, approximate=True)
+        pipe.execute()
+        return depth
+    return step
+
+
+def publish(depth: int) -> Step:
+    def step(r: redis.Redis, i: int) -> int:
+        pipe = r.pipeline(transaction=False)
+        for k in range(depth):
+            body = '{"seq":%d,"type":"token","text":" word"}' % i
+            pipe.publish(names.job_channel(f"{os.getpid()}-{k}"), body + " " * (80 - len(body)))
+        pipe.execute()
+        return depth
+    return step
+
+
+def chunk_step(r: redis.Redis, jobs: list[str], seq: int, finish: Any = None) -> None:
+    """One output-lane step (gpu_worker/output_lane.py): per job, the chunk writes, in one MULTI/EXEC."""
+    pipe = r.pipeline(transaction=True)
+    text = "tok " * seq
+    now = repr(time.time())
+    for job_id in jobs:
+        key, events, tokens = names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id)
+        if seq == 1:
+            pipe.expire(events, 86400)
+            pipe.expire(tokens, 86400)
+            pipe.hset(key, "first_token_at", now)
+        pipe.setrange(tokens, (seq - 1) * 4, b"\x01\x02\x03\x04")
+        pipe.xadd(events, {"type": "token", "text": "tok "}, id=f"0-{seq}")
+        pipe.publish(names.job_channel(job_id), '{"seq":%d,"type":"token","text":"tok "}' % seq)
+        pipe.hset(key, mapping={"text": text, "seq": seq, "completion_tokens": seq})
+        if seq == 1:
+            pipe.expire(events, 86400)
+        if finish is not None:
+            finish(keys=[key, events, tokens],
+                   args=["succeeded", "length", "", now, 86400, names.job_channel(job_id), "", "text", text],
+                   client=pipe)
+    pipe.execute()
+
+
+def chunk(r: redis.Redis, i: int) -> int:
+    """Steps of BATCH jobs of 256 tokens each; returns the chunks written."""
+    chunk_step(r, [f"{os.getpid()}-{i // 256}-{k}" for k in range(BATCH)], i % 256 + 1)
+    return BATCH
+
+
+def job(tokens: int, every: int) -> Step:
+    """A wave of BATCH jobs through every stage; returns the jobs finished (not commands)."""
+    state: dict[str, Any] = {}
+
+    def step(r: redis.Redis, wave: int) -> int:
+        if not state:
+            for stream, group in names.STREAM_GROUPS.items():
+                try:
+                    r.xgroup_create(stream, group, id="0", mkstream=True)
+                except redis.ResponseError:
+                    pass
+            state["start"], state["finish"] = r.register_script(START_SCRIPT), r.register_script(FINISH_SCRIPT)
+        consumer = f"bench-{os.getpid()}"
+        ids = [f"{os.getpid()}-{wave}-{k}" for k in range(BATCH)]
+        for job_id in ids:  # api/store.py: one transaction per request
+            pipe = r.pipeline(transaction=True)
+            pipe.hset(names.job_key(job_id), mapping={"id": job_id, "status": "queued", "model": "m",
+                                                      "request": REQUEST, "created_at": repr(time.time()),
+                                                      "seq": 0, "background": 0})
+            pipe.expire(names.job_key(job_id), 86400)
+            pipe.xadd(names.JOBS_STREAM, {"job_id": job_id, "request": REQUEST})
+            pipe.execute()
+        # workers/tokenizer/worker.py
+        entries = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.JOBS_STREAM: ">"}, count=BATCH)[0][1]
+        pipe = r.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(names.job_key(job_id), "status", "cancel_requested")
+        pipe.execute()
+        pipe = r.pipeline(transaction=True)
+        pipe.xadd(names.TOKENIZED_STREAM, {"batch": os.urandom(BATCH * 45 * 4 + 1200), "jobs": BATCH})
+        for job_id in ids:
+            pipe.hset(names.job_key(job_id), "prompt_tokens", 45)
+        pipe.xack(names.JOBS_STREAM, names.TOKENIZER_GROUP, *[e[0] for e in entries])
+        pipe.execute()
+        # gpu_worker/worker.py reader lane, then output lane steps
+        [(entry_id, _)] = r.xreadgroup(names.INFERENCE_GROUP, consumer, {names.TOKENIZED_STREAM: ">"},
+                                       count=1)[0][1]
+        for job_id in ids:
+            state["start"](keys=[names.job_key(job_id)], args=[repr(time.time()), consumer])
+        chunks = -(-tokens // every)
+        for seq in range(1, chunks + 1):
+            chunk_step(r, ids, seq, state["finish"] if seq == chunks else None)
+        r.xack(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, entry_id)
+        return BATCH
+
+    return step
+
+
+def drive(url: str, step: Step, seconds: float, go: Any, out: Any) -> None:
+    r = redis.Redis.from_url(url)
+    go.wait()
+    done, i, deadline = 0, 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done += step(r, i)
+        i += 1
+    out.put(done)
+
+
+def subscribe(url: str, ready: Any, stop: Any, out: Any) -> None:
+    p = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
+    p.psubscribe(names.CHANNEL_PREFIX + "*")
+    ready.set()
+    n = 0
+    while not stop.is_set():
+        if p.get_message(timeout=0.2):
+            n += 1
+    out.put(n)
+
+
+def cpu(r: redis.Redis) -> tuple[float, float]:
+    info = r.info("cpu")
+    main = info.get("used_cpu_sys_main_thread", info["used_cpu_sys"]) + \
+        info.get("used_cpu_user_main_thread", info["used_cpu_user"])
+    return float(main), float(info["used_cpu_sys"] + info["used_cpu_user"])
+
+
+def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> dict[str, Any]:
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    r.config_resetstat()
+    ctx = mp.get_context("fork")
+    go, ready, stop, out, sub_out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
+    sub = ctx.Process(target=subscribe, args=(url, ready, stop, sub_out))
+    sub.start()
+    ready.wait(10)
+    procs = [ctx.Process(target=drive, args=(url, step, seconds, go, out)) for _ in range(clients)]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)
+    cpu0, t0 = cpu(r), time.monotonic()
+    go.set()
+    units = sum(out.get() for _ in procs)
+    wall, cpu1 = time.monotonic() - t0, cpu(r)
+    stop.set()
+    received = sub_out.get()
+    for p in [*procs, sub]:
+        p.join()
+    stats = r.info("commandstats")
+    commands = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
+    usec = sum(v["usec"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
+    main_cpu, total_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    return {"name": name, "units": units, "wall": wall, "commands": commands, "usec": usec, "main_cpu": main_cpu,
+            "total_cpu": total_cpu, "received": received, "memory": r.info("memory")["used_memory"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", default="", help="redis-server binary (default: the embedded one)")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--clients", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=256, help="output tokens per job in the job scenarios")
+    parser.add_argument("--only", default="", help="comma-separated scenario names")
+    args = parser.parse_args()
+
+    binary = args.server or redis_binary()
+
+    class Server(RedisServer):
+        def command(self) -> list[str]:
+            return [binary, *super().command()[1:]]
+
+    scenarios: list[tuple[str, Step, str]] = [
+        ("xadd-300B depth 1", xadd(1), "cmd"),
+        ("xadd-300B depth 64", xadd(64), "cmd"),
+        ("publish depth 1", publish(1), "cmd"),
+        ("publish depth 64", publish(64), "cmd"),
+        (f"chunk-step x{BATCH}", chunk, "chunk"),
+        (f"job ({args.tokens} tok, chunk/token)", job(args.tokens, 1), "job"),
+        (f"job/8 ({args.tokens} tok, chunk/8 tok)", job(args.tokens, 8), "job"),
+    ]
+    if args.only:
+        wanted = args.only.split(",")
+        scenarios = [s for s in scenarios if any(s[0].startswith(w) for w in wanted)]
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(Path(tmp))
+        url = server.start()
+        version = redis.Redis.from_url(url).info("server")["redis_version"]
+        print(f"redis-server {version} ({binary}), appendonly everysec, {os.cpu_count()} CPUs, "
+              f"{args.clients} client process(es), {args.seconds:g} s per scenario\n")
+        print("| scenario | client rate | Redis cmds/s | Redis main-thread CPU | µs Redis CPU per cmd "
+              "| cmds per Redis CPU-s | jobs per Redis CPU-s | pub/sub msgs received |")
+        print("|---|---|---|---|---|---|---|---|")
+        try:
+            for name, step, unit in scenarios:
+                m = measure(url, name, step, args.seconds, args.clients)
+                per_cpu = m["commands"] / m["main_cpu"]
+                rate = f"{m['units'] / m['wall']:,.0f} {unit}s/s"
+                jobs = f"{m['units'] / m['main_cpu']:,.0f}" if unit == "job" else ""
+                print(f"| {name} | {rate} | {m['commands'] / m['wall']:,.0f} | {m['main_cpu'] / m['wall']:.0%} "
+                      f"| {1e6 * m['main_cpu'] / m['commands']:.2f} | {per_cpu:,.0f} | {jobs} "
+                      f"| {m['received'] / m['wall']:,.0f}/s |", flush=True)
+                if unit == "job":
+                    print(f"|  ↳ {m['commands'] / m['units']:.0f} Redis commands per job "
+                          f"(scripts count their inner calls) |||||||", flush=True)
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""The engine in process: batching, preemption, chunked prefill, sampling, abort."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from workers.tokenizer.prompt import PromptBuilder
+from shared.schemas import GenerationRequest
+
+QUESTIONS = [
+    "What is the capital of France?", "Name a large ocean.", "Why is the sky blue?", "Say something kind.",
+    "What do bees make?", "Describe rain.", "How many legs does a spider have?", "What is a prime number?",
+]
+
+
+def prompt_ids(model_dir: str, question: str) -> list[int]:
+    pb = PromptBuilder(model_dir)
+    text = pb.render(GenerationRequest(messages=[{"role": "user", "content": question}]))
+    return pb.encode_batch([text], [False])[0]
+
+
+def run(engine: LLMEngine, reqs: list[Request], arrivals: dict[str, int] | None = None,
+        steps_log: list[int] | None = None) -> dict[str, list[int]]:
+    """Drive the engine to completion; requests join at the step given in `arrivals`."""
+    out: dict[str, list[int]] = {r.id: [] for r in reqs}
+    pending = sorted(reqs, key=lambda r: (arrivals or {}).get(r.id, 0))
+    step = 0
+    while pending or engine.has_unfinished():
+        while pending and (arrivals or {}).get(pending[0].id, 0) <= step:
+            engine.add_request(pending.pop(0))
+        for o in engine.step():
+            out[o.id] += o.token_ids
+        if steps_log is not None:
+            steps_log.append(engine.num_running)
+        step += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=32))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_path: str) -> list[list[int]]:
+    return [prompt_ids(model_path, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def alone(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    outs = []
+    for i, p in enumerate(prompts):
+        r = Request(f"alone{i}", p, max_tokens=32, temperature=0, ignore_eos=True)
+        outs.append(run(engine, [r])[r.id])
+    return outs
+
+
+def test_greedy_matches_transformers_generate(engine: LLMEngine, prompts: list[list[int]],
+                                              alone: list[list[int]]) -> None:
+    model = engine.runner.model
+    ref = model.generate(torch.tensor([prompts[0]]), max_new_tokens=32, do_sample=False,
+                         pad_token_id=2)[0, len(prompts[0]):].tolist()
+    assert len(ref) >= 5 and alone[0][: len(ref)] == ref
+
+
+def test_staggered_batch_equals_batch_of_one(engine: LLMEngine, prompts: list[list[int]],
+                                             alone: list[list[int]]) -> None:
+    reqs = [Request(f"s{i}", prompts[i % 8], max_tokens=32, temperature=0, ignore_eos=True) for i in range(16)]
+    out = run(engine, reqs, arrivals={f"s{i}": 3 * i for i in range(16)})
+    for i in range(16):
+        assert out[f"s{i}"] == alone[i % 8], i
+
+
+def test_preemption_under_small_kv_budget(model_path: str, prompts: list[list[int]],
+                                          alone: list[list[int]]) -> None:
+    small = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=16, kv_cache_mb=12))
+    reqs = [Request(f"p{i}", prompts[i % 8], max_tokens=32, temperature=0, ignore_eos=True) for i in range(16)]
+    out = run(small, reqs, arrivals={f"p{i}": i for i in range(16)})
+    assert small.scheduler.num_preemptions > 0
+    for i in range(16):
+        assert out[f"p{i}"] == alone[i % 8], i
+
+
+def test_chunked_prefill_equals_whole_prefill(model_path: str, engine: LLMEngine) -> None:
+    long_prompt = prompt_ids(model_path, "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 30)
+    whole = run(engine, [Request("w", long_prompt, max_tokens=16, temperature=0, ignore_eos=True)])["w"]
+    chunked_engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=4,
+                                            max_num_batched_tokens=64), model=engine.runner.model)
+    # a running sequence keeps decoding while the long prompt is prefilled in chunks
+    running = Request("r", prompt_ids(model_path, "Count to ten."), max_tokens=40, temperature=0, ignore_eos=True)
+    chunked_engine.add_request(running)
+    chunked_engine.step()
+    log: list[int] = []
+    out = run(chunked_engine, [Request("c", long_prompt, max_tokens=16, temperature=0, ignore_eos=True)],
+              steps_log=log)
+    assert out["c"] == whole
+    assert len(long_prompt) > 64 * 3
+
+
+def test_seed_reproducible_whatever_the_batch(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    def sampled(i: str) -> Request:
+        return Request(i, prompts[1], max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+
+    a = run(engine, [sampled("x1")])["x1"]
+    others = [Request(f"o{i}", prompts[i], max_tokens=24, temperature=1.0, seed=i) for i in range(2, 8)]
+    b = run(engine, [*others, sampled("x2")], arrivals={"x2": 2})["x2"]
+    assert a == b
+    c = run(engine, [Request("x3", prompts[1], max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=99)])["x3"]
+    assert c != a
+
+
+def test_abort_frees_slot_next_step(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    engine.add_request(Request("a1", prompts[0], max_tokens=100, ignore_eos=True))
+    engine.add_request(Request("a2", prompts[1], max_tokens=100, ignore_eos=True))
+    engine.step()
+    assert engine.num_running == 2
+    assert engine.abort_request("a1")
+    outs = engine.step()
+    assert any(o.id == "a1" and o.finish_reason == "cancelled" for o in outs)
+    assert engine.num_running == 1
+    engine.add_request(Request("a3", prompts[2], max_tokens=5, temperature=0))
+    engine.step()
+    assert engine.num_running == 2  # the freed slot is reused
+    assert not engine.abort_request("missing")
+    engine.abort_request("a2")
+    engine.abort_request("a3")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_stop_token_ids_and_eos(engine: LLMEngine, prompts: list[list[int]]) -> None:
+    free = run(engine, [Request("e1", prompts[0], max_tokens=40, temperature=0)])["e1"]
+    assert free[-1] in engine.eos_token_ids  # greedy ends on its own with EOS
+    stop_at = free[2]
+    out = run(engine, [Request("e2", prompts[0], max_tokens=40, temperature=0, stop_token_ids=(stop_at,))])["e2"]
+    assert out == free[:3]
+
+
+def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32"), model=model)
+    ids = [5, 17, 99, 1000, 42, 7, 300]
+    with torch.inference_mode():
+        ref = model(torch.tensor([ids])).logits[0, -1]
+    from gpu_worker.engine.model_runner import StepBatch
+    from gpu_worker.engine.sequence import Sequence
+
+    seq = Sequence(Request("t", ids))
+    eng.scheduler._admit(seq)
+    eng.runner.cache.ensure(1, len(ids))
+    logits = eng.runner.run(StepBatch(decode=[], chunks=[(seq, len(ids))]))
+    assert torch.allclose(logits[0], ref, atol=1e-4)
+
+
+def test_resume_continues_identically(engine: LLMEngine, prompts: list[list[int]], alone: list[list[int]]) -> None:
+    half = alone[3][:10]
+    out = run(engine, [Request("rs", prompts[3], max_tokens=32, temperature=0, ignore_eos=True, resume_ids=half)])
+    assert half + out["rs"] == alone[3]
