@@ -84,7 +84,7 @@ class Stack:
 
 
 def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
-                args: list[str] | None = None) -> Stack:
+                args: list[str] | None = None, ready_path: str = "/readyz") -> Stack:
     import subprocess
     import sys
     import time
@@ -109,7 +109,7 @@ def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | N
         if proc.poll() is not None:
             raise RuntimeError(f"stack exited early; see {tmp / 'stack.log'}")
         try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as resp:
+            with urllib.request.urlopen(url + ready_path, timeout=2) as resp:
                 if resp.status == 200:
                     return Stack(url, redis_url, proc, env)
         except OSError:

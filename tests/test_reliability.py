@@ -1,0 +1,202 @@
+"""Nothing lost: a killed worker's job resumes elsewhere, poison entries are dead-lettered,
+SIGTERM drains, Redis restarts are survived. Inference workers here are started by the tests
+themselves (a tiny model), so they can be killed and their exit codes read."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pytest
+import redis
+
+from infra.redis_server import RedisServer
+from shared import names
+from shared.schemas import TOKENIZED_SCHEMA, to_ipc
+from tests.conftest import ROOT, Stack, start_stack, stop_stack
+from tests.helpers import read_events, submit, tokens_text, wait
+
+
+def spawn_inference(stack: Stack, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"], env=stack.env, cwd=ROOT,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+def wait_worker(stack: Stack, pid: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while pid not in stack.worker_pids(names.INFERENCE_POOL):
+        assert time.monotonic() < deadline, "inference worker did not start"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def redis15(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis-rel"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def rstack(tmp_path_factory: pytest.TempPathFactory, redis15: RedisServer, model_path: str) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("rstack"), redis15.url, model_path,
+                    extra={"DELIVERY_LIMIT": "2", "DRAIN_GRACE_S": "5"}, args=["--inference", "0"],
+                    ready_path="/healthz")
+    yield s
+    stop_stack(s)
+
+
+@pytest.fixture
+def client(rstack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=rstack.url, timeout=60) as c:
+        yield c
+
+
+BODY = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 160, "ignore_eos": True}
+
+
+def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+    first = spawn_inference(rstack, tmp_path / "w1.log")
+    try:
+        wait_worker(rstack, first.pid)
+        reference = wait(client, submit(client, **BODY)["id"])
+        assert reference["status"] == "succeeded"
+        job = submit(client, **BODY)
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/jobs/{job['id']}").json()["usage"]["completion_tokens"] < 50:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "running"
+        second = spawn_inference(rstack, tmp_path / "w2.log")
+        try:
+            final = wait(client, job["id"], timeout=120)
+        finally:
+            second.terminate()
+            second.wait(30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert final["status"] == "succeeded", final
+    assert final["text"] == reference["text"]
+    assert final["usage"]["completion_tokens"] == 160
+    events = read_events(client, job["id"])
+    seqs = [int(e["id"]) for e in events]
+    assert seqs == list(range(1, len(seqs) + 1))  # no duplicate and no missing seq
+    assert tokens_text(events) == final["text"]
+
+
+def test_poison_entry_is_dead_lettered(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+    r = rstack.redis()
+    job_id = "job_poison"
+    r.hset(names.job_key(job_id), mapping={"id": job_id, "status": "queued", "model": "tiny",
+                                            "created_at": repr(time.time()), "seq": 0})
+    # a corrupt producer's row: NaN temperature makes sampling raise inside the engine step
+    row = {"job_id": job_id, "prompt_ids": [5, 6, 7], "max_tokens": 5, "temperature": float("nan"), "top_p": 1.0,
+           "top_k": 0, "seed": 1, "stop": [], "stop_token_ids": [], "ignore_eos": True}
+    r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(pa.RecordBatch.from_pylist([row], schema=TOKENIZED_SCHEMA)),
+                                    "jobs": 1})
+    crashes = 0
+    deadline = time.monotonic() + 150
+    while client.get(f"/v1/jobs/{job_id}").json()["status"] != "failed":
+        assert time.monotonic() < deadline, "poison job never failed"
+        w = spawn_inference(rstack, tmp_path / f"p{crashes}.log")
+        until = time.monotonic() + 30
+        while w.poll() is None and time.monotonic() < until:
+            if client.get(f"/v1/jobs/{job_id}").json()["status"] == "failed":
+                break
+            time.sleep(0.2)
+        if w.poll() is None:
+            w.terminate()
+            w.wait(30)
+        else:
+            crashes += 1
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert "dead-letter" in job["error"] and job["finish_reason"] == "error"
+    assert crashes >= 2
+    dead = redis.Redis.from_url(rstack.redis_url).xrange(names.DEAD_LETTER_STREAM)
+    assert any(f.get(b"source_stream") == names.TOKENIZED_STREAM.encode() for _, f in dead)
+    # the pool still serves other jobs
+    w = spawn_inference(rstack, tmp_path / "after.log")
+    try:
+        ok = wait(client, submit(client, prompt="Hello", max_tokens=5)["id"], timeout=90)
+        assert ok["status"] == "succeeded"
+    finally:
+        w.terminate()
+        w.wait(30)
+
+
+def test_sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+    w = spawn_inference(rstack, tmp_path / "d.log")
+    wait_worker(rstack, w.pid)
+    short = submit(client, prompt="Hello there", max_tokens=40, temperature=0, ignore_eos=True)
+    long = submit(client, **{**BODY, "max_tokens": 300})
+    deadline = time.monotonic() + 60
+    while client.get(f"/v1/jobs/{long['id']}").json()["usage"]["completion_tokens"] < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=20) == 0
+    assert time.monotonic() - t0 < 5 + 10  # the grace period plus shutdown
+    # whatever it could not finish in time was handed back and another worker completes it
+    w2 = spawn_inference(rstack, tmp_path / "d2.log")
+    try:
+        for j in (short, long):
+            assert wait(client, j["id"], timeout=120)["status"] == "succeeded"
+    finally:
+        w2.terminate()
+        w2.wait(30)
+
+
+def test_idempotency_key_returns_same_job(client: httpx.Client) -> None:
+    h = {"Idempotency-Key": "order-42-" + str(time.time())}
+    a = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=h)
+    b = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=h)
+    assert a.status_code == 202 and b.status_code == 202
+    assert a.json()["id"] == b.json()["id"]
+    assert b.headers.get("idempotent-replayed") == "true"
+    c = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers={"Idempotency-Key": "other"})
+    assert c.json()["id"] != a.json()["id"]
+    client.post(f"/v1/jobs/{a.json()['id']}/cancel")
+    client.post(f"/v1/jobs/{c.json()['id']}/cancel")
+
+
+def test_redis_outage_503_then_recovery(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> None:
+    data = tmp_path_factory.mktemp("redis-outage")
+    server = RedisServer(data)
+    server.start()
+    stack = start_stack(tmp_path_factory.mktemp("ostack"), server.url, tiny_model_dir)
+    try:
+        with httpx.Client(base_url=stack.url, timeout=30) as c:
+            accepted = submit(c, prompt="Remember me", max_tokens=5)
+            server.stop()
+            r = c.post("/v1/jobs", json={"prompt": "x", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers.get("retry-after")
+            assert r.json()["error"]["type"] == "service_unavailable"
+            assert c.get(f"/v1/jobs/{accepted['id']}").status_code == 503
+            server.start()  # same port, same append-only file
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    r = c.post("/v1/jobs", json={"prompt": "Back again", "max_tokens": 3})
+                    if r.status_code == 202:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "the stack did not recover"
+                time.sleep(0.5)
+            assert wait(c, r.json()["id"], timeout=90)["status"] == "succeeded"
+            assert wait(c, accepted["id"], timeout=90)["status"] in ("succeeded",)
+    finally:
+        stop_stack(stack)
+        server.stop()
