@@ -157,14 +157,18 @@ def drive(url: str, step: Step, seconds: float, go: Any, out: Any) -> None:
 
 
 def subscribe(url: str, ready: Any, stop: Any, out: Any) -> None:
+    """One pattern subscriber reading every chunk, as an API process's relay connection would."""
     p = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
     p.psubscribe(names.CHANNEL_PREFIX + "*")
     ready.set()
-    n = 0
-    while not stop.is_set():
-        if p.get_message(timeout=0.2):
-            n += 1
-    out.put(n)
+    n, dropped = 0, False
+    try:
+        while not stop.is_set():
+            if p.get_message(timeout=0.2):
+                n += 1
+    except redis.ConnectionError:
+        dropped = True  # it fell behind past client-output-buffer-limit pubsub: Redis closed it
+    out.put((n, dropped))
 
 
 def cpu(r: redis.Redis) -> tuple[float, float]:
@@ -178,6 +182,7 @@ def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> di
     r = redis.Redis.from_url(url)
     r.flushdb()
     r.config_resetstat()
+    baseline = r.info("memory")["used_memory"]
     ctx = mp.get_context("fork")
     go, ready, stop, out, sub_out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
     sub = ctx.Process(target=subscribe, args=(url, ready, stop, sub_out))
@@ -189,18 +194,19 @@ def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> di
     time.sleep(0.5)
     cpu0, t0 = cpu(r), time.monotonic()
     go.set()
-    units = sum(out.get() for _ in procs)
+    units = sum(out.get(timeout=seconds + 120) for _ in procs)
     wall, cpu1 = time.monotonic() - t0, cpu(r)
     stop.set()
-    received = sub_out.get()
+    received, dropped = sub_out.get(timeout=30)
     for p in [*procs, sub]:
         p.join()
     stats = r.info("commandstats")
     commands = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
     usec = sum(v["usec"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
     main_cpu, total_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    memory = r.info("memory")["used_memory"] - baseline
     return {"name": name, "units": units, "wall": wall, "commands": commands, "usec": usec, "main_cpu": main_cpu,
-            "total_cpu": total_cpu, "received": received, "memory": r.info("memory")["used_memory"]}
+            "total_cpu": total_cpu, "received": received, "dropped": dropped, "memory": memory}
 
 
 def main() -> None:
@@ -247,10 +253,10 @@ def main() -> None:
                 jobs = f"{m['units'] / m['main_cpu']:,.0f}" if unit == "job" else ""
                 print(f"| {name} | {rate} | {m['commands'] / m['wall']:,.0f} | {m['main_cpu'] / m['wall']:.0%} "
                       f"| {1e6 * m['main_cpu'] / m['commands']:.2f} | {per_cpu:,.0f} | {jobs} "
-                      f"| {m['received'] / m['wall']:,.0f}/s |", flush=True)
+                      f"| {m['received'] / m['wall']:,.0f}/s{' (dropped)' if m['dropped'] else ''} |", flush=True)
                 if unit == "job":
-                    print(f"|  ↳ {m['commands'] / m['units']:.0f} Redis commands per job "
-                          f"(scripts count their inner calls) |||||||", flush=True)
+                    print(f"|  ↳ per job: {m['commands'] / m['units']:.0f} Redis commands (scripts count "
+                          f"their inner calls), {m['memory'] / m['units'] / 1024:.1f} KiB kept |||||||", flush=True)
         finally:
             server.stop()
 

@@ -1,0 +1,120 @@
+"""The official openai client against the running stack."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+MSG = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def oai(stack) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models(oai: openai.OpenAI) -> None:
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+
+
+def test_chat_streamed_equals_non_streamed(oai: openai.OpenAI) -> None:
+    full = oai.chat.completions.create(model=MODEL, messages=MSG, temperature=0, max_tokens=30)
+    assert "Paris" in full.choices[0].message.content
+    assert full.choices[0].finish_reason == "stop"
+    assert full.usage.prompt_tokens > 0 and full.usage.completion_tokens > 0
+    parts, usage, finish = [], None, None
+    for chunk in oai.chat.completions.create(model=MODEL, messages=MSG, temperature=0, max_tokens=30, stream=True,
+                                             stream_options={"include_usage": True}):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == full.choices[0].message.content
+    assert finish == "stop"
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_and_stop(oai: openai.OpenAI) -> None:
+    r = oai.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=12,
+                               seed=7, user="tester")
+    text = r.choices[0].text
+    assert text and r.usage.completion_tokens <= 12
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=12, stream=True) if c.choices)
+    assert streamed == text
+    cut = oai.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=12,
+                                 stop=[text.strip()[:3]])
+    assert cut.choices[0].finish_reason == "stop" and text.strip()[:3] not in cut.choices[0].text
+
+
+def test_max_completion_tokens_and_length(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.create(model=MODEL, messages=MSG, max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"presence_penalty": 0.5},
+                                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                                   {"response_format": {"type": "json_object"}}])
+def test_unsupported_options_are_refused(oai: openai.OpenAI, extra: dict) -> None:  # type: ignore[type-arg]
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, **extra)
+    assert err.value.status_code == 400
+
+
+def test_unknown_model_and_bad_body(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="gpt-9", messages=MSG, max_tokens=3)
+    with pytest.raises(openai.UnprocessableEntityError):
+        oai.chat.completions.create(model=MODEL, messages=[], max_tokens=3)
+
+
+def test_async_client(stack) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        calls = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                                temperature=0, max_tokens=12)
+                 for q in ("Say hi.", "Name a fruit.", "Name a color.")]
+        return [r.choices[0].message.content for r in await asyncio.gather(*calls)]
+
+    answers = asyncio.run(main())
+    assert len(answers) == 3 and all(answers)
+
+
+def _running(stack) -> int:  # type: ignore[no-untyped-def]
+    import json
+
+    r = stack.redis()
+    return sum(json.loads(v).get("running", 0) for v in r.mget(list(r.scan_iter(match="conveyor:hb:inference:*"))))
+
+
+def test_disconnect_cancels_streaming_request(stack) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            lines = 0
+            cid = None
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    cid = json.loads(line[6:])["id"]
+                    lines += 1
+                if lines >= 5:
+                    break
+        job_id = "job_" + cid.removeprefix("chatcmpl-")
+        deadline = time.monotonic() + 10
+        while c.get(f"/v1/jobs/{job_id}").json()["status"] != "cancelled":
+            assert time.monotonic() < deadline, "dropped stream did not cancel its job"
+            time.sleep(0.05)
+        job = c.get(f"/v1/jobs/{job_id}").json()
+        assert job["finish_reason"] == "cancelled" and job["usage"]["completion_tokens"] < 900
+    deadline = time.monotonic() + 10
+    while _running(stack) != 0:  # the engine slot is freed (heartbeats report every second)
+        assert time.monotonic() < deadline
+        time.sleep(0.2)

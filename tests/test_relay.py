@@ -1,0 +1,102 @@
+"""The SSE relay: one shared pub/sub connection, resume at random cut points, slow clients."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import iter_sse, read_events, submit, tokens_text, wait
+
+
+@pytest.fixture
+def client(stack) -> httpx.Client:  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        yield c
+
+
+def _subscribers(stack) -> list[int]:  # type: ignore[no-untyped-def]
+    """Channel counts of connections subscribed to anything (`sub` in CLIENT LIST)."""
+    return [int(c["sub"]) for c in stack.redis().client_list() if int(c.get("sub", 0)) > 0]
+
+
+def test_many_streams_share_one_pubsub_connection(stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
+    base = len(_subscribers(stack))
+    jobs = [submit(client, prompt=f"Story {i}:", max_tokens=400, ignore_eos=True) for i in range(40)]
+    stop = threading.Event()
+    opened = threading.Semaphore(0)
+
+    def hold(job_id: str) -> None:
+        with httpx.Client(base_url=stack.url, timeout=60) as c, c.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+            opened.release()
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=hold, args=(j["id"],), daemon=True) for j in jobs]
+    for t in threads:
+        t.start()
+    for _ in jobs:
+        assert opened.acquire(timeout=30)
+    time.sleep(0.5)
+    subs = _subscribers(stack)
+    try:
+        assert len(subs) == base  # no new connection per stream
+        assert max(subs) >= 40  # one connection carries all the job channels
+    finally:
+        stop.set()
+        for j in jobs:
+            client.post(f"/v1/jobs/{j['id']}/cancel")
+
+
+def test_resume_at_random_cut_points(client: httpx.Client) -> None:
+    rng = random.Random(7)
+    for _ in range(6):
+        job = submit(client, messages=[{"role": "user", "content": "Describe a forest."}], temperature=0,
+                     max_tokens=50)
+        got: list[dict[str, str]] = []
+        while not got or got[-1]["event"] != "done":
+            last = got[-1]["id"] if got else None
+            got += read_events(client, job["id"], headers={"Last-Event-ID": last} if last else None,
+                               limit=rng.randint(1, 8))
+        seqs = [int(e["id"]) for e in got]
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert tokens_text(got) == wait(client, job["id"])["text"] == json.loads(got[-1]["data"])["text"]
+
+
+def test_stalled_client_does_not_block_others(stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
+    slow_job = submit(client, prompt="Slow:", max_tokens=600, ignore_eos=True, temperature=0)
+    # open a stream and never read it: its queue fills and it falls back to replay later
+    stalled = httpx.Client(base_url=stack.url, timeout=120)
+    cm = stalled.stream("GET", f"/v1/jobs/{slow_job['id']}/events")
+    cm.__enter__()
+    try:
+        fast = submit(client, messages=[{"role": "user", "content": "Say hi."}], temperature=0, max_tokens=20)
+        events = read_events(client, fast["id"])
+        assert events[-1]["event"] == "done"
+        final = wait(client, slow_job["id"], timeout=180)
+    finally:
+        cm.__exit__(None, None, None)
+        stalled.close()
+    replay = read_events(client, slow_job["id"])
+    assert tokens_text(replay) == final["text"]
+
+
+def test_status_events_report_queue_position(client: httpx.Client) -> None:
+    blockers = [submit(client, prompt="Fill:", max_tokens=300, ignore_eos=True) for _ in range(70)]
+    job = submit(client, prompt="Me next", max_tokens=5)
+    assert job["queue_position"] >= 1
+    polled = client.get(f"/v1/jobs/{job['id']}").json()
+    if polled["status"] == "queued":
+        assert polled["queue_position"] >= 1
+    with client.stream("GET", f"/v1/jobs/{job['id']}/events") as r:
+        first = next(iter_sse(r))
+    for b in blockers:
+        client.post(f"/v1/jobs/{b['id']}/cancel")
+    assert first["event"] in ("status", "token", "done")
+    if first["event"] == "status":
+        assert json.loads(first["data"])["status"] in ("queued", "running")
