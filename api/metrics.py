@@ -25,8 +25,8 @@ router = APIRouter(tags=["metrics"])
 
 
 class SystemCollector:
-    def __init__(self, client: redis.Redis, relay_streams: int) -> None:
-        self.client, self.relay_streams = client, relay_streams
+    def __init__(self, client: redis.Redis, raw: redis.Redis, relay_streams: int) -> None:
+        self.client, self.raw, self.relay_streams = client, raw, relay_streams
 
     def collect(self) -> Iterator[Metric]:
         r = self.client
@@ -35,7 +35,7 @@ class SystemCollector:
             keys = list(r.scan_iter(match=names.heartbeat_pattern(pool), count=500))
             workers[pool] = [json.loads(v) for v in (r.mget(keys) if keys else []) if v]
         inf = workers[names.INFERENCE_POOL]
-        lags = {stream: group_lag(r, stream, group) for stream, group in names.STREAM_GROUPS.items()}
+        lags = {stream: group_lag(self.raw, stream, group) for stream, group in names.STREAM_GROUPS.items()}
 
         running = GaugeMetricFamily("conveyor:num_requests_running", "Sequences in engine batches")
         running.add_metric([], sum(w.get("running", 0) for w in inf))
@@ -92,10 +92,11 @@ async def metrics(request: Request) -> Response:
     state = request.app.state
     if not hasattr(state, "metrics_client"):
         state.metrics_client = sync_client(state.settings.redis_url, retries=1)
+        state.metrics_raw = sync_client(state.settings.redis_url, decode=False, retries=1)
 
     def render() -> bytes:
         registry = CollectorRegistry()
-        registry.register(SystemCollector(state.metrics_client, state.relay.active))  # type: ignore[arg-type]
+        registry.register(SystemCollector(state.metrics_client, state.metrics_raw, state.relay.active))  # type: ignore[arg-type]
         return generate_latest(registry)
 
     body = await asyncio.to_thread(render)

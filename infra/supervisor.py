@@ -17,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from infra.autoscale import Autoscaler
 from infra.redis_server import RedisServer
 from shared import names
 from shared.settings import Settings
@@ -134,10 +135,10 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
     api = Pool("api", cli + ["api"], env, 1, grace_s=10)
     pools = {
         names.TOKENIZER_POOL: Pool(names.TOKENIZER_POOL, cli + ["tokenizer"], env, tokenizers,
-                                   min_size=tokenizers, max_size=max(tokenizers, int(env.get("TOKENIZER_MAX", "4")))
+                                   min_size=tokenizers, max_size=max(tokenizers, settings.tokenizer_max)
                                    if autoscale else tokenizers, grace_s=grace),
         names.INFERENCE_POOL: Pool(names.INFERENCE_POOL, cli + ["inference"], env, inference,
-                                   min_size=inference, max_size=max(inference, int(env.get("INFERENCE_MAX", "1")))
+                                   min_size=inference, max_size=max(inference, settings.inference_max)
                                    if autoscale else inference, grace_s=grace),
     }
     everything = [api, *pools.values()]
@@ -148,7 +149,7 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         ready = threading.Thread(target=lambda: _wait_ready(url, stop) and print(
             f"conveyor is up at {url}  (Ctrl-C stops it)", flush=True), daemon=True)
         ready.start()
-        scaler = _autoscaler(env["REDIS_URL"], pools) if autoscale else None
+        scaler = Autoscaler(settings, env["REDIS_URL"], pools) if autoscale else None
         while not stop.is_set():
             if scaler is not None:
                 scaler()
@@ -167,12 +168,3 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
             redis_server.stop()
         log.info("stopped")
     return 0
-
-
-def _autoscaler(redis_url: str, pools: dict[str, Pool]):  # type: ignore[no-untyped-def]
-    """Returns a callable run every supervisor period (None when the policy is unavailable)."""
-    try:
-        from infra.autoscale import Autoscaler
-    except ImportError:
-        return None
-    return Autoscaler(redis_url, pools)

@@ -57,6 +57,14 @@ class Settings(BaseSettings):
     heartbeat_s: float = 5.0
     drain_grace_s: float = 30.0
 
+    # local autoscaler (infra/autoscale.py); the pools' bounds come from `conveyor up`
+    autoscale_period_s: float = 5.0
+    tokenizer_max: int = 4
+    inference_max: int = 1
+    tokenizer_lag_per_replica: int = 64
+    inference_lag_per_replica: int = 2
+    scale_in_cooldown_s: float = Field(0.0, description="0 keeps each pool's default (60 s / 300 s)")
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.engine not in ("torch", "synthetic"):

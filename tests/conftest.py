@@ -84,7 +84,7 @@ class Stack:
 
 
 def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
-                args: list[str] | None = None, ready_path: str = "/readyz") -> Stack:
+                args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False) -> Stack:
     import subprocess
     import sys
     import time
@@ -101,7 +101,8 @@ def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | N
     })
     env.update(extra or {})
     log = open(tmp / "stack.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--no-autoscale", *(args or [])],
+    flags = [] if autoscale else ["--no-autoscale"]
+    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])],
                             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180

@@ -1,0 +1,75 @@
+"""The local autoscaler: every period, read each pool's signals from Redis, ask the policy how
+many processes it wants, and set the pool's target. The supervisor starts and drains processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from infra.policy import DEFAULT_POLICIES, PolicyState, PoolPolicy, PoolSignals, desired_replicas
+from infra.signals import pool_lags
+from shared import names
+from shared.redis_client import sync_client
+from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from infra.supervisor import Pool
+
+log = logging.getLogger("conveyor.autoscaler")
+
+
+def policies_for(settings: Settings, pools: dict[str, Pool]) -> dict[str, PoolPolicy]:
+    out = {}
+    lag = {names.TOKENIZER_POOL: settings.tokenizer_lag_per_replica,
+           names.INFERENCE_POOL: settings.inference_lag_per_replica}
+    for name, pool in pools.items():
+        base = DEFAULT_POLICIES[name]
+        out[name] = dataclasses.replace(
+            base, min_replicas=pool.min_size, max_replicas=max(pool.max_size, 1), lag_per_replica=lag[name],
+            scale_in_cooldown_s=settings.scale_in_cooldown_s or base.scale_in_cooldown_s,
+            poll_interval_s=settings.autoscale_period_s)
+    return out
+
+
+class Autoscaler:
+    def __init__(self, settings: Settings, redis_url: str, pools: dict[str, Pool]) -> None:
+        self.client = sync_client(redis_url, decode=False, retries=1)  # stream entries hold binary batches
+        self.pools = pools
+        self.policies = policies_for(settings, pools)
+        self.states = {name: PolicyState() for name in pools}
+        self.capacity = settings.max_num_seqs
+        self.period = settings.autoscale_period_s
+        self._next = 0.0
+
+    def signals(self) -> dict[str, PoolSignals]:
+        lags = pool_lags(self.client)
+        keys = list(self.client.scan_iter(match=names.heartbeat_pattern(names.INFERENCE_POOL), count=500))
+        beats = [json.loads(v) for v in (self.client.mget(keys) if keys else []) if v]
+        held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for b in beats)
+        lag_t, pend_t = lags[names.TOKENIZER_POOL]
+        lag_i, pend_i = lags[names.INFERENCE_POOL]
+        return {
+            names.TOKENIZER_POOL: PoolSignals(lag=lag_t, pending=pend_t),
+            names.INFERENCE_POOL: PoolSignals(lag=lag_i, pending=pend_i, running=held,
+                                              capacity_per_replica=self.capacity),
+        }
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.period
+        try:
+            signals = self.signals()
+        except Exception as exc:  # noqa: BLE001 - the supervisor must outlive any bad reading
+            log.warning("no signals this period (%s); pools unchanged", exc)
+            return
+        for name, pool in self.pools.items():
+            decision = desired_replicas(self.policies[name], signals[name], pool.target, now, self.states[name])
+            self.states[name] = decision.state
+            if decision.replicas != pool.target or decision.wanted != pool.target:
+                log.info("%s: %s", name, decision.reason)
+            pool.target = decision.replicas

@@ -1,0 +1,77 @@
+"""The local supervisor scales the tokenizer pool on queue lag and back after the cooldown,
+with every job finished (the synthetic engine stands in for the model: this is about the pools)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from infra.redis_server import RedisServer
+from shared import names
+from shared.jobs import SUBMIT_SCRIPT, new_record
+from tests.conftest import Stack, start_stack, stop_stack
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterator[tuple[Stack, RedisServer]]:
+    server = RedisServer(tmp_path_factory.mktemp("redis-scale"))
+    server.start()
+    stack = start_stack(tmp_path_factory.mktemp("scale"), server.url, model_path, extra={
+        "ENGINE": "synthetic", "TOKENIZER_BATCH": "1", "TOKENIZER_LAG_PER_REPLICA": "50", "TOKENIZER_MAX": "3",
+        "AUTOSCALE_PERIOD_S": "1", "SCALE_IN_COOLDOWN_S": "4", "MAX_NUM_SEQS": "256"}, autoscale=True)
+    yield stack, server
+    stop_stack(stack)
+    server.stop()
+
+
+def burst(r: redis.Redis, n: int) -> list[str]:
+    """Enqueue n jobs at once with the API's own submit script (faster than any HTTP client here)."""
+    submit = r.register_script(SUBMIT_SCRIPT)
+    pipe = r.pipeline(transaction=False)
+    ids = []
+    for i in range(n):
+        job_id = "job_" + uuid.uuid4().hex
+        ids.append(job_id)
+        request = f'{{"prompt": "Burst job {i}: tell me something.", "max_tokens": 2}}'
+        args: list[object] = [3600]
+        for k, v in new_record(job_id, "m", request, True).items():
+            if k != "request":
+                args += [k, v]
+        submit(keys=[names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER],
+               args=[*args, job_id, request], client=pipe)
+    pipe.execute()
+    return ids
+
+
+def test_burst_scales_tokenizers_out_and_back(scaled: tuple[Stack, RedisServer]) -> None:
+    stack, _ = scaled
+    r = stack.redis()
+    assert len(stack.worker_pids(names.TOKENIZER_POOL)) == 1
+    ids = burst(r, 6000)
+    peak = 1
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        peak = max(peak, len(stack.worker_pids(names.TOKENIZER_POOL)))
+        statuses = [r.hget(names.job_key(j), "status") for j in ids[-50:]]
+        if peak > 1 and all(s == "succeeded" for s in statuses):
+            break
+        time.sleep(0.25)
+    assert peak > 1, "the tokenizer pool never grew"
+    deadline = time.monotonic() + 120
+    while True:
+        pipe = r.pipeline(transaction=False)
+        for j in ids:
+            pipe.hget(names.job_key(j), "status")
+        statuses = pipe.execute()
+        if all(s == "succeeded" for s in statuses) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert statuses.count("succeeded") == len(ids), {s: statuses.count(s) for s in set(statuses)}
+    deadline = time.monotonic() + 60
+    while len(stack.worker_pids(names.TOKENIZER_POOL)) > 1:
+        assert time.monotonic() < deadline, "the tokenizer pool did not shrink back after the cooldown"
+        time.sleep(0.5)

@@ -1,0 +1,37 @@
+"""/metrics exposes the whole system's signals, named like vLLM's."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import submit, wait
+
+NAMES = [
+    "conveyor:num_requests_waiting", "conveyor:num_requests_running", "conveyor:kv_cache_usage_perc",
+    "conveyor:time_to_first_token_seconds", "conveyor:inter_token_latency_seconds",
+    "conveyor:e2e_request_latency_seconds", "conveyor:prompt_tokens", "conveyor:generation_tokens",
+    "conveyor:stream_lag", "conveyor:stream_pending", "conveyor:workers_live",
+]
+
+
+def test_metrics_after_a_few_jobs(stack) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        for q in ("One", "Two", "Three"):
+            assert wait(c, submit(c, prompt=q, max_tokens=8, ignore_eos=True)["id"])["status"] == "succeeded"
+        time.sleep(2.5)  # workers flush their observations every second
+        text = c.get("/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in NAMES:
+        assert name in fams, name
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    assert samples[("conveyor:generation_tokens_total", ())] >= 24
+    assert samples[("conveyor:prompt_tokens_total", ())] >= 3
+    assert samples[("conveyor:time_to_first_token_seconds_count", ())] >= 3
+    assert samples[("conveyor:e2e_request_latency_seconds_count", ())] >= 3
+    assert samples[("conveyor:inter_token_latency_seconds_count", ())] >= 3 * 7
+    assert samples[("conveyor:workers_live", (("pool", "inference"),))] >= 1
+    assert samples[("conveyor:workers_live", (("pool", "tokenizer"),))] >= 1
+    assert samples[("conveyor:num_requests_waiting", ())] >= 0
