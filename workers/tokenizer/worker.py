@@ -28,6 +28,7 @@ from shared.schemas import TOKENIZED_SCHEMA, GenerationRequest, to_ipc
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
 from workers.tokenizer.prompt import PromptBuilder, PromptError
+from workers.upkeep import trim_all
 
 log = logging.getLogger("conveyor.tokenizer")
 
@@ -68,6 +69,7 @@ class TokenizerWorker:
                         if keep:
                             self.process(keep)
                         next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
+                        trim_all(self.client)  # keep the streams to what is still in flight
                     entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=500)
                     if entries:
                         self.process(entries)

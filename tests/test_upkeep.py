@@ -1,0 +1,54 @@
+"""Stream trimming keeps only entries still in flight; usage accounting adds up."""
+
+from __future__ import annotations
+
+import redis
+
+from shared import names
+from workers.upkeep import record_usage, trim_all, trim_consumed
+
+
+def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
+    r = redis_db
+    s, g = names.JOBS_STREAM, names.TOKENIZER_GROUP
+    r.xgroup_create(s, g, id="0", mkstream=True)
+    ids = [r.xadd(s, {"n": i}) for i in range(10)]
+    got = r.xreadgroup(g, "c1", {s: ">"}, count=6)[0][1]
+    assert len(got) == 6
+    r.xack(s, g, *ids[:3])  # 0-2 done, 3-5 pending, 6-9 undelivered
+    assert trim_consumed(r, s, g) == 3
+    assert [e for e, _ in r.xrange(s)] == ids[3:]
+    r.xack(s, g, *ids[3:6])
+    trim_consumed(r, s, g)
+    assert [e for e, _ in r.xrange(s)] == ids[6:]  # undelivered entries are never dropped
+    r.xreadgroup(g, "c1", {s: ">"})
+    r.xack(s, g, *ids[6:])
+    assert trim_all(r)[s] == 4 and r.xlen(s) == 0
+    assert trim_consumed(r, "conveyor:none", g) == 0
+
+
+def test_record_usage(redis_db: redis.Redis) -> None:
+    record_usage(redis_db, "m", 10, 5)
+    record_usage(redis_db, "m", 1, 2)
+    key = next(iter(redis_db.scan_iter(match="conveyor:usage:*")))
+    h = redis_db.hgetall(key)
+    assert h == {"m:prompt_tokens": "11", "m:completion_tokens": "7", "m:jobs": "2"}
+    assert 0 < redis_db.ttl(key) <= 35 * 86400
+
+
+def test_celery_app_registers_tasks() -> None:
+    from workers.celery_app import app
+
+    assert {"conveyor.trim_streams", "conveyor.record_usage"} <= set(app.tasks)
+
+
+def test_trim_with_a_binary_client(redis_server) -> None:  # type: ignore[no-untyped-def]
+    raw = redis.Redis(host="127.0.0.1", port=redis_server.port, db=14)
+    raw.flushdb()
+    s, g = names.TOKENIZED_STREAM, names.INFERENCE_GROUP
+    raw.xgroup_create(s, g, id="0", mkstream=True)
+    ids = [raw.xadd(s, {"batch": b"\xff\x00"}) for _ in range(3)]
+    raw.xreadgroup(g, "c", {s: ">"})
+    raw.xack(s, g, ids[0])
+    assert trim_consumed(raw, s, g) == 1
+    raw.flushdb()

@@ -1,0 +1,60 @@
+"""Upkeep that keeps Redis memory flat: trim consumed stream entries, account usage.
+
+Runs from the tokenizer workers' periodic loop and as Celery beat tasks; every function is
+safe to run concurrently from many processes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from shared import names
+
+
+def _id_key(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def trim_consumed(client: redis.Redis, stream: str, group: str) -> int:
+    """Drop entries the group has both been delivered and acknowledged: everything older than
+    the oldest pending entry and not after the last-delivered id. Returns entries removed."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return 0
+    info = next((g for g in groups if _s(g["name"]) == group), None)
+    if info is None:
+        return 0
+    floor = _s(info["last-delivered-id"])
+    if floor == "0-0":
+        return 0
+    pending = client.xpending(stream, group)
+    if pending and pending.get("pending"):
+        oldest = _s(pending["min"])
+        floor = min(floor, oldest, key=_id_key)
+    else:
+        ms, seq = _id_key(floor)
+        floor = f"{ms}-{seq + 1}"  # the last delivered entry is acknowledged too
+    return int(client.execute_command("XTRIM", stream, "MINID", floor))
+
+
+def trim_all(client: redis.Redis) -> dict[str, int]:
+    return {stream: trim_consumed(client, stream, group) for stream, group in names.STREAM_GROUPS.items()}
+
+
+def record_usage(client: redis.Redis, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+    """Per-day, per-model token accounting (kept 35 days)."""
+    key = f"{names.PREFIX}:usage:{time.strftime('%Y-%m-%d', time.gmtime())}"
+    pipe = client.pipeline(transaction=False)
+    pipe.hincrby(key, f"{model}:prompt_tokens", prompt_tokens)
+    pipe.hincrby(key, f"{model}:completion_tokens", completion_tokens)
+    pipe.hincrby(key, f"{model}:jobs", 1)
+    pipe.expire(key, 35 * 86400)
+    pipe.execute()
