@@ -2,12 +2,12 @@
 
 Redis 7 reports a group's lag in XINFO GROUPS (the number KEDA's lag mode reads). Redis 6.2 has
 no such field, and Redis 7 answers NULL when it cannot tell (after entries in the undelivered range
-were deleted or trimmed); then the entries after the group's last-delivered-id are counted in pages.
+were deleted or trimmed); then the entries after the group's last-delivered-id are counted, in pages,
+by a script inside Redis, so no entry (the inference stream holds binary Arrow batches) crosses the
+wire or meets a client that decodes responses.
 """
 
 from __future__ import annotations
-
-from typing import Any, cast
 
 import redis
 
@@ -15,6 +15,19 @@ from shared import names
 
 PAGE = 200
 COUNT_LIMIT = 1_000  # a counted lag stops here: well past where every pool is at its max
+
+# KEYS[1] stream.  ARGV: exclusive start ("(<id>"), limit, page size.  Returns the entries counted.
+COUNT_SCRIPT = """
+local n, start, limit, page = 0, ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+while n < limit do
+  local want = math.min(page, limit - n)
+  local entries = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', want)
+  n = n + #entries
+  if #entries < want then break end
+  start = '(' .. entries[#entries][1]
+end
+return n
+"""
 
 POOL_STREAMS: dict[str, tuple[str, str]] = {
     names.TOKENIZER_POOL: (names.JOBS_STREAM, names.TOKENIZER_GROUP),
@@ -27,8 +40,8 @@ def group_lag(client: redis.Redis, stream: str, group: str, limit: int = COUNT_L
 
     lag: entries not yet delivered to the group; pending: delivered and not acknowledged. A missing
     stream is (0, 0); a stream without the group is (XLEN, 0), since a group created from the start
-    will be handed every entry. A lag that has to be counted (Redis 6.2, or Redis 7's NULL) is exact
-    up to `limit` and reported as `limit` above it.
+    will be handed every entry. A lag that has to be counted (Redis 6.2, or Redis 7's NULL, once the
+    group has read something) is exact up to `limit` and reported as `limit` above it.
     """
     try:
         groups = client.xinfo_groups(stream)
@@ -52,17 +65,10 @@ def pool_lags(client: redis.Redis) -> dict[str, tuple[int, int]]:
 
 
 def _count_after(client: redis.Redis, stream: str, last_id: str, limit: int) -> int:
-    if last_id == "0-0":
-        return min(int(client.xlen(stream)), limit)
-    count, start = 0, f"({last_id}"
-    while count < limit:
-        want = min(PAGE, limit - count)
-        page = cast(list[tuple[Any, Any]], client.xrange(stream, start, "+", count=want))
-        count += len(page)
-        if len(page) < want:
-            break
-        start = f"({_text(page[-1][0])}"
-    return count
+    if last_id == "0-0":  # nothing delivered yet: every entry is lag
+        return int(client.xlen(stream))
+    count = client.register_script(COUNT_SCRIPT)
+    return int(count(keys=[stream], args=[f"({last_id}", limit, PAGE]))
 
 
 def _text(value: str | bytes) -> str:

@@ -1,0 +1,72 @@
+"""Incremental detokenizing and stop strings, on the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer
+
+from gpu_worker.detokenizer import Detokenizer, StopMatcher
+
+
+@pytest.fixture(scope="module")
+def tok(model_path: str) -> Tokenizer:
+    return Tokenizer.from_file(f"{model_path}/tokenizer.json")
+
+
+def test_incremental_equals_full_decode(tok: Tokenizer) -> None:
+    text = "Héllo, wörld! 你好，世界。 Emoji: 🚀🎉 done."
+    ids = tok.encode(text, add_special_tokens=False).ids
+    d = Detokenizer(tok, [])
+    out = "".join(d.push([i])[0] for i in ids) + d.matcher.flush()
+    assert out == tok.decode(ids) == text
+
+
+def test_stop_string_split_across_tokens_is_held_back(tok: Tokenizer) -> None:
+    text = "The answer is forty-two. END of story"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    d = Detokenizer(tok, ["END of"])
+    streamed, hit = [], False
+    for i in ids:
+        chunk, hit = d.push([i])
+        streamed.append(chunk)
+        assert "END" not in chunk
+        if hit:
+            break
+    assert hit
+    assert "".join(streamed) == "The answer is forty-two. "
+
+
+@pytest.mark.parametrize("pieces,stops,emitted,hit", [
+    (["Hel", "lo wor", "ld"], ["world"], "Hello ", True),
+    (["ab", "c"], ["bd"], "abc", False),
+    (["x<", "/s", ">y"], ["</s>"], "x", True),
+    (["a", "b"], [], "ab", False),
+    (["tic", "-tac-", "toe"], ["tac", "toe"], "tic-", True),
+])
+def test_stop_matcher(pieces: list[str], stops: list[str], emitted: str, hit: bool) -> None:
+    m = StopMatcher(stops)
+    out, got_hit = "", False
+    for p in pieces:
+        chunk, got_hit = m.push(p)
+        out += chunk
+        if got_hit:
+            break
+    if not got_hit:
+        out += m.flush()
+    assert (out, got_hit) == (emitted, hit)
+
+
+def test_nothing_streamed_is_retracted() -> None:
+    m = StopMatcher(["STOP"])
+    assert m.push("ST") == ("", False)   # might be the start of STOP: held
+    assert m.push("AR") == ("STAR", False)  # it was not: released
+    assert m.push("S") == ("", False)
+    assert m.push("TOP") == ("", True)
+
+
+def test_resume_restores_held_text(tok: Tokenizer) -> None:
+    ids = tok.encode("Hello world and more", add_special_tokens=False).ids
+    d = Detokenizer(tok, [])
+    d.resume(ids[:2], "Hello")
+    rest, _ = d.push(ids[2:])
+    assert "Hello" + rest + d.matcher.flush() == "Hello world and more"

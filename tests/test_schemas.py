@@ -1,0 +1,53 @@
+"""Message schemas between stages."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow as pa
+import pytest
+from pydantic import ValidationError
+
+from shared.jobs import Job
+from shared.schemas import DELTA_SCHEMA, TOKENIZED_SCHEMA, GenerationRequest, from_ipc, to_ipc
+
+
+def test_tokenized_batch_round_trips() -> None:
+    rows = [
+        {"job_id": f"job_{i}", "prompt_ids": list(range(i + 1)), "max_tokens": 16, "temperature": 0.5,
+         "top_p": 0.9, "top_k": 40, "seed": 2**62 + i, "stop": ["\n\n", "END"], "stop_token_ids": [2],
+         "ignore_eos": i % 2 == 0}
+        for i in range(5)
+    ]
+    batch = pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
+    back = from_ipc(to_ipc(batch), TOKENIZED_SCHEMA).to_pylist()
+    for a, b in zip(rows, back):
+        assert {k: v for k, v in a.items() if k not in ("temperature", "top_p")} == \
+               {k: v for k, v in b.items() if k not in ("temperature", "top_p")}
+        assert math.isclose(a["temperature"], b["temperature"], rel_tol=1e-6)
+
+
+def test_delta_batch_round_trips_and_schema_is_checked() -> None:
+    rows = [{"job_id": "a", "token_ids": [1, 2], "finish_reason": None, "error": None},
+            {"job_id": "b", "token_ids": [], "finish_reason": "error", "error": "boom"}]
+    data = to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA))
+    assert from_ipc(data, DELTA_SCHEMA).to_pylist() == rows
+    with pytest.raises(ValueError):
+        from_ipc(data, TOKENIZED_SCHEMA)
+
+
+def test_generation_request_validation() -> None:
+    assert GenerationRequest(prompt="x", stop="END").stop == ["END"]
+    assert GenerationRequest(messages=[{"role": "user", "content": "hi"}]).messages[0].role == "user"
+    for bad in ({}, {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, {"messages": []},
+                {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "temperature": 3}, {"prompt": "x", "stop": [""]},
+                {"prompt": "x", "unknown": 1}):
+        with pytest.raises(ValidationError):
+            GenerationRequest(**bad)
+
+
+def test_job_from_record() -> None:
+    job = Job.from_record({"id": "job_1", "status": "succeeded", "model": "m", "text": "hi",
+                           "finish_reason": "stop", "prompt_tokens": "3", "completion_tokens": "2",
+                           "created_at": "1.0", "started_at": "2.0", "first_token_at": "", "finished_at": "3.5"})
+    assert job.ended and job.usage.total_tokens == 5 and job.first_token_at is None and job.finished_at == 3.5
