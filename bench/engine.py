@@ -38,10 +38,10 @@ import sys
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     torch.manual_seed(0)
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     print(f"# engine benchmark, {started:%Y-%m-%d %H:%M} UTC\n")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}")
     s = build_setup(args)
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.profile:
         profile_step(s)
-    print(f"\nfinished in {(datetime.now(timezone.utc) - started).total_seconds() / 60:.1f} min")
+    print(f"\nfinished in {(datetime.now(UTC) - started).total_seconds() / 60:.1f} min")
     return 0
 
 

@@ -21,14 +21,23 @@ import orjson
 import redis
 from tokenizers import Tokenizer
 
+from gpu_worker.detokenizer import Detokenizer
 from shared import names
 from shared.job_ops import JobOps
 from shared.jobs import FinishReason
-from shared.metrics import E2E, GENERATION_TOKENS, ITL, PROMPT_TOKENS, QUEUE, REQUEST_SUCCESS, TTFT, Histograms
+from shared.metrics import (
+    E2E,
+    GENERATION_TOKENS,
+    ITL,
+    PROMPT_TOKENS,
+    QUEUE,
+    REQUEST_SUCCESS,
+    TTFT,
+    Histograms,
+)
 from shared.redis_client import sync_client
 from shared.schemas import DELTA_SCHEMA, from_ipc
 from shared.settings import Settings
-from gpu_worker.detokenizer import Detokenizer
 
 log = logging.getLogger("conveyor.output_lane")
 

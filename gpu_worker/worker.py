@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import queue
 import random
 import signal

@@ -36,7 +36,8 @@ class JobOps:
                            names.job_channel(job_id), required_status]
         for k, v in (fields or {}).items():
             args += [k, v]
-        keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.DEQUEUED_COUNTER]
+        keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
+                names.DEQUEUED_COUNTER]
         return self._finish(keys=keys, args=args, client=pipe or self.client)
 
     def fail(self, job_id: str, error: str) -> Any:

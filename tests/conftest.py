@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, model_path: str) ->
 class Stack:
     """The whole stack under the real supervisor (`conveyor up`), on the session's Redis."""
 
-    def __init__(self, url: str, redis_url: str, proc: "subprocess.Popen[bytes]", env: dict[str, str]) -> None:
+    def __init__(self, url: str, redis_url: str, proc: subprocess.Popen[bytes], env: dict[str, str]) -> None:
         self.url, self.redis_url, self.proc, self.env = url, redis_url, proc, env
 
     def redis(self) -> redis.Redis:

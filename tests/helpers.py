@@ -21,7 +21,7 @@ def iter_sse(resp: httpx.Response) -> Iterator[dict[str, Any]]:
             continue
         else:
             name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
+            value = value.removeprefix(" ")
             event[name] = event.get(name, "") + ("\n" if name == "data" and name in event else "") + value
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gpu_worker.engine import EngineConfig, LLMEngine, Request
-from workers.tokenizer.prompt import PromptBuilder
 from shared.schemas import GenerationRequest
+from workers.tokenizer.prompt import PromptBuilder
 
 QUESTIONS = [
     "What is the capital of France?", "Name a large ocean.", "Why is the sky blue?", "Say something kind.",

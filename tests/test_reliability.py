@@ -4,7 +4,6 @@ themselves (a tiny model), so they can be killed and their exit codes read."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess

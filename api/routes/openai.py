@@ -85,7 +85,8 @@ def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk:
         finished = False
         try:
             if role_chunk:
-                yield ServerSentEvent(data=orjson.dumps(chunk(job, {"role": "assistant", "content": ""}, "", None)).decode())
+                first = chunk(job, {"role": "assistant", "content": ""}, "", None)
+                yield ServerSentEvent(data=orjson.dumps(first).decode())
             async for ev in job_events(store, relay, job.id):
                 if isinstance(ev, TokenEvent):
                     yield ServerSentEvent(data=orjson.dumps(chunk(job, {"content": ev.text}, ev.text, None)).decode())

@@ -14,7 +14,7 @@ from collections import deque
 
 from gpu_worker.engine.kv_cache import KVCache
 from gpu_worker.engine.model_runner import StepBatch
-from gpu_worker.engine.sequence import Sequence, SeqStatus
+from gpu_worker.engine.sequence import SeqStatus, Sequence
 
 
 class Scheduler:
