@@ -24,6 +24,7 @@ Scenarios:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -39,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from infra.redis_server import RedisServer, redis_binary  # noqa: E402
 from shared import names  # noqa: E402
-from shared.jobs import FINISH_SCRIPT, START_SCRIPT  # noqa: E402
+from shared.job_ops import JobOps  # noqa: E402
+from shared.jobs import SUBMIT_SCRIPT, FinishReason, new_record  # noqa: E402
 
 REQUEST = '{"messages":[{"role":"user","content":"' + "x" * 200 + '"}],"max_tokens":256,"temperature":0.7}'
 BATCH = 32
@@ -61,15 +63,16 @@ def publish(depth: int) -> Step:
     def step(r: redis.Redis, i: int) -> int:
         pipe = r.pipeline(transaction=False)
         for k in range(depth):
-            body = '{"seq":%d,"type":"token","text":" word"}' % i
+            body = f'{{"seq":{i},"type":"token","text":" word"}}'
             pipe.publish(names.job_channel(f"{os.getpid()}-{k}"), body + " " * (80 - len(body)))
         pipe.execute()
         return depth
     return step
 
 
-def chunk_step(r: redis.Redis, jobs: list[str], seq: int, finish: Any = None) -> None:
-    """One output-lane step (gpu_worker/output_lane.py): per job, the chunk writes, in one MULTI/EXEC."""
+def chunk_step(r: redis.Redis, jobs: list[str], seq: int, finish: JobOps | None = None) -> None:
+    """One output-lane step (gpu_worker/output_lane.py): per job, the chunk writes, in one MULTI/EXEC;
+    with `finish`, each job also ends in it."""
     pipe = r.pipeline(transaction=True)
     text = "tok " * seq
     now = repr(time.time())
@@ -81,14 +84,12 @@ def chunk_step(r: redis.Redis, jobs: list[str], seq: int, finish: Any = None) ->
             pipe.hset(key, "first_token_at", now)
         pipe.setrange(tokens, (seq - 1) * 4, b"\x01\x02\x03\x04")
         pipe.xadd(events, {"type": "token", "text": "tok "}, id=f"0-{seq}")
-        pipe.publish(names.job_channel(job_id), '{"seq":%d,"type":"token","text":"tok "}' % seq)
+        pipe.publish(names.job_channel(job_id), f'{{"seq":{seq},"type":"token","text":"tok "}}')
         pipe.hset(key, mapping={"text": text, "seq": seq, "completion_tokens": seq})
         if seq == 1:
             pipe.expire(events, 86400)
         if finish is not None:
-            finish(keys=[key, events, tokens],
-                   args=["succeeded", "length", "", now, 86400, names.job_channel(job_id), "", "text", text],
-                   client=pipe)
+            finish.finish(job_id, FinishReason.length, "", {"text": text, "completion_tokens": seq}, pipe=pipe)
     pipe.execute()
 
 
@@ -105,21 +106,19 @@ def job(tokens: int, every: int) -> Step:
     def step(r: redis.Redis, wave: int) -> int:
         if not state:
             for stream, group in names.STREAM_GROUPS.items():
-                try:
+                with contextlib.suppress(redis.ResponseError):  # the group exists
                     r.xgroup_create(stream, group, id="0", mkstream=True)
-                except redis.ResponseError:
-                    pass
-            state["start"], state["finish"] = r.register_script(START_SCRIPT), r.register_script(FINISH_SCRIPT)
+            state["jobs"], state["submit"] = JobOps(r, 86400), r.register_script(SUBMIT_SCRIPT)
+        jobs: JobOps = state["jobs"]
         consumer = f"bench-{os.getpid()}"
         ids = [f"{os.getpid()}-{wave}-{k}" for k in range(BATCH)]
-        for job_id in ids:  # api/store.py: one transaction per request
-            pipe = r.pipeline(transaction=True)
-            pipe.hset(names.job_key(job_id), mapping={"id": job_id, "status": "queued", "model": "m",
-                                                      "request": REQUEST, "created_at": repr(time.time()),
-                                                      "seq": 0, "background": 0})
-            pipe.expire(names.job_key(job_id), 86400)
-            pipe.xadd(names.JOBS_STREAM, {"job_id": job_id, "request": REQUEST})
-            pipe.execute()
+        for job_id in ids:  # api/store.py: one script call per request
+            args: list[Any] = [86400]
+            for k, v in new_record(job_id, "m", REQUEST, True).items():
+                if k != "request":
+                    args += [k, v]
+            state["submit"](keys=[names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER,
+                                  names.DEQUEUED_COUNTER], args=[*args, job_id, REQUEST])
         # workers/tokenizer/worker.py
         entries = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.JOBS_STREAM: ">"}, count=BATCH)[0][1]
         pipe = r.pipeline(transaction=False)
@@ -136,10 +135,10 @@ def job(tokens: int, every: int) -> Step:
         [(entry_id, _)] = r.xreadgroup(names.INFERENCE_GROUP, consumer, {names.TOKENIZED_STREAM: ">"},
                                        count=1)[0][1]
         for job_id in ids:
-            state["start"](keys=[names.job_key(job_id)], args=[repr(time.time()), consumer])
+            jobs.start(job_id, consumer)
         chunks = -(-tokens // every)
         for seq in range(1, chunks + 1):
-            chunk_step(r, ids, seq, state["finish"] if seq == chunks else None)
+            chunk_step(r, ids, seq, jobs if seq == chunks else None)
         r.xack(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, entry_id)
         return BATCH
 
@@ -205,12 +204,14 @@ def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> di
     usec = sum(v["usec"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
     main_cpu, total_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     memory = r.info("memory")["used_memory"] - baseline
-    return {"name": name, "units": units, "wall": wall, "commands": commands, "usec": usec, "main_cpu": main_cpu,
-            "total_cpu": total_cpu, "received": received, "dropped": dropped, "memory": memory}
+    return {"name": name, "units": units, "wall": wall, "commands": commands, "usec": usec,
+            "main_cpu": main_cpu, "total_cpu": total_cpu, "received": received, "dropped": dropped,
+            "memory": memory}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", default="", help="redis-server binary (default: the embedded one)")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--clients", type=int, default=1)
@@ -251,12 +252,14 @@ def main() -> None:
                 per_cpu = m["commands"] / m["main_cpu"]
                 rate = f"{m['units'] / m['wall']:,.0f} {unit}s/s"
                 jobs = f"{m['units'] / m['main_cpu']:,.0f}" if unit == "job" else ""
+                received = f"{m['received'] / m['wall']:,.0f}/s" + (" (dropped)" if m["dropped"] else "")
                 print(f"| {name} | {rate} | {m['commands'] / m['wall']:,.0f} | {m['main_cpu'] / m['wall']:.0%} "
-                      f"| {1e6 * m['main_cpu'] / m['commands']:.2f} | {per_cpu:,.0f} | {jobs} "
-                      f"| {m['received'] / m['wall']:,.0f}/s{' (dropped)' if m['dropped'] else ''} |", flush=True)
+                      f"| {1e6 * m['main_cpu'] / m['commands']:.2f} | {per_cpu:,.0f} | {jobs} | {received} |",
+                      flush=True)
                 if unit == "job":
                     print(f"|  ↳ per job: {m['commands'] / m['units']:.0f} Redis commands (scripts count "
-                          f"their inner calls), {m['memory'] / m['units'] / 1024:.1f} KiB kept |||||||", flush=True)
+                          f"their inner calls), {m['memory'] / m['units'] / 1024:.1f} KiB kept |||||||",
+                          flush=True)
         finally:
             server.stop()
 

@@ -26,7 +26,8 @@ class JobOps:
 
     def start(self, job_id: str, worker_id: str) -> tuple[int, int, float]:
         """Returns (code, seq, created_at); see START_SCRIPT for the codes."""
-        code, seq, created = self._start(keys=[names.job_key(job_id), names.DEQUEUED_COUNTER], args=[repr(time.time()), worker_id])
+        code, seq, created = self._start(keys=[names.job_key(job_id), names.DEQUEUED_COUNTER],
+                                         args=[repr(time.time()), worker_id])
         return int(code), int(seq), float(created or 0.0)
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
