@@ -48,13 +48,20 @@ class JobStore:
         return job, False
 
     async def get(self, job_id: str) -> Job | None:
-        rec = await self.r.hgetall(names.job_key(job_id))
-        return Job.from_record(rec) if rec else None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(names.job_key(job_id))
+        pipe.get(names.text_key(job_id))
+        rec, text = await pipe.execute()
+        if not rec:
+            return None
+        rec["text"] = text or ""
+        return Job.from_record(rec)
 
-    async def cancel(self, job_id: str, wait_s: float = 2.0) -> tuple[Job | None, bool]:
+    async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
         """Returns (job, changed). changed is False when the job had already ended."""
         ended = await self._finish(
-            keys=[names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.DEQUEUED_COUNTER],
+            keys=[names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.DEQUEUED_COUNTER,
+                  names.text_key(job_id)],
             args=[JobStatus.cancelled.value, "cancelled", "", repr(time.time()), self.settings.job_ttl_s,
                   names.job_channel(job_id), JobStatus.queued.value])
         if int(ended) > 0:

@@ -164,6 +164,34 @@ class Clock:
             time.sleep(max(0.0, t - self.now()))
 
 
+class CpuShare:
+    """Share of the machine's CPU time used by other processes between two readings (Linux /proc):
+    the noise indicator of a shared machine. None where /proc is unavailable."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
+        busy = total - fields[3] - fields[4]
+        return total, busy, int(own[11]) + int(own[12])  # utime + stime of this process, all threads
+
+    def others(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None or end[0] == self.start[0]:
+            return None
+        d_total, d_busy, d_own = (b - a for a, b in zip(self.start, end))
+        return max(0.0, (d_busy - d_own) / d_total)
+
+
 # ----------------------------------------------------------------------------- metrics
 
 
@@ -237,9 +265,11 @@ def run_naive(s: Setup, client: Client) -> list[Record]:
     return client.records
 
 
-def measure_naive(s: Setup) -> None:
+def measure_naive(s: Setup) -> float | None:
+    """Times the pipeline on up to --naive-subset distinct prompts; returns the CPU share of others."""
     wl, k = s.workload, min(s.args.naive_subset or len(PROMPTS), len(PROMPTS), s.workload.n)
     s.naive_service.clear()
+    cpu = CpuShare()
     for i in range(k):
         t = time.perf_counter()
         s.pipe(wl.messages[i], max_new_tokens=wl.max_new, do_sample=False, eos_token_id=None,
@@ -247,6 +277,7 @@ def measure_naive(s: Setup) -> None:
         s.naive_service[i] = time.perf_counter() - t
     for i in range(k, len(PROMPTS)):  # prompts not timed: mean of those that were
         s.naive_service[i] = statistics.fmean(s.naive_service[j] for j in range(k))
+    return cpu.others()
 
 
 def run_static(s: Setup, client: Client) -> list[Record]:
@@ -529,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     started = datetime.now(UTC)
     print(f"# engine benchmark, {started:%Y-%m-%d %H:%M} UTC\n")
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, model {args.model}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()} of {os.cpu_count()} cores, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, model {args.model}")
     s = build_setup(args)
     wl = s.workload
     lens = [len(x) for x in wl.prompt_ids]
@@ -540,22 +572,29 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[tuple[str, str], list[Result]] = {(c, m): [] for c in args.only for m in modes}
     ours_tokens: dict[str, list[list[int]]] = {}
+    others: list[float] = []
     for rep in range(args.repeats):
         if "naive" in args.only:
-            measure_naive(s)
+            other = measure_naive(s)
+            if other is not None:
+                others.append(other)
         for mode in modes:
             for name in args.only:
                 run, streams = RUNNERS[name]
                 client = Client(wl.n, mode, args.concurrency, args.rate, args.seed)
-                t = time.perf_counter()
+                t, cpu = time.perf_counter(), CpuShare()
                 recs = run(s, client)
+                other = cpu.others()
+                if other is not None and name != "naive":  # naive's timed part runs in measure_naive
+                    others.append(other)
                 check_counts(name, recs, wl.max_new)
                 res = summarise(recs, streams)
                 results[(name, mode)].append(res)
                 if name.startswith("ours") and mode == modes[0] and rep == 0:
                     ours_tokens[name] = [r.tokens for r in recs]
                 print(f"  repeat {rep + 1} {mode:7s} {name:9s} {res.tok_s:8.1f} tok/s "
-                      f"({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+                      f"({time.perf_counter() - t:.0f} s, other processes "
+                      f"{'?' if other is None else f'{other:.0%}'} of the CPU)", file=sys.stderr, flush=True)
 
     print()
     med = print_table(results, args.only, modes)
@@ -564,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
           f"ITL n/a. naive: timed back to back on {min(args.naive_subset or k, k)} distinct prompt(s) per repeat, "
           f"the {wl.n}-request timeline replayed with those per-prompt times (a one-at-a-time server's service "
           f"time does not depend on arrivals).")
+    if others:
+        print(f"noise: other processes used {statistics.median(others):.0%} of the machine's CPU during a timed run "
+              f"(median over runs; max {max(others):.0%})")
     all_mode = "all" if "all" in modes else modes[0]
     ours = med.get(("ours-fp32", all_mode))
     for other in ("naive", "hf-cb"):

@@ -4,7 +4,8 @@
     .venv/bin/python bench/redis_ops.py --server /usr/bin/redis-server --seconds 5
 
 Every scenario replays the commands the code sends (key names from shared.names, the Lua scripts
-from shared.jobs) with append-only persistence on (everysec), as `conveyor up` runs Redis. Client
+from shared.jobs and shared.job_ops) with append-only persistence on (everysec), as `conveyor up`
+runs Redis, except that automatic AOF rewrites are off so the bytes appended can be counted. Client
 processes drive it for --seconds; the figure that matters is Redis's own main-thread CPU time
 (INFO cpu), because a Python client on this machine cannot saturate Redis: commands (or jobs) per
 Redis CPU-second is what one Redis core sustains once Redis is the bottleneck.
@@ -38,10 +39,10 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from infra.redis_server import RedisServer, redis_binary  # noqa: E402
-from shared import names  # noqa: E402
-from shared.job_ops import JobOps  # noqa: E402
-from shared.jobs import SUBMIT_SCRIPT, FinishReason, new_record  # noqa: E402
+from infra.redis_server import RedisServer, redis_binary
+from shared import names
+from shared.job_ops import JobOps
+from shared.jobs import SUBMIT_SCRIPT, FinishReason, new_record
 
 REQUEST = '{"messages":[{"role":"user","content":"' + "x" * 200 + '"}],"max_tokens":256,"temperature":0.7}'
 BATCH = 32
@@ -70,11 +71,12 @@ def publish(depth: int) -> Step:
     return step
 
 
-def chunk_step(r: redis.Redis, jobs: list[str], seq: int, finish: JobOps | None = None) -> None:
-    """One output-lane step (gpu_worker/output_lane.py): per job, the chunk writes, in one MULTI/EXEC;
-    with `finish`, each job also ends in it."""
+def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None) -> None:
+    """One output-lane step (gpu_worker/output_lane.py): per job, the writes for chunk `seq` of
+    `per_chunk` tokens, in one MULTI/EXEC; with `finish`, each job also ends in it."""
     pipe = r.pipeline(transaction=True)
-    text = "tok " * seq
+    n = seq * per_chunk
+    text = "tok " * n
     now = repr(time.time())
     for job_id in jobs:
         key, events, tokens = names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id)
@@ -82,14 +84,14 @@ def chunk_step(r: redis.Redis, jobs: list[str], seq: int, finish: JobOps | None 
             pipe.expire(events, 86400)
             pipe.expire(tokens, 86400)
             pipe.hset(key, "first_token_at", now)
-        pipe.setrange(tokens, (seq - 1) * 4, b"\x01\x02\x03\x04")
-        pipe.xadd(events, {"type": "token", "text": "tok "}, id=f"0-{seq}")
-        pipe.publish(names.job_channel(job_id), f'{{"seq":{seq},"type":"token","text":"tok "}}')
-        pipe.hset(key, mapping={"text": text, "seq": seq, "completion_tokens": seq})
+        pipe.setrange(tokens, (n - per_chunk) * 4, b"\x01\x02\x03\x04" * per_chunk)
+        pipe.xadd(events, {"type": "token", "text": "tok " * per_chunk}, id=f"0-{seq}")
+        pipe.publish(names.job_channel(job_id), f'{{"seq":{seq},"type":"token","text":"{"tok " * per_chunk}"}}')
+        pipe.hset(key, mapping={"text": text, "seq": seq, "completion_tokens": n})
         if seq == 1:
             pipe.expire(events, 86400)
         if finish is not None:
-            finish.finish(job_id, FinishReason.length, "", {"text": text, "completion_tokens": seq}, pipe=pipe)
+            finish.finish(job_id, FinishReason.length, "", {"text": text, "completion_tokens": n}, pipe=pipe)
     pipe.execute()
 
 
@@ -120,7 +122,8 @@ def job(tokens: int, every: int) -> Step:
             state["submit"](keys=[names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER,
                                   names.DEQUEUED_COUNTER], args=[*args, job_id, REQUEST])
         # workers/tokenizer/worker.py
-        entries = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.JOBS_STREAM: ">"}, count=BATCH)[0][1]
+        reply: Any = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.JOBS_STREAM: ">"}, count=BATCH)
+        entries = reply[0][1]
         pipe = r.pipeline(transaction=False)
         for job_id in ids:
             pipe.hmget(names.job_key(job_id), "status", "cancel_requested")
@@ -132,13 +135,13 @@ def job(tokens: int, every: int) -> Step:
         pipe.xack(names.JOBS_STREAM, names.TOKENIZER_GROUP, *[e[0] for e in entries])
         pipe.execute()
         # gpu_worker/worker.py reader lane, then output lane steps
-        [(entry_id, _)] = r.xreadgroup(names.INFERENCE_GROUP, consumer, {names.TOKENIZED_STREAM: ">"},
-                                       count=1)[0][1]
+        reply = r.xreadgroup(names.INFERENCE_GROUP, consumer, {names.TOKENIZED_STREAM: ">"}, count=1)
+        [(entry_id, _)] = reply[0][1]
         for job_id in ids:
             jobs.start(job_id, consumer)
         chunks = -(-tokens // every)
         for seq in range(1, chunks + 1):
-            chunk_step(r, ids, seq, jobs if seq == chunks else None)
+            chunk_step(r, ids, seq, every, jobs if seq == chunks else None)
         r.xack(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, entry_id)
         return BATCH
 
@@ -157,7 +160,8 @@ def drive(url: str, step: Step, seconds: float, go: Any, out: Any) -> None:
 
 def subscribe(url: str, ready: Any, stop: Any, out: Any) -> None:
     """One pattern subscriber reading every chunk, as an API process's relay connection would."""
-    p = redis.Redis.from_url(url).pubsub(ignore_subscribe_messages=True)
+    client: Any = redis.Redis.from_url(url)
+    p = client.pubsub(ignore_subscribe_messages=True)
     p.psubscribe(names.CHANNEL_PREFIX + "*")
     ready.set()
     n, dropped = 0, False
@@ -180,8 +184,10 @@ def cpu(r: redis.Redis) -> tuple[float, float]:
 def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> dict[str, Any]:
     r = redis.Redis.from_url(url)
     r.flushdb()
+    r.config_set("auto-aof-rewrite-percentage", 0)  # a rewrite mid-run would hide the bytes appended
     r.config_resetstat()
     baseline = r.info("memory")["used_memory"]
+    aof0 = r.info("persistence")["aof_current_size"]
     ctx = mp.get_context("fork")
     go, ready, stop, out, sub_out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Queue()
     sub = ctx.Process(target=subscribe, args=(url, ready, stop, sub_out))
@@ -204,9 +210,10 @@ def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> di
     usec = sum(v["usec"] for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config"))
     main_cpu, total_cpu = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     memory = r.info("memory")["used_memory"] - baseline
+    aof = r.info("persistence")["aof_current_size"] - aof0
     return {"name": name, "units": units, "wall": wall, "commands": commands, "usec": usec,
             "main_cpu": main_cpu, "total_cpu": total_cpu, "received": received, "dropped": dropped,
-            "memory": memory}
+            "memory": memory, "aof": aof}
 
 
 def main() -> None:
@@ -258,7 +265,8 @@ def main() -> None:
                       flush=True)
                 if unit == "job":
                     print(f"|  ↳ per job: {m['commands'] / m['units']:.0f} Redis commands (scripts count "
-                          f"their inner calls), {m['memory'] / m['units'] / 1024:.1f} KiB kept |||||||",
+                          f"their inner calls), {m['memory'] / m['units'] / 1024:.1f} KiB kept, "
+                          f"{m['aof'] / m['units'] / 1024:.0f} KiB appended to the AOF |||||||",
                           flush=True)
         finally:
             server.stop()

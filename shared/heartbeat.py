@@ -63,11 +63,11 @@ def live_workers(client: redis.Redis, pool: str) -> list[dict[str, Any]]:
 
 
 def check_pool(settings: Settings, pool: str) -> bool:
-    """For probes: is at least one worker of this pool alive (on this host, when it has any)?"""
+    """For probes: is a worker of this pool alive on this host (this container or pod)?"""
     try:
         workers = live_workers(sync_client(settings.redis_url or "redis://127.0.0.1:6379/0", retries=1), pool)
     except redis.RedisError:
         return False
     host = socket.gethostname()
     mine = [w for w in workers if w.get("host") == host]
-    return bool(mine or workers)
+    return bool(mine)

@@ -38,7 +38,7 @@ class JobOps:
         for k, v in (fields or {}).items():
             args += [k, v]
         keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
-                names.DEQUEUED_COUNTER]
+                names.DEQUEUED_COUNTER, names.text_key(job_id)]
         return self._finish(keys=keys, args=args, client=pipe or self.client)
 
     def fail(self, job_id: str, error: str) -> Any:

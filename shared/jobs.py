@@ -115,7 +115,7 @@ end
 return {0, seq, created}
 """
 
-# KEYS[1] job hash, KEYS[2] event stream, KEYS[3] token list key, KEYS[4] dequeued counter.
+# KEYS[1] job hash, KEYS[2] event stream, KEYS[3] token list key, KEYS[4] dequeued counter, KEYS[5] text.
 # ARGV: status, finish_reason, error, now, ttl, channel, required current status ('' = any active),
 #       then field/value pairs to set.
 # Ends an active job exactly once: sets the terminal state, appends `done` to its event stream,
@@ -135,6 +135,7 @@ local ttl = tonumber(ARGV[5])
 redis.call('EXPIRE', KEYS[1], ttl)
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', KEYS[3], ttl)
+redis.call('EXPIRE', KEYS[5], ttl)
 redis.call('PUBLISH', ARGV[6], cjson.encode({seq = seq, type = 'done'}))
 return seq
 """

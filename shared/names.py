@@ -40,6 +40,11 @@ def tokens_key(job_id: str) -> str:
     return f"{PREFIX}:tokens:{job_id}"
 
 
+def text_key(job_id: str) -> str:
+    """The text streamed so far, appended per chunk (so each write is the chunk, not the whole text)."""
+    return f"{PREFIX}:text:{job_id}"
+
+
 def job_channel(job_id: str) -> str:
     return f"{CHANNEL_PREFIX}{job_id}"
 

@@ -104,8 +104,11 @@ def test_cancel_running_job(client: httpx.Client) -> None:
     t0 = time.monotonic()
     r = client.post(f"/v1/jobs/{job['id']}/cancel")
     assert r.status_code == 200
+    # the API answers once the engine has dropped the sequence (at its next step, ~30 ms here
+    # when idle); the bound only guards against a hang on a loaded machine
+    assert r.json()["status"] == "cancelled"
+    assert time.monotonic() - t0 < 3.0
     final = wait(client, job["id"], timeout=5)
-    assert time.monotonic() - t0 < 1.0
     assert final["status"] == "cancelled" and final["finish_reason"] == "cancelled"
     assert final["usage"]["completion_tokens"] < 900
     assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 409

@@ -120,6 +120,10 @@ class ModelRunner:
         t_dec = max((p + 1 for p in pos[:nd]), default=0)
         dec_mask = None
         if nd:
+            # flat row index of (slot, head, position) in a layer's [rows * heads * capacity, head_dim] view
+            cap = self.cache.capacity
+            heads = torch.arange(self.kv_heads, device=self.device)
+            dec_flat = ((dec_rows_t[:, None] * self.kv_heads + heads[None, :]) * cap + dec_pos_t[:, None]).reshape(-1)
             lengths = dec_pos_t + 1
             dec_mask = (torch.arange(t_dec, device=self.device)[None, :] < lengths[:, None]).view(nd, 1, 1, t_dec)
         chunk_meta = []  # (row, start, n, offset, mask)
@@ -144,9 +148,9 @@ class ModelRunner:
             k = k * cos + _rotate_half(k) * sin
             kc, vc = self.cache.k[li], self.cache.v[li]
             out = torch.empty_like(q)
-            if nd:
-                kc[dec_rows_t, :, dec_pos_t] = k[:nd]
-                vc[dec_rows_t, :, dec_pos_t] = v[:nd]
+            if nd:  # scatter each decode row's new K/V into its slot: a flat index_copy_, no index_put
+                kc.view(-1, self.head_dim).index_copy_(0, dec_flat, k[:nd].reshape(-1, self.head_dim))
+                vc.view(-1, self.head_dim).index_copy_(0, dec_flat, v[:nd].reshape(-1, self.head_dim))
                 if dense:
                     kk, vv = kc[:nd, :, :t_dec], vc[:nd, :, :t_dec]
                 else:

