@@ -91,6 +91,9 @@ class Relay:
                 backoff = 0.1
             except (ConnectionError, TimeoutError, OSError) as exc:
                 log.warning("pub/sub connection lost (%s); reconnecting in %.1fs", exc, backoff)
+                if self.pubsub.connection is not None:
+                    # drop the dead socket now; the next read reconnects and resubscribes every channel
+                    await self.pubsub.connection.disconnect()
                 await asyncio.sleep(backoff + random.random() * backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue

@@ -41,7 +41,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -432,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--levels", default="1,8,32", help="closed-loop concurrency levels (default 1,8,32)")
     p.add_argument("--rate", type=float, default=None,
                    help="open loop instead: Poisson arrivals at this many requests/s (fixed seed)")
-    p.add_argument("--n", type=int, default=None, help="requests per level (default max(64, 4 x concurrency); "
-                                                       "64 with --rate)")
+    p.add_argument("--n", default=None, help="requests per level, one count or one per level, e.g. 8,32,128 "
+                                             "(default max(64, 4 x concurrency); 64 with --rate)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="repeat every level; figures are medians")
     p.add_argument("--seed", type=int, default=0)
@@ -451,10 +451,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --url URL or --start")
 
     if args.rate is not None:
-        plan = [(f"rate {args.rate:g}/s", None, args.n or 64)]
+        plan = [(f"rate {args.rate:g}/s", None, int(args.n.split(",")[0]) if args.n else 64)]
     else:
         levels = list(dict.fromkeys(int(x) for x in args.levels.split(",")))
-        plan = [(str(c), c, args.n or max(64, 4 * c)) for c in levels]
+        ns = [int(x) for x in args.n.split(",")] if args.n else [max(64, 4 * c) for c in levels]
+        if len(ns) == 1:
+            ns *= len(levels)
+        if len(ns) != len(levels):
+            p.error("--n takes one count, or one per level")
+        plan = [(str(c), c, n) for c, n in zip(levels, ns)]
 
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-serve-"))
     servers: list[Server] = []
@@ -516,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     rows = print_table(results, args.inprocess, args.vllm)
     if args.json_out:
-        out = {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "args": vars(args),
+        out = {"when": datetime.now(UTC).isoformat(timespec="seconds"), "args": vars(args),
                "cpus": os.cpu_count(), "results": rows,
                "repeats": {f"{k[0]}@{k[1]}": [asdict(r) for r in v] for k, v in raw.items()}}
         Path(args.json_out).write_text(json.dumps(out, indent=2))

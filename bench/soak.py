@@ -76,6 +76,7 @@ class Soak:
         self.status: collections.Counter[str] = collections.Counter()
         self.problems: list[str] = []
         self.e2e: list[float] = []
+        self.slow: list[tuple[float, dict[str, Any]]] = []  # the slowest jobs, for the report
         self.samples: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
 
@@ -93,6 +94,7 @@ class Soak:
         if self.args.engine == "torch" and i % 3 == 0:
             body["ignore_eos"] = True
         t = time.monotonic()
+        job: dict[str, Any] = {}
         try:
             resp = await client.post("/v1/jobs", json=body)
             if resp.status_code != 202:
@@ -121,6 +123,8 @@ class Soak:
                         self.status["poll " + job["status"]] += 1
                         break
             self.e2e.append(time.monotonic() - t)
+            self.slow.append((self.e2e[-1], job))
+            self.slow = sorted(self.slow, key=lambda x: -x[0])[:3]
         except Exception as exc:  # noqa: BLE001 - counted and reported
             self.problems.append(f"job {i}: {type(exc).__name__}: {exc}")
             self.status["client error"] += 1
@@ -273,9 +277,10 @@ async def main_async(args: argparse.Namespace, stack: Stack) -> int:
         ["succeeded", ok],
         ["problems (SSE replay ≠ text, HTTP errors)", len(soak.problems)],
         ["rate asked / achieved", f"{args.rate:g} / {soak.done / elapsed:.1f} jobs/s, ≤ {args.inflight} in flight"],
-        ["job latency p50 / p99 (client)", f"{statistics.median(e2e):.2f} s / {e2e[int(len(e2e) * .99) - 1]:.2f} s"
-         if e2e else "n/a"],
-        ["JOB_TTL_S", f"{args.ttl} (records, event streams and token keys expire during the run)"],
+        ["job latency p50 / p90 / p99 / max (client)",
+         f"{statistics.median(e2e):.2f} / {e2e[int(len(e2e) * .9) - 1]:.2f} / {e2e[int(len(e2e) * .99) - 1]:.2f}"
+         f" / {e2e[-1]:.2f} s" if e2e else "n/a"],
+        ["JOB_TTL_S", f"{args.ttl} (every per-job key expires during the run)"],
         ["keys at the end", ", ".join(f"{k} {v}" for k, v in keys.items())],
         ["stream lengths at the end", ", ".join(f"{k} {v}" for k, v in lens.items())],
         ["samples", f"{len(soak.samples)} every {args.sample_s:g} s -> {args.csv}"],
@@ -287,6 +292,10 @@ async def main_async(args: argparse.Namespace, stack: Stack) -> int:
     ]
     print()
     print(md_table(["soak", "result"], summary))
+    for took, job in soak.slow:
+        c, s0, f0, e0 = (job.get(k) or 0 for k in ("created_at", "started_at", "first_token_at", "finished_at"))
+        print(f"slow job {job.get('id')}: {took:.2f} s at the client; queued {s0 - c:.2f} s, first token after "
+              f"{f0 - c:.2f} s, generation {e0 - f0:.2f} s, {job.get('usage', {}).get('completion_tokens')} tokens")
     for p in soak.problems[:10]:
         print("problem:", p[:300])
     for ln in logscan["errors"][:10]:

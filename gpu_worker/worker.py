@@ -63,7 +63,7 @@ class InferenceWorker:
         self.client = sync_client(settings.redis_url, decode=False)
         self.worker_id = new_worker_id(names.INFERENCE_POOL)
         self.consumer = StreamConsumer(self.client, names.TOKENIZED_STREAM, names.INFERENCE_GROUP, self.worker_id,
-                                       settings.claim_idle_ms, settings.delivery_limit)
+                                       names.INFERENCE_POOL, settings.claim_idle_ms, settings.delivery_limit)
         self.jobs = JobOps(self.client, settings.job_ttl_s)
         self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.stopping = threading.Event()  # stop reading new work
@@ -95,6 +95,7 @@ class InferenceWorker:
                     self.admit(entry)
                 backoff = 0.1
             except redis.ConnectionError as exc:
+                self.consumer.note_outage()
                 log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                 self.stopping.wait(backoff + random.random() * backoff)
                 backoff = min(backoff * 2, 5.0)

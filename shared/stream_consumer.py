@@ -1,7 +1,7 @@
 """At-least-once consumption of a Redis stream by a consumer group.
 
-New entries come from XREADGROUP; entries a dead consumer left pending come back through
-XAUTOCLAIM once idle past a deadline. A live consumer keeps its own in-flight entries fresh
+New entries come from XREADGROUP; entries a dead consumer (no heartbeat) left pending are
+taken over with XCLAIM once idle past a deadline. A live consumer keeps its own in-flight entries fresh
 (XCLAIM ... JUSTID resets their idle time) so long generations are not stolen. An entry
 delivered more than `delivery_limit` times goes to the dead-letter stream instead.
 """
@@ -33,11 +33,12 @@ def _s(v: bytes | str) -> str:
 
 
 class StreamConsumer:
-    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, pool: str,
                  claim_idle_ms: int = 30_000, delivery_limit: int = 3) -> None:
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
+        self.pool = pool  # consumers are workers of this pool; their heartbeats say who is alive
         self.claim_idle_ms, self.delivery_limit = claim_idle_ms, delivery_limit
-        self._claim_cursor = "0-0"
+        self._quiet_until = 0.0
 
     def ensure_group(self) -> None:
         try:
@@ -59,39 +60,49 @@ class StreamConsumer:
             entries.extend(Entry(_s(eid), fields) for eid, fields in items if fields is not None)
         return entries
 
+    def note_outage(self) -> None:
+        """After losing Redis, live owners need time to refresh their entries and heartbeats
+        before anything idle can be taken for a dead consumer's."""
+        self._quiet_until = time.monotonic() + self.claim_idle_ms / 1000
+
     def claim_stale(self, count: int = 64) -> tuple[list[Entry], list[Entry]]:
-        """Take over entries idle past the deadline. Returns (to process, dead-lettered)."""
+        """Take over entries idle past the deadline whose consumer has no live heartbeat.
+        Returns (to process, dead-lettered)."""
+        if time.monotonic() < self._quiet_until:
+            return [], []
         try:
-            reply = self.client.xautoclaim(self.stream, self.group, self.consumer, self.claim_idle_ms,
-                                           start_id=self._claim_cursor, count=count)
+            rows = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count * 4,
+                                              idle=self.claim_idle_ms)
         except redis.ResponseError as exc:
             if "NOGROUP" in str(exc):
                 self.ensure_group()
                 return [], []
             raise
-        # Redis 6.2 replies [cursor, entries]; 7.x adds a third element, the deleted ids.
-        cursor, items = reply[0], reply[1]
-        self._claim_cursor = _s(cursor)
-        claimed = [(_s(eid), fields) for eid, fields in items]
-        gone = [eid for eid, fields in claimed if fields is None]  # trimmed away meanwhile (6.2)
+        owners = sorted({_s(r["consumer"]) for r in rows} - {self.consumer})
+        if not owners:
+            return [], []
+        pipe = self.client.pipeline(transaction=False)
+        for owner in owners:
+            pipe.exists(names.heartbeat_key(self.pool, owner))
+        dead_owners = {o for o, alive in zip(owners, pipe.execute()) if not alive}
+        stale = [r for r in rows if _s(r["consumer"]) in dead_owners][:count]
+        if not stale:
+            return [], []
+        deliveries = {_s(r["message_id"]): int(r["times_delivered"]) + 1 for r in stale}
+        # XCLAIM re-checks the idle time, so two workers claiming at once cannot both win
+        claimed = self.client.xclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, list(deliveries))
+        gone = [_s(eid) for eid, fields in claimed if fields is None]
         if gone:
             self.ack(gone)
-        live = [(eid, fields) for eid, fields in claimed if fields is not None]
-        if not live:
-            return [], []
-        counts = self._delivery_counts([eid for eid, _ in live])
         keep, dead = [], []
-        for eid, fields in live:
-            entry = Entry(eid, fields, counts.get(eid, 1))
+        for eid, fields in claimed:
+            if fields is None:
+                continue
+            entry = Entry(_s(eid), fields, deliveries.get(_s(eid), 1))
             (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
         for entry in dead:
             self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
         return keep, dead
-
-    def _delivery_counts(self, ids: list[str]) -> dict[str, int]:
-        lo, hi = min(ids, key=_id_key), max(ids, key=_id_key)
-        rows = self.client.xpending_range(self.stream, self.group, min=lo, max=hi, count=len(ids) + 64)
-        return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
     def refresh(self, ids: list[str]) -> None:
         """Reset the idle time of entries this consumer still works on."""

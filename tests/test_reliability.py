@@ -59,7 +59,7 @@ def client(rstack: Stack) -> Iterator[httpx.Client]:
         yield c
 
 
-BODY = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 160, "ignore_eos": True}
+BODY = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 100, "ignore_eos": True}
 
 
 def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Clien
         assert reference["status"] == "succeeded"
         job = submit(client, **BODY)
         deadline = time.monotonic() + 60
-        while client.get(f"/v1/jobs/{job['id']}").json()["usage"]["completion_tokens"] < 50:
+        while client.get(f"/v1/jobs/{job['id']}").json()["usage"]["completion_tokens"] < 30:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         os.kill(first.pid, signal.SIGKILL)
@@ -78,7 +78,7 @@ def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Clien
         assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "running"
         second = spawn_inference(rstack, tmp_path / "w2.log")
         try:
-            final = wait(client, job["id"], timeout=120)
+            final = wait(client, job["id"], timeout=300)
         finally:
             second.terminate()
             second.wait(30)
@@ -87,7 +87,7 @@ def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Clien
             first.kill()
     assert final["status"] == "succeeded", final
     assert final["text"] == reference["text"]
-    assert final["usage"]["completion_tokens"] == 160
+    assert final["usage"]["completion_tokens"] == 100
     events = read_events(client, job["id"])
     seqs = [int(e["id"]) for e in events]
     assert seqs == list(range(1, len(seqs) + 1))  # no duplicate and no missing seq

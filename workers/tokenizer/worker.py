@@ -45,7 +45,7 @@ class TokenizerWorker:
         self.client = client or sync_client(settings.redis_url, decode=False)
         self.worker_id = new_worker_id(names.TOKENIZER_POOL)
         self.consumer = StreamConsumer(self.client, names.JOBS_STREAM, names.TOKENIZER_GROUP, self.worker_id,
-                                       settings.claim_idle_ms, settings.delivery_limit)
+                                       names.TOKENIZER_POOL, settings.claim_idle_ms, settings.delivery_limit)
         self.jobs = JobOps(self.client, settings.job_ttl_s)
         self.prompts = PromptBuilder(settings.model_path)
         self.context = model_context(settings.model_path, settings.max_model_len)
@@ -75,6 +75,7 @@ class TokenizerWorker:
                         self.process(entries)
                     backoff = 0.1
                 except redis.ConnectionError as exc:
+                    self.consumer.note_outage()
                     log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
                     self.stop_event.wait(backoff + random.random() * backoff)
                     backoff = min(backoff * 2, 5.0)

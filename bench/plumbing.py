@@ -1,0 +1,699 @@
+"""Plumbing benchmark: what one API process carries when generation costs nothing.
+
+    .venv/bin/python bench/plumbing.py                    # everything (about 5 minutes)
+    .venv/bin/python bench/plumbing.py --quick            # smoke test (about a minute)
+    .venv/bin/python bench/plumbing.py --only relay --relay-n 1,100,1000
+
+It starts its own stack (`conveyor up --no-autoscale`, its own redis-server on a known port) with
+ENGINE=synthetic: the zero-cost synthetic engine, a benchmark instrument that emits one fixed token
+per running request per step with no model, so only the plumbing is measured. One API process.
+
+(a) accept: jobs/s answered 202 by `POST /v1/jobs` (body `{"prompt": "Hello", "max_tokens": 1}`),
+    from P client processes of C keep-alive connections each (a minimal asyncio HTTP/1.1 client,
+    much cheaper than httpx), and from `wrk` with a Lua script when `wrk` is installed. Twice:
+    with the worker pools paused (SIGSTOP: the API and Redis alone; the queued jobs are trimmed
+    afterwards) and with them consuming (the whole stack on the same cores).
+(b) streams: N jobs with --stream-tokens tokens each, one SSE stream per job on
+    `/v1/jobs/{id}/events`. The inference worker is paused until every stream is open (each has
+    its `status` event), so N streams are held at once; then it runs them all. Reports the API
+    process's RSS (psutil) idle, with N streams held and at peak, Redis connections (`CLIENT LIST`),
+    and checks that every stream received every token, in order, and its `done` event.
+(c) relay delay: N job records made here, one SSE client each; a publisher in this process writes
+    token events the way gpu_worker/output_lane.py does (per tick, one MULTI/EXEC: XADD to each
+    job's event stream + PUBLISH on its channel), with the wall-clock publish time in the text.
+    Delay = client receive time - publish time, per token event, p50/p99/max.
+
+Clients, publisher, API, Redis and the (idle) workers all share this machine's cores: the figures
+are for that, and say how many client processes drove them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
+SUBMIT_BODY = b'{"prompt": "Hello", "max_tokens": 1}'
+OPEN_ATTEMPTS = 10
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- the stack
+
+
+class Stack:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.port, self.redis_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
+        env = dict(os.environ)
+        env.pop("REDIS_URL", None)
+        env.update({"ENGINE": "synthetic", "PORT": str(self.port), "HOST": "127.0.0.1",
+                    "REDIS_PORT": str(self.redis_port), "CONVEYOR_CACHE": str(workdir / "cache"),
+                    "MODEL": args.model, "MAX_NUM_SEQS": str(max(1024, max(args.stream_n))),
+                    "LOG_LEVEL": env.get("LOG_LEVEL", "WARNING")})
+        self.log = open(workdir / "stack.log", "wb")
+        self.log_path = workdir / "stack.log"
+        print(f"[stack] starting (ENGINE=synthetic, log {self.log_path})", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--no-autoscale"], env=env, cwd=ROOT,
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the stack did not come up:\n" + self.log_path.read_text()[-3000:])
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        import redis
+
+        self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
+        print(f"[stack] ready at {self.url}, redis at {self.redis_url}", file=sys.stderr, flush=True)
+
+    def pids(self, role: str) -> list[int]:
+        """Processes of the stack whose command line is `infra.cli <role>`."""
+        import psutil
+
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                cmd = p.cmdline()
+            except psutil.Error:
+                continue
+            if "infra.cli" in cmd and role in cmd:
+                out.append(p.pid)
+        return out
+
+    def api_pid(self) -> int:
+        pids = self.pids("api")
+        if len(pids) != 1:
+            raise RuntimeError(f"expected one API process, found {pids}")
+        return pids[0]
+
+    def pause(self, *roles: str) -> None:
+        for role in roles:
+            for pid in self.pids(role):
+                os.kill(pid, signal.SIGSTOP)
+
+    def resume(self, *roles: str) -> None:
+        for role in roles:
+            for pid in self.pids(role):
+                os.kill(pid, signal.SIGCONT)
+
+    def redis_clients(self) -> dict[str, int]:
+        clients = self.redis.client_list()
+        return {"total": len(clients) - 1,  # less this connection
+                "pubsub": sum(1 for c in clients if int(c.get("sub", 0)) or int(c.get("psub", 0)))}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.resume("tokenizer", "inference")
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.log.close()
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pid: int, period: float = 0.2) -> None:
+        super().__init__(daemon=True)
+        import psutil
+
+        self.proc, self.period = psutil.Process(pid), period
+        self.peak = self.proc.memory_info().rss
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.period):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def now(self) -> int:
+        return int(self.proc.memory_info().rss)
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+# ----------------------------------------------------------------------------- (a) accept
+
+
+async def _submit_loop(host: str, port: int, conns: int, duration: float, t_start: float) -> dict[str, Any]:
+    req = (f"POST /v1/jobs HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(SUBMIT_BODY)}\r\n\r\n").encode() + SUBMIT_BODY
+    per_second: dict[int, int] = {}
+    lat: list[float] = []
+    statuses: dict[int, int] = {}
+    errors = 0
+
+    async def conn() -> None:
+        nonlocal errors
+        while time.time() < t_start:
+            await asyncio.sleep(0.001)
+        end = t_start + duration
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            while time.time() < end:
+                t = time.perf_counter()
+                writer.write(req)
+                status = int((await reader.readline()).split()[1])
+                length = 0
+                while True:
+                    line = await reader.readline()
+                    if line in (b"\r\n", b""):
+                        break
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                await reader.readexactly(length)
+                now = time.time()
+                if now <= end:
+                    statuses[status] = statuses.get(status, 0) + 1
+                    if status == 202:
+                        per_second[int(now - t_start)] = per_second.get(int(now - t_start), 0) + 1
+                        lat.append((time.perf_counter() - t) * 1e3)
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError):
+            errors += 1
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(conn() for _ in range(conns)))
+    return {"per_second": per_second, "lat": lat, "statuses": statuses, "errors": errors}
+
+
+def _submit_proc(host: str, port: int, conns: int, duration: float, t_start: float, out: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    out.put(asyncio.run(_submit_loop(host, port, conns, duration, t_start)))
+
+
+def accept_python(stack: Stack, procs: int, conns: int, duration: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    t_start = time.time() + 3.0  # after the processes have started
+    ps = [ctx.Process(target=_submit_proc, args=("127.0.0.1", stack.port, conns, duration, t_start, q))
+          for _ in range(procs)]
+    for p in ps:
+        p.start()
+    results = [q.get(timeout=duration + 120) for _ in ps]
+    for p in ps:
+        p.join()
+    per_second: dict[int, int] = {}
+    statuses: dict[int, int] = {}
+    lat: list[float] = []
+    for r in results:
+        for s, n in r["per_second"].items():
+            per_second[s] = per_second.get(s, 0) + n
+        for s, n in r["statuses"].items():
+            statuses[s] = statuses.get(s, 0) + n
+        lat += r["lat"]
+    secs = [per_second.get(s, 0) for s in range(int(duration))]
+    return {"client": f"python: {procs} processes x {conns} connections", "accepted_per_s": sum(secs) / len(secs),
+            "per_second_median": statistics.median(secs), "per_second_min": min(secs),
+            "lat_p50_ms": percentile(lat, 50), "lat_p99_ms": percentile(lat, 99), "statuses": statuses,
+            "errors": sum(r["errors"] for r in results)}
+
+
+WRK_LUA = """wrk.method = "POST"
+wrk.body = '%s'
+wrk.headers["Content-Type"] = "application/json"
+""" % SUBMIT_BODY.decode()
+
+
+def accept_wrk(stack: Stack, threads: int, conns: int, duration: float, workdir: Path) -> dict[str, Any] | None:
+    wrk = shutil.which("wrk")
+    if not wrk:
+        print("[accept] wrk not installed (apt-get install -y wrk); skipping it", file=sys.stderr)
+        return None
+    script = workdir / "post.lua"
+    script.write_text(WRK_LUA)
+    cmd = [wrk, f"-t{threads}", f"-c{conns}", f"-d{int(duration)}s", "--latency", "-s", str(script),
+           stack.url + "/v1/jobs"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 60).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    errs = re.search(r"Socket errors: (.*)", out)
+
+    def lat(q: str) -> float:
+        m = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        if not m:
+            return float("nan")
+        return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[m.group(2)]
+
+    bad = int(non2xx.group(1)) if non2xx else 0
+    return {"client": f"wrk: {threads} threads x {conns} connections",
+            "accepted_per_s": rps * (total - bad) / total if total else 0.0, "requests": total, "non_2xx": bad,
+            "lat_p50_ms": lat("50"), "lat_p99_ms": lat("99"), "socket_errors": errs.group(1) if errs else ""}
+
+
+def drop_queued(stack: Stack) -> None:
+    """After a paused-workers run: forget the jobs that piled up (nobody waits for them)."""
+    from shared import names
+
+    stack.redis.xtrim(names.JOBS_STREAM, maxlen=0)
+
+
+def run_accept(stack: Stack, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for mode in ("API + Redis alone (workers paused)", "whole stack (workers consuming)"):
+        paused = mode.startswith("API")
+        for client in ("python", "wrk"):
+            if paused:
+                stack.pause("tokenizer", "inference")
+            try:
+                if client == "python":
+                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s)
+                else:
+                    r = accept_wrk(stack, args.accept_procs, args.accept_procs * args.accept_conns, args.accept_s,
+                                   workdir)
+            finally:
+                if paused:
+                    drop_queued(stack)
+                    stack.resume("tokenizer", "inference")
+            if r is None:
+                continue
+            r["mode"] = mode
+            rows.append(r)
+            print(f"[accept] {mode}, {r['client']}: {r['accepted_per_s']:.0f} jobs/s accepted, "
+                  f"p50 {r['lat_p50_ms']:.1f} ms, p99 {r['lat_p99_ms']:.1f} ms", file=sys.stderr, flush=True)
+            time.sleep(3 if paused else 8)  # let the stack drain what it accepted
+    return rows
+
+
+# ----------------------------------------------------------------------------- SSE clients
+
+
+async def _sse(host: str, port: int, job_id: str, rec: dict[str, Any], connected: Any, timeout: float) -> None:
+    """One SSE stream on /v1/jobs/{id}/events with a minimal HTTP/1.1 reader (chunk-size lines
+    have no colon and are skipped like any SSE line without a field)."""
+    event, data = b"", b""
+    told = False
+    writer = None
+    try:
+        for attempt in range(OPEN_ATTEMPTS):  # a 503 (Retry-After) is retried, as a client would
+            reader, writer = await asyncio.open_connection(host, port, limit=2**20)
+            writer.write(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: {host}\r\n"
+                         "Accept: text/event-stream\r\n\r\n".encode())
+            status = (await asyncio.wait_for(reader.readline(), timeout)).split()
+            if len(status) >= 2 and status[1] == b"200":
+                break
+            rec["open_errors"].append(status[1].decode() if len(status) >= 2 else "no status")
+            writer.close()
+            await asyncio.sleep(0.2 + 0.3 * attempt)
+        else:
+            rec["error"] = f"HTTP {rec['open_errors'][-1]} on all {OPEN_ATTEMPTS} attempts"
+            return
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        deadline = time.monotonic() + timeout
+        while True:
+            line = await asyncio.wait_for(reader.readline(), max(0.1, deadline - time.monotonic()))
+            if not line:
+                rec["error"] = rec.get("error") or "closed before done"
+                return
+            line = line.rstrip(b"\r\n")
+            if line.startswith(b"event:"):
+                event = line[6:].strip()
+            elif line.startswith(b"data:"):
+                data = line[5:].strip()
+            elif not line and data:
+                now = time.time()
+                if not told:
+                    told = True
+                    with connected.get_lock():
+                        connected.value += 1
+                if event == b"token":
+                    msg = json.loads(data)
+                    seq = int(msg["seq"])
+                    if seq != rec["last_seq"] + 1:
+                        rec["gaps"] += 1
+                    rec["last_seq"] = seq
+                    rec["tokens"] += 1
+                    rec["text_len"] += len(msg["text"])
+                    if rec["stamped"]:
+                        rec["delays"].append((now - float(msg["text"])) * 1e3)
+                    elif rec["first_token"] is None:
+                        rec["first_token"] = now
+                elif event == b"done":
+                    rec["done"] = now
+                    return
+                elif event == b"error":
+                    rec["error"] = data.decode()[:200]
+                    return
+                event, data = b"", b""
+    except (TimeoutError, OSError, ValueError) as exc:
+        rec["error"] = f"{type(exc).__name__}: {exc}"[:200]
+    finally:
+        if not told:
+            with connected.get_lock():
+                connected.value += 1  # count it anyway so the run does not wait for it forever
+        if writer is not None:
+            writer.close()
+
+
+def _sse_proc(port: int, job_ids: list[str], stamped: bool, connected: Any, timeout: float, out: Any) -> None:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    recs = [{"job": j, "open_errors": [], "tokens": 0, "text_len": 0, "last_seq": 0, "gaps": 0, "delays": [],
+             "done": None, "first_token": None, "error": None, "stamped": stamped} for j in job_ids]
+
+    async def main() -> None:
+        await asyncio.gather(*(_sse("127.0.0.1", port, j, r, connected, timeout) for j, r in zip(job_ids, recs)))
+
+    asyncio.run(main())
+    out.put(recs)
+
+
+class SseClients:
+    """N SSE streams spread over P processes; `wait_connected` returns once each has its first event."""
+
+    def __init__(self, port: int, job_ids: list[str], procs: int, stamped: bool, timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.n, self.q = len(job_ids), ctx.Queue()
+        self.connected = ctx.Value("i", 0)
+        shares = [job_ids[i::procs] for i in range(procs)]
+        self.ps = [ctx.Process(target=_sse_proc, args=(port, s, stamped, self.connected, timeout, self.q))
+                   for s in shares if s]
+        for p in self.ps:
+            p.start()
+
+    def wait_connected(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        while self.connected.value < self.n:
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"only {self.connected.value}/{self.n} streams opened in {timeout:.0f}s")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def results(self, timeout: float) -> list[dict[str, Any]]:
+        recs: list[dict[str, Any]] = []
+        for _ in self.ps:
+            recs += self.q.get(timeout=timeout)
+        for p in self.ps:
+            p.join()
+        return recs
+
+
+# ----------------------------------------------------------------------------- (b) streams
+
+
+def submit_jobs(stack: Stack, n: int, max_tokens: int) -> list[str]:
+    import httpx
+
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=32)) as c:
+            sem = asyncio.Semaphore(32)
+
+            async def one() -> str:
+                async with sem:
+                    r = await c.post("/v1/jobs", json={"prompt": "Hello", "max_tokens": max_tokens})
+                    r.raise_for_status()
+                    return r.json()["id"]
+
+            return list(await asyncio.gather(*(one() for _ in range(n))))
+
+    return asyncio.run(go())
+
+
+def run_streams(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    api = stack.api_pid()
+    for n in args.stream_n:
+        base = stack.redis_clients()
+        sampler = RssSampler(api)
+        rss_idle = sampler.now()
+        stack.pause("inference")  # the jobs wait until every stream is open
+        try:
+            ids = submit_jobs(stack, n, args.stream_tokens)
+            clients = SseClients(stack.port, ids, args.client_procs, stamped=False, timeout=args.stream_timeout)
+            open_s = clients.wait_connected(120)
+            time.sleep(1.0)
+            rss_held = sampler.now()
+            held = stack.redis_clients()
+            sampler.start()
+        finally:
+            stack.resume("inference")
+        t0 = time.time()
+        recs = clients.results(args.stream_timeout + 60)
+        sampler.stop()
+        sampler.join()
+        with urllib.request.urlopen(f"{stack.url}/v1/jobs/{ids[0]}", timeout=30) as resp:
+            job = json.load(resp)  # every job has the same text: the synthetic token, max_tokens times
+        text_len = len(job["text"]) if job["usage"]["completion_tokens"] == args.stream_tokens else -1
+        ok = [r for r in recs if r["error"] is None and r["done"] is not None and r["gaps"] == 0
+              and r["tokens"] >= 1 and r["text_len"] == text_len]
+        open_503 = sum(len(r["open_errors"]) for r in recs)
+        events = sum(r["tokens"] for r in recs)
+        last_done = max((r["done"] for r in recs if r["done"]), default=t0)
+        errors = [r["error"] for r in recs if r["error"]]
+        row = {"streams": n, "complete": len(ok), "open_s": open_s, "rss_idle": rss_idle, "rss_held": rss_held,
+               "rss_peak": sampler.peak, "redis_clients_before": base, "redis_clients_held": held,
+               "token_events": events, "tokens_expected": n * args.stream_tokens,
+               "events_per_s": events / max(1e-9, last_done - t0), "burst_s": last_done - t0,
+               "first_error": errors[0] if errors else None, "open_refusals": open_503}
+        rows.append(row)
+        print(f"[streams] {n}: {len(ok)}/{n} complete, opened in {open_s:.1f}s, RSS {mib(rss_idle)} idle -> "
+              f"{mib(rss_held)} held -> {mib(sampler.peak)} peak, redis clients {base['total']} -> "
+              f"{held['total']} ({held['pubsub']} pub/sub), {events} token events in {last_done - t0:.1f}s, "
+              f"{open_503} refused opens (retried)" + (f"; first error: {errors[0]}" if errors else ""),
+              file=sys.stderr, flush=True)
+        time.sleep(2)
+    return rows
+
+
+# ----------------------------------------------------------------------------- (c) relay delay
+
+
+def make_records(stack: Stack, n: int) -> list[str]:
+    from shared import names
+    from shared.jobs import new_record
+
+    ids = [f"job_bench{os.getpid()}{time.time_ns()}{i}" for i in range(n)]
+    pipe = stack.redis.pipeline(transaction=False)
+    for job_id in ids:
+        rec = new_record(job_id, "SmolLM2-135M-Instruct", '{"prompt": "bench"}', True)
+        rec.update(status="running", started_at=repr(time.time()))
+        pipe.hset(names.job_key(job_id), mapping=rec)
+        pipe.expire(names.job_key(job_id), 3600)
+    pipe.execute()
+    return ids
+
+
+def publish(stack: Stack, ids: list[str], ticks: int, interval: float) -> float:
+    """Per tick, one MULTI/EXEC with every job's token event, like the output lane's per-step write.
+    Returns how far behind schedule the publisher fell at worst (s)."""
+    import orjson
+
+    from shared import names
+
+    seqs = dict.fromkeys(ids, 0)
+    t0 = time.monotonic()
+    behind = 0.0
+    for k in range(ticks):
+        target = t0 + k * interval
+        delay = target - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        behind = max(behind, -delay)
+        pipe = stack.redis.pipeline(transaction=True)
+        stamp = repr(time.time())
+        for job_id in ids:
+            seqs[job_id] += 1
+            seq = seqs[job_id]
+            pipe.xadd(names.events_key(job_id), {"type": "token", "text": stamp}, id=f"0-{seq}")
+            pipe.publish(names.job_channel(job_id), orjson.dumps({"seq": seq, "type": "token", "text": stamp}))
+            pipe.hset(names.job_key(job_id), mapping={"seq": seq, "completion_tokens": seq})
+        pipe.execute()
+    return behind
+
+
+def finish_records(stack: Stack, ids: list[str]) -> None:
+    from shared.job_ops import JobOps
+    from shared.jobs import FinishReason
+
+    ops = JobOps(stack.redis, 3600)
+    pipe = stack.redis.pipeline(transaction=False)
+    for job_id in ids:
+        ops.finish(job_id, FinishReason.length, "", {"text": ""}, pipe=pipe)
+    pipe.execute()
+
+
+def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    api = stack.api_pid()
+    for n in args.relay_n:
+        ids = make_records(stack, n)
+        sampler = RssSampler(api)
+        clients = SseClients(stack.port, ids, args.client_procs if n > 1 else 1, stamped=True,
+                             timeout=args.relay_ticks * args.relay_interval + 120)
+        clients.wait_connected(120)
+        time.sleep(0.5)
+        sampler.start()
+        behind = publish(stack, ids, args.relay_ticks, args.relay_interval)
+        finish_records(stack, ids)
+        recs = clients.results(args.relay_ticks * args.relay_interval + 180)
+        sampler.stop()
+        sampler.join()
+        delays = [d for r in recs for d in r["delays"]]
+        complete = sum(1 for r in recs if r["error"] is None and r["done"] and r["tokens"] == args.relay_ticks
+                       and r["gaps"] == 0)
+        rate = n / args.relay_interval
+        row = {"streams": n, "events_per_s_offered": rate, "events": len(delays),
+               "events_expected": n * args.relay_ticks, "complete": complete, "p50_ms": percentile(delays, 50),
+               "p99_ms": percentile(delays, 99), "max_ms": max(delays) if delays else float("nan"),
+               "publisher_behind_s": behind, "rss_peak": sampler.peak,
+               "open_refusals": sum(len(r["open_errors"]) for r in recs)}
+        rows.append(row)
+        print(f"[relay] {n} streams at {rate:.0f} events/s: delay p50 {row['p50_ms']:.1f} ms, p99 "
+              f"{row['p99_ms']:.1f} ms, max {row['max_ms']:.1f} ms; {complete}/{n} complete; publisher up to "
+              f"{behind * 1e3:.0f} ms behind", file=sys.stderr, flush=True)
+        time.sleep(1)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def report(accept: list[dict[str, Any]], streams: list[dict[str, Any]], relay: list[dict[str, Any]],
+           args: argparse.Namespace) -> None:
+    print(f"\nOne API process, ENGINE=synthetic, {os.cpu_count()} CPUs shared by clients, API, Redis and workers.\n")
+    if accept:
+        print(f"(a) `POST /v1/jobs` accepted (202) per second, {args.accept_s:.0f} s per row (target >= 1,000)\n")
+        print("| stack | client | jobs/s accepted | latency p50 ms | latency p99 ms | non-202 |")
+        print("|---|---|---|---|---|---|")
+        for r in accept:
+            bad = r.get("non_2xx", sum(n for s, n in r.get("statuses", {}).items() if s != 202))
+            print(f"| {r['mode']} | {r['client']} | {r['accepted_per_s']:,.0f} | {r['lat_p50_ms']:.1f} | "
+                  f"{r['lat_p99_ms']:.1f} | {bad} |")
+        print()
+    if streams:
+        print(f"(b) concurrent SSE streams, one per job, {args.stream_tokens} tokens each, {args.client_procs} client "
+              "processes (target >= 1,000)\n")
+        print("| streams | complete (all tokens, in order, + done) | API RSS idle | RSS, N held | RSS peak | "
+              "Redis connections before / held (pub/sub) | token events/s delivered | opens refused (503, retried) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in streams:
+            print(f"| {r['streams']} | {r['complete']}/{r['streams']} | {mib(r['rss_idle'])} | {mib(r['rss_held'])} | "
+                  f"{mib(r['rss_peak'])} | {r['redis_clients_before']['total']} / {r['redis_clients_held']['total']} "
+                  f"({r['redis_clients_held']['pubsub']}) | {r['events_per_s']:,.0f} | {r['open_refusals']} |")
+        print()
+    if relay:
+        print(f"(c) relay delay, publish (MULTI: XADD + PUBLISH) -> SSE client, one token per stream every "
+              f"{args.relay_interval * 1e3:.0f} ms for {args.relay_ticks} ticks (target p99 <= 50 ms)\n")
+        print("| streams | events/s offered | delay p50 ms | delay p99 ms | delay max ms | complete | API RSS peak | "
+              "opens refused (503, retried) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in relay:
+            print(f"| {r['streams']} | {r['events_per_s_offered']:,.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                  f"{r['max_ms']:.1f} | {r['complete']}/{r['streams']} | {mib(r['rss_peak'])} | {r['open_refusals']} |")
+        print()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="accept,streams,relay", help="comma list of accept, streams, relay")
+    p.add_argument("--quick", action="store_true", help="smoke test: short and small")
+    p.add_argument("--model", default=os.environ.get("MODEL") or DEFAULT_MODEL,
+                   help="model directory (the synthetic engine needs only its tokenizer)")
+    p.add_argument("--accept-s", type=float, default=10.0, help="seconds per accept run")
+    p.add_argument("--accept-procs", type=int, default=2, help="client processes (and wrk threads)")
+    p.add_argument("--accept-conns", type=int, default=32, help="connections per client process")
+    p.add_argument("--client-procs", type=int, default=2, help="SSE client processes for streams and relay")
+    p.add_argument("--stream-n", default="100,500,1000")
+    p.add_argument("--stream-tokens", type=int, default=200)
+    p.add_argument("--stream-timeout", type=float, default=300.0)
+    p.add_argument("--relay-n", default="1,100,1000")
+    p.add_argument("--relay-ticks", type=int, default=50)
+    p.add_argument("--relay-interval", type=float, default=0.1, help="seconds between a stream's token events")
+    p.add_argument("--json", dest="json_out")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.accept_s, args.stream_n, args.stream_tokens = 3.0, "20,100", 20
+        args.relay_n, args.relay_ticks = "1,20", 10
+    args.stream_n = [int(x) for x in str(args.stream_n).split(",")]
+    args.relay_n = [int(x) for x in str(args.relay_n).split(",")]
+    only = set(args.only.split(","))
+
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-plumbing-"))
+    stack = Stack(args, workdir)
+    accept: list[dict[str, Any]] = []
+    streams: list[dict[str, Any]] = []
+    relay: list[dict[str, Any]] = []
+    try:
+        if "accept" in only:
+            accept = run_accept(stack, args, workdir)
+        if "streams" in only:
+            streams = run_streams(stack, args)
+        if "relay" in only:
+            relay = run_relay(stack, args)
+    finally:
+        print("[stack] stopping", file=sys.stderr, flush=True)
+        stack.stop()
+    report(accept, streams, relay, args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
+                                                   "accept": accept, "streams": streams, "relay": relay},
+                                                  indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""At-least-once consumption: only a dead consumer's entries are taken over; a poison entry
+ends in the dead-letter stream after the delivery limit."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from shared import names
+from shared.stream_consumer import StreamConsumer
+
+S, G, POOL = names.JOBS_STREAM, names.TOKENIZER_GROUP, names.TOKENIZER_POOL
+
+
+def consumer(r: redis.Redis, name: str, limit: int = 3) -> StreamConsumer:
+    c = StreamConsumer(r, S, G, name, POOL, claim_idle_ms=50, delivery_limit=limit)
+    c.ensure_group()
+    return c
+
+
+def test_live_owner_keeps_its_entries(redis_db: redis.Redis) -> None:
+    a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
+    redis_db.set(names.heartbeat_key(POOL, "a"), "{}")
+    eid = redis_db.xadd(S, {"job_id": "j1"})
+    assert [e.id for e in a.read(10, 100)] == [eid]
+    time.sleep(0.1)
+    assert b.claim_stale() == ([], [])  # idle, but its owner is alive
+    redis_db.delete(names.heartbeat_key(POOL, "a"))
+    keep, dead = b.claim_stale()
+    assert [(e.id, e.deliveries) for e in keep] == [(eid, 2)] and not dead
+
+
+def test_poison_entry_dead_lettered_after_limit(redis_db: redis.Redis) -> None:
+    eid = redis_db.xadd(S, {"job_id": "poison"})
+    first = consumer(redis_db, "c0", limit=2)
+    assert first.read(10, 100)[0].id == eid  # delivery 1, then the consumer "dies"
+    deliveries = []
+    for i in range(1, 4):
+        time.sleep(0.1)
+        keep, dead = consumer(redis_db, f"c{i}", limit=2).claim_stale()
+        deliveries += [e.deliveries for e in keep]
+        if dead:
+            break
+    assert deliveries == [2]
+    assert [e.id for e in dead] == [eid]
+    entries = redis_db.xrange(names.DEAD_LETTER_STREAM)
+    assert entries[0][1]["source_id"] == eid and entries[0][1]["job_id"] == "poison"
+    assert redis_db.xpending(S, G)["pending"] == 0
+
+
+def test_refresh_keeps_long_work(redis_db: redis.Redis) -> None:
+    a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
+    eid = redis_db.xadd(S, {"job_id": "long"})
+    a.read(10, 100)
+    time.sleep(0.1)
+    a.refresh([eid])
+    b.claim_idle_ms = 80
+    assert b.claim_stale() == ([], [])  # refreshed just now: not idle enough
+
+
+def test_outage_holds_claims_back(redis_db: redis.Redis) -> None:
+    a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
+    redis_db.xadd(S, {"job_id": "x"})
+    a.read(10, 100)
+    time.sleep(0.1)
+    b.claim_idle_ms = 5000
+    b.note_outage()
+    b.claim_idle_ms = 50
+    assert b.claim_stale() == ([], [])
