@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
+from redis.exceptions import RedisError
 
 from api.relay import Relay
 from api.store import JobStore
 from shared.jobs import Job
 
-CATCH_UP_S = 5.0
+CATCH_UP_S = 5.0  # silence this long: re-read the event stream (a lost message, a Redis restart)
+QUEUED_POLL_S = 2.0  # while queued: how often the position is re-read for `status` events
 
 
 @dataclass
@@ -38,6 +40,21 @@ Event = TokenEvent | DoneEvent | StatusEvent
 
 
 async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0) -> AsyncIterator[Event]:
+    """Events after `after`; a Redis error mid-stream is retried (with backoff) from the last seq sent."""
+    last = after
+    for attempt in range(8):
+        try:
+            async for ev in _job_events(store, relay, job_id, last):
+                if isinstance(ev, (TokenEvent, DoneEvent)):
+                    last = ev.seq
+                yield ev
+            return
+        except RedisError:
+            await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+    raise RedisError("the job store stayed unavailable")
+
+
+async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) -> AsyncIterator[Event]:
     sub = await relay.subscribe(job_id)
     last = after
     status_sent: tuple[str, int | None] | None = None
@@ -64,7 +81,7 @@ async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0)
                     yield StatusEvent(job)
             while True:
                 try:
-                    data = await asyncio.wait_for(sub.queue.get(), CATCH_UP_S if last else 1.0)
+                    data = await asyncio.wait_for(sub.queue.get(), CATCH_UP_S if last else QUEUED_POLL_S)
                 except TimeoutError:
                     break
                 if sub.overflowed:

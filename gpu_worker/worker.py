@@ -91,7 +91,7 @@ class InferenceWorker:
                 if not self.capacity.acquire(timeout=0.5):
                     continue
                 self.capacity.release()
-                for entry in self.consumer.read(count=1, block_ms=500):
+                for entry in self.consumer.read(count=8, block_ms=500):
                     self.admit(entry)
                 backoff = 0.1
             except redis.ConnectionError as exc:

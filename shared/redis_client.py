@@ -19,11 +19,13 @@ def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
     )
 
 
-def async_client(url: str, max_connections: int = 64) -> aredis.Redis:
+def async_client(url: str, max_connections: int = 256) -> aredis.Redis:
     # The API fails fast (one short retry) so a Redis outage becomes a 503, not a hung request.
-    return aredis.Redis.from_url(
-        url, decode_responses=True, max_connections=max_connections, socket_connect_timeout=2,
+    # A blocking pool makes a burst of requests wait briefly for a connection instead of failing.
+    pool = aredis.BlockingConnectionPool.from_url(
+        url, decode_responses=True, max_connections=max_connections, timeout=10, socket_connect_timeout=2,
         socket_timeout=10, health_check_interval=15,
         retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.2), 1),
         retry_on_error=[ConnectionError, TimeoutError],
     )
+    return aredis.Redis(connection_pool=pool)

@@ -6,11 +6,12 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 import orjson
+from redis.exceptions import RedisError
 from fastapi import APIRouter, Header, Query, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.deps import RelayDep, SettingsDep, StoreDep
-from api.errors import ApiError
+from api.errors import ApiError, error_body
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
@@ -86,17 +87,20 @@ async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: Settin
     start = after if after is not None else _parse_seq(last_event_id)
 
     async def stream() -> AsyncIterator[ServerSentEvent]:
-        async for ev in job_events(store, relay, job_id, start):
-            if isinstance(ev, TokenEvent):
-                yield ServerSentEvent(data=orjson.dumps({"seq": ev.seq, "text": ev.text}).decode(),
-                                      event="token", id=str(ev.seq))
-            elif isinstance(ev, StatusEvent):
-                yield ServerSentEvent(data=job_json(ev.job), event="status")
-            elif isinstance(ev, DoneEvent):
-                yield ServerSentEvent(data=job_json(ev.job), event="done", id=str(ev.seq))
-                return
-        yield ServerSentEvent(data=orjson.dumps({"error": {"type": "not_found_error",
-                                                            "message": "the job expired"}}).decode(), event="error")
+        try:
+            async for ev in job_events(store, relay, job_id, start):
+                if isinstance(ev, TokenEvent):
+                    yield ServerSentEvent(data=orjson.dumps({"seq": ev.seq, "text": ev.text}).decode(),
+                                          event="token", id=str(ev.seq))
+                elif isinstance(ev, StatusEvent):
+                    yield ServerSentEvent(data=job_json(ev.job), event="status")
+                elif isinstance(ev, DoneEvent):
+                    yield ServerSentEvent(data=job_json(ev.job), event="done", id=str(ev.seq))
+                    return
+            error = error_body(404, "the job expired")
+        except RedisError:
+            error = error_body(503, "the job store is unavailable; reconnect with Last-Event-ID")
+        yield ServerSentEvent(data=orjson.dumps(error).decode(), event="error")
 
     return EventSourceResponse(stream(), ping=int(settings.sse_ping_s), headers=SSE_HEADERS)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from gpu_worker.engine.llm_engine import StepOutput
 from gpu_worker.engine.sequence import Request
 
-WORD_TOKEN = 2030  # " the" in the SmolLM2 vocabulary; any ordinary token works
+WORD_TOKEN = 2030  # " further" in the SmolLM2 vocabulary; any ordinary token works
 
 
 class SyntheticEngine:
