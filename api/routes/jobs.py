@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 import orjson
-from redis.exceptions import RedisError
 from fastapi import APIRouter, Header, Query, Response
+from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from api.deps import RelayDep, SettingsDep, StoreDep
