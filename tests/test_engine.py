@@ -31,7 +31,7 @@ def run(engine: LLMEngine, reqs: list[Request], arrivals: dict[str, int] | None 
         while pending and (arrivals or {}).get(pending[0].id, 0) <= step:
             engine.add_request(pending.pop(0))
         for o in engine.step():
-            out[o.id] += o.token_ids
+            out.setdefault(o.id, []).extend(o.token_ids)
         if steps_log is not None:
             steps_log.append(engine.num_running)
         step += 1
