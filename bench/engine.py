@@ -1,8 +1,8 @@
 """In-process generation benchmark: every contender on the same workload, one Markdown table.
 
-    .venv/bin/python bench/engine.py                       # full default run (about 12 minutes)
-    .venv/bin/python bench/engine.py --n 8 --max-new 8 --repeats 1   # smoke test
-    .venv/bin/python bench/engine.py --profile             # also time one engine step at 32 concurrent
+    .venv/bin/python bench/engine.py             # full default run: 15-20 minutes on 2 idle cores
+    .venv/bin/python bench/engine.py --n 8 --max-new 8 --repeats 1 --concurrency 4   # smoke test
+    .venv/bin/python bench/engine.py --profile   # also break down one fp32 engine step at 32 running
 
 Workload: N requests drawn round-robin from 16 short chat prompts (rendered with the model's chat
 template, about 30-45 tokens), each generating exactly --max-new tokens (greedy, EOS ignored).
@@ -20,9 +20,12 @@ Contenders:
 - `ours-fp32` and `ours-bf16`: `gpu_worker.engine.LLMEngine`.
 
 Output tok/s is generated tokens / (last completion - first arrival). TTFT runs from a request's
-arrival to its first token, ITL is the gap between consecutive tokens of one request. The last
-column is each row's tok/s over the naive row of the same mode. Every figure is the median over
---repeats; contenders are interleaved inside each repeat so that the machine's noise hits them alike.
+arrival to its first token, ITL is the gap between consecutive tokens of one request. The last two
+columns are each row's tok/s over the naive row of the same mode, and the share of the CPU that other
+processes used meanwhile. Every figure is the median over --repeats; contenders are interleaved inside
+each repeat so that the machine's drift hits them alike, and a run disturbed by other processes (more
+than --max-noise of the CPU) is redone, up to --retries times, after waiting for a quiet machine.
+Finally the fp32 engine's tokens are compared with batch-1 `generate` (--check requests).
 """
 
 from __future__ import annotations

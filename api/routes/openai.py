@@ -112,52 +112,45 @@ def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk:
     return EventSourceResponse(events(), ping=15, headers=SSE_HEADERS)
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request, store: StoreDep, relay: RelayDep,
-                           settings: SettingsDep) -> Any:
-    """OpenAI chat completions, streaming or not."""
+async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
+                 relay: Relay, settings: Settings, chat: bool) -> Any:
+    """Both endpoints: one job, streamed as chunks or awaited; only the response shapes differ."""
     _check_model(body.model, settings)
     gen = check_limits(body.to_generation(), settings)
     job, _ = await store.submit(gen, background=False)
     created = int(time.time())
-    cid = "chatcmpl-" + job.id.removeprefix("job_")
+    cid = ("chatcmpl-" if chat else "cmpl-") + job.id.removeprefix("job_")
+    obj = "chat.completion" if chat else "text_completion"
 
-    def chunk(j: Job, delta: dict[str, Any], _text: str, finish: str | None) -> dict[str, Any]:
-        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": j.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    def chunk(j: Job, delta: dict[str, Any], text: str, finish: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": text}
+        return {"id": cid, "object": f"{obj}.chunk" if chat else obj, "created": created, "model": j.model,
+                "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
 
     if body.stream:
-        return _stream(store, relay, job, bool(body.stream_options and body.stream_options.include_usage), chunk,
-                       role_chunk=True)
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream(store, relay, job, usage, chunk, role_chunk=chat)
     end = await _wait_for_end(store, relay, job.id, request)
     if end.status is JobStatus.failed:
         raise _failure(end)
-    return {"id": cid, "object": "chat.completion", "created": created, "model": end.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": end.text},
-                         "logprobs": None, "finish_reason": _finish(end)}],
-            "usage": _usage(end), "system_fingerprint": None}
+    choice = ({"index": 0, "message": {"role": "assistant", "content": end.text}} if chat
+              else {"index": 0, "text": end.text})
+    out = {"id": cid, "object": obj, "created": created, "model": end.model,
+           "choices": [{**choice, "logprobs": None, "finish_reason": _finish(end)}], "usage": _usage(end)}
+    if chat:
+        out["system_fingerprint"] = None
+    return out
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, store: StoreDep, relay: RelayDep,
+                           settings: SettingsDep) -> Any:
+    """OpenAI chat completions, streaming or not."""
+    return await _serve(body, request, store, relay, settings, chat=True)
 
 
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, store: StoreDep, relay: RelayDep,
                       settings: SettingsDep) -> Any:
     """OpenAI text completions, streaming or not."""
-    _check_model(body.model, settings)
-    gen = check_limits(body.to_generation(), settings)
-    job, _ = await store.submit(gen, background=False)
-    created = int(time.time())
-    cid = "cmpl-" + job.id.removeprefix("job_")
-
-    def chunk(j: Job, _delta: dict[str, Any], text: str, finish: str | None) -> dict[str, Any]:
-        return {"id": cid, "object": "text_completion", "created": created, "model": j.model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
-
-    if body.stream:
-        return _stream(store, relay, job, bool(body.stream_options and body.stream_options.include_usage), chunk,
-                       role_chunk=False)
-    end = await _wait_for_end(store, relay, job.id, request)
-    if end.status is JobStatus.failed:
-        raise _failure(end)
-    return {"id": cid, "object": "text_completion", "created": created, "model": end.model,
-            "choices": [{"index": 0, "text": end.text, "logprobs": None, "finish_reason": _finish(end)}],
-            "usage": _usage(end)}
+    return await _serve(body, request, store, relay, settings, chat=False)
