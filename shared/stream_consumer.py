@@ -120,8 +120,3 @@ class StreamConsumer:
         pipe.xack(self.stream, self.group, entry.id)
         pipe.execute()
         log.error("dead-lettered %s %s: %s", self.stream, entry.id, reason)
-
-
-def _id_key(eid: str) -> tuple[int, int]:
-    ms, _, seq = eid.partition("-")
-    return int(ms), int(seq or 0)
