@@ -48,6 +48,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from workload import percentile  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -56,15 +58,6 @@ DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct"
 SUBMIT_BODY = b'{"prompt": "Hello", "max_tokens": 1}'
 OPEN_ATTEMPTS = 10
 
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def free_port() -> int:
