@@ -4,6 +4,10 @@ The linear layers see every scheduled token at once (decode rows and prefill chu
 together, no padding). Attention reads the slot KV cache: decode rows in one batched call
 over a dense view, prefill chunks one by one with a causal mask offset by what is cached.
 Works for Llama, Mistral, Qwen2/3, SmolLM and other models with the same layer shape.
+
+The runner takes over the model it is given: q/k/v and gate/up weights are concatenated into one
+matrix each (the model's parameters become views of it), and where the GEMM backend keeps its own
+layout (oneDNN on CPU in bfloat16) the model's layer matrices are emptied.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class Gemm:
     """Plain torch matmuls over the weights as loaded."""
 
     name = "torch"
+    copies_weights = False
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return w
@@ -58,6 +63,7 @@ class OneDnnGemm(Gemm):
     makes bf16 GEMMs ~1.5x faster here with bit-identical results."""
 
     name = "onednn"
+    copies_weights = True  # the model's own linear layers are emptied once their copies exist
 
     def __init__(self, batch_hint: int) -> None:
         self.batch_hint = batch_hint
@@ -125,11 +131,15 @@ def _layer_weights(layer: torch.nn.Module, gemm: Gemm) -> _Layer:
     if mlp.gate_proj.bias is not None or mlp.down_proj.bias is not None:
         raise ValueError("MLP biases are not supported")
     eps = getattr(layer.input_layernorm, "variance_epsilon", None) or layer.input_layernorm.eps
-    return _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, float(eps),
-                  gemm.prepare(qkv), qkv_bias, gemm.prepare(attn.o_proj.weight), attn.o_proj.bias,
-                  gemm.prepare(gate_up), gemm.prepare(mlp.down_proj.weight), mlp.act_fn,
-                  attn.q_norm.weight if hasattr(attn, "q_norm") else None,
-                  attn.k_norm.weight if hasattr(attn, "k_norm") else None)
+    weights = _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, float(eps),
+                     gemm.prepare(qkv), qkv_bias, gemm.prepare(attn.o_proj.weight), attn.o_proj.bias,
+                     gemm.prepare(gate_up), gemm.prepare(mlp.down_proj.weight), mlp.act_fn,
+                     attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+                     attn.k_norm.weight if hasattr(attn, "k_norm") else None)
+    if gemm.copies_weights:  # the runner now owns these layers' matrices: keep one copy, not two
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            m.weight.data = m.weight.data.new_empty(0)
+    return weights
 
 
 @dataclass
