@@ -80,10 +80,14 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                     status_sent = key
                     yield StatusEvent(job)
             while True:
-                try:
-                    data = await asyncio.wait_for(sub.queue.get(), CATCH_UP_S if last else QUEUED_POLL_S)
-                except TimeoutError:
-                    break
+                try:  # no timer or task per event while messages are waiting
+                    data = sub.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        async with asyncio.timeout(CATCH_UP_S if last else QUEUED_POLL_S):
+                            data = await sub.queue.get()
+                    except TimeoutError:
+                        break
                 if sub.overflowed:
                     break
                 msg = orjson.loads(data)
