@@ -160,3 +160,51 @@ def test_resume_continues_identically(engine: LLMEngine, prompts: list[list[int]
     half = alone[3][:10]
     out = run(engine, [Request("rs", prompts[3], max_tokens=32, temperature=0, ignore_eos=True, resume_ids=half)])
     assert half + out["rs"] == alone[3]
+
+
+def _tiny(arch: str) -> torch.nn.Module:
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, pad_token_id=2)
+    config_cls, model_cls = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # biases on q/k/v
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head RMSNorm on q and k
+    }[arch]
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**common, **extra)).eval()
+    if arch == "qwen2":
+        for layer in model.model.layers:  # randomly initialised biases are zeros: make them matter
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> None:
+    """The fused layers (q/k/v and gate/up in one matrix, oneDNN weights in bf16) compute what the
+    model's own forward computes, for a prefill chunk and for the decode step after it."""
+    from gpu_worker.engine.model_runner import StepBatch
+    from gpu_worker.engine.sequence import Sequence
+
+    model = _tiny(arch).to(getattr(torch, dtype))
+    ids = [5, 17, 99, 300, 42, 7, 301, 11]
+    with torch.inference_mode():  # reference first: the runner takes the model over
+        ref = model(torch.tensor([ids])).logits[0, -2:].float()
+    eng = LLMEngine(EngineConfig(model="unused", dtype=dtype), model=model)
+    seq = Sequence(Request("t", ids[:-1]))
+    eng.scheduler._admit(seq)
+    eng.runner.cache.ensure(1, len(ids))
+    prefill = eng.runner.run(StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
+    seq.num_computed = len(ids) - 1
+    seq.token_ids.append(ids[-1])
+    decode = eng.runner.run(StepBatch(decode=[seq], chunks=[]))
+    tol = 1e-4 if dtype == "float32" else 0.03 * ref.abs().max().item()  # bf16: ~1% seen
+    assert (prefill[0] - ref[0]).abs().max().item() < tol
+    assert (decode[0] - ref[1]).abs().max().item() < tol
+    if dtype == "float32":
+        assert prefill[0].argmax() == ref[0].argmax() and decode[0].argmax() == ref[1].argmax()

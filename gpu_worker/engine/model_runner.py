@@ -91,9 +91,13 @@ def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) 
     if not _onednn_ok(device):
         return Gemm(), Gemm()
     onednn = OneDnnGemm(batch_hint)
-    if dtype in (torch.bfloat16, torch.float16):
+    if dtype == torch.float32:
+        return Gemm(), onednn
+    supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    check = getattr(torch.ops.mkldnn, supported, None)
+    if check is not None and check():  # the CPU has the instructions (AVX512-BF16 / AMX / AVX512-FP16)
         return onednn, onednn
-    return Gemm(), onednn
+    return Gemm(), Gemm()
 
 
 @dataclass
