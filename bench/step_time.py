@@ -30,7 +30,7 @@ def step_time(model: str, dtype: str, batch: int, steps: int, prompt_len: int) -
     from gpu_worker.engine import EngineConfig, LLMEngine, Request
 
     engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, max_num_seqs=max(64, batch),
-                                    max_num_batched_tokens=512))
+                                    max_num_batched_tokens=0))
     prompt = list(range(100, 100 + prompt_len))
     for i in range(batch):
         engine.add_request(Request(f"r{i}", prompt, max_tokens=10_000, temperature=0.0, ignore_eos=True))

@@ -45,7 +45,8 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
     max_num_seqs: int = Field(64, description="most sequences running at once")
-    max_num_batched_tokens: int = Field(512, description="most tokens per step (decode + prefill chunks)")
+    max_num_batched_tokens: int = Field(0, description="most tokens per step (decode + prefill chunks); "
+                                                       "0: 256 on CPU, 2048 on CUDA")
     kv_cache_mb: int = Field(2048, description="KV-cache budget; the newest request is preempted past it")
     max_model_len: int = Field(4096, description="context cap; 0 means the model's own")
     torch_threads: int = 0

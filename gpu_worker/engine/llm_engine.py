@@ -18,10 +18,16 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 0  # 0: per device (DEFAULT_BATCHED_TOKENS)
     kv_cache_mb: int = 2048
     max_model_len: int = 4096
     threads: int = 0
+
+
+# Tokens per step when not configured. On CPU a step's time grows with its tokens, and a prefill chunk
+# stalls every decoding row for that long: 256 halves the stall of 512 at equal throughput (BENCHMARKS.md).
+# A GPU step costs about the same from 1 to thousands of tokens, so it takes much more.
+DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
 
 
 @dataclass
@@ -40,7 +46,8 @@ class LLMEngine:
         self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, model=model)
         cache = self.runner.cache
         budget = max(1, config.kv_cache_mb * 2**20 // cache.bytes_per_token)
-        self.scheduler = Scheduler(cache, config.max_num_seqs, config.max_num_batched_tokens, budget,
+        batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(self.runner.device.type, 512)
+        self.scheduler = Scheduler(cache, config.max_num_seqs, batched, budget,
                                    self.runner.max_model_len)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
