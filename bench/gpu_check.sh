@@ -48,20 +48,12 @@ import warnings
 
 import torch
 
+from bench.workload import percentile
+
 SMOKE = os.environ.get("SMOKE") == "1"
 LEVELS = [int(x) for x in os.environ["LEVELS"].split()]
 DEVICE = "cpu" if SMOKE else "cuda"
 PROMPT_LEN, MAX_NEW = (16, 8) if SMOKE else (64, 128)
-
-
-def percentile(xs, q):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def prompts(n, vocab, seed):

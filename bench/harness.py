@@ -92,20 +92,28 @@ def start_stack(workdir: Path, port: int, model: str, env_extra: dict[str, str],
     return Stack(proc, f"http://127.0.0.1:{port}", log, env)
 
 
-def wait_ready(stack: Stack, timeout: float = 300.0, path: str = "/readyz") -> None:
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "",
+              each_poll: Any = None) -> None:
+    """Poll `url` until it answers 200, failing early if `proc` exits."""
+    what = what or url
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if stack.proc.poll() is not None:
-            raise RuntimeError(f"the stack exited with {stack.proc.returncode}; see {stack.log}")
-        stack.tree()
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: exited with {proc.returncode} before it was ready")
+        if each_poll is not None:
+            each_poll()
         try:
-            with urllib.request.urlopen(stack.url + path, timeout=2) as resp:
+            with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"the stack was not ready within {timeout:.0f}s; see {stack.log}")
+    raise RuntimeError(f"{what}: not ready after {timeout:.0f}s")
+
+
+def wait_ready(stack: Stack, timeout: float = 300.0, path: str = "/readyz") -> None:
+    wait_http(stack.url + path, stack.proc, timeout, f"the stack (log {stack.log})", stack.tree)
 
 
 def stop_stack(stack: Stack, timeout: float = 90.0) -> list[int]:

@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+from harness import wait_http  # noqa: E402
 from workload import PROMPTS, percentile  # noqa: E402
 
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
@@ -272,21 +273,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
 
 
 class Server:

@@ -135,14 +135,17 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
     return weight, bias
 
 
+def _eps(norm: torch.nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", None) or norm.eps)
+
+
 def _layer_weights(layer: torch.nn.Module, gemm: Gemm) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
     if mlp.gate_proj.bias is not None or mlp.down_proj.bias is not None:
         raise ValueError("MLP biases are not supported")
-    eps = getattr(layer.input_layernorm, "variance_epsilon", None) or layer.input_layernorm.eps
-    weights = _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, float(eps),
+    weights = _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _eps(layer.input_layernorm),
                      gemm.prepare(qkv), qkv_bias, gemm.prepare(attn.o_proj.weight), attn.o_proj.bias,
                      gemm.prepare(gate_up), gemm.prepare(mlp.down_proj.weight), mlp.act_fn,
                      attn.q_norm.weight if hasattr(attn, "q_norm") else None,
@@ -188,7 +191,8 @@ class ModelRunner:
             self.lm_head_w = self.head_gemm.prepare(self.model.lm_head.weight)
         self.embed_w = inner.embed_tokens.weight
         self.norm_w = inner.norm.weight
-        self.norm_eps = float(getattr(inner.norm, "variance_epsilon", None) or inner.norm.eps)
+        self.norm_eps = _eps(inner.norm)
+        self.hidden_shape = (cfg.hidden_size,)
         self.eos_token_ids = self._eos_ids()
         with torch.inference_mode():
             pos = torch.arange(self.max_model_len, device=self.device)[None]
@@ -259,7 +263,7 @@ class ModelRunner:
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
         pure_decode = not chunk_meta
         for li, L in enumerate(self.layers):
-            x = F.rms_norm(h, (h.shape[-1],), L.ln1, L.eps)
+            x = F.rms_norm(h, self.hidden_shape, L.ln1, L.eps)
             qkv = self.gemm.linear(x, L.qkv, L.qkv_bias).view(n_tok, H + 2 * KV, D)
             qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
             if L.q_norm is not None:
@@ -292,7 +296,7 @@ class ModelRunner:
                     out[o_off : o_off + n] = oc[0].transpose(0, 1)
                 out = out.view(n_tok, H * D)
             h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
-            gate, up = self.gemm.linear(F.rms_norm(h, (h.shape[-1],), L.ln2, L.eps), L.gate_up).chunk(2, dim=-1)
+            gate, up = self.gemm.linear(F.rms_norm(h, self.hidden_shape, L.ln2, L.eps), L.gate_up).chunk(2, dim=-1)
             h = self.gemm.linear_add(L.act(gate) * up, L.down, h)
 
         sample_rows = list(range(nd))
@@ -301,6 +305,7 @@ class ModelRunner:
                 sample_rows.append(o_off + n - 1)
         if not sample_rows:
             return torch.empty(0, self.vocab_size)
-        idx = self._to_device(sample_rows)
-        h = F.rms_norm(h.index_select(0, idx), (h.shape[-1],), self.norm_w, self.norm_eps)
+        if len(sample_rows) < n_tok:  # a pure decode step samples every row, in order
+            h = h.index_select(0, self._to_device(sample_rows))
+        h = F.rms_norm(h, self.hidden_shape, self.norm_w, self.norm_eps)
         return self.head_gemm.linear(h, self.lm_head_w).float()
