@@ -85,9 +85,9 @@ def _onednn_ok(device: torch.device) -> bool:
 
 def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) -> tuple[Gemm, Gemm]:
     """(GEMM for the decoder layers, GEMM for the LM head). On CPU, bf16/fp16 layers use oneDNN.
-    In float32, oneDNN loses to MKL on the small layer matrices at batch 1 (~1.7x slower per layer)
-    and wins by ~10% at 32, so the layers stay on torch's MKL path; the LM head (vocab x hidden) is
-    faster on oneDNN at every batch size from 8 up (~2x at 8, ~1.25x at 32, within 10% at 1)."""
+    In float32 (bench/gemm_shapes.py), oneDNN loses to MKL on the small layer matrices at batch 1
+    (~1.5x slower per layer) and wins by ~20% at 32, so the layers stay on torch's MKL path; the LM
+    head (vocab x hidden) is faster on oneDNN from batch 8 up (~2.3x at 8, ~1.2x at 32, even at 1)."""
     if not _onednn_ok(device):
         return Gemm(), Gemm()
     onednn = OneDnnGemm(batch_hint)

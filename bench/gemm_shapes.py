@@ -1,0 +1,68 @@
+"""Per-shape CPU GEMM timing: torch's `F.linear` (MKL in float32) against oneDNN on a weight
+reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`), at several row
+counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/model_runner.py.
+
+    .venv/bin/python bench/gemm_shapes.py                      # SmolLM2-135M's shapes, float32
+    .venv/bin/python bench/gemm_shapes.py --dtype bfloat16
+
+Shapes (in -> out): fused q/k/v, o, fused gate/up, down, LM head. Each figure is the smaller of two
+medians of --n calls, in microseconds; "layer" sums the four layer matrices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
+
+
+def timed(fn, n: int) -> float:
+    for _ in range(10):
+        fn()
+    runs = []
+    for _ in range(2):
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        runs.append(statistics.median(ts))
+    return min(runs) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rows", default="1,4,8,16,32,64")
+    p.add_argument("--n", type=int, default=60)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; microseconds (torch / onednn)")
+    print("| rows | " + " | ".join(SHAPES) + " | layer |")
+    print("|---" * (len(SHAPES) + 2) + "|")
+    weights = {k: torch.randn(o, i, dtype=dtype) * 0.05 for k, (i, o) in SHAPES.items()}
+    packed = {k: torch.ops.mkldnn._reorder_linear_weight(w, 32) for k, w in weights.items()}
+    for m in (int(r) for r in args.rows.split(",")):
+        cells, layer = [], [0.0, 0.0]
+        for k, (i, _) in SHAPES.items():
+            x = torch.randn(m, i, dtype=dtype)
+            w, pw = weights[k], packed[k]
+            a = timed(lambda x=x, w=w: F.linear(x, w), args.n)
+            b = timed(lambda x=x, pw=pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), args.n)
+            cells.append(f"{a:.0f} / {b:.0f}")
+            if k != "lm_head":
+                layer[0] += a
+                layer[1] += b
+        print(f"| {m} | " + " | ".join(cells) + f" | {layer[0]:.0f} / {layer[1]:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
