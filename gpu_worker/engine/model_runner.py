@@ -78,6 +78,32 @@ class OneDnnGemm(Gemm):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
 
 
+class SplitGemm(Gemm):
+    """float32 on CPU, by row count: torch's MKL path on the weights as loaded for a step of a few
+    rows (single-stream decode: ~1.6x faster than oneDNN there), oneDNN on a reordered copy from
+    `min_rows` up (~1.2x faster than MKL for a layer at 8-32 rows, even at 256). Costs a second copy
+    of the layer matrices (bench/gemm_shapes.py has the per-shape figures)."""
+
+    name = "mkl+onednn"
+
+    def __init__(self, batch_hint: int, min_rows: int = 3) -> None:
+        self.onednn = OneDnnGemm(batch_hint)
+        self.min_rows = min_rows
+
+    def prepare(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return w, self.onednn.prepare(w)
+
+    def linear(self, x: torch.Tensor, w: tuple, b: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] >= self.min_rows:
+            return self.onednn.linear(x, w[1], b)
+        return F.linear(x, w[0], b)
+
+    def linear_add(self, x: torch.Tensor, w: tuple, residual: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= self.min_rows:
+            return self.onednn.linear_add(x, w[1], residual)
+        return torch.addmm(residual, x, w[0].t())
+
+
 def _onednn_ok(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -85,14 +111,14 @@ def _onednn_ok(device: torch.device) -> bool:
 
 def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) -> tuple[Gemm, Gemm]:
     """(GEMM for the decoder layers, GEMM for the LM head). On CPU, bf16/fp16 layers use oneDNN.
-    In float32 (bench/gemm_shapes.py), oneDNN loses to MKL on the small layer matrices at batch 1
-    (~1.5x slower per layer) and wins by ~20% at 32, so the layers stay on torch's MKL path; the LM
-    head (vocab x hidden) is faster on oneDNN from batch 8 up (~2.3x at 8, ~1.2x at 32, even at 1)."""
+    In float32 (bench/gemm_shapes.py), oneDNN loses to MKL on the small layer matrices at 1-2 rows
+    (~1.6x slower per layer) and wins by ~20% at 4-32, so the layers switch by row count; the LM
+    head (vocab x hidden) is faster on oneDNN at every row count (~2.3x at 8, ~1.2x at 32)."""
     if not _onednn_ok(device):
         return Gemm(), Gemm()
     onednn = OneDnnGemm(batch_hint)
     if dtype == torch.float32:
-        return Gemm(), onednn
+        return SplitGemm(batch_hint), onednn
     supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     check = getattr(torch.ops.mkldnn, supported, None)
     if check is not None and check():  # the CPU has the instructions (AVX512-BF16 / AMX / AVX512-FP16)
@@ -106,12 +132,12 @@ class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps: float
-    qkv: torch.Tensor
+    qkv: object  # as the GEMM backend prepared it
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: object  # as the GEMM backend prepared it
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: object  # as the GEMM backend prepared it
+    down: object  # as the GEMM backend prepared it
     act: object
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
