@@ -13,6 +13,10 @@ Workload: requests drawn round-robin from 16 short chat prompts (the list of ben
 starts when one finishes) for N requests (default max(64, 4c)). Open loop (`--rate R`): N requests
 arrive at Poisson times drawn from a fixed seed, whatever is in flight.
 
+With --start, it also reports the CPU each of conveyor's processes used during its runs (% of one core,
+from psutil over the stack's process tree; `client` is this load generator): on a machine where the
+engine's threads want every core, what the other processes take is what the full path loses.
+
 Per target and level: output tok/s = completion tokens (from the final usage chunk, else the
 number of content chunks) / (last end - first start); TTFT = first content chunk - request start;
 ITL = gaps between consecutive content chunks of one request (a chunk may carry several tokens);
@@ -50,7 +54,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-from harness import wait_http  # noqa: E402
+import psutil  # noqa: E402
+from harness import classify, wait_http  # noqa: E402
 from workload import PROMPTS, percentile  # noqa: E402
 
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
@@ -348,6 +353,52 @@ def fmt(x: float, digits: int = 0) -> str:
     return "n/a" if x != x else f"{x:,.{digits}f}"
 
 
+CPU_ROLES = ("inference", "output-lane", "api", "redis-server", "tokenizer", "client")
+
+
+def cpu_seconds(server: Server | None) -> dict[tuple[str, int], float]:
+    """CPU seconds (user + system) so far of each process in the server's tree, keyed by (role, pid),
+    and of this process (the load generator) as ("client", pid)."""
+    out: dict[tuple[str, int], float] = {}
+    me = psutil.Process()
+    out[("client", me.pid)] = sum(me.cpu_times()[:2])
+    if server is None:
+        return out
+    try:
+        root = psutil.Process(server.proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return out
+    for proc in procs:
+        role = classify(proc, root.pid)
+        try:
+            out[(role or "other", proc.pid)] = sum(proc.cpu_times()[:2])
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_share(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float],
+              wall: float) -> dict[str, float]:
+    """Per role: CPU used between two snapshots, as a percentage of one core over `wall` seconds."""
+    share: dict[str, float] = {}
+    for key, t in after.items():
+        share[key[0]] = share.get(key[0], 0.0) + (t - before.get(key, 0.0)) / wall * 100
+    return share
+
+
+def print_cpu(cpu: dict[str, list[dict[str, float]]]) -> None:
+    if not cpu:
+        return
+    print("\nCPU use during conveyor's runs, % of one core (median over repeats; the load generator is `client`):\n")
+    print("| concurrency | " + " | ".join(CPU_ROLES) + " | all but inference |")
+    print("|" + "---|" * (len(CPU_ROLES) + 2))
+    for label, runs in cpu.items():
+        med = {r: statistics.median(run.get(r, 0.0) for run in runs) for r in CPU_ROLES}
+        rest = statistics.median(sum(v for k, v in run.items() if k != "inference") for run in runs)
+        print(f"| {label} | " + " | ".join(f"{med[r]:.0f}" for r in CPU_ROLES) + f" | {rest:.0f} |")
+
+
 def print_table(results: list[Result], has_inproc: bool, has_vllm: bool) -> list[dict[str, Any]]:
     head = ["target", "concurrency", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
             "E2E p50 s", "E2E p99 s"]
@@ -452,11 +503,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{tname}] warm-up: {sum(r.tokens for r in recs)} tokens", file=sys.stderr, flush=True)
 
         raw: dict[tuple[str, str], list[Result]] = {}
+        cpu: dict[str, list[dict[str, float]]] = {}  # level -> per repeat, role -> % of a core (conveyor only)
+        own = servers[0] if args.start else None
         for rep in range(args.repeats):
             for label, c, n in plan:
                 for tname, target in targets:
                     t = time.perf_counter()
+                    before = cpu_seconds(own) if tname == "conveyor" else None
                     recs = run_one(target, n, c, args.seed + rep)
+                    if before is not None:
+                        cpu.setdefault(label, []).append(cpu_share(before, cpu_seconds(own), time.perf_counter() - t))
                     res = summarise(tname, label, recs)
                     raw.setdefault((tname, label), []).append(res)
                     bad = [r for r in recs if r.error]
@@ -479,9 +535,10 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeats} repeat(s), {os.cpu_count()} CPUs")
     print()
     rows = print_table(results, args.inprocess, args.vllm)
+    print_cpu(cpu)
     if args.json_out:
         out = {"when": datetime.now(UTC).isoformat(timespec="seconds"), "args": vars(args),
-               "cpus": os.cpu_count(), "results": rows,
+               "cpus": os.cpu_count(), "results": rows, "cpu": cpu,
                "repeats": {f"{k[0]}@{k[1]}": [asdict(r) for r in v] for k, v in raw.items()}}
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 1 if any(r.errors for r in results) else 0
