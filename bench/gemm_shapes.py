@@ -7,11 +7,16 @@ counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/model_
 
 Shapes (in -> out): fused q/k/v, o, fused gate/up, down, LM head. Each figure is the smaller of two
 medians of --n calls, in microseconds; "layer" sums the four layer matrices.
+
+By default each call reuses one weight, which then sits in the CPU's caches. A model's step reads
+every layer's weights once, from memory: `--copies 30` cycles through 30 copies of each weight
+(like 30 layers) so each call reads its weight cold, which is what a decode step sees.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -41,22 +46,26 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,8,16,32,64")
     p.add_argument("--n", type=int, default=60)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--copies", type=int, default=1, help="distinct copies of each weight to cycle through")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; microseconds (torch / onednn)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+          f"{args.copies} copies per weight; microseconds (torch / onednn)")
     print("| rows | " + " | ".join(SHAPES) + " | layer |")
     print("|---" * (len(SHAPES) + 2) + "|")
-    weights = {k: torch.randn(o, i, dtype=dtype) * 0.05 for k, (i, o) in SHAPES.items()}
-    packed = {k: torch.ops.mkldnn._reorder_linear_weight(w, 32) for k, w in weights.items()}
+    weights = {k: [torch.randn(o, i, dtype=dtype) * 0.05 for _ in range(args.copies)] for k, (i, o) in SHAPES.items()}
+    packed = {k: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for k, ws in weights.items()}
+    turn = itertools.count()
     for m in (int(r) for r in args.rows.split(",")):
         cells, layer = [], [0.0, 0.0]
         for k, (i, _) in SHAPES.items():
             x = torch.randn(m, i, dtype=dtype)
-            w, pw = weights[k], packed[k]
-            a = timed(lambda x=x, w=w: F.linear(x, w), args.n)
-            b = timed(lambda x=x, pw=pw: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), args.n)
+            ws, pws = weights[k], packed[k]
+            a = timed(lambda x=x, ws=ws: F.linear(x, ws[next(turn) % len(ws)]), args.n)
+            b = timed(lambda x=x, pws=pws: torch.ops.mkldnn._linear_pointwise(x, pws[next(turn) % len(pws)], None,
+                                                                                 "none", [], ""), args.n)
             cells.append(f"{a:.0f} / {b:.0f}")
             if k != "lm_head":
                 layer[0] += a

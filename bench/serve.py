@@ -387,16 +387,18 @@ def cpu_share(before: dict[tuple[str, int], float], after: dict[tuple[str, int],
     return share
 
 
-def print_cpu(cpu: dict[str, list[dict[str, float]]]) -> None:
+def print_cpu(cpu: dict[str, list[dict[str, float]]], inproc: dict[str, list[float]]) -> None:
     if not cpu:
         return
-    print("\nCPU use during conveyor's runs, % of one core (median over repeats; the load generator is `client`):\n")
-    print("| concurrency | " + " | ".join(CPU_ROLES) + " | all but inference |")
-    print("|" + "---|" * (len(CPU_ROLES) + 2))
+    print("\nCPU use during conveyor's runs, % of one core (median over repeats; the load generator is `client`;\n"
+          "last column: the in-process engine during its own runs, for comparison with `inference`):\n")
+    print("| concurrency | " + " | ".join(CPU_ROLES) + " | all but inference | in-process engine |")
+    print("|" + "---|" * (len(CPU_ROLES) + 3))
     for label, runs in cpu.items():
         med = {r: statistics.median(run.get(r, 0.0) for run in runs) for r in CPU_ROLES}
         rest = statistics.median(sum(v for k, v in run.items() if k != "inference") for run in runs)
-        print(f"| {label} | " + " | ".join(f"{med[r]:.0f}" for r in CPU_ROLES) + f" | {rest:.0f} |")
+        engine = f"{statistics.median(inproc[label]):.0f}" if label in inproc else "n/a"
+        print(f"| {label} | " + " | ".join(f"{med[r]:.0f}" for r in CPU_ROLES) + f" | {rest:.0f} | {engine} |")
 
 
 def print_table(results: list[Result], has_inproc: bool, has_vllm: bool) -> list[dict[str, Any]]:
@@ -504,15 +506,21 @@ def main(argv: list[str] | None = None) -> int:
 
         raw: dict[tuple[str, str], list[Result]] = {}
         cpu: dict[str, list[dict[str, float]]] = {}  # level -> per repeat, role -> % of a core (conveyor only)
+        inproc_cpu: dict[str, list[float]] = {}  # level -> per repeat, the in-process engine's % of a core
         own = servers[0] if args.start else None
         for rep in range(args.repeats):
             for label, c, n in plan:
                 for tname, target in targets:
                     t = time.perf_counter()
-                    before = cpu_seconds(own) if tname == "conveyor" else None
+                    before = cpu_seconds(own) if tname in ("conveyor", "in-process") else None
                     recs = run_one(target, n, c, args.seed + rep)
                     if before is not None:
-                        cpu.setdefault(label, []).append(cpu_share(before, cpu_seconds(own), time.perf_counter() - t))
+                        share = cpu_share(before, cpu_seconds(own if tname == "conveyor" else None),
+                                          time.perf_counter() - t)
+                        if tname == "conveyor":
+                            cpu.setdefault(label, []).append(share)
+                        else:  # this process ran the engine and nothing else
+                            inproc_cpu.setdefault(label, []).append(share["client"])
                     res = summarise(tname, label, recs)
                     raw.setdefault((tname, label), []).append(res)
                     bad = [r for r in recs if r.error]
@@ -535,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.repeats} repeat(s), {os.cpu_count()} CPUs")
     print()
     rows = print_table(results, args.inprocess, args.vllm)
-    print_cpu(cpu)
+    print_cpu(cpu, inproc_cpu)
     if args.json_out:
         out = {"when": datetime.now(UTC).isoformat(timespec="seconds"), "args": vars(args),
                "cpus": os.cpu_count(), "results": rows, "cpu": cpu,

@@ -79,10 +79,11 @@ class OneDnnGemm(Gemm):
 
 
 class SplitGemm(Gemm):
-    """float32 on CPU, by row count: torch's MKL path on the weights as loaded for a step of a few
-    rows (single-stream decode: ~1.6x faster than oneDNN there), oneDNN on a reordered copy from
-    `min_rows` up (~1.2x faster than MKL for a layer at 8-32 rows, even at 256). Costs a second copy
-    of the layer matrices (bench/gemm_shapes.py has the per-shape figures)."""
+    """float32 on CPU, by row count: torch's MKL path on the weights as loaded for steps of one or
+    two rows (single-stream decode), oneDNN on a reordered copy from `min_rows` up. With weights read
+    from memory, as in a step (`bench/gemm_shapes.py --copies 30`): a layer's four matrices take
+    643 / 870 us (MKL / oneDNN) at 1 row, 1198 / 923 at 4, 2127 / 1843 at 32. Costs a second copy of
+    the matrices."""
 
     name = "mkl+onednn"
 
@@ -110,15 +111,15 @@ def _onednn_ok(device: torch.device) -> bool:
 
 
 def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) -> tuple[Gemm, Gemm]:
-    """(GEMM for the decoder layers, GEMM for the LM head). On CPU, bf16/fp16 layers use oneDNN.
-    In float32 (bench/gemm_shapes.py), oneDNN loses to MKL on the small layer matrices at 1-2 rows
-    (~1.6x slower per layer) and wins by ~20% at 4-32, so the layers switch by row count; the LM
-    head (vocab x hidden) is faster on oneDNN at every row count (~2.3x at 8, ~1.2x at 32)."""
+    """(GEMM for the decoder layers, GEMM for the LM head). On CPU, bf16/fp16 use oneDNN throughout.
+    In float32 (bench/gemm_shapes.py --copies 30), oneDNN loses to MKL at 1-2 rows (~1.35x slower
+    per layer, ~1.1x on the LM head) and wins from 4 (layers ~1.3x at 4-8, ~1.15x at 32; the LM head
+    ~2x at 4, ~1.3x at 32), so both switch by row count."""
     if not _onednn_ok(device):
         return Gemm(), Gemm()
     onednn = OneDnnGemm(batch_hint)
     if dtype == torch.float32:
-        return SplitGemm(batch_hint), onednn
+        return SplitGemm(batch_hint), SplitGemm(batch_hint)
     supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     check = getattr(torch.ops.mkldnn, supported, None)
     if check is not None and check():  # the CPU has the instructions (AVX512-BF16 / AMX / AVX512-FP16)
