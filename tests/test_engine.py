@@ -208,3 +208,23 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
     assert (decode[0] - ref[1]).abs().max().item() < tol
     if dtype == "float32":
         assert prefill[0].argmax() == ref[0].argmax() and decode[0].argmax() == ref[1].argmax()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
+def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(rows: int) -> None:
+    """float32 on CPU uses MKL below `min_rows` rows and oneDNN's reordered weights from there:
+    both must compute x @ w.T (+ bias, + residual) as F.linear does."""
+    from gpu_worker.engine.model_runner import SplitGemm, choose_gemm
+
+    layer_gemm, head_gemm = choose_gemm(torch.device("cpu"), torch.float32)
+    if not isinstance(layer_gemm, SplitGemm):
+        pytest.skip("this torch build has no oneDNN")
+    assert isinstance(head_gemm, SplitGemm)
+    torch.manual_seed(rows)
+    w, b = torch.randn(96, 64), torch.randn(96)
+    x, residual = torch.randn(rows, 64), torch.randn(rows, 96)
+    prepared = layer_gemm.prepare(w)
+    expect = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(layer_gemm.linear(x, prepared, b), expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer_gemm.linear_add(x, prepared, residual), expect - b + residual,
+                               rtol=1e-5, atol=1e-5)
