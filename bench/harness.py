@@ -32,23 +32,28 @@ class Stack:
     seen: set[int] = field(default_factory=set)  # every pid of the tree we ever saw, for the final check
 
     def tree(self) -> list[tuple[str, psutil.Process]]:
-        """(role, process) for the supervisor and every descendant: supervisor, redis-server, api,
-        tokenizer, inference, output-lane (a spawn child of an inference worker), mp-helper."""
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-        out = []
-        for p in procs:
-            role = classify(p, self.proc.pid)
-            if role:
-                self.seen.add(p.pid)
-                out.append((role, p))
+        out = process_tree(self.proc.pid)
+        self.seen.update(p.pid for _, p in out)
         return out
 
     def by_role(self, role: str) -> list[psutil.Process]:
         return [p for r, p in self.tree() if r == role]
+
+
+def process_tree(sup_pid: int) -> list[tuple[str, psutil.Process]]:
+    """(role, process) for the supervisor and every descendant: supervisor, redis-server, api,
+    tokenizer, inference, output-lane (a spawn child of an inference worker), mp-helper."""
+    try:
+        root = psutil.Process(sup_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in procs:
+        role = classify(p, sup_pid)
+        if role:
+            out.append((role, p))
+    return out
 
 
 def classify(p: psutil.Process, sup_pid: int) -> str | None:

@@ -55,7 +55,7 @@ if str(ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from harness import classify, wait_http  # noqa: E402
+from harness import process_tree, wait_http  # noqa: E402
 from workload import PROMPTS, percentile  # noqa: E402
 
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
@@ -362,17 +362,9 @@ def cpu_seconds(server: Server | None) -> dict[tuple[str, int], float]:
     out: dict[tuple[str, int], float] = {}
     me = psutil.Process()
     out[("client", me.pid)] = sum(me.cpu_times()[:2])
-    if server is None:
-        return out
-    try:
-        root = psutil.Process(server.proc.pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for proc in procs:
-        role = classify(proc, root.pid)
+    for role, proc in process_tree(server.proc.pid) if server is not None else []:
         try:
-            out[(role or "other", proc.pid)] = sum(proc.cpu_times()[:2])
+            out[(role, proc.pid)] = sum(proc.cpu_times()[:2])
         except psutil.Error:
             continue
     return out
@@ -512,15 +504,14 @@ def main(argv: list[str] | None = None) -> int:
             for label, c, n in plan:
                 for tname, target in targets:
                     t = time.perf_counter()
-                    before = cpu_seconds(own) if tname in ("conveyor", "in-process") else None
+                    watched = own if tname == "conveyor" else None  # a stack we started: its processes too
+                    before = cpu_seconds(watched)
                     recs = run_one(target, n, c, args.seed + rep)
-                    if before is not None:
-                        share = cpu_share(before, cpu_seconds(own if tname == "conveyor" else None),
-                                          time.perf_counter() - t)
-                        if tname == "conveyor":
-                            cpu.setdefault(label, []).append(share)
-                        else:  # this process ran the engine and nothing else
-                            inproc_cpu.setdefault(label, []).append(share["client"])
+                    share = cpu_share(before, cpu_seconds(watched), time.perf_counter() - t)
+                    if watched is not None:
+                        cpu.setdefault(label, []).append(share)
+                    elif tname == "in-process":  # this process ran the engine and nothing else
+                        inproc_cpu.setdefault(label, []).append(share["client"])
                     res = summarise(tname, label, recs)
                     raw.setdefault((tname, label), []).append(res)
                     bad = [r for r in recs if r.error]

@@ -43,7 +43,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Gemm:
     """Plain torch matmuls over the weights as loaded."""
 
-    name = "torch"
     copies_weights = False
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
@@ -62,7 +61,6 @@ class OneDnnGemm(Gemm):
     linear calls the same oneDNN kernel but reorders the weight on every call; reordering once
     makes bf16 GEMMs ~1.5x faster here with bit-identical results."""
 
-    name = "onednn"
     copies_weights = True  # the model's own linear layers are emptied once their copies exist
 
     def __init__(self, batch_hint: int) -> None:
@@ -85,8 +83,6 @@ class SplitGemm(Gemm):
     643 / 870 us (MKL / oneDNN) at 1 row, 1198 / 923 at 4, 2127 / 1843 at 32. Costs a second copy of
     the matrices."""
 
-    name = "mkl+onednn"
-
     def __init__(self, batch_hint: int, min_rows: int = 3) -> None:
         self.onednn = OneDnnGemm(batch_hint)
         self.min_rows = min_rows
@@ -97,12 +93,12 @@ class SplitGemm(Gemm):
     def linear(self, x: torch.Tensor, w: tuple, b: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] >= self.min_rows:
             return self.onednn.linear(x, w[1], b)
-        return F.linear(x, w[0], b)
+        return super().linear(x, w[0], b)
 
     def linear_add(self, x: torch.Tensor, w: tuple, residual: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.min_rows:
             return self.onednn.linear_add(x, w[1], residual)
-        return torch.addmm(residual, x, w[0].t())
+        return super().linear_add(x, w[0], residual)
 
 
 def _onednn_ok(device: torch.device) -> bool:
@@ -117,28 +113,30 @@ def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) 
     ~2x at 4, ~1.3x at 32), so both switch by row count."""
     if not _onednn_ok(device):
         return Gemm(), Gemm()
-    onednn = OneDnnGemm(batch_hint)
     if dtype == torch.float32:
-        return SplitGemm(batch_hint), SplitGemm(batch_hint)
+        split = SplitGemm(batch_hint)
+        return split, split
     supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     check = getattr(torch.ops.mkldnn, supported, None)
     if check is not None and check():  # the CPU has the instructions (AVX512-BF16 / AMX / AVX512-FP16)
+        onednn = OneDnnGemm(batch_hint)
         return onednn, onednn
     return Gemm(), Gemm()
 
 
 @dataclass
 class _Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
+    """One decoder layer's weights, with q/k/v and gate/up fused into single matrices; the four
+    matrices are held as the GEMM backend prepared them (a tensor, or a backend-specific form)."""
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps: float
-    qkv: object  # as the GEMM backend prepared it
+    qkv: object
     qkv_bias: torch.Tensor | None
-    o: object  # as the GEMM backend prepared it
+    o: object
     o_bias: torch.Tensor | None
-    gate_up: object  # as the GEMM backend prepared it
-    down: object  # as the GEMM backend prepared it
+    gate_up: object
+    down: object
     act: object
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
