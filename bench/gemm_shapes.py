@@ -1,6 +1,7 @@
 """Per-shape CPU GEMM timing: torch's `F.linear` (MKL in float32) against oneDNN on a weight
-reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`), at several row
-counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/model_runner.py.
+reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`) and, in float32,
+MKL on a weight packed once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`), at several
+row counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/model_runner.py.
 
     .venv/bin/python bench/gemm_shapes.py                      # SmolLM2-135M's shapes, float32
     .venv/bin/python bench/gemm_shapes.py --dtype bfloat16
@@ -51,26 +52,39 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    mkl = dtype == torch.float32 and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-          f"{args.copies} copies per weight; microseconds (torch / onednn)")
+          f"{args.copies} copies per weight; microseconds (torch / onednn" + (" / mkl-packed)" if mkl else ")"))
     print("| rows | " + " | ".join(SHAPES) + " | layer |")
     print("|---" * (len(SHAPES) + 2) + "|")
     weights = {k: [torch.randn(o, i, dtype=dtype) * 0.05 for _ in range(args.copies)] for k, (i, o) in SHAPES.items()}
     packed = {k: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for k, ws in weights.items()}
+    mkl_packed = ({k: [torch.ops.mkl._mkl_reorder_linear_weight(w, 32) for w in ws] for k, ws in weights.items()}
+                  if mkl else {})
     turn = itertools.count()
     for m in (int(r) for r in args.rows.split(",")):
-        cells, layer = [], [0.0, 0.0]
+        cells, layer = [], [0.0, 0.0, 0.0]
         for k, (i, _) in SHAPES.items():
             x = torch.randn(m, i, dtype=dtype)
             ws, pws = weights[k], packed[k]
             a = timed(lambda x=x, ws=ws: F.linear(x, ws[next(turn) % len(ws)]), args.n)
             b = timed(lambda x=x, pws=pws: torch.ops.mkldnn._linear_pointwise(x, pws[next(turn) % len(pws)], None,
                                                                                  "none", [], ""), args.n)
-            cells.append(f"{a:.0f} / {b:.0f}")
+            times = [a, b]
+            if mkl:  # packed for 32 rows, called with the actual rows, as the engine does
+                mws = mkl_packed[k]
+
+                def packed_call(x=x, ws=ws, mws=mws) -> torch.Tensor:
+                    j = next(turn) % len(ws)
+                    return torch.ops.mkl._mkl_linear(x, mws[j], ws[j], None, x.shape[0])
+
+                times.append(timed(packed_call, args.n))
+            cells.append(" / ".join(f"{t:.0f}" for t in times))
             if k != "lm_head":
-                layer[0] += a
-                layer[1] += b
-        print(f"| {m} | " + " | ".join(cells) + f" | {layer[0]:.0f} / {layer[1]:.0f} |", flush=True)
+                for j, t in enumerate(times):
+                    layer[j] += t
+        print(f"| {m} | " + " | ".join(cells) + " | " + " / ".join(f"{t:.0f}" for t in layer[: len(times)])
+              + " |", flush=True)
 
 
 if __name__ == "__main__":

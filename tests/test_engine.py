@@ -212,9 +212,10 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
 def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(rows: int) -> None:
-    """float32 on CPU uses MKL below `min_rows` rows and oneDNN's reordered weights from there:
-    both must compute x @ w.T (+ bias, + residual) as F.linear does."""
-    from gpu_worker.engine.model_runner import SplitGemm, choose_gemm
+    """float32 on CPU uses F.linear below `min_rows` rows and a packed (MKL) or reordered (oneDNN)
+    copy of the weight from there; each must compute x @ w.T (+ bias, + residual) as F.linear does,
+    at any row count, whatever row count the copy was prepared for."""
+    from gpu_worker.engine.model_runner import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
 
     layer_gemm, head_gemm = choose_gemm(torch.device("cpu"), torch.float32)
     if not isinstance(layer_gemm, SplitGemm):
@@ -223,8 +224,10 @@ def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(row
     torch.manual_seed(rows)
     w, b = torch.randn(96, 64), torch.randn(96)
     x, residual = torch.randn(rows, 64), torch.randn(rows, 96)
-    prepared = layer_gemm.prepare(w)
     expect = torch.nn.functional.linear(x, w, b)
-    torch.testing.assert_close(layer_gemm.linear(x, prepared, b), expect, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer_gemm.linear_add(x, prepared, residual), expect - b + residual,
-                               rtol=1e-5, atol=1e-5)
+    for gemm, wide in ((layer_gemm, MklPackedGemm if _mkl_packing_ok() else OneDnnGemm), (head_gemm, OneDnnGemm)):
+        prepared = gemm.prepare(w)
+        assert isinstance(prepared[1], wide)
+        torch.testing.assert_close(gemm.linear(x, prepared, b), expect, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gemm.linear_add(x, prepared, residual), expect - b + residual,
+                                   rtol=1e-5, atol=1e-5)
