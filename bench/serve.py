@@ -53,9 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
+import orjson  # noqa: E402
 import psutil  # noqa: E402
-from harness import process_tree, wait_http  # noqa: E402
+from harness import HttpStatusError, post_sse_data, process_tree, wait_http  # noqa: E402
 from workload import PROMPTS, percentile  # noqa: E402
 
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
@@ -122,37 +122,30 @@ def median_result(results: list[Result]) -> Result:
 # ----------------------------------------------------------------------------- HTTP load
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, i: int, max_tokens: int,
-                      rec: Record, t0: float) -> None:
-    body = {"model": model, "messages": messages_for(i), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(url: str, model: str, i: int, max_tokens: int, rec: Record, t0: float,
+                      timeout_s: float) -> None:
+    body = orjson.dumps({"model": model, "messages": messages_for(i), "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     if rec.start != rec.start:  # NaN: closed loop, the clock starts now
         rec.start = time.perf_counter() - t0
     chunks = 0
     usage_tokens: int | None = None
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    rec.error = str(msg["error"])[:200]
-                    break
-                if msg.get("usage"):
-                    usage_tokens = msg["usage"].get("completion_tokens")
-                for choice in msg.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        rec.chunk_times.append(time.perf_counter() - t0)
-                        chunks += 1
-    except httpx.HTTPError as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"
+        async for data in post_sse_data(url, "/v1/chat/completions", body, timeout_s):
+            if data == b"[DONE]":
+                break
+            msg = orjson.loads(data)
+            if "error" in msg:
+                rec.error = str(msg["error"])[:200]
+                break
+            if msg.get("usage"):
+                usage_tokens = msg["usage"].get("completion_tokens")
+            for choice in msg.get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    rec.chunk_times.append(time.perf_counter() - t0)
+                    chunks += 1
+    except (HttpStatusError, OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         rec.end = time.perf_counter() - t0
         rec.tokens = usage_tokens if usage_tokens is not None else chunks
@@ -162,30 +155,27 @@ async def run_http(url: str, model: str, n: int, max_tokens: int, concurrency: i
                    rate: float | None, seed: int, timeout_s: float) -> list[Record]:
     """Closed loop at `concurrency`, or open loop at `rate` requests/s (Poisson, fixed seed)."""
     records = [Record() for _ in range(n)]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        t0 = time.perf_counter()
-        if rate is None:
-            assert concurrency
-            it = iter(range(n))
+    t0 = time.perf_counter()
+    if rate is None:
+        assert concurrency
+        it = iter(range(n))
 
-            async def worker() -> None:
-                for i in it:
-                    await one_request(client, url, model, i, max_tokens, records[i], t0)
+        async def worker() -> None:
+            for i in it:
+                await one_request(url, model, i, max_tokens, records[i], t0, timeout_s)
 
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
-        else:
-            rng = random.Random(seed)
-            t, tasks = 0.0, []
-            for i in range(n):
-                records[i].start = t
-                delay = t - (time.perf_counter() - t0)
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(one_request(client, url, model, i, max_tokens, records[i], t0)))
-                t += rng.expovariate(rate)
-            await asyncio.gather(*tasks)
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, n))))
+    else:
+        rng = random.Random(seed)
+        t, tasks = 0.0, []
+        for i in range(n):
+            records[i].start = t
+            delay = t - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(url, model, i, max_tokens, records[i], t0, timeout_s)))
+            t += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
     return records
 
 

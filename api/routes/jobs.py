@@ -102,7 +102,7 @@ async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: Settin
             error = error_body(503, "the job store is unavailable; reconnect with Last-Event-ID")
         yield ServerSentEvent(data=orjson.dumps(error).decode(), event="error")
 
-    return EventSourceResponse(stream(), ping=int(settings.sse_ping_s), headers=SSE_HEADERS)
+    return EventSourceResponse(stream(), ping=settings.sse_ping_s, headers=SSE_HEADERS)
 
 
 def _parse_seq(value: str | None) -> int:

@@ -80,7 +80,7 @@ async def _wait_for_end(store: JobStore, relay: Relay, job_id: str, request: Req
 
 
 def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk: Any,
-            role_chunk: bool) -> EventSourceResponse:
+            role_chunk: bool, ping_s: float) -> EventSourceResponse:
     async def events() -> AsyncIterator[ServerSentEvent]:
         finished = False
         try:
@@ -109,7 +109,7 @@ def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk:
             if not finished:  # the client went away mid-stream: free the engine slot
                 await asyncio.shield(store.cancel(job.id, wait_s=0))
 
-    return EventSourceResponse(events(), ping=15, headers=SSE_HEADERS)
+    return EventSourceResponse(events(), ping=ping_s, headers=SSE_HEADERS)
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
@@ -129,7 +129,7 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
 
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(store, relay, job, usage, chunk, role_chunk=chat)
+        return _stream(store, relay, job, usage, chunk, role_chunk=chat, ping_s=settings.sse_ping_s)
     end = await _wait_for_end(store, relay, job.id, request)
     if end.status is JobStatus.failed:
         raise _failure(end)
