@@ -21,6 +21,7 @@ Per target and level: output tok/s = completion tokens (from the final usage chu
 number of content chunks) / (last end - first start); TTFT = first content chunk - request start;
 ITL = gaps between consecutive content chunks of one request (a chunk may carry several tokens);
 E2E = last byte - request start. Targets run one after another inside each level and each repeat,
+each once the machine is quiet again (below 15% CPU, at most 20 s of waiting),
 so the machine's noise hits them alike; every figure is the median over --repeats.
 
 The in-process engine (`--inprocess`) is `gpu_worker.engine.LLMEngine` with the service's default
@@ -346,6 +347,15 @@ def fmt(x: float, digits: int = 0) -> str:
 CPU_ROLES = ("inference", "output-lane", "api", "redis-server", "tokenizer", "client")
 
 
+def settle(quiet_pct: float = 15.0, max_wait_s: float = 20.0) -> float:
+    """Wait until the machine is quiet: a server that just finished its run (vLLM's engine threads,
+    for one) can keep a core busy for a while, and the next target would pay for it."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < max_wait_s and psutil.cpu_percent(interval=0.5) > quiet_pct:
+        pass
+    return time.perf_counter() - t
+
+
 def cpu_seconds(server: Server | None) -> dict[tuple[str, int], float]:
     """CPU seconds (user + system) so far of each process in the server's tree, keyed by (role, pid),
     and of this process (the load generator) as ("client", pid)."""
@@ -493,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             for label, c, n in plan:
                 for tname, target in targets:
+                    waited = settle()
+                    if waited >= 1.0:
+                        print(f"[{tname}] waited {waited:.0f}s for the machine to go quiet", file=sys.stderr,
+                              flush=True)
                     t = time.perf_counter()
                     watched = own if tname == "conveyor" else None  # a stack we started: its processes too
                     before = cpu_seconds(watched)
@@ -509,8 +523,11 @@ def main(argv: list[str] | None = None) -> int:
                     note = f", {len(bad)} failed (first: {bad[0].error})" if bad else ""
                     if short:
                         note += f", {len(short)} with a token count other than {args.max_tokens}"
+                    ttfts = [(r.chunk_times[0] - r.start) * 1e3 if r.chunk_times else float("nan") for r in recs]
+                    worst = max(range(len(ttfts)), key=lambda i: ttfts[i] if ttfts[i] == ttfts[i] else -1.0)
                     print(f"[rep {rep + 1}/{args.repeats}] {tname:10s} {label:>10s}: {res.tok_s:7.1f} tok/s, "
-                          f"TTFT p50 {res.ttft_p50:7.0f} ms, ITL p50 {res.itl_p50:6.1f} ms "
+                          f"TTFT p50 {res.ttft_p50:7.0f} ms (slowest {ttfts[worst]:.0f}: request #{worst + 1}), "
+                          f"ITL p50 {res.itl_p50:6.1f} ms "
                           f"({time.perf_counter() - t:.0f}s{note})", file=sys.stderr, flush=True)
     finally:
         for s in reversed(servers):

@@ -231,3 +231,19 @@ def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(row
         torch.testing.assert_close(gemm.linear(x, prepared, b), expect, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gemm.linear_add(x, prepared, residual), expect - b + residual,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_float32_gemm_falls_back_to_onednn_for_a_shape_packing_does_not_serve(monkeypatch) -> None:
+    """A weight shape whose MKL-packed copy failed the row-count check takes oneDNN's copy, and still
+    computes F.linear's result."""
+    from gpu_worker.engine.model_runner import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
+
+    layer_gemm, _ = choose_gemm(torch.device("cpu"), torch.float32)
+    if not isinstance(layer_gemm, SplitGemm) or not _mkl_packing_ok():
+        pytest.skip("this torch build has no oneDNN or no MKL packing")
+    monkeypatch.setattr(MklPackedGemm, "serves_any_rows", lambda self, w: False)
+    w = torch.randn(80, 48)
+    prepared = layer_gemm.prepare(w)
+    assert isinstance(prepared[1], OneDnnGemm)
+    x = torch.randn(12, 48)
+    torch.testing.assert_close(layer_gemm.linear(x, prepared), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
