@@ -21,7 +21,7 @@ Per target and level: output tok/s = completion tokens (from the final usage chu
 number of content chunks) / (last end - first start); TTFT = first content chunk - request start;
 ITL = gaps between consecutive content chunks of one request (a chunk may carry several tokens);
 E2E = last byte - request start. Targets run one after another inside each level and each repeat,
-each once the machine is quiet again (below 15% CPU, at most 20 s of waiting),
+each once the machine is quiet again (below 30% of one core, at most 20 s of waiting),
 so the machine's noise hits them alike; every figure is the median over --repeats.
 
 The in-process engine (`--inprocess`) is `gpu_worker.engine.LLMEngine` with the service's default
@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -132,19 +133,20 @@ async def one_request(url: str, model: str, i: int, max_tokens: int, rec: Record
     chunks = 0
     usage_tokens: int | None = None
     try:
-        async for data in post_sse_data(url, "/v1/chat/completions", body, timeout_s):
-            if data == b"[DONE]":
-                break
-            msg = orjson.loads(data)
-            if "error" in msg:
-                rec.error = str(msg["error"])[:200]
-                break
-            if msg.get("usage"):
-                usage_tokens = msg["usage"].get("completion_tokens")
-            for choice in msg.get("choices") or ():
-                if (choice.get("delta") or {}).get("content"):
-                    rec.chunk_times.append(time.perf_counter() - t0)
-                    chunks += 1
+        async with aclosing(post_sse_data(url, "/v1/chat/completions", body, timeout_s)) as stream:
+            async for data in stream:
+                if data == b"[DONE]":
+                    break
+                msg = orjson.loads(data)
+                if "error" in msg:
+                    rec.error = str(msg["error"])[:200]
+                    break
+                if msg.get("usage"):
+                    usage_tokens = msg["usage"].get("completion_tokens")
+                for choice in msg.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        rec.chunk_times.append(time.perf_counter() - t0)
+                        chunks += 1
     except (HttpStatusError, OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
     finally:
@@ -347,11 +349,12 @@ def fmt(x: float, digits: int = 0) -> str:
 CPU_ROLES = ("inference", "output-lane", "api", "redis-server", "tokenizer", "client")
 
 
-def settle(quiet_pct: float = 15.0, max_wait_s: float = 20.0) -> float:
-    """Wait until the machine is quiet: a server that just finished its run (vLLM's engine threads,
-    for one) can keep a core busy for a while, and the next target would pay for it."""
+def settle(quiet_pct: float = 30.0, max_wait_s: float = 20.0) -> float:
+    """Wait until the machine is quiet (all cores together busy less than `quiet_pct` of one core):
+    a server that just finished its run (vLLM's engine threads, for one) can keep a core busy for a
+    while, and the next target would pay for it."""
     t = time.perf_counter()
-    while time.perf_counter() - t < max_wait_s and psutil.cpu_percent(interval=0.5) > quiet_pct:
+    while time.perf_counter() - t < max_wait_s and sum(psutil.cpu_percent(interval=0.5, percpu=True)) > quiet_pct:
         pass
     return time.perf_counter() - t
 
@@ -523,10 +526,12 @@ def main(argv: list[str] | None = None) -> int:
                     note = f", {len(bad)} failed (first: {bad[0].error})" if bad else ""
                     if short:
                         note += f", {len(short)} with a token count other than {args.max_tokens}"
-                    ttfts = [(r.chunk_times[0] - r.start) * 1e3 if r.chunk_times else float("nan") for r in recs]
-                    worst = max(range(len(ttfts)), key=lambda i: ttfts[i] if ttfts[i] == ttfts[i] else -1.0)
+                    ttfts = {i + 1: (r.chunk_times[0] - r.start) * 1e3 for i, r in enumerate(recs)
+                             if r.error is None and r.chunk_times}
+                    worst = max(ttfts, key=ttfts.__getitem__, default=None)
+                    slowest = f"slowest {ttfts[worst]:.0f}: request #{worst}" if worst else "slowest n/a"
                     print(f"[rep {rep + 1}/{args.repeats}] {tname:10s} {label:>10s}: {res.tok_s:7.1f} tok/s, "
-                          f"TTFT p50 {res.ttft_p50:7.0f} ms (slowest {ttfts[worst]:.0f}: request #{worst + 1}), "
+                          f"TTFT p50 {res.ttft_p50:7.0f} ms ({slowest}), "
                           f"ITL p50 {res.itl_p50:6.1f} ms "
                           f"({time.perf_counter() - t:.0f}s{note})", file=sys.stderr, flush=True)
     finally:

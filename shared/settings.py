@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     max_stop_strings: int = 8
     job_ttl_s: int = Field(24 * 3600, description="how long job records and event streams are kept")
     idempotency_ttl_s: int = 24 * 3600
-    sse_ping_s: float = 15.0
+    sse_ping_s: float = Field(15.0, gt=0)
     sse_queue_size: int = 256
 
     # workers/ tokenizer pool

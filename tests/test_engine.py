@@ -210,7 +210,7 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
         assert prefill[0].argmax() == ref[0].argmax() and decode[0].argmax() == ref[1].argmax()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 40, 300])
 def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(rows: int) -> None:
     """float32 on CPU uses F.linear below `min_rows` rows and a packed (MKL) or reordered (oneDNN)
     copy of the weight from there; each must compute x @ w.T (+ bias, + residual) as F.linear does,
@@ -225,7 +225,8 @@ def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(row
     w, b = torch.randn(96, 64), torch.randn(96)
     x, residual = torch.randn(rows, 64), torch.randn(rows, 96)
     expect = torch.nn.functional.linear(x, w, b)
-    for gemm, wide in ((layer_gemm, MklPackedGemm if _mkl_packing_ok() else OneDnnGemm), (head_gemm, OneDnnGemm)):
+    packs = _mkl_packing_ok() and layer_gemm.packed.serves_any_rows(w)  # where it does not, oneDNN serves
+    for gemm, wide in ((layer_gemm, MklPackedGemm if packs else OneDnnGemm), (head_gemm, OneDnnGemm)):
         prepared = gemm.prepare(w)
         assert isinstance(prepared[1], wide)
         torch.testing.assert_close(gemm.linear(x, prepared, b), expect, rtol=1e-5, atol=1e-5)
@@ -245,5 +246,7 @@ def test_cpu_float32_gemm_falls_back_to_onednn_for_a_shape_packing_does_not_serv
     w = torch.randn(80, 48)
     prepared = layer_gemm.prepare(w)
     assert isinstance(prepared[1], OneDnnGemm)
-    x = torch.randn(12, 48)
-    torch.testing.assert_close(layer_gemm.linear(x, prepared), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    x, residual = torch.randn(12, 48), torch.randn(12, 80)
+    expect = torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(layer_gemm.linear(x, prepared), expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer_gemm.linear_add(x, prepared, residual), expect + residual, rtol=1e-5, atol=1e-5)

@@ -79,38 +79,47 @@ class OneDnnGemm(Gemm):
 class MklPackedGemm(Gemm):
     """float32 CPU matmuls on a weight packed once for MKL's sgemm (`cblas_sgemm_pack`). torch's op
     takes the row count the weight was packed for and falls back to an unpacked matmul for any
-    other; MKL's packed layout is in fact the same from two rows up, so the call passes the actual
-    rows and one packed copy serves every step. `serves_any_rows` checks that per weight shape
+    other. MKL does not promise that a packed copy serves other row counts, but its layout has been
+    observed to be the same from two rows up, so the call passes the actual rows and one packed copy
+    serves every step; `serves_any_rows` checks that per weight shape, up to the largest step,
     before the packed copy is used."""
 
-    def __init__(self, batch_hint: int) -> None:
+    _checked: dict[tuple[int, ...], bool] = {}  # (out, in, batch_hint, max_rows): checked once per process
+
+    def __init__(self, batch_hint: int, max_rows: int = 2048) -> None:
         self.batch_hint = batch_hint
-        self._checked: dict[tuple[int, int], bool] = {}
+        self.max_rows = max_rows
 
     def prepare(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = w.detach().contiguous()  # the op reads this too, to learn the shape
         return w, torch.ops.mkl._mkl_reorder_linear_weight(w, self.batch_hint)
 
     def linear(self, x: torch.Tensor, w: tuple, b: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, w[1], w[0], b, x.shape[0])
+        return torch.ops.mkl._mkl_linear(x, w[1], w[0], b, x.numel() // x.shape[-1])
 
     def linear_add(self, x: torch.Tensor, w: tuple, residual: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, w[1], w[0], None, x.shape[0]).add_(residual)
+        return torch.ops.mkl._mkl_linear(x, w[1], w[0], None, x.numel() // x.shape[-1]).add_(residual)
 
     def serves_any_rows(self, w: torch.Tensor) -> bool:
         """Whether a packed copy of a weight of this shape gives the matmul's result at row counts
-        other than the one it was packed for."""
+        other than the one it was packed for, from 2 rows to `max_rows`."""
         shape = tuple(w.shape)
-        if shape not in self._checked:
+        key = (*shape, self.batch_hint, self.max_rows)
+        if key not in self._checked:
             gen = torch.Generator().manual_seed(0)
             probe = torch.randn(shape, generator=gen) / shape[1] ** 0.5
-            packed = self.prepare(probe)
-            ok = True
-            for rows in (2, 3, 17, self.batch_hint + 7):
-                x = torch.randn(rows, shape[1], generator=gen)
-                ok = ok and torch.allclose(self.linear(x, packed), F.linear(x, probe), rtol=1e-4, atol=1e-5)
-            self._checked[shape] = ok
-        return self._checked[shape]
+            rows_to_try = sorted({2, 3, 17, self.batch_hint + 7, 64, 300, self.max_rows})
+            try:
+                packed = self.prepare(probe)
+                ok = True
+                for rows in rows_to_try:
+                    x = torch.randn(rows, shape[1], generator=gen)
+                    ok = ok and torch.allclose(self.linear(x, packed), F.linear(x, probe), rtol=1e-4, atol=1e-5)
+            except RuntimeError as exc:
+                log.warning("MKL packing unusable for a %s weight (%s); using oneDNN", shape, exc)
+                ok = False
+            self._checked[key] = ok
+        return self._checked[key]
 
 
 class SplitGemm(Gemm):
