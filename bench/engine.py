@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from workload import PROMPTS, percentile  # noqa: E402
+from workload import PROMPTS, CpuShare, percentile, wait_for_quiet  # noqa: E402
 
 T = TypeVar("T")
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
@@ -151,46 +151,6 @@ class Clock:
     def sleep_until(self, t: float | None) -> None:
         if t is not None:
             time.sleep(max(0.0, t - self.now()))
-
-
-class CpuShare:
-    """Share of the machine's CPU time used by other processes between two readings (Linux /proc):
-    the noise indicator of a shared machine. None where /proc is unavailable."""
-
-    def __init__(self) -> None:
-        self.start = self._read()
-
-    @staticmethod
-    def _read() -> tuple[int, int, int] | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
-            with open("/proc/self/stat") as f:
-                own = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
-        busy = total - fields[3] - fields[4]
-        return total, busy, int(own[11]) + int(own[12])  # utime + stime of this process, all threads
-
-    def others(self) -> float | None:
-        end = self._read()
-        if self.start is None or end is None or end[0] == self.start[0]:
-            return None
-        d_total, d_busy, d_own = (b - a for a, b in zip(self.start, end))
-        return max(0.0, (d_busy - d_own) / d_total)
-
-
-def wait_for_quiet(max_share: float, timeout: float) -> float | None:
-    """Before a timed run: wait (1 s samples, at most `timeout` s) until other processes use at most
-    `max_share` of the CPU. Returns the last sample."""
-    deadline = time.monotonic() + timeout
-    while True:
-        cpu = CpuShare()
-        time.sleep(1.0)
-        share = cpu.others()
-        if share is None or share <= max_share or time.monotonic() >= deadline:
-            return share
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -21,7 +21,7 @@ Per target and level: output tok/s = completion tokens (from the final usage chu
 number of content chunks) / (last end - first start); TTFT = first content chunk - request start;
 ITL = gaps between consecutive content chunks of one request (a chunk may carry several tokens);
 E2E = last byte - request start. Targets run one after another inside each level and each repeat,
-each once the machine is quiet again (below 30% of one core, at most 20 s of waiting),
+each once the machine is quiet again (below 15% of its CPU, at most 20 s of waiting),
 so the machine's noise hits them alike; every figure is the median over --repeats.
 
 The in-process engine (`--inprocess`) is `gpu_worker.engine.LLMEngine` with the service's default
@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
 import orjson  # noqa: E402
 import psutil  # noqa: E402
 from harness import HttpStatusError, post_sse_data, process_tree, wait_http  # noqa: E402
-from workload import PROMPTS, percentile  # noqa: E402
+from workload import PROMPTS, percentile, wait_for_quiet  # noqa: E402
 
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
 VLLM_VENV = ROOT / ".cache" / "vllm-venv"
@@ -97,14 +97,19 @@ class Result:
     errors: int
 
 
+def ttft_ms(r: Record) -> float | None:
+    """Time to the first content chunk of a request that succeeded, else None."""
+    return (r.chunk_times[0] - r.start) * 1e3 if r.error is None and r.chunk_times else None
+
+
 def summarise(target: str, level: str, records: list[Record]) -> Result:
-    ok = [r for r in records if r.error is None and r.chunk_times]
+    ok = [r for r in records if ttft_ms(r) is not None]
     if not ok:
         nan = float("nan")
         return Result(target, level, nan, nan, nan, nan, nan, nan, nan, len(records), len(records))
     tokens = sum(r.tokens for r in ok)
     wall = max(r.end for r in ok) - min(r.start for r in ok)
-    ttft = [(r.chunk_times[0] - r.start) * 1e3 for r in ok]
+    ttft = [ttft_ms(r) for r in ok]
     itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     e2e = [r.end - r.start for r in ok]
     return Result(target, level, tokens / wall, percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50),
@@ -349,16 +354,6 @@ def fmt(x: float, digits: int = 0) -> str:
 CPU_ROLES = ("inference", "output-lane", "api", "redis-server", "tokenizer", "client")
 
 
-def settle(quiet_pct: float = 30.0, max_wait_s: float = 20.0) -> float:
-    """Wait until the machine is quiet (all cores together busy less than `quiet_pct` of one core):
-    a server that just finished its run (vLLM's engine threads, for one) can keep a core busy for a
-    while, and the next target would pay for it."""
-    t = time.perf_counter()
-    while time.perf_counter() - t < max_wait_s and sum(psutil.cpu_percent(interval=0.5, percpu=True)) > quiet_pct:
-        pass
-    return time.perf_counter() - t
-
-
 def cpu_seconds(server: Server | None) -> dict[tuple[str, int], float]:
     """CPU seconds (user + system) so far of each process in the server's tree, keyed by (role, pid),
     and of this process (the load generator) as ("client", pid)."""
@@ -506,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             for label, c, n in plan:
                 for tname, target in targets:
-                    waited = settle()
+                    # a server that just finished its run (vLLM's threads, for one) can keep a core busy a while
+                    t = time.perf_counter()
+                    wait_for_quiet(0.15, 20.0, sample_s=0.5, count_self=True)
+                    waited = time.perf_counter() - t
                     if waited >= 1.0:
                         print(f"[{tname}] waited {waited:.0f}s for the machine to go quiet", file=sys.stderr,
                               flush=True)
@@ -526,8 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                     note = f", {len(bad)} failed (first: {bad[0].error})" if bad else ""
                     if short:
                         note += f", {len(short)} with a token count other than {args.max_tokens}"
-                    ttfts = {i + 1: (r.chunk_times[0] - r.start) * 1e3 for i, r in enumerate(recs)
-                             if r.error is None and r.chunk_times}
+                    ttfts = {i + 1: ttft_ms(r) for i, r in enumerate(recs) if ttft_ms(r) is not None}
                     worst = max(ttfts, key=ttfts.__getitem__, default=None)
                     slowest = f"slowest {ttfts[worst]:.0f}: request #{worst}" if worst else "slowest n/a"
                     print(f"[rep {rep + 1}/{args.repeats}] {tname:10s} {label:>10s}: {res.tok_s:7.1f} tok/s, "

@@ -1,6 +1,9 @@
-"""What the benchmarks share: the fixed prompt list and the percentile they all report."""
+"""What the benchmarks share: the fixed prompt list, the percentile they all report, and the wait for
+a quiet machine before a timed run."""
 
 from __future__ import annotations
+
+import time
 
 PROMPTS = [
     "What is the capital of France?",
@@ -31,3 +34,45 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+class CpuShare:
+    """Share of the machine's CPU time used by other processes (or by all, `count_self`) between two
+    readings (Linux /proc): the noise indicator of a shared machine. None where /proc is unavailable."""
+
+    def __init__(self, count_self: bool = False) -> None:
+        self.count_self = count_self
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+            with open("/proc/self/stat") as f:
+                own = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
+        busy = total - fields[3] - fields[4]
+        return total, busy, int(own[11]) + int(own[12])  # utime + stime of this process, all threads
+
+    def others(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None or end[0] == self.start[0]:
+            return None
+        d_total, d_busy, d_own = (b - a for a, b in zip(self.start, end))
+        return max(0.0, (d_busy - (0 if self.count_self else d_own)) / d_total)
+
+
+def wait_for_quiet(max_share: float, timeout: float, sample_s: float = 1.0,
+                   count_self: bool = False) -> float | None:
+    """Before a timed run: wait (`sample_s` samples, at most `timeout` s) until other processes (or all,
+    `count_self`) use at most `max_share` of the CPU. Returns the last sample."""
+    deadline = time.monotonic() + timeout
+    while True:
+        cpu = CpuShare(count_self)
+        time.sleep(sample_s)
+        share = cpu.others()
+        if share is None or share <= max_share or time.monotonic() >= deadline:
+            return share
