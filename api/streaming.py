@@ -1,10 +1,11 @@
 """A job's events, gap-free and without duplicates, from any point: subscribe first, replay
 the event stream after `after`, then go live, dropping what was already sent (by seq).
-Silence, a full queue or a gap all fall back to replaying from the event stream."""
+Silence, a full queue, a relay reconnect or a gap all fall back to replaying from the event stream."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0)
 
 
 async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) -> AsyncIterator[Event]:
+    loop = asyncio.get_running_loop()
     sub = await relay.subscribe(job_id)
     last = after
     status_sent: tuple[str, int | None] | None = None
@@ -80,15 +82,13 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                     status_sent = key
                     yield StatusEvent(job)
             while True:
-                try:  # no timer or task per event while messages are waiting
+                try:
                     data = sub.queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    try:
-                        async with asyncio.timeout(CATCH_UP_S if last else QUEUED_POLL_S):
-                            data = await sub.queue.get()
-                    except TimeoutError:
-                        break
-                if sub.overflowed:
+                except asyncio.QueueEmpty:  # the relay wakes us with None after this long without news
+                    sub.wake_at = loop.time() + (CATCH_UP_S if last else QUEUED_POLL_S)
+                    data = await sub.queue.get()
+                    sub.wake_at = math.inf
+                if data is None or sub.overflowed:
                     break
                 msg = orjson.loads(data)
                 seq = int(msg["seq"])

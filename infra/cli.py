@@ -55,10 +55,9 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(run_supervisor(settings, args.tokenizers, args.inference, autoscale=not args.no_autoscale))
     elif args.cmd == "api":
-        import uvicorn
+        from api.server import serve
 
-        uvicorn.run("api.main:app", host=settings.host, port=settings.port, log_level="warning",
-                    loop="uvloop", http="httptools", lifespan="on")
+        serve(settings)
     elif args.cmd in ("tokenizer", "inference"):
         from shared.heartbeat import check_pool
 

@@ -45,7 +45,7 @@ def test_many_streams_share_one_pubsub_connection(stack, client: httpx.Client) -
     time.sleep(0.5)
     subs = _subscribers(stack)
     try:
-        assert len(subs) == base  # no new connection per stream
+        assert len(subs) <= base + 1  # at most the relay's own connection is new, not one per stream
         assert max(subs) >= 40  # one connection carries all the job channels
     finally:
         stop.set()

@@ -8,19 +8,17 @@ from typing import Annotated
 import orjson
 from fastapi import APIRouter, Header, Query, Response
 from redis.exceptions import RedisError
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from api import sse
 from api.deps import RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, error_body
+from api.sse import EventStream
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 def check_limits(req: GenerationRequest, settings: Settings) -> GenerationRequest:
     """Apply server defaults and caps that the schema cannot know."""
@@ -80,29 +78,28 @@ def job_json(job: Job) -> str:
 @router.get("/{job_id}/events")
 async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep,
                  after: Annotated[int | None, Query(ge=0)] = None,
-                 last_event_id: Annotated[str | None, Header()] = None) -> EventSourceResponse:
+                 last_event_id: Annotated[str | None, Header()] = None) -> EventStream:
     """Server-sent events: `token` per chunk (id = seq), `status` while queued, then `done`.
     Resume with Last-Event-ID or ?after=."""
     await get_job_or_404(store, job_id)
     start = after if after is not None else _parse_seq(last_event_id)
 
-    async def stream() -> AsyncIterator[ServerSentEvent]:
+    async def stream() -> AsyncIterator[bytes]:
         try:
             async for ev in job_events(store, relay, job_id, start):
                 if isinstance(ev, TokenEvent):
-                    yield ServerSentEvent(data=orjson.dumps({"seq": ev.seq, "text": ev.text}).decode(),
-                                          event="token", id=str(ev.seq))
+                    yield sse.encode(orjson.dumps({"seq": ev.seq, "text": ev.text}), "token", ev.seq)
                 elif isinstance(ev, StatusEvent):
-                    yield ServerSentEvent(data=job_json(ev.job), event="status")
+                    yield sse.encode(job_json(ev.job), "status")
                 elif isinstance(ev, DoneEvent):
-                    yield ServerSentEvent(data=job_json(ev.job), event="done", id=str(ev.seq))
+                    yield sse.encode(job_json(ev.job), "done", ev.seq)
                     return
             error = error_body(404, "the job expired")
         except RedisError:
             error = error_body(503, "the job store is unavailable; reconnect with Last-Event-ID")
-        yield ServerSentEvent(data=orjson.dumps(error).decode(), event="error")
+        yield sse.encode(orjson.dumps(error), "error")
 
-    return EventSourceResponse(stream(), ping=settings.sse_ping_s, headers=SSE_HEADERS)
+    return EventStream(stream(), settings.sse_ping_s)
 
 
 def _parse_seq(value: str | None) -> int:

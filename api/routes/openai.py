@@ -10,13 +10,14 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from sse_starlette import EventSourceResponse, ServerSentEvent
 
+from api import sse
 from api.deps import RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, error_body
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.relay import Relay
-from api.routes.jobs import SSE_HEADERS, check_limits
+from api.routes.jobs import check_limits
+from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, TokenEvent, job_events
 from shared.jobs import Job, JobStatus
@@ -80,36 +81,36 @@ async def _wait_for_end(store: JobStore, relay: Relay, job_id: str, request: Req
 
 
 def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk: Any,
-            role_chunk: bool, ping_s: float) -> EventSourceResponse:
-    async def events() -> AsyncIterator[ServerSentEvent]:
+            role_chunk: bool, ping_s: float) -> EventStream:
+    async def events() -> AsyncIterator[bytes]:
         finished = False
         try:
             if role_chunk:
                 first = chunk(job, {"role": "assistant", "content": ""}, "", None)
-                yield ServerSentEvent(data=orjson.dumps(first).decode())
+                yield sse.encode(orjson.dumps(first))
             async for ev in job_events(store, relay, job.id):
                 if isinstance(ev, TokenEvent):
-                    yield ServerSentEvent(data=orjson.dumps(chunk(job, {"content": ev.text}, ev.text, None)).decode())
+                    yield sse.encode(orjson.dumps(chunk(job, {"content": ev.text}, ev.text, None)))
                 elif isinstance(ev, DoneEvent):
                     finished = True
                     end = ev.job
                     if end.status is JobStatus.failed:
                         err = _failure(end)
-                        yield ServerSentEvent(data=orjson.dumps(error_body(err.status, err.message, err.type)).decode())
+                        yield sse.encode(orjson.dumps(error_body(err.status, err.message, err.type)))
                     else:
-                        yield ServerSentEvent(data=orjson.dumps(chunk(job, {}, "", _finish(end))).decode())
+                        yield sse.encode(orjson.dumps(chunk(job, {}, "", _finish(end))))
                         if include_usage:
                             last = chunk(job, {}, "", None)
                             last["choices"] = []
                             last["usage"] = _usage(end)
-                            yield ServerSentEvent(data=orjson.dumps(last).decode())
+                            yield sse.encode(orjson.dumps(last))
                     break
-            yield ServerSentEvent(data="[DONE]")
+            yield sse.encode("[DONE]")
         finally:
             if not finished:  # the client went away mid-stream: free the engine slot
                 await asyncio.shield(store.cancel(job.id, wait_s=0))
 
-    return EventSourceResponse(events(), ping=ping_s, headers=SSE_HEADERS)
+    return EventStream(events(), ping_s)
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,

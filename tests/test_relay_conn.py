@@ -1,0 +1,128 @@
+"""The relay's own pub/sub connection against a real redis-server: subscriptions confirmed before
+a stream reads its backlog, fan-out to every stream of a job, overflow marking, and a Redis
+restart that wakes every stream to re-read the event streams and resubscribes its channels."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from api.relay import Relay
+from infra.redis_server import RedisServer
+from shared import names
+from shared.redis_client import async_client
+
+
+async def _next(sub, timeout: float = 5.0):  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout):
+        return await sub.queue.get()
+
+
+async def test_confirmed_subscription_gets_the_very_next_publish(redis_url: str) -> None:
+    client = async_client(redis_url)
+    relay = Relay(client, queue_size=8)
+    await relay.start()
+    pub = redis.Redis.from_url(redis_url)
+    try:
+        for i in range(20):  # a publish right after subscribe() returns is never missed
+            sub = await relay.subscribe(f"job_confirm_{i}")
+            assert pub.publish(names.job_channel(f"job_confirm_{i}"), b'{"seq": 1}') == 1
+            assert await _next(sub) == b'{"seq": 1}'
+            await relay.unsubscribe(sub)
+        twins = [await relay.subscribe("job_twin") for _ in range(3)]
+        pub.publish(names.job_channel("job_twin"), b"x")
+        assert [await _next(s) for s in twins] == [b"x"] * 3
+        assert relay.active == 3
+        for s in twins:
+            await relay.unsubscribe(s)
+        assert relay.active == 0 and not relay.subs
+    finally:
+        await relay.stop()
+        await client.aclose()
+
+
+async def test_full_queue_marks_overflow_without_blocking_others(redis_url: str) -> None:
+    client = async_client(redis_url)
+    relay = Relay(client, queue_size=4)
+    await relay.start()
+    pub = redis.Redis.from_url(redis_url)
+    try:
+        stalled = await relay.subscribe("job_stalled")
+        live = await relay.subscribe("job_live")
+        for i in range(10):
+            pub.publish(names.job_channel("job_stalled"), b"s%d" % i)
+        pub.publish(names.job_channel("job_live"), b"hello")
+        assert await _next(live) == b"hello"
+        assert stalled.overflowed and stalled.queue.qsize() == 4
+        stalled.reset()
+        assert not stalled.overflowed and stalled.queue.empty()
+    finally:
+        await relay.stop()
+        await client.aclose()
+
+
+async def test_idle_stream_is_woken_at_its_deadline(redis_url: str) -> None:
+    client = async_client(redis_url)
+    relay = Relay(client)
+    await relay.start()
+    try:
+        sub = await relay.subscribe("job_quiet")
+        loop = asyncio.get_running_loop()
+        sub.wake_at = loop.time() + 0.3
+        t0 = time.monotonic()
+        assert await _next(sub, 3.0) is None
+        assert 0.25 < time.monotonic() - t0 < 1.5
+    finally:
+        await relay.stop()
+        await client.aclose()
+
+
+async def test_redis_restart_wakes_streams_and_resubscribes(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", appendonly=False)
+    server.start()
+    client = async_client(server.url)
+    relay = Relay(client)
+    await relay.start()
+    try:
+        subs = [await relay.subscribe(f"job_restart_{i}") for i in range(3)]
+        server.stop()
+        await asyncio.sleep(0.5)
+        server.start()  # same port
+        for sub in subs:  # told to re-read the event stream: what was published meanwhile is there
+            assert await _next(sub, 15.0) is None
+        pub = redis.Redis.from_url(server.url)
+        deadline = time.monotonic() + 10
+        while pub.publish(names.job_channel("job_restart_0"), b"after") == 0:  # until resubscribed
+            assert time.monotonic() < deadline, "the relay did not resubscribe after the restart"
+            await asyncio.sleep(0.05)
+        assert await _next(subs[0]) == b"after"
+        pub.close()
+    finally:
+        await relay.stop()
+        await client.aclose()
+        server.stop()
+
+
+@pytest.mark.parametrize("n", [1, 300])
+async def test_streams_share_one_connection(redis_url: str, n: int) -> None:
+    client = async_client(redis_url)
+    relay = Relay(client)
+    await relay.start()
+    pub = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        subs = await asyncio.gather(*(relay.subscribe(f"job_share_{n}_{i}") for i in range(n)))
+        subscribed = [c for c in pub.client_list() if int(c.get("sub", 0)) >= n]
+        assert len(subscribed) == 1
+        pipe = pub.pipeline()
+        for i in range(n):
+            pipe.publish(names.job_channel(f"job_share_{n}_{i}"), str(i))
+        assert pipe.execute() == [1] * n
+        assert [await _next(s) for s in subs] == [str(i).encode() for i in range(n)]
+    finally:
+        await relay.stop()
+        await client.aclose()
+        pub.close()

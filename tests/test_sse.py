@@ -1,0 +1,105 @@
+"""The event-stream response under a real uvicorn: headers proxies need, pings on a quiet stream,
+the generator closed when the client leaves, and streams ended cleanly at server shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from api import sse
+from api.sse import EventStream
+from infra.redis_server import free_port
+
+closed: dict[str, float] = {}
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/count/{n}")
+    async def count(n: int) -> EventStream:
+        async def events() -> AsyncIterator[bytes]:
+            for i in range(1, n + 1):
+                yield sse.encode(f'{{"i": {i}}}', "token", i)
+
+        return EventStream(events(), ping_s=30)
+
+    @app.get("/quiet/{name}")
+    async def quiet(name: str) -> EventStream:
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield sse.encode("line one\nline two", "hello")
+                await asyncio.sleep(3600)
+                yield sse.encode("never")
+            finally:
+                closed[name] = time.monotonic()
+
+        return EventStream(events(), ping_s=0.2)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(_app(), host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(10)
+
+
+def _wait_closed(name: str, timeout: float = 3.0) -> float:
+    deadline = time.monotonic() + timeout
+    while name not in closed:
+        assert time.monotonic() < deadline, f"the generator of {name} was not closed"
+        time.sleep(0.01)
+    return closed[name]
+
+
+def test_events_then_a_clean_end(server: str) -> None:
+    with httpx.stream("GET", f"{server}/count/3", timeout=10) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+        assert "content-length" not in r.headers
+        body = r.read().decode()
+    assert body == "".join(f'event: token\r\nid: {i}\r\ndata: {{"i": {i}}}\r\n\r\n' for i in (1, 2, 3))
+
+
+def test_quiet_stream_is_pinged_and_multiline_data_split(server: str) -> None:
+    with httpx.stream("GET", f"{server}/quiet/ping", timeout=10) as r:
+        lines = r.iter_lines()
+        assert [next(lines) for _ in range(4)] == ["event: hello", "data: line one", "data: line two", ""]
+        t0 = time.monotonic()
+        assert next(lines) == ": ping"
+        assert 0.1 < time.monotonic() - t0 < 2.0
+        assert [next(lines), next(lines)] == ["", ": ping"]
+
+
+def test_client_disconnect_closes_the_generator(server: str) -> None:
+    with httpx.stream("GET", f"{server}/quiet/leave", timeout=10) as r:
+        next(r.iter_lines())
+    gone = time.monotonic()
+    assert _wait_closed("leave") - gone < 2.0
+
+
+def test_shutdown_ends_open_streams_cleanly(server: str) -> None:
+    with httpx.stream("GET", f"{server}/quiet/shutdown", timeout=10) as r:
+        lines = r.iter_lines()
+        next(lines)
+        sse.close_all()
+        rest = list(lines)  # ends without a transport error: a proper end of the chunked body
+    assert all(line in ("", ": ping") or line.startswith("data: ") for line in rest)
+    _wait_closed("shutdown")
