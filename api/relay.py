@@ -18,6 +18,7 @@ import asyncio
 import logging
 import math
 import random
+from collections import deque
 from typing import Any
 
 import hiredis
@@ -27,30 +28,49 @@ from shared import names
 
 log = logging.getLogger("conveyor.relay")
 
-TICK_S = 0.25  # how often silent streams are woken and the connection's health is checked
+TICK_S = 0.5  # how often silent streams are woken and the connection's health is checked
 PING_S = 5.0  # silence on the connection this long: PING; three times this: reconnect
 CONFIRM_S = 1.0  # how long a new stream waits for Redis to confirm its subscription
 
 
 class Subscription:
+    """A bounded queue of one stream's messages: a deque and one waiter (what asyncio.Queue does,
+    without its bookkeeping; there is one reader and one consumer)."""
+
     def __init__(self, job_id: str, maxsize: int) -> None:
         self.job_id = job_id
-        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize)
+        self.maxsize = maxsize
+        self.items: deque[bytes | None] = deque()
+        self.waiter: asyncio.Future[None] | None = None
         self.wake_at = math.inf  # loop time at which an idle stream gets a None
         self.overflowed = False  # messages were dropped: the stream must re-read the event stream
 
+    def put(self, item: bytes | None) -> bool:
+        if len(self.items) >= self.maxsize:
+            return False
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return True
+
+    async def get(self) -> bytes | None:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
     def reset(self) -> None:
         self.overflowed = False
-        while not self.queue.empty():
-            self.queue.get_nowait()
+        self.items.clear()
 
     def wake(self) -> None:
         """Ask the stream to re-read the event stream (a full queue has its turn coming anyway)."""
         self.wake_at = math.inf
-        try:
-            self.queue.put_nowait(None)
-        except asyncio.QueueFull:
-            pass
+        self.put(None)
 
 
 class Relay:
@@ -189,10 +209,9 @@ class Relay:
                     for sub in subs.get(msg[1][prefix:].decode(), ()):
                         if sub.overflowed:
                             continue
-                        try:
-                            sub.queue.put_nowait(msg[2])
+                        if sub.put(msg[2]):
                             self.delivered += 1
-                        except asyncio.QueueFull:
+                        else:
                             sub.overflowed = True
                 elif kind == b"subscribe":
                     fut = self._pending.pop(msg[1], None)
@@ -207,8 +226,9 @@ class Relay:
             now = loop.time()
             for group in self.subs.values():
                 for sub in group:
-                    if sub.wake_at <= now:
-                        sub.wake()
+                    if sub.wake_at <= now:  # spread over the next tick: each wake-up costs its stream a read
+                        sub.wake_at = math.inf
+                        loop.call_later(random.random() * TICK_S, sub.wake)
             if self._conn is not None:
                 silent = now - self._last_rx
                 if silent > 3 * PING_S:

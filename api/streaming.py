@@ -17,7 +17,7 @@ from api.store import JobStore
 from shared.jobs import Job
 
 CATCH_UP_S = 5.0  # silence this long: re-read the event stream (a lost message, a Redis restart)
-QUEUED_POLL_S = 2.0  # while queued: how often the position is re-read for `status` events
+QUEUED_POLL_S = 2.0  # while queued: how often the status and position are re-read for `status` events
 
 
 @dataclass
@@ -82,11 +82,12 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                     status_sent = key
                     yield StatusEvent(job)
             while True:
-                try:
-                    data = sub.queue.get_nowait()
-                except asyncio.QueueEmpty:  # the relay wakes us with None after this long without news
-                    sub.wake_at = loop.time() + (CATCH_UP_S if last else QUEUED_POLL_S)
-                    data = await sub.queue.get()
+                if sub.items:
+                    data = sub.items.popleft()
+                else:  # the relay wakes us with None after this long without news
+                    queued = last == 0 and status_sent is not None and status_sent[0] == "queued"
+                    sub.wake_at = loop.time() + (QUEUED_POLL_S if queued else CATCH_UP_S)
+                    data = await sub.get()
                     sub.wake_at = math.inf
                 if data is None or sub.overflowed:
                     break

@@ -19,7 +19,7 @@ from shared.redis_client import async_client
 
 async def _next(sub, timeout: float = 5.0):  # type: ignore[no-untyped-def]
     async with asyncio.timeout(timeout):
-        return await sub.queue.get()
+        return await sub.get()
 
 
 async def test_confirmed_subscription_gets_the_very_next_publish(redis_url: str) -> None:
@@ -57,9 +57,9 @@ async def test_full_queue_marks_overflow_without_blocking_others(redis_url: str)
             pub.publish(names.job_channel("job_stalled"), b"s%d" % i)
         pub.publish(names.job_channel("job_live"), b"hello")
         assert await _next(live) == b"hello"
-        assert stalled.overflowed and stalled.queue.qsize() == 4
+        assert stalled.overflowed and len(stalled.items) == 4
         stalled.reset()
-        assert not stalled.overflowed and stalled.queue.empty()
+        assert not stalled.overflowed and not stalled.items
     finally:
         await relay.stop()
         await client.aclose()
