@@ -124,9 +124,15 @@ class Relay:
                     await asyncio.shield(confirmed)
             except TimeoutError:
                 pass
+            except BaseException:  # cancelled (the client left while we waited): leave nothing behind
+                self._remove(sub)
+                raise
         return sub
 
     async def unsubscribe(self, sub: Subscription) -> None:
+        self._remove(sub)
+
+    def _remove(self, sub: Subscription) -> None:
         group = self.subs.get(sub.job_id)
         if group is None:
             return

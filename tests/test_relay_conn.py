@@ -127,3 +127,25 @@ async def test_streams_share_one_connection(redis_url: str, n: int) -> None:
         await relay.stop()
         await client.aclose()
         pub.close()
+
+
+async def test_stream_cancelled_while_subscribing_leaves_nothing_behind() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # a server that never answers: the subscription is never confirmed
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    client = async_client(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0")
+    relay = Relay(client)
+    await relay.start(wait_s=0.1)
+    try:
+        task = asyncio.create_task(relay.subscribe("job_gone"))
+        await asyncio.sleep(0.2)
+        assert relay.active == 1 and not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert relay.active == 0 and not relay.subs
+    finally:
+        await relay.stop()
+        await client.aclose()
+        server.close()
