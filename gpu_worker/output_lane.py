@@ -1,7 +1,7 @@
 """The output lane: a process of its own beside the engine. It turns per-step token-id deltas
-into text (incrementally, with stop strings held back) and, per step, in one MULTI/EXEC:
-appends each chunk to the job's event stream, publishes it, updates the job record and the
-saved token ids. Finished jobs get their terminal state; the engine process hears back
+into text (incrementally, with stop strings held back) and, per step, in one MULTI/EXEC holding
+one STEP_SCRIPT call for all jobs: appends each chunk to the job's event stream, publishes it,
+updates the job record and the saved token ids. Finished jobs get their terminal state; the engine process hears back
 ("done" to acknowledge the stream entry, "abort" when a stop string ended a sequence).
 """
 
@@ -103,30 +103,29 @@ class OutputLane:
         self.commit(pipe, done)
 
     def build(self, data: bytes) -> tuple[Any, list[str]]:
+        """The step's writes: one STEP_SCRIPT call for every job's chunk and ids, then the finishes."""
         rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
         pipe = self.client.pipeline(transaction=True)
+        keys: list[str] = []
+        args: list[Any] = []
+        finishes: list[tuple[str, str, str, int]] = []
         done: list[str] = []
         wall = time.time()
-        now = repr(wall)
         for row in rows:
             job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
             st = self.states.get(job_id)
             if st is None:
                 continue  # already finished here (a stop string ended it before the engine heard)
-            key = names.job_key(job_id)
-            if st.fresh:
-                for k in (names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id)):
-                    pipe.expire(k, self.ttl)  # harmless if the key does not exist yet
-            emit, hit = "", False
+            flags = 1 if st.fresh else 0
+            emit, hit, packed, tok_off = "", False, b"", st.n_tokens * 4
             if ids:
                 if st.n_tokens == 0:
-                    pipe.hset(key, "first_token_at", now)
+                    flags |= 2
                     self.metrics.observe(TTFT, wall - st.created_at)
                 elif st.last_token_at:
                     self.metrics.observe(ITL, (wall - st.last_token_at) / len(ids))
                 st.last_token_at = wall
-                # SETRANGE at our own offset (not APPEND) so a retried write cannot duplicate ids
-                pipe.setrange(names.tokens_key(job_id), st.n_tokens * 4, pack_ids(ids))
+                packed = pack_ids(ids)
                 st.n_tokens += len(ids)
                 emit, hit = st.detok.push(ids)
             if hit:
@@ -135,29 +134,29 @@ class OutputLane:
                 reason = FinishReason.stop.value
             elif reason is not None:
                 emit += st.detok.matcher.flush()
+            chunk, message, text_off = b"", b"", st.text_bytes
             if emit:
                 st.seq += 1
                 chunk = emit.encode()
-                # SETRANGE at our own offset (not APPEND): a retried write cannot duplicate text
-                pipe.setrange(names.text_key(job_id), st.text_bytes, chunk)
                 st.text_bytes += len(chunk)
-                pipe.xadd(names.events_key(job_id), {"type": "token", "text": emit}, id=f"0-{st.seq}")
-                pipe.publish(names.job_channel(job_id), orjson.dumps({"seq": st.seq, "type": "token", "text": emit}))
-                pipe.hset(key, mapping={"seq": st.seq, "completion_tokens": st.n_tokens})
-                if st.fresh:
-                    pipe.expire(names.events_key(job_id), self.ttl)
-                    pipe.expire(names.text_key(job_id), self.ttl)
-            elif ids:
-                pipe.hset(key, "completion_tokens", st.n_tokens)
+                message = orjson.dumps({"seq": st.seq, "type": "token", "text": emit})
+            if flags or packed or chunk:
+                keys += [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
+                         names.text_key(job_id)]
+                args += [flags, tok_off, packed, text_off, chunk, st.seq, message, st.n_tokens,
+                         names.job_channel(job_id)]
             st.fresh = st.fresh and not emit and not ids
             if reason is not None:
-                self.jobs.finish(job_id, FinishReason(reason), row.get("error") or "",
-                                 {"completion_tokens": st.n_tokens}, pipe=pipe)
+                finishes.append((job_id, reason, row.get("error") or "", st.n_tokens))
                 done.append(job_id)
                 self.metrics.observe(E2E, wall - st.created_at)
                 self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
                 self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
                 self.metrics.inc(f"{REQUEST_SUCCESS}:{reason}")
+        if keys:
+            self.jobs.step(keys, args, pipe)
+        for job_id, reason, error, n_tokens in finishes:  # after the step: a job's last chunk precedes its end
+            self.jobs.finish(job_id, FinishReason(reason), error, {"completion_tokens": n_tokens}, pipe=pipe)
         return pipe, done
 
     def commit(self, pipe: Any, done: list[str]) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import redis
 
 from shared import names
-from shared.jobs import FINISH_SCRIPT, START_SCRIPT, FinishReason, JobStatus
+from shared.jobs import FINISH_SCRIPT, START_SCRIPT, STEP_SCRIPT, FinishReason, JobStatus
 
 STATUS_FOR = {
     FinishReason.stop: JobStatus.succeeded,
@@ -23,6 +23,7 @@ class JobOps:
         self.client, self.ttl_s = client, ttl_s
         self._start = client.register_script(START_SCRIPT)
         self._finish = client.register_script(FINISH_SCRIPT)
+        self._step = client.register_script(STEP_SCRIPT)
 
     def start(self, job_id: str, worker_id: str) -> tuple[int, int, float]:
         """Returns (code, seq, created_at); see START_SCRIPT for the codes."""
@@ -40,6 +41,10 @@ class JobOps:
         keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
                 names.DEQUEUED_COUNTER, names.text_key(job_id)]
         return self._finish(keys=keys, args=args, client=pipe or self.client)
+
+    def step(self, keys: list[str], args: list[Any], pipe: Any) -> Any:
+        """Queue one engine step's writes for many jobs (see STEP_SCRIPT) on `pipe`."""
+        return self._step(keys=keys, args=[self.ttl_s, repr(time.time()), *args], client=pipe)
 
     def fail(self, job_id: str, error: str) -> Any:
         return self.finish(job_id, FinishReason.error, error)

@@ -140,6 +140,46 @@ redis.call('PUBLISH', ARGV[6], cjson.encode({seq = seq, type = 'done'}))
 return seq
 """
 
+# One engine step's output for many jobs, in one call (the output lane's per-step write).
+# KEYS, 4 per job: job hash, event stream, token ids, text.  ARGV: ttl, now, then 9 per job:
+#   flags (1: first write from this lane, so set the TTLs; 2: first token, so set first_token_at),
+#   token-ids offset, packed ids ('' none), text offset, text chunk ('' none), seq, the message to
+#   publish, token count, the job's channel.
+# Offsets (SETRANGE, not APPEND) and explicit event ids make a retried step write nothing twice; an
+# event id already present is skipped (pcall), not an error that would stop the other jobs' writes.
+STEP_SCRIPT = """
+local ttl, now = tonumber(ARGV[1]), ARGV[2]
+local a = 3
+for k = 1, #KEYS, 4 do
+  local job, events, ids, text = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  local flags = tonumber(ARGV[a])
+  local fresh = flags % 2 == 1
+  if fresh then
+    redis.call('EXPIRE', events, ttl)
+    redis.call('EXPIRE', ids, ttl)
+    redis.call('EXPIRE', text, ttl)
+  end
+  if ARGV[a + 2] ~= '' then
+    if flags >= 2 then redis.call('HSET', job, 'first_token_at', now) end
+    redis.call('SETRANGE', ids, ARGV[a + 1], ARGV[a + 2])
+  end
+  if ARGV[a + 4] ~= '' then
+    redis.call('SETRANGE', text, ARGV[a + 3], ARGV[a + 4])
+    redis.pcall('XADD', events, '0-' .. ARGV[a + 5], 'type', 'token', 'text', ARGV[a + 4])
+    redis.call('PUBLISH', ARGV[a + 8], ARGV[a + 6])
+    redis.call('HSET', job, 'seq', ARGV[a + 5], 'completion_tokens', ARGV[a + 7])
+    if fresh then
+      redis.call('EXPIRE', events, ttl)
+      redis.call('EXPIRE', text, ttl)
+    end
+  elseif ARGV[a + 2] ~= '' then
+    redis.call('HSET', job, 'completion_tokens', ARGV[a + 7])
+  end
+  a = a + 9
+end
+return #KEYS / 4
+"""
+
 # KEYS[1] job hash, KEYS[2] jobs stream, KEYS[3] submitted counter, KEYS[4] dequeued counter.
 # ARGV: ttl, then the record as field/value pairs, then 'request' and the request JSON last.
 # Stores the record with its queue ordinal and enqueues the job, atomically, in one round trip.
