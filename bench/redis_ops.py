@@ -14,8 +14,8 @@ Scenarios:
 - xadd-300B:  XADD of a ~300-byte entry to the jobs stream (depth 1: one command per round trip;
               depth 64: pipelined)
 - publish:    PUBLISH of a ~80-byte chunk to a per-job channel, one pattern subscriber reading
-- chunk-step: one output-lane step for 32 running jobs: MULTI, per job SETRANGE tokens + XADD
-              event + PUBLISH + HSET text/seq/completion_tokens, EXEC
+- chunk-step: one output-lane step for 32 running jobs: MULTI, STEP_SCRIPT (per job SETRANGE
+              tokens + SETRANGE text + XADD event + PUBLISH + HSET seq/completion_tokens), EXEC
 - job:        a job's whole life in waves of 32 concurrent jobs of --tokens tokens: submit
               (MULTI HSET EXPIRE XADD EXEC), tokenizer (XREADGROUP, HMGET, MULTI XADD HSET.. XACK
               EXEC), inference (XREADGROUP, START script, one chunk-step per token, FINISH
@@ -71,27 +71,24 @@ def publish(depth: int) -> Step:
     return step
 
 
-def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None) -> None:
-    """One output-lane step (gpu_worker/output_lane.py): per job, the writes for chunk `seq` of
-    `per_chunk` tokens, in one MULTI/EXEC; with `finish`, each job also ends in it."""
+def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None,
+               ops: JobOps | None = None) -> None:
+    """One output-lane step (gpu_worker/output_lane.py): in one MULTI/EXEC, one STEP_SCRIPT call
+    with every job's chunk `seq` of `per_chunk` tokens; with `finish`, each job then ends in it."""
+    ops = ops or finish or JobOps(r, 86400)
     pipe = r.pipeline(transaction=True)
     n = seq * per_chunk
-    text = "tok " * n
-    now = repr(time.time())
+    piece = "tok " * per_chunk
+    keys: list[str] = []
+    args: list[Any] = []
     for job_id in jobs:
-        key, events, tokens = names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id)
-        if seq == 1:
-            pipe.expire(events, 86400)
-            pipe.expire(tokens, 86400)
-            pipe.hset(key, "first_token_at", now)
-        pipe.setrange(tokens, (n - per_chunk) * 4, b"\x01\x02\x03\x04" * per_chunk)
-        pipe.xadd(events, {"type": "token", "text": "tok " * per_chunk}, id=f"0-{seq}")
-        pipe.publish(names.job_channel(job_id), f'{{"seq":{seq},"type":"token","text":"{"tok " * per_chunk}"}}')
-        pipe.hset(key, mapping={"text": text, "seq": seq, "completion_tokens": n})
-        if seq == 1:
-            pipe.expire(events, 86400)
-        if finish is not None:
-            finish.finish(job_id, FinishReason.length, "", {"text": text, "completion_tokens": n}, pipe=pipe)
+        keys += [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id)]
+        args += [3 if seq == 1 else 0, (n - per_chunk) * 4, b"\x01\x02\x03\x04" * per_chunk, (seq - 1) * len(piece),
+                 piece, seq, f'{{"seq":{seq},"type":"token","text":"{piece}"}}', n, names.job_channel(job_id)]
+    ops.step(keys, args, pipe)
+    if finish is not None:
+        for job_id in jobs:
+            finish.finish(job_id, FinishReason.length, "", {"completion_tokens": n}, pipe=pipe)
     pipe.execute()
 
 

@@ -23,7 +23,6 @@ class JobOps:
         self.client, self.ttl_s = client, ttl_s
         self._start = client.register_script(START_SCRIPT)
         self._finish = client.register_script(FINISH_SCRIPT)
-        self._step = client.register_script(STEP_SCRIPT)
 
     def start(self, job_id: str, worker_id: str) -> tuple[int, int, float]:
         """Returns (code, seq, created_at); see START_SCRIPT for the codes."""
@@ -43,8 +42,10 @@ class JobOps:
         return self._finish(keys=keys, args=args, client=pipe or self.client)
 
     def step(self, keys: list[str], args: list[Any], pipe: Any) -> Any:
-        """Queue one engine step's writes for many jobs (see STEP_SCRIPT) on `pipe`."""
-        return self._step(keys=keys, args=[self.ttl_s, repr(time.time()), *args], client=pipe)
+        """Queue one engine step's writes for many jobs (see STEP_SCRIPT) on `pipe`. EVAL, not a
+        registered script: a pipeline holding one checks SCRIPT EXISTS first, a round trip per
+        step; Redis caches the compiled body, so EVAL costs only the text sent."""
+        return pipe.eval(STEP_SCRIPT, len(keys), *keys, self.ttl_s, repr(time.time()), *args)
 
     def fail(self, job_id: str, error: str) -> Any:
         return self.finish(job_id, FinishReason.error, error)
