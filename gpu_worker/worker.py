@@ -311,4 +311,5 @@ def _field(fields: dict[Any, Any], name: str) -> bytes:
 
 
 def main(settings: Settings) -> int:
+    settings.require_model(weights=settings.engine != "synthetic")  # the synthetic engine still detokenizes
     return InferenceWorker(settings).run()

@@ -78,6 +78,17 @@ class Settings(BaseSettings):
     def model_path(self) -> str:
         return self.model or str(self.cache_dir / "models" / DEFAULT_MODEL_NAME)
 
+    def require_model(self, weights: bool = True) -> str:
+        """The local model directory, or exit saying what to do: a worker started without its model
+        would otherwise die on a bare file-not-found (or an attempt to reach a model hub)."""
+        path = Path(self.model_path)
+        needed = ["tokenizer.json"] + (["config.json"] if weights else [])
+        missing = [name for name in needed if not (path / name).is_file()]
+        if missing:
+            raise SystemExit(f"no model at {path} ({', '.join(missing)} missing): run `conveyor model pull` "
+                             "(make run does), or set MODEL to a local model directory")
+        return str(path)
+
     @property
     def served_model_name(self) -> str:
         if self.model_name:

@@ -156,6 +156,7 @@ def _row(job_id: str, req: GenerationRequest) -> dict[str, Any]:
 
 
 def main(settings: Settings) -> int:
+    settings.require_model(weights=False)
     worker = TokenizerWorker(settings)
 
     def _stop(signum: int, _frame: Any) -> None:
