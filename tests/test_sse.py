@@ -4,18 +4,24 @@ the generator closed when the client leaves, and streams ended cleanly at server
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
+import redis
 import uvicorn
 from fastapi import FastAPI
 
 from api import sse
 from api.sse import EventStream
 from infra.redis_server import free_port
+from tests.conftest import ROOT
 
 closed: dict[str, float] = {}
 
@@ -103,3 +109,39 @@ def test_shutdown_ends_open_streams_cleanly(server: str) -> None:
         rest = list(lines)  # ends without a transport error: a proper end of the chunked body
     assert all(line in ("", ": ping") or line.startswith("data: ") for line in rest)
     _wait_closed("shutdown")
+
+
+def test_api_sigterm_ends_open_streams_and_exits(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """`conveyor api` with a stream open on a job nobody runs (its own Redis db, no workers): SIGTERM
+    ends the stream properly and the process exits, instead of waiting for the job forever."""
+    port = free_port()
+    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/14", "PORT": str(port),
+           "HOST": "127.0.0.1"}
+    api = subprocess.Popen([sys.executable, "-m", "infra.cli", "api"], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and api.poll() is None, "the API did not start"
+            time.sleep(0.1)
+        job = httpx.post(f"{url}/v1/jobs", json={"prompt": "never run", "max_tokens": 4}).json()
+        with httpx.stream("GET", f"{url}/v1/jobs/{job['id']}/events", timeout=10) as r:
+            lines = r.iter_lines()
+            assert next(lines) == "event: status"
+            api.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            list(lines)  # a proper end of the response, not a reset
+            assert time.monotonic() - t0 < 5
+        assert api.wait(15) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its graceful exit
+        assert b"Traceback" not in api.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if api.poll() is None:
+            api.kill()
+        api.wait()
+        redis.Redis(port=redis_server.port, db=14).flushdb()
