@@ -25,6 +25,8 @@ _loop: asyncio.AbstractEventLoop | None = None
 
 def encode(data: str | bytes, event: str | None = None, id: int | str | None = None) -> bytes:
     """One event. Multi-line data becomes one `data:` line per line, as the format requires."""
+    if event is None and id is None and isinstance(data, bytes) and b"\n" not in data and b"\r" not in data:
+        return b"data: " + data + b"\r\n\r\n"  # the common case (OpenAI chunks): no decoding
     text = data.decode() if isinstance(data, bytes) else data
     head = ""
     if event is not None:

@@ -145,3 +145,9 @@ def test_api_sigterm_ends_open_streams_and_exits(redis_server) -> None:  # type:
             api.kill()
         api.wait()
         redis.Redis(port=redis_server.port, db=14).flushdb()
+
+
+def test_encode() -> None:
+    assert sse.encode(b'{"a": 1}') == sse.encode('{"a": 1}') == b'data: {"a": 1}\r\n\r\n'
+    assert sse.encode(b"x\ny", "token", 7) == b"event: token\r\nid: 7\r\ndata: x\r\ndata: y\r\n\r\n"
+    assert sse.encode("[DONE]") == b"data: [DONE]\r\n\r\n"
