@@ -46,7 +46,9 @@ class Subscription:
         self.overflowed = False  # messages were dropped: the stream must re-read the event stream
 
     def put(self, item: bytes | None) -> bool:
-        if len(self.items) >= self.maxsize:
+        """Queue an item; False (and `overflowed` set) if the queue is full or already overflowed."""
+        if self.overflowed or len(self.items) >= self.maxsize:
+            self.overflowed = True
             return False
         self.items.append(item)
         waiter = self.waiter
@@ -213,12 +215,8 @@ class Relay:
                 kind = msg[0]
                 if kind == b"message":
                     for sub in subs.get(msg[1][prefix:].decode(), ()):
-                        if sub.overflowed:
-                            continue
                         if sub.put(msg[2]):
                             self.delivered += 1
-                        else:
-                            sub.overflowed = True
                 elif kind == b"subscribe":
                     fut = self._pending.pop(msg[1], None)
                     if fut is not None and not fut.done():

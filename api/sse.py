@@ -25,19 +25,15 @@ _loop: asyncio.AbstractEventLoop | None = None
 
 def encode(data: str | bytes, event: str | None = None, id: int | str | None = None) -> bytes:
     """One event. Multi-line data becomes one `data:` line per line, as the format requires."""
-    if event is None and id is None and isinstance(data, bytes) and b"\n" not in data and b"\r" not in data:
-        return b"data: " + data + b"\r\n\r\n"  # the common case (OpenAI chunks): no decoding
-    text = data.decode() if isinstance(data, bytes) else data
-    head = ""
+    raw = data.encode() if isinstance(data, str) else data
+    head = b""
     if event is not None:
-        head += f"event: {event}\r\n"
+        head += b"event: " + event.encode() + b"\r\n"
     if id is not None:
-        head += f"id: {id}\r\n"
-    if "\n" in text or "\r" in text:
-        body = "".join(f"data: {line}\r\n" for line in text.splitlines())
-    else:
-        body = f"data: {text}\r\n"
-    return f"{head}{body}\r\n".encode()
+        head += b"id: " + str(id).encode() + b"\r\n"
+    if b"\n" in raw or b"\r" in raw:
+        return head + b"".join(b"data: " + line + b"\r\n" for line in raw.splitlines()) + b"\r\n"
+    return head + b"data: " + raw + b"\r\n\r\n"
 
 
 def close_all() -> None:

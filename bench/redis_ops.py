@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from infra.redis_server import RedisServer, redis_binary
 from shared import names
-from shared.job_ops import JobOps
+from shared.job_ops import JobOps, step_write
 from shared.jobs import SUBMIT_SCRIPT, FinishReason, new_record
 
 REQUEST = '{"messages":[{"role":"user","content":"' + "x" * 200 + '"}],"max_tokens":256,"temperature":0.7}'
@@ -71,20 +71,21 @@ def publish(depth: int) -> Step:
     return step
 
 
-def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None,
-               ops: JobOps | None = None) -> None:
+def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None) -> None:
     """One output-lane step (gpu_worker/output_lane.py): in one MULTI/EXEC, one STEP_SCRIPT call
     with every job's chunk `seq` of `per_chunk` tokens; with `finish`, each job then ends in it."""
-    ops = ops or finish or JobOps(r, 86400)
+    ops = finish or JobOps(r, 86400)
     pipe = r.pipeline(transaction=True)
     n = seq * per_chunk
-    piece = "tok " * per_chunk
+    piece = b"tok " * per_chunk
     keys: list[str] = []
     args: list[Any] = []
     for job_id in jobs:
-        keys += [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id)]
-        args += [3 if seq == 1 else 0, (n - per_chunk) * 4, b"\x01\x02\x03\x04" * per_chunk, (seq - 1) * len(piece),
-                 piece, seq, f'{{"seq":{seq},"type":"token","text":"{piece}"}}', n, names.job_channel(job_id)]
+        job_keys, job_args = step_write(job_id, 3 if seq == 1 else 0, (n - per_chunk) * 4,
+                                        b"\x01\x02\x03\x04" * per_chunk, (seq - 1) * len(piece), piece, seq,
+                                        b'{"seq":%d,"type":"token","text":"%s"}' % (seq, piece), n)
+        keys += job_keys
+        args += job_args
     ops.step(keys, args, pipe)
     if finish is not None:
         for job_id in jobs:

@@ -22,8 +22,7 @@ import redis
 from tokenizers import Tokenizer
 
 from gpu_worker.detokenizer import Detokenizer
-from shared import names
-from shared.job_ops import JobOps
+from shared.job_ops import JobOps, step_write
 from shared.jobs import FinishReason
 from shared.metrics import (
     E2E,
@@ -141,10 +140,10 @@ class OutputLane:
                 st.text_bytes += len(chunk)
                 message = orjson.dumps({"seq": st.seq, "type": "token", "text": emit})
             if flags or packed or chunk:
-                keys += [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
-                         names.text_key(job_id)]
-                args += [flags, tok_off, packed, text_off, chunk, st.seq, message, st.n_tokens,
-                         names.job_channel(job_id)]
+                job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
+                                                st.n_tokens)
+                keys += job_keys
+                args += job_args
             st.fresh = st.fresh and not emit and not ids
             if reason is not None:
                 finishes.append((job_id, reason, row.get("error") or "", st.n_tokens))

@@ -18,6 +18,13 @@ STATUS_FOR = {
 }
 
 
+def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text_offset: int, chunk: bytes,
+               seq: int, message: bytes, n_tokens: int) -> tuple[list[str], list[Any]]:
+    """One job's part of a STEP_SCRIPT call: its 4 keys and 9 arguments, in the script's order."""
+    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id)]
+    return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id)]
+
+
 class JobOps:
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         self.client, self.ttl_s = client, ttl_s
@@ -42,7 +49,8 @@ class JobOps:
         return self._finish(keys=keys, args=args, client=pipe or self.client)
 
     def step(self, keys: list[str], args: list[Any], pipe: Any) -> Any:
-        """Queue one engine step's writes for many jobs (see STEP_SCRIPT) on `pipe`. EVAL, not a
+        """Queue one engine step's writes for many jobs (`step_write` parts joined; see STEP_SCRIPT)
+        on `pipe`. EVAL, not a
         registered script: a pipeline holding one checks SCRIPT EXISTS first, a round trip per
         step; Redis caches the compiled body, so EVAL costs only the text sent."""
         return pipe.eval(STEP_SCRIPT, len(keys), *keys, self.ttl_s, repr(time.time()), *args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -16,78 +17,77 @@ from infra.redis_server import RedisServer
 from shared import names
 from shared.redis_client import async_client
 
+MakeRelay = Callable[..., Awaitable[Relay]]
+
+
+@pytest.fixture
+async def make_relay() -> AsyncIterator[MakeRelay]:
+    """`await make_relay(url, queue_size=256, wait_s=5.0)`: a started relay, stopped after the test."""
+    made: list[tuple[Relay, object]] = []
+
+    async def make(url: str, queue_size: int = 256, wait_s: float = 5.0) -> Relay:
+        client = async_client(url)
+        relay = Relay(client, queue_size)
+        made.append((relay, client))
+        await relay.start(wait_s)
+        return relay
+
+    yield make
+    for relay, client in made:
+        await relay.stop()
+        await client.aclose()  # type: ignore[attr-defined]
+
 
 async def _next(sub, timeout: float = 5.0):  # type: ignore[no-untyped-def]
     async with asyncio.timeout(timeout):
         return await sub.get()
 
 
-async def test_confirmed_subscription_gets_the_very_next_publish(redis_url: str) -> None:
-    client = async_client(redis_url)
-    relay = Relay(client, queue_size=8)
-    await relay.start()
+async def test_confirmed_subscription_gets_the_very_next_publish(redis_url: str, make_relay: MakeRelay) -> None:
+    relay = await make_relay(redis_url, queue_size=8)
     pub = redis.Redis.from_url(redis_url)
-    try:
-        for i in range(20):  # a publish right after subscribe() returns is never missed
-            sub = await relay.subscribe(f"job_confirm_{i}")
-            assert pub.publish(names.job_channel(f"job_confirm_{i}"), b'{"seq": 1}') == 1
-            assert await _next(sub) == b'{"seq": 1}'
-            await relay.unsubscribe(sub)
-        twins = [await relay.subscribe("job_twin") for _ in range(3)]
-        pub.publish(names.job_channel("job_twin"), b"x")
-        assert [await _next(s) for s in twins] == [b"x"] * 3
-        assert relay.active == 3
-        for s in twins:
-            await relay.unsubscribe(s)
-        assert relay.active == 0 and not relay.subs
-    finally:
-        await relay.stop()
-        await client.aclose()
+    for i in range(20):  # a publish right after subscribe() returns is never missed
+        sub = await relay.subscribe(f"job_confirm_{i}")
+        assert pub.publish(names.job_channel(f"job_confirm_{i}"), b'{"seq": 1}') == 1
+        assert await _next(sub) == b'{"seq": 1}'
+        await relay.unsubscribe(sub)
+    twins = [await relay.subscribe("job_twin") for _ in range(3)]
+    pub.publish(names.job_channel("job_twin"), b"x")
+    assert [await _next(s) for s in twins] == [b"x"] * 3
+    assert relay.active == 3
+    for s in twins:
+        await relay.unsubscribe(s)
+    assert relay.active == 0 and not relay.subs
 
 
-async def test_full_queue_marks_overflow_without_blocking_others(redis_url: str) -> None:
-    client = async_client(redis_url)
-    relay = Relay(client, queue_size=4)
-    await relay.start()
+async def test_full_queue_marks_overflow_without_blocking_others(redis_url: str, make_relay: MakeRelay) -> None:
+    relay = await make_relay(redis_url, queue_size=4)
     pub = redis.Redis.from_url(redis_url)
-    try:
-        stalled = await relay.subscribe("job_stalled")
-        live = await relay.subscribe("job_live")
-        for i in range(10):
-            pub.publish(names.job_channel("job_stalled"), b"s%d" % i)
-        pub.publish(names.job_channel("job_live"), b"hello")
-        assert await _next(live) == b"hello"
-        assert stalled.overflowed and len(stalled.items) == 4
-        stalled.reset()
-        assert not stalled.overflowed and not stalled.items
-    finally:
-        await relay.stop()
-        await client.aclose()
+    stalled = await relay.subscribe("job_stalled")
+    live = await relay.subscribe("job_live")
+    for i in range(10):
+        pub.publish(names.job_channel("job_stalled"), b"s%d" % i)
+    pub.publish(names.job_channel("job_live"), b"hello")
+    assert await _next(live) == b"hello"
+    assert stalled.overflowed and len(stalled.items) == 4
+    stalled.reset()
+    assert not stalled.overflowed and not stalled.items
 
 
-async def test_idle_stream_is_woken_at_its_deadline(redis_url: str) -> None:
-    client = async_client(redis_url)
-    relay = Relay(client)
-    await relay.start()
-    try:
-        sub = await relay.subscribe("job_quiet")
-        loop = asyncio.get_running_loop()
-        sub.wake_at = loop.time() + 0.3
-        t0 = time.monotonic()
-        assert await _next(sub, 3.0) is None
-        assert 0.25 < time.monotonic() - t0 < 1.5
-    finally:
-        await relay.stop()
-        await client.aclose()
+async def test_idle_stream_is_woken_at_its_deadline(redis_url: str, make_relay: MakeRelay) -> None:
+    relay = await make_relay(redis_url)
+    sub = await relay.subscribe("job_quiet")
+    sub.wake_at = asyncio.get_running_loop().time() + 0.3
+    t0 = time.monotonic()
+    assert await _next(sub, 3.0) is None
+    assert 0.25 < time.monotonic() - t0 < 1.5
 
 
-async def test_redis_restart_wakes_streams_and_resubscribes(tmp_path: Path) -> None:
+async def test_redis_restart_wakes_streams_and_resubscribes(tmp_path: Path, make_relay: MakeRelay) -> None:
     server = RedisServer(tmp_path / "redis", appendonly=False)
     server.start()
-    client = async_client(server.url)
-    relay = Relay(client)
-    await relay.start()
     try:
+        relay = await make_relay(server.url)
         subs = [await relay.subscribe(f"job_restart_{i}") for i in range(3)]
         server.stop()
         await asyncio.sleep(0.5)
@@ -102,16 +102,12 @@ async def test_redis_restart_wakes_streams_and_resubscribes(tmp_path: Path) -> N
         assert await _next(subs[0]) == b"after"
         pub.close()
     finally:
-        await relay.stop()
-        await client.aclose()
         server.stop()
 
 
 @pytest.mark.parametrize("n", [1, 300])
-async def test_streams_share_one_connection(redis_url: str, n: int) -> None:
-    client = async_client(redis_url)
-    relay = Relay(client)
-    await relay.start()
+async def test_streams_share_one_connection(redis_url: str, make_relay: MakeRelay, n: int) -> None:
+    relay = await make_relay(redis_url)
     pub = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         before = {c["id"] for c in pub.client_list() if int(c.get("sub", 0)) > 0}  # other processes' too
@@ -124,20 +120,16 @@ async def test_streams_share_one_connection(redis_url: str, n: int) -> None:
         assert pipe.execute() == [1] * n
         assert [await _next(s) for s in subs] == [str(i).encode() for i in range(n)]
     finally:
-        await relay.stop()
-        await client.aclose()
         pub.close()
 
 
-async def test_stream_cancelled_while_subscribing_leaves_nothing_behind() -> None:
+async def test_stream_cancelled_while_subscribing_leaves_nothing_behind(make_relay: MakeRelay) -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # a server that never answers: the subscription is never confirmed
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
-    client = async_client(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0")
-    relay = Relay(client)
-    await relay.start(wait_s=0.1)
     try:
+        relay = await make_relay(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0", wait_s=0.1)
         task = asyncio.create_task(relay.subscribe("job_gone"))
         await asyncio.sleep(0.2)
         assert relay.active == 1 and not task.done()
@@ -146,6 +138,4 @@ async def test_stream_cancelled_while_subscribing_leaves_nothing_behind() -> Non
             await task
         assert relay.active == 0 and not relay.subs
     finally:
-        await relay.stop()
-        await client.aclose()
         server.close()
