@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -89,7 +89,7 @@ class Settings(BaseSettings):
                              "(make run does), or set MODEL to a local model directory")
         return str(path)
 
-    @property
+    @cached_property
     def served_model_name(self) -> str:
         if self.model_name:
             return self.model_name
