@@ -13,7 +13,7 @@ import queue
 import signal
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from typing import Any
 
@@ -51,6 +51,9 @@ class JobState:
     prompt_tokens: int
     last_token_at: float = 0.0
     fresh: bool = True  # no write from this lane yet
+    written: int = 0  # tokens written to Redis (ids and completion_tokens)
+    held_ids: bytearray = field(default_factory=bytearray)  # packed ids not written yet
+    held_text: str = ""  # text released by the detokenizer, not written yet
 
 
 def pack_ids(ids: list[int]) -> bytes:
@@ -70,6 +73,7 @@ class OutputLane:
         self.jobs = JobOps(self.client, self.ttl)
         self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
         self.feedback = feedback
+        self.interval = settings.stream_interval
         self.states: dict[str, JobState] = {}
         self.metrics = Histograms()
         self._last_flush = time.monotonic()
@@ -82,7 +86,7 @@ class OutputLane:
         self.states[meta["job_id"]] = JobState(detok, int(meta.get("seq", 0)), len(meta.get("emitted", "").encode()),
                                                len(resume),
                                                float(meta.get("created_at") or time.time()),
-                                               int(meta.get("prompt_tokens", 0)))
+                                               int(meta.get("prompt_tokens", 0)), written=len(resume))
         if meta.get("started"):
             self.metrics.observe(QUEUE, time.time() - self.states[meta["job_id"]].created_at)
 
@@ -116,7 +120,7 @@ class OutputLane:
             if st is None:
                 continue  # already finished here (a stop string ended it before the engine heard)
             flags = 1 if st.fresh else 0
-            emit, hit, packed, tok_off = "", False, b"", st.n_tokens * 4
+            hit = False
             if ids:
                 if st.n_tokens == 0:
                     flags |= 2
@@ -124,27 +128,32 @@ class OutputLane:
                 elif st.last_token_at:
                     self.metrics.observe(ITL, (wall - st.last_token_at) / len(ids))
                 st.last_token_at = wall
-                packed = pack_ids(ids)
+                st.held_ids += pack_ids(ids)
                 st.n_tokens += len(ids)
                 emit, hit = st.detok.push(ids)
+                st.held_text += emit
             if hit:
                 if reason is None:
                     self.feedback.put(("abort", job_id, "stop"))
                 reason = FinishReason.stop.value
             elif reason is not None:
-                emit += st.detok.matcher.flush()
-            chunk, message, text_off = b"", b"", st.text_bytes
-            if emit:
-                st.seq += 1
-                chunk = emit.encode()
-                st.text_bytes += len(chunk)
-                message = orjson.dumps({"seq": st.seq, "type": "token", "text": emit})
-            if flags or packed or chunk:
-                job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
-                                                st.n_tokens)
-                keys += job_keys
-                args += job_args
-            st.fresh = st.fresh and not emit and not ids
+                st.held_text += st.detok.matcher.flush()
+            # Written now: the first token, the end, a fresh job's keys, else every `interval` tokens.
+            if flags or reason is not None or st.n_tokens - st.written >= self.interval:
+                packed, tok_off = bytes(st.held_ids), st.written * 4
+                chunk, message, text_off = b"", b"", st.text_bytes
+                if st.held_text:
+                    st.seq += 1
+                    chunk = st.held_text.encode()
+                    st.text_bytes += len(chunk)
+                    message = orjson.dumps({"seq": st.seq, "type": "token", "text": st.held_text})
+                if flags or packed or chunk:
+                    job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
+                                                    st.n_tokens)
+                    keys += job_keys
+                    args += job_args
+                st.written, st.held_ids, st.held_text = st.n_tokens, bytearray(), ""
+                st.fresh = st.fresh and not chunk and not packed
             if reason is not None:
                 finishes.append((job_id, reason, row.get("error") or "", st.n_tokens))
                 done.append(job_id)

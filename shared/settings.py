@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     engine: str = Field("torch", description="torch | synthetic (a zero-cost benchmark instrument)")
     device: str = "auto"
     dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
+    stream_interval: int = Field(1, ge=1, description="tokens per streamed chunk after the first; more means "
+                                 "fewer events for the output lane, Redis, the API and clients to handle")
     max_num_seqs: int = Field(64, description="most sequences running at once")
     max_num_batched_tokens: int = Field(0, description="most tokens per step (decode + prefill chunks); "
                                                        "0: 256 on CPU, 2048 on CUDA")
