@@ -35,6 +35,8 @@ class JobStore:
                 await self.r.set(key, job_id, ex=self.settings.idempotency_ttl_s)
         request_json = req.model_dump_json(exclude_defaults=True)
         record = new_record(job_id, self.settings.served_model_name, request_json, background)
+        if req.webhook_url:
+            record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
         args: list[str | int] = [self.settings.job_ttl_s]
         for k, v in record.items():
             if k != "request":
@@ -61,9 +63,9 @@ class JobStore:
         """Returns (job, changed). changed is False when the job had already ended."""
         ended = await self._finish(
             keys=[names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.DEQUEUED_COUNTER,
-                  names.text_key(job_id)],
+                  names.text_key(job_id), names.ENDED_STREAM],
             args=[JobStatus.cancelled.value, "cancelled", "", repr(time.time()), self.settings.job_ttl_s,
-                  names.job_channel(job_id), JobStatus.queued.value])
+                  names.job_channel(job_id), JobStatus.queued.value, job_id, names.ENDED_MAXLEN])
         if int(ended) > 0:
             return await self.get(job_id), True
         before = await self._request_cancel(keys=[names.job_key(job_id)], args=[names.CONTROL_CHANNEL, job_id])

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes at start")
     up.add_argument("--inference", type=int, default=1, help="inference processes at start")
     up.add_argument("--no-autoscale", action="store_true", help="keep the pools at their start size")
+    up.add_argument("--celery", type=int, default=1, choices=(0, 1),
+                    help="run a Celery worker with beat for after-job work and upkeep (0: none)")
 
     sub.add_parser("api", help="run the HTTP API (uvicorn)")
     tok = sub.add_parser("tokenizer", help="run one tokenizer worker")
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "up":
         from infra.supervisor import run_supervisor
 
-        sys.exit(run_supervisor(settings, args.tokenizers, args.inference, autoscale=not args.no_autoscale))
+        sys.exit(run_supervisor(settings, args.tokenizers, args.inference, autoscale=not args.no_autoscale,
+                                celery=bool(args.celery)))
     elif args.cmd == "api":
         from api.server import serve
 

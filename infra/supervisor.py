@@ -1,6 +1,7 @@
 """`conveyor up`: the whole stack on one machine.
 
-Starts Redis (unless REDIS_URL is set), the API and the worker pools as child processes;
+Starts Redis (unless REDIS_URL is set), the API, the worker pools and a Celery worker (with beat
+embedded: after-job work and upkeep) as child processes;
 restarts a crashed child with backoff; scales pools on queue lag when autoscaling is on;
 on Ctrl-C or SIGTERM stops everything it started (workers drain first), leaving nothing behind.
 """
@@ -114,7 +115,17 @@ def _wait_ready(url: str, stop: threading.Event, timeout: float = 300.0) -> bool
     return False
 
 
-def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True) -> int:
+def celery_argv(settings: Settings) -> list[str]:
+    """One Celery worker with beat embedded (a process of its own, in the worker's group)."""
+    home = settings.cache_dir / "celery"
+    home.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--beat", "--pool", "solo",
+            "--loglevel", "WARNING", "--schedule", str(home / "beat-schedule"), "--hostname", "conveyor@%h",
+            "--without-gossip", "--without-mingle"]
+
+
+def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
+                   celery: bool = True) -> int:
     stop = threading.Event()
 
     def _signal(signum: int, _frame: object) -> None:
@@ -141,7 +152,8 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
                                    min_size=inference, max_size=max(inference, settings.inference_max)
                                    if autoscale else inference, grace_s=grace),
     }
-    everything = [api, *pools.values()]
+    extra = [Pool("celery", celery_argv(settings), env, 1, grace_s=10)] if celery else []
+    everything = [api, *pools.values(), *extra]
     url = f"http://{settings.host}:{settings.port}"
     try:
         for p in everything:
@@ -157,8 +169,10 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
                 p.reconcile()
             stop.wait(1.0)
     finally:
-        api.stop()
-        api.wait(time.monotonic() + 10)
+        for p in (api, *extra):
+            p.stop()
+        for p in (api, *extra):
+            p.wait(time.monotonic() + 10)
         for p in pools.values():
             p.stop()
         deadline = time.monotonic() + grace + 5

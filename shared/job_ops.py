@@ -41,11 +41,11 @@ class JobOps:
                pipe: Any = None, required_status: str = "") -> Any:
         """End an active job exactly once (see FINISH_SCRIPT). With `pipe`, queues it there."""
         args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), self.ttl_s,
-                           names.job_channel(job_id), required_status]
+                           names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN]
         for k, v in (fields or {}).items():
             args += [k, v]
         keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
-                names.DEQUEUED_COUNTER, names.text_key(job_id)]
+                names.DEQUEUED_COUNTER, names.text_key(job_id), names.ENDED_STREAM]
         return self._finish(keys=keys, args=args, client=pipe or self.client)
 
     def step(self, keys: list[str], args: list[Any], pipe: Any) -> Any:

@@ -115,12 +115,13 @@ end
 return {0, seq, created}
 """
 
-# KEYS[1] job hash, KEYS[2] event stream, KEYS[3] token list key, KEYS[4] dequeued counter, KEYS[5] text.
+# KEYS[1] job hash, KEYS[2] event stream, KEYS[3] token list key, KEYS[4] dequeued counter, KEYS[5] text,
+# KEYS[6] the ended stream.
 # ARGV: status, finish_reason, error, now, ttl, channel, required current status ('' = any active),
-#       then field/value pairs to set.
+#       job id, the ended stream's cap, then field/value pairs to set.
 # Ends an active job exactly once: sets the terminal state, appends `done` to its event stream,
-# publishes it, and starts the retention clock. Returns the done event's seq, or 0 if the job had
-# already ended (or was not in the required status), -1 if it does not exist.
+# publishes it, starts the retention clock and queues the after-job work. Returns the done event's
+# seq, or 0 if the job had already ended (or was not in the required status), -1 if it does not exist.
 FINISH_SCRIPT = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return -1 end
@@ -128,7 +129,7 @@ if st ~= 'queued' and st ~= 'running' then return 0 end
 if ARGV[7] ~= '' and st ~= ARGV[7] then return 0 end
 if st == 'queued' then redis.call('INCR', KEYS[4]) end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finish_reason', ARGV[2], 'error', ARGV[3], 'finished_at', ARGV[4])
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 local seq = redis.call('HINCRBY', KEYS[1], 'seq', 1)
 redis.call('XADD', KEYS[2], '0-' .. seq, 'type', 'done')
 local ttl = tonumber(ARGV[5])
@@ -137,6 +138,7 @@ redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('EXPIRE', KEYS[3], ttl)
 redis.call('EXPIRE', KEYS[5], ttl)
 redis.call('PUBLISH', ARGV[6], cjson.encode({seq = seq, type = 'done'}))
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', ARGV[9], '*', 'job_id', ARGV[8])
 return seq
 """
 

@@ -10,7 +10,12 @@ TOKENIZED_STREAM = f"{PREFIX}:tokenized"
 DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 TOKENIZER_GROUP = "tokenizers"
 INFERENCE_GROUP = "inference"
-STREAM_GROUPS = {JOBS_STREAM: TOKENIZER_GROUP, TOKENIZED_STREAM: INFERENCE_GROUP}
+# every job that ends is appended here (by FINISH_SCRIPT, atomically with its end), for the
+# after-job work in workers/after_job.py (usage accounting, the client's webhook)
+ENDED_STREAM = f"{PREFIX}:ended"
+AFTER_JOB_GROUP = "after-job"
+ENDED_MAXLEN = 100_000  # approximate cap: bounded even when no Celery worker consumes it
+STREAM_GROUPS = {JOBS_STREAM: TOKENIZER_GROUP, TOKENIZED_STREAM: INFERENCE_GROUP, ENDED_STREAM: AFTER_JOB_GROUP}
 
 # pub/sub
 CONTROL_CHANNEL = f"{PREFIX}:control"
@@ -20,6 +25,7 @@ CHANNEL_PREFIX = f"{PREFIX}:chan:"
 TOKENIZER_POOL = "tokenizer"
 INFERENCE_POOL = "inference"
 POOLS = (TOKENIZER_POOL, INFERENCE_POOL)
+CELERY_POOL = "celery"  # heartbeats only (its consumers' liveness); not a scaled pool
 
 STATS_KEY = f"{PREFIX}:stats"
 # queue position: ordinal of a job at submit, minus how many jobs have left the queue since

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -48,6 +49,16 @@ class GenerationRequest(SamplingParams):
     model_config = ConfigDict(extra="forbid")
     prompt: str | None = None
     messages: list[Message] | None = None
+    webhook_url: Annotated[str | None, Field(max_length=2048)] = None  # POSTed the job once it ends
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = urlsplit(v)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("webhook_url must be an http:// or https:// URL")
+        return v
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:

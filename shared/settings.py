@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     # reliability
     claim_idle_ms: int = Field(30_000, description="pending entries idle this long are taken from dead consumers")
     refresh_s: float = Field(5.0, description="how often a worker marks its in-flight entries as alive")
+    webhook_timeout_s: float = Field(5.0, gt=0, description="how long a job's webhook may take to answer")
+    webhook_retry_s: float = Field(10.0, ge=0, description="wait before a failed webhook is tried again")
+    webhook_secret: str = Field("", description="when set, webhooks carry X-Conveyor-Signature (HMAC-SHA256)")
     delivery_limit: int = Field(3, description="deliveries before an entry goes to the dead-letter stream")
     heartbeat_s: float = 5.0
     drain_grace_s: float = 30.0

@@ -47,7 +47,8 @@ class StreamConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def read(self, count: int, block_ms: int) -> list[Entry]:
+    def read(self, count: int, block_ms: int | None) -> list[Entry]:
+        """New entries; block_ms None returns at once, 0 would wait forever."""
         try:
             reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
         except redis.ResponseError as exc:
@@ -102,6 +103,26 @@ class StreamConsumer:
             (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
         for entry in dead:
             self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
+        return keep, dead
+
+    def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
+        """Take back this consumer's own entries left pending (unacknowledged: their work failed)
+        for idle_ms or more, for another try. Returns (to process, dead-lettered)."""
+        rows = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count,
+                                          consumername=self.consumer, idle=idle_ms)
+        if not rows:
+            return [], []
+        deliveries = {_s(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}
+        claimed = self.client.xclaim(self.stream, self.group, self.consumer, idle_ms, list(deliveries))
+        keep, dead = [], []
+        for eid, fields in claimed:
+            if fields is None:  # trimmed meanwhile
+                self.ack([_s(eid)])
+                continue
+            entry = Entry(_s(eid), fields, deliveries.get(_s(eid), 1))
+            (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
+        for entry in dead:
+            self.dead_letter(entry, f"failed {entry.deliveries - 1} times")
         return keep, dead
 
     def refresh(self, ids: list[str]) -> None:

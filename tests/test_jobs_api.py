@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.helpers import chat, read_events, submit, tokens_text, wait
+from tests.webhook_server import webhook_server
 
 PROMPTS = [
     "What is the capital of France?",
@@ -128,6 +129,17 @@ def test_cancel_queued_job_and_unknown(client: httpx.Client) -> None:
         client.post(f"/v1/jobs/{b['id']}/cancel")
 
 
+def test_webhook_gets_the_job_when_it_ends(client: httpx.Client) -> None:
+    with webhook_server() as hooks:
+        job = submit(client, messages=chat("What is 2 plus 2?"), max_tokens=8, temperature=0, webhook_url=hooks.url)
+        final = wait(client, job["id"])
+        received = hooks.wait_for(1, timeout=60)  # the stack's Celery worker drains ended jobs every second
+    assert len(received) == 1
+    headers, body, _ = received[0]
+    assert body == final and body["status"] == "succeeded" and body["text"]
+    assert headers["x-conveyor-job"] == job["id"]
+
+
 @pytest.mark.parametrize("body,status", [
     ({"max_tokens": 5}, 422),
     ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 422),
@@ -139,6 +151,8 @@ def test_cancel_queued_job_and_unknown(client: httpx.Client) -> None:
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 422),
     ({"prompt": "x", "stop": [""]}, 422),
     ({"prompt": "x", "bogus": 1}, 422),
+    ({"prompt": "x", "webhook_url": "ftp://example.com/hook"}, 422),
+    ({"prompt": "x", "webhook_url": "not a url"}, 422),
 ])
 def test_bad_input(client: httpx.Client, body: dict, status: int) -> None:  # type: ignore[type-arg]
     r = client.post("/v1/jobs", json=body)

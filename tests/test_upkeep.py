@@ -1,11 +1,11 @@
-"""Stream trimming keeps only entries still in flight; usage accounting adds up."""
+"""Stream trimming keeps only entries still in flight; the Celery app schedules the upkeep and after-job work."""
 
 from __future__ import annotations
 
 import redis
 
 from shared import names
-from workers.upkeep import record_usage, trim_all, trim_consumed
+from workers.upkeep import trim_all, trim_consumed
 
 
 def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
@@ -27,19 +27,11 @@ def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
     assert trim_consumed(r, "conveyor:none", g) == 0
 
 
-def test_record_usage(redis_db: redis.Redis) -> None:
-    record_usage(redis_db, "m", 10, 5)
-    record_usage(redis_db, "m", 1, 2)
-    key = next(iter(redis_db.scan_iter(match="conveyor:usage:*")))
-    h = redis_db.hgetall(key)
-    assert h == {"m:prompt_tokens": "11", "m:completion_tokens": "7", "m:jobs": "2"}
-    assert 0 < redis_db.ttl(key) <= 35 * 86400
-
-
 def test_celery_app_registers_tasks() -> None:
     from workers.celery_app import app
 
-    assert {"conveyor.trim_streams", "conveyor.record_usage"} <= set(app.tasks)
+    assert {"conveyor.trim_streams", "conveyor.after_jobs"} <= set(app.tasks)
+    assert {e["task"] for e in app.conf.beat_schedule.values()} == {"conveyor.trim_streams", "conveyor.after_jobs"}
 
 
 def test_trim_with_a_binary_client(redis_server) -> None:  # type: ignore[no-untyped-def]

@@ -1,4 +1,5 @@
-"""The Celery app: work that runs after a job ends, and periodic upkeep (beat).
+"""The Celery app: work that runs after a job ends (usage accounting, webhooks) and periodic
+upkeep, both on beat's schedule. `conveyor up` runs one worker with beat embedded; on a cluster:
 
     celery -A workers.celery_app worker      # tasks
     celery -A workers.celery_app beat        # schedule
@@ -13,6 +14,7 @@ from celery import Celery
 from shared.redis_client import sync_client
 from shared.settings import get_settings
 from workers import upkeep
+from workers.after_job import AfterJob
 
 settings = get_settings()
 app = Celery("conveyor", broker=settings.redis_url or "redis://127.0.0.1:6379/0")
@@ -25,6 +27,8 @@ app.conf.update(
     result_backend=None,
     beat_schedule={
         "trim-consumed-streams": {"task": "conveyor.trim_streams", "schedule": 30.0},
+        # each run drains what is due; a run not started within 5 s is dropped (the next one covers it)
+        "after-jobs": {"task": "conveyor.after_jobs", "schedule": 1.0, "options": {"expires": 5.0}},
     },
 )
 
@@ -44,7 +48,13 @@ def trim_streams() -> dict[str, int]:
     return upkeep.trim_all(client())
 
 
-@app.task(name="conveyor.record_usage", autoretry_for=(ConnectionError,), retry_backoff=True, max_retries=5)
-def record_usage(model: str, prompt_tokens: int, completion_tokens: int) -> None:
-    """Token accounting for a finished job."""
-    upkeep.record_usage(client(), model, prompt_tokens, completion_tokens)
+_after: AfterJob | None = None
+
+
+@app.task(name="conveyor.after_jobs")
+def after_jobs() -> dict[str, int]:
+    """Usage accounting and webhooks for jobs that ended (see workers/after_job.py)."""
+    global _after
+    if _after is None:
+        _after = AfterJob(client(), settings)
+    return _after.drain()

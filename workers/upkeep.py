@@ -1,11 +1,10 @@
-"""Upkeep that keeps Redis memory flat: trim consumed stream entries, account usage.
+"""Upkeep that keeps Redis memory flat: trim consumed stream entries.
 
 Runs from the tokenizer workers' periodic loop and as Celery beat tasks; every function is
 safe to run concurrently from many processes."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
@@ -47,14 +46,3 @@ def trim_consumed(client: redis.Redis, stream: str, group: str) -> int:
 
 def trim_all(client: redis.Redis) -> dict[str, int]:
     return {stream: trim_consumed(client, stream, group) for stream, group in names.STREAM_GROUPS.items()}
-
-
-def record_usage(client: redis.Redis, model: str, prompt_tokens: int, completion_tokens: int) -> None:
-    """Per-day, per-model token accounting (kept 35 days)."""
-    key = f"{names.PREFIX}:usage:{time.strftime('%Y-%m-%d', time.gmtime())}"
-    pipe = client.pipeline(transaction=False)
-    pipe.hincrby(key, f"{model}:prompt_tokens", prompt_tokens)
-    pipe.hincrby(key, f"{model}:completion_tokens", completion_tokens)
-    pipe.hincrby(key, f"{model}:jobs", 1)
-    pipe.expire(key, 35 * 86400)
-    pipe.execute()

@@ -1,0 +1,82 @@
+"""After-job work on a real Redis, with a real HTTP receiver: every ended job is accounted once,
+its webhook gets the job as polled, a failing webhook is retried and finally dead-lettered."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from shared import names
+from shared.job_ops import JobOps
+from shared.jobs import FinishReason, Job, JobStatus, new_record
+from shared.settings import Settings
+from tests.webhook_server import webhook_server
+from workers.after_job import AfterJob, sign, usage_key
+
+
+def end_job(r: redis.Redis, job_id: str, webhook_url: str | None = None, text: str = "Paris.") -> None:
+    record = new_record(job_id, "m", "", True) | {"status": JobStatus.running.value, "prompt_tokens": 7}
+    record.pop("request")  # the API keeps the request on the jobs stream only
+    if webhook_url:
+        record["webhook_url"] = webhook_url  # as the API stores it
+    r.hset(names.job_key(job_id), mapping=record)
+    r.set(names.text_key(job_id), text)
+    JobOps(r, 3600).finish(job_id, FinishReason.stop, fields={"completion_tokens": 3})
+
+
+def after(r: redis.Redis, **settings: object) -> AfterJob:
+    return AfterJob(r, Settings(webhook_retry_s=0, delivery_limit=3, **settings), consumer="after-test")
+
+
+def test_every_end_is_accounted_once(redis_db: redis.Redis) -> None:
+    worker = after(redis_db)
+    end_job(redis_db, "job_a")
+    end_job(redis_db, "job_b")
+    assert worker.drain() == {"done": 2, "failed": 0, "dead": 0}
+    assert redis_db.hgetall(usage_key()) == {"m:prompt_tokens": "14", "m:completion_tokens": "6", "m:jobs": "2"}
+    assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
+    redis_db.xadd(names.ENDED_STREAM, {"job_id": "job_a"})  # delivered twice: still counted once
+    assert worker.drain()["done"] == 1
+    assert redis_db.hget(usage_key(), "m:jobs") == "2"
+    assert 0 < redis_db.ttl(usage_key()) <= 35 * 86400
+
+
+def test_webhook_gets_the_polled_job_signed(redis_db: redis.Redis) -> None:
+    worker = after(redis_db, webhook_secret="s3cret")
+    with webhook_server() as hooks:
+        end_job(redis_db, "job_hook", hooks.url)
+        end_job(redis_db, "job_quiet")  # no webhook asked for: accounted, no call
+        assert worker.drain() == {"done": 2, "failed": 0, "dead": 0}
+        [(headers, body, raw)] = hooks.wait_for(1, timeout=5)
+    rec = redis_db.hgetall(names.job_key("job_hook")) | {"text": "Paris."}
+    assert body == json.loads(Job.from_record(rec).model_dump_json())
+    assert body["status"] == "succeeded" and body["text"] == "Paris." and body["usage"]["completion_tokens"] == 3
+    assert headers["x-conveyor-job"] == "job_hook"
+    assert headers["x-conveyor-signature"] == sign(raw, "s3cret")
+
+
+def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> None:
+    worker = after(redis_db)
+    with webhook_server() as hooks:
+        hooks.fail_first = 1
+        end_job(redis_db, "job_flaky", hooks.url)
+        assert worker.drain() == {"done": 0, "failed": 1, "dead": 0}
+        assert worker.drain() == {"done": 1, "failed": 0, "dead": 0}  # the retry goes through
+        assert len(hooks.received) == 2
+
+        hooks.fail_first = 100
+        end_job(redis_db, "job_down", hooks.url)
+        results = [worker.drain() for _ in range(4)]
+        assert [c["failed"] for c in results] == [1, 1, 1, 0] and results[3]["dead"] == 1
+        assert len(hooks.received) == 2 + 3  # three tries, then the dead-letter stream
+    [(_, dead)] = redis_db.xrange(names.DEAD_LETTER_STREAM)
+    assert dead["job_id"] == "job_down" and dead["source_stream"] == names.ENDED_STREAM
+    assert redis_db.hget(usage_key(), "m:jobs") == "2"  # retries never count a job twice
+    assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
+
+
+def test_unreachable_webhook_is_a_failure_not_a_crash(redis_db: redis.Redis) -> None:
+    worker = after(redis_db, webhook_timeout_s=1)
+    end_job(redis_db, "job_nowhere", "http://127.0.0.1:9/hook")  # discard port: nothing listens
+    assert worker.drain() == {"done": 0, "failed": 1, "dead": 0}

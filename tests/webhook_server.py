@@ -1,0 +1,51 @@
+"""A real HTTP server in a thread that records the webhooks it receives."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class Hooks:
+    def __init__(self) -> None:
+        self.received: list[tuple[dict[str, str], dict[str, Any], bytes]] = []
+        self.fail_first = 0  # answer 500 to this many requests first
+        self.arrived = threading.Condition()
+        self.url = ""
+
+    def wait_for(self, n: int, timeout: float) -> list[tuple[dict[str, str], dict[str, Any], bytes]]:
+        with self.arrived:
+            self.arrived.wait_for(lambda: len(self.received) >= n, timeout)
+            return list(self.received)
+
+
+@contextmanager
+def webhook_server() -> Iterator[Hooks]:
+    hooks = Hooks()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            with hooks.arrived:
+                hooks.received.append(({k.lower(): v for k, v in self.headers.items()}, json.loads(body), body))
+                fail = len(hooks.received) <= hooks.fail_first
+                hooks.arrived.notify_all()
+            self.send_response(500 if fail else 204)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    hooks.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield hooks
+    finally:
+        server.shutdown()
+        server.server_close()
