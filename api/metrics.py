@@ -1,4 +1,5 @@
 """GET /metrics: Prometheus text for the whole system, read from Redis at scrape time.
+GET /scaling: each pool's load as the scaling policy counts it (what KEDA's metrics-api trigger reads).
 
 Workers report through Redis (heartbeats with gauges, histogram hashes, counters), so one
 scrape of any API process sees every pool. Names follow vLLM's, under `conveyor:`."""
@@ -16,7 +17,8 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from infra.signals import group_lag
+from infra.policy import pool_load
+from infra.signals import group_lag, pool_signals
 from shared import metrics as m
 from shared import names
 from shared.redis_client import sync_client
@@ -86,13 +88,37 @@ class SystemCollector:
             yield h
 
 
+def _clients(state: Any) -> None:
+    if not hasattr(state, "metrics_client"):
+        state.metrics_client = sync_client(state.settings.redis_url, retries=1)
+        state.metrics_raw = sync_client(state.settings.redis_url, decode=False, retries=1)
+
+
+@router.get("/scaling")
+async def scaling(request: Request) -> dict[str, dict[str, float]]:
+    """Each pool's queue signals and its load in lag units (infra/policy.py): the lag of its input
+    stream, plus, for inference, the sequences its engines hold as a share of MAX_NUM_SEQS. Wanted
+    replicas = ceil(load / lag per replica), the rule of the local autoscaler and of KEDA's
+    metrics-api trigger on `inference.load` (infra/k8s/scaledobject-inference.yaml)."""
+    state = request.app.state
+    _clients(state)
+    settings = state.settings
+    per_replica = {names.TOKENIZER_POOL: settings.tokenizer_lag_per_replica,
+                   names.INFERENCE_POOL: settings.inference_lag_per_replica}
+
+    def read() -> dict[str, dict[str, float]]:
+        signals = pool_signals(state.metrics_raw, settings.max_num_seqs)
+        return {pool: {"lag": s.lag, "pending": s.pending, "running": s.running,
+                       "load": float(pool_load(s, per_replica[pool]))} for pool, s in signals.items()}
+
+    return await asyncio.to_thread(read)
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus metrics for the whole system."""
     state = request.app.state
-    if not hasattr(state, "metrics_client"):
-        state.metrics_client = sync_client(state.settings.redis_url, retries=1)
-        state.metrics_raw = sync_client(state.settings.redis_url, decode=False, retries=1)
+    _clients(state)
 
     def render() -> bytes:
         registry = CollectorRegistry()

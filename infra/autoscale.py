@@ -4,13 +4,12 @@ many processes it wants, and set the pool's target. The supervisor starts and dr
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import TYPE_CHECKING
 
 from infra.policy import DEFAULT_POLICIES, PolicyState, PoolPolicy, PoolSignals, desired_replicas
-from infra.signals import pool_lags
+from infra.signals import pool_signals
 from shared import names
 from shared.redis_client import sync_client
 from shared.settings import Settings
@@ -45,17 +44,7 @@ class Autoscaler:
         self._next = 0.0
 
     def signals(self) -> dict[str, PoolSignals]:
-        lags = pool_lags(self.client)
-        keys = list(self.client.scan_iter(match=names.heartbeat_pattern(names.INFERENCE_POOL), count=500))
-        beats = [json.loads(v) for v in (self.client.mget(keys) if keys else []) if v]
-        held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for b in beats)
-        lag_t, pend_t = lags[names.TOKENIZER_POOL]
-        lag_i, pend_i = lags[names.INFERENCE_POOL]
-        return {
-            names.TOKENIZER_POOL: PoolSignals(lag=lag_t, pending=pend_t),
-            names.INFERENCE_POOL: PoolSignals(lag=lag_i, pending=pend_i, running=held,
-                                              capacity_per_replica=self.capacity),
-        }
+        return pool_signals(self.client, self.capacity)
 
     def __call__(self) -> None:
         now = time.monotonic()

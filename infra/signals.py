@@ -1,4 +1,5 @@
-"""Queue signals read from Redis for the autoscaler and /metrics: a consumer group's lag and pending.
+"""Queue signals read from Redis for the autoscaler, /metrics and /scaling: a consumer group's lag and
+pending, and the sequences the inference engines hold (from their heartbeats).
 
 Redis 7 reports a group's lag in XINFO GROUPS (the number KEDA's lag mode reads). Redis 6.2 has
 no such field, and Redis 7 answers NULL when it cannot tell (after entries in the undelivered range
@@ -9,8 +10,11 @@ wire or meets a client that decodes responses.
 
 from __future__ import annotations
 
+import json
+
 import redis
 
+from infra.policy import PoolSignals
 from shared import names
 
 PAGE = 200
@@ -62,6 +66,21 @@ def group_lag(client: redis.Redis, stream: str, group: str, limit: int = COUNT_L
 def pool_lags(client: redis.Redis) -> dict[str, tuple[int, int]]:
     """(lag, pending) for each pool's input stream, by pool name."""
     return {pool: group_lag(client, stream, group) for pool, (stream, group) in POOL_STREAMS.items()}
+
+
+def pool_signals(client: redis.Redis, capacity_per_replica: int) -> dict[str, PoolSignals]:
+    """Each pool's signals for the scaling policy (infra/policy.py), by pool name."""
+    lags = pool_lags(client)
+    keys = list(client.scan_iter(match=names.heartbeat_pattern(names.INFERENCE_POOL), count=500))
+    beats = [json.loads(v) for v in (client.mget(keys) if keys else []) if v]
+    held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for b in beats)
+    lag_t, pend_t = lags[names.TOKENIZER_POOL]
+    lag_i, pend_i = lags[names.INFERENCE_POOL]
+    return {
+        names.TOKENIZER_POOL: PoolSignals(lag=lag_t, pending=pend_t),
+        names.INFERENCE_POOL: PoolSignals(lag=lag_i, pending=pend_i, running=held,
+                                          capacity_per_replica=capacity_per_replica),
+    }
 
 
 def _count_after(client: redis.Redis, stream: str, last_id: str, limit: int) -> int:

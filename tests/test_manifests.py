@@ -150,10 +150,19 @@ def test_scaled_objects_match_names_and_the_local_policy() -> None:
         assert spec["cooldownPeriod"] == policy.scale_in_cooldown_s
         assert spec["pollingInterval"] == policy.poll_interval_s
         [trigger] = spec["triggers"]
-        assert trigger["type"] == "redis-streams"
         meta = trigger["metadata"]
-        assert (meta["stream"], meta["consumerGroup"]) == POOL_STREAMS[pool]
         assert all(isinstance(v, str) for v in meta.values())
+        if pool == names.INFERENCE_POOL:  # lag plus occupancy, from the API's GET /scaling
+            assert trigger["type"] == "metrics-api"
+            port = of_kind("Service")["api"]["spec"]["ports"][0]["port"]
+            assert meta["url"] == f"http://api.conveyor.svc.cluster.local:{port}/scaling"
+            assert meta["valueLocation"] == f"{pool}.load"
+            assert int(meta["targetValue"]) == policy.lag_per_replica
+            assert int(meta["activationTargetValue"]) == policy.activation_lag
+            assert spec["fallback"]["replicas"] == policy.max_replicas
+            continue
+        assert trigger["type"] == "redis-streams"
+        assert (meta["stream"], meta["consumerGroup"]) == POOL_STREAMS[pool]
         assert int(meta["lagCount"]) == policy.lag_per_replica
         assert int(meta["activationLagCount"]) == policy.activation_lag
         assert "address" in meta or "addressFromEnv" in meta

@@ -35,3 +35,20 @@ def test_metrics_after_a_few_jobs(stack) -> None:  # type: ignore[no-untyped-def
     assert samples[("conveyor:workers_live", (("pool", "inference"),))] >= 1
     assert samples[("conveyor:workers_live", (("pool", "tokenizer"),))] >= 1
     assert samples[("conveyor:num_requests_waiting", ())] >= 0
+
+
+def test_scaling_counts_what_the_engines_hold(stack) -> None:  # type: ignore[no-untyped-def]
+    """GET /scaling, read by KEDA's inference trigger: lag plus occupancy, as the local policy counts."""
+    import time
+
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        before = c.get("/scaling").json()
+        assert set(before) == {"tokenizer", "inference"}
+        job = submit(c, prompt="Count to a thousand:", max_tokens=900, ignore_eos=True)
+        deadline, seen = time.monotonic() + 30, before["inference"]
+        while time.monotonic() < deadline and seen["running"] < 1:
+            time.sleep(0.3)  # engines report through their heartbeats (every second here)
+            seen = c.get("/scaling").json()["inference"]
+        c.post(f"/v1/jobs/{job['id']}/cancel")
+    assert seen["running"] >= 1
+    assert seen["load"] == seen["lag"] + seen["running"] * 2 / 64  # 2 entries per replica, MAX_NUM_SEQS 64
