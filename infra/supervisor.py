@@ -119,9 +119,9 @@ def celery_argv(settings: Settings) -> list[str]:
     """One Celery worker with beat embedded (a process of its own, in the worker's group)."""
     home = settings.cache_dir / "celery"
     home.mkdir(parents=True, exist_ok=True)
-    return [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "--beat", "--pool", "solo",
-            "--loglevel", "WARNING", "--schedule", str(home / "beat-schedule"), "--hostname", "conveyor@%h",
-            "--without-gossip", "--without-mingle"]
+    return [sys.executable, "-m", "celery", "--quiet", "--app", "workers.celery_app", "worker", "--beat",
+            "--pool", "solo", "--loglevel", "WARNING", "--schedule", str(home / "beat-schedule"),
+            "--hostname", "conveyor@%h", "--without-gossip", "--without-mingle"]
 
 
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
@@ -152,7 +152,8 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
                                    min_size=inference, max_size=max(inference, settings.inference_max)
                                    if autoscale else inference, grace_s=grace),
     }
-    extra = [Pool("celery", celery_argv(settings), env, 1, grace_s=10)] if celery else []
+    celery_env = {**env, "PYTHONWARNINGS": "ignore:You're running the worker with superuser"}  # as root
+    extra = [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10)] if celery else []
     everything = [api, *pools.values(), *extra]
     url = f"http://{settings.host}:{settings.port}"
     try:
