@@ -4,6 +4,9 @@ its webhook gets the job as polled, a failing webhook is retried and finally dea
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
 
 import redis
 
@@ -40,6 +43,8 @@ def test_every_end_is_accounted_once(redis_db: redis.Redis) -> None:
     assert worker.drain()["done"] == 1
     assert redis_db.hget(usage_key(), "m:jobs") == "2"
     assert 0 < redis_db.ttl(usage_key()) <= 35 * 86400
+    redis_db.xadd(names.ENDED_STREAM, {"job_id": "job_expired"})  # its record is gone: nothing to do
+    assert worker.drain()["done"] == 1 and not redis_db.exists(names.job_key("job_expired"))
 
 
 def test_webhook_gets_the_polled_job_signed(redis_db: redis.Redis) -> None:
@@ -53,7 +58,8 @@ def test_webhook_gets_the_polled_job_signed(redis_db: redis.Redis) -> None:
     assert body == json.loads(Job.from_record(rec).model_dump_json())
     assert body["status"] == "succeeded" and body["text"] == "Paris." and body["usage"]["completion_tokens"] == 3
     assert headers["x-conveyor-job"] == "job_hook"
-    assert headers["x-conveyor-signature"] == sign(raw, "s3cret")
+    assert headers["x-conveyor-signature"] == sign(raw, "s3cret", headers["x-conveyor-timestamp"])
+    assert abs(int(headers["x-conveyor-timestamp"]) - time.time()) < 60
 
 
 def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> None:
@@ -76,7 +82,38 @@ def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> No
     assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
 
 
-def test_unreachable_webhook_is_a_failure_not_a_crash(redis_db: redis.Redis) -> None:
+def test_bad_webhooks_fail_alone(redis_db: redis.Redis) -> None:
+    """Nothing listening, a server that does not speak HTTP, a redirect: each is a failed try of
+    its own job; the other jobs of the batch are accounted and done."""
+    garbage = socket.create_server(("127.0.0.1", 0))
+
+    def answer_garbage() -> None:
+        while True:
+            try:
+                conn, _ = garbage.accept()
+            except OSError:
+                return
+            conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+            conn.close()
+
+    threading.Thread(target=answer_garbage, daemon=True).start()
     worker = after(redis_db, webhook_timeout_s=1)
-    end_job(redis_db, "job_nowhere", "http://127.0.0.1:9/hook")  # discard port: nothing listens
-    assert worker.drain() == {"done": 0, "failed": 1, "dead": 0}
+    with webhook_server() as hooks:
+        hooks.status = 302
+        end_job(redis_db, "job_nowhere", "http://127.0.0.1:9/hook")  # discard port: nothing listens
+        end_job(redis_db, "job_garbage", f"http://127.0.0.1:{garbage.getsockname()[1]}/hook")
+        end_job(redis_db, "job_redirected", hooks.url)
+        for n in range(5):
+            end_job(redis_db, f"job_fine_{n}")
+        assert worker.drain() == {"done": 5, "failed": 3, "dead": 0}
+        assert len(hooks.received) == 1  # the redirect was not followed
+    garbage.close()
+    assert redis_db.hget(usage_key(), "m:jobs") == "8"
+
+
+def test_one_drain_takes_a_backlog(redis_db: redis.Redis) -> None:
+    worker = after(redis_db)
+    for n in range(450):
+        end_job(redis_db, f"job_many_{n}")
+    assert worker.drain(batch=200) == {"done": 450, "failed": 0, "dead": 0}
+    assert redis_db.hget(usage_key(), "m:jobs") == "450"

@@ -14,6 +14,7 @@ class Hooks:
     def __init__(self) -> None:
         self.received: list[tuple[dict[str, str], dict[str, Any], bytes]] = []
         self.fail_first = 0  # answer 500 to this many requests first
+        self.status = 204  # then this (a 3xx comes with a Location)
         self.arrived = threading.Condition()
         self.url = ""
 
@@ -34,7 +35,9 @@ def webhook_server() -> Iterator[Hooks]:
                 hooks.received.append(({k.lower(): v for k, v in self.headers.items()}, json.loads(body), body))
                 fail = len(hooks.received) <= hooks.fail_first
                 hooks.arrived.notify_all()
-            self.send_response(500 if fail else 204)
+            self.send_response(500 if fail else hooks.status)
+            if 300 <= hooks.status < 400:
+                self.send_header("Location", hooks.url)
             self.end_headers()
 
         def log_message(self, *args: Any) -> None:

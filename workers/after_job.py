@@ -2,14 +2,18 @@
 
 Every end (success, failure, cancel) is appended to the `ended` stream by FINISH_SCRIPT, in the
 same atomic step as the end itself, so none is missed. `drain` reads it through the `after-job`
-consumer group (Celery beat runs it every second, see workers/celery_app.py):
+consumer group (Celery beat runs it every second, see workers/celery_app.py), in batches:
 
-- usage is added once per job (a marker field on the job's record makes a retry a no-op);
-- the webhook gets `POST <webhook_url>` with the job object as polled (JSON); a failure (no
-  answer in WEBHOOK_TIMEOUT_S, or a status other than 2xx) leaves the entry pending, to be tried
-  again after WEBHOOK_RETRY_S, up to DELIVERY_LIMIT tries; then it goes to the dead-letter stream;
-- with WEBHOOK_SECRET set, `X-Conveyor-Signature: sha256=<HMAC-SHA256 of the body>` lets the
-  receiver check the sender.
+- usage is added to the day's totals (`conveyor:usage:<date of the drain>`, per model) once per
+  job: one script call per job, pipelined per batch; a marker field on the job's record makes a
+  second delivery a no-op;
+- the webhook gets `POST <webhook_url>` with the job object as polled (JSON), the batch's calls in
+  parallel. A failure (no answer within WEBHOOK_TIMEOUT_S, a status other than 2xx, a redirect)
+  leaves the entry pending, to be tried again after WEBHOOK_RETRY_S, up to DELIVERY_LIMIT tries;
+  then it goes to the dead-letter stream. Delivery is at least once: receivers deduplicate on
+  `X-Conveyor-Job`;
+- with WEBHOOK_SECRET set, `X-Conveyor-Signature: sha256=<HMAC-SHA256 of "<timestamp>." + body>`
+  with `X-Conveyor-Timestamp: <unix seconds>` lets the receiver check the sender and refuse replays.
 
 Entries of a Celery worker that died mid-drain are taken over once idle past CLAIM_IDLE_MS
 (workers heartbeat under the `celery` pool name while they drain).
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import logging
 import os
 import socket
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import redis
@@ -37,16 +43,19 @@ from shared.stream_consumer import Entry, StreamConsumer
 log = logging.getLogger("conveyor.after_job")
 
 # KEYS[1] job hash, KEYS[2] the day's usage hash.  ARGV: ttl of the usage hash.
-# Adds the job's tokens to the day's usage once: the job's `accounted` field marks it done.
+# Adds the job's tokens to the day's usage once (the job's `accounted` field marks it done).
+# Returns the job's webhook URL ('' for none), or false when the record has expired.
 ACCOUNT_SCRIPT = """
-if redis.call('HSETNX', KEYS[1], 'accounted', '1') == 0 then return 0 end
-local rec = redis.call('HMGET', KEYS[1], 'model', 'prompt_tokens', 'completion_tokens')
-local model = rec[1] or ''
-redis.call('HINCRBY', KEYS[2], model .. ':prompt_tokens', tonumber(rec[2] or '0') or 0)
-redis.call('HINCRBY', KEYS[2], model .. ':completion_tokens', tonumber(rec[3] or '0') or 0)
-redis.call('HINCRBY', KEYS[2], model .. ':jobs', 1)
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-return 1
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+if redis.call('HSETNX', KEYS[1], 'accounted', '1') == 1 then
+  local rec = redis.call('HMGET', KEYS[1], 'model', 'prompt_tokens', 'completion_tokens')
+  local model = rec[1] or ''
+  redis.call('HINCRBY', KEYS[2], model .. ':prompt_tokens', tonumber(rec[2] or '0') or 0)
+  redis.call('HINCRBY', KEYS[2], model .. ':completion_tokens', tonumber(rec[3] or '0') or 0)
+  redis.call('HINCRBY', KEYS[2], model .. ':jobs', 1)
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+end
+return redis.call('HGET', KEYS[1], 'webhook_url') or ''
 """
 USAGE_TTL_S = 35 * 86400
 
@@ -55,74 +64,121 @@ def usage_key(day: str | None = None) -> str:
     return f"{names.PREFIX}:usage:{day or time.strftime('%Y-%m-%d', time.gmtime())}"
 
 
-def sign(body: bytes, secret: str) -> str:
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+def sign(body: bytes, secret: str, timestamp: str) -> str:
+    return "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is a failure: urllib would turn the POST into a GET without the body, and the
+    target could be anywhere."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_opener = urllib.request.build_opener(_NoRedirect)
 
 
 class AfterJob:
-    def __init__(self, client: redis.Redis, settings: Settings, consumer: str | None = None) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, consumer: str | None = None,
+                 parallel: int = 16) -> None:
         self.client, self.settings = client, settings
         self.consumer = StreamConsumer(client, names.ENDED_STREAM, names.AFTER_JOB_GROUP,
                                        consumer or f"after-{socket.gethostname()}-{os.getpid()}",
                                        names.CELERY_POOL, settings.claim_idle_ms, settings.delivery_limit)
         self.consumer.ensure_group()
         self._account = client.register_script(ACCOUNT_SCRIPT)
+        self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="webhook")
 
-    def drain(self, max_entries: int = 1000) -> dict[str, int]:
-        """Handle what is due: retries, entries of dead workers, then new ends. Returns counts."""
+    def drain(self, budget_s: float = 10.0, batch: int = 200) -> dict[str, int]:
+        """Handle what is due: retries, entries of dead workers, then new ends, until none is left
+        or budget_s has passed. Returns counts."""
         c = self.consumer
-        self.client.set(names.heartbeat_key(names.CELERY_POOL, c.consumer), "1",
-                        px=max(self.settings.claim_idle_ms, 10_000))
+        deadline = time.monotonic() + budget_s
         counts = {"done": 0, "failed": 0, "dead": 0}
-        retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000))
-        stale, dead_stale = c.claim_stale()
+        self._beat()
+        retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch)
+        stale, dead_stale = c.claim_stale(count=batch)
         counts["dead"] = len(dead) + len(dead_stale)
-        self._handle(retry + stale, counts)
-        handled = len(retry) + len(stale)
-        while handled < max_entries:
-            new = c.read(count=min(100, max_entries - handled), block_ms=None)
-            if not new:
+        todo = retry + stale
+        while True:
+            if todo:
+                self._handle(todo, counts)
+            if time.monotonic() >= deadline:
                 break
-            self._handle(new, counts)
-            handled += len(new)
+            self._beat()
+            todo = c.read(count=batch, block_ms=None)
+            if not todo:
+                break
         return counts
 
-    def _handle(self, entries: list[Entry], counts: dict[str, int]) -> None:
-        for entry in entries:
-            job_id = entry.fields.get(b"job_id") or entry.fields.get("job_id")  # type: ignore[call-overload]
-            job_id = job_id.decode() if isinstance(job_id, bytes) else str(job_id or "")
-            if self.handle(job_id):
-                self.consumer.ack([entry.id])
-                counts["done"] += 1
-            else:
-                counts["failed"] += 1
+    def close(self) -> None:
+        """Leave the group if nothing is pending here (consumers are per process)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        c = self.consumer
+        if not self.client.xpending_range(c.stream, c.group, min="-", max="+", count=1, consumername=c.consumer):
+            self.client.xgroup_delconsumer(c.stream, c.group, c.consumer)
+        self.client.delete(names.heartbeat_key(names.CELERY_POOL, c.consumer))
 
-    def handle(self, job_id: str) -> bool:
-        """Account the job and call its webhook. False: try again later (the webhook failed)."""
-        key = names.job_key(job_id)
-        if not self.client.exists(key):
-            return True  # expired: nothing left to report
-        self._account(keys=[key, usage_key()], args=[USAGE_TTL_S])
-        rec = {_s(k): _s(v) for k, v in self.client.hgetall(key).items()}
-        url = rec.get("webhook_url")
-        if not url:
-            return True
-        rec["text"] = _s(self.client.get(names.text_key(job_id)) or b"")
-        body = Job.from_record(rec).model_dump_json().encode()
-        return self.post(url, body, job_id)
+    def _beat(self) -> None:
+        self.client.set(names.heartbeat_key(names.CELERY_POOL, self.consumer.consumer), "1",
+                        px=max(self.settings.claim_idle_ms, 10_000))
+
+    def _handle(self, entries: list[Entry], counts: dict[str, int]) -> None:
+        """Account every job of the batch (one pipeline), post the webhooks in parallel, ack what
+        is done. A job whose webhook fails stays pending; nothing in one job stops the others."""
+        pipe = self.client.pipeline(transaction=False)
+        ids = [_s(e.fields.get(b"job_id") or e.fields.get("job_id") or "") for e in entries]  # type: ignore[call-overload]
+        for job_id in ids:
+            self._account(keys=[names.job_key(job_id), usage_key()], args=[USAGE_TTL_S], client=pipe)
+        hooks, unaccounted = {}, set()
+        for entry, job_id, url in zip(entries, ids, pipe.execute(raise_on_error=False)):
+            if isinstance(url, Exception):
+                log.warning("accounting %s failed: %s; will retry", job_id, url)
+                unaccounted.add(entry.id)
+            elif url:
+                hooks[entry.id] = self._pool.submit(self._webhook, job_id, _s(url))
+        wait(hooks.values(), timeout=self.settings.webhook_timeout_s * 3)
+        done = []
+        for entry, job_id in zip(entries, ids):
+            future = hooks.get(entry.id)
+            if entry.id in unaccounted:
+                continue
+            if future is None:
+                done.append(entry.id)
+            elif not future.done():
+                log.warning("webhook for %s did not finish in time; will retry", job_id)
+            elif future.exception() is not None:
+                log.warning("webhook for %s failed: %r; will retry", job_id, future.exception())
+            elif future.result():
+                done.append(entry.id)
+        self.consumer.ack(done)
+        counts["done"] += len(done)
+        counts["failed"] += len(entries) - len(done)
+
+    def _webhook(self, job_id: str, url: str) -> bool:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(names.job_key(job_id))
+        pipe.get(names.text_key(job_id))
+        raw, text = pipe.execute()
+        if not raw:
+            return True  # expired meanwhile: nothing left to send
+        rec = {_s(k): _s(v) for k, v in raw.items()} | {"text": _s(text or b"")}
+        return self.post(url, Job.from_record(rec).model_dump_json().encode(), job_id)
 
     def post(self, url: str, body: bytes, job_id: str) -> bool:
         headers = {"Content-Type": "application/json", "User-Agent": "conveyor-webhook", "X-Conveyor-Job": job_id}
         if self.settings.webhook_secret:
-            headers["X-Conveyor-Signature"] = sign(body, self.settings.webhook_secret)
+            ts = str(int(time.time()))
+            headers["X-Conveyor-Timestamp"] = ts
+            headers["X-Conveyor-Signature"] = sign(body, self.settings.webhook_secret, ts)
         req = urllib.request.Request(url, data=body, headers=headers, method="POST")
         try:
-            with urllib.request.urlopen(req, timeout=self.settings.webhook_timeout_s) as resp:
-                ok = 200 <= resp.status < 300
-                status = str(resp.status)
+            with _opener.open(req, timeout=self.settings.webhook_timeout_s) as resp:
+                ok, status = 200 <= resp.status < 300, str(resp.status)
         except urllib.error.HTTPError as exc:
             ok, status = False, str(exc.code)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             ok, status = False, repr(exc)
         if not ok:
             log.warning("webhook for %s to %s failed (%s); will retry", job_id, url, status)

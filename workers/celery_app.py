@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_shutdown
 
 from shared.redis_client import sync_client
 from shared.settings import get_settings
@@ -49,6 +50,12 @@ def trim_streams() -> dict[str, int]:
 
 
 _after: AfterJob | None = None
+
+
+@worker_shutdown.connect
+def _leave(**_: Any) -> None:
+    if _after is not None:
+        _after.close()
 
 
 @app.task(name="conveyor.after_jobs")
