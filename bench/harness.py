@@ -44,7 +44,8 @@ class Stack:
 
 def process_tree(sup_pid: int) -> list[tuple[str, psutil.Process]]:
     """(role, process) for the supervisor and every descendant: supervisor, redis-server, api,
-    tokenizer, inference, output-lane (a spawn child of an inference worker), mp-helper."""
+    tokenizer, inference, output-lane (a spawn child of an inference worker), celery, celery-beat,
+    mp-helper."""
     try:
         root = psutil.Process(sup_pid)
         procs = [root, *root.children(recursive=True)]
@@ -74,6 +75,10 @@ def classify(p: psutil.Process, sup_pid: int) -> str | None:
             if parent is not None and "infra.cli inference" in " ".join(parent.cmdline()):
                 return "output-lane"
             return "mp-helper"
+        if "workers.celery_app" in cmd:  # the worker, and beat forked from it
+            parent = p.parent()
+            return "celery-beat" if parent is not None and "workers.celery_app" in " ".join(parent.cmdline()) \
+                else "celery"
         if "resource_tracker" in cmd or "forkserver" in cmd:
             return "mp-helper"
         return "other"

@@ -351,7 +351,7 @@ def fmt(x: float, digits: int = 0) -> str:
     return "n/a" if x != x else f"{x:,.{digits}f}"
 
 
-CPU_ROLES = ("inference", "output-lane", "api", "redis-server", "tokenizer", "client")
+CPU_ROLES = ("inference", "output-lane", "api", "redis-server", "tokenizer", "celery", "client")
 
 
 def cpu_seconds(server: Server | None) -> dict[tuple[str, int], float]:
