@@ -267,7 +267,8 @@ async def main_async(args: argparse.Namespace, stack: Stack) -> int:
     e2e = sorted(soak.e2e)
     try:
         keys = soak.key_breakdown()
-        lens = {s: soak.r.xlen(s) for s in (names.JOBS_STREAM, names.TOKENIZED_STREAM, names.DEAD_LETTER_STREAM)}
+        lens = {s: soak.r.xlen(s) for s in (names.JOBS_STREAM, names.TOKENIZED_STREAM, names.ENDED_STREAM,
+                                            names.DEAD_LETTER_STREAM)}
     except redis.RedisError as exc:
         keys, lens = {"error": str(exc)}, {}
     logscan = scan_log(stack.log)
