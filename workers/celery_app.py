@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
 from celery import Celery
 from celery.signals import worker_shutdown
 
@@ -55,7 +56,10 @@ _after: AfterJob | None = None
 @worker_shutdown.connect
 def _leave(**_: Any) -> None:
     if _after is not None:
-        _after.close()
+        try:
+            _after.close()
+        except redis.RedisError:
+            pass  # Redis gone at shutdown: the consumer stays listed, its entries are claimed later
 
 
 @app.task(name="conveyor.after_jobs")
