@@ -121,7 +121,7 @@ def celery_argv(settings: Settings) -> list[str]:
     home.mkdir(parents=True, exist_ok=True)
     return [sys.executable, "-m", "celery", "--quiet", "--app", "workers.celery_app", "worker", "--beat",
             "--pool", "solo", "--loglevel", "WARNING", "--schedule", str(home / "beat-schedule"),
-            "--hostname", "conveyor@%h", "--without-gossip", "--without-mingle"]
+            "--hostname", "conveyor@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"]
 
 
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,

@@ -117,3 +117,17 @@ def test_one_drain_takes_a_backlog(redis_db: redis.Redis) -> None:
         end_job(redis_db, f"job_many_{n}")
     assert worker.drain(batch=200) == {"done": 450, "failed": 0, "dead": 0}
     assert redis_db.hget(usage_key(), "m:jobs") == "450"
+
+
+def test_a_waiting_drain_sends_webhooks_as_jobs_end(redis_db: redis.Redis) -> None:
+    worker = after(redis_db)
+    with webhook_server() as hooks:
+        result: dict[str, int] = {}
+        t = threading.Thread(target=lambda: result.update(worker.drain(budget_s=4, wait_ms=500)))
+        t.start()
+        time.sleep(1)  # the drain is waiting on Redis now
+        end_job(redis_db, "job_live", hooks.url)
+        assert hooks.wait_for(1, timeout=2.5), "no webhook while the drain was waiting"
+        assert t.is_alive()  # sent as the job ended, not when the drain returned
+        t.join()
+    assert result == {"done": 1, "failed": 0, "dead": 0}

@@ -133,7 +133,7 @@ def test_webhook_gets_the_job_when_it_ends(client: httpx.Client) -> None:
     with webhook_server() as hooks:
         job = submit(client, messages=chat("What is 2 plus 2?"), max_tokens=8, temperature=0, webhook_url=hooks.url)
         final = wait(client, job["id"])
-        received = hooks.wait_for(1, timeout=60)  # the stack's Celery worker drains ended jobs every second
+        received = hooks.wait_for(1, timeout=60)  # the stack's Celery worker waits on Redis for ended jobs
     assert len(received) == 1
     headers, body, _ = received[0]
     assert body == final and body["status"] == "succeeded" and body["text"]

@@ -2,7 +2,8 @@
 
 Every end (success, failure, cancel) is appended to the `ended` stream by FINISH_SCRIPT, in the
 same atomic step as the end itself, so none is missed. `drain` reads it through the `after-job`
-consumer group (Celery beat runs it every second, see workers/celery_app.py), in batches:
+consumer group (a Celery task that beat starts every 30 s and that waits on Redis for ends for
+25 s, see workers/celery_app.py), in batches:
 
 - usage is added to the day's totals (`conveyor:usage:<date of the drain>`, per model) once per
   job: one script call per job, pipelined per batch; a marker field on the job's record makes a
@@ -27,6 +28,7 @@ import http.client
 import logging
 import os
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -89,28 +91,33 @@ class AfterJob:
         self.consumer.ensure_group()
         self._account = client.register_script(ACCOUNT_SCRIPT)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="webhook")
+        self.stopping = threading.Event()  # set: a waiting drain returns after its current wait
 
-    def drain(self, budget_s: float = 10.0, batch: int = 200) -> dict[str, int]:
-        """Handle what is due: retries, entries of dead workers, then new ends, until none is left
-        or budget_s has passed. Returns counts."""
+    def drain(self, budget_s: float = 10.0, batch: int = 200, wait_ms: int = 0) -> dict[str, int]:
+        """Handle what is due: retries, entries of dead workers, then new ends. With wait_ms 0,
+        until none is left (or budget_s has passed); otherwise it also waits for new ends, wait_ms
+        at a time, until budget_s has passed, so a job's webhook goes out as it ends and an idle
+        drain costs one blocked read per wait. Returns counts."""
         c = self.consumer
         deadline = time.monotonic() + budget_s
         counts = {"done": 0, "failed": 0, "dead": 0}
-        self._beat()
-        retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch)
-        stale, dead_stale = c.claim_stale(count=batch)
-        counts["dead"] = len(dead) + len(dead_stale)
-        todo = retry + stale
         while True:
-            if todo:
-                self._handle(todo, counts)
-            if time.monotonic() >= deadline:
-                break
             self._beat()
-            todo = c.read(count=batch, block_ms=None)
-            if not todo:
-                break
-        return counts
+            retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch)
+            stale, dead_stale = c.claim_stale(count=batch)
+            counts["dead"] += len(dead) + len(dead_stale)
+            todo = retry + stale
+            while True:
+                if todo:
+                    self._handle(todo, counts)
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if left_ms <= 0 or self.stopping.is_set():
+                    return counts
+                todo = c.read(count=batch, block_ms=min(wait_ms, left_ms) if wait_ms else None)
+                if not todo:
+                    break  # nothing new: look at retries again, or stop
+            if not wait_ms:
+                return counts
 
     def close(self) -> None:
         """Leave the group if nothing is pending here (consumers are per process)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import worker_shutdown
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from shared.redis_client import sync_client
 from shared.settings import get_settings
@@ -19,6 +19,8 @@ from workers import upkeep
 from workers.after_job import AfterJob
 
 settings = get_settings()
+AFTER_JOBS_EVERY_S = 30.0
+AFTER_JOBS_RUN_S = 25.0
 app = Celery("conveyor", broker=settings.redis_url or "redis://127.0.0.1:6379/0")
 app.conf.update(
     task_default_queue="conveyor:celery",
@@ -29,8 +31,10 @@ app.conf.update(
     result_backend=None,
     beat_schedule={
         "trim-consumed-streams": {"task": "conveyor.trim_streams", "schedule": 30.0},
-        # each run drains what is due; a run not started within 5 s is dropped (the next one covers it)
-        "after-jobs": {"task": "conveyor.after_jobs", "schedule": 1.0, "options": {"expires": 5.0}},
+        # each run drains for AFTER_JOBS_RUN_S, blocked on Redis while nothing ends (webhooks go out as jobs
+        # end, and an idle worker and beat cost next to nothing); a run not started in time is dropped
+        "after-jobs": {"task": "conveyor.after_jobs", "schedule": AFTER_JOBS_EVERY_S,
+                       "options": {"expires": AFTER_JOBS_EVERY_S}},
     },
 )
 
@@ -53,6 +57,19 @@ def trim_streams() -> dict[str, int]:
 _after: AfterJob | None = None
 
 
+@worker_ready.connect
+def _start_draining(sender: Any, **_: Any) -> None:
+    """The first run at once, not one schedule period after start."""
+    sender.app.send_task("conveyor.after_jobs", expires=AFTER_JOBS_EVERY_S)
+
+
+@worker_shutting_down.connect
+def _stop_waiting(**_: Any) -> None:
+    """A warm shutdown waits for the running task: end a waiting drain at its next wake-up."""
+    if _after is not None:
+        _after.stopping.set()
+
+
 @worker_shutdown.connect
 def _leave(**_: Any) -> None:
     if _after is not None:
@@ -68,4 +85,4 @@ def after_jobs() -> dict[str, int]:
     global _after
     if _after is None:
         _after = AfterJob(client(), settings)
-    return _after.drain()
+    return _after.drain(budget_s=AFTER_JOBS_RUN_S, wait_ms=2000)
