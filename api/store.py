@@ -9,7 +9,8 @@ import uuid
 import redis.asyncio as aredis
 
 from shared import names
-from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, SUBMIT_SCRIPT, Job, JobStatus, new_record
+from shared.job_ops import finish_write
+from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, SUBMIT_SCRIPT, FinishReason, Job, JobStatus, new_record
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
 
@@ -61,11 +62,9 @@ class JobStore:
 
     async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
         """Returns (job, changed). changed is False when the job had already ended."""
-        ended = await self._finish(
-            keys=[names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.DEQUEUED_COUNTER,
-                  names.text_key(job_id), names.ENDED_STREAM],
-            args=[JobStatus.cancelled.value, "cancelled", "", repr(time.time()), self.settings.job_ttl_s,
-                  names.job_channel(job_id), JobStatus.queued.value, job_id, names.ENDED_MAXLEN])
+        keys, args = finish_write(job_id, FinishReason.cancelled, "", self.settings.job_ttl_s,
+                                  required_status=JobStatus.queued.value)
+        ended = await self._finish(keys=keys, args=args)
         if int(ended) > 0:
             return await self.get(job_id), True
         before = await self._request_cancel(keys=[names.job_key(job_id)], args=[names.CONTROL_CHANNEL, job_id])

@@ -25,6 +25,18 @@ def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text
     return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id)]
 
 
+def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, required_status: str = "",
+                 fields: dict[str, Any] | None = None) -> tuple[list[str], list[Any]]:
+    """A FINISH_SCRIPT call's keys and arguments, in the script's order (for the workers and the API)."""
+    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
+            names.DEQUEUED_COUNTER, names.text_key(job_id), names.ENDED_STREAM]
+    args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
+                       names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN]
+    for k, v in (fields or {}).items():
+        args += [k, v]
+    return keys, args
+
+
 class JobOps:
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         self.client, self.ttl_s = client, ttl_s
@@ -40,19 +52,13 @@ class JobOps:
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
                pipe: Any = None, required_status: str = "") -> Any:
         """End an active job exactly once (see FINISH_SCRIPT). With `pipe`, queues it there."""
-        args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), self.ttl_s,
-                           names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN]
-        for k, v in (fields or {}).items():
-            args += [k, v]
-        keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
-                names.DEQUEUED_COUNTER, names.text_key(job_id), names.ENDED_STREAM]
+        keys, args = finish_write(job_id, reason, error, self.ttl_s, required_status, fields)
         return self._finish(keys=keys, args=args, client=pipe or self.client)
 
     def step(self, keys: list[str], args: list[Any], pipe: Any) -> Any:
         """Queue one engine step's writes for many jobs (`step_write` parts joined; see STEP_SCRIPT)
-        on `pipe`. EVAL, not a
-        registered script: a pipeline holding one checks SCRIPT EXISTS first, a round trip per
-        step; Redis caches the compiled body, so EVAL costs only the text sent."""
+        on `pipe`. EVAL, not a registered script: a pipeline holding one checks SCRIPT EXISTS first,
+        a round trip per step; Redis caches the compiled body, so EVAL costs only the text sent."""
         return pipe.eval(STEP_SCRIPT, len(keys), *keys, self.ttl_s, repr(time.time()), *args)
 
     def fail(self, job_id: str, error: str) -> Any:

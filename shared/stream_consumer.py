@@ -89,40 +89,29 @@ class StreamConsumer:
         stale = [r for r in rows if _s(r["consumer"]) in dead_owners][:count]
         if not stale:
             return [], []
-        deliveries = {_s(r["message_id"]): int(r["times_delivered"]) + 1 for r in stale}
         # XCLAIM re-checks the idle time, so two workers claiming at once cannot both win
-        claimed = self.client.xclaim(self.stream, self.group, self.consumer, self.claim_idle_ms, list(deliveries))
-        gone = [_s(eid) for eid, fields in claimed if fields is None]
-        if gone:
-            self.ack(gone)
-        keep, dead = [], []
-        for eid, fields in claimed:
-            if fields is None:
-                continue
-            entry = Entry(_s(eid), fields, deliveries.get(_s(eid), 1))
-            (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
-        for entry in dead:
-            self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
-        return keep, dead
+        return self._claim(stale, self.claim_idle_ms)
 
     def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)
         for idle_ms or more, for another try. Returns (to process, dead-lettered)."""
         rows = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count,
                                           consumername=self.consumer, idle=idle_ms)
-        if not rows:
-            return [], []
+        return self._claim(rows, idle_ms) if rows else ([], [])
+
+    def _claim(self, rows: list[dict], idle_ms: int) -> tuple[list[Entry], list[Entry]]:  # type: ignore[type-arg]
+        """XCLAIM the pending `rows` still idle for idle_ms; acknowledge entries trimmed meanwhile and
+        dead-letter those past the delivery limit. Returns (to process, dead-lettered)."""
         deliveries = {_s(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}
         claimed = self.client.xclaim(self.stream, self.group, self.consumer, idle_ms, list(deliveries))
+        self.ack([_s(eid) for eid, fields in claimed if fields is None])
         keep, dead = [], []
         for eid, fields in claimed:
-            if fields is None:  # trimmed meanwhile
-                self.ack([_s(eid)])
-                continue
-            entry = Entry(_s(eid), fields, deliveries.get(_s(eid), 1))
-            (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
+            if fields is not None:
+                entry = Entry(_s(eid), fields, deliveries.get(_s(eid), 1))
+                (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
         for entry in dead:
-            self.dead_letter(entry, f"failed {entry.deliveries - 1} times")
+            self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
         return keep, dead
 
     def refresh(self, ids: list[str]) -> None:
