@@ -65,3 +65,18 @@ def heartbeat_key(pool: str, worker_id: str) -> str:
 
 def heartbeat_pattern(pool: str) -> str:
     return f"{PREFIX}:hb:{pool}:*"
+
+
+# tenants (api keys): a hash per tenant, by name, and an index from the key's SHA-256 to the name.
+# The key itself is never stored.
+TENANTS_SET = f"{PREFIX}:tenants"
+
+
+def tenant_key(name: str) -> str:
+    """Tenant hash: key_sha256, created_at, disabled, rpm, tpm, max_queued, max_streams, webhook_secret."""
+    return f"{PREFIX}:tenant:{name}"
+
+
+def api_key_index(key_sha256: str) -> str:
+    """The tenant name that owns the API key with this SHA-256 (hex)."""
+    return f"{PREFIX}:apikey:{key_sha256}"
