@@ -37,6 +37,15 @@ class Settings(BaseSettings):
     sse_ping_s: float = Field(15.0, gt=0)
     sse_queue_size: int = 256
 
+    # tenants and admission (see README, "Running it for others")
+    auth: str = Field("", description="required | off; empty: off while HOST is a loopback address, else required")
+    allow_insecure: bool = Field(False, description="let `conveyor up` serve a non-loopback HOST with auth off")
+    internal_port: int = Field(0, description="port for /metrics, /scaling and /docs when auth is required; "
+                                              "0: PORT + 1")
+    max_queued: int = Field(10_000, ge=1, description="jobs waiting at once, service-wide, before submit answers 429")
+    max_queue_wait_s: float = Field(300.0, gt=0, description="estimated wait past which submit answers 429")
+    redis_maxmemory_mb: int = Field(1024, ge=16, description="maxmemory of the embedded redis-server (noeviction)")
+
     # workers/ tokenizer pool
     tokenizer_batch: int = Field(64, description="most jobs per Arrow record batch")
 
@@ -58,7 +67,10 @@ class Settings(BaseSettings):
     refresh_s: float = Field(5.0, description="how often a worker marks its in-flight entries as alive")
     webhook_timeout_s: float = Field(5.0, gt=0, description="how long a job's webhook may take to answer")
     webhook_retry_s: float = Field(10.0, ge=0, description="wait before a failed webhook is tried again")
-    webhook_secret: str = Field("", description="when set, webhooks carry X-Conveyor-Signature (HMAC-SHA256)")
+    webhook_secret: str = Field("", description="when set, webhooks carry X-Conveyor-Signature (HMAC-SHA256); "
+                                "a job submitted with an API key is signed with that key's own secret instead")
+    webhook_allow_private: bool = Field(False, description="let webhooks reach loopback and private addresses "
+                                        "(local development only)")
     delivery_limit: int = Field(3, description="deliveries before an entry goes to the dead-letter stream")
     heartbeat_s: float = 5.0
     drain_grace_s: float = 30.0
