@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,20 +19,45 @@ TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_fo
          429: "rate_limit_error", 503: "service_unavailable", 500: "internal_error"}
 
 
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+# documented on every route: the errors any request can meet at the door or on the way
+COMMON_ERRORS: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in ((400, "Bad request"), (413, "Body too large"), (422, "Invalid request"),
+                         (500, "Internal error"), (503, "Redis unavailable; retry"))
+}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type_ or TYPES.get(status, "error")
-        self.param, self.headers = param, headers
+        self.param, self.headers, self.code = param, headers, code
 
 
-def error_body(status: int, message: str, type_: str | None = None, param: str | None = None) -> dict[str, object]:
-    err: dict[str, object] = {"type": type_ or TYPES.get(status, "error"), "message": message}
-    if param is not None:
-        err["param"] = param
-    err["code"] = None
-    return {"error": err}
+def _printable(text: str) -> str:
+    """Echoed input may hold lone surrogates, which JSON cannot carry: escape them."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_body(status: int, message: str, type_: str | None = None, param: str | None = None,
+               code: str | None = None) -> dict[str, object]:
+    """The one error object every 4xx and 5xx carries (OpenAI's shape)."""
+    return {"error": {"type": type_ or TYPES.get(status, "error"), "message": _printable(message),
+                      "param": _printable(param) if param is not None else None, "code": code}}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -50,11 +76,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.status, exc.message, exc.type, exc.param), exc.status, headers=exc.headers)
+        body = error_body(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return JSONResponse(body, exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         msg, param = _validation_message(exc)
+        return JSONResponse(error_body(422, msg, param=param), 422)
+
+    @app.exception_handler(ValidationError)
+    async def _invalid_inner(_: Request, exc: ValidationError) -> JSONResponse:
+        msg, param = _validation_message(RequestValidationError(exc.errors()))
         return JSONResponse(error_body(422, msg, param=param), 422)
 
     @app.exception_handler(StarletteHTTPException)
@@ -69,6 +101,9 @@ def install(app: FastAPI) -> None:
                             headers={"Retry-After": "2"})
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(500, "internal error"), 500)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # runs outside the request guard's send: it sets the request id header itself
+        rid = request.scope.get("state", {}).get("request_id", "-")
+        log.error("unhandled error in request %s (%s %s)", rid, request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body(500, f"internal error; quote request id {rid} when reporting it"), 500,
+                            headers={"X-Request-Id": rid})

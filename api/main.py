@@ -8,9 +8,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import errors, metrics
+from api.guard import RequestGuard
 from api.relay import Relay
 from api.routes import health, jobs, openai
 from api.store import JobStore
+from shared.limits import MAX_BODY_BYTES
 from shared.redis_client import async_client
 from shared.settings import Settings, get_settings
 
@@ -32,8 +34,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await app.state.relay.stop()
             await client.aclose()
 
-    app = FastAPI(title="conveyor", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="conveyor", version="0.1.0", lifespan=lifespan, responses=errors.COMMON_ERRORS,
                   description="LLM generation as a distributed worker system")
+    app.add_middleware(RequestGuard, max_body_bytes=MAX_BODY_BYTES)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

@@ -5,11 +5,24 @@ than silently ignored."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError
+from shared.limits import (
+    MAX_MESSAGES,
+    Content,
+    MaxTokens,
+    Name,
+    Seed,
+    StopList,
+    StopString,
+    StopTokenIds,
+    Temperature,
+    TopK,
+    TopP,
+)
 from shared.schemas import GenerationRequest, Message
 
 
@@ -19,16 +32,16 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    model: Name | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    stop: StopString | StopList | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     n: int = 1
     logprobs: Any = None
     top_logprobs: int | None = None
@@ -36,6 +49,7 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    stop_token_ids: StopTokenIds | None = None
 
     # accepted and harmless: they change nothing about the text
     _IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities",
@@ -59,7 +73,7 @@ class _Common(BaseModel):
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
         out: dict[str, Any] = {"stop": self.stop, "ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "seed"):
+        for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if max_tokens is not None:
@@ -68,19 +82,19 @@ class _Common(BaseModel):
 
 
 class ContentPart(BaseModel):
-    type: str
-    text: str | None = None
+    type: Name
+    text: Content | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Content | Annotated[list[ContentPart], Field(max_length=64)] | None = None
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: MaxTokens | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -105,11 +119,11 @@ class ChatCompletionRequest(_Common):
                 text = m.content or ""
             messages.append(Message(role="system" if m.role == "developer" else m.role, content=text))
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return GenerationRequest(messages=messages, **self.sampling(limit))
+        return _generation(messages=messages, **self.sampling(limit))
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    prompt: Content | Annotated[list[Content], Field(max_length=1)]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -127,4 +141,14 @@ class CompletionRequest(_Common):
             if len(prompt) != 1:
                 raise ApiError(400, "send one prompt per request", param="prompt")
             prompt = prompt[0]
-        return GenerationRequest(prompt=prompt, **self.sampling(self.max_tokens))
+        return _generation(prompt=prompt, **self.sampling(self.max_tokens))
+
+
+def _generation(**fields: Any) -> GenerationRequest:
+    """Fields already hold their bounds; what is left (joined content parts too long, say) is a 422."""
+    try:
+        return GenerationRequest(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        raise ApiError(422, f"{where}: {err.get('msg', 'invalid')}", param=where or None) from None

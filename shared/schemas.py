@@ -4,26 +4,42 @@
 from __future__ import annotations
 
 from typing import Annotated, Literal
-from urllib.parse import urlsplit
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.limits import (
+    MAX_MESSAGES,
+    Content,
+    MaxTokens,
+    Seed,
+    StopList,
+    StopTokenIds,
+    Temperature,
+    TopK,
+    TopP,
+    WebhookUrl,
+    effective_temperature,
+    effective_top_p,
+)
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Content
 
 
 class SamplingParams(BaseModel):
-    max_tokens: Annotated[int, Field(ge=1)] = 256
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    """Sampling controls with their bounds (shared.limits); temperature and top_p floors applied."""
+
+    max_tokens: MaxTokens = 256
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
+    stop: StopList = Field(default_factory=list)
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
     ignore_eos: bool = False
 
     @field_validator("stop", mode="before")
@@ -35,30 +51,24 @@ class SamplingParams(BaseModel):
             return [v]
         return v
 
-    @field_validator("stop")
+    @field_validator("temperature")
     @classmethod
-    def _stop_nonempty(cls, v: list[str]) -> list[str]:
-        if any(s == "" for s in v):
-            raise ValueError("stop strings must not be empty")
-        return v
+    def _temperature_floor(cls, v: float) -> float:
+        return effective_temperature(v)
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_floor(cls, v: float) -> float:
+        return effective_top_p(v)
 
 
 class GenerationRequest(SamplingParams):
     """What the API puts on the `jobs` stream: exactly one of `prompt` or `messages`."""
 
     model_config = ConfigDict(extra="forbid")
-    prompt: str | None = None
-    messages: list[Message] | None = None
-    webhook_url: Annotated[str | None, Field(max_length=2048)] = None  # POSTed the job once it ends
-
-    @field_validator("webhook_url")
-    @classmethod
-    def _http_url(cls, v: str | None) -> str | None:
-        if v is not None:
-            parts = urlsplit(v)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError("webhook_url must be an http:// or https:// URL")
-        return v
+    prompt: Content | None = None
+    messages: Annotated[list[Message], Field(max_length=MAX_MESSAGES)] | None = None
+    webhook_url: WebhookUrl | None = None  # POSTed the job once it ends
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:

@@ -31,7 +31,6 @@ class Settings(BaseSettings):
     default_max_tokens: int = 256
     max_tokens_cap: int = Field(4096, description="largest max_tokens a request may ask for")
     max_prompt_chars: int = Field(200_000, description="requests with more prompt text get 413")
-    max_stop_strings: int = 8
     job_ttl_s: int = Field(24 * 3600, description="how long job records and event streams are kept")
     idempotency_ttl_s: int = 24 * 3600
     sse_ping_s: float = Field(15.0, gt=0)

@@ -17,6 +17,12 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+@router.get("/health")
+async def health(redis: RedisDep) -> JSONResponse:
+    """Ready or not, as vLLM, TGI and SGLang name it (load tools check it): 200 or 503."""
+    return await readyz(redis)
+
+
 @router.get("/readyz")
 async def readyz(redis: RedisDep) -> JSONResponse:
     """Ready when Redis answers and each pool has a live worker."""

@@ -11,28 +11,21 @@ from redis.exceptions import RedisError
 
 from api import sse
 from api.deps import RelayDep, SettingsDep, StoreDep
-from api.errors import ApiError, error_body
+from api.errors import ApiError, ErrorResponse, error_body
 from api.sse import EventStream
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
+from api.validation import check_request
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
-from shared.settings import Settings
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-def check_limits(req: GenerationRequest, settings: Settings) -> GenerationRequest:
-    """Apply server defaults and caps that the schema cannot know."""
-    if "max_tokens" not in req.model_fields_set:
-        req.max_tokens = settings.default_max_tokens
-    if req.max_tokens > settings.max_tokens_cap:
-        raise ApiError(422, f"max_tokens must be at most {settings.max_tokens_cap}", param="max_tokens")
-    if len(req.stop) > settings.max_stop_strings:
-        raise ApiError(422, f"at most {settings.max_stop_strings} stop strings", param="stop")
-    size = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
-    if size > settings.max_prompt_chars:
-        raise ApiError(413, f"the prompt has {size} characters; the limit is {settings.max_prompt_chars}")
-    return req
-
+_NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job"}}
+_JOB_ID = {"job_id": "$response.body#/id"}
+# OpenAPI links: where a submitted job's id leads (clients and schema-driven tools follow them)
+_LINKS = {"PollJob": {"operationId": "poll_job", "parameters": _JOB_ID},
+          "StreamJob": {"operationId": "stream_job", "parameters": _JOB_ID},
+          "CancelJob": {"operationId": "cancel_job", "parameters": _JOB_ID}}
 
 async def get_job_or_404(store: StoreDep, job_id: str) -> Job:
     job = await store.get(job_id)
@@ -43,24 +36,26 @@ async def get_job_or_404(store: StoreDep, job_id: str) -> Job:
     return job
 
 
-@router.post("", status_code=202, response_model=Job)
+@router.post("", status_code=202, response_model=Job, operation_id="submit_job",
+             responses={202: {"description": "Accepted", "links": _LINKS}})
 async def submit(body: GenerationRequest, response: Response, store: StoreDep, settings: SettingsDep,
                  idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
     """Submit a generation job; poll it at Location or stream it from Location/events."""
-    job, replayed = await store.submit(check_limits(body, settings), idempotency_key)
+    job, replayed = await store.submit(check_request(body, settings), idempotency_key)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if replayed:
         response.headers["Idempotent-Replayed"] = "true"
     return job
 
 
-@router.get("/{job_id}", response_model=Job)
+@router.get("/{job_id}", response_model=Job, operation_id="poll_job", responses=_NOT_FOUND)
 async def poll(job_id: str, store: StoreDep) -> Job:
     """The job as it stands: status, text so far, usage, timestamps."""
     return await get_job_or_404(store, job_id)
 
 
-@router.post("/{job_id}/cancel", response_model=Job)
+@router.post("/{job_id}/cancel", response_model=Job, operation_id="cancel_job",
+             responses={**_NOT_FOUND, 409: {"model": ErrorResponse, "description": "The job has already ended"}})
 async def cancel(job_id: str, store: StoreDep) -> Job:
     """Cancel a queued or running job; 409 if it has already ended."""
     job, changed = await store.cancel(job_id)
@@ -75,7 +70,9 @@ def job_json(job: Job) -> str:
     return job.model_dump_json()
 
 
-@router.get("/{job_id}/events")
+@router.get("/{job_id}/events", operation_id="stream_job",
+            responses={**_NOT_FOUND, 200: {"description": "Server-sent events",
+                                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
 async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep,
                  after: Annotated[int | None, Query(ge=0)] = None,
                  last_event_id: Annotated[str | None, Header()] = None) -> EventStream:

@@ -16,10 +16,10 @@ from api.deps import RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, error_body
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.relay import Relay
-from api.routes.jobs import check_limits
 from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, TokenEvent, job_events
+from api.validation import check_request
 from shared.jobs import Job, JobStatus
 from shared.settings import Settings
 
@@ -117,7 +117,7 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
                  relay: Relay, settings: Settings, chat: bool) -> Any:
     """Both endpoints: one job, streamed as chunks or awaited; only the response shapes differ."""
     _check_model(body.model, settings)
-    gen = check_limits(body.to_generation(), settings)
+    gen = check_request(body.to_generation(), settings)
     job, _ = await store.submit(gen, background=False)
     created = int(time.time())
     cid = ("chatcmpl-" if chat else "cmpl-") + job.id.removeprefix("job_")

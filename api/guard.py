@@ -1,0 +1,81 @@
+"""The outermost layer of every request: an `X-Request-Id` on each response (the client's own,
+when it sent a sane one), and a body-size cap that answers 413 before anything parses the body."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from contextvars import ContextVar
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import error_body
+
+request_id: ContextVar[str] = ContextVar("request_id", default="-")
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app, self.max_body = app, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        request_id.set(rid)
+        scope.setdefault("state", {})["request_id"] = rid
+        rid_header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), rid_header]
+            await send(message)
+
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_body:
+                await self._too_large(send_with_id, length.isdigit())
+                return
+            await self.app(scope, receive, send_with_id)
+            return
+        if headers.get(b"transfer-encoding") is None:
+            await self.app(scope, receive, send_with_id)  # no body
+            return
+        # a body of unknown length: read it up to the cap, then replay it
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                await self._too_large(send_with_id, True)
+                return
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send_with_id)
+
+    async def _too_large(self, send: Send, valid: bool) -> None:
+        status = 413 if valid else 400
+        msg = (f"the request body is larger than {self.max_body} bytes" if valid
+               else "Content-Length must be a number")
+        body = orjson.dumps(error_body(status, msg))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

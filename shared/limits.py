@@ -1,0 +1,86 @@
+"""Every bound a generation request must keep, in one place, as annotated field types.
+
+The API's request models (`shared.schemas.GenerationRequest`, `api.openai_schemas`) are built from
+these types, so the bounds are enforced at the door and appear in the OpenAPI schema. Bounds that
+depend on the deployment (the vocabulary, MAX_TOKENS_CAP, MAX_PROMPT_CHARS) are checked by
+`api.validation.check_request` on top.
+
+Rules that change a value rather than refuse it:
+- temperature below TEMPERATURE_FLOOR (0.01) is greedy (0): dividing logits by a tiny temperature
+  overflows to inf, and the result is the arg-max anyway;
+- top_p below TOP_P_FLOOR (0.001) is raised to it: the sampler always keeps the most likely token,
+  so any smaller value means the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, Field
+
+TEMPERATURE_FLOOR = 0.01
+TEMPERATURE_MAX = 2.0
+TOP_P_FLOOR = 0.001
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # a signed or unsigned 64-bit seed; folded into [0, 2**63)
+MAX_MESSAGES = 512
+MAX_CONTENT_CHARS = 200_000  # per message or prompt; MAX_PROMPT_CHARS bounds their sum
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 32
+MAX_NAME_CHARS = 256
+MAX_URL_CHARS = 2048
+MAX_BODY_BYTES = 2 * 2**20  # a larger request body answers 413 before it is parsed
+
+
+def clean_text(v: str) -> str:
+    """Refuse what cannot travel as UTF-8 or would truncate C strings downstream."""
+    if "\x00" in v:
+        raise ValueError("text must not contain NUL characters")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (no lone surrogates)") from None
+    return v
+
+
+def http_url(v: str) -> str:
+    """An http(s) URL with a host, without credentials, whitespace or control characters."""
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in v):
+        raise ValueError("the URL must not contain whitespace or control characters")
+    try:
+        parts = urlsplit(v)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("the URL must be http:// or https:// with a host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("the URL must not carry credentials (user:password@)")
+    if port == 0:
+        raise ValueError("the URL's port must be between 1 and 65535")
+    return v
+
+
+Text = Annotated[str, AfterValidator(clean_text)]
+Content = Annotated[str, Field(max_length=MAX_CONTENT_CHARS), AfterValidator(clean_text)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(clean_text)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(clean_text)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Temperature = Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+WebhookUrl = Annotated[str, Field(max_length=MAX_URL_CHARS), AfterValidator(clean_text), AfterValidator(http_url)]
+
+
+def effective_temperature(t: float) -> float:
+    return 0.0 if t < TEMPERATURE_FLOOR else t
+
+
+def effective_top_p(p: float) -> float:
+    return max(p, TOP_P_FLOOR)
