@@ -90,8 +90,8 @@ ENDED = {"succeeded", "failed", "cancelled"}
 class Run:
     def __init__(self, args: argparse.Namespace, stack: Stack, server: RedisServer) -> None:
         self.args, self.stack, self.server = args, stack, server
-        self.r = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=3, socket_connect_timeout=2,
-                             decode_responses=True)
+        self.r = redis.Redis.from_url(server.url, socket_timeout=3, socket_connect_timeout=2,
+                                      decode_responses=True)
         self.rng = random.Random(args.seed)
         self.specs = specs()
         self.jobs: dict[str, int] = {}  # job id -> spec index

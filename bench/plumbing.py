@@ -73,7 +73,6 @@ class Stack:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         env = dict(os.environ)
         env.pop("REDIS_URL", None)
         env.update({"ENGINE": "synthetic", "PORT": str(self.port), "HOST": "127.0.0.1",
@@ -99,8 +98,15 @@ class Stack:
             time.sleep(0.5)
         import redis
 
+        from infra.redis_server import read_local_redis_url
+
+        url = read_local_redis_url(workdir / "cache")  # the supervisor's Redis has a password
+        if url is None:
+            self.stop()
+            raise RuntimeError(f"no Redis connection file under {workdir / 'cache' / 'redis'}")
+        self.redis_url = url
         self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
-        print(f"[stack] ready at {self.url}, redis at {self.redis_url}", file=sys.stderr, flush=True)
+        print(f"[stack] ready at {self.url}, redis on port {self.redis_port}", file=sys.stderr, flush=True)
 
     def pids(self, role: str) -> list[int]:
         """Processes of the stack whose command line is `infra.cli <role>`."""

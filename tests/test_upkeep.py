@@ -35,7 +35,7 @@ def test_celery_app_registers_tasks() -> None:
 
 
 def test_trim_with_a_binary_client(redis_server) -> None:  # type: ignore[no-untyped-def]
-    raw = redis.Redis(host="127.0.0.1", port=redis_server.port, db=14)
+    raw = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/14")
     raw.flushdb()
     s, g = names.TOKENIZED_STREAM, names.INFERENCE_GROUP
     raw.xgroup_create(s, g, id="0", mkstream=True)
