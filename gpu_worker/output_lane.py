@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from gpu_worker.detokenizer import Detokenizer
 from shared.job_ops import JobOps, step_write
 from shared.jobs import FinishReason
+from shared.lifecycle import die_with_parent
 from shared.metrics import (
     E2E,
     GENERATION_TOKENS,
@@ -79,6 +80,15 @@ class OutputLane:
         self._last_flush = time.monotonic()
 
     def register(self, meta: dict[str, Any]) -> None:
+        try:
+            self._register(meta)
+        except Exception as exc:  # noqa: BLE001 - the job fails alone; the lane goes on
+            log.exception("job %s could not be registered", meta["job_id"])
+            self.jobs.fail(meta["job_id"], f"the output lane could not take the job: {exc}")
+            self.feedback.put(("abort", meta["job_id"], "error"))
+            self.feedback.put(("done", meta["job_id"]))
+
+    def _register(self, meta: dict[str, Any]) -> None:
         detok = Detokenizer(self.tokenizer, meta["stop"])
         resume = meta.get("resume_ids") or []
         if resume:
@@ -121,6 +131,15 @@ class OutputLane:
                 continue  # already finished here (a stop string ended it before the engine heard)
             flags = 1 if st.fresh else 0
             hit = False
+            try:
+                emit, hit = st.detok.push(ids) if ids else ("", False)
+            except Exception as exc:  # noqa: BLE001 - this job ends with an error, the step goes on
+                log.exception("job %s: detokenizing failed", job_id)
+                if reason is None:
+                    self.feedback.put(("abort", job_id, "error"))
+                finishes.append((job_id, FinishReason.error.value, f"detokenizing failed: {exc}", st.n_tokens))
+                done.append(job_id)
+                continue
             if ids:
                 if st.n_tokens == 0:
                     flags |= 2
@@ -130,7 +149,6 @@ class OutputLane:
                 st.last_token_at = wall
                 st.held_ids += pack_ids(ids)
                 st.n_tokens += len(ids)
-                emit, hit = st.detok.push(ids)
                 st.held_text += emit
             if hit:
                 if reason is None:
@@ -190,17 +208,8 @@ class OutputLane:
             self.feedback.put(("done", job_id))
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def main(settings_env: dict[str, str], inbox: Queue[Any], feedback: Queue[Any]) -> None:
-    _die_with_parent()
+def main(settings_env: dict[str, str], inbox: Queue[Any], feedback: Queue[Any], parent_pid: int | None = None) -> None:
+    die_with_parent(signal.SIGTERM, parent_pid)  # an engine process killed outright takes its lane along
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process decides when the lane stops
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import random
 import signal
@@ -76,7 +77,7 @@ class InferenceWorker:
         ctx = mp.get_context("spawn")
         self.to_lane: Any = ctx.Queue()
         self.from_lane: Any = ctx.Queue()
-        self.lane = ctx.Process(target=output_lane.main, args=({}, self.to_lane, self.from_lane),
+        self.lane = ctx.Process(target=output_lane.main, args=({}, self.to_lane, self.from_lane, os.getpid()),
                                 name="output-lane", daemon=True)
 
     # --- reader lane -------------------------------------------------------------------
@@ -113,7 +114,25 @@ class InferenceWorker:
                                     "moved to the dead-letter stream")
         for entry in keep:
             log.info("claimed %s (delivery %d) from a worker that stopped", entry.id, entry.deliveries)
-            self.admit(entry)
+            if not self.split(entry):
+                self.admit(entry)
+
+    def split(self, entry: Entry) -> bool:
+        """A redelivered entry of several jobs goes back as one entry per job, so that a job that
+        kills its worker again reaches the dead-letter stream alone and its batch-mates go on."""
+        try:
+            batch = from_ipc(_field(entry.fields, "batch"), TOKENIZED_SCHEMA)
+        except Exception:  # noqa: BLE001 - admit() dead-letters it
+            return False
+        if batch.num_rows < 2:
+            return False
+        pipe = self.client.pipeline(transaction=True)
+        for i in range(batch.num_rows):
+            pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch.slice(i, 1)), "jobs": 1})
+        pipe.xack(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, entry.id)
+        pipe.execute()
+        log.warning("split redelivered entry %s into %d entries of one job", entry.id, batch.num_rows)
+        return True
 
     def _fail_entry(self, entry: Entry, reason: str) -> None:
         try:
@@ -219,7 +238,16 @@ class InferenceWorker:
                 block = False
                 if cmd[0] == "add":
                     req = cmd[1]
-                    engine.add_request(req)
+                    try:
+                        engine.add_request(req)
+                    except ValueError:
+                        log.exception("request %s not added", req.id)  # already running here
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - the request fails, the worker goes on
+                        log.exception("request %s refused by the engine", req.id)
+                        self.to_lane.put(("deltas", encode_deltas([StepOutput(
+                            req.id, finish_reason="error", error=f"the engine refused the request: {exc}")])))
+                        continue
                     if early_aborts.pop(req.id, None) is not None:
                         engine.abort_request(req.id, "cancelled")
                 elif cmd[0] == "grace_over":

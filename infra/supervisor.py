@@ -4,10 +4,18 @@ Starts Redis (unless REDIS_URL is set), the API, the worker pools and a Celery w
 embedded: after-job work and upkeep) as child processes;
 restarts a crashed child with backoff; scales pools on queue lag when autoscaling is on;
 on Ctrl-C or SIGTERM stops everything it started (workers drain first), leaving nothing behind.
+
+Every child also dies with the supervisor when it is killed outright (SIGKILL): each is started
+with PR_SET_PDEATHSIG (SIGTERM: workers still drain). One stack per data directory: the
+supervisor holds an exclusive lock on `<cache>/conveyor.lock`, and so does every child it starts
+(the descriptor is inherited), so a second `conveyor up` refuses until the first stack is gone.
+Its state (pools, pids, restarts) is in `<cache>/supervisor.json`.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import os
 import signal
@@ -17,10 +25,12 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from infra.autoscale import Autoscaler
 from infra.redis_server import RedisServer
 from shared import names
+from shared.lifecycle import preexec_die_with_parent
 from shared.settings import Settings
 
 log = logging.getLogger("conveyor.supervisor")
@@ -37,8 +47,8 @@ class Pool:
     """A set of identical child processes that can grow, shrink and be restarted."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], size: int,
-                 min_size: int = 1, max_size: int = 1, grace_s: float = 30.0) -> None:
-        self.name, self.argv, self.env = name, argv, env
+                 min_size: int = 1, max_size: int = 1, grace_s: float = 30.0, keep_fds: tuple[int, ...] = ()) -> None:
+        self.name, self.argv, self.env, self.keep_fds = name, argv, env, keep_fds
         self.target, self.min_size, self.max_size, self.grace_s = size, min_size, max_size, grace_s
         self.children: list[Child] = []
         self.restarts = 0
@@ -46,7 +56,8 @@ class Pool:
         self._backoff = 1.0
 
     def _spawn(self) -> None:
-        proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True)
+        proc = subprocess.Popen(self.argv, env=self.env, start_new_session=True, pass_fds=self.keep_fds,
+                                preexec_fn=preexec_die_with_parent(signal.SIGTERM))
         self.children.append(Child(proc))
         log.info("%s: started pid %d (%d running)", self.name, proc.pid, len(self.live()))
 
@@ -102,6 +113,36 @@ class Pool:
                     pass
 
 
+class StackLock:
+    """One stack per data directory: an exclusive flock, held by the supervisor and its children."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        self.path = cache_dir / "conveyor.lock"
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise SystemExit(f"a conveyor stack is already running on {cache_dir} (lock {self.path} is held): "
+                             "stop it first, or set CONVEYOR_CACHE to another directory") from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+def write_state(path: Path, url: str, pools: list[Pool], redis_pid: int | None) -> None:
+    """The supervisor's view for operators and tests: each pool's pids and restarts."""
+    state = {"pid": os.getpid(), "url": url, "updated_at": time.time(), "redis_pid": redis_pid,
+             "pools": {p.name: {"pids": [c.proc.pid for c in p.live()], "target": p.target, "restarts": p.restarts}
+                       for p in pools}}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(path)
+
+
 def _wait_ready(url: str, stop: threading.Event, timeout: float = 300.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stop.is_set():
@@ -135,6 +176,8 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
     signal.signal(signal.SIGINT, _signal)
     signal.signal(signal.SIGTERM, _signal)
 
+    lock = StackLock(settings.cache_dir)
+    keep = (lock.fd,)
     redis_server: RedisServer | None = None
     env = dict(os.environ)
     if not settings.redis_url:
@@ -143,17 +186,17 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         log.info("redis-server started at %s (data in %s)", env["REDIS_URL"], settings.redis_data_dir)
     cli = [sys.executable, "-m", "infra.cli"]
     grace = settings.drain_grace_s
-    api = Pool("api", cli + ["api"], env, 1, grace_s=10)
+    api = Pool("api", cli + ["api"], env, 1, grace_s=10, keep_fds=keep)
     pools = {
         names.TOKENIZER_POOL: Pool(names.TOKENIZER_POOL, cli + ["tokenizer"], env, tokenizers,
                                    min_size=tokenizers, max_size=max(tokenizers, settings.tokenizer_max)
-                                   if autoscale else tokenizers, grace_s=grace),
+                                   if autoscale else tokenizers, grace_s=grace, keep_fds=keep),
         names.INFERENCE_POOL: Pool(names.INFERENCE_POOL, cli + ["inference"], env, inference,
                                    min_size=inference, max_size=max(inference, settings.inference_max)
-                                   if autoscale else inference, grace_s=grace),
+                                   if autoscale else inference, grace_s=grace, keep_fds=keep),
     }
     celery_env = {**env, "PYTHONWARNINGS": "ignore:You're running the worker with superuser"}  # as root
-    extra = [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10)] if celery else []
+    extra = [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10, keep_fds=keep)] if celery else []
     everything = [api, *pools.values(), *extra]
     url = f"http://{settings.host}:{settings.port}"
     try:
@@ -163,11 +206,14 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
             f"conveyor is up at {url}  (Ctrl-C stops it)", flush=True), daemon=True)
         ready.start()
         scaler = Autoscaler(settings, env["REDIS_URL"], pools) if autoscale else None
+        state_path = settings.cache_dir / "supervisor.json"
         while not stop.is_set():
             if scaler is not None:
                 scaler()
             for p in everything:
                 p.reconcile()
+            write_state(state_path, url, everything,
+                        redis_server.proc.pid if redis_server is not None and redis_server.proc else None)
             stop.wait(1.0)
     finally:
         for p in (api, *extra):
@@ -181,5 +227,7 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
             p.wait(deadline)
         if redis_server is not None:
             redis_server.stop()
+        (settings.cache_dir / "supervisor.json").unlink(missing_ok=True)
+        lock.release()
         log.info("stopped")
     return 0

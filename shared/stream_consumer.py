@@ -3,7 +3,9 @@
 New entries come from XREADGROUP; entries a dead consumer (no heartbeat) left pending are
 taken over with XCLAIM once idle past a deadline. A live consumer keeps its own in-flight entries fresh
 (XCLAIM ... JUSTID resets their idle time) so long generations are not stolen. An entry
-delivered more than `delivery_limit` times goes to the dead-letter stream instead.
+delivered more than `delivery_limit` times goes to the dead-letter stream instead. Entries
+already delivered twice are claimed one at a time, so a poison entry reaches the dead-letter
+stream alone.
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ class StreamConsumer:
         stale = [r for r in rows if _s(r["consumer"]) in dead_owners][:count]
         if not stale:
             return [], []
+        # an entry delivered twice already may be what killed its workers: take such entries one
+        # at a time, so one that kills again takes no other entry's delivery count with it
+        suspects = [r for r in stale if int(r["times_delivered"]) >= 2]
+        if suspects:
+            stale = suspects[:1]
         # XCLAIM re-checks the idle time, so two workers claiming at once cannot both win
         return self._claim(stale, self.claim_idle_ms)
 

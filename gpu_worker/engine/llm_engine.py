@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.engine.model_runner import ModelRunner
+from gpu_worker.engine.model_runner import ModelRunner, StepBatch
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler
 from gpu_worker.engine.sequence import Request, Sequence
+
+log = logging.getLogger("conveyor.engine")
 
 
 @dataclass
@@ -64,8 +68,9 @@ class LLMEngine:
     def add_request(self, req: Request) -> None:
         if req.id in self.seqs:
             raise ValueError(f"request {req.id!r} is already in the engine")
-        if not req.prompt_ids:
-            self._pending.append(StepOutput(req.id, finish_reason="error", error="empty prompt"))
+        problem = self._check(req)
+        if problem:
+            self._pending.append(StepOutput(req.id, finish_reason="error", error=problem))
             return
         seq = Sequence(req)
         if req.resume_ids and self._finish_reason(seq, req.resume_ids[-1]) == "stop":
@@ -76,6 +81,22 @@ class LLMEngine:
             return
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
+
+    def _check(self, req: Request) -> str | None:
+        """What would make this request fail a whole step, caught before it joins one."""
+        if not req.prompt_ids:
+            return "empty prompt"
+        vocab = self.runner.vocab_size
+        for name, ids in (("prompt", req.prompt_ids), ("resumed", req.resume_ids)):
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
+                return f"{name} token ids must be in [0, {vocab})"
+        if not (math.isfinite(req.temperature) and req.temperature >= 0):
+            return "temperature must be a finite number >= 0"
+        if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
+            return "top_p must be in (0, 1]"
+        if req.top_k < 0 or req.max_tokens < 1:
+            return "top_k must be >= 0 and max_tokens >= 1"
+        return None
 
     def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
         seq = self.seqs.pop(req_id, None)
@@ -103,21 +124,54 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         batch, rejected = self.scheduler.schedule()
         for seq in rejected:
-            self.seqs.pop(seq.id, None)
-            outputs.append(StepOutput(seq.id, finish_reason="error",
-                                      error=f"sequence of {seq.num_tokens} tokens does not fit the KV-cache "
-                                            f"budget or the context of {self.max_model_len} tokens"))
+            outputs.append(self._fail(seq, f"sequence of {seq.num_tokens} tokens does not fit the KV-cache "
+                                           f"budget or the context of {self.max_model_len} tokens"))
         if batch.num_tokens == 0:
             if not self.scheduler.running:
                 self.runner.cache.shrink_if_idle()
             return outputs
-        logits = self.runner.run(batch)
+        logits, failed = self._run(batch)
+        return outputs + self._postprocess(batch, logits, failed)
+
+    def _run(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, str]]:
+        """The step's logits, and the sequences that failed it. When the batched step raises, each
+        sequence runs alone (a step rewrites the same cache positions, so running again is safe):
+        only the one that raises fails, the rest of the batch goes on."""
+        try:
+            return self.runner.run(batch), {}
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            if len(batch.decode) + len(batch.chunks) == 1:
+                seq = (batch.decode or [s for s, _ in batch.chunks])[0]
+                log.exception("step failed for %s", seq.id)
+                return torch.empty(0, self.runner.vocab_size), {seq.id: f"the model step failed: {exc}"}
+            log.exception("batched step failed; running its %d sequences one by one",
+                          len(batch.decode) + len(batch.chunks))
+        parts = [StepBatch([s], []) for s in batch.decode] + [StepBatch([], [c]) for c in batch.chunks]
+        rows, failed = [], {}
+        for part in parts:
+            seq = (part.decode or [s for s, _ in part.chunks])[0]
+            try:
+                rows.append(self.runner.run(part))
+            except Exception as exc:  # noqa: BLE001
+                log.exception("step failed for %s", seq.id)
+                failed[seq.id] = f"the model step failed: {exc}"
+        return torch.cat(rows) if rows else torch.empty(0, self.runner.vocab_size), failed
+
+    def _postprocess(self, batch: StepBatch, logits: torch.Tensor, failed: dict[str, str]) -> list[StepOutput]:
+        outputs = [self._fail(self.seqs[i], why) for i, why in failed.items() if i in self.seqs]
         for s in batch.decode:
-            s.num_computed += 1
+            if s.id not in failed:
+                s.num_computed += 1
         for s, n in batch.chunks:
-            s.num_computed += n
-        sampled = batch.decode + [s for s, _ in batch.chunks if s.num_computed == s.num_tokens]
-        for seq, token in zip(sampled, self.sampler(logits, sampled)):
+            if s.id not in failed:
+                s.num_computed += n
+        sampled = [s for s in batch.decode if s.id not in failed]
+        sampled += [s for s, _ in batch.chunks if s.id not in failed and s.num_computed == s.num_tokens]
+        tokens, errors = self.sampler(logits, sampled)
+        for i, (seq, token) in enumerate(zip(sampled, tokens)):
+            if i in errors:
+                outputs.append(self._fail(seq, errors[i]))
+                continue
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             outputs.append(StepOutput(seq.id, [token], reason))
@@ -125,6 +179,11 @@ class LLMEngine:
                 self.seqs.pop(seq.id, None)
                 self.scheduler.remove(seq)
         return outputs
+
+    def _fail(self, seq: Sequence, error: str) -> StepOutput:
+        self.seqs.pop(seq.id, None)
+        self.scheduler.remove(seq)
+        return StepOutput(seq.id, finish_reason="error", error=error)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         req = seq.req

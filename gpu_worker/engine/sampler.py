@@ -22,12 +22,20 @@ class Sampler:
     def __init__(self) -> None:
         self._gen = torch.Generator()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
+        """A token per row, and the rows that could not be sampled, with why: a row with NaN or
+        inf logits, or one whose sampling raised, fails alone."""
         out = logits.max(dim=-1).indices.tolist()  # first maximum, as argmax; ~2.5x faster on CPU
+        # one reduction per row: any NaN or inf in a row makes its sum non-finite
+        finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+        errors = {i: "the model produced non-finite logits (NaN or inf)" for i, ok in enumerate(finite) if not ok}
         for i, s in enumerate(seqs):
-            if not s.greedy:
-                out[i] = self._sample(logits[i].cpu(), s)
-        return out
+            if not s.greedy and i not in errors:
+                try:
+                    out[i] = self._sample(logits[i].cpu(), s)
+                except (RuntimeError, ValueError) as exc:
+                    errors[i] = f"sampling failed: {exc}"
+        return out, errors
 
     def _sample(self, row: torch.Tensor, s: Sequence) -> int:
         r = s.req

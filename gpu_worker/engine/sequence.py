@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shared.limits import TEMPERATURE_FLOOR
+
 
 @dataclass
 class Request:
@@ -55,7 +57,7 @@ class Sequence:
 
     @property
     def greedy(self) -> bool:
-        return self.req.temperature <= 0.0
+        return self.req.temperature < TEMPERATURE_FLOOR
 
     def __repr__(self) -> str:
         return f"Sequence({self.id!r}, tokens={self.num_tokens}, computed={self.num_computed}, slot={self.slot})"

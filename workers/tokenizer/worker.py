@@ -64,10 +64,7 @@ class TokenizerWorker:
             while not self.stop_event.is_set():
                 try:
                     if time.monotonic() >= next_claim:
-                        keep, dead = self.consumer.claim_stale(self.settings.tokenizer_batch)
-                        self._fail_dead(dead)
-                        if keep:
-                            self.process(keep)
+                        self._recover()
                         next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
                         trim_all(self.client)  # keep the streams to what is still in flight
                     entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=500)
@@ -83,6 +80,17 @@ class TokenizerWorker:
             hb.stop()
             log.info("tokenizer worker %s stopped", self.worker_id)
 
+    def _recover(self) -> None:
+        """Entries a dead worker left: each is tokenized alone, so a job that kills its worker
+        takes no batch-mate with it and alone reaches the dead-letter stream."""
+        while True:
+            keep, dead = self.consumer.claim_stale(self.settings.tokenizer_batch)
+            self._fail_dead(dead)
+            for entry in keep:
+                self.process([entry])
+            if not keep and not dead:
+                return
+
     def _fail_dead(self, dead: list[Entry]) -> None:
         for entry in dead:
             job_id = _field(entry.fields, "job_id")
@@ -91,6 +99,8 @@ class TokenizerWorker:
                                        f"{entry.deliveries} times and was moved to the dead-letter stream")
 
     def process(self, entries: list[Entry]) -> None:
+        """Tokenize a read's entries into one record batch. A job that cannot be tokenized fails
+        alone, with its reason; nothing a request holds can stop this loop."""
         rows: list[dict[str, Any]] = []
         texts: list[str] = []
         raw: list[bool] = []
@@ -104,28 +114,68 @@ class TokenizerWorker:
                 continue  # cancelled, expired or already taken further: nothing to do
             try:
                 req = GenerationRequest.model_validate_json(_field(entry.fields, "request") or "")
-                texts.append(self.prompts.render(req))
+                text = self.prompts.render(req)
+                row = _row(job_id, req)
             except (ValidationError, PromptError) as exc:
                 self._fail(job_id, f"invalid request: {exc}")
                 continue
+            except Exception as exc:  # noqa: BLE001 - one job's failure is that job's alone
+                log.exception("job %s could not be prepared", job_id)
+                self._fail(job_id, f"the request could not be tokenized ({type(exc).__name__})")
+                continue
+            texts.append(text)
             raw.append(req.prompt is not None)
-            rows.append(_row(job_id, req))
+            rows.append(row)
         if rows:
-            for row, ids in zip(rows, self.prompts.encode_batch(texts, raw)):
+            for row, ids in zip(rows, self._encode(texts, raw)):
                 row["prompt_ids"] = ids
             rows = [r for r in rows if self._validate(r)]
+        batch = self._record_batch(rows)
         pipe = self.client.pipeline(transaction=True)
-        if rows:
-            batch = pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
-            pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": len(rows)})
-            for r in rows:
-                pipe.hset(names.job_key(r["job_id"]), "prompt_tokens", len(r["prompt_ids"]))
+        if batch is not None:
+            pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": batch.num_rows})
+            for job_id, n in zip(batch.column("job_id").to_pylist(), batch.column("prompt_ids").value_lengths()):
+                pipe.hset(names.job_key(job_id), "prompt_tokens", n.as_py())
         pipe.xack(names.JOBS_STREAM, names.TOKENIZER_GROUP, *[e.id for e in entries])
         pipe.execute()
-        self.counters["processed"] += len(rows)
+        self.counters["processed"] += batch.num_rows if batch is not None else 0
         self.counters["batches"] += 1
 
+    def _encode(self, texts: list[str], raw: list[bool]) -> list[list[int] | None]:
+        """Token ids per text; when the batch call fails, text by text, failing the culprits (None)."""
+        try:
+            return list(self.prompts.encode_batch(texts, raw))
+        except Exception:  # noqa: BLE001
+            log.exception("batch encode failed; encoding one by one")
+        out: list[list[int] | None] = []
+        for text, r in zip(texts, raw):
+            try:
+                out.append(self.prompts.encode_batch([text], [r])[0])
+            except Exception:  # noqa: BLE001
+                out.append(None)
+        return out
+
+    def _record_batch(self, rows: list[dict[str, Any]]) -> pa.RecordBatch | None:
+        """The rows as one Arrow batch; a row the schema cannot hold fails its job alone."""
+        if not rows:
+            return None
+        try:
+            return pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
+        except (pa.ArrowException, OverflowError, TypeError, ValueError):
+            log.exception("record batch failed; building it row by row")
+        good = []
+        for row in rows:
+            try:
+                pa.RecordBatch.from_pylist([row], schema=TOKENIZED_SCHEMA)
+                good.append(row)
+            except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+                self._fail(row["job_id"], f"invalid request: a value is out of range ({exc})")
+        return pa.RecordBatch.from_pylist(good, schema=TOKENIZED_SCHEMA) if good else None
+
     def _validate(self, row: dict[str, Any]) -> bool:
+        if row["prompt_ids"] is None:
+            self._fail(row["job_id"], "the prompt could not be tokenized")
+            return False
         n = len(row["prompt_ids"])
         if n == 0:
             self._fail(row["job_id"], "the prompt is empty after tokenization")

@@ -1,0 +1,34 @@
+"""A child process dies with its parent, even when the parent is SIGKILLed (Linux's
+PR_SET_PDEATHSIG; elsewhere nothing happens)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+from collections.abc import Callable
+
+PR_SET_PDEATHSIG = 1
+_prctl: Callable[..., int] | None
+try:
+    _prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+    """Ask the kernel to send `sig` when the parent exits. If the parent is already gone (it died
+    before this call), exit now. Called in the child, or as a Popen preexec_fn (load-free: the
+    libc handle is resolved at import)."""
+    if _prctl is None:
+        return
+    _prctl(PR_SET_PDEATHSIG, sig)
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn for subprocess.Popen: the child gets `sig` when this process dies."""
+    parent = os.getpid()
+    return lambda: die_with_parent(sig, parent)

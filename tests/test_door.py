@@ -1,0 +1,173 @@
+"""The door: every request is bounded before it is queued. Each reproduction of a request that once
+crashed a worker or answered 500 answers 4xx here, with the one error object and a request id.
+
+The API runs in process against the session's real Redis (a database of its own, no workers)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis
+
+from api.main import create_app
+from shared import names
+from shared.limits import MAX_BODY_BYTES, TEMPERATURE_FLOOR
+from shared.settings import Settings
+
+VOCAB = 49152  # SmolLM2's config.json
+
+
+@pytest.fixture
+async def api(redis_server, model_path: str) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]
+    url = redis_server.url.rsplit("/", 1)[0] + "/13"
+    settings = Settings(redis_url=url, model=model_path, max_tokens_cap=1000)
+    app = create_app(settings)
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("secret internals: /etc/passwd")
+
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app, raise_app_exceptions=False), base_url="http://test") as client:
+            yield client
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    r.close()
+
+
+def _is_error_object(r: httpx.Response) -> None:
+    body = r.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"type", "message", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert r.headers.get("x-request-id")
+
+
+RAW_JSON_REFUSED = [
+    # path, raw JSON body (escapes kept as the client sent them), status
+    ("/v1/jobs", '{"prompt": "hi", "top_k": 3000000000}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "stop_token_ids": [99999999999]}', 422),
+    ("/v1/jobs", f'{{"prompt": "hi", "top_k": {VOCAB + 1}}}', 422),
+    ("/v1/jobs", f'{{"prompt": "hi", "stop_token_ids": [{VOCAB}]}}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "stop_token_ids": [-1]}', 422),
+    ("/v1/jobs", '{"prompt": "\\ud800"}', 422),
+    ("/v1/jobs", '{"messages": [{"role": "user", "content": "a\\udfff b"}]}', 422),
+    ("/v1/jobs", '{"prompt": "nul \\u0000 here"}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "stop": ["\\ud800"]}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "seed": 99999999999999999999999}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "max_tokens": 3000000000}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "temperature": 1e400}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "stop": ["' + "x" * 300 + '"]}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "stop": ["a","b","c","d","e","f","g","h","i"]}', 422),
+    ("/v1/jobs", '{"messages": [' + ",".join(['{"role": "user", "content": "x"}'] * 600) + "]}", 422),
+    ("/v1/jobs", '{"prompt": "hi", "webhook_url": "http://user:pw@example.com/hook"}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "webhook_url": "http://example.com/a\\r\\nX-Evil: 1"}', 422),
+    ("/v1/completions", '{"prompt": "hi", "stop": [""], "top_p": 5e-324}', 422),
+    ("/v1/completions", '{"prompt": "hi", "stop": [""]}', 422),
+    ("/v1/completions", '{"prompt": "\\ud800"}', 422),
+    ("/v1/completions", '{"prompt": "hi", "top_k": 3000000000}', 422),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 422),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [99999999999]}',
+     422),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\u0000"}]}]}',
+     422),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', 422),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "status"), RAW_JSON_REFUSED)
+async def test_hostile_requests_answer_4xx_with_the_error_object(api: httpx.AsyncClient, path: str, raw: str,
+                                                                 status: int) -> None:
+    r = await api.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    _is_error_object(r)
+
+
+async def test_refused_requests_queue_nothing(api: httpx.AsyncClient, redis_server) -> None:  # type: ignore[no-untyped-def]
+    for path, raw, _ in RAW_JSON_REFUSED:
+        await api.post(path, content=raw, headers={"content-type": "application/json"})
+    r = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13")
+    assert r.xlen(names.JOBS_STREAM) == 0
+
+
+async def test_tiny_temperature_and_top_p_are_floored(api: httpx.AsyncClient, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Below the floors the request is accepted as greedy (temperature) or top-1 (top_p)."""
+    r = await api.post("/v1/jobs", json={"prompt": "hi", "temperature": 1e-40, "top_p": 5e-324, "max_tokens": 2})
+    assert r.status_code == 202, r.text
+    client = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13", decode_responses=True)
+
+    def queued(job_id: str) -> dict:  # type: ignore[type-arg]
+        entries = client.xrange(names.JOBS_STREAM)
+        return json.loads(next(f["request"] for _, f in entries if f["job_id"] == job_id))
+
+    stored = queued(r.json()["id"])
+    assert stored["temperature"] == 0.0 and stored["top_p"] == 0.001
+    r = await api.post("/v1/jobs", json={"prompt": "hi", "temperature": TEMPERATURE_FLOOR, "max_tokens": 2})
+    assert queued(r.json()["id"])["temperature"] == TEMPERATURE_FLOOR
+
+
+async def test_edges_of_the_vocabulary_are_accepted(api: httpx.AsyncClient) -> None:
+    r = await api.post("/v1/jobs", json={"prompt": "hi", "top_k": VOCAB, "stop_token_ids": [0, VOCAB - 1],
+                                         "seed": 2**64 - 1, "max_tokens": 1})
+    assert r.status_code == 202, r.text
+    r = await api.post("/v1/jobs", json={"prompt": "hi", "seed": -(2**63), "max_tokens": 1})
+    assert r.status_code == 202, r.text
+
+
+async def test_body_over_the_cap_is_413_before_parsing(api: httpx.AsyncClient) -> None:
+    big = b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    r = await api.post("/v1/jobs", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    _is_error_object(r)
+
+    async def chunked():  # no Content-Length: the cap still holds
+        for _ in range(MAX_BODY_BYTES // 65536 + 2):
+            yield b"a" * 65536
+
+    r = await api.post("/v1/jobs", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    _is_error_object(r)
+
+
+async def test_request_id_on_every_answer(api: httpx.AsyncClient) -> None:
+    r = await api.get("/healthz")
+    assert len(r.headers["x-request-id"]) >= 16
+    r = await api.get("/v1/jobs/job_nope", headers={"X-Request-Id": "client-chosen-42"})
+    assert r.status_code == 404 and r.headers["x-request-id"] == "client-chosen-42"
+    _is_error_object(r)
+    r = await api.get("/v1/jobs/job_nope", headers={"X-Request-Id": "bad id with spaces"})
+    assert r.headers["x-request-id"] != "bad id with spaces"
+    r = await api.get("/no/such/route")
+    assert r.status_code == 404
+    _is_error_object(r)
+
+
+async def test_a_500_shows_no_internals_and_is_logged_under_its_request_id(
+        api: httpx.AsyncClient, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="conveyor.api"):
+        r = await api.get("/boom", headers={"X-Request-Id": "trace-500"})
+    assert r.status_code == 500
+    _is_error_object(r)
+    assert r.headers["x-request-id"] == "trace-500"
+    assert "secret" not in r.text and "passwd" not in r.text and "Traceback" not in r.text
+    assert "trace-500" in r.json()["error"]["message"]
+    assert any("trace-500" in rec.getMessage() for rec in caplog.records)
+
+
+def test_the_schema_states_the_bounds() -> None:
+    schema = create_app(Settings()).openapi()
+    comps = schema["components"]["schemas"]
+    job = comps["GenerationRequest"]["properties"]
+    assert job["top_k"]["maximum"] == 2**31 - 1
+    assert job["stop"]["maxItems"] == 8
+    chat = comps["ChatCompletionRequest"]["properties"]
+    assert chat["messages"]["maxItems"] == 512
+    links = schema["paths"]["/v1/jobs"]["post"]["responses"]["202"]["links"]
+    assert {link["operationId"] for link in links.values()} == {"poll_job", "stream_job", "cancel_job"}
+    for path in ("/v1/jobs", "/v1/completions", "/v1/chat/completions"):
+        assert schema["paths"][path]["post"]["responses"]["422"]["content"]["application/json"]["schema"] == \
+               {"$ref": "#/components/schemas/ErrorResponse"}
