@@ -68,3 +68,32 @@ def test_outage_holds_claims_back(redis_db: redis.Redis) -> None:
     b.note_outage()
     b.claim_idle_ms = 50
     assert b.claim_stale() == ([], [])
+
+
+def test_a_poison_entry_that_kills_its_workers_is_dead_lettered_alone(redis_db: redis.Redis) -> None:
+    """Workers die while handling one entry of a batch. Entries already delivered twice are
+    claimed one at a time, so the poison reaches the limit alone and every batch-mate is done."""
+    ids = [redis_db.xadd(S, {"job_id": f"j{i}"}) for i in range(6)]
+    poison = ids[2]
+    consumer(redis_db, "c0").read(10, 100)  # the first worker dies holding the whole batch
+    done: list[str] = []
+    dead_lettered: list[str] = []
+    for n in range(1, 10):
+        time.sleep(0.1)
+        c = consumer(redis_db, f"c{n}")
+        crashed = False
+        while not crashed:
+            keep, dead = c.claim_stale(10)
+            dead_lettered += [e.id for e in dead]
+            if not keep and not dead:
+                break
+            for e in keep:
+                if e.id == poison:
+                    crashed = True  # this worker dies too; the rest of what it claimed stays pending
+                    break
+                c.ack([e.id])
+                done.append(e.id)
+        if not crashed and redis_db.xpending(S, G)["pending"] == 0:
+            break
+    assert dead_lettered == [poison]
+    assert sorted(done) == sorted(i for i in ids if i != poison)
