@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from typing import Any
 
 import redis
 
@@ -18,18 +19,23 @@ from tests.webhook_server import webhook_server
 from workers.after_job import AfterJob, sign, usage_key
 
 
-def end_job(r: redis.Redis, job_id: str, webhook_url: str | None = None, text: str = "Paris.") -> None:
+def end_job(r: redis.Redis, job_id: str, webhook_url: str | None = None, text: str = "Paris.",
+            owner: str | None = None) -> None:
     record = new_record(job_id, "m", "", True) | {"status": JobStatus.running.value, "prompt_tokens": 7}
     record.pop("request")  # the API keeps the request on the jobs stream only
     if webhook_url:
         record["webhook_url"] = webhook_url  # as the API stores it
+    if owner is not None:
+        record["owner"] = owner  # the tenant whose API key submitted it ('' with auth off)
     r.hset(names.job_key(job_id), mapping=record)
     r.set(names.text_key(job_id), text)
     JobOps(r, 3600).finish(job_id, FinishReason.stop, fields={"completion_tokens": 3})
 
 
-def after(r: redis.Redis, **settings: object) -> AfterJob:
-    return AfterJob(r, Settings(webhook_retry_s=0, delivery_limit=3, **settings), consumer="after-test")
+def after(r: redis.Redis, **settings: Any) -> AfterJob:
+    """An after-job worker; its webhooks may reach the receivers of these tests, on loopback."""
+    defaults: dict[str, Any] = {"webhook_retry_s": 0, "delivery_limit": 3, "webhook_allow_private": True}
+    return AfterJob(r, Settings(**(defaults | settings)), consumer="after-test")
 
 
 def test_every_end_is_accounted_once(redis_db: redis.Redis) -> None:
@@ -62,6 +68,32 @@ def test_webhook_gets_the_polled_job_signed(redis_db: redis.Redis) -> None:
     assert abs(int(headers["x-conveyor-timestamp"]) - time.time()) < 60
 
 
+def test_a_tenants_job_is_signed_with_the_tenants_secret(redis_db: redis.Redis) -> None:
+    redis_db.hset(names.tenant_key("acme"), mapping={"key_sha256": "ab" * 32, "webhook_secret": "s1"})
+    redis_db.hset(names.tenant_key("plain"), mapping={"key_sha256": "cd" * 32})  # no secret of its own
+    worker = after(redis_db, webhook_secret="global")
+    with webhook_server() as hooks:
+        end_job(redis_db, "job_acme", hooks.url, owner="acme")
+        end_job(redis_db, "job_plain", hooks.url, owner="plain")
+        end_job(redis_db, "job_nobody", hooks.url, owner="")  # auth off
+        assert worker.drain() == {"done": 3, "failed": 0, "dead": 0}
+        received = {h["x-conveyor-job"]: (h, raw) for h, _, raw in hooks.wait_for(3, timeout=5)}
+    secrets = {"job_acme": "s1", "job_plain": "global", "job_nobody": "global"}
+    for job_id, secret in secrets.items():
+        headers, raw = received[job_id]
+        assert headers["x-conveyor-signature"] == sign(raw, secret, headers["x-conveyor-timestamp"]), job_id
+
+    unsigned = after(redis_db)  # no WEBHOOK_SECRET: only a tenant with its own secret signs
+    with webhook_server() as hooks:
+        end_job(redis_db, "job_acme_2", hooks.url, owner="acme")
+        end_job(redis_db, "job_nobody_2", hooks.url)
+        assert unsigned.drain()["done"] == 2
+        received = {h["x-conveyor-job"]: (h, raw) for h, _, raw in hooks.wait_for(2, timeout=5)}
+    headers, raw = received["job_acme_2"]
+    assert headers["x-conveyor-signature"] == sign(raw, "s1", headers["x-conveyor-timestamp"])
+    assert "x-conveyor-signature" not in received["job_nobody_2"][0]
+
+
 def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> None:
     worker = after(redis_db)
     with webhook_server() as hooks:
@@ -78,6 +110,8 @@ def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> No
         assert len(hooks.received) == 2 + 3  # three tries, then the dead-letter stream
     [(_, dead)] = redis_db.xrange(names.DEAD_LETTER_STREAM)
     assert dead["job_id"] == "job_down" and dead["source_stream"] == names.ENDED_STREAM
+    assert dead["reason"].endswith("last webhook failure: answered 500")
+    assert redis_db.hget(names.job_key("job_down"), "webhook_error") == "answered 500"
     assert redis_db.hget(usage_key(), "m:jobs") == "2"  # retries never count a job twice
     assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
 
@@ -108,6 +142,12 @@ def test_bad_webhooks_fail_alone(redis_db: redis.Redis) -> None:
         assert worker.drain() == {"done": 5, "failed": 3, "dead": 0}
         assert len(hooks.received) == 1  # the redirect was not followed
     garbage.close()
+    why = {job_id: redis_db.hget(names.job_key(job_id), "webhook_error")
+           for job_id in ("job_nowhere", "job_garbage", "job_redirected")}
+    assert why["job_redirected"] == "answered 302 (a redirect; not followed)"
+    assert why["job_nowhere"].startswith("ConnectionRefusedError")  # type: ignore[union-attr]
+    assert why["job_garbage"].split(":")[0] in (  # type: ignore[union-attr]
+        "BadStatusLine", "BrokenPipeError", "ConnectionResetError", "RemoteDisconnected")  # as the race goes
     assert redis_db.hget(usage_key(), "m:jobs") == "8"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ class Hooks:
         self.status = 204  # then this (a 3xx comes with a Location)
         self.arrived = threading.Condition()
         self.url = ""
+        self.port = 0
 
     def wait_for(self, n: int, timeout: float) -> list[tuple[dict[str, str], dict[str, Any], bytes]]:
         with self.arrived:
@@ -25,7 +27,8 @@ class Hooks:
 
 
 @contextmanager
-def webhook_server() -> Iterator[Hooks]:
+def webhook_server(tls: ssl.SSLContext | None = None) -> Iterator[Hooks]:
+    """On 127.0.0.1; with `tls` (a server context), HTTPS."""
     hooks = Hooks()
 
     class Handler(BaseHTTPRequestHandler):
@@ -44,7 +47,10 @@ def webhook_server() -> Iterator[Hooks]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    hooks.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+    hooks.port = server.server_address[1]
+    hooks.url = f"{'https' if tls else 'http'}://127.0.0.1:{hooks.port}/hook"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
