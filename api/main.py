@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from api import errors, metrics
 from api.guard import RequestGuard
 from api.relay import Relay
 from api.routes import health, jobs, openai
 from api.store import JobStore
+from api.validation import document_bounds
 from shared.limits import MAX_BODY_BYTES
 from shared.redis_client import async_client
 from shared.settings import Settings, get_settings
@@ -42,6 +45,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(metrics.router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document_bounds(get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes), settings)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from api.errors import ApiError
 from shared.schemas import GenerationRequest
@@ -50,3 +51,66 @@ def check_request(req: GenerationRequest, settings: Settings) -> GenerationReque
             raise ApiError(422, f"stop_token_ids must be below the vocabulary size {vocab}; got {bad[0]}",
                            param="stop_token_ids")
     return req
+
+
+def _int_branch(prop: dict[str, Any]) -> dict[str, Any]:
+    """The integer (or array) part of a property that may also be null."""
+    for branch in prop.get("anyOf", []):
+        if branch.get("type") in ("integer", "array"):
+            return branch  # type: ignore[no-any-return]
+    return prop
+
+
+def document_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """State this deployment's bounds in its OpenAPI schema, so clients and schema-driven tools see
+    what check_request enforces; and that a job takes exactly one of `prompt` or `messages`."""
+    comps = schema.get("components", {}).get("schemas", {})
+    vocab = vocab_size(settings.model_path)
+    for name in ("GenerationRequest", "CompletionRequest", "ChatCompletionRequest"):
+        props = comps.get(name, {}).get("properties", {})
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                _int_branch(props[field])["maximum"] = settings.max_tokens_cap
+        if vocab is not None:
+            if "top_k" in props:
+                _int_branch(props["top_k"])["maximum"] = vocab
+            if "stop_token_ids" in props:
+                _int_branch(props["stop_token_ids"])["items"]["maximum"] = vocab - 1
+    _document_openai(comps, settings)
+    job = comps.get("GenerationRequest")
+    if job:
+        for field in ("prompt", "messages"):
+            job["properties"][field] = _int_branch(job["properties"][field]) if field == "messages" else \
+                next(b for b in job["properties"][field]["anyOf"] if b.get("type") == "string")
+        job["properties"]["prompt"]["maxLength"] = settings.max_prompt_chars
+        job["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
+    return schema
+
+
+# OpenAI options this server refuses (with a 400 naming the option): the schema says which values pass
+_ONLY = {"n": {"enum": [1]}, "logprobs": {"enum": [False, None]}, "top_logprobs": {"enum": [0, None]},
+         "presence_penalty": {"enum": [0]}, "frequency_penalty": {"enum": [0]},
+         "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]},
+         "tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+         "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+         "tool_choice": {"enum": ["none", None]}, "function_call": {"enum": [None]},
+         "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"enum": ["text"]}}},
+                                     {"type": "null"}]},
+         "echo": {"enum": [False]}, "suffix": {"enum": ["", None]}, "best_of": {"enum": [1, None]}}
+
+
+def _document_openai(comps: dict[str, Any], settings: Settings) -> None:
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        model = comps.get(name)
+        if not model:
+            continue
+        props = model["properties"]
+        props["model"] = {"anyOf": [{"type": "string", "enum": [settings.served_model_name]}, {"type": "null"}],
+                          "title": "Model"}
+        for field, only in _ONLY.items():
+            if field in props:
+                props[field] = {"title": props[field].get("title", field), **only}
+    if "ChatMessage" in comps:
+        comps["ChatMessage"]["properties"]["role"]["enum"] = ["system", "developer", "user", "assistant"]
+    if "ContentPart" in comps:
+        comps["ContentPart"]["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}

@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 import redis
 
+from shared.lifecycle import preexec_die_with_parent
 from shared.settings import Settings
 
 CONNECTION_FILE = "connection.json"  # in the data directory, <cache_dir>/redis
@@ -106,7 +107,9 @@ class RedisServer:
     def start(self, timeout: float = 15.0) -> str:
         self.write_config()
         log = open(self.data_dir / "redis.log", "ab")
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # SIGTERM when the starting process dies, however it dies: redis flushes its append-only file
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=preexec_die_with_parent(signal.SIGTERM))
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout
         try:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.autoscale import Autoscaler
-from infra.redis_server import RedisServer
+from infra.redis_server import CONNECTION_FILE, RedisServer
 from shared import names
 from shared.lifecycle import preexec_die_with_parent
 from shared.settings import Settings
@@ -181,9 +181,13 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
     redis_server: RedisServer | None = None
     env = dict(os.environ)
     if not settings.redis_url:
-        redis_server = RedisServer(settings.redis_data_dir, port=int(os.environ.get("REDIS_PORT", "0")))
+        redis_server = RedisServer(settings.redis_data_dir, port=int(os.environ.get("REDIS_PORT", "0")),
+                                   maxmemory_mb=settings.redis_maxmemory_mb)
         env["REDIS_URL"] = redis_server.start()
-        log.info("redis-server started at %s (data in %s)", env["REDIS_URL"], settings.redis_data_dir)
+        # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis here (mode 0600)
+        redis_server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE)
+        log.info("redis-server started on 127.0.0.1:%d with a password (data in %s)", redis_server.port,
+                 settings.redis_data_dir)
     cli = [sys.executable, "-m", "infra.cli"]
     grace = settings.drain_grace_s
     api = Pool("api", cli + ["api"], env, 1, grace_s=10, keep_fds=keep)
@@ -227,6 +231,7 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
             p.wait(deadline)
         if redis_server is not None:
             redis_server.stop()
+            (settings.redis_data_dir / CONNECTION_FILE).unlink(missing_ok=True)
         (settings.cache_dir / "supervisor.json").unlink(missing_ok=True)
         lock.release()
         log.info("stopped")

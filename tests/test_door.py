@@ -158,12 +158,15 @@ async def test_a_500_shows_no_internals_and_is_logged_under_its_request_id(
     assert any("trace-500" in rec.getMessage() for rec in caplog.records)
 
 
-def test_the_schema_states_the_bounds() -> None:
-    schema = create_app(Settings()).openapi()
+def test_the_schema_states_the_bounds(model_path: str) -> None:
+    schema = create_app(Settings(model=model_path, max_tokens_cap=300, default_max_tokens=16)).openapi()
     comps = schema["components"]["schemas"]
     job = comps["GenerationRequest"]["properties"]
-    assert job["top_k"]["maximum"] == 2**31 - 1
+    assert job["top_k"]["maximum"] == VOCAB and job["stop_token_ids"]["items"]["maximum"] == VOCAB - 1
+    assert job["max_tokens"]["maximum"] == 300
     assert job["stop"]["maxItems"] == 8
+    assert comps["GenerationRequest"]["oneOf"] == [{"required": ["prompt"]}, {"required": ["messages"]}]
+    assert comps["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["anyOf"][0]["maximum"] == 300
     chat = comps["ChatCompletionRequest"]["properties"]
     assert chat["messages"]["maxItems"] == 512
     links = schema["paths"]["/v1/jobs"]["post"]["responses"]["202"]["links"]

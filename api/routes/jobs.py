@@ -20,6 +20,10 @@ from shared.schemas import GenerationRequest
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+# one server-sent event as clients parse it: `token` ({seq, text}), `status` and `done` (the job), `error`
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"event": {"type": "string", "enum": ["token", "status", "done", "error"]},
+                             "id": {"type": "string"}, "data": {"type": "string"}}}
 _NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job"}}
 _JOB_ID = {"job_id": "$response.body#/id"}
 # OpenAPI links: where a submitted job's id leads (clients and schema-driven tools follow them)
@@ -72,7 +76,7 @@ def job_json(job: Job) -> str:
 
 @router.get("/{job_id}/events", operation_id="stream_job",
             responses={**_NOT_FOUND, 200: {"description": "Server-sent events",
-                                           "content": {"text/event-stream": {"schema": {"type": "string"}}}}})
+                                           "content": {"text/event-stream": {"schema": _SSE_EVENT}}}})
 async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep,
                  after: Annotated[int | None, Query(ge=0)] = None,
                  last_event_id: Annotated[str | None, Header()] = None) -> EventStream:

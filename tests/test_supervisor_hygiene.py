@@ -1,0 +1,65 @@
+"""`conveyor up` leaves nothing behind, even when it is killed outright, and a second `conveyor up`
+on the same data directory refuses to start beside a live stack. The stack runs on its own
+embedded redis-server and a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.conftest import ROOT, start_stack
+
+
+def _state(cache: Path) -> dict:  # type: ignore[type-arg]
+    return json.loads((cache / "supervisor.json").read_text())
+
+
+def _descendants(pid: int) -> set[int]:
+    return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+
+
+def _alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_sigkill_of_the_supervisor_takes_every_child_along(tmp_path: Path, tiny_model_dir: str) -> None:
+    stack = start_stack(tmp_path, "", tiny_model_dir, extra={"DRAIN_GRACE_S": "5"})
+    try:
+        state = _state(tmp_path)
+        assert state["redis_pid"] and all(p["pids"] for p in state["pools"].values()), state
+        everything = _descendants(stack.proc.pid)  # api, workers, output lane, celery (+ beat), redis-server
+        assert state["redis_pid"] in everything and len(everything) >= 6, everything
+
+        second = subprocess.run([sys.executable, "-m", "infra.cli", "up", "--no-autoscale"], env=stack.env,
+                                cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0
+        assert "already running" in second.stderr + second.stdout
+        assert _state(tmp_path)["pid"] == stack.proc.pid  # the live stack is untouched
+
+        stack.proc.send_signal(signal.SIGKILL)
+        stack.proc.wait(10)
+        deadline = time.monotonic() + 60
+        while _alive(everything) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _alive(everything)
+        assert not left, [psutil.Process(p).cmdline() for p in left]
+    finally:
+        if stack.proc.poll() is None:
+            stack.proc.kill()
+        for pid in _alive(_descendants(os.getpid()) - {os.getpid()}):
+            if "infra.cli" in " ".join(psutil.Process(pid).cmdline()):
+                psutil.Process(pid).kill()
