@@ -62,7 +62,8 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
     status_sent: tuple[str, int | None] | None = None
     try:
         while True:
-            for seq, kind, text in await store.read_events(job_id, last):
+            events = await store.read_events(job_id, last)
+            for seq, kind, text in events:
                 if kind == "done":
                     job = await store.get(job_id)
                     if job is not None:
@@ -71,10 +72,16 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                 last = seq
                 yield TokenEvent(seq, text)
             sub.reset()
-            if last == 0:
+            if not events:
                 job = await store.get(job_id)
                 if job is None:
                     return
+                if job.ended:  # nothing after `last` and the job is over: the client is at (or past) its end
+                    if await store.read_events(job_id, last, count=1):
+                        continue  # it ended just now: replay what came
+                    yield DoneEvent(last, job)
+                    return
+            if last == 0:
                 if job.status.value == "queued":
                     job.queue_position = await store.queue_position(job_id)
                 key = (job.status.value, job.queue_position)

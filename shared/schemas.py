@@ -67,15 +67,13 @@ class GenerationRequest(SamplingParams):
 
     model_config = ConfigDict(extra="forbid")
     prompt: Content | None = None
-    messages: Annotated[list[Message], Field(max_length=MAX_MESSAGES)] | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     webhook_url: WebhookUrl | None = None  # POSTed the job once it ends
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
-        if self.messages is not None and not self.messages:
-            raise ValueError("'messages' must not be empty")
         return self
 
 

@@ -201,3 +201,13 @@ def test_readyz_and_healthz(client: httpx.Client) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     r = client.get("/readyz")
     assert r.status_code == 200 and r.json()["workers"]["inference"] >= 1
+
+
+def test_resume_at_or_past_the_end_gets_done_at_once(client: httpx.Client) -> None:
+    job = submit(client, prompt="Hello", max_tokens=3, temperature=0)
+    done = wait(client, job["id"])
+    for after in ("9999", str(len(read_events(client, job["id"])))):
+        t0 = time.monotonic()
+        events = read_events(client, job["id"], headers={"Last-Event-ID": after})
+        assert [e["event"] for e in events] == ["done"] and time.monotonic() - t0 < 3
+        assert json.loads(events[0]["data"])["text"] == done["text"]
