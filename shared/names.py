@@ -80,3 +80,18 @@ def tenant_key(name: str) -> str:
 def api_key_index(key_sha256: str) -> str:
     """The tenant name that owns the API key with this SHA-256 (hex)."""
     return f"{PREFIX}:apikey:{key_sha256}"
+
+
+def tenant_bucket_key(owner: str, kind: str) -> str:
+    """A tenant's token bucket (`requests` or `tokens`): a hash of tokens left and when it was read."""
+    return f"{PREFIX}:bucket:{owner}:{kind}"
+
+
+def tenant_active_key(owner: str) -> str:
+    """How many of a tenant's jobs have not ended yet."""
+    return f"{PREFIX}:active:{owner}"
+
+
+def tenant_streams_key(owner: str) -> str:
+    """A tenant's open event streams: a sorted set of stream ids scored by when their lease runs out."""
+    return f"{PREFIX}:streams:{owner}"

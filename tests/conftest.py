@@ -99,6 +99,7 @@ def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | N
         "REDIS_URL": redis_url, "PORT": str(port), "HOST": "127.0.0.1", "MODEL": model,
         "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
         "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING", "CONVEYOR_CACHE": str(tmp),
+        "WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on 127.0.0.1
     })
     env.update(extra or {})
     log = open(tmp / "stack.log", "ab")
