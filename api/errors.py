@@ -35,7 +35,8 @@ class ErrorResponse(BaseModel):
 # documented on every route: the errors any request can meet at the door or on the way
 COMMON_ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorResponse, "description": text}
-    for status, text in ((400, "Bad request"), (413, "Body too large"), (422, "Invalid request"),
+    for status, text in ((400, "Bad request"), (401, "Missing or invalid API key"), (413, "Body too large"),
+                         (422, "Invalid request"), (429, "Over a limit; see Retry-After"),
                          (500, "Internal error"), (503, "Redis unavailable; retry"))
 }
 

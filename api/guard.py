@@ -1,5 +1,6 @@
 """The outermost layer of every request: an `X-Request-Id` on each response (the client's own,
-when it sent a sane one), and a body-size cap that answers 413 before anything parses the body."""
+when it sent a sane one), a body-size cap that answers 413 before anything parses the body, and,
+when keys are required, the operator's pages (metrics, scaling, docs) kept to the internal port."""
 
 from __future__ import annotations
 
@@ -16,9 +17,18 @@ request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
+# served only on the internal port when auth is required (Prometheus, KEDA and operators reach them there)
+INTERNAL_PATHS = ("/metrics", "/scaling", "/docs", "/redoc", "/openapi.json")
+
+
+def on_internal_port(scope: Scope, internal_port: int | None) -> bool:
+    server = scope.get("server")
+    return internal_port is None or (server is not None and server[1] == internal_port)
+
+
 class RequestGuard:
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app, self.max_body = app, max_body_bytes
+    def __init__(self, app: ASGIApp, max_body_bytes: int, internal_port: int | None = None) -> None:
+        self.app, self.max_body, self.internal_port = app, max_body_bytes, internal_port
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,6 +46,11 @@ class RequestGuard:
                 message["headers"] = [*message.get("headers", []), rid_header]
             await send(message)
 
+        path = scope.get("path", "")
+        if self.internal_port is not None and path.startswith(INTERNAL_PATHS) and \
+                not on_internal_port(scope, self.internal_port):
+            await self._reply(send_with_id, 404, f"no route {path}")
+            return
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit() or int(length) > self.max_body:
@@ -71,9 +86,10 @@ class RequestGuard:
         await self.app(scope, replay, send_with_id)
 
     async def _too_large(self, send: Send, valid: bool) -> None:
-        status = 413 if valid else 400
-        msg = (f"the request body is larger than {self.max_body} bytes" if valid
-               else "Content-Length must be a number")
+        await self._reply(send, 413 if valid else 400, f"the request body is larger than {self.max_body} bytes"
+                          if valid else "Content-Length must be a number")
+
+    async def _reply(self, send: Send, status: int, msg: str) -> None:
         body = orjson.dumps(error_body(status, msg))
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

@@ -14,6 +14,7 @@ from api.guard import RequestGuard
 from api.relay import Relay
 from api.routes import health, jobs, openai
 from api.store import JobStore
+from api.tenancy import KeyCache, Throughput
 from api.validation import document_bounds
 from shared.limits import MAX_BODY_BYTES
 from shared.redis_client import async_client
@@ -30,16 +31,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.redis = client
         app.state.store = JobStore(client, settings)
         app.state.relay = Relay(client, settings.sse_queue_size)
+        app.state.keys = KeyCache(client)
+        app.state.throughput = Throughput(client)
         await app.state.relay.start()
+        app.state.throughput.start()
         try:
             yield
         finally:
+            await app.state.throughput.stop()
             await app.state.relay.stop()
             await client.aclose()
 
     app = FastAPI(title="conveyor", version="0.1.0", lifespan=lifespan, responses=errors.COMMON_ERRORS,
                   description="LLM generation as a distributed worker system")
-    app.add_middleware(RequestGuard, max_body_bytes=MAX_BODY_BYTES)
+    app.add_middleware(RequestGuard, max_body_bytes=MAX_BODY_BYTES,
+                       internal_port=settings.internal_port_number if settings.auth_required else None)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

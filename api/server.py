@@ -3,6 +3,7 @@ resume elsewhere with Last-Event-ID) instead of holding the shutdown until their
 
 from __future__ import annotations
 
+import socket
 from types import FrameType
 
 import uvicorn
@@ -18,6 +19,20 @@ class Server(uvicorn.Server):
 
 
 def serve(settings: Settings) -> None:
+    """PORT serves clients; when keys are required, INTERNAL_PORT (default PORT + 1) also serves the
+    operator's pages (/metrics, /scaling, /docs), which PORT then refuses."""
     config = uvicorn.Config("api.main:app", host=settings.host, port=settings.port, log_level="warning",
                             loop="uvloop", http="httptools", lifespan="on")
-    Server(config).run()
+    sockets = None
+    if settings.auth_required:
+        sockets = [_bind(settings.host, settings.port), _bind(settings.host, settings.internal_port_number)]
+    Server(config).run(sockets=sockets)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.set_inheritable(True)
+    return sock

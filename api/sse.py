@@ -54,11 +54,11 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], ping_s: float) -> None:
+    def __init__(self, events: AsyncIterator[bytes], ping_s: float, headers: dict[str, str] | None = None) -> None:
         # no body, so no content-length: the way starlette's StreamingResponse sets itself up
         self.status_code = 200
         self.background = None
-        self.init_headers(HEADERS)
+        self.init_headers({**HEADERS, **(headers or {})})
         self.events = events
         self.ping_s = ping_s
         self.last_write = 0.0

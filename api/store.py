@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import math
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aredis
 
@@ -14,41 +18,72 @@ from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, SUBMIT_SCRIPT, Fin
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
 
+# The API cannot tokenize: a prompt is reserved against a tenant's tokens per minute at this many
+# characters a token (most tokenizers give 3-4 for English), and the difference refunded when the job ends.
+CHARS_PER_TOKEN = 3
+
+
+@dataclass
+class Admission:
+    """What the submit script decided: the job (None when refused), whether it was an idempotent
+    replay, and the script's reply (codes and rate-limit state; see shared.jobs.SUBMIT_SCRIPT)."""
+
+    job: Job | None
+    replayed: bool
+    reply: list[Any]
+
 
 class JobStore:
     def __init__(self, client: aredis.Redis, settings: Settings) -> None:
         self.r, self.settings = client, settings
+        # the last guard on the jobs stream's length, far past MAX_QUEUED (admission refuses long before):
+        # XADD trims the oldest entries, normally long consumed, past it
+        self.jobs_maxlen = 4 * settings.max_queued + 10_000
         self._finish = client.register_script(FINISH_SCRIPT)
         self._request_cancel = client.register_script(REQUEST_CANCEL_SCRIPT)
         self._submit = client.register_script(SUBMIT_SCRIPT)
 
-    async def submit(self, req: GenerationRequest, idempotency_key: str | None = None,
-                     background: bool = True) -> tuple[Job, bool]:
-        """Store and enqueue a job. Returns (job, replayed): replayed when the key was seen before."""
+    async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, background: bool = True,
+                     owner: str = "", max_waiting: int = 0) -> Admission:
+        """Admit, store and enqueue a job in one round trip (SUBMIT_SCRIPT): an idempotent replay, the
+        tenant's limits and the service-wide queue cap are checked first; a refusal stores nothing."""
         job_id = "job_" + uuid.uuid4().hex
-        if idempotency_key:
-            key = names.idempotency_key(idempotency_key)
-            if not await self.r.set(key, job_id, nx=True, ex=self.settings.idempotency_ttl_s):
-                existing = await self.r.get(key)
-                job = await self.get(existing) if existing else None
-                if job is not None:
-                    return job, True
-                await self.r.set(key, job_id, ex=self.settings.idempotency_ttl_s)
         request_json = req.model_dump_json(exclude_defaults=True)
         record = new_record(job_id, self.settings.served_model_name, request_json, background)
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
-        args: list[str | int] = [self.settings.job_ttl_s]
+        prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
+        reserve = math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens
+        idem = names.idempotency_key(f"{owner}:{idempotency_key}") if idempotency_key else names.job_key(job_id)
+        keys = [names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER,
+                names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
+                names.tenant_bucket_key(owner, "tokens"), names.tenant_active_key(owner), idem]
+        args: list[str | int | float] = [
+            self.settings.job_ttl_s, time.time(), owner, reserve, max_waiting,
+            self.settings.idempotency_ttl_s if idempotency_key else 0,
+            hashlib.sha256(request_json.encode()).hexdigest(), self.jobs_maxlen, names.job_key(""), job_id,
+            request_json]
         for k, v in record.items():
             if k != "request":
                 args += [k, v]
-        args += [job_id, request_json]
-        ordinal, dequeued = await self._submit(
-            keys=[names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER],
-            args=args)
+        reply = [int(x) if not isinstance(x, str) or x.lstrip("-").isdigit() else x
+                 for x in await self._submit(keys=keys, args=args)]
+        if reply[0] == 2:
+            return Admission(await self.get(str(reply[1])), True, reply)
+        if reply[0] != 1:
+            return Admission(None, False, reply)
         job = Job.from_record({k: str(v) for k, v in record.items()})
-        job.queue_position = max(1, int(ordinal) - int(dequeued))
-        return job, False
+        job.owner = owner
+        job.queue_position = max(1, reply[1] - reply[2])
+        return Admission(job, False, reply)
+
+    async def owner_of(self, job_id: str) -> str | None:
+        """The tenant that submitted the job ('' for none), or None when there is no such job."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.exists(names.job_key(job_id))
+        pipe.hget(names.job_key(job_id), "owner")
+        exists, owner = await pipe.execute()
+        return (owner or "") if exists else None
 
     async def get(self, job_id: str) -> Job | None:
         pipe = self.r.pipeline(transaction=False)

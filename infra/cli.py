@@ -6,6 +6,10 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
 
 
 def _logging() -> None:
@@ -31,6 +35,17 @@ def main(argv: list[str] | None = None) -> None:
     inf.add_argument("--check", action="store_true", help="exit 0 if a live inference worker is seen, else 1")
     sub.add_parser("redis", help="run the embedded redis-server in the foreground")
 
+    keys = sub.add_parser("keys", help="manage API keys (tenants)")
+    ksub = keys.add_subparsers(dest="keys_cmd", required=True)
+    kc = ksub.add_parser("create", help="make a tenant and print its new key (last line; shown once)")
+    kc.add_argument("name")
+    for flag, what in (("--rpm", "requests per minute"), ("--tpm", "tokens per minute (prompt + max_tokens)"),
+                       ("--max-queued", "unfinished jobs at once"), ("--max-streams", "open event streams at once")):
+        kc.add_argument(flag, type=int, default=None, help=f"{what}; 0: no limit")
+    ksub.add_parser("list", help="list tenants, their limits and state")
+    kr = ksub.add_parser("revoke", help="disable a tenant's key")
+    kr.add_argument("name")
+
     model = sub.add_parser("model", help="manage the model cache")
     msub = model.add_subparsers(dest="model_cmd", required=True)
     msub.add_parser("pull", help="fetch and convert the configured model (idempotent)")
@@ -38,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     _logging()
-    from shared.settings import get_settings
+    from shared.settings import get_settings, is_loopback
 
     settings = get_settings()
 
@@ -55,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "up":
         from infra.supervisor import run_supervisor
 
+        if not settings.auth_required and not is_loopback(settings.host) and not settings.allow_insecure:
+            sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
+                     "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
         sys.exit(run_supervisor(settings, args.tokenizers, args.inference, autoscale=not args.no_autoscale,
                                 celery=bool(args.celery)))
     elif args.cmd == "api":
@@ -77,6 +95,45 @@ def main(argv: list[str] | None = None) -> None:
         from infra.redis_server import run_foreground
 
         sys.exit(run_foreground(settings))
+    elif args.cmd == "keys":
+        sys.exit(_keys(args, settings))
+
+
+def _keys(args: argparse.Namespace, settings: Settings) -> int:
+    import redis
+
+    from infra.redis_server import read_local_redis_url
+    from shared import tenants
+
+    url = settings.redis_url or read_local_redis_url(settings.cache_dir)
+    if not url:
+        print("no Redis: start the stack (`conveyor up`) or set REDIS_URL", file=sys.stderr)
+        return 1
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        if args.keys_cmd == "create":
+            key, secret = tenants.create(client, args.name, rpm=args.rpm, tpm=args.tpm, max_queued=args.max_queued,
+                                         max_streams=args.max_streams)
+            print(f"tenant {args.name} created; its webhooks are signed with this secret:")
+            print(secret)
+            print("its API key (shown once; send it as 'Authorization: Bearer <key>'):")
+            print(key)
+        elif args.keys_cmd == "list":
+            rows = tenants.list_all(client)
+            print(f"{'name':24} {'rpm':>8} {'tpm':>10} {'queued':>7} {'streams':>8} {'active':>7}  state")
+            for t in rows:
+                print(f"{t['name']:24} {t['rpm']:>8} {t['tpm']:>10} {t['max_queued']:>7} {t['max_streams']:>8} "
+                      f"{t['active_jobs']:>7}  {'revoked' if t['disabled'] else 'active'}")
+        elif args.keys_cmd == "revoke":
+            tenants.revoke(client, args.name)
+            print(f"tenant {args.name} revoked")
+    except tenants.TenantError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except redis.RedisError as exc:
+        print(f"Redis at {url.split('@')[-1]} is unavailable: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

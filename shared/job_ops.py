@@ -31,7 +31,7 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
             names.DEQUEUED_COUNTER, names.text_key(job_id), names.ENDED_STREAM]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
-                       names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN]
+                       names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN, names.PREFIX]
     for k, v in (fields or {}).items():
         args += [k, v]
     return keys, args

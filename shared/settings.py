@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -10,6 +11,15 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def default_cache_dir() -> Path:
@@ -86,9 +96,20 @@ class Settings(BaseSettings):
     def _check(self) -> Settings:
         if self.engine not in ("torch", "synthetic"):
             raise ValueError("ENGINE must be 'torch' or 'synthetic'")
+        if self.auth not in ("", "required", "off"):
+            raise ValueError("AUTH must be 'required' or 'off'")
         if self.max_tokens_cap < 1 or self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("DEFAULT_MAX_TOKENS must be between 1 and MAX_TOKENS_CAP")
         return self
+
+    @property
+    def auth_required(self) -> bool:
+        """AUTH=required|off; unset, keys are required unless the API listens on a loopback address only."""
+        return self.auth == "required" or (self.auth == "" and not is_loopback(self.host))
+
+    @property
+    def internal_port_number(self) -> int:
+        return self.internal_port or self.port + 1
 
     @property
     def model_path(self) -> str:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.deps import RedisDep
+from api.deps import RedisDep, SettingsDep
+from api.guard import on_internal_port
 from shared import names
 
 router = APIRouter(tags=["health"])
@@ -18,21 +19,31 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/health")
-async def health(redis: RedisDep) -> JSONResponse:
+async def health(redis: RedisDep, request: Request, settings: SettingsDep) -> JSONResponse:
     """Ready or not, as vLLM, TGI and SGLang name it (load tools check it): 200 or 503."""
-    return await readyz(redis)
+    return await readyz(redis, request, settings)
 
 
 @router.get("/readyz")
-async def readyz(redis: RedisDep) -> JSONResponse:
-    """Ready when Redis answers and each pool has a live worker."""
+async def readyz(redis: RedisDep, request: Request, settings: SettingsDep) -> JSONResponse:
+    """Ready when Redis answers and each pool has a live worker. When keys are required, the public
+    port says only ready or not; the internal port adds the details."""
+    answer = await _readiness(redis)
+    if settings.auth_required and not on_internal_port(request.scope, settings.internal_port_number):
+        body = {"status": answer.status_code == 200 and "ready" or "not_ready"}
+        return JSONResponse(body, answer.status_code, headers={"Retry-After": "2"} if answer.status_code != 200
+                            else None)
+    return answer
+
+
+async def _readiness(redis: RedisDep) -> JSONResponse:
     pools: dict[str, int] = {}
     try:
         await redis.ping()
         for pool in names.POOLS:
             pools[pool] = len([k async for k in redis.scan_iter(match=names.heartbeat_pattern(pool), count=500)])
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
-        return JSONResponse({"status": "unavailable", "redis": False, "error": str(exc)}, 503,
+        return JSONResponse({"status": "unavailable", "redis": False, "error": type(exc).__name__}, 503,
                             headers={"Retry-After": "2"})
     ready = all(pools.values())
     return JSONResponse({"status": "ready" if ready else "not_ready", "redis": True, "workers": pools},

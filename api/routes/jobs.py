@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -10,10 +12,20 @@ from fastapi import APIRouter, Header, Query, Response
 from redis.exceptions import RedisError
 
 from api import sse
-from api.deps import RelayDep, SettingsDep, StoreDep
+from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, ErrorResponse, error_body
 from api.sse import EventStream
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
+from api.tenancy import (
+    Caller,
+    CallerDep,
+    ThroughputDep,
+    admit,
+    not_found,
+    release_stream_slot,
+    require_stream_slot,
+    stream_refused,
+)
 from api.validation import check_request
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
@@ -31,10 +43,11 @@ _LINKS = {"PollJob": {"operationId": "poll_job", "parameters": _JOB_ID},
           "StreamJob": {"operationId": "stream_job", "parameters": _JOB_ID},
           "CancelJob": {"operationId": "cancel_job", "parameters": _JOB_ID}}
 
-async def get_job_or_404(store: StoreDep, job_id: str) -> Job:
+async def get_job_or_404(store: StoreDep, job_id: str, caller: Caller) -> Job:
+    """The caller's job; another tenant's job is as absent as one that never was."""
     job = await store.get(job_id)
-    if job is None:
-        raise ApiError(404, f"no job {job_id!r}")
+    if job is None or not caller.owns(job):
+        raise not_found(job_id)
     if job.status.value == "queued":
         job.queue_position = await store.queue_position(job_id)
     return job
@@ -43,9 +56,12 @@ async def get_job_or_404(store: StoreDep, job_id: str) -> Job:
 @router.post("", status_code=202, response_model=Job, operation_id="submit_job",
              responses={202: {"description": "Accepted", "links": _LINKS}})
 async def submit(body: GenerationRequest, response: Response, store: StoreDep, settings: SettingsDep,
+                 caller: CallerDep, throughput: ThroughputDep,
                  idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
     """Submit a generation job; poll it at Location or stream it from Location/events."""
-    job, replayed = await store.submit(check_request(body, settings), idempotency_key)
+    job, replayed, limits = await admit(store, throughput, settings, caller, check_request(body, settings),
+                                        idempotency_key)
+    response.headers.update(limits)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if replayed:
         response.headers["Idempotent-Replayed"] = "true"
@@ -53,18 +69,20 @@ async def submit(body: GenerationRequest, response: Response, store: StoreDep, s
 
 
 @router.get("/{job_id}", response_model=Job, operation_id="poll_job", responses=_NOT_FOUND)
-async def poll(job_id: str, store: StoreDep) -> Job:
+async def poll(job_id: str, store: StoreDep, caller: CallerDep) -> Job:
     """The job as it stands: status, text so far, usage, timestamps."""
-    return await get_job_or_404(store, job_id)
+    return await get_job_or_404(store, job_id, caller)
 
 
 @router.post("/{job_id}/cancel", response_model=Job, operation_id="cancel_job",
              responses={**_NOT_FOUND, 409: {"model": ErrorResponse, "description": "The job has already ended"}})
-async def cancel(job_id: str, store: StoreDep) -> Job:
+async def cancel(job_id: str, store: StoreDep, caller: CallerDep) -> Job:
     """Cancel a queued or running job; 409 if it has already ended."""
+    if caller.tenant is not None and await store.owner_of(job_id) != caller.owner:
+        raise not_found(job_id)
     job, changed = await store.cancel(job_id)
     if job is None:
-        raise ApiError(404, f"no job {job_id!r}")
+        raise not_found(job_id)
     if not changed:
         raise ApiError(409, f"job {job_id} has already ended ({job.status.value})")
     return job
@@ -77,15 +95,25 @@ def job_json(job: Job) -> str:
 @router.get("/{job_id}/events", operation_id="stream_job",
             responses={**_NOT_FOUND, 200: {"description": "Server-sent events",
                                            "content": {"text/event-stream": {"schema": _SSE_EVENT}}}})
-async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep,
-                 after: Annotated[int | None, Query(ge=0)] = None,
+async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep, caller: CallerDep,
+                 redis: RedisDep, after: Annotated[int | None, Query(ge=0)] = None,
                  last_event_id: Annotated[str | None, Header()] = None) -> EventStream:
     """Server-sent events: `token` per chunk (id = seq), `status` while queued, then `done`.
     Resume with Last-Event-ID or ?after=."""
-    await get_job_or_404(store, job_id)
+    await get_job_or_404(store, job_id, caller)
     start = after if after is not None else _parse_seq(last_event_id)
+    slot = uuid.uuid4().hex
+    if not await require_stream_slot(redis, caller, slot):
+        raise stream_refused(caller)
 
     async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in _events(start):
+                yield chunk
+        finally:
+            await asyncio.shield(release_stream_slot(redis, caller, slot))
+
+    async def _events(start: int) -> AsyncIterator[bytes]:
         try:
             async for ev in job_events(store, relay, job_id, start):
                 if isinstance(ev, TokenEvent):

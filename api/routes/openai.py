@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
 from api import sse
 from api.deps import RelayDep, SettingsDep, StoreDep
@@ -19,6 +21,16 @@ from api.relay import Relay
 from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, TokenEvent, job_events
+from api.tenancy import (
+    Caller,
+    CallerDep,
+    Throughput,
+    ThroughputDep,
+    admit,
+    release_stream_slot,
+    require_stream_slot,
+    stream_refused,
+)
 from api.validation import check_request
 from shared.jobs import Job, JobStatus
 from shared.settings import Settings
@@ -48,7 +60,7 @@ def _failure(job: Job) -> ApiError:
 
 
 @router.get("/models")
-async def models(settings: SettingsDep) -> dict[str, Any]:
+async def models(settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     """The served model."""
     return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": 0,
                                         "owned_by": "conveyor"}]}
@@ -81,7 +93,7 @@ async def _wait_for_end(store: JobStore, relay: Relay, job_id: str, request: Req
 
 
 def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk: Any,
-            role_chunk: bool, ping_s: float) -> EventStream:
+            role_chunk: bool, ping_s: float, headers: dict[str, str], release: Any) -> EventStream:
     async def events() -> AsyncIterator[bytes]:
         finished = False
         try:
@@ -109,16 +121,26 @@ def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk:
         finally:
             if not finished:  # the client went away mid-stream: free the engine slot
                 await asyncio.shield(store.cancel(job.id, wait_s=0))
+            await asyncio.shield(release())
 
-    return EventStream(events(), ping_s)
+    return EventStream(events(), ping_s, headers)
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
-                 relay: Relay, settings: Settings, chat: bool) -> Any:
+                 relay: Relay, settings: Settings, caller: Caller, throughput: Throughput, chat: bool) -> Any:
     """Both endpoints: one job, streamed as chunks or awaited; only the response shapes differ."""
     _check_model(body.model, settings)
     gen = check_request(body.to_generation(), settings)
-    job, _ = await store.submit(gen, background=False)
+    redis = request.app.state.redis
+    slot = uuid.uuid4().hex
+    if body.stream and not await require_stream_slot(redis, caller, slot):
+        raise stream_refused(caller)
+    try:
+        job, _, limits = await admit(store, throughput, settings, caller, gen, background=False)
+    except BaseException:
+        if body.stream:
+            await release_stream_slot(redis, caller, slot)
+        raise
     created = int(time.time())
     cid = ("chatcmpl-" if chat else "cmpl-") + job.id.removeprefix("job_")
     obj = "chat.completion" if chat else "text_completion"
@@ -130,7 +152,8 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
 
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(store, relay, job, usage, chunk, role_chunk=chat, ping_s=settings.sse_ping_s)
+        return _stream(store, relay, job, usage, chunk, role_chunk=chat, ping_s=settings.sse_ping_s, headers=limits,
+                       release=lambda: release_stream_slot(redis, caller, slot))
     end = await _wait_for_end(store, relay, job.id, request)
     if end.status is JobStatus.failed:
         raise _failure(end)
@@ -140,18 +163,18 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
            "choices": [{**choice, "logprobs": None, "finish_reason": _finish(end)}], "usage": _usage(end)}
     if chat:
         out["system_fingerprint"] = None
-    return out
+    return JSONResponse(out, headers=limits)
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request, store: StoreDep, relay: RelayDep,
-                           settings: SettingsDep) -> Any:
+                           settings: SettingsDep, caller: CallerDep, throughput: ThroughputDep) -> Any:
     """OpenAI chat completions, streaming or not."""
-    return await _serve(body, request, store, relay, settings, chat=True)
+    return await _serve(body, request, store, relay, settings, caller, throughput, chat=True)
 
 
 @router.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, store: StoreDep, relay: RelayDep,
-                      settings: SettingsDep) -> Any:
+                      settings: SettingsDep, caller: CallerDep, throughput: ThroughputDep) -> Any:
     """OpenAI text completions, streaming or not."""
-    return await _serve(body, request, store, relay, settings, chat=False)
+    return await _serve(body, request, store, relay, settings, caller, throughput, chat=False)

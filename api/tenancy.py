@@ -1,0 +1,237 @@
+"""Who is calling, and may they: API keys (`Authorization: Bearer <key>`), job ownership, and the
+answers to the submit script's admission codes (429 with Retry-After and OpenAI's
+`x-ratelimit-*` headers).
+
+With AUTH off (the default while the API listens on loopback only) every caller is the same
+anonymous tenant, with no per-key limits; the service-wide queue cap still holds."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import redis.asyncio as aredis
+from fastapi import Depends, Request
+
+from api.deps import RedisDep, SettingsDep
+from api.errors import ApiError
+from api.store import JobStore
+from shared import names
+from shared.jobs import Job
+from shared.schemas import GenerationRequest
+from shared.settings import Settings
+from shared.tenants import Tenant, hash_key
+
+CACHE_S = 2.0  # a revoked key stops working within this long
+CACHE_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: Tenant | None  # None: auth is off
+
+    @property
+    def owner(self) -> str:
+        return self.tenant.name if self.tenant else ""
+
+    def owns(self, job: Job) -> bool:
+        return self.tenant is None or job.owner == self.tenant.name
+
+
+class KeyCache:
+    """Key digest -> tenant, for a couple of seconds, so most requests spend no round trip on auth.
+    Submits re-check the tenant inside the submit script."""
+
+    def __init__(self, client: aredis.Redis) -> None:
+        self.r = client
+        self._entries: dict[str, tuple[float, Tenant | None]] = {}
+
+    async def lookup(self, key: str) -> Tenant | None:
+        digest = hash_key(key)
+        now = time.monotonic()
+        hit = self._entries.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        name = await self.r.get(names.api_key_index(digest))
+        tenant = None
+        if name:
+            rec = await self.r.hgetall(names.tenant_key(name))
+            if rec and rec.get("key_sha256") == digest and rec.get("disabled") != "1":
+                tenant = Tenant.from_record(name, rec)
+        if len(self._entries) >= CACHE_MAX:
+            self._entries.clear()
+        self._entries[digest] = (now + CACHE_S, tenant)
+        return tenant
+
+
+def _bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def get_caller(request: Request, settings: SettingsDep) -> Caller:
+    if not settings.auth_required:
+        return Caller(None)
+    key = _bearer(request)
+    challenge = {"WWW-Authenticate": 'Bearer realm="conveyor"'}
+    if key is None:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key",
+                       headers=challenge)
+    tenant = await request.app.state.keys.lookup(key)
+    if tenant is None:
+        raise ApiError(401, "invalid or revoked API key", code="invalid_api_key", headers=challenge)
+    return Caller(tenant)
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]
+
+
+def not_found(job_id: str) -> ApiError:
+    return ApiError(404, f"no job {job_id!r}")
+
+
+def _duration(ms: int) -> str:
+    """OpenAI's reset format: 250ms, 20s, 6m0s."""
+    if ms < 1000:
+        return f"{max(ms, 0)}ms"
+    m, s = divmod(math.ceil(ms / 1000), 60)
+    return f"{m}m{s}s" if m else f"{s}s"
+
+
+def rate_headers(rpm: int, requests_left: int, requests_reset_ms: int, tpm: int, tokens_left: int,
+                 tokens_reset_ms: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if rpm > 0:
+        out |= {"x-ratelimit-limit-requests": str(rpm), "x-ratelimit-remaining-requests": str(max(0, requests_left)),
+                "x-ratelimit-reset-requests": _duration(requests_reset_ms)}
+    if tpm > 0:
+        out |= {"x-ratelimit-limit-tokens": str(tpm), "x-ratelimit-remaining-tokens": str(max(0, tokens_left)),
+                "x-ratelimit-reset-tokens": _duration(tokens_reset_ms)}
+    return out
+
+
+def _too_many(message: str, retry_ms: int, headers: dict[str, str] | None = None,
+              code: str = "rate_limit_exceeded") -> ApiError:
+    retry = str(max(1, math.ceil(retry_ms / 1000)))
+    return ApiError(429, message, type_="rate_limit_error", code=code,
+                    headers={"Retry-After": retry, **(headers or {})})
+
+
+def refusal(reply: list[int], caller: Caller, retry_global_ms: int) -> ApiError:
+    """The submit script's refusal codes as errors (see shared.jobs.SUBMIT_SCRIPT)."""
+    code = int(reply[0])
+    t = caller.tenant
+    if code == -1:
+        return ApiError(401, "invalid or revoked API key", code="invalid_api_key")
+    if code == -2:
+        return _too_many(f"rate limit reached: {reply[2]} requests per minute for this key", int(reply[1]),
+                         rate_headers(int(reply[2]), 0, int(reply[3]), 0, 0, 0))
+    if code == -3:
+        return _too_many(f"rate limit reached: {reply[2]} tokens per minute for this key (prompt plus max_tokens "
+                         "are reserved at submit)", int(reply[1]),
+                         rate_headers(0, 0, 0, int(reply[2]), int(reply[3]), int(reply[4])))
+    if code == -4:
+        return _too_many(f"this key has {reply[1]} unfinished jobs, its limit; wait for one to end", 1000)
+    if code == -5:
+        return _too_many(f"the service is at capacity ({reply[1]} jobs waiting); retry later", retry_global_ms,
+                         code="server_overloaded")
+    if code == -6:
+        return ApiError(422, "this Idempotency-Key was used with a different request body", param="Idempotency-Key",
+                        code="idempotency_key_reused")
+    if code == -7:
+        return ApiError(429, f"this request reserves more tokens than the key may use in a minute ({reply[1]}); "
+                             "lower max_tokens or shorten the prompt", type_="rate_limit_error",
+                        code="request_too_large")
+    raise AssertionError(f"unknown submit code {code} for {t}")
+
+
+class Throughput:
+    """Jobs leaving the queue per second while there is a queue (an EWMA over a few seconds), read
+    from the counters the workers keep: the basis of the service-wide wait estimate."""
+
+    def __init__(self, client: aredis.Redis, period_s: float = 2.0) -> None:
+        self.r, self.period_s = client, period_s
+        self.rate: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        last: tuple[float, int] | None = None
+        while True:
+            try:
+                submitted, dequeued = await self.r.mget(names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER)
+                now, d = time.monotonic(), int(dequeued or 0)
+                depth = int(submitted or 0) - d
+                if last is not None and depth > 0:
+                    sample = (d - last[1]) / max(1e-3, now - last[0])
+                    self.rate = sample if self.rate is None else 0.7 * self.rate + 0.3 * sample
+                last = (now, d)
+            except Exception:  # noqa: BLE001 - a missed sample changes nothing
+                pass
+            await asyncio.sleep(self.period_s)
+
+    def queue_cap(self, max_queued: int, max_wait_s: float, floor: int = 32) -> int:
+        if not self.rate:
+            return max_queued
+        return max(floor, min(max_queued, int(max_wait_s * self.rate)))
+
+    def retry_ms(self, depth_over: int) -> int:
+        if not self.rate:
+            return 5000
+        return int(min(60_000, max(1000, depth_over / self.rate * 1000)))
+
+
+async def require_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> bool:
+    """Take one of the tenant's stream slots; False when it has none free."""
+    t = caller.tenant
+    if t is None or t.max_streams <= 0:
+        return True
+    from shared.tenants import STREAM_LEASE_S, STREAM_OPEN_SCRIPT
+
+    ok = await client.eval(STREAM_OPEN_SCRIPT, 1, names.tenant_streams_key(t.name), stream_id, time.time(),
+                           STREAM_LEASE_S, t.max_streams)
+    return bool(ok)
+
+
+async def release_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> None:
+    if caller.tenant is not None and caller.tenant.max_streams > 0:
+        await client.zrem(names.tenant_streams_key(caller.tenant.name), stream_id)
+
+
+def stream_refused(caller: Caller) -> ApiError:
+    limit = caller.tenant.max_streams if caller.tenant else 0
+    return _too_many(f"this key has {limit} open streams, its limit; close one first", 5000)
+
+
+__all__ = ["Caller", "CallerDep", "KeyCache", "RedisDep", "Throughput"]
+
+
+async def get_throughput(request: Request) -> Throughput:
+    return request.app.state.throughput  # type: ignore[no-any-return]
+
+
+ThroughputDep = Annotated[Throughput, Depends(get_throughput)]
+
+
+async def admit(store: JobStore, throughput: Throughput, settings: Settings, caller: Caller, req: GenerationRequest,
+                idempotency_key: str | None = None, background: bool = True) -> tuple[Job, bool, dict[str, str]]:
+    """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError."""
+    cap = throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s)
+    got = await store.submit(req, idempotency_key, background, caller.owner, cap)
+    if got.job is None:
+        if got.replayed or got.reply[0] == 2:
+            raise ApiError(409, "the job this Idempotency-Key named has just expired; send again")
+        over = int(got.reply[1]) - cap + 1 if got.reply[0] == -5 else 0
+        raise refusal(got.reply, caller, throughput.retry_ms(over))
+    headers = rate_headers(*(int(x) for x in got.reply[3:9])) if got.reply[0] == 1 else {}
+    return got.job, got.replayed, headers

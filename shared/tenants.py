@@ -1,0 +1,113 @@
+"""Tenants and their API keys.
+
+A key is shown once, when it is made; Redis keeps only its SHA-256 (`names.api_key_index`, which
+names the tenant). The tenant hash (`names.tenant_key`) holds the key's digest, its limits, its
+webhook signing secret, when it was made and whether it is disabled. Limits are per minute for
+requests and tokens (token buckets, refilled continuously), and at once for unfinished jobs and
+open event streams; 0 means no limit. The buckets are checked and charged in the submit script
+(`shared.jobs.SUBMIT_SCRIPT`), in the same round trip that enqueues the job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from shared import names
+
+KEY_PREFIX = "cvk_"
+LIMITS = ("rpm", "tpm", "max_queued", "max_streams")
+DEFAULT_LIMITS = {"rpm": 600, "tpm": 1_000_000, "max_queued": 256, "max_streams": 256}
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+STREAM_LEASE_S = 3600  # an open stream's slot is held this long at most (an API process that died frees it)
+
+
+class TenantError(ValueError):
+    """A tenant command that cannot be done (bad name, name taken, unknown name)."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    rpm: int
+    tpm: int
+    max_queued: int
+    max_streams: int
+    disabled: bool
+
+    @classmethod
+    def from_record(cls, name: str, rec: dict[str, str]) -> Tenant:
+        return cls(name, *(int(rec.get(k) or 0) for k in LIMITS), disabled=rec.get("disabled") == "1")
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def create(client: redis.Redis, name: str, **limits: int) -> tuple[str, str]:
+    """Make a tenant with a new key. Returns (key, webhook secret); neither is stored in clear."""
+    if not NAME_RE.fullmatch(name):
+        raise TenantError("a name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    rec = client.hgetall(names.tenant_key(name))
+    if rec and _str(rec.get(b"disabled", rec.get("disabled", "0"))) != "1":
+        raise TenantError(f"tenant {name!r} exists; revoke it first to issue a new key")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    secret = "whsec_" + secrets.token_urlsafe(32)
+    digest = hash_key(key)
+    old = rec.get(b"key_sha256", rec.get("key_sha256")) if rec else None
+    values = {**DEFAULT_LIMITS, **{k: v for k, v in limits.items() if v is not None}}
+    pipe = client.pipeline(transaction=True)
+    if old:
+        pipe.delete(names.api_key_index(_str(old)))
+    pipe.delete(names.tenant_key(name), names.tenant_bucket_key(name, "requests"),
+                names.tenant_bucket_key(name, "tokens"))
+    pipe.hset(names.tenant_key(name), mapping={"key_sha256": digest, "created_at": repr(time.time()),
+                                               "disabled": "0", "webhook_secret": secret,
+                                               **{k: int(values[k]) for k in LIMITS}})
+    pipe.set(names.api_key_index(digest), name)
+    pipe.sadd(names.TENANTS_SET, name)
+    pipe.execute()
+    return key, secret
+
+
+def revoke(client: redis.Redis, name: str) -> None:
+    """Disable a tenant's key at once (the API's short cache aside); its jobs keep running."""
+    if not client.exists(names.tenant_key(name)):
+        raise TenantError(f"no tenant {name!r}")
+    client.hset(names.tenant_key(name), "disabled", "1")
+
+
+def list_all(client: redis.Redis) -> list[dict[str, Any]]:
+    """Every tenant with its limits and state (never the key or the secret)."""
+    out = []
+    for raw in sorted(client.smembers(names.TENANTS_SET), key=_str):
+        name = _str(raw)
+        rec = {_str(k): _str(v) for k, v in client.hgetall(names.tenant_key(name)).items()}
+        if rec:
+            out.append({"name": name, "created_at": float(rec.get("created_at") or 0),
+                        "disabled": rec.get("disabled") == "1", **{k: int(rec.get(k) or 0) for k in LIMITS},
+                        "active_jobs": int(client.get(names.tenant_active_key(name)) or 0)})
+    return out
+
+
+# KEYS[1] the tenant's open streams (sorted set).  ARGV: stream id, now, lease seconds, limit (0: none).
+# Takes a stream slot if one is free. Returns 1, or 0 when the tenant is at its limit.
+STREAM_OPEN_SCRIPT = """
+local now = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local limit = tonumber(ARGV[4])
+if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""

@@ -1,0 +1,256 @@
+"""Tenants: API keys, jobs only their owner can see, per-key limits with OpenAI's rate-limit headers,
+service-wide admission, and the operator's pages kept to the internal port.
+
+Most run the API in process (auth required) against the session's real Redis with no workers, so
+jobs stay queued; the rest run a whole stack with auth required and a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from api.main import create_app
+from infra.redis_server import free_port
+from shared import names, tenants
+from shared.settings import Settings
+from tests.conftest import ROOT, Stack, start_stack, stop_stack
+from tests.helpers import iter_sse
+
+DB = 10
+
+
+def _url(redis_server, db: int) -> str:  # type: ignore[no-untyped-def]
+    return redis_server.url.rsplit("/", 1)[0] + f"/{db}"
+
+
+@pytest.fixture
+def r(redis_server) -> Iterator[redis.Redis]:  # type: ignore[no-untyped-def]
+    client = redis.Redis.from_url(_url(redis_server, DB), decode_responses=True)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+async def _client(redis_server, model_path: str, **overrides) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]
+    settings = Settings(redis_url=_url(redis_server, DB), model=model_path, auth="required", **overrides)
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            yield client
+
+
+@pytest.fixture
+async def api(redis_server, model_path: str, r: redis.Redis) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]
+    async for c in _client(redis_server, model_path):
+        yield c
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+JOB = {"prompt": "Hello", "max_tokens": 16}
+
+
+async def test_no_key_a_wrong_key_and_a_revoked_key_get_401(api: httpx.AsyncClient, r: redis.Redis) -> None:
+    key, _ = tenants.create(r, "acme")
+    for headers in ({}, bearer("cvk_wrong"), {"Authorization": "Basic abc"}):
+        resp = await api.post("/v1/jobs", json=JOB, headers=headers)
+        assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error", resp.text
+        assert resp.headers["www-authenticate"].startswith("Bearer")
+    assert (await api.get("/v1/jobs/job_x", headers={})).status_code == 401
+    assert (await api.post("/v1/jobs", json=JOB, headers=bearer(key))).status_code == 202
+    tenants.revoke(r, "acme")
+    time.sleep(2.1)  # past the API's key cache
+    resp = await api.post("/v1/jobs", json=JOB, headers=bearer(key))
+    assert resp.status_code == 401 and "revoked" in resp.json()["error"]["message"]
+    assert r.get(names.api_key_index(tenants.hash_key(key))) == "acme"
+    assert key not in json.dumps(r.hgetall(names.tenant_key("acme")))  # only its digest is stored
+
+
+async def test_each_tenant_sees_only_its_own_jobs(api: httpx.AsyncClient, r: redis.Redis) -> None:
+    a, _ = tenants.create(r, "a")
+    b, _ = tenants.create(r, "b")
+    job = (await api.post("/v1/jobs", json=JOB, headers=bearer(a))).json()
+    for method, path in (("GET", f"/v1/jobs/{job['id']}"), ("GET", f"/v1/jobs/{job['id']}/events"),
+                         ("POST", f"/v1/jobs/{job['id']}/cancel")):
+        resp = await api.request(method, path, headers=bearer(b))
+        assert resp.status_code == 404, (path, resp.text)
+        nowhere = await api.request(method, path.replace(job["id"], "job_" + "0" * 32), headers=bearer(b))
+        assert resp.json()["error"]["message"].replace(job["id"], "X") == \
+               nowhere.json()["error"]["message"].replace("job_" + "0" * 32, "X")  # nothing tells them apart
+    mine = await api.get(f"/v1/jobs/{job['id']}", headers=bearer(a))
+    assert mine.status_code == 200 and mine.json()["status"] == "queued" and "owner" not in mine.json()
+    assert (await api.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(a))).status_code == 200
+
+
+async def test_idempotency_keys_are_per_tenant_and_bound_to_the_body(api: httpx.AsyncClient, r: redis.Redis) -> None:
+    a, _ = tenants.create(r, "a")
+    b, _ = tenants.create(r, "b")
+    idem = {"Idempotency-Key": "order-1"}
+    first = await api.post("/v1/jobs", json=JOB, headers={**bearer(a), **idem})
+    again = await api.post("/v1/jobs", json=JOB, headers={**bearer(a), **idem})
+    assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
+    other = await api.post("/v1/jobs", json=JOB, headers={**bearer(b), **idem})
+    assert other.status_code == 202 and other.json()["id"] != first.json()["id"]
+    changed = await api.post("/v1/jobs", json={**JOB, "max_tokens": 5}, headers={**bearer(a), **idem})
+    assert changed.status_code == 422 and changed.json()["error"]["code"] == "idempotency_key_reused"
+
+
+async def test_a_burst_over_rpm_gets_429_with_retry_after_and_headers(api: httpx.AsyncClient, r: redis.Redis) -> None:
+    key, _ = tenants.create(r, "burst", rpm=5, tpm=0)
+    remaining = []
+    for _ in range(5):
+        resp = await api.post("/v1/jobs", json=JOB, headers=bearer(key))
+        assert resp.status_code == 202
+        assert resp.headers["x-ratelimit-limit-requests"] == "5"
+        remaining.append(int(resp.headers["x-ratelimit-remaining-requests"]))
+        assert resp.headers["x-ratelimit-reset-requests"].endswith("s")
+        assert "x-ratelimit-limit-tokens" not in resp.headers  # no token limit on this key
+    assert remaining == [4, 3, 2, 1, 0]
+    resp = await api.post("/v1/jobs", json=JOB, headers=bearer(key))
+    assert resp.status_code == 429
+    assert resp.json()["error"] == {"type": "rate_limit_error", "code": "rate_limit_exceeded", "param": None,
+                                    "message": resp.json()["error"]["message"]}
+    assert 1 <= int(resp.headers["retry-after"]) <= 13  # a token comes back every 12 s
+    assert resp.headers["x-ratelimit-remaining-requests"] == "0"
+    assert r.xlen(names.JOBS_STREAM) == 5  # the refused request queued nothing
+
+
+async def test_token_reservations_come_back_when_a_job_ends_early(api: httpx.AsyncClient, r: redis.Redis) -> None:
+    key, _ = tenants.create(r, "tok", rpm=0, tpm=100)
+    first = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 60}, headers=bearer(key))
+    assert first.status_code == 202 and first.headers["x-ratelimit-limit-tokens"] == "100"
+    assert int(first.headers["x-ratelimit-remaining-tokens"]) == 100 - 61  # 1 for the prompt, 60 to generate
+    second = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 60}, headers=bearer(key))
+    assert second.status_code == 429 and second.headers["x-ratelimit-limit-tokens"] == "100"
+    assert int(second.headers["retry-after"]) >= 1
+    too_big = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 200}, headers=bearer(key))
+    assert too_big.status_code == 429 and too_big.json()["error"]["code"] == "request_too_large"
+    await api.post(f"/v1/jobs/{first.json()['id']}/cancel", headers=bearer(key))  # it ends without a token
+    third = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 60}, headers=bearer(key))
+    assert third.status_code == 202, third.text
+    assert int(third.headers["x-ratelimit-remaining-tokens"]) >= 100 - 61 - 1
+
+
+async def test_unfinished_jobs_per_key_are_capped(api: httpx.AsyncClient, r: redis.Redis) -> None:
+    key, _ = tenants.create(r, "q", max_queued=2)
+    ids = [(await api.post("/v1/jobs", json=JOB, headers=bearer(key))).json()["id"] for _ in range(2)]
+    resp = await api.post("/v1/jobs", json=JOB, headers=bearer(key))
+    assert resp.status_code == 429 and "unfinished" in resp.json()["error"]["message"]
+    assert resp.headers["retry-after"]
+    await api.post(f"/v1/jobs/{ids[0]}/cancel", headers=bearer(key))
+    assert (await api.post("/v1/jobs", json=JOB, headers=bearer(key))).status_code == 202
+
+
+async def test_service_wide_admission_answers_429_at_depth(redis_server, model_path: str,  # type: ignore[no-untyped-def]
+                                                           r: redis.Redis) -> None:
+    key, _ = tenants.create(r, "big", rpm=0, tpm=0, max_queued=0)
+    async for api in _client(redis_server, model_path, max_queued=3):
+        for _ in range(3):
+            assert (await api.post("/v1/jobs", json=JOB, headers=bearer(key))).status_code == 202
+        resp = await api.post("/v1/jobs", json=JOB, headers=bearer(key))
+        assert resp.status_code == 429 and resp.json()["error"]["code"] == "server_overloaded"
+        assert int(resp.headers["retry-after"]) >= 1
+        assert r.xlen(names.JOBS_STREAM) == 3
+
+
+def test_conveyor_keys_create_list_revoke(redis_server, r: redis.Redis, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    env = {"PATH": "/usr/bin:/bin", "REDIS_URL": _url(redis_server, DB), "CONVEYOR_CACHE": str(tmp_path)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "infra.cli", "keys", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    made = run("create", "team-a", "--rpm", "7", "--max-streams", "2")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip().splitlines()[-1]
+    assert key.startswith(tenants.KEY_PREFIX) and r.get(names.api_key_index(tenants.hash_key(key))) == "team-a"
+    assert run("create", "team-a").returncode == 1  # taken
+    listed = run("list").stdout
+    assert "team-a" in listed and " 7 " in listed and key not in listed and "active" in listed
+    assert run("revoke", "team-a").returncode == 0
+    assert "revoked" in run("list").stdout
+    assert run("revoke", "nobody").returncode == 1
+    assert run("create", "bad name!").returncode == 1
+
+
+def test_up_refuses_a_public_host_without_auth(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOST": "0.0.0.0", "AUTH": "off", "CONVEYOR_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "up"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "AUTH=required" in out.stderr
+
+
+# --- a whole stack with auth required ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def auth_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_dir: str) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+    url = _url(redis_server, 9)
+    redis.Redis.from_url(url).flushdb()
+    internal = free_port()
+    s = start_stack(tmp_path_factory.mktemp("auth-stack"), url, tiny_model_dir,
+                    extra={"AUTH": "required", "INTERNAL_PORT": str(internal), "MAX_TOKENS_CAP": "64",
+                           "DEFAULT_MAX_TOKENS": "16"})
+    s.internal_url = f"http://127.0.0.1:{internal}"  # type: ignore[attr-defined]
+    yield s
+    stop_stack(s)
+
+
+def test_openai_sdk_with_a_real_key_and_ownership_of_its_ids(auth_stack: Stack) -> None:
+    r = auth_stack.redis()
+    a, _ = tenants.create(r, "sdk-a")
+    b, _ = tenants.create(r, "sdk-b")
+    client = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=a, max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens >= 1
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+    assert raw.headers["x-ratelimit-limit-requests"] == str(tenants.DEFAULT_LIMITS["rpm"])
+    job_id = "job_" + out.id.removeprefix("chatcmpl-")
+    assert httpx.get(f"{auth_stack.url}/v1/jobs/{job_id}", headers=bearer(a)).status_code == 200
+    assert httpx.get(f"{auth_stack.url}/v1/jobs/{job_id}", headers=bearer(b)).status_code == 404
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=auth_stack.url + "/v1", api_key="cvk_nope", max_retries=0).models.list()
+
+
+def test_open_streams_per_key_are_capped(auth_stack: Stack) -> None:
+    r = auth_stack.redis()
+    key, _ = tenants.create(r, "streams", max_streams=1)
+    with httpx.Client(base_url=auth_stack.url, headers=bearer(key), timeout=60) as c:
+        job = c.post("/v1/jobs", json={"prompt": "Count:", "max_tokens": 64, "ignore_eos": True}).json()
+        with c.stream("GET", f"/v1/jobs/{job['id']}/events") as first:
+            assert first.status_code == 200
+            second = c.get(f"/v1/jobs/{job['id']}/events")
+            assert second.status_code == 429 and second.headers["retry-after"]
+            for ev in iter_sse(first):
+                if ev.get("event") == "done":
+                    break
+        deadline = time.monotonic() + 10  # the slot is given back when the stream ends
+        while r.zcard(names.tenant_streams_key("streams")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.get(f"/v1/jobs/{job['id']}/events").status_code == 200
+
+
+def test_operator_pages_only_on_the_internal_port(auth_stack: Stack) -> None:
+    internal = auth_stack.internal_url  # type: ignore[attr-defined]
+    for path in ("/metrics", "/scaling", "/docs", "/openapi.json"):
+        assert httpx.get(auth_stack.url + path).status_code == 404, path
+        assert httpx.get(internal + path).status_code == 200, path
+    public = httpx.get(auth_stack.url + "/readyz")
+    assert public.status_code == 200 and public.json() == {"status": "ready"}
+    assert "workers" in httpx.get(internal + "/readyz").json()
+    assert httpx.get(auth_stack.url + "/healthz").status_code == 200
+    assert httpx.get(auth_stack.url + "/health").status_code == 200
