@@ -32,7 +32,8 @@ async def api(redis_server, model_path: str) -> AsyncIterator[httpx.AsyncClient]
         raise RuntimeError("secret internals: /etc/passwd")
 
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app, raise_app_exceptions=False), base_url="http://test") as client:
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client
     r = redis.Redis.from_url(url)
     r.flushdb()

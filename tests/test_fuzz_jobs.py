@@ -26,8 +26,8 @@ EXAMPLES = 300
 
 # any code point but lone surrogates (JSON cannot carry them as text) and NUL (refused at the door)
 text_chars = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")
-texts = st.one_of(st.text(text_chars, min_size=1, max_size=200), st.sampled_from(["", " ", "\n", "🙂" * 40, "e\u0301" * 30,
-                                                                      "مرحبا بالعالم", "\ufeff", "<|im_end|>"]))
+texts = st.one_of(st.text(text_chars, min_size=1, max_size=200),
+                  st.sampled_from(["", " ", "\n", "🙂" * 40, "e\u0301" * 30, "مرحبا بالعالم", "\ufeff", "<|im_end|>"]))
 stop_strings = st.one_of(st.text(text_chars, min_size=1, max_size=8),
                          st.text(text_chars, min_size=MAX_STOP_CHARS, max_size=MAX_STOP_CHARS),
                          st.sampled_from([" ", "e", "\n", ".", "�"]))

@@ -36,7 +36,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(tiny_stack: S
     config = tmp_path / "schemathesis.toml"
     config.write_text('[phases.stateful.inference]\nalgorithms = ["location-headers"]\n')
     proc = subprocess.run(
-        [*st_cmd, "--config-file", str(config), "run", f"{tiny_stack.url}/openapi.json", "--checks", "not_a_server_error,response_schema_conformance",
+        [*st_cmd, "--config-file", str(config), "run", f"{tiny_stack.url}/openapi.json",
+         "--checks", "not_a_server_error,response_schema_conformance",
          "--phases", "examples,coverage,fuzzing,stateful", "--max-examples", os.environ.get("FUZZ_EXAMPLES", "10"),
          "--seed", seed, "--workers", "1", "--request-timeout", "60", "--generation-database", "none",
          "--no-color", "--report", "junit", "--report-dir", str(tmp_path)],
