@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import time
 import uuid
@@ -13,7 +12,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from shared import names
-from shared.job_ops import finish_write
+from shared.job_ops import finish_write, submit_write
 from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, SUBMIT_SCRIPT, FinishReason, Job, JobStatus, new_record
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
@@ -53,19 +52,9 @@ class JobStore:
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
         prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
-        reserve = math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens
-        idem = names.idempotency_key(f"{owner}:{idempotency_key}") if idempotency_key else names.job_key(job_id)
-        keys = [names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER,
-                names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
-                names.tenant_bucket_key(owner, "tokens"), names.tenant_active_key(owner), idem]
-        args: list[str | int | float] = [
-            self.settings.job_ttl_s, time.time(), owner, reserve, max_waiting,
-            self.settings.idempotency_ttl_s if idempotency_key else 0,
-            hashlib.sha256(request_json.encode()).hexdigest(), self.jobs_maxlen, names.job_key(""), job_id,
-            request_json]
-        for k, v in record.items():
-            if k != "request":
-                args += [k, v]
+        keys, args = submit_write(job_id, record, request_json, self.settings.job_ttl_s, owner,
+                                  math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens, max_waiting,
+                                  idempotency_key or "", self.settings.idempotency_ttl_s, self.jobs_maxlen)
         reply = [int(x) if not isinstance(x, str) or x.lstrip("-").isdigit() else x
                  for x in await self._submit(keys=keys, args=args)]
         if reply[0] == 2:

@@ -70,7 +70,8 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, workdir: Path, extra_env: dict[str, str] | None = None) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
         self.port, self.redis_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
@@ -79,6 +80,8 @@ class Stack:
                     "REDIS_PORT": str(self.redis_port), "CONVEYOR_CACHE": str(workdir / "cache"),
                     "MODEL": args.model, "MAX_NUM_SEQS": str(max(1024, max(args.stream_n))),
                     "LOG_LEVEL": env.get("LOG_LEVEL", "WARNING")})
+        env.update(extra_env or {})
+        self.auth_header = ""  # set when the stack requires keys
         self.log = open(workdir / "stack.log", "wb")
         self.log_path = workdir / "stack.log"
         print(f"[stack] starting (ENGINE=synthetic, log {self.log_path})", file=sys.stderr, flush=True)
@@ -186,8 +189,9 @@ def mib(n: float) -> str:
 # ----------------------------------------------------------------------------- (a) accept
 
 
-async def _submit_loop(host: str, port: int, conns: int, duration: float, t_start: float) -> dict[str, Any]:
-    req = (f"POST /v1/jobs HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+async def _submit_loop(host: str, port: int, conns: int, duration: float, t_start: float,
+                       auth: str = "") -> dict[str, Any]:
+    req = (f"POST /v1/jobs HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
            f"Content-Length: {len(SUBMIT_BODY)}\r\n\r\n").encode() + SUBMIT_BODY
     per_second: dict[int, int] = {}
     lat: list[float] = []
@@ -228,21 +232,22 @@ async def _submit_loop(host: str, port: int, conns: int, duration: float, t_star
     return {"per_second": per_second, "lat": lat, "statuses": statuses, "errors": errors}
 
 
-def _submit_proc(host: str, port: int, conns: int, duration: float, t_start: float, out: Any) -> None:
+def _submit_proc(host: str, port: int, conns: int, duration: float, t_start: float, out: Any, auth: str = "") -> None:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    out.put(asyncio.run(_submit_loop(host, port, conns, duration, t_start)))
+    out.put(asyncio.run(_submit_loop(host, port, conns, duration, t_start, auth)))
 
 
 def accept_python(stack: Stack, procs: int, conns: int, duration: float) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     t_start = time.time() + 3.0  # after the processes have started
-    ps = [ctx.Process(target=_submit_proc, args=("127.0.0.1", stack.port, conns, duration, t_start, q))
+    ps = [ctx.Process(target=_submit_proc, args=("127.0.0.1", stack.port, conns, duration, t_start, q,
+                                                 stack.auth_header))
           for _ in range(procs)]
     for p in ps:
         p.start()
@@ -329,6 +334,48 @@ def run_accept(stack: Stack, args: argparse.Namespace, workdir: Path) -> list[di
             print(f"[accept] {mode}, {r['client']}: {r['accepted_per_s']:.0f} jobs/s accepted, "
                   f"p50 {r['lat_p50_ms']:.1f} ms, p99 {r['lat_p99_ms']:.1f} ms", file=sys.stderr, flush=True)
             time.sleep(3 if paused else 8)  # let the stack drain what it accepted
+    return rows
+
+
+def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """The accept rate with keys and rate limits on against off: two stacks up at once, runs
+    alternating between them (workers paused: the API and Redis alone), medians per side."""
+    from shared import tenants
+
+    big = {"MAX_QUEUED": str(10**9)}  # measure the checks, not a refusal
+    stacks = {"auth off": Stack(args, workdir / "auth-off", {**big, "AUTH": "off"}),
+              "auth + limits": Stack(args, workdir / "auth-on", {**big, "AUTH": "required"})}
+    try:
+        key, _ = tenants.create(stacks["auth + limits"].redis, "bench", rpm=10**9, tpm=10**12, max_queued=10**9,
+                                max_streams=10**9)
+        stacks["auth + limits"].auth_header = f"Authorization: Bearer {key}\r\n"
+        rows: list[dict[str, Any]] = []
+        for rnd in range(args.auth_rounds):
+            order = list(stacks) if rnd % 2 == 0 else list(stacks)[::-1]
+            for name in order:
+                stack = stacks[name]
+                stack.pause("tokenizer", "inference")
+                try:
+                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s)
+                finally:
+                    drop_queued(stack)
+                    stack.resume("tokenizer", "inference")
+                r.update(mode=name, round=rnd)
+                rows.append(r)
+                print(f"[accept-auth] round {rnd}, {name}: {r['accepted_per_s']:.0f} jobs/s, "
+                      f"p50 {r['lat_p50_ms']:.1f} ms, statuses {r['statuses']}", file=sys.stderr, flush=True)
+                time.sleep(2)
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    med = {name: statistics.median(r["accepted_per_s"] for r in rows if r["mode"] == name) for name in stacks}
+    print(f"\naccept with keys and limits against without ({args.auth_rounds} alternating rounds of "
+          f"{args.accept_s:.0f} s, workers paused, medians)\n")
+    print("| stack | jobs/s accepted (median) | runs |\n|---|---|---|")
+    for name in stacks:
+        runs = ", ".join(f"{r['accepted_per_s']:.0f}" for r in rows if r["mode"] == name)
+        print(f"| {name} | {med[name]:,.0f} | {runs} |")
+    print(f"\nratio (auth + limits / off): {med['auth + limits'] / med['auth off']:.2f}")
     return rows
 
 
@@ -657,7 +704,9 @@ def report(accept: list[dict[str, Any]], streams: list[dict[str, Any]], relay: l
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="accept,streams,relay", help="comma list of accept, streams, relay")
+    p.add_argument("--only", default="accept,streams,relay",
+                   help="comma list of accept, streams, relay, and accept-auth (keys and limits on against off)")
+    p.add_argument("--auth-rounds", type=int, default=3, help="alternating rounds for accept-auth")
     p.add_argument("--quick", action="store_true", help="smoke test: short and small")
     p.add_argument("--model", default=os.environ.get("MODEL") or DEFAULT_MODEL,
                    help="model directory (the synthetic engine needs only its tokenizer)")
@@ -683,6 +732,11 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(","))
 
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-plumbing-"))
+    if only == {"accept-auth"}:
+        rows = run_accept_auth(args, workdir)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"accept_auth": rows}, indent=2, default=str))
+        return 0
     stack = Stack(args, workdir)
     accept: list[dict[str, Any]] = []
     streams: list[dict[str, Any]] = []

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from infra.redis_server import RedisServer, redis_binary
 from shared import names
-from shared.job_ops import JobOps, step_write
+from shared.job_ops import JobOps, step_write, submit_write
 from shared.jobs import SUBMIT_SCRIPT, FinishReason, new_record
 
 REQUEST = '{"messages":[{"role":"user","content":"' + "x" * 200 + '"}],"max_tokens":256,"temperature":0.7}'
@@ -113,12 +113,8 @@ def job(tokens: int, every: int) -> Step:
         consumer = f"bench-{os.getpid()}"
         ids = [f"{os.getpid()}-{wave}-{k}" for k in range(BATCH)]
         for job_id in ids:  # api/store.py: one script call per request
-            args: list[Any] = [86400]
-            for k, v in new_record(job_id, "m", REQUEST, True).items():
-                if k != "request":
-                    args += [k, v]
-            state["submit"](keys=[names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER,
-                                  names.DEQUEUED_COUNTER], args=[*args, job_id, REQUEST])
+            keys, args = submit_write(job_id, new_record(job_id, "m", REQUEST, True), REQUEST, 86400)
+            state["submit"](keys=keys, args=args)
         # workers/tokenizer/worker.py
         reply: Any = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.JOBS_STREAM: ">"}, count=BATCH)
         entries = reply[0][1]

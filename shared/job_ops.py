@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
@@ -23,6 +24,24 @@ def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text
     """One job's part of a STEP_SCRIPT call: its 4 keys and 9 arguments, in the script's order."""
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id)]
     return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id)]
+
+
+def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",
+                 reserve_tokens: int = 0, max_waiting: int = 0, idempotency_key: str = "", idempotency_ttl_s: int = 0,
+                 jobs_maxlen: int = 1_000_000) -> tuple[list[str], list[Any]]:
+    """A SUBMIT_SCRIPT call's keys and arguments, in the script's order. `idempotency_key` is the
+    client's key (scoped to the owner here); `record` is the job hash without its request."""
+    idem = names.idempotency_key(f"{owner}:{idempotency_key}") if idempotency_key else names.job_key(job_id)
+    keys = [names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER,
+            names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
+            names.tenant_bucket_key(owner, "tokens"), names.tenant_active_key(owner), idem]
+    args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
+                       idempotency_ttl_s if idempotency_key else 0, hashlib.sha256(request_json.encode()).hexdigest(),
+                       jobs_maxlen, names.job_key(""), job_id, request_json]
+    for k, v in record.items():
+        if k != "request":
+            args += [k, v]
+    return keys, args
 
 
 def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, required_status: str = "",

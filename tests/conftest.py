@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from infra.redis_server import RedisServer
+from shared.lifecycle import preexec_die_with_parent
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,7 +106,8 @@ def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | N
     log = open(tmp / "stack.log", "ab")
     flags = [] if autoscale else ["--no-autoscale"]
     proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])],
-                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=preexec_die_with_parent())  # a killed test run leaves no stack behind
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

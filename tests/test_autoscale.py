@@ -12,6 +12,7 @@ import redis
 
 from infra.redis_server import RedisServer
 from shared import names
+from shared.job_ops import submit_write
 from shared.jobs import SUBMIT_SCRIPT, new_record
 from tests.conftest import Stack, start_stack, stop_stack
 
@@ -37,12 +38,8 @@ def burst(r: redis.Redis, n: int) -> list[str]:
         job_id = "job_" + uuid.uuid4().hex
         ids.append(job_id)
         request = f'{{"prompt": "Burst job {i}: tell me something.", "max_tokens": 2}}'
-        args: list[object] = [3600]
-        for k, v in new_record(job_id, "m", request, True).items():
-            if k != "request":
-                args += [k, v]
-        submit(keys=[names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER],
-               args=[*args, job_id, request], client=pipe)
+        keys, args = submit_write(job_id, new_record(job_id, "m", request, True), request, 3600)
+        submit(keys=keys, args=args, client=pipe)
     pipe.execute()
     return ids
 
