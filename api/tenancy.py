@@ -172,15 +172,19 @@ class Throughput:
                 submitted, dequeued = await self.r.mget(names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER)
                 now, d = time.monotonic(), int(dequeued or 0)
                 depth = int(submitted or 0) - d
-                if last is not None and depth > 0:
+                if depth <= 0:
+                    self.rate = None  # no backlog, no evidence of capacity: the next burst starts afresh
+                elif last is not None:
                     sample = (d - last[1]) / max(1e-3, now - last[0])
-                    self.rate = sample if self.rate is None else 0.7 * self.rate + 0.3 * sample
+                    self.rate = sample if self.rate is None else 0.8 * self.rate + 0.2 * sample
                 last = (now, d)
             except Exception:  # noqa: BLE001 - a missed sample changes nothing
                 pass
             await asyncio.sleep(self.period_s)
 
     def queue_cap(self, max_queued: int, max_wait_s: float, floor: int = 32) -> int:
+        """Jobs that may wait: MAX_QUEUED, and no more than MAX_QUEUE_WAIT_S at the measured rate. A rate
+        of 0 (workers stopped, or not yet measured) leaves only MAX_QUEUED: readiness reports the rest."""
         if not self.rate:
             return max_queued
         return max(floor, min(max_queued, int(max_wait_s * self.rate)))
