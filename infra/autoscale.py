@@ -8,7 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from infra.policy import DEFAULT_POLICIES, PolicyState, PoolPolicy, PoolSignals, desired_replicas
+from infra.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
 from infra.signals import pool_signals
 from shared import names
 from shared.redis_client import sync_client
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from infra.supervisor import Pool
 
 log = logging.getLogger("conveyor.autoscaler")
+DECISIONS_MAXLEN = 200  # approximate cap of names.SCALING_DECISIONS_STREAM
 
 
 def policies_for(settings: Settings, pools: dict[str, Pool]) -> dict[str, PoolPolicy]:
@@ -61,4 +62,14 @@ class Autoscaler:
             self.states[name] = decision.state
             if decision.replicas != pool.target or decision.wanted != pool.target:
                 log.info("%s: %s", name, decision.reason)
+                self.record(name, pool.target, decision)
             pool.target = decision.replicas
+
+    def record(self, pool: str, current: int, decision: Decision) -> None:
+        """Keep the decision in a capped stream for operators (the dashboard); a failed write is only logged."""
+        fields = {"pool": pool, "from": current, "to": decision.replicas, "wanted": decision.wanted,
+                  "reason": decision.reason, "at": repr(time.time())}
+        try:
+            self.client.xadd(names.SCALING_DECISIONS_STREAM, fields, maxlen=DECISIONS_MAXLEN, approximate=True)
+        except Exception as exc:  # noqa: BLE001 - the supervisor must outlive any bad write
+            log.warning("decision not recorded (%s)", exc)

@@ -28,6 +28,8 @@ POOLS = (TOKENIZER_POOL, INFERENCE_POOL)
 CELERY_POOL = "celery"  # heartbeats only (its consumers' liveness); not a scaled pool
 
 STATS_KEY = f"{PREFIX}:stats"
+# the local autoscaler's latest decisions that change or want to change a pool (capped; the dashboard reads it)
+SCALING_DECISIONS_STREAM = f"{PREFIX}:scaling:decisions"
 # queue position: ordinal of a job at submit, minus how many jobs have left the queue since
 SUBMITTED_COUNTER = f"{PREFIX}:submitted"
 DEQUEUED_COUNTER = f"{PREFIX}:dequeued"
