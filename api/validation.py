@@ -21,15 +21,33 @@ log = logging.getLogger("conveyor.api")
 
 
 @lru_cache(maxsize=8)
-def vocab_size(model_path: str) -> int | None:
-    """The model's vocabulary size from its config.json, or None when the API cannot see it."""
+def model_config(model_path: str) -> dict[str, Any]:
+    """The model's config.json ({} when the API cannot see it)."""
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
-        size = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
-        return int(size) if size else None
-    except (OSError, ValueError, AttributeError, TypeError):
-        log.warning("no vocabulary size in %s/config.json: token ids are checked against int32 only", model_path)
-        return None
+        return cfg if isinstance(cfg, dict) else {}
+    except (OSError, ValueError):
+        log.warning("no readable config.json in %s: token ids are checked against int32 only", model_path)
+        return {}
+
+
+def _int_field(cfg: dict[str, Any], name: str) -> int | None:
+    value = cfg.get(name) or (cfg.get("text_config") or {}).get(name)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def vocab_size(model_path: str) -> int | None:
+    """The model's vocabulary size, or None when the API cannot see it."""
+    return _int_field(model_config(model_path), "vocab_size")
+
+
+def max_model_len(settings: Settings) -> int | None:
+    """The context the workers serve: the model's own, capped by MAX_MODEL_LEN (0: no cap)."""
+    own = _int_field(model_config(settings.model_path), "max_position_embeddings")
+    cap = settings.max_model_len
+    if own is None:
+        return cap or None
+    return min(own, cap) if cap > 0 else own
 
 
 def check_request(req: GenerationRequest, settings: Settings) -> GenerationRequest:

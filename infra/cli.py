@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     inf.add_argument("--check", action="store_true", help="exit 0 if a live inference worker is seen, else 1")
     sub.add_parser("redis", help="run the embedded redis-server in the foreground")
 
+    status = sub.add_parser("status", help="the stack at a glance: pools, workers, lag, running jobs, decisions")
+    status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+
     keys = sub.add_parser("keys", help="manage API keys (tenants)")
     ksub = keys.add_subparsers(dest="keys_cmd", required=True)
     kc = ksub.add_parser("create", help="make a tenant and print its new key (last line; shown once)")
@@ -97,6 +100,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run_foreground(settings))
     elif args.cmd == "keys":
         sys.exit(_keys(args, settings))
+    elif args.cmd == "status":
+        from infra.redis_server import read_local_redis_url
+        from infra.status import run as status_run
+
+        url = settings.redis_url or read_local_redis_url(settings.cache_dir)
+        if not url:
+            sys.exit("no Redis: start the stack (`conveyor up`) or set REDIS_URL")
+        sys.exit(status_run(url, settings.max_num_seqs, settings.cache_dir, args.watch))
 
 
 def _keys(args: argparse.Namespace, settings: Settings) -> int:

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 
 from api.deps import RedisDep, SettingsDep
 from api.guard import on_internal_port
-from shared import names
+from shared import __version__, names
 
 router = APIRouter(tags=["health"])
 
@@ -16,6 +16,12 @@ router = APIRouter(tags=["health"])
 async def healthz() -> dict[str, str]:
     """The process is up."""
     return {"status": "ok"}
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """The server's version (as vLLM's /version)."""
+    return {"version": __version__}
 
 
 @router.get("/health")

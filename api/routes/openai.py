@@ -31,7 +31,7 @@ from api.tenancy import (
     require_stream_slot,
     stream_refused,
 )
-from api.validation import check_request
+from api.validation import check_request, max_model_len
 from shared.jobs import Job, JobStatus
 from shared.settings import Settings
 
@@ -62,8 +62,11 @@ def _failure(job: Job) -> ApiError:
 @router.get("/models")
 async def models(settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     """The served model."""
-    return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": 0,
-                                        "owned_by": "conveyor"}]}
+    entry: dict[str, Any] = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "conveyor",
+                             "root": settings.served_model_name}
+    if (context := max_model_len(settings)) is not None:
+        entry["max_model_len"] = context  # as vLLM reports it
+    return {"object": "list", "data": [entry]}
 
 
 async def _wait_for_end(store: JobStore, relay: Relay, job_id: str, request: Request) -> Job:

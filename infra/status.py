@@ -1,0 +1,85 @@
+"""`conveyor status`: the stack at a glance in a terminal: each pool's live workers, queue lag,
+pending and running jobs, KV-cache use, and the supervisor's pids and restarts, from the same
+signals as /metrics and /scaling (Redis, plus `<cache>/supervisor.json` when the stack is local)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from infra.signals import pool_signals
+from shared import names
+from shared.heartbeat import live_workers
+
+
+def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir: Path) -> dict[str, Any]:
+    signals = pool_signals(raw, max_num_seqs)
+    pools: dict[str, Any] = {}
+    for pool in names.POOLS:
+        workers = live_workers(client, pool)
+        s = signals.get(pool)
+        pools[pool] = {"workers": len(workers), "lag": s.lag if s else 0, "pending": s.pending if s else 0,
+                       "running": sum(int(w.get("running", 0)) for w in workers),
+                       "waiting": sum(int(w.get("waiting", 0)) for w in workers),
+                       "kv": max((float(w.get("kv_cache_usage", 0.0)) for w in workers), default=0.0)}
+    state_path = cache_dir / "supervisor.json"
+    supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
+    decisions = []
+    stream = getattr(names, "SCALING_DECISIONS_STREAM", None)
+    if stream:
+        for _id, fields in client.xrevrange(stream, count=5):
+            decisions.append(fields)
+    return {"pools": pools, "supervisor": supervisor, "decisions": decisions,
+            "dead_letters": int(client.xlen(names.DEAD_LETTER_STREAM))}
+
+
+def render(snap: dict[str, Any]) -> Group:
+    table = Table(title="conveyor", title_justify="left")
+    for col in ("pool", "workers", "lag", "pending", "running", "waiting", "KV cache", "pids", "restarts"):
+        table.add_column(col, justify="left" if col in ("pool", "pids") else "right")
+    sup = (snap["supervisor"] or {}).get("pools", {})
+    for pool, p in snap["pools"].items():
+        local = sup.get(pool, {})
+        table.add_row(pool, str(p["workers"]), str(p["lag"]), str(p["pending"]), str(p["running"]),
+                      str(p["waiting"]), f"{p['kv']:.0%}" if pool == names.INFERENCE_POOL else "",
+                      " ".join(map(str, local.get("pids", []))), str(local.get("restarts", "")))
+    for pool, local in sup.items():
+        if pool not in snap["pools"]:
+            table.add_row(pool, str(len(local.get("pids", []))), "", "", "", "", "",
+                          " ".join(map(str, local.get("pids", []))), str(local.get("restarts", "")))
+    parts: list[Any] = [table, f"dead letters: {snap['dead_letters']}"]
+    if snap["decisions"]:
+        decisions = Table(title="latest scaling decisions", title_justify="left")
+        for col in ("time", "pool", "from", "to", "reason"):
+            decisions.add_column(col)
+        for d in snap["decisions"]:
+            at = time.strftime("%H:%M:%S", time.localtime(float(d.get("at", 0))))
+            decisions.add_row(at, d.get("pool", ""), d.get("from", ""), d.get("to", ""), d.get("reason", ""))
+        parts.append(decisions)
+    return Group(*parts)
+
+
+def run(url: str, max_num_seqs: int, cache_dir: Path, watch: bool, every_s: float = 1.0) -> int:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    raw = redis.Redis.from_url(url)
+    console = Console()
+    if not console.is_terminal:  # piped: no terminal width to fit, so do not squeeze the columns
+        console = Console(width=160)
+    if not watch:
+        console.print(render(snapshot(client, raw, max_num_seqs, cache_dir)))
+        return 0
+    with Live(render(snapshot(client, raw, max_num_seqs, cache_dir)), console=console, refresh_per_second=4) as live:
+        try:
+            while True:
+                time.sleep(every_s)
+                live.update(render(snapshot(client, raw, max_num_seqs, cache_dir)))
+        except KeyboardInterrupt:
+            pass
+    return 0
