@@ -641,9 +641,14 @@ def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
         clients.wait_connected(120)
         time.sleep(0.5)
         sampler.start()
+        import psutil
+
+        api_proc = psutil.Process(api)
+        cpu0 = sum(api_proc.cpu_times()[:2])
         behind = publish(stack, ids, args.relay_ticks, args.relay_interval, args.relay_batch)
         finish_records(stack, ids)
         recs = clients.results(args.relay_ticks * args.relay_interval + 180)
+        api_cpu_s = sum(api_proc.cpu_times()[:2]) - cpu0
         sampler.stop()
         sampler.join()
         delays = [d for r in recs for d in r["delays"]]
@@ -654,11 +659,13 @@ def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
                "events_expected": n * args.relay_ticks, "complete": complete, "p50_ms": percentile(delays, 50),
                "p99_ms": percentile(delays, 99), "max_ms": max(delays) if delays else float("nan"),
                "publisher_behind_s": behind, "rss_peak": sampler.peak,
-               "open_refusals": sum(len(r["open_errors"]) for r in recs)}
+               "open_refusals": sum(len(r["open_errors"]) for r in recs),
+               "api_cpu_ms_per_event": api_cpu_s * 1e3 / max(1, len(delays))}
         rows.append(row)
         print(f"[relay] {n} streams at {rate:.0f} events/s, bursts of {args.relay_batch or n}: delay p50 "
               f"{row['p50_ms']:.1f} ms, p99 "
-              f"{row['p99_ms']:.1f} ms, max {row['max_ms']:.1f} ms; {complete}/{n} complete; publisher up to "
+              f"{row['p99_ms']:.1f} ms, max {row['max_ms']:.1f} ms; API {row['api_cpu_ms_per_event']:.3f} CPU-ms "
+              f"per event; {complete}/{n} complete; publisher up to "
               f"{behind * 1e3:.0f} ms behind", file=sys.stderr, flush=True)
         time.sleep(1)
     return rows
