@@ -24,6 +24,7 @@ from typing import Any
 import hiredis
 import redis.asyncio as aredis
 
+from api import sse
 from shared import names
 
 log = logging.getLogger("conveyor.relay")
@@ -87,9 +88,18 @@ class Relay:
         self._last_rx = 0.0
         self._connected = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.stopping = False  # the server is shutting down: streams end (clients resume elsewhere)
+
+    def drain(self) -> None:
+        """Server shutdown: wake every stream so each ends now, cleanly, instead of being cut off."""
+        self.stopping = True
+        for group in self.subs.values():
+            for sub in group:
+                sub.wake()
 
     async def start(self, wait_s: float = 5.0) -> None:
         """Start reading; wait (up to wait_s) for the first connection."""
+        sse.on_shutdown(self.drain)
         self._tasks = [asyncio.create_task(self._run(), name="relay-reader"),
                        asyncio.create_task(self._tick(), name="relay-ticker")]
         try:

@@ -1,5 +1,6 @@
-"""Runs the API under uvicorn. On SIGTERM/SIGINT open event streams end at once (their clients
-resume elsewhere with Last-Event-ID) instead of holding the shutdown until their jobs finish."""
+"""Runs the API under uvicorn. On SIGTERM/SIGINT open event streams end at once (sse-starlette sees
+uvicorn's exit flag; their clients resume elsewhere with Last-Event-ID) instead of holding the
+shutdown until their jobs finish."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from shared.settings import Settings
 
 class Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        sse.close_all()
+        sse.begin_shutdown()  # open streams end now (their clients resume elsewhere), not at their jobs' end
         super().handle_exit(sig, frame)
 
 

@@ -1,26 +1,42 @@
-"""Server-sent events as a plain ASGI response: one write per event, a `: ping` comment after
-`ping_s` without a write, and the stream stopped (its generator closed, so its `finally` runs)
-when the client goes away or the server begins to shut down.
-
-Besides the request's own task, a stream has two: one pumps the generator, one waits for the
-client's disconnect and sends the pings; nothing runs per event but the generator and the write.
-"""
+"""Server-sent events through sse-starlette's `EventSourceResponse`: events are encoded once here
+(`encode`, bytes that pass through the library untouched), a `: ping` comment goes out after
+`ping_s` without one, a client that stops reading is dropped after SEND_TIMEOUT_S, and the stream
+ends (its generator closed, so its `finally` runs) when the client goes away or the server begins
+to shut down: streams on the relay end by themselves (`begin_shutdown` wakes them), and
+sse-starlette, which watches uvicorn's exit flag, cuts off any other after SHUTDOWN_GRACE_S.
+Clients resume elsewhere with Last-Event-ID."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+import anyio
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
-PING = b": ping\r\n\r\n"
 # no caching, and no buffering in nginx-style proxies, or events arrive in lumps
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SEND_TIMEOUT_S = 30.0  # a client that reads nothing for this long is let go
+SHUTDOWN_GRACE_S = 3.0  # at shutdown a stream may end by itself this long before it is cut off
 
-_streams: set[asyncio.Task[None]] = set()  # the pump task of every open stream in this process
+_on_shutdown: list[Callable[[], None]] = []
 _loop: asyncio.AbstractEventLoop | None = None
+
+
+def on_shutdown(callback: Callable[[], None]) -> None:
+    """Run `callback` on the event loop when the server begins to shut down (the relay wakes its
+    streams, which then end by themselves, completing their responses)."""
+    global _loop
+    _loop = asyncio.get_running_loop()
+    _on_shutdown.append(callback)
+
+
+def begin_shutdown() -> None:
+    """Called from the server's signal handler; safe from any thread."""
+    loop = _loop
+    if loop is not None and not loop.is_closed():
+        for callback in _on_shutdown:
+            loop.call_soon_threadsafe(callback)
 
 
 def encode(data: str | bytes, event: str | None = None, id: int | str | None = None) -> bytes:
@@ -36,71 +52,14 @@ def encode(data: str | bytes, event: str | None = None, id: int | str | None = N
     return head + b"data: " + raw + b"\r\n\r\n"
 
 
-def close_all() -> None:
-    """End every open stream (server shutdown): their clients reconnect and resume elsewhere.
-    Safe to call from a signal handler."""
-    loop = _loop
-    if loop is not None and not loop.is_closed():
-        loop.call_soon_threadsafe(_cancel_all)
+def _ping() -> ServerSentEvent:
+    return ServerSentEvent(comment="ping")
 
 
-def _cancel_all() -> None:
-    for task in list(_streams):
-        task.cancel()
-
-
-class EventStream(Response):
+class EventStream(EventSourceResponse):
     """`EventStream(events, ping_s)`: `events` yields encoded events (see `encode`)."""
 
-    media_type = "text/event-stream"
-
     def __init__(self, events: AsyncIterator[bytes], ping_s: float, headers: dict[str, str] | None = None) -> None:
-        # no body, so no content-length: the way starlette's StreamingResponse sets itself up
-        self.status_code = 200
-        self.background = None
-        self.init_headers({**HEADERS, **(headers or {})})
-        self.events = events
-        self.ping_s = ping_s
-        self.last_write = 0.0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        global _loop
-        _loop = asyncio.get_running_loop()
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        self.last_write = _loop.time()
-        pump = asyncio.create_task(self._pump(send), name="sse-pump")
-        watch = asyncio.create_task(self._watch(receive, send), name="sse-watch")
-        _streams.add(pump)
-        try:
-            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            _streams.discard(pump)
-            gone = watch.done() and not watch.cancelled()  # the client disconnected
-            watch.cancel()
-            pump.cancel()  # the client left, or the server stops: close the generator
-            await asyncio.gather(pump, watch, return_exceptions=True)
-        if not pump.cancelled() and pump.exception() is not None:
-            raise pump.exception()  # type: ignore[misc]
-        if not gone:  # ended, or cut short by shutdown: end the response properly
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _pump(self, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        async with contextlib.aclosing(self.events) as events:  # type: ignore[type-var]
-            async for chunk in events:
-                self.last_write = loop.time()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-
-    async def _watch(self, receive: Receive, send: Send) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                async with asyncio.timeout_at(self.last_write + self.ping_s):
-                    message = await receive()
-            except TimeoutError:
-                if loop.time() - self.last_write >= self.ping_s:
-                    self.last_write = loop.time()
-                    await send({"type": "http.response.body", "body": PING, "more_body": True})
-                continue
-            if message["type"] == "http.disconnect":
-                return
+        super().__init__(events, headers={**HEADERS, **(headers or {})}, ping=ping_s, ping_message_factory=_ping,
+                         send_timeout=SEND_TIMEOUT_S, shutdown_event=anyio.Event(),
+                         shutdown_grace_period=SHUTDOWN_GRACE_S)

@@ -91,6 +91,8 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
             while True:
                 if sub.items:
                     data = sub.items.popleft()
+                elif relay.stopping:
+                    return  # the server is shutting down: the client resumes elsewhere from `last`
                 else:  # the relay wakes us with None after this long without news
                     queued = last == 0 and status_sent is not None and status_sent[0] == "queued"
                     sub.wake_at = loop.time() + (QUEUED_POLL_S if queued else CATCH_UP_S)

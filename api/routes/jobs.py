@@ -123,7 +123,8 @@ async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: Settin
                 elif isinstance(ev, DoneEvent):
                     yield sse.encode(job_json(ev.job), "done", ev.seq)
                     return
-            error = error_body(404, "the job expired")
+            error = (error_body(503, "the server is shutting down; reconnect with Last-Event-ID") if relay.stopping
+                     else error_body(404, "the job expired"))
         except RedisError:
             error = error_body(503, "the job store is unavailable; reconnect with Last-Event-ID")
         yield sse.encode(orjson.dumps(error), "error")

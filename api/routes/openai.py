@@ -120,6 +120,10 @@ def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk:
                             last["usage"] = _usage(end)
                             yield sse.encode(orjson.dumps(last))
                     break
+            if not finished:  # the server is shutting down: this generation cannot resume elsewhere
+                err = error_body(503, "the server is shutting down; the generation was cancelled")
+                yield sse.encode(orjson.dumps(err))
+                return
             yield sse.encode("[DONE]")
         finally:
             if not finished:  # the client went away mid-stream: free the engine slot
