@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import json
 import logging
 import os
 import random
@@ -42,7 +43,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -534,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to wait, before each run, for other processes to fall under --max-noise")
     p.add_argument("--check", type=int, default=4, help="requests compared with batch-1 generate (0: skip)")
     p.add_argument("--profile", action="store_true", help="also profile one fp32 engine step at 32 running")
+    p.add_argument("--json", dest="json_out", help="also write the medians here, and a chart beside it (.png)")
     args = p.parse_args(argv)
     args.only = [c for c in args.only.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
@@ -604,6 +606,15 @@ def main(argv: list[str] | None = None) -> int:
         if same != k:
             print("WARNING: ours-fp32 differs from batch-1 generate", file=sys.stderr)
 
+    if args.json_out:
+        from plot import plot_rows
+
+        rows = [{"target": name, "level": mode, **asdict(r)} for (name, mode), r in med.items()]
+        Path(args.json_out).write_text(json.dumps({"when": started.isoformat(timespec="seconds"),
+                                                   "args": vars(args), "results": rows}, indent=2, default=str))
+        plot_rows(rows, Path(args.json_out).with_suffix(".png"),
+                  f"engine in process: {wl.n} requests x {wl.max_new} tokens, {args.concurrency} in flight",
+                  x_label="arrivals")
     if args.profile:
         profile_step(s)
     print(f"\nfinished in {(datetime.now(UTC) - started).total_seconds() / 60:.1f} min")

@@ -549,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
                "cpus": os.cpu_count(), "results": rows, "cpu": cpu,
                "repeats": {f"{k[0]}@{k[1]}": [asdict(r) for r in v] for k, v in raw.items()}}
         Path(args.json_out).write_text(json.dumps(out, indent=2))
+        if args.rate is None:
+            from plot import plot_rows
+
+            plot_rows(rows, Path(args.json_out).with_suffix(".png"), f"streaming chat, {args.max_tokens} tokens "
+                      f"per request, dtype {args.dtype}, {os.cpu_count()} CPUs")
     return 1 if any(r.errors for r in results) else 0
 
 
