@@ -18,7 +18,7 @@ _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 # served only on the internal port when auth is required (Prometheus, KEDA and operators reach them there)
-INTERNAL_PATHS = ("/metrics", "/scaling", "/docs", "/redoc", "/openapi.json")
+INTERNAL_PATHS = ("/metrics", "/scaling", "/docs", "/redoc", "/openapi.json", "/dashboard")
 
 
 def on_internal_port(scope: Scope, internal_port: int | None) -> bool:

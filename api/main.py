@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api import errors, metrics
+from api import dashboard, errors, metrics
 from api.guard import RequestGuard
 from api.relay import Relay
 from api.routes import health, jobs, openai
@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(metrics.router)
+    app.include_router(dashboard.router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -1,0 +1,408 @@
+"""The operator's dashboard.
+
+GET /dashboard: one page (api/static/dashboard.*, no build step; uPlot vendored for the charts).
+GET /dashboard/snapshots: a system snapshot about once a second, as server-sent events. One task per
+process reads Redis once per tick and every open dashboard gets the same encoded event.
+GET /dashboard/jobs/{id}/events: any job's events, for the page's live view when keys are required
+(the operator owns no job). With keys required every /dashboard path answers only on the internal port.
+
+A snapshot holds each pool's live workers, lag, pending and held sequences, KV-cache use; the
+tokens generated (summed from the inference heartbeats' counters, so it moves while jobs run) and
+the jobs ended (request_success_total); TTFT and ITL p50/p99 over the last WINDOW_S seconds (the
+difference between the histograms now and WINDOW_S ago); the autoscaler's latest decisions; the
+latest jobs. Jobs are followed from the `jobs` and `ended` streams with a blocking XREAD (the
+streams are trimmed once consumed, so a periodic read would miss entries) and their records read
+each tick until they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mimetypes
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import redis
+import redis.asyncio as aredis
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from redis.exceptions import RedisError
+
+from api import sse
+from api.errors import ApiError, error_body
+from api.metrics import _clients
+from api.sse import EventStream
+from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
+from api.tenancy import not_found
+from infra.policy import PoolSignals, pool_load
+from infra.signals import pool_lags
+from shared import metrics as m
+from shared import names
+from shared.jobs import ACTIVE
+from shared.settings import Settings
+
+log = logging.getLogger("conveyor.dashboard")
+router = APIRouter(prefix="/dashboard", tags=["dashboard"], include_in_schema=False)
+
+STATIC = Path(__file__).resolve().parent / "static"
+TICK_S = 1.0
+WINDOW_S = 15.0  # latency quantiles cover this many seconds
+HEARTBEAT_SCAN_S = 5.0  # how often the heartbeat keys are listed (SCAN); their values are read every tick
+DECISIONS = 12
+ENDED_JOBS = 15
+ACTIVE_JOBS = 15  # shown; up to FOLLOWED are followed until they end
+FOLLOWED = 100
+ACTIVE_STATUSES = frozenset(s.value for s in ACTIVE)
+JOB_FIELDS = ("status", "created_at", "first_token_at", "finished_at", "completion_tokens", "finish_reason")
+
+# KEYS[1] a stream whose entries carry a `job_id` field.  ARGV[1] how many of the newest entries.
+# Returns the newest entry's id ('0-0' for an empty stream), then those entries' job ids, newest first.
+# The entries stay in Redis: those of `jobs` carry whole requests.
+TAIL_SCRIPT = """
+local entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', ARGV[1])
+local out = {entries[1] and entries[1][1] or '0-0'}
+for _, e in ipairs(entries) do
+  local f = e[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'job_id' then out[#out + 1] = f[i + 1]; break end
+  end
+end
+return out
+"""
+
+
+def quantile(bounds: tuple[float, ...], counts: list[float], q: float) -> float | None:
+    """The q-quantile of non-cumulative bucket counts, interpolated in its bucket (as Prometheus'
+    histogram_quantile); the highest bound when it falls in the +Inf bucket; None without observations."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, acc = q * total, 0.0
+    for i, c in enumerate(counts):
+        if c > 0 and acc + c >= rank:
+            if i == len(bounds):
+                return bounds[-1]
+            lower = bounds[i - 1] if i > 0 else 0.0
+            return lower + (bounds[i] - lower) * (rank - acc) / c
+        acc += c
+    return bounds[-1]
+
+
+class LatencyWindow:
+    """A histogram's quantiles over the last `span` seconds: the bucket counts now minus those of the
+    oldest reading inside the span."""
+
+    def __init__(self, name: str, span: float) -> None:
+        self.bounds, self.span = m.HISTOGRAMS[name], span
+        self.readings: deque[tuple[float, list[float]]] = deque()
+
+    def update(self, now: float, raw: dict[str, str]) -> dict[str, float | None]:
+        counts = [float(raw.get(str(i), 0)) for i in range(len(self.bounds) + 1)]
+        if self.readings and any(c < p for c, p in zip(counts, self.readings[-1][1])):
+            self.readings.clear()  # the histogram was reset (a flushed Redis)
+        self.readings.append((now, counts))
+        while self.readings[0][0] < now - self.span:
+            self.readings.popleft()
+        base = self.readings[0][1]
+        window = [c - b for c, b in zip(counts, base)]
+        return {"p50": quantile(self.bounds, window, 0.5), "p99": quantile(self.bounds, window, 0.99),
+                "n": sum(window)}
+
+
+class SnapshotReader:
+    """Reads one snapshot from Redis (blocking; run it in a thread). Holds what spans ticks: the
+    heartbeat keys, the workers' token counters, the latency windows."""
+
+    def __init__(self, client: redis.Redis, raw: redis.Redis, settings: Settings) -> None:
+        self.client, self.raw, self.settings = client, raw, settings
+        self.heartbeat_keys: list[str] = []
+        self.next_scan = 0.0
+        self.worker_tokens: dict[str, int] = {}
+        self.tokens = 0
+        self.started = False
+        self.latency = {"ttft": LatencyWindow(m.TTFT, WINDOW_S), "itl": LatencyWindow(m.ITL, WINDOW_S)}
+        self.per_replica = {names.TOKENIZER_POOL: settings.tokenizer_lag_per_replica,
+                            names.INFERENCE_POOL: settings.inference_lag_per_replica}
+
+    def read(self, job_ids: list[str]) -> dict[str, Any]:
+        now = time.time()
+        if now >= self.next_scan:
+            self.heartbeat_keys = sorted(self.client.scan_iter(match=names.heartbeat_pattern("*"), count=1000))
+            self.next_scan = now + HEARTBEAT_SCAN_S
+        keys = self.heartbeat_keys
+        pipe = self.client.pipeline(transaction=False)
+        if keys:
+            pipe.mget(keys)
+        else:
+            pipe.echo("")
+        pipe.hgetall(names.STATS_KEY)
+        pipe.hgetall(m.hist_key(m.TTFT))
+        pipe.hgetall(m.hist_key(m.ITL))
+        pipe.xrevrange(names.SCALING_DECISIONS_STREAM, count=DECISIONS)
+        pipe.xlen(names.DEAD_LETTER_STREAM)
+        for job_id in job_ids:
+            pipe.hmget(names.job_key(job_id), JOB_FIELDS)
+        beats_raw, stats, ttft, itl, decisions, dead, *records = pipe.execute()
+        lags = pool_lags(self.raw)
+
+        beats: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        for key, value in zip(keys, beats_raw if keys else []):
+            if value:
+                beats.setdefault(key.split(":", 3)[2], []).append((key, orjson.loads(value)))
+        inference = beats.get(names.INFERENCE_POOL, [])
+        self._count_tokens(inference)
+        held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for _, b in inference)
+        signals = {
+            names.TOKENIZER_POOL: PoolSignals(*lags[names.TOKENIZER_POOL]),
+            names.INFERENCE_POOL: PoolSignals(*lags[names.INFERENCE_POOL], running=held,
+                                              capacity_per_replica=self.settings.max_num_seqs),
+        }
+        pools: dict[str, Any] = {}
+        for pool, s in signals.items():
+            ws = [b for _, b in beats.get(pool, [])]
+            pools[pool] = {"workers": len(ws), "lag": s.lag, "pending": s.pending,
+                           "load": round(float(pool_load(s, self.per_replica[pool])), 2),
+                           "lag_per_replica": self.per_replica[pool]}
+        inf = pools[names.INFERENCE_POOL]
+        kv = [float(b.get("kv_cache_usage", 0.0)) for _, b in inference]
+        inf.update(running=sum(int(b.get("running", 0)) for _, b in inference),
+                   waiting=sum(int(b.get("waiting", 0)) for _, b in inference),
+                   capacity=self.settings.max_num_seqs * len(inference),
+                   kv_cache=sum(kv) / len(kv) if kv else None, kv_cache_max=max(kv, default=None),
+                   per_worker=[{"pid": b.get("pid"), "running": b.get("running", 0), "waiting": b.get("waiting", 0),
+                                "kv_cache": b.get("kv_cache_usage", 0.0), "steps": b.get("steps", 0)}
+                               for _, b in inference])
+        ended = sum(float(v) for k, v in stats.items() if k.startswith(m.REQUEST_SUCCESS + ":"))
+        return {
+            "at": now,
+            "auth_required": self.settings.auth_required,
+            "pools": pools,
+            "celery_workers": len(beats.get(names.CELERY_POOL, [])),
+            "totals": {"tokens": self.tokens, "jobs_ended": int(ended),
+                       "tokens_of_ended_jobs": int(float(stats.get(m.GENERATION_TOKENS, 0))), "dead_letters": dead},
+            "latency": {**{k: w.update(now, raw) for (k, w), raw in zip(self.latency.items(), (ttft, itl))},
+                        "window_s": WINDOW_S},
+            "decisions": [_decision(fields) for _, fields in decisions],
+            "jobs": [_job(job_id, rec) for job_id, rec in zip(job_ids, records)],
+        }
+
+    def _count_tokens(self, inference: list[tuple[str, dict[str, Any]]]) -> None:
+        """Advance the running total by what each worker generated since the last tick (a worker seen
+        for the first time brings all of its count, except on the first tick, which sets the baseline)."""
+        seen = {}
+        for key, beat in inference:
+            count = int(beat.get("generated_tokens", 0))
+            before = self.worker_tokens.get(key)
+            if before is not None and count >= before:
+                self.tokens += count - before
+            elif self.started:
+                self.tokens += count
+            seen[key] = count
+        self.worker_tokens, self.started = seen, True
+
+
+def _decision(fields: dict[str, str]) -> dict[str, Any]:
+    def num(name: str) -> int | None:
+        v = fields.get(name, "")
+        return int(v) if v.lstrip("-").isdigit() else None
+
+    return {"pool": fields.get("pool", ""), "from": num("from"), "to": num("to"), "wanted": num("wanted"),
+            "reason": fields.get("reason", ""), "at": float(fields.get("at") or 0)}
+
+
+def _job(job_id: str, rec: list[str | None]) -> dict[str, Any] | None:
+    status, created, first, finished, tokens, reason = rec
+    if status is None:
+        return None  # expired
+    ttft = float(first) - float(created) if first and created else None
+    return {"id": job_id, "status": status, "tokens": int(tokens or 0), "ttft": ttft,
+            "created_at": float(created) if created else None, "finished_at": float(finished) if finished else None,
+            "finish_reason": reason or None}
+
+
+class JobFollower:
+    """The job ids a snapshot shows: those the `jobs` stream carried (queued, then followed until they
+    end) and those the `ended` stream carried (the latest ENDED_JOBS), read with a blocking XREAD."""
+
+    def __init__(self, client: aredis.Redis) -> None:
+        self.client = client
+        self.active: OrderedDict[str, None] = OrderedDict()
+        self.ended: deque[str] = deque(maxlen=ENDED_JOBS)
+        self.last = {names.JOBS_STREAM: "0-0", names.ENDED_STREAM: "0-0"}
+
+    async def seed(self) -> None:
+        for stream, count in ((names.JOBS_STREAM, FOLLOWED), (names.ENDED_STREAM, ENDED_JOBS)):
+            top, *ids = await self.client.eval(TAIL_SCRIPT, 1, stream, count)
+            self.last[stream] = top
+            for job_id in reversed(ids):
+                self._add(stream, job_id)
+
+    async def read(self) -> None:
+        """Wait up to a second for new entries."""
+        reply = await self.client.xread(self.last, count=512, block=1000)
+        for stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self.last[stream] = entry_id
+                if "job_id" in fields:
+                    self._add(stream, fields["job_id"])
+
+    def _add(self, stream: str, job_id: str) -> None:
+        if stream == names.JOBS_STREAM:
+            self.active[job_id] = None
+            while len(self.active) > FOLLOWED:
+                self.active.popitem(last=False)
+        elif job_id not in self.ended:
+            self.active.pop(job_id, None)
+            self.ended.append(job_id)
+
+    def ids(self) -> list[str]:
+        return [*reversed(self.active), *reversed(self.ended)]
+
+    def settle(self, jobs: list[dict[str, Any] | None], ids: list[str]) -> list[dict[str, Any]]:
+        """Stop following jobs that ended or expired; the jobs to show, active ones first, newest first."""
+        shown_active, shown_ended = [], []
+        for job_id, job in zip(ids, jobs):
+            if job is None:
+                self.active.pop(job_id, None)
+            elif job["status"] in ACTIVE_STATUSES:
+                shown_active.append(job)
+            else:
+                if job_id in self.active:
+                    self._add(names.ENDED_STREAM, job_id)  # ended before its `ended` entry came
+                shown_ended.append(job)
+        shown_active.sort(key=lambda j: (j["status"] != "running", -(j["created_at"] or 0)))
+        shown_ended.sort(key=lambda j: -(j["finished_at"] or 0))
+        return shown_active[:ACTIVE_JOBS] + shown_ended[:ENDED_JOBS]
+
+
+class SnapshotHub:
+    """One reading per tick for every open dashboard of this process. It runs only while a dashboard
+    is open: the first subscriber starts it, and it stops a tick after the last one leaves."""
+
+    def __init__(self, state: Any) -> None:
+        _clients(state)
+        self.reader = SnapshotReader(state.metrics_client, state.metrics_raw, state.settings)
+        self.follower = JobFollower(state.redis)
+        self.subscribers: set[asyncio.Queue[bytes]] = set()
+        self.latest: bytes | None = None
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def subscribe(self) -> asyncio.Queue[bytes]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=2)
+        self.subscribers.add(queue)
+        if self.latest is not None:
+            queue.put_nowait(self.latest)
+        # each loop ends once no one is subscribed (checked after each of its waits): restart whichever has
+        for name, loop in (("follow", self._follow), ("tick", self._tick)):
+            task = self.tasks.get(name)
+            if task is None or task.done():
+                self.tasks[name] = asyncio.create_task(loop(), name=f"dashboard-{name}")
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[bytes]) -> None:
+        self.subscribers.discard(queue)
+
+    async def _follow(self) -> None:
+        seeded = False
+        while self.subscribers:
+            try:
+                if not seeded:
+                    await self.follower.seed()
+                    seeded = True
+                await self.follower.read()
+            except RedisError as exc:
+                log.warning("dashboard: jobs not followed (%s)", exc)
+                await asyncio.sleep(TICK_S)
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while self.subscribers:
+            ids = self.follower.ids()
+            try:
+                snap = await asyncio.to_thread(self.reader.read, ids)
+                snap["jobs"] = self.follower.settle(snap["jobs"], ids)
+                event = sse.encode(orjson.dumps(snap), "snapshot")
+            except RedisError as exc:
+                event = sse.encode(orjson.dumps(error_body(503, f"Redis: {exc}")), "error")
+            except Exception:  # noqa: BLE001 - a bad reading must not end every dashboard's stream
+                log.exception("dashboard snapshot failed")
+                event = sse.encode(orjson.dumps(error_body(500, "the snapshot failed; see the API's log")), "error")
+            self.latest = event
+            for queue in self.subscribers:
+                if queue.full():
+                    queue.get_nowait()  # a slow reader gets the newest snapshot, not a backlog
+                queue.put_nowait(event)
+            next_at = max(next_at + TICK_S, loop.time())
+            await asyncio.sleep(next_at - loop.time())
+        self.latest = None  # stale by the time anyone subscribes again
+
+
+def _hub(request: Request) -> SnapshotHub:
+    state = request.app.state
+    if getattr(state, "dashboard", None) is None:
+        state.dashboard = SnapshotHub(state)
+    return state.dashboard  # type: ignore[no-any-return]
+
+
+@router.get("")
+async def page() -> FileResponse:
+    """The dashboard."""
+    return FileResponse(STATIC / "dashboard.html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/static/{path:path}")
+async def static(path: str) -> FileResponse:
+    """The page's script, styles and vendored chart library."""
+    file = (STATIC / path).resolve()
+    if not file.is_relative_to(STATIC) or not file.is_file():
+        raise ApiError(404, f"no file {path!r}")
+    media_type = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
+    return FileResponse(file, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/snapshots")
+async def snapshots(request: Request) -> EventStream:
+    """Server-sent `snapshot` events, one a second (`error` when Redis cannot be read)."""
+    hub = _hub(request)
+
+    async def stream() -> AsyncIterator[bytes]:
+        queue = hub.subscribe()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            hub.unsubscribe(queue)
+
+    return EventStream(stream(), request.app.state.settings.sse_ping_s)
+
+
+@router.get("/jobs/{job_id}/events")
+async def job_stream(job_id: str, request: Request, after: Annotated[int, Query(ge=0)] = 0) -> EventStream:
+    """Any job's events (as GET /v1/jobs/{id}/events) for the live view, whoever owns the job."""
+    state = request.app.state
+    if await state.store.get(job_id) is None:
+        raise not_found(job_id)
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for ev in job_events(state.store, state.relay, job_id, after):
+                if isinstance(ev, TokenEvent):
+                    yield sse.encode(orjson.dumps({"seq": ev.seq, "text": ev.text}), "token", ev.seq)
+                elif isinstance(ev, StatusEvent):
+                    yield sse.encode(ev.job.model_dump_json(), "status")
+                elif isinstance(ev, DoneEvent):
+                    yield sse.encode(ev.job.model_dump_json(), "done", ev.seq)
+                    return
+            error = error_body(404, "the job expired")
+        except RedisError:
+            error = error_body(503, "the job store is unavailable")
+        yield sse.encode(orjson.dumps(error), "error")
+
+    return EventStream(stream(), state.settings.sse_ping_s)
+
