@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: help setup model run test test-fast bench-engine bench-serve lint clean
+.PHONY: help setup model browser run test test-fast bench-engine bench-serve lint clean
 
 help:
 	@echo "make run    - set up, fetch the model, start the stack, print the URL"
@@ -30,7 +30,13 @@ model: setup
 run: model
 	$(VENV)/bin/conveyor up
 
-test: model
+# the dashboard's browser test (tests/test_dashboard.py) drives Debian's headless chromium through chromedriver
+SUDO := $(shell [ $$(id -u) -eq 0 ] || echo sudo)
+browser:
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+
+test: model browser
 	$(VENV)/bin/pytest -q
 
 test-fast: setup
