@@ -153,7 +153,7 @@ class SnapshotReader:
         beats: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         for key, value in zip(keys, beats_raw if keys else []):
             if value:
-                beats.setdefault(key.split(":", 3)[2], []).append((key, orjson.loads(value)))
+                beats.setdefault(key.split(":", 3)[2], []).append((key, _beat(value)))
         inference = beats.get(names.INFERENCE_POOL, [])
         self._count_tokens(inference)
         held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for _, b in inference)
@@ -204,6 +204,15 @@ class SnapshotReader:
                 self.tokens += count
             seen[key] = count
         self.worker_tokens, self.started = seen, True
+
+
+def _beat(value: str) -> dict[str, Any]:
+    """A heartbeat's gauges; {} for one that holds none (the Celery workers' is "1")."""
+    try:
+        beat = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return {}
+    return beat if isinstance(beat, dict) else {}
 
 
 def _decision(fields: dict[str, str]) -> dict[str, Any]:
