@@ -31,11 +31,7 @@ def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir
                        "kv": max((float(w.get("kv_cache_usage", 0.0)) for w in workers), default=0.0)}
     state_path = cache_dir / "supervisor.json"
     supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
-    decisions = []
-    stream = getattr(names, "SCALING_DECISIONS_STREAM", None)
-    if stream:
-        for _id, fields in client.xrevrange(stream, count=5):
-            decisions.append(fields)
+    decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]
     return {"pools": pools, "supervisor": supervisor, "decisions": decisions,
             "dead_letters": int(client.xlen(names.DEAD_LETTER_STREAM))}
 
