@@ -52,7 +52,7 @@ router = APIRouter(prefix="/dashboard", tags=["dashboard"], include_in_schema=Fa
 STATIC = Path(__file__).resolve().parent / "static"
 TICK_S = 1.0
 WINDOW_S = 15.0  # latency quantiles cover this many seconds
-HEARTBEAT_SCAN_S = 5.0  # how often the heartbeat keys are listed (SCAN); their values are read every tick
+HEARTBEAT_SCAN_S = 1.0  # how often the pools' registries of live workers are read; heartbeats every tick
 DECISIONS = 12
 ENDED_JOBS = 15
 ACTIVE_JOBS = 15  # shown; up to FOLLOWED are followed until they end
@@ -132,7 +132,12 @@ class SnapshotReader:
     def read(self, job_ids: list[str]) -> dict[str, Any]:
         now = time.time()
         if now >= self.next_scan:
-            self.heartbeat_keys = sorted(self.client.scan_iter(match=names.heartbeat_pattern("*"), count=1000))
+            pipe = self.client.pipeline(transaction=False)
+            pools = (*names.POOLS, names.CELERY_POOL)
+            for pool in pools:
+                pipe.zrangebyscore(names.workers_key(pool), now, "+inf")
+            self.heartbeat_keys = sorted(names.heartbeat_key(pool, worker) for pool, ids in zip(pools, pipe.execute())
+                                         for worker in ids)
             self.next_scan = now + HEARTBEAT_SCAN_S
         keys = self.heartbeat_keys
         pipe = self.client.pipeline(transaction=False)

@@ -7,7 +7,6 @@ scrape of any API process sees every pool. Names follow vLLM's, under `conveyor:
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from infra.policy import pool_load
 from infra.signals import group_lag, pool_signals
 from shared import metrics as m
 from shared import names
+from shared.heartbeat import live_workers
 from shared.redis_client import sync_client
 
 router = APIRouter(tags=["metrics"])
@@ -34,8 +34,7 @@ class SystemCollector:
         r = self.client
         workers: dict[str, list[dict[str, Any]]] = {}
         for pool in names.POOLS:
-            keys = list(r.scan_iter(match=names.heartbeat_pattern(pool), count=500))
-            workers[pool] = [json.loads(v) for v in (r.mget(keys) if keys else []) if v]
+            workers[pool] = live_workers(r, pool)
         inf = workers[names.INFERENCE_POOL]
         lags = {stream: group_lag(self.raw, stream, group) for stream, group in names.STREAM_GROUPS.items()}
 

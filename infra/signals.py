@@ -10,12 +10,11 @@ wire or meets a client that decodes responses.
 
 from __future__ import annotations
 
-import json
-
 import redis
 
 from infra.policy import PoolSignals
 from shared import names
+from shared.heartbeat import live_workers
 
 PAGE = 200
 COUNT_LIMIT = 1_000  # a counted lag stops here: well past where every pool is at its max
@@ -71,8 +70,7 @@ def pool_lags(client: redis.Redis) -> dict[str, tuple[int, int]]:
 def pool_signals(client: redis.Redis, capacity_per_replica: int) -> dict[str, PoolSignals]:
     """Each pool's signals for the scaling policy (infra/policy.py), by pool name."""
     lags = pool_lags(client)
-    keys = list(client.scan_iter(match=names.heartbeat_pattern(names.INFERENCE_POOL), count=500))
-    beats = [json.loads(v) for v in (client.mget(keys) if keys else []) if v]
+    beats = live_workers(client, names.INFERENCE_POOL)
     held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for b in beats)
     lag_t, pend_t = lags[names.TOKENIZER_POOL]
     lag_i, pend_i = lags[names.INFERENCE_POOL]

@@ -1,4 +1,6 @@
-"""Worker heartbeats: a key per worker with a TTL a little over the interval, holding its counters."""
+"""Worker heartbeats: a key per worker with a TTL a little over the interval, holding its counters,
+and the worker's id in its pool's registry (`names.workers_key`, scored by when the heartbeat runs
+out), so /readyz, /metrics, /scaling and the autoscaler read live workers without a keyspace scan."""
 
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ class Heartbeat(threading.Thread):
                  counters: Callable[[], dict[str, Any]]) -> None:
         super().__init__(name=f"heartbeat-{pool}", daemon=True)
         self.client, self.key, self.interval = client, names.heartbeat_key(pool, worker_id), interval
+        self.pool, self.worker_id = pool, worker_id
         self.counters = counters
         self.stop_event = threading.Event()
 
     def beat(self) -> None:
         body = {"pid": os.getpid(), "host": socket.gethostname(), "at": time.time(), **self.counters()}
-        self.client.set(self.key, json.dumps(body), px=int(self.interval * 2500))
+        beat(self.client, self.pool, self.worker_id, json.dumps(body), int(self.interval * 2500))
 
     def run(self) -> None:
         while not self.stop_event.is_set():
@@ -50,16 +53,48 @@ class Heartbeat(threading.Thread):
     def stop(self) -> None:
         self.stop_event.set()
         try:
-            self.client.delete(self.key)
+            forget(self.client, self.pool, self.worker_id)
         except redis.RedisError:
             pass
 
 
+def beat(client: redis.Redis, pool: str, worker_id: str, body: str, ttl_ms: int) -> None:
+    """One heartbeat: the worker's key and its place in the pool's registry (expired ids pruned)."""
+    now = time.time()
+    pipe = client.pipeline(transaction=False)
+    pipe.set(names.heartbeat_key(pool, worker_id), body, px=ttl_ms)
+    pipe.zadd(names.workers_key(pool), {worker_id: now + ttl_ms / 1000})
+    pipe.zremrangebyscore(names.workers_key(pool), "-inf", now)
+    pipe.execute()
+
+
+def forget(client: redis.Redis, pool: str, worker_id: str) -> None:
+    pipe = client.pipeline(transaction=False)
+    pipe.delete(names.heartbeat_key(pool, worker_id))
+    pipe.zrem(names.workers_key(pool), worker_id)
+    pipe.execute()
+
+
+def live_ids(client: redis.Redis, pool: str) -> list[str]:
+    """Ids of the pool's workers whose heartbeat has not run out."""
+    return [v.decode() if isinstance(v, bytes) else v
+            for v in client.zrangebyscore(names.workers_key(pool), time.time(), "+inf")]
+
+
 def live_workers(client: redis.Redis, pool: str) -> list[dict[str, Any]]:
-    keys = list(client.scan_iter(match=names.heartbeat_pattern(pool), count=500))
-    if not keys:
+    """The heartbeat bodies of the pool's live workers (a body that is not a JSON object counts as {})."""
+    ids = live_ids(client, pool)
+    if not ids:
         return []
-    return [json.loads(v) for v in client.mget(keys) if v]
+    out = []
+    for v in client.mget([names.heartbeat_key(pool, i) for i in ids]):
+        if v:
+            try:
+                body = json.loads(v)
+            except ValueError:
+                body = {}
+            out.append(body if isinstance(body, dict) else {})
+    return out
 
 
 def check_pool(settings: Settings, pool: str) -> bool:

@@ -65,6 +65,12 @@ def heartbeat_key(pool: str, worker_id: str) -> str:
     return f"{PREFIX}:hb:{pool}:{worker_id}"
 
 
+def workers_key(pool: str) -> str:
+    """A pool's live workers: a sorted set of worker ids scored by when their heartbeat runs out
+    (unix seconds), so readers find them without scanning the keyspace."""
+    return f"{PREFIX}:workers:{pool}"
+
+
 def heartbeat_pattern(pool: str) -> str:
     return f"{PREFIX}:hb:{pool}:*"
 

@@ -78,11 +78,9 @@ class Stack:
         return redis.Redis.from_url(self.redis_url, decode_responses=True)
 
     def worker_pids(self, pool: str) -> list[int]:
-        import json
+        from shared.heartbeat import live_workers
 
-        r = self.redis()
-        keys = list(r.scan_iter(match=f"conveyor:hb:{pool}:*"))
-        return [json.loads(v)["pid"] for v in r.mget(keys) if v] if keys else []
+        return [w["pid"] for w in live_workers(self.redis(), pool)]
 
 
 def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,

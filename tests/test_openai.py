@@ -9,6 +9,9 @@ import httpx
 import openai
 import pytest
 
+from shared import names
+from shared.heartbeat import live_workers
+
 MODEL = "SmolLM2-135M-Instruct"
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -87,10 +90,9 @@ def test_async_client(stack) -> None:  # type: ignore[no-untyped-def]
 
 
 def _running(stack) -> int:  # type: ignore[no-untyped-def]
-    import json
 
     r = stack.redis()
-    return sum(json.loads(v).get("running", 0) for v in r.mget(list(r.scan_iter(match="conveyor:hb:inference:*"))))
+    return sum(w.get("running", 0) for w in live_workers(r, names.INFERENCE_POOL))
 
 
 def test_disconnect_cancels_streaming_request(stack) -> None:  # type: ignore[no-untyped-def]

@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import redis
 
 from shared import names
+from shared.heartbeat import beat, forget
 from shared.jobs import Job
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
@@ -271,11 +272,10 @@ class AfterJob:
         c = self.consumer
         if not self.client.xpending_range(c.stream, c.group, min="-", max="+", count=1, consumername=c.consumer):
             self.client.xgroup_delconsumer(c.stream, c.group, c.consumer)
-        self.client.delete(names.heartbeat_key(names.CELERY_POOL, c.consumer))
+        forget(self.client, names.CELERY_POOL, c.consumer)
 
     def _beat(self) -> None:
-        self.client.set(names.heartbeat_key(names.CELERY_POOL, self.consumer.consumer), "1",
-                        px=max(self.settings.claim_idle_ms, 10_000))
+        beat(self.client, names.CELERY_POOL, self.consumer.consumer, "1", max(self.settings.claim_idle_ms, 10_000))
 
     def _handle(self, entries: list[Entry], counts: dict[str, int]) -> None:
         """Account every job of the batch (one pipeline), post the webhooks in parallel, ack what

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -47,7 +49,7 @@ async def _readiness(redis: RedisDep) -> JSONResponse:
     try:
         await redis.ping()
         for pool in names.POOLS:
-            pools[pool] = len([k async for k in redis.scan_iter(match=names.heartbeat_pattern(pool), count=500)])
+            pools[pool] = int(await redis.zcount(names.workers_key(pool), time.time(), "+inf"))
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return JSONResponse({"status": "unavailable", "redis": False, "error": type(exc).__name__}, 503,
                             headers={"Retry-After": "2"})
