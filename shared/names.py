@@ -71,9 +71,6 @@ def workers_key(pool: str) -> str:
     return f"{PREFIX}:workers:{pool}"
 
 
-def heartbeat_pattern(pool: str) -> str:
-    return f"{PREFIX}:hb:{pool}:*"
-
 
 # tenants (api keys): a hash per tenant, by name, and an index from the key's SHA-256 to the name.
 # The key itself is never stored.
