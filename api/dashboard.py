@@ -39,12 +39,12 @@ from api.metrics import _clients
 from api.sse import EventStream
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
 from api.tenancy import not_found
-from infra.policy import PoolSignals, pool_load
-from infra.signals import pool_lags
 from shared import metrics as m
 from shared import names
 from shared.jobs import ACTIVE
+from shared.policy import PoolSignals, pool_load
 from shared.settings import Settings
+from shared.signals import pool_lags
 
 log = logging.getLogger("conveyor.dashboard")
 router = APIRouter(prefix="/dashboard", tags=["dashboard"], include_in_schema=False)
@@ -146,8 +146,8 @@ class SnapshotReader:
         else:
             pipe.echo("")
         pipe.hgetall(names.STATS_KEY)
-        pipe.hgetall(m.hist_key(m.TTFT))
-        pipe.hgetall(m.hist_key(m.ITL))
+        pipe.hgetall(names.hist_key(m.TTFT))
+        pipe.hgetall(names.hist_key(m.ITL))
         pipe.xrevrange(names.SCALING_DECISIONS_STREAM, count=DECISIONS)
         pipe.xlen(names.DEAD_LETTER_STREAM)
         for job_id in job_ids:

@@ -16,12 +16,12 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from infra.policy import pool_load
-from infra.signals import group_lag, pool_signals
 from shared import metrics as m
 from shared import names
 from shared.heartbeat import live_workers
+from shared.policy import pool_load
 from shared.redis_client import sync_client
+from shared.signals import group_lag, pool_signals
 
 router = APIRouter(tags=["metrics"])
 
@@ -81,7 +81,7 @@ class SystemCollector:
                 success.add_metric([key.split(":")[-1]], float(v))
         yield success
         for name in m.HISTOGRAMS:
-            buckets, total = m.read_histogram(r.hgetall(m.hist_key(name)), name)
+            buckets, total = m.read_histogram(r.hgetall(names.hist_key(name)), name)
             h = HistogramMetricFamily(name, name.split(":")[1].replace("_", " "))
             h.add_metric([], buckets, total)
             yield h
@@ -95,7 +95,7 @@ def _clients(state: Any) -> None:
 
 @router.get("/scaling")
 async def scaling(request: Request) -> dict[str, dict[str, float]]:
-    """Each pool's queue signals and its load in lag units (infra/policy.py): the lag of its input
+    """Each pool's queue signals and its load in lag units (shared/policy.py): the lag of its input
     stream, plus, for inference, the sequences its engines hold as a share of MAX_NUM_SEQS. Wanted
     replicas = ceil(load / lag per replica), the rule of the local autoscaler and of KEDA's
     metrics-api trigger on `inference.load` (infra/k8s/scaledobject-inference.yaml)."""

@@ -8,11 +8,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from infra.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
-from infra.signals import pool_signals
 from shared import names
+from shared.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
 from shared.redis_client import sync_client
 from shared.settings import Settings
+from shared.signals import pool_signals
 
 if TYPE_CHECKING:
     from infra.supervisor import Pool

@@ -14,9 +14,9 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from infra.signals import pool_signals
 from shared import names
 from shared.heartbeat import live_workers
+from shared.signals import pool_signals
 
 
 def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir: Path) -> dict[str, Any]:

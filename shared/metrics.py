@@ -25,10 +25,6 @@ GENERATION_TOKENS = "conveyor:generation_tokens_total"
 REQUEST_SUCCESS = "conveyor:request_success_total"
 
 
-def hist_key(name: str) -> str:
-    return f"{names.PREFIX}:hist:{name}"
-
-
 class Histograms:
     """Local bucket counts (non-cumulative), flushed into Redis as increments."""
 
@@ -51,9 +47,9 @@ class Histograms:
                 continue
             fields = {str(i): c for i, c in enumerate(counts) if c}
             for f, c in fields.items():
-                pipe.hincrby(hist_key(name), f, c)
-            pipe.hincrbyfloat(hist_key(name), "sum", self.sums[name])
-            pipe.hincrby(hist_key(name), "count", n)
+                pipe.hincrby(names.hist_key(name), f, c)
+            pipe.hincrbyfloat(names.hist_key(name), "sum", self.sums[name])
+            pipe.hincrby(names.hist_key(name), "count", n)
             self.counts[name] = [0] * len(counts)
             self.sums[name] = 0.0
         for name, v in self.counters.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 PREFIX = "conveyor"
 
 # streams and their consumer groups (the autoscaler and KEDA read these names)
@@ -100,3 +102,13 @@ def tenant_active_key(owner: str) -> str:
 def tenant_streams_key(owner: str) -> str:
     """A tenant's open event streams: a sorted set of stream ids scored by when their lease runs out."""
     return f"{PREFIX}:streams:{owner}"
+
+
+def hist_key(metric: str) -> str:
+    """A latency histogram's buckets, sum and count (shared/metrics.py)."""
+    return f"{PREFIX}:hist:{metric}"
+
+
+def usage_key(day: str | None = None) -> str:
+    """Tokens and jobs per model for one UTC day (YYYY-MM-DD; today when None), kept 35 days."""
+    return f"{PREFIX}:usage:{day or time.strftime('%Y-%m-%d', time.gmtime())}"

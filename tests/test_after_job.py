@@ -16,7 +16,7 @@ from shared.job_ops import JobOps
 from shared.jobs import FinishReason, Job, JobStatus, new_record
 from shared.settings import Settings
 from tests.webhook_server import webhook_server
-from workers.after_job import AfterJob, sign, usage_key
+from workers.after_job import AfterJob, sign
 
 
 def end_job(r: redis.Redis, job_id: str, webhook_url: str | None = None, text: str = "Paris.",
@@ -43,12 +43,12 @@ def test_every_end_is_accounted_once(redis_db: redis.Redis) -> None:
     end_job(redis_db, "job_a")
     end_job(redis_db, "job_b")
     assert worker.drain() == {"done": 2, "failed": 0, "dead": 0}
-    assert redis_db.hgetall(usage_key()) == {"m:prompt_tokens": "14", "m:completion_tokens": "6", "m:jobs": "2"}
+    assert redis_db.hgetall(names.usage_key()) == {"m:prompt_tokens": "14", "m:completion_tokens": "6", "m:jobs": "2"}
     assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
     redis_db.xadd(names.ENDED_STREAM, {"job_id": "job_a"})  # delivered twice: still counted once
     assert worker.drain()["done"] == 1
-    assert redis_db.hget(usage_key(), "m:jobs") == "2"
-    assert 0 < redis_db.ttl(usage_key()) <= 35 * 86400
+    assert redis_db.hget(names.usage_key(), "m:jobs") == "2"
+    assert 0 < redis_db.ttl(names.usage_key()) <= 35 * 86400
     redis_db.xadd(names.ENDED_STREAM, {"job_id": "job_expired"})  # its record is gone: nothing to do
     assert worker.drain()["done"] == 1 and not redis_db.exists(names.job_key("job_expired"))
 
@@ -112,7 +112,7 @@ def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> No
     assert dead["job_id"] == "job_down" and dead["source_stream"] == names.ENDED_STREAM
     assert dead["reason"].endswith("last webhook failure: answered 500")
     assert redis_db.hget(names.job_key("job_down"), "webhook_error") == "answered 500"
-    assert redis_db.hget(usage_key(), "m:jobs") == "2"  # retries never count a job twice
+    assert redis_db.hget(names.usage_key(), "m:jobs") == "2"  # retries never count a job twice
     assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
 
 
@@ -148,7 +148,7 @@ def test_bad_webhooks_fail_alone(redis_db: redis.Redis) -> None:
     assert why["job_nowhere"].startswith("ConnectionRefusedError")  # type: ignore[union-attr]
     assert why["job_garbage"].split(":")[0] in (  # type: ignore[union-attr]
         "BadStatusLine", "BrokenPipeError", "ConnectionResetError", "RemoteDisconnected")  # as the race goes
-    assert redis_db.hget(usage_key(), "m:jobs") == "8"
+    assert redis_db.hget(names.usage_key(), "m:jobs") == "8"
 
 
 def test_one_drain_takes_a_backlog(redis_db: redis.Redis) -> None:
@@ -156,7 +156,7 @@ def test_one_drain_takes_a_backlog(redis_db: redis.Redis) -> None:
     for n in range(450):
         end_job(redis_db, f"job_many_{n}")
     assert worker.drain(batch=200) == {"done": 450, "failed": 0, "dead": 0}
-    assert redis_db.hget(usage_key(), "m:jobs") == "450"
+    assert redis_db.hget(names.usage_key(), "m:jobs") == "450"
 
 
 def test_a_waiting_drain_sends_webhooks_as_jobs_end(redis_db: redis.Redis) -> None:

@@ -25,9 +25,9 @@ import redis
 
 from api.dashboard import LatencyWindow, quantile
 from infra.autoscale import Autoscaler
-from infra.policy import PoolSignals
 from shared import metrics as m
 from shared import names
+from shared.policy import PoolSignals
 from shared.settings import Settings
 from tests.conftest import ROOT, Stack, start_stack, stop_stack
 from tests.helpers import iter_sse, submit, wait

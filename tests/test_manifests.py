@@ -15,8 +15,8 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from infra.policy import DEFAULT_POLICIES
 from shared import names
+from shared.policy import DEFAULT_POLICIES
 from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

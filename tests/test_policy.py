@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from infra.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
 from shared import names
+from shared.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
 
 POLICY = PoolPolicy(min_replicas=1, max_replicas=20, lag_per_replica=5, scale_in_cooldown_s=300)
 ZERO = replace(POLICY, min_replicas=0, activation_lag=3)

@@ -12,10 +12,9 @@ from typing import Any
 import pytest
 import redis
 
-from infra import signals
 from infra.redis_server import free_port
-from infra.signals import group_lag, pool_lags
-from shared import names
+from shared import names, signals
+from shared.signals import group_lag, pool_lags
 
 STREAM, GROUP = "test:stream", "workers"
 

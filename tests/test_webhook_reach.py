@@ -23,7 +23,7 @@ from shared import names
 from shared.settings import Settings
 from tests.test_after_job import end_job
 from tests.webhook_server import webhook_server
-from workers.after_job import AfterJob, IPAddress, address_refusal, redact, usage_key
+from workers.after_job import AfterJob, IPAddress, address_refusal, redact
 
 
 def after(r: redis.Redis, allow_private: bool, **settings: Any) -> AfterJob:
@@ -109,7 +109,7 @@ def test_inside_targets_are_refused_and_dead_lettered(redis_db: redis.Redis,
         assert dead[job_id].startswith("delivered 4 times without completing; last webhook failure: webhook ")
         assert dead[job_id].endswith(why), dead[job_id]
         assert redis_db.hget(names.job_key(job_id), "webhook_error").endswith(why)  # type: ignore[union-attr]
-    assert redis_db.hget(usage_key(), "m:jobs") == str(len(targets))  # accounted all the same
+    assert redis_db.hget(names.usage_key(), "m:jobs") == str(len(targets))  # accounted all the same
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert f"job_v4 to http://127.0.0.1:{hooks.port}/…: webhook address 127.0.0.1 is loopback; refused" in logged
     assert f"http://[::1]:{hooks.port}/…" in logged and "http://169.254.169.254/…" in logged

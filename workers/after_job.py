@@ -94,10 +94,6 @@ METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
-def usage_key(day: str | None = None) -> str:
-    return f"{names.PREFIX}:usage:{day or time.strftime('%Y-%m-%d', time.gmtime())}"
-
-
 def sign(body: bytes, secret: str, timestamp: str) -> str:
     return "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
 
@@ -284,7 +280,7 @@ class AfterJob:
         pipe = self.client.pipeline(transaction=False)
         ids = [_s(e.fields.get(b"job_id") or e.fields.get("job_id") or "") for e in entries]  # type: ignore[call-overload]
         for job_id in ids:
-            self._account(keys=[names.job_key(job_id), usage_key()], args=[USAGE_TTL_S], client=pipe)
+            self._account(keys=[names.job_key(job_id), names.usage_key()], args=[USAGE_TTL_S], client=pipe)
         hooks, unaccounted = {}, set()
         for entry, job_id, found in zip(entries, ids, pipe.execute(raise_on_error=False)):
             if isinstance(found, Exception):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import redis
 
-from infra.policy import PoolSignals
 from shared import names
 from shared.heartbeat import live_workers
+from shared.policy import PoolSignals
 
 PAGE = 200
 COUNT_LIMIT = 1_000  # a counted lag stops here: well past where every pool is at its max
@@ -68,7 +68,7 @@ def pool_lags(client: redis.Redis) -> dict[str, tuple[int, int]]:
 
 
 def pool_signals(client: redis.Redis, capacity_per_replica: int) -> dict[str, PoolSignals]:
-    """Each pool's signals for the scaling policy (infra/policy.py), by pool name."""
+    """Each pool's signals for the scaling policy (shared/policy.py), by pool name."""
     lags = pool_lags(client)
     beats = live_workers(client, names.INFERENCE_POOL)
     held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for b in beats)
