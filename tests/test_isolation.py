@@ -20,6 +20,16 @@ def test_api_imports_neither_torch_nor_tokenizers() -> None:
     assert "torch" not in mods and "transformers" not in mods and "tokenizers" not in mods
 
 
+def test_layers_point_down() -> None:
+    """shared/ imports no other package of ours; the API and the workers import no infra/ (the
+    supervisor, autoscaler and CLI sit on top of everything)."""
+    ours = ("api", "workers", "gpu_worker", "infra")
+    assert not {m.split(".")[0] for m in _modules_after("import shared.signals, shared.tenants, shared.jobs")} & \
+           set(ours)
+    for top in ("api.main", "workers.tokenizer.worker", "workers.celery_app"):
+        assert not [m for m in _modules_after(f"import {top}") if m.startswith("infra")], top
+
+
 def test_tokenizer_pool_imports_no_torch() -> None:
     mods = _modules_after("import workers.tokenizer.worker")
     assert "torch" not in mods and "transformers" not in mods
