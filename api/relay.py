@@ -109,6 +109,7 @@ class Relay:
             log.warning("pub/sub not connected yet; streams fall back to reading event streams")
 
     async def stop(self) -> None:
+        sse.forget_shutdown(self.drain)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -31,6 +31,11 @@ def on_shutdown(callback: Callable[[], None]) -> None:
     _on_shutdown.append(callback)
 
 
+def forget_shutdown(callback: Callable[[], None]) -> None:
+    if callback in _on_shutdown:
+        _on_shutdown.remove(callback)
+
+
 def begin_shutdown() -> None:
     """Called from the server's signal handler; safe from any thread."""
     loop = _loop

@@ -55,8 +55,7 @@ class JobStore:
         keys, args = submit_write(job_id, record, request_json, self.settings.job_ttl_s, owner,
                                   math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens, max_waiting,
                                   idempotency_key or "", self.settings.idempotency_ttl_s, self.jobs_maxlen)
-        reply = [int(x) if not isinstance(x, str) or x.lstrip("-").isdigit() else x
-                 for x in await self._submit(keys=keys, args=args)]
+        reply = list(await self._submit(keys=keys, args=args))  # integers; a replay's job id is text
         if reply[0] == 2:
             return Admission(await self.get(str(reply[1])), True, reply)
         if reply[0] != 1:

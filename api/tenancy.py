@@ -16,14 +16,14 @@ from typing import Annotated
 import redis.asyncio as aredis
 from fastapi import Depends, Request
 
-from api.deps import RedisDep, SettingsDep
+from api.deps import SettingsDep
 from api.errors import ApiError
 from api.store import JobStore
 from shared import names
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
-from shared.tenants import Tenant, hash_key
+from shared.tenants import STREAM_LEASE_S, STREAM_OPEN_SCRIPT, Tenant, hash_key
 
 CACHE_S = 2.0  # a revoked key stops working within this long
 CACHE_MAX = 10_000
@@ -121,10 +121,9 @@ def _too_many(message: str, retry_ms: int, headers: dict[str, str] | None = None
                     headers={"Retry-After": retry, **(headers or {})})
 
 
-def refusal(reply: list[int], caller: Caller, retry_global_ms: int) -> ApiError:
+def refusal(reply: list[int], retry_global_ms: int) -> ApiError:
     """The submit script's refusal codes as errors (see shared.jobs.SUBMIT_SCRIPT)."""
     code = int(reply[0])
-    t = caller.tenant
     if code == -1:
         return ApiError(401, "invalid or revoked API key", code="invalid_api_key")
     if code == -2:
@@ -146,7 +145,7 @@ def refusal(reply: list[int], caller: Caller, retry_global_ms: int) -> ApiError:
         return ApiError(429, f"this request reserves more tokens than the key may use in a minute ({reply[1]}); "
                              "lower max_tokens or shorten the prompt", type_="rate_limit_error",
                         code="request_too_large")
-    raise AssertionError(f"unknown submit code {code} for {t}")
+    raise AssertionError(f"unknown submit code {code}")
 
 
 class Throughput:
@@ -200,8 +199,6 @@ async def require_stream_slot(client: aredis.Redis, caller: Caller, stream_id: s
     t = caller.tenant
     if t is None or t.max_streams <= 0:
         return True
-    from shared.tenants import STREAM_LEASE_S, STREAM_OPEN_SCRIPT
-
     ok = await client.eval(STREAM_OPEN_SCRIPT, 1, names.tenant_streams_key(t.name), stream_id, time.time(),
                            STREAM_LEASE_S, t.max_streams)
     return bool(ok)
@@ -216,8 +213,6 @@ def stream_refused(caller: Caller) -> ApiError:
     limit = caller.tenant.max_streams if caller.tenant else 0
     return _too_many(f"this key has {limit} open streams, its limit; close one first", 5000)
 
-
-__all__ = ["Caller", "CallerDep", "KeyCache", "RedisDep", "Throughput"]
 
 
 async def get_throughput(request: Request) -> Throughput:
@@ -236,6 +231,6 @@ async def admit(store: JobStore, throughput: Throughput, settings: Settings, cal
         if got.replayed or got.reply[0] == 2:
             raise ApiError(409, "the job this Idempotency-Key named has just expired; send again")
         over = int(got.reply[1]) - cap + 1 if got.reply[0] == -5 else 0
-        raise refusal(got.reply, caller, throughput.retry_ms(over))
+        raise refusal(got.reply, throughput.retry_ms(over))
     headers = rate_headers(*(int(x) for x in got.reply[3:9])) if got.reply[0] == 1 else {}
     return got.job, got.replayed, headers

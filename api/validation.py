@@ -7,47 +7,15 @@ and MAX_PROMPT_CHARS."""
 
 from __future__ import annotations
 
-import json
 import logging
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from api.errors import ApiError
+from shared.model_config import vocab_size
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
 
 log = logging.getLogger("conveyor.api")
-
-
-@lru_cache(maxsize=8)
-def model_config(model_path: str) -> dict[str, Any]:
-    """The model's config.json ({} when the API cannot see it)."""
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        return cfg if isinstance(cfg, dict) else {}
-    except (OSError, ValueError):
-        log.warning("no readable config.json in %s: token ids are checked against int32 only", model_path)
-        return {}
-
-
-def _int_field(cfg: dict[str, Any], name: str) -> int | None:
-    value = cfg.get(name) or (cfg.get("text_config") or {}).get(name)
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
-def vocab_size(model_path: str) -> int | None:
-    """The model's vocabulary size, or None when the API cannot see it."""
-    return _int_field(model_config(model_path), "vocab_size")
-
-
-def max_model_len(settings: Settings) -> int | None:
-    """The context the workers serve: the model's own, capped by MAX_MODEL_LEN (0: no cap)."""
-    own = _int_field(model_config(settings.model_path), "max_position_embeddings")
-    cap = settings.max_model_len
-    if own is None:
-        return cap or None
-    return min(own, cap) if cap > 0 else own
 
 
 def check_request(req: GenerationRequest, settings: Settings) -> GenerationRequest:
@@ -71,10 +39,10 @@ def check_request(req: GenerationRequest, settings: Settings) -> GenerationReque
     return req
 
 
-def _int_branch(prop: dict[str, Any]) -> dict[str, Any]:
-    """The integer (or array) part of a property that may also be null."""
+def _not_null(prop: dict[str, Any]) -> dict[str, Any]:
+    """The non-null part of a property that may also be null (the property itself otherwise)."""
     for branch in prop.get("anyOf", []):
-        if branch.get("type") in ("integer", "array"):
+        if branch.get("type") != "null":
             return branch  # type: ignore[no-any-return]
     return prop
 
@@ -88,18 +56,17 @@ def document_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any
         props = comps.get(name, {}).get("properties", {})
         for field in ("max_tokens", "max_completion_tokens"):
             if field in props:
-                _int_branch(props[field])["maximum"] = settings.max_tokens_cap
+                _not_null(props[field])["maximum"] = settings.max_tokens_cap
         if vocab is not None:
             if "top_k" in props:
-                _int_branch(props["top_k"])["maximum"] = vocab
+                _not_null(props["top_k"])["maximum"] = vocab
             if "stop_token_ids" in props:
-                _int_branch(props["stop_token_ids"])["items"]["maximum"] = vocab - 1
+                _not_null(props["stop_token_ids"])["items"]["maximum"] = vocab - 1
     _document_openai(comps, settings)
     job = comps.get("GenerationRequest")
     if job:
-        for field in ("prompt", "messages"):
-            job["properties"][field] = _int_branch(job["properties"][field]) if field == "messages" else \
-                next(b for b in job["properties"][field]["anyOf"] if b.get("type") == "string")
+        for field in ("prompt", "messages"):  # present means not null; `oneOf` says which
+            job["properties"][field] = _not_null(job["properties"][field])
         job["properties"]["prompt"]["maxLength"] = settings.max_prompt_chars
         job["oneOf"] = [{"required": ["prompt"]}, {"required": ["messages"]}]
     return schema

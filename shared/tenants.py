@@ -50,25 +50,22 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _str(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def create(client: redis.Redis, name: str, **limits: int) -> tuple[str, str]:
-    """Make a tenant with a new key. Returns (key, webhook secret); neither is stored in clear."""
+def create(client: redis.Redis, name: str, **limits: int | None) -> tuple[str, str]:
+    """Make a tenant with a new key. Returns (key, webhook secret); neither is stored in clear.
+    The functions here take a client that decodes responses (`decode_responses=True`)."""
     if not NAME_RE.fullmatch(name):
         raise TenantError("a name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     rec = client.hgetall(names.tenant_key(name))
-    if rec and _str(rec.get(b"disabled", rec.get("disabled", "0"))) != "1":
+    if rec and rec.get("disabled") != "1":
         raise TenantError(f"tenant {name!r} exists; revoke it first to issue a new key")
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     secret = "whsec_" + secrets.token_urlsafe(32)
     digest = hash_key(key)
-    old = rec.get(b"key_sha256", rec.get("key_sha256")) if rec else None
+    old = rec.get("key_sha256")
     values = {**DEFAULT_LIMITS, **{k: v for k, v in limits.items() if v is not None}}
     pipe = client.pipeline(transaction=True)
     if old:
-        pipe.delete(names.api_key_index(_str(old)))
+        pipe.delete(names.api_key_index(old))
     pipe.delete(names.tenant_key(name), names.tenant_bucket_key(name, "requests"),
                 names.tenant_bucket_key(name, "tokens"))
     pipe.hset(names.tenant_key(name), mapping={"key_sha256": digest, "created_at": repr(time.time()),
@@ -90,9 +87,8 @@ def revoke(client: redis.Redis, name: str) -> None:
 def list_all(client: redis.Redis) -> list[dict[str, Any]]:
     """Every tenant with its limits and state (never the key or the secret)."""
     out = []
-    for raw in sorted(client.smembers(names.TENANTS_SET), key=_str):
-        name = _str(raw)
-        rec = {_str(k): _str(v) for k, v in client.hgetall(names.tenant_key(name)).items()}
+    for name in sorted(client.smembers(names.TENANTS_SET)):
+        rec = client.hgetall(names.tenant_key(name))
         if rec:
             out.append({"name": name, "created_at": float(rec.get("created_at") or 0),
                         "disabled": rec.get("disabled") == "1", **{k: int(rec.get(k) or 0) for k in LIMITS},

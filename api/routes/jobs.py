@@ -108,13 +108,6 @@ async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: Settin
 
     async def stream() -> AsyncIterator[bytes]:
         try:
-            async for chunk in _events(start):
-                yield chunk
-        finally:
-            await asyncio.shield(release_stream_slot(redis, caller, slot))
-
-    async def _events(start: int) -> AsyncIterator[bytes]:
-        try:
             async for ev in job_events(store, relay, job_id, start):
                 if isinstance(ev, TokenEvent):
                     yield sse.encode(orjson.dumps({"seq": ev.seq, "text": ev.text}), "token", ev.seq)
@@ -127,6 +120,8 @@ async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: Settin
                      else error_body(404, "the job expired"))
         except RedisError:
             error = error_body(503, "the job store is unavailable; reconnect with Last-Event-ID")
+        finally:
+            await asyncio.shield(release_stream_slot(redis, caller, slot))
         yield sse.encode(orjson.dumps(error), "error")
 
     return EventStream(stream(), settings.sse_ping_s)

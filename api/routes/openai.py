@@ -31,8 +31,9 @@ from api.tenancy import (
     require_stream_slot,
     stream_refused,
 )
-from api.validation import check_request, max_model_len
+from api.validation import check_request
 from shared.jobs import Job, JobStatus
+from shared.model_config import model_context
 from shared.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -64,8 +65,7 @@ async def models(settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     """The served model."""
     entry: dict[str, Any] = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "conveyor",
                              "root": settings.served_model_name}
-    if (context := max_model_len(settings)) is not None:
-        entry["max_model_len"] = context  # as vLLM reports it
+    entry["max_model_len"] = model_context(settings.model_path, settings.max_model_len)  # as vLLM reports it
     return {"object": "list", "data": [entry]}
 
 

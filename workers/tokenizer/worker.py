@@ -7,13 +7,11 @@ worker that dies mid-batch leaves its entries pending for another worker to clai
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -23,6 +21,7 @@ from pydantic import ValidationError
 from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
+from shared.model_config import model_context
 from shared.redis_client import sync_client
 from shared.schemas import TOKENIZED_SCHEMA, GenerationRequest, to_ipc
 from shared.settings import Settings
@@ -31,12 +30,6 @@ from workers.tokenizer.prompt import PromptBuilder, PromptError
 from workers.upkeep import trim_all
 
 log = logging.getLogger("conveyor.tokenizer")
-
-
-def model_context(model_dir: str, cap: int) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    own = int(cfg.get("max_position_embeddings") or cap or 4096)
-    return min(own, cap) if cap > 0 else own
 
 
 class TokenizerWorker:

@@ -1,0 +1,39 @@
+"""What the stages read from a model's `config.json` without loading the model: its vocabulary
+size (the API's bounds on token ids) and the context it serves (the tokenizer's length check,
+the API's `max_model_len`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=8)
+def model_config(model_dir: str) -> dict[str, Any]:
+    """The model's config.json ({} when there is none to read)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        return cfg if isinstance(cfg, dict) else {}
+    except (OSError, ValueError):
+        log.warning("no readable config.json in %s", model_dir)
+        return {}
+
+
+def _int_field(cfg: dict[str, Any], name: str) -> int | None:
+    value = cfg.get(name) or (cfg.get("text_config") or {}).get(name)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def vocab_size(model_dir: str) -> int | None:
+    return _int_field(model_config(model_dir), "vocab_size")
+
+
+def model_context(model_dir: str, cap: int) -> int:
+    """The context served: the model's own, capped by MAX_MODEL_LEN (0: no cap)."""
+    own = _int_field(model_config(model_dir), "max_position_embeddings") or cap or 4096
+    return min(own, cap) if cap > 0 else own
