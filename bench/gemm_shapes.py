@@ -1,7 +1,7 @@
 """Per-shape CPU GEMM timing: torch's `F.linear` (MKL in float32) against oneDNN on a weight
 reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`) and, in float32,
 MKL on a weight packed once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`), at several
-row counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/model_runner.py.
+row counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/gemm.py.
 
     .venv/bin/python bench/gemm_shapes.py                      # SmolLM2-135M's shapes, float32
     .venv/bin/python bench/gemm_shapes.py --dtype bfloat16

@@ -146,8 +146,8 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
     ids = [5, 17, 99, 1000, 42, 7, 300]
     with torch.inference_mode():
         ref = model(torch.tensor([ids])).logits[0, -1]
-    from gpu_worker.engine.model_runner import StepBatch
     from gpu_worker.engine.sequence import Sequence
+    from gpu_worker.engine.step import StepBatch
 
     seq = Sequence(Request("t", ids))
     eng.scheduler._admit(seq)
@@ -188,8 +188,8 @@ def _tiny(arch: str) -> torch.nn.Module:
 def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> None:
     """The fused layers (q/k/v and gate/up in one matrix, oneDNN weights in bf16) compute what the
     model's own forward computes, for a prefill chunk and for the decode step after it."""
-    from gpu_worker.engine.model_runner import StepBatch
     from gpu_worker.engine.sequence import Sequence
+    from gpu_worker.engine.step import StepBatch
 
     model = _tiny(arch).to(getattr(torch, dtype))
     ids = [5, 17, 99, 300, 42, 7, 301, 11]
@@ -215,7 +215,7 @@ def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(row
     """float32 on CPU uses F.linear below `min_rows` rows and a packed (MKL) or reordered (oneDNN)
     copy of the weight from there; each must compute x @ w.T (+ bias, + residual) as F.linear does,
     at any row count, whatever row count the copy was prepared for."""
-    from gpu_worker.engine.model_runner import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
+    from gpu_worker.engine.gemm import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
 
     layer_gemm, head_gemm = choose_gemm(torch.device("cpu"), torch.float32)
     if not isinstance(layer_gemm, SplitGemm):
@@ -237,7 +237,7 @@ def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(row
 def test_cpu_float32_gemm_falls_back_to_onednn_for_a_shape_packing_does_not_serve(monkeypatch) -> None:
     """A weight shape whose MKL-packed copy failed the row-count check takes oneDNN's copy, and still
     computes F.linear's result."""
-    from gpu_worker.engine.model_runner import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
+    from gpu_worker.engine.gemm import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
 
     layer_gemm, _ = choose_gemm(torch.device("cpu"), torch.float32)
     if not isinstance(layer_gemm, SplitGemm) or not _mkl_packing_ok():

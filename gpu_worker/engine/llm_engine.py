@@ -4,42 +4,23 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from gpu_worker.engine.model_runner import ModelRunner, StepBatch
+from gpu_worker.engine.model_runner import ModelRunner
+from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler
 from gpu_worker.engine.sequence import Request, Sequence
+from gpu_worker.engine.step import StepBatch, StepOutput
 
 log = logging.getLogger("conveyor.engine")
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 0  # 0: per device (DEFAULT_BATCHED_TOKENS)
-    kv_cache_mb: int = 2048
-    max_model_len: int = 4096
-    threads: int = 0
 
 
 # Tokens per step when not configured. On CPU a step's time grows with its tokens, and a prefill chunk
 # stalls every decoding row for that long: 256 halves the stall of 512 at equal throughput (BENCHMARKS.md).
 # A GPU step costs about the same from 1 to thousands of tokens, so it takes much more.
 DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
-
-
-@dataclass
-class StepOutput:
-    id: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # stop | length | cancelled | error
-    error: str | None = None
 
 
 class LLMEngine:

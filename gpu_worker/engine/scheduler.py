@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 
 from gpu_worker.engine.kv_cache import KVCache
-from gpu_worker.engine.model_runner import StepBatch
 from gpu_worker.engine.sequence import SeqStatus, Sequence
+from gpu_worker.engine.step import StepBatch
 
 
 class Scheduler:

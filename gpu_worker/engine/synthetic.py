@@ -7,8 +7,8 @@ Selected with ENGINE=synthetic.
 
 from __future__ import annotations
 
-from gpu_worker.engine.llm_engine import StepOutput
 from gpu_worker.engine.sequence import Request
+from gpu_worker.engine.step import StepOutput
 
 WORD_TOKEN = 2030  # " further" in the SmolLM2 vocabulary; any ordinary token works
 

@@ -1,0 +1,49 @@
+"""The interface the inference worker drives. Both the torch engine (`LLMEngine`) and the
+zero-cost synthetic engine implement it; the worker imports neither directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpu_worker.engine.sequence import Request
+from gpu_worker.engine.step import StepOutput
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 0  # 0: per device (DEFAULT_BATCHED_TOKENS)
+    kv_cache_mb: int = 2048
+    max_model_len: int = 4096
+    threads: int = 0
+    block_size: int = 16  # tokens per KV-cache block
+    prefix_caching: bool = True
+    compile: bool = False
+
+
+class Engine(Protocol):
+    max_model_len: int
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; a request that cannot run ends in the next step's outputs."""
+
+    def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
+        """End a request; its end appears in the next step's outputs. False if unknown."""
+
+    def has_unfinished(self) -> bool: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def kv_usage(self) -> float:
+        """Fraction of the KV-cache budget in use, 0..1."""
+
+    def step(self) -> list[StepOutput]:
+        """Run one step; return every request's new tokens and ends."""

@@ -1,0 +1,32 @@
+"""What one engine step computes and what it yields. Plain data: no torch, so the scheduler, the
+synthetic engine and the worker's lanes can use these without importing the model's stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu_worker.engine.sequence import Sequence
+
+
+@dataclass
+class StepBatch:
+    """The scheduler's answer for one step."""
+    decode: list[Sequence]  # each computes exactly one token: its last
+    chunks: list[tuple[Sequence, int]]  # (sequence, tokens to compute), more than one each
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(n for _, n in self.chunks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.decode) + len(self.chunks)
+
+
+@dataclass
+class StepOutput:
+    """One request's result of a step: the tokens it produced, and its end if it ended."""
+    id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
