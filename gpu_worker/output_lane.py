@@ -1,8 +1,8 @@
 """The output lane: a process of its own beside the engine. It turns per-step token-id deltas
 into text (incrementally, with stop strings held back) and, per step, in one MULTI/EXEC holding
 one STEP_SCRIPT call for all jobs: appends each chunk to the job's event stream, publishes it,
-updates the job record and the saved token ids. Finished jobs get their terminal state; the engine process hears back
-("done" to acknowledge the stream entry, "abort" when a stop string ended a sequence).
+updates the job record and the saved token ids. Finished jobs get their terminal state; the engine
+process hears back (`Done` to acknowledge the stream entry, `Abort` when a stop string ended a sequence).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import queue
 import signal
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
 from typing import Any
@@ -22,6 +23,7 @@ import redis
 from tokenizers import Tokenizer
 
 from gpu_worker.detokenizer import Detokenizer
+from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
 from shared.job_ops import JobOps, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
@@ -36,6 +38,7 @@ from shared.metrics import (
     Histograms,
 )
 from shared.redis_client import sync_client
+from shared.retry import call
 from shared.schemas import DELTA_SCHEMA, from_ipc
 from shared.settings import Settings
 
@@ -68,7 +71,7 @@ def unpack_ids(data: bytes | None) -> list[int]:
 
 
 class OutputLane:
-    def __init__(self, settings: Settings, feedback: Queue[Any], client: redis.Redis | None = None) -> None:
+    def __init__(self, settings: Settings, feedback: Queue[LaneReport], client: redis.Redis | None = None) -> None:
         self.client = client or sync_client(settings.redis_url, decode=False)
         self.ttl = settings.job_ttl_s
         self.jobs = JobOps(self.client, self.ttl)
@@ -79,26 +82,24 @@ class OutputLane:
         self.metrics = Histograms()
         self._last_flush = time.monotonic()
 
-    def register(self, meta: dict[str, Any]) -> None:
+    def register(self, job: Register) -> None:
         try:
-            self._register(meta)
+            self._register(job)
         except Exception as exc:  # noqa: BLE001 - the job fails alone; the lane goes on
-            log.exception("job %s could not be registered", meta["job_id"])
-            self.jobs.fail(meta["job_id"], f"the output lane could not take the job: {exc}")
-            self.feedback.put(("abort", meta["job_id"], "error"))
-            self.feedback.put(("done", meta["job_id"]))
+            log.exception("job %s could not be registered", job.job_id)
+            self.jobs.fail(job.job_id, f"the output lane could not take the job: {exc}")
+            self.feedback.put(Abort(job.job_id, FinishReason.error))
+            self.feedback.put(Done(job.job_id))
 
-    def _register(self, meta: dict[str, Any]) -> None:
-        detok = Detokenizer(self.tokenizer, meta["stop"])
-        resume = meta.get("resume_ids") or []
-        if resume:
-            detok.resume(resume, meta.get("emitted", ""))
-        self.states[meta["job_id"]] = JobState(detok, int(meta.get("seq", 0)), len(meta.get("emitted", "").encode()),
-                                               len(resume),
-                                               float(meta.get("created_at") or time.time()),
-                                               int(meta.get("prompt_tokens", 0)), written=len(resume))
-        if meta.get("started"):
-            self.metrics.observe(QUEUE, time.time() - self.states[meta["job_id"]].created_at)
+    def _register(self, job: Register) -> None:
+        detok = Detokenizer(self.tokenizer, list(job.stop))
+        if job.resume_ids:
+            detok.resume(list(job.resume_ids), job.emitted)
+        st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
+                      job.prompt_tokens, written=len(job.resume_ids))
+        self.states[job.job_id] = st
+        if job.started:
+            self.metrics.observe(QUEUE, time.time() - st.created_at)
 
     def flush_metrics(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -136,7 +137,7 @@ class OutputLane:
             except Exception as exc:  # noqa: BLE001 - this job ends with an error, the step goes on
                 log.exception("job %s: detokenizing failed", job_id)
                 if reason is None:
-                    self.feedback.put(("abort", job_id, "error"))
+                    self.feedback.put(Abort(job_id, FinishReason.error))
                 finishes.append((job_id, FinishReason.error.value, f"detokenizing failed: {exc}", st.n_tokens))
                 done.append(job_id)
                 continue
@@ -152,7 +153,7 @@ class OutputLane:
                 st.held_text += emit
             if hit:
                 if reason is None:
-                    self.feedback.put(("abort", job_id, "stop"))
+                    self.feedback.put(Abort(job_id, FinishReason.stop))
                 reason = FinishReason.stop.value
             elif reason is not None:
                 st.held_text += st.detok.matcher.flush()
@@ -186,34 +187,38 @@ class OutputLane:
         return pipe, done
 
     def commit(self, pipe: Any, done: list[str]) -> None:
-        backoff = 0.1
-        stack, scripts = list(pipe.command_stack), set(pipe.scripts)
-        while True:
-            try:
-                results = pipe.execute(raise_on_error=False)
-                break
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
-                log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                pipe = self.client.pipeline(transaction=True)  # execute() reset the old one: replay it
-                pipe.scripts = set(scripts)
-                for args, options in stack:
-                    pipe.pipeline_execute_command(*args, **options)
+        results = call(self._replayable(pipe), log=log, name="output lane write")
         for i, res in enumerate(results):
             if isinstance(res, Exception) and "equal or smaller" not in str(res):
                 log.warning("output write %d failed: %s", i, res)
         for job_id in done:
             del self.states[job_id]
-            self.feedback.put(("done", job_id))
+            self.feedback.put(Done(job_id))
+
+    def _replayable(self, pipe: Any) -> Callable[[], list[Any]]:
+        """`pipe.execute`, retryable: a failed execute() empties the pipeline, so a retry replays
+        the step's commands on a new one."""
+        stack, scripts = list(pipe.command_stack), set(pipe.scripts)
+        first = [pipe]
+
+        def execute() -> list[Any]:
+            if first:
+                return first.pop().execute(raise_on_error=False)  # type: ignore[no-any-return]
+            again = self.client.pipeline(transaction=True)
+            again.scripts = set(scripts)
+            for args, options in stack:
+                again.pipeline_execute_command(*args, **options)
+            return again.execute(raise_on_error=False)
+
+        return execute
 
 
-def main(settings_env: dict[str, str], inbox: Queue[Any], feedback: Queue[Any], parent_pid: int | None = None) -> None:
+def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneReport],
+         parent_pid: int | None = None) -> None:
     die_with_parent(signal.SIGTERM, parent_pid)  # an engine process killed outright takes its lane along
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process decides when the lane stops
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    settings = Settings(**settings_env) if settings_env else Settings()
     lane = OutputLane(settings, feedback)
     while True:
         try:
@@ -221,11 +226,12 @@ def main(settings_env: dict[str, str], inbox: Queue[Any], feedback: Queue[Any], 
         except queue.Empty:
             lane.flush_metrics()
             continue
-        if msg[0] == "stop":
-            lane.flush_metrics(force=True)
-            return
-        if msg[0] == "register":
-            lane.register(msg[1])
-        elif msg[0] == "deltas":
-            lane.handle_deltas(msg[1])
-            lane.flush_metrics()
+        match msg:
+            case Register():
+                lane.register(msg)
+            case Deltas(data):
+                lane.handle_deltas(data)
+                lane.flush_metrics()
+            case Stop():
+                lane.flush_metrics(force=True)
+                return

@@ -63,21 +63,27 @@ def run_loop(step: Callable[[], object], stop: threading.Event, log: logging.Log
 
 
 def call(fn: Callable[[], T], stop: threading.Event | None = None, *, attempts: int = 0,
-         base: float = 0.1, cap: float = 5.0) -> T:
+         base: float = 0.1, cap: float = 5.0, log: logging.Logger | None = None, name: str = "") -> T:
     """`fn()`, retried through Redis outages: `attempts` tries (0: until it succeeds or `stop` is set;
-    then the last error is raised)."""
+    then the last error is raised). With `log`, an outage is logged once, and its end."""
     backoff = Backoff(base, cap)
     while True:
         try:
-            return fn()
-        except RETRYABLE:
+            result = fn()
+        except RETRYABLE as exc:
             if (attempts and backoff.failures + 1 >= attempts) or (stop is not None and stop.is_set()):
                 raise
+            if log is not None and not backoff.failures:
+                log.warning("%s: redis unavailable (%s); retrying with backoff", name, exc)
             wait = backoff.next()
             if stop is not None:
                 stop.wait(wait)
             else:
                 time.sleep(wait)
+            continue
+        if log is not None and backoff.failures:
+            log.info("%s: redis reachable again", name)
+        return result
 
 
 async def arun_loop(step: Callable[[], Awaitable[object]], stop: asyncio.Event, log: logging.Logger, name: str, *,

@@ -4,16 +4,16 @@ after each engine step, with every token streamed and with STREAM_INTERVAL > 1."
 from __future__ import annotations
 
 import queue
-from typing import Any
 
 import pyarrow as pa
 import pytest
 import redis
 from tokenizers import Tokenizer
 
+from gpu_worker.messages import Abort, LaneReport, Register
 from gpu_worker.output_lane import OutputLane, unpack_ids
 from shared import names
-from shared.jobs import JobStatus, new_record
+from shared.jobs import FinishReason, JobStatus, new_record
 from shared.schemas import DELTA_SCHEMA, to_ipc
 from shared.settings import Settings
 
@@ -25,13 +25,13 @@ class Lane:
 
     def __init__(self, redis_url: str, model_path: str, interval: int, job_id: str, stop: list[str]) -> None:
         settings = Settings(redis_url=redis_url, model=model_path, stream_interval=interval)
-        self.feedback: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
         self.lane = OutputLane(settings, self.feedback)  # type: ignore[arg-type]
         self.r = redis.Redis.from_url(redis_url, decode_responses=False)
         self.job_id = job_id
         record = new_record(job_id, "m", "{}", True) | {"status": JobStatus.running.value}
         self.r.hset(names.job_key(job_id), mapping=record)
-        self.lane.register({"job_id": job_id, "stop": stop, "created_at": record["created_at"]})
+        self.lane.register(Register(job_id, tuple(stop), float(record["created_at"]), prompt_tokens=3, started=True))
 
     def step(self, ids: list[int], reason: str | None = None) -> None:
         row = {"job_id": self.job_id, "token_ids": ids, "finish_reason": reason, "error": None}
@@ -88,6 +88,6 @@ def test_stop_string_is_caught_at_its_step_when_tokens_are_held(redis_url: str, 
         lane.step(ids[n - 1:n])
         if n < prefix:
             assert lane.feedback.empty()
-    assert lane.feedback.get_nowait() == ("abort", "job_lane_stop", "stop")  # at the step that completed it
+    assert lane.feedback.get_nowait() == Abort("job_lane_stop", FinishReason.stop)  # at the step that completed it
     assert "".join(lane.token_events()) == TEXT[:TEXT.index("Eiffel")]
     assert lane.status() == JobStatus.succeeded.value

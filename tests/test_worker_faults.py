@@ -86,7 +86,7 @@ def test_redelivered_inference_entry_is_split_one_job_each(settings: Settings) -
     time.sleep(0.1)
     keep, dead = worker.consumer.claim_stale()
     assert [e.id for e in keep] == [eid] and keep[0].deliveries == 2 and not dead
-    assert worker.split(keep[0])
+    assert worker.reader.split(keep[0])
     assert r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"] == 0  # the original is acked
     entries = r.xrange(names.TOKENIZED_STREAM)
     singles = [from_ipc(f[b"batch"], TOKENIZED_SCHEMA).to_pylist() for e, f in entries if e.decode() != eid]
@@ -94,4 +94,4 @@ def test_redelivered_inference_entry_is_split_one_job_each(settings: Settings) -
     assert singles[1][0] == rows[1]
     # a single-job entry is not split again: it goes to the engine, and past the limit to the dead letters
     one = r.xrange(names.TOKENIZED_STREAM)[-1]
-    assert not worker.split(Entry(one[0].decode(), one[1], 2))
+    assert not worker.reader.split(Entry(one[0].decode(), one[1], 2))

@@ -1,8 +1,9 @@
 """A zero-cost synthetic engine: a benchmark instrument for the plumbing, never the default.
 
-It has the engine's interface and emits one fixed token per running request per step, with no
-model, so the cost of everything around the engine (streams, lanes, relay) can be measured.
-Selected with ENGINE=synthetic.
+It implements the `Engine` protocol (engine/protocol.py) and emits one fixed token per running
+request per step, with no model, so the cost of everything around the engine (streams, lanes,
+relay) can be measured.
+Selected with ENGINE=synthetic. Like the rest of the worker's lanes, it imports no torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ WORD_TOKEN = 2030  # " further" in the SmolLM2 vocabulary; any ordinary token wo
 
 
 class SyntheticEngine:
-    max_model_len = 1 << 20
+    max_model_len: int = 1 << 20
 
     def __init__(self, max_num_seqs: int = 256) -> None:
         self.max_num_seqs = max_num_seqs

@@ -1,0 +1,24 @@
+"""The feedback lane: what the output lane reports back. An abort (a stop string hit, a job the
+lane failed) goes to the engine; a recorded end closes the job in the ledger, which acknowledges
+its entry once every job of the entry has ended."""
+
+from __future__ import annotations
+
+from multiprocessing.queues import Queue
+from queue import SimpleQueue
+
+from gpu_worker.ledger import EntryLedger
+from gpu_worker.messages import Abort, Done, EngineCommand, LaneReport
+
+
+class Feedback:
+    def __init__(self, reports: Queue[LaneReport], inbox: SimpleQueue[EngineCommand], ledger: EntryLedger) -> None:
+        self.reports, self.inbox, self.ledger = reports, inbox, ledger
+
+    def run(self) -> None:
+        while True:
+            match self.reports.get():
+                case Abort() as abort:
+                    self.inbox.put(abort)
+                case Done(job_id):
+                    self.ledger.close(job_id)

@@ -1,0 +1,81 @@
+"""Which stream entries this worker holds and which of their jobs are still running.
+
+A `tokenized` entry carries several jobs; it is acknowledged once every one of them has a recorded
+end, so a worker that dies leaves each unfinished job claimable. The ledger also bounds the jobs
+in flight, so the reader takes no more entries than the engine can start soon.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Collection
+
+from shared.redis_client import RETRYABLE
+from shared.retry import call
+from shared.stream_consumer import StreamConsumer
+
+log = logging.getLogger("conveyor.inference")
+
+ACK_ATTEMPTS = 20
+
+
+class EntryLedger:
+    def __init__(self, consumer: StreamConsumer, max_jobs: int) -> None:
+        self.consumer = consumer
+        self._lock = threading.Lock()
+        self._entry_jobs: dict[str, set[str]] = {}
+        self._job_entry: dict[str, str] = {}
+        self._slots = threading.Semaphore(max_jobs)
+
+    def has_room(self, timeout: float) -> bool:
+        """Whether a job could start now (waits up to `timeout` for one to end)."""
+        if not self._slots.acquire(timeout=timeout):
+            return False
+        self._slots.release()
+        return True
+
+    def open(self, entry_id: str, job_ids: Collection[str]) -> None:
+        with self._lock:
+            self._entry_jobs[entry_id] = set(job_ids)
+            for job_id in job_ids:
+                self._job_entry[job_id] = entry_id
+
+    def take_slot(self) -> None:
+        """Before a job of an open entry goes to the engine; blocks while the engine is full."""
+        self._slots.acquire()
+
+    def close(self, job_id: str) -> None:
+        """The job's end is recorded: free its slot, and acknowledge its entry if it was the last."""
+        with self._lock:
+            entry_id = self._job_entry.pop(job_id, None)
+            jobs = self._entry_jobs.get(entry_id) if entry_id is not None else None
+            if entry_id is None or jobs is None:
+                return
+            jobs.discard(job_id)
+            complete = not jobs
+            if complete:
+                del self._entry_jobs[entry_id]
+        self._slots.release()
+        if complete:
+            try:
+                call(lambda: self.consumer.ack([entry_id]), attempts=ACK_ATTEMPTS, log=log, name="ack")
+            except RETRYABLE as exc:
+                log.warning("entry %s not acknowledged (%s); it stays pending", entry_id, exc)
+
+    def entries(self) -> list[str]:
+        with self._lock:
+            return list(self._entry_jobs)
+
+    def idle(self) -> bool:
+        """No job of any entry is running here."""
+        with self._lock:
+            return not self._job_entry
+
+    def hand_back(self, idle_ms: int) -> None:
+        """Make the entries still held claimable by other workers right away (they resume the jobs)."""
+        ids = self.entries()
+        if ids:
+            c = self.consumer
+            c.client.xclaim(c.stream, c.group, c.consumer, 0, ids, idle=idle_ms, justid=True)
+            log.info("handed back %d entries", len(ids))

@@ -1,0 +1,78 @@
+"""Every message between the inference worker's lanes, its engine loop and its output lane.
+
+- engine loop inbox (a thread queue): `Add`, `Abort`, `GraceOver`
+- output lane inbox (a process queue): `Register`, `Deltas`, `Stop`
+- output lane reports (a process queue): `Abort`, `Done`
+
+Those crossing the process boundary pickle; only token-id deltas (Arrow) and job metadata cross it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from gpu_worker.engine import Request, StepOutput
+from shared.jobs import FinishReason
+from shared.schemas import DELTA_SCHEMA, to_ipc
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    """Start (or resume) a request in the engine."""
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """End a job in the engine: cancelled by the API, a stop string hit, or the output lane failed it."""
+    job_id: str
+    reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class GraceOver:
+    """The drain's grace period ended: hand back what is still running."""
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """A job the output lane is to write: where its stream stands when this worker takes it."""
+    job_id: str
+    stop: tuple[str, ...]
+    created_at: float  # 0: unknown
+    prompt_tokens: int
+    started: bool  # first start (not a resume): its time in the queue is observed
+    seq: int = 0  # last event seq written
+    resume_ids: tuple[int, ...] = ()  # tokens another worker generated and saved
+    emitted: str = ""  # the text of those tokens already streamed
+
+
+@dataclass(frozen=True, slots=True)
+class Deltas:
+    """One engine step's new token ids and ends, as an Arrow batch of DELTA_SCHEMA."""
+    data: bytes
+
+    @classmethod
+    def of(cls, outs: list[StepOutput]) -> Deltas:
+        batch = pa.RecordBatch.from_pylist(
+            [{"job_id": o.id, "token_ids": o.token_ids, "finish_reason": o.finish_reason, "error": o.error}
+             for o in outs], schema=DELTA_SCHEMA)
+        return cls(to_ipc(batch))
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Write what is pending and exit."""
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The job's end is recorded: its stream entry may be acknowledged once its batch-mates' are too."""
+    job_id: str
+
+
+EngineCommand = Add | Abort | GraceOver
+LaneCommand = Register | Deltas | Stop
+LaneReport = Abort | Done

@@ -1,0 +1,80 @@
+"""The reader lane: new `tokenized` entries while the engine has room, and upkeep every
+`refresh_s`: keep this worker's entries fresh, take over the entries of a worker that died."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from gpu_worker.admission import Admission, entry_batch
+from gpu_worker.ledger import EntryLedger
+from shared import names
+from shared.job_ops import JobOps
+from shared.retry import run_loop
+from shared.schemas import to_ipc
+from shared.stream_consumer import Entry, StreamConsumer
+
+log = logging.getLogger("conveyor.inference")
+
+READ_COUNT = 8
+READ_BLOCK_MS = 500
+ROOM_WAIT_S = 0.5
+
+
+class Reader:
+    def __init__(self, client: redis.Redis, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger,
+                 admission: Admission, refresh_s: float, stopping: threading.Event) -> None:
+        self.client, self.consumer, self.jobs, self.ledger = client, consumer, jobs, ledger
+        self.admission, self.refresh_s, self.stopping = admission, refresh_s, stopping
+        self._next_upkeep = 0.0
+
+    def run(self) -> None:
+        run_loop(self.step, self.stopping, log, "reader lane", on_outage=self.consumer.note_outage)
+
+    def step(self) -> None:
+        if time.monotonic() >= self._next_upkeep:
+            self.upkeep()
+            self._next_upkeep = time.monotonic() + self.refresh_s
+        if not self.ledger.has_room(ROOM_WAIT_S):
+            return
+        for entry in self.consumer.read(count=READ_COUNT, block_ms=READ_BLOCK_MS):
+            self.admission.admit(entry)
+
+    def upkeep(self) -> None:
+        self.consumer.refresh(self.ledger.entries())
+        keep, dead = self.consumer.claim_stale(count=READ_COUNT)
+        for entry in dead:
+            self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
+                                   "moved to the dead-letter stream")
+        for entry in keep:
+            log.info("claimed %s (delivery %d) from a worker that stopped", entry.id, entry.deliveries)
+            if not self.split(entry):
+                self.admission.admit(entry)
+
+    def split(self, entry: Entry) -> bool:
+        """A redelivered entry of several jobs goes back as one entry per job, so that a job that
+        kills its worker again reaches the dead-letter stream alone and its batch-mates go on."""
+        try:
+            batch = entry_batch(entry)
+        except Exception:  # noqa: BLE001 - admit() dead-letters it
+            return False
+        if batch.num_rows < 2:
+            return False
+        pipe = self.client.pipeline(transaction=True)
+        for i in range(batch.num_rows):
+            pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch.slice(i, 1)), "jobs": 1})
+        pipe.xack(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, entry.id)
+        pipe.execute()
+        log.warning("split redelivered entry %s into %d entries of one job", entry.id, batch.num_rows)
+        return True
+
+    def fail_entry(self, entry: Entry, reason: str) -> None:
+        try:
+            job_ids = entry_batch(entry).column("job_id").to_pylist()
+        except Exception:  # noqa: BLE001 - nothing to fail: the entry is already dead-lettered
+            return
+        for job_id in job_ids:
+            self.jobs.fail(job_id, reason)

@@ -1,0 +1,20 @@
+"""The worker's counters, written into its heartbeat (the autoscaler and `conveyor status` read them)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    steps: int = 0
+    generated_tokens: int = 0
+    jobs_started: int = 0
+    jobs_resumed: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,266 @@
+"""The inference worker's lanes: typed messages that pickle, an engine loop driven through its inbox,
+the entry ledger's acknowledgements, the control lane's parsing, the output lane's write retry, no
+torch with the synthetic engine, and a whole worker (synthetic engine) on a real Redis."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from queue import SimpleQueue
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pytest
+import redis
+
+from gpu_worker.control import ControlLane
+from gpu_worker.engine import Engine, Request
+from gpu_worker.engine.synthetic import WORD_TOKEN, SyntheticEngine
+from gpu_worker.engine_loop import EngineLoop
+from gpu_worker.ledger import EntryLedger
+from gpu_worker.messages import (
+    Abort,
+    Add,
+    Deltas,
+    Done,
+    EngineCommand,
+    GraceOver,
+    LaneCommand,
+    Register,
+    Stop,
+)
+from gpu_worker.output_lane import OutputLane
+from gpu_worker.stats import WorkerStats
+from shared import names
+from shared.jobs import FinishReason, JobStatus, new_record
+from shared.schemas import DELTA_SCHEMA, TOKENIZED_SCHEMA, from_ipc, to_ipc
+from shared.settings import Settings
+from tests.conftest import ROOT
+
+
+def test_lane_messages_pickle() -> None:
+    msgs = [Register("j", ("stop",), 1.5, 3, True, 2, (5, 6), "hi"), Deltas(b"\x00"), Stop(), Done("j"),
+            Abort("j", FinishReason.stop), GraceOver(), Add(Request("j", [1, 2]))]
+    for msg in msgs:
+        assert pickle.loads(pickle.dumps(msg)) == msg
+
+
+def test_the_synthetic_engine_implements_the_protocol() -> None:
+    members = [m for m in vars(Engine) if not m.startswith("_")] + list(Engine.__annotations__)
+    for name in members:
+        assert hasattr(SyntheticEngine, name), name
+        proto = getattr(Engine, name, None)
+        if inspect.isfunction(proto):
+            assert inspect.signature(getattr(SyntheticEngine, name)) == inspect.signature(proto), name
+
+
+def test_a_synthetic_worker_imports_no_torch(model_path: str) -> None:
+    code = ("import sys\n"
+            "from gpu_worker import admission, control, engine_loop, feedback, ledger, messages, output_lane\n"
+            "from gpu_worker import reader, stats, worker\n"
+            "from shared.settings import Settings\n"
+            "engine = worker.build_engine(Settings(engine='synthetic'))\n"
+            "assert engine.step() == [] and not engine.has_unfinished()\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "REDIS_URL": "redis://127.0.0.1:1/0", "MODEL": model_path})
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+class Loop:
+    """An EngineLoop on the synthetic engine, its sent messages collected."""
+
+    def __init__(self) -> None:
+        self.engine = SyntheticEngine(max_num_seqs=4)
+        self.inbox: SimpleQueue[EngineCommand] = SimpleQueue()
+        self.sent: list[LaneCommand] = []
+        self.stopping = threading.Event()
+        self.running: set[str] = set()
+        self.loop = EngineLoop(self.engine, self.inbox, self.sent.append, WorkerStats(), self.stopping,
+                               lambda: not self.running, lambda: True)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [row for msg in self.sent if isinstance(msg, Deltas)
+                for row in from_ipc(msg.data, DELTA_SCHEMA).to_pylist()]
+
+
+def test_engine_loop_adds_steps_aborts_and_drains() -> None:
+    t = Loop()
+    t.inbox.put(Add(Request("a", [1, 2], max_tokens=3)))
+    t.inbox.put(Add(Request("b", [1], max_tokens=1000)))
+    t.inbox.put(Abort("late", FinishReason.cancelled))  # its Add comes after the cancel
+    assert t.loop.take_commands()
+    t.loop.step()
+    t.inbox.put(Abort("b", FinishReason.stop))
+    t.inbox.put(Add(Request("late", [1], max_tokens=1000)))
+    assert t.loop.take_commands()
+    while t.engine.has_unfinished():
+        t.loop.step()
+    ends = {r["job_id"]: r["finish_reason"] for r in t.rows() if r["finish_reason"]}
+    assert ends == {"a": "length", "b": "stop", "late": "cancelled"}
+    assert [r["token_ids"] for r in t.rows() if r["job_id"] == "a"] == [[WORD_TOKEN]] * 3
+    assert t.loop.stats.generated_tokens == 4 and t.loop.stats.steps >= 3
+    t.stopping.set()
+    assert t.loop.run() is True  # stopping and nothing running: drained
+
+
+def test_engine_loop_grace_over_ends_a_drain_early() -> None:
+    t = Loop()
+    t.inbox.put(Add(Request("a", [1], max_tokens=10**9)))
+    t.running.add("a")
+    t.stopping.set()
+    threading.Timer(0.2, t.inbox.put, (GraceOver(),)).start()
+    assert t.loop.run() is False
+
+
+def test_engine_loop_fails_a_request_the_engine_refuses() -> None:
+    class Refusing(SyntheticEngine):
+        def add_request(self, req: Request) -> None:
+            raise RuntimeError("no room")
+
+    t = Loop()
+    t.loop.engine = Refusing()
+    t.inbox.put(Add(Request("x", [1])))
+    assert t.loop.take_commands()
+    [row] = t.rows()
+    assert row["finish_reason"] == "error" and "no room" in row["error"]
+
+
+class FakeConsumer:
+    def __init__(self, fail: int = 0) -> None:
+        self.acked: list[str] = []
+        self.fail = fail
+
+    def ack(self, ids: list[str]) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise redis.ConnectionError("down")
+        self.acked += ids
+
+
+def test_ledger_acks_an_entry_when_its_last_job_ends() -> None:
+    consumer = FakeConsumer(fail=2)  # the ack is retried through an outage
+    ledger = EntryLedger(consumer, max_jobs=2)  # type: ignore[arg-type]
+    ledger.open("e1", ["j1", "j2"])
+    ledger.take_slot()
+    ledger.take_slot()
+    assert not ledger.has_room(0.01) and ledger.entries() == ["e1"]
+    ledger.close("j1")
+    assert consumer.acked == [] and ledger.has_room(0.01) and not ledger.idle()
+    ledger.close("j1")  # a second report of the same end changes nothing
+    ledger.close("j2")
+    assert consumer.acked == ["e1"] and ledger.idle() and ledger.entries() == []
+
+
+def test_control_lane_turns_cancels_into_aborts() -> None:
+    inbox: SimpleQueue[EngineCommand] = SimpleQueue()
+    lane = ControlLane(None, inbox, threading.Event())  # type: ignore[arg-type]
+    for data in (b"{not json", b"[1]", b'{"op": "cancel"}', b'{"op": "other", "job_id": "a"}',
+                 orjson.dumps({"op": "cancel", "job_id": "job_1"})):
+        lane.handle(data)
+    assert inbox.get_nowait() == Abort("job_1", FinishReason.cancelled) and inbox.empty()
+
+
+def test_output_lane_replays_a_step_write_after_an_outage(redis_url: str, model_path: str) -> None:
+    settings = Settings(redis_url=redis_url, model=model_path)
+    feedback: SimpleQueue[Any] = SimpleQueue()
+    lane = OutputLane(settings, feedback)  # type: ignore[arg-type]
+    r = redis.Redis.from_url(redis_url)
+    job_id = f"job_replay_{time.time_ns()}"
+    r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}", True) | {"status": "running"})
+    lane.register(Register(job_id, (), time.time(), 1, started=True))
+    rows = [{"job_id": job_id, "token_ids": [WORD_TOKEN, WORD_TOKEN], "finish_reason": "length", "error": None}]
+    pipe, done = lane.build(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)))
+
+    def drop(**kwargs: Any) -> Any:  # as a lost connection does: the pipeline is emptied
+        pipe.reset()
+        raise redis.ConnectionError("lost")
+
+    pipe.execute = drop
+    lane.commit(pipe, done)
+    assert feedback.get_nowait() == Done(job_id)
+    assert r.hget(names.job_key(job_id), "status") == JobStatus.succeeded.value.encode()
+    assert r.hget(names.job_key(job_id), "completion_tokens") == b"2"
+
+
+# --- a whole worker, synthetic engine, real Redis --------------------------------------------------
+
+
+@pytest.fixture
+def worker_env(redis_server, model_path: str, tmp_path: Path) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
+    url = redis_server.url.rsplit("/", 1)[0] + "/10"
+    redis.Redis.from_url(url).flushdb()
+    env = dict(os.environ) | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic", "CLAIM_IDLE_MS": "3000",
+                              "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "DRAIN_GRACE_S": "3", "LOG_LEVEL": "INFO",
+                              "CONVEYOR_CACHE": str(tmp_path)}
+    yield env
+    redis.Redis.from_url(url).flushdb()
+
+
+def enqueue(r: redis.Redis, jobs: dict[str, int]) -> None:
+    """One `tokenized` entry holding these jobs (id -> max_tokens), as the tokenizer pool writes it."""
+    rows = []
+    for job_id, max_tokens in jobs.items():
+        r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}", True))
+        rows.append({"job_id": job_id, "prompt_ids": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0.0,
+                     "top_p": 1.0, "top_k": 0, "seed": 1, "stop": [], "stop_token_ids": [], "ignore_eos": True})
+    batch = pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
+    r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": len(rows)})
+
+
+def status_of(r: redis.Redis, job_id: str, want: set[str], timeout: float = 60) -> dict[bytes, bytes]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rec = r.hgetall(names.job_key(job_id))
+        if rec.get(b"status", b"").decode() in want:
+            return rec
+        assert time.monotonic() < deadline, rec
+        time.sleep(0.05)
+
+
+def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, str], tmp_path: Path) -> None:
+    r = redis.Redis.from_url(worker_env["REDIS_URL"])
+    log = open(tmp_path / "worker.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"], env=worker_env, cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        enqueue(r, {"job_short_a": 5, "job_short_b": 7})
+        for job_id, n in (("job_short_a", b"5"), ("job_short_b", b"7")):
+            rec = status_of(r, job_id, {"succeeded", "failed"})
+            assert rec[b"status"] == b"succeeded" and rec[b"completion_tokens"] == n, rec
+        deadline = time.monotonic() + 10
+        while r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"]:
+            assert time.monotonic() < deadline  # acknowledged once both jobs ended
+            time.sleep(0.05)
+
+        enqueue(r, {"job_long": 10**9})
+        status_of(r, "job_long", {"running"})
+        r.hset(names.job_key("job_long"), "cancel_requested", "1")
+        r.publish(names.CONTROL_CHANNEL, orjson.dumps({"op": "cancel", "job_id": "job_long"}))
+        rec = status_of(r, "job_long", {"cancelled", "succeeded", "failed"})
+        assert rec[b"status"] == b"cancelled" and rec[b"finish_reason"] == b"cancelled", rec
+
+        enqueue(r, {"job_drained": 10**9})
+        status_of(r, "job_drained", {"running"})
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 3 + 10 + 5  # the grace, the hand-back, the lane's stop
+        # handed back: claimable by another worker now, not after CLAIM_IDLE_MS
+        [pending] = r.xpending_range(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, "-", "+", 10)
+        assert pending["time_since_delivered"] >= 3000
+        assert r.hget(names.job_key("job_drained"), "status") == b"running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
