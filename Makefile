@@ -43,10 +43,10 @@ test-fast: setup
 	$(VENV)/bin/pytest -q -m "not slow"
 
 bench-engine: model
-	$(PY) bench/engine.py
+	$(PY) -m bench.engine
 
 bench-serve: model
-	$(PY) bench/serve.py
+	$(PY) -m bench.serve --start
 
 lint: setup
 	$(VENV)/bin/ruff check api workers gpu_worker shared infra tests bench

@@ -1,10 +1,11 @@
 """Chaos run: nothing lost, nothing duplicated, while processes die and Redis restarts.
 
-    .venv/bin/python bench/chaos.py                        # 500 jobs, 3 rounds, real model
-    .venv/bin/python bench/chaos.py --jobs 60 --rounds 1   # a quick one
+    .venv/bin/python -m bench.chaos                        # 500 jobs, 3 rounds, real model
+    .venv/bin/python -m bench.chaos --jobs 60 --rounds 1   # a short one
+    .venv/bin/python -m bench.chaos --quick                # 20 jobs, 1 round, synthetic engine
 
-Starts a redis-server of its own (append-only, fixed port and data dir, so this script can
-restart it) and `conveyor up --no-autoscale --tokenizers 2 --inference 2` on it, with fast
+Starts a redis-server of its own (append-only, its port and data dir kept, so this script can
+restart it) and `conveyor up --no-autoscale --tokenizers 2 --inference 2` on it (bench/stack.py), with fast
 redelivery (CLAIM_IDLE_MS=3000, REFRESH_S=0.5, HEARTBEAT_S=1, DELIVERY_LIMIT=5).
 
 1. Reference: every (prompt, params) of a fixed list runs twice through the same stack before any
@@ -27,6 +28,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import shutil
 import sys
 import time
@@ -36,38 +38,12 @@ from typing import Any
 import httpx
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.harness import (  # noqa: E402
-    DEFAULT_MODEL,
-    Stack,
-    check_events,
-    error_reason,
-    md_table,
-    read_sse,
-    scan_log,
-    start_stack,
-    stop_stack,
-    tree_state,
-    wait_ready,
-)
-from infra.redis_server import RedisServer  # noqa: E402
-from shared import names  # noqa: E402
-
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "What is the capital of France?",
-    "Explain what a hash table is in one paragraph.",
-    "List three fruits that are red.",
-    "Once upon a time, in a small village,",
-    "Give me a tip for learning to cook.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-    "Describe a cat to someone who has never seen one.",
-    "What are the benefits of regular exercise?",
-    "The history of the bicycle begins",
-    "Summarize the plot of Romeo and Juliet.",
-]
+from bench.common import PROMPTS, default_model, md_table, tree_state
+from bench.sse_client import check_events, read_sse
+from bench.stack import Stack, scan_log, start_stack, stop_stack
+from infra.redis_server import RedisServer
+from shared import names
+from shared.jobs import TERMINAL
 
 
 def specs() -> list[dict[str, Any]]:
@@ -84,7 +60,8 @@ def specs() -> list[dict[str, Any]]:
     return out
 
 
-ENDED = {"succeeded", "failed", "cancelled"}
+def error_reason(msg: str) -> str:
+    return re.sub(r"\d+", "N", msg or "")[:120]
 
 
 class Run:
@@ -148,7 +125,7 @@ class Run:
         except redis.RedisError:
             return
         for j, st in zip(left, statuses):
-            if st in ENDED:
+            if st in TERMINAL:
                 self.ended.add(j)
 
     async def watcher(self) -> None:
@@ -250,7 +227,7 @@ class Run:
         for idx, job_id in ids:
             while True:
                 job = (await client.get(f"/v1/jobs/{job_id}")).json()
-                if job["status"] in ENDED:
+                if job["status"] in TERMINAL:
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"reference job {job_id} did not end: {job}")
@@ -276,7 +253,7 @@ async def verify(run: Run, client: httpx.AsyncClient, refs: dict[int, set[str]])
             job = (await client.get(f"/v1/jobs/{job_id}", timeout=30)).json()
             st = job.get("status")
             res["status"][st] += 1
-            if st not in ENDED:
+            if st not in TERMINAL:
                 res["lost"].append({"id": job_id, "status": st, "tokens": job.get("usage", {})})
                 return
             if st == "failed":
@@ -376,15 +353,13 @@ async def main_async(args: argparse.Namespace, stack: Stack, server: RedisServer
     return 1 if lost or corrupt else 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--inflight", type=int, default=48, help="most jobs submitted and not yet ended")
-    ap.add_argument("--port", type=int, default=19080, help="API port")
-    ap.add_argument("--redis-port", type=int, default=19379)
     ap.add_argument("--workdir", default="/tmp/conveyor-chaos", help="redis data, cache, stack.log, chaos.json")
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default=None, help="model directory (default: the service's default model)")
     ap.add_argument("--engine", default="torch", choices=["torch", "synthetic"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--gap", type=float, default=1.5, help="seconds between the kills of a round")
@@ -394,7 +369,13 @@ def main() -> int:
                     help="roles to SIGKILL each round, comma-separated ('' for none: only the Redis restart)")
     ap.add_argument("--ref-copies", type=int, default=2, help="clean runs per spec for the reference")
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds after the last submission")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true",
+                    help="seconds: 20 jobs, 1 round, a 1 s Redis outage, the synthetic engine")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.jobs, args.rounds, args.inflight, args.engine, args.ref_copies = 20, 1, 8, "synthetic", 1
+        args.gap, args.outage, args.deadline = 0.3, 1.0, 120.0
+    args.model = args.model or default_model()
     args.run_id = f"{int(time.time())}"
     args.kill = [r for r in args.kill.split(",") if r]
     args.code = tree_state()
@@ -402,19 +383,21 @@ def main() -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    server = RedisServer(work / "redis", port=args.redis_port, appendonly=True)
+    server = RedisServer(work / "redis", appendonly=True)  # restarts keep its port
     server.start()
     env = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "DELIVERY_LIMIT": "5",
-           "DRAIN_GRACE_S": "10", "TORCH_THREADS": "1", "ENGINE": args.engine}
-    stack = start_stack(work, args.port, args.model, env, tokenizers=2, inference=2, redis_url=server.url)
+           "DRAIN_GRACE_S": "10", "TORCH_THREADS": "1", "ENGINE": args.engine, "LOG_LEVEL": "INFO",
+           "PYTHONUNBUFFERED": "1"}
     code = 2
+    stack = None
     try:
-        wait_ready(stack)
+        stack = start_stack(work / "stack", server.url, args.model, env, ["--tokenizers", "2", "--inference", "2"],
+                            timeout=300)
         code = asyncio.run(main_async(args, stack, server))
     finally:
         if server.proc is None or server.proc.poll() is not None:
             server.start()  # let the workers drain against a live Redis
-        left = stop_stack(stack)
+        left = stop_stack(stack) if stack is not None else []
         server.stop()
         if left:
             print(f"processes that outlived the stack and were killed: {left}")

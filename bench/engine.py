@@ -1,8 +1,10 @@
-"""In-process generation benchmark: every contender on the same workload, one Markdown table.
+"""In-process generation benchmark: named contenders on the same workload, interleaved, one Markdown table.
 
-    .venv/bin/python bench/engine.py             # full default run: 15-20 minutes on 2 idle cores
-    .venv/bin/python bench/engine.py --n 8 --max-new 8 --repeats 1 --concurrency 4   # smoke test
-    .venv/bin/python bench/engine.py --profile   # also break down one fp32 engine step at 32 running
+    .venv/bin/python -m bench.engine             # full default run: 15-20 minutes on 2 idle cores
+    .venv/bin/python -m bench.engine --quick     # seconds: a tiny random model, 4 requests x 4 tokens
+    .venv/bin/python -m bench.engine --profile   # also break down one fp32 engine step at 32 running
+    .venv/bin/python -m bench.engine --step-time 1,8,32 --dtypes float32,bfloat16   # decode-step time only
+    .venv/bin/python -m bench.engine --after-idle 8 --dtypes bfloat16   # a prefill step warm and after idling
 
 Workload: N requests drawn round-robin from 16 short chat prompts (rendered with the model's chat
 template, about 30-45 tokens), each generating exactly --max-new tokens (greedy, EOS ignored).
@@ -12,7 +14,7 @@ Two arrival modes:
   in flight (a new one is submitted, and its clock starts, when one finishes);
 - `poisson`: an open stream at --rate requests/s, arrival times precomputed from a fixed seed.
 
-Contenders:
+Contenders (CONTENDERS: a name, how to load it, how to run it):
 
 - `naive`     transformers `pipeline("text-generation")`, one request at a time;
 - `static`    `model.generate` over left-padded batches of --static-batch requests;
@@ -26,6 +28,12 @@ processes used meanwhile. Every figure is the median over --repeats; contenders 
 each repeat so that the machine's drift hits them alike, and a run disturbed by other processes (more
 than --max-noise of the CPU) is redone, up to --retries times, after waiting for a quiet machine.
 Finally the fp32 engine's tokens are compared with batch-1 `generate` (--check requests).
+
+`--step-time B1,B2,..` instead loads the engine per --dtypes and batch size, prefills B identical-length
+prompts, takes 3 untimed decode steps, then reports the median (and min) of --steps timed decode steps:
+the number to compare when changing the model runner (alternate two trees; single runs minutes apart
+are not comparable). `--after-idle S` times a --prompt-len prefill step warm (right after another
+request) and after the process has slept S seconds, alternately, 3 times each.
 """
 
 from __future__ import annotations
@@ -49,18 +57,12 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-from workload import PROMPTS, CpuShare, percentile, wait_for_quiet  # noqa: E402
+from bench.common import PROMPTS, CpuShare, default_model, fmt, percentile, quick_model, wait_for_quiet
 
 T = TypeVar("T")
-DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
-CONTENDERS = ("naive", "static", "hf-cb", "ours-fp32", "ours-bf16")
 MODES = ("all", "poisson")
-
 
 
 # ----------------------------------------------------------------------------- workload and clients
@@ -155,7 +157,6 @@ class Clock:
 
 
 # ----------------------------------------------------------------------------- metrics
-
 
 
 @dataclass
@@ -328,21 +329,48 @@ def run_ours(s: Setup, client: Client, dtype: str) -> list[Record]:
     return client.records
 
 
-RUNNERS: dict[str, tuple[Callable[[Setup, Client], list[Record]], bool]] = {  # name -> (run, streams)
-    "naive": (run_naive, False),
-    "static": (run_static, False),
-    "hf-cb": (run_hf_cb, True),
-    "ours-fp32": (lambda s, c: run_ours(s, c, "float32"), True),
-    "ours-bf16": (lambda s, c: run_ours(s, c, "bfloat16"), True),
-}
+def load_naive(s: Setup) -> None:
+    from transformers import pipeline
+
+    s.pipe = pipeline("text-generation", model=s.hf_model, tokenizer=s.tokenizer)
+
+
+def load_hf_cb(s: Setup) -> None:
+    from transformers import AutoModelForCausalLM
+
+    s.cb_model = AutoModelForCausalLM.from_pretrained(s.args.model, dtype=torch.float32).eval()
+
+
+def load_ours(s: Setup, dtype: str) -> None:
+    s.engines[dtype] = make_engine(s.args.model, dtype, s.args)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A named way to generate: `load` puts what it needs on the Setup once; `run` serves one arrival
+    timeline (the Client) and returns its records; `streams` is whether it reports tokens as they come."""
+
+    name: str
+    run: Callable[[Setup, Client], list[Record]]
+    streams: bool
+    load: Callable[[Setup], None] | None = None
+
+
+CONTENDERS = [
+    Contender("naive", run_naive, False, load_naive),
+    Contender("static", run_static, False),
+    Contender("hf-cb", run_hf_cb, True, load_hf_cb),
+    Contender("ours-fp32", partial(run_ours, dtype="float32"), True, partial(load_ours, dtype="float32")),
+    Contender("ours-bf16", partial(run_ours, dtype="bfloat16"), True, partial(load_ours, dtype="bfloat16")),
+]
+BY_NAME = {c.name: c for c in CONTENDERS}
 
 
 def one_run(s: Setup, name: str, mode: str) -> tuple[Result, list[Record]]:
-    run, streams = RUNNERS[name]
-    a, wl = s.args, s.workload
-    recs = run(s, Client(wl.n, mode, a.concurrency, a.rate, a.seed))
+    c, a, wl = BY_NAME[name], s.args, s.workload
+    recs = c.run(s, Client(wl.n, mode, a.concurrency, a.rate, a.seed))
     check_counts(name, recs, wl.max_new)
-    return summarise(recs, streams), recs
+    return summarise(recs, c.streams), recs
 
 
 def measured(args: argparse.Namespace, label: str, fn: Callable[[], T]) -> tuple[T, float, int]:
@@ -388,7 +416,7 @@ def make_engine(model: str, dtype: str, args: argparse.Namespace):
 
 
 def build_setup(args: argparse.Namespace) -> Setup:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
@@ -396,13 +424,9 @@ def build_setup(args: argparse.Namespace) -> Setup:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     s = Setup(args, build_workload(tok, args.n, args.max_new), tok, model)
-    if "naive" in args.only:
-        s.pipe = pipeline("text-generation", model=model, tokenizer=tok)
-    if "hf-cb" in args.only:
-        s.cb_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    for name, dtype in (("ours-fp32", "float32"), ("ours-bf16", "bfloat16")):
-        if name in args.only:
-            s.engines[dtype] = make_engine(args.model, dtype, args)
+    for name in args.only:
+        if BY_NAME[name].load is not None:
+            BY_NAME[name].load(s)
     return s
 
 
@@ -419,8 +443,7 @@ def warm_up(s: Setup) -> None:
                 if got != 4:
                     raise RuntimeError(f"naive: pipeline produced {got} tokens, expected 4")
                 continue
-            run, _ = RUNNERS[name]
-            recs = run(s, Client(2, "all", 2, 1.0, 0))
+            recs = BY_NAME[name].run(s, Client(2, "all", 2, 1.0, 0))
             check_counts(name, recs, 4)
     finally:
         s.workload = real
@@ -486,11 +509,69 @@ def profile_step(s: Setup, dtype: str = "float32", concurrency: int = 32, steps:
         engine.step()
 
 
+def step_time(model: str, dtype: str, batch: int, steps: int, prompt_len: int) -> tuple[float, float]:
+    """Median and min decode-step time (ms) at `batch` running sequences, after a prefill of all of them."""
+    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, max_num_seqs=max(64, batch),
+                                    max_num_batched_tokens=0))
+    prompt = list(range(100, 100 + prompt_len))
+    for i in range(batch):
+        engine.add_request(Request(f"r{i}", prompt, max_tokens=10_000, temperature=0.0, ignore_eos=True))
+    while engine.num_waiting or any(q.num_uncomputed > 1 for q in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3, min(times) * 1e3
+
+
+def after_idle(model: str, dtype: str, idle_s: float, prompt_len: int) -> tuple[list[float], list[float]]:
+    """A prefill step's time (ms) right after another request and after `idle_s` of sleep, 3 times each."""
+    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+
+    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype))
+    prompt = list(range(100, 100 + prompt_len))
+
+    def prefill_ms(tag: str) -> float:
+        engine.add_request(Request(tag, prompt, max_tokens=2, temperature=0.0, ignore_eos=True))
+        t = time.perf_counter()
+        engine.step()
+        took = (time.perf_counter() - t) * 1e3
+        while engine.has_unfinished():
+            engine.step()
+        return took
+
+    for i in range(3):
+        prefill_ms(f"w{i}")
+    warm, idle = [], []
+    for i in range(3):
+        warm.append(prefill_ms(f"a{i}"))
+        time.sleep(idle_s)
+        idle.append(prefill_ms(f"b{i}"))
+    return warm, idle
+
+
+def step_times(args: argparse.Namespace) -> int:
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, GOMP_SPINCOUNT="
+          f"{os.environ.get('GOMP_SPINCOUNT', 'unset')}")
+    for dtype in args.dtypes.split(","):
+        for batch in (int(b) for b in args.step_time.split(",") if b):
+            med, low = step_time(args.model, dtype, batch, args.steps, args.prompt_len)
+            print(f"{dtype:9s} batch {batch:3d}: decode step {med:6.1f} ms median (min {low:.1f}), "
+                  f"{batch / med * 1e3:6.0f} tok/s if every step were like this", flush=True)
+        if args.after_idle:
+            warm, idle = after_idle(args.model, dtype, args.after_idle, args.prompt_len)
+            print(f"{dtype:9s} {args.prompt_len}-token prefill step: warm {' / '.join(f'{x:.0f}' for x in warm)} ms, "
+                  f"after {args.after_idle:g} s idle {' / '.join(f'{x:.0f}' for x in idle)} ms", flush=True)
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
-
-
-def fmt(x: float, digits: int = 0) -> str:
-    return "n/a" if x != x else f"{x:,.{digits}f}"
 
 
 def print_table(results: dict[tuple[str, str], list[Result]], only: list[str], modes: list[str]) -> dict:
@@ -512,14 +593,16 @@ def print_table(results: dict[tuple[str, str], list[Result]], only: list[str], m
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=os.environ.get("CONVEYOR_MODEL", DEFAULT_MODEL))
+    p.add_argument("--model", default=None, help="model directory (default: the service's default model)")
+    p.add_argument("--quick", action="store_true",
+                   help="seconds: a tiny random model (unless --model), 4 requests x 4 tokens, 2 in flight")
     p.add_argument("--n", type=int, default=64, help="requests per run")
     p.add_argument("--max-new", type=int, default=64, help="tokens generated per request")
     p.add_argument("--concurrency", type=int, default=32,
                    help="`all` mode: requests in flight; also the batch cap of the continuous batchers")
     p.add_argument("--rate", type=float, default=8.0, help="`poisson` mode: requests per second")
     p.add_argument("--repeats", type=int, default=3, help="runs per contender and mode; figures are medians")
-    p.add_argument("--only", default=",".join(CONTENDERS), help=f"comma-separated subset of {','.join(CONTENDERS)}")
+    p.add_argument("--only", default=",".join(BY_NAME), help=f"comma-separated subset of {','.join(BY_NAME)}")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of all,poisson")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--static-batch", type=int, default=8)
@@ -536,16 +619,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", type=int, default=4, help="requests compared with batch-1 generate (0: skip)")
     p.add_argument("--profile", action="store_true", help="also profile one fp32 engine step at 32 running")
     p.add_argument("--json", dest="json_out", help="also write the medians here, and a chart beside it (.png)")
+    p.add_argument("--step-time", default="", help="decode-step time only, at these batch sizes (e.g. 1,8,32)")
+    p.add_argument("--after-idle", type=float, default=0.0,
+                   help="decode-step mode: also time a prefill step after this many seconds idle")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="decode-step mode: engine dtypes")
+    p.add_argument("--steps", type=int, default=15, help="decode-step mode: timed steps per batch size")
+    p.add_argument("--prompt-len", type=int, default=40, help="decode-step mode: prompt tokens per request")
     args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.max_new, args.concurrency, args.rate, args.repeats = 4, 4, 2, 50.0, 1
+        args.naive_subset, args.retries, args.quiet_wait, args.check, args.steps = 2, 0, 0.0, 2, 3
+        args.after_idle = min(args.after_idle, 0.1)
+    args.model = quick_model(args.model) if args.quick else args.model or default_model()
     args.only = [c for c in args.only.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [c for c in args.only if c not in CONTENDERS] + [m for m in modes if m not in MODES]
+    unknown = [c for c in args.only if c not in BY_NAME] + [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown contender or mode: {unknown}")
 
     quiet()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     torch.manual_seed(0)
+    if args.step_time or args.after_idle:
+        return step_times(args)
     started = datetime.now(UTC)
     print(f"# engine benchmark, {started:%Y-%m-%d %H:%M} UTC\n")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()} of {os.cpu_count()} cores, "
@@ -607,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
             print("WARNING: ours-fp32 differs from batch-1 generate", file=sys.stderr)
 
     if args.json_out:
-        from plot import plot_rows
+        from bench.plot import plot_rows
 
         rows = [{"target": name, "level": mode, **asdict(r)} for (name, mode), r in med.items()]
         Path(args.json_out).write_text(json.dumps({"when": started.isoformat(timespec="seconds"),

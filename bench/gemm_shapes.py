@@ -3,8 +3,9 @@ reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`)
 MKL on a weight packed once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`), at several
 row counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/gemm.py.
 
-    .venv/bin/python bench/gemm_shapes.py                      # SmolLM2-135M's shapes, float32
-    .venv/bin/python bench/gemm_shapes.py --dtype bfloat16
+    .venv/bin/python -m bench.gemm_shapes                      # SmolLM2-135M's shapes, float32
+    .venv/bin/python -m bench.gemm_shapes --dtype bfloat16
+    .venv/bin/python -m bench.gemm_shapes --quick              # seconds: rows 1 and 8, a few calls
 
 Shapes (in -> out): fused q/k/v, o, fused gate/up, down, LM head. Each figure is the smaller of two
 medians of --n calls, in microseconds; "layer" sums the four layer matrices.
@@ -41,14 +42,17 @@ def timed(fn, n: int) -> float:
     return min(runs) * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rows", default="1,4,8,16,32,64")
     p.add_argument("--n", type=int, default=60)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--copies", type=int, default=1, help="distinct copies of each weight to cycle through")
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="seconds: rows 1,8, 3 calls per figure")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.n = "1,8", 3
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

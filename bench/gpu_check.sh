@@ -48,7 +48,7 @@ import warnings
 
 import torch
 
-from bench.workload import percentile
+from bench.common import percentile
 
 SMOKE = os.environ.get("SMOKE") == "1"
 LEVELS = [int(x) for x in os.environ["LEVELS"].split()]

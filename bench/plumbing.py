@@ -1,10 +1,10 @@
 """Plumbing benchmark: what one API process carries when generation costs nothing.
 
-    .venv/bin/python bench/plumbing.py                    # everything (about 5 minutes)
-    .venv/bin/python bench/plumbing.py --quick            # smoke test (about a minute)
-    .venv/bin/python bench/plumbing.py --only relay --relay-n 1,100,1000
+    .venv/bin/python -m bench.plumbing                    # everything (about 5 minutes)
+    .venv/bin/python -m bench.plumbing --quick            # seconds: small and short
+    .venv/bin/python -m bench.plumbing --only relay --relay-n 1,100,1000
 
-It starts its own stack (`conveyor up --no-autoscale`, its own redis-server on a known port) with
+It starts its own stack (bench/stack.py: `conveyor up --no-autoscale`, its own redis-server) with
 ENGINE=synthetic: the zero-cost synthetic engine, a benchmark instrument that emits one fixed token
 per running request per step with no model, so only the plumbing is measured. One API process.
 
@@ -19,9 +19,9 @@ per running request per step with no model, so only the plumbing is measured. On
     process's RSS (psutil) idle, with N streams held and at peak, Redis connections (`CLIENT LIST`),
     and checks that every stream received every token, in order, and its `done` event.
 (c) relay delay: N job records made here, one SSE client each; a publisher in this process writes
-    token events the way gpu_worker/output_lane.py does (per tick, one MULTI/EXEC: XADD to each
-    job's event stream + PUBLISH on its channel), with the wall-clock publish time in the text.
-    Delay = client receive time - publish time, per token event, p50/p99/max.
+    token events with the output lane's own step write (`shared.job_ops.step_write` + `JobOps.step`:
+    per tick, one STEP script call for a group of jobs in one MULTI/EXEC), with the wall-clock
+    publish time in the text. Delay = client receive time - publish time, per token event, p50/p99/max.
 
 Clients, publisher, API, Redis and the (idle) workers all share this machine's cores: the figures
 are for that, and say how many client processes drove them.
@@ -36,8 +36,6 @@ import multiprocessing as mp
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,128 +43,48 @@ import tempfile
 import threading
 import time
 import urllib.request
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from workload import percentile  # noqa: E402
+import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.common import default_model, percentile, quick_model
+from bench.sse_client import HttpStatusError, raw_events
+from bench.stack import Stack, start_stack, stop_stack
 
-DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
 SUBMIT_BODY = b'{"prompt": "Hello", "max_tokens": 1}'
 OPEN_ATTEMPTS = 10
-
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ----------------------------------------------------------------------------- the stack
 
 
-class Stack:
-    def __init__(self, args: argparse.Namespace, workdir: Path, extra_env: dict[str, str] | None = None) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.port, self.redis_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)
-        env.pop("REDIS_URL", None)
-        env.update({"ENGINE": "synthetic", "PORT": str(self.port), "HOST": "127.0.0.1",
-                    "REDIS_PORT": str(self.redis_port), "CONVEYOR_CACHE": str(workdir / "cache"),
-                    "MODEL": args.model, "MAX_NUM_SEQS": str(max(1024, max(args.stream_n))),
-                    "LOG_LEVEL": env.get("LOG_LEVEL", "WARNING")})
-        env.update(extra_env or {})
-        self.auth_header = ""  # set when the stack requires keys
-        self.log = open(workdir / "stack.log", "wb")
-        self.log_path = workdir / "stack.log"
-        print(f"[stack] starting (ENGINE=synthetic, log {self.log_path})", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", "--no-autoscale"], env=env, cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the stack did not come up:\n" + self.log_path.read_text()[-3000:])
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        import redis
+def start(args: argparse.Namespace, workdir: Path, extra: dict[str, str] | None = None) -> Stack:
+    print(f"[stack] starting (ENGINE=synthetic, log {workdir / 'stack.log'})", file=sys.stderr, flush=True)
+    env = {"ENGINE": "synthetic", "MAX_NUM_SEQS": str(max(1024, max(args.stream_n))),
+           "LOG_LEVEL": os.environ.get("LOG_LEVEL", "WARNING"), **(extra or {})}
+    stack = start_stack(workdir, None, args.model, env)
+    print(f"[stack] ready at {stack.url}", file=sys.stderr, flush=True)
+    return stack
 
-        from infra.redis_server import read_local_redis_url
 
-        url = read_local_redis_url(workdir / "cache")  # the supervisor's Redis has a password
-        if url is None:
-            self.stop()
-            raise RuntimeError(f"no Redis connection file under {workdir / 'cache' / 'redis'}")
-        self.redis_url = url
-        self.redis = redis.Redis.from_url(self.redis_url, decode_responses=True)
-        print(f"[stack] ready at {self.url}, redis on port {self.redis_port}", file=sys.stderr, flush=True)
+def api_pid(stack: Stack) -> int:
+    pids = [p.pid for p in stack.by_role("api")]
+    if len(pids) != 1:
+        raise RuntimeError(f"expected one API process, found {pids}")
+    return pids[0]
 
-    def pids(self, role: str) -> list[int]:
-        """Processes of the stack whose command line is `infra.cli <role>`."""
-        import psutil
 
-        out = []
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                cmd = p.cmdline()
-            except psutil.Error:
-                continue
-            if "infra.cli" in cmd and role in cmd:
-                out.append(p.pid)
-        return out
-
-    def api_pid(self) -> int:
-        pids = self.pids("api")
-        if len(pids) != 1:
-            raise RuntimeError(f"expected one API process, found {pids}")
-        return pids[0]
-
-    def pause(self, *roles: str) -> None:
-        for role in roles:
-            for pid in self.pids(role):
-                os.kill(pid, signal.SIGSTOP)
-
-    def resume(self, *roles: str) -> None:
-        for role in roles:
-            for pid in self.pids(role):
-                os.kill(pid, signal.SIGCONT)
-
-    def redis_clients(self) -> dict[str, int]:
-        clients = self.redis.client_list()
-        return {"total": len(clients) - 1,  # less this connection
-                "pubsub": sum(1 for c in clients if int(c.get("sub", 0)) or int(c.get("psub", 0)))}
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.resume("tokenizer", "inference")
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.log.close()
+def redis_clients(stack: Stack) -> dict[str, int]:
+    clients = stack.redis().client_list()
+    return {"total": len(clients) - 1,  # less this connection
+            "pubsub": sum(1 for c in clients if int(c.get("sub", 0)) or int(c.get("psub", 0)))}
 
 
 class RssSampler(threading.Thread):
     def __init__(self, pid: int, period: float = 0.2) -> None:
         super().__init__(daemon=True)
-        import psutil
-
         self.proc, self.period = psutil.Process(pid), period
         self.peak = self.proc.memory_info().rss
         self._halt = threading.Event()
@@ -242,12 +160,12 @@ def _submit_proc(host: str, port: int, conns: int, duration: float, t_start: flo
     out.put(asyncio.run(_submit_loop(host, port, conns, duration, t_start, auth)))
 
 
-def accept_python(stack: Stack, procs: int, conns: int, duration: float) -> dict[str, Any]:
+def accept_python(stack: Stack, procs: int, conns: int, duration: float, auth: str = "") -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     t_start = time.time() + 3.0  # after the processes have started
     ps = [ctx.Process(target=_submit_proc, args=("127.0.0.1", stack.port, conns, duration, t_start, q,
-                                                 stack.auth_header))
+                                                 auth))
           for _ in range(procs)]
     for p in ps:
         p.start()
@@ -307,7 +225,7 @@ def drop_queued(stack: Stack) -> None:
     """After a paused-workers run: forget the jobs that piled up (nobody waits for them)."""
     from shared import names
 
-    stack.redis.xtrim(names.JOBS_STREAM, maxlen=0)
+    stack.redis().xtrim(names.JOBS_STREAM, maxlen=0)
 
 
 def run_accept(stack: Stack, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
@@ -333,7 +251,7 @@ def run_accept(stack: Stack, args: argparse.Namespace, workdir: Path) -> list[di
             rows.append(r)
             print(f"[accept] {mode}, {r['client']}: {r['accepted_per_s']:.0f} jobs/s accepted, "
                   f"p50 {r['lat_p50_ms']:.1f} ms, p99 {r['lat_p99_ms']:.1f} ms", file=sys.stderr, flush=True)
-            time.sleep(3 if paused else 8)  # let the stack drain what it accepted
+            time.sleep(args.settle * (3 if paused else 8) / 8)  # let the stack drain what it accepted
     return rows
 
 
@@ -343,12 +261,12 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
     from shared import tenants
 
     big = {"MAX_QUEUED": str(10**9), "MAX_QUEUE_WAIT_S": str(10**9)}  # measure the checks, not a refusal
-    stacks = {"auth off": Stack(args, workdir / "auth-off", {**big, "AUTH": "off"}),
-              "auth + limits": Stack(args, workdir / "auth-on", {**big, "AUTH": "required"})}
+    stacks = {"auth off": start(args, workdir / "auth-off", {**big, "AUTH": "off"}),
+              "auth + limits": start(args, workdir / "auth-on", {**big, "AUTH": "required"})}
     try:
-        key, _ = tenants.create(stacks["auth + limits"].redis, "bench", rpm=10**9, tpm=10**12, max_queued=10**9,
+        key, _ = tenants.create(stacks["auth + limits"].redis(), "bench", rpm=10**9, tpm=10**12, max_queued=10**9,
                                 max_streams=10**9)
-        stacks["auth + limits"].auth_header = f"Authorization: Bearer {key}\r\n"
+        auth = {"auth off": "", "auth + limits": f"Authorization: Bearer {key}\r\n"}
         rows: list[dict[str, Any]] = []
         for rnd in range(args.auth_rounds):
             order = list(stacks) if rnd % 2 == 0 else list(stacks)[::-1]
@@ -356,7 +274,7 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
                 stack = stacks[name]
                 stack.pause("tokenizer", "inference")
                 try:
-                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s)
+                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s, auth[name])
                 finally:
                     drop_queued(stack)
                     stack.resume("tokenizer", "inference")
@@ -367,7 +285,7 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
                 time.sleep(2)
     finally:
         for stack in stacks.values():
-            stack.stop()
+            stop_stack(stack)
     med = {name: statistics.median(r["accepted_per_s"] for r in rows if r["mode"] == name) for name in stacks}
     print(f"\naccept with keys and limits against without ({args.auth_rounds} alternating rounds of "
           f"{args.accept_s:.0f} s, workers paused, medians)\n")
@@ -383,75 +301,54 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
 # ----------------------------------------------------------------------------- SSE clients
 
 
-async def _sse(host: str, port: int, job_id: str, rec: dict[str, Any], connected: Any, timeout: float) -> None:
-    """One SSE stream on /v1/jobs/{id}/events with a minimal HTTP/1.1 reader: chunk reads under one
-    deadline for the whole stream (no timer per line), events split on blank lines; chunk-size
-    lines have no colon and are skipped like any SSE line without a field. It shares the cores
-    with the API it measures, so it is kept cheap."""
+async def _sse(url: str, job_id: str, rec: dict[str, Any], connected: Any, timeout: float) -> None:
+    """One SSE stream on /v1/jobs/{id}/events (bench/sse_client.py's bare reader, one deadline for the
+    whole stream, no timer per read: it shares the cores with the API it measures)."""
     told = False
-    writer = None
     try:
         async with asyncio.timeout(timeout):
             for attempt in range(OPEN_ATTEMPTS):  # a 503 (Retry-After) is retried, as a client would
-                reader, writer = await asyncio.open_connection(host, port, limit=2**20)
-                writer.write(f"GET /v1/jobs/{job_id}/events HTTP/1.1\r\nHost: {host}\r\n"
-                             "Accept: text/event-stream\r\n\r\n".encode())
-                status = (await reader.readline()).split()
-                if len(status) >= 2 and status[1] == b"200":
-                    break
-                rec["open_errors"].append(status[1].decode() if len(status) >= 2 else "no status")
-                writer.close()
-                await asyncio.sleep(0.2 + 0.3 * attempt)
-            else:
-                rec["error"] = f"HTTP {rec['open_errors'][-1]} on all {OPEN_ATTEMPTS} attempts"
-                return
-            buf = (await reader.readuntil(b"\r\n\r\n")).split(b"\r\n\r\n", 1)[1]
-            while True:
-                chunk = await reader.read(1 << 16)
-                if not chunk:
+                try:
+                    async with aclosing(raw_events(url, f"/v1/jobs/{job_id}/events")) as stream:
+                        async for events in stream:
+                            now = time.time()
+                            for event, data in events:
+                                if not data:
+                                    continue
+                                if not told:
+                                    told = True
+                                    with connected.get_lock():
+                                        connected.value += 1
+                                if event == b"token":
+                                    msg = json.loads(data)
+                                    seq = int(msg["seq"])
+                                    if seq != rec["last_seq"] + 1:
+                                        rec["gaps"] += 1
+                                    rec["last_seq"] = seq
+                                    rec["tokens"] += 1
+                                    rec["text_len"] += len(msg["text"])
+                                    if rec["stamped"]:
+                                        rec["delays"].append((now - float(msg["text"])) * 1e3)
+                                    elif rec["first_token"] is None:
+                                        rec["first_token"] = now
+                                elif event == b"done":
+                                    rec["done"] = now
+                                    return
+                                elif event == b"error":
+                                    rec["error"] = data.decode()[:200]
+                                    return
                     rec["error"] = rec.get("error") or "closed before done"
                     return
-                now = time.time()
-                *blocks, buf = (buf + chunk).split(b"\r\n\r\n")
-                for block in blocks:
-                    event, data = b"", b""
-                    for line in block.split(b"\r\n"):
-                        if line.startswith(b"event:"):
-                            event = line[6:].strip()
-                        elif line.startswith(b"data:"):
-                            data = line[5:].strip()
-                    if not data:
-                        continue
-                    if not told:
-                        told = True
-                        with connected.get_lock():
-                            connected.value += 1
-                    if event == b"token":
-                        msg = json.loads(data)
-                        seq = int(msg["seq"])
-                        if seq != rec["last_seq"] + 1:
-                            rec["gaps"] += 1
-                        rec["last_seq"] = seq
-                        rec["tokens"] += 1
-                        rec["text_len"] += len(msg["text"])
-                        if rec["stamped"]:
-                            rec["delays"].append((now - float(msg["text"])) * 1e3)
-                        elif rec["first_token"] is None:
-                            rec["first_token"] = now
-                    elif event == b"done":
-                        rec["done"] = now
-                        return
-                    elif event == b"error":
-                        rec["error"] = data.decode()[:200]
-                        return
+                except HttpStatusError as exc:
+                    rec["open_errors"].append(str(exc.status))
+                    await asyncio.sleep(0.2 + 0.3 * attempt)
+            rec["error"] = f"HTTP {rec['open_errors'][-1]} on all {OPEN_ATTEMPTS} attempts"
     except (TimeoutError, OSError, ValueError, asyncio.IncompleteReadError) as exc:
         rec["error"] = f"{type(exc).__name__}: {exc}"[:200]
     finally:
         if not told:
             with connected.get_lock():
                 connected.value += 1  # count it anyway so the run does not wait for it forever
-        if writer is not None:
-            writer.close()
 
 
 def _sse_proc(port: int, job_ids: list[str], stamped: bool, connected: Any, timeout: float, out: Any) -> None:
@@ -465,7 +362,8 @@ def _sse_proc(port: int, job_ids: list[str], stamped: bool, connected: Any, time
              "done": None, "first_token": None, "error": None, "stamped": stamped} for j in job_ids]
 
     async def main() -> None:
-        await asyncio.gather(*(_sse("127.0.0.1", port, j, r, connected, timeout) for j, r in zip(job_ids, recs)))
+        url = f"http://127.0.0.1:{port}"
+        await asyncio.gather(*(_sse(url, j, r, connected, timeout) for j, r in zip(job_ids, recs)))
 
     asyncio.run(main())
     out.put(recs)
@@ -525,9 +423,9 @@ def submit_jobs(stack: Stack, n: int, max_tokens: int) -> list[str]:
 
 def run_streams(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    api = stack.api_pid()
+    api = api_pid(stack)
     for n in args.stream_n:
-        base = stack.redis_clients()
+        base = redis_clients(stack)
         sampler = RssSampler(api)
         rss_idle = sampler.now()
         stack.pause("inference")  # the jobs wait until every stream is open
@@ -537,7 +435,7 @@ def run_streams(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
             open_s = clients.wait_connected(120)
             time.sleep(1.0)
             rss_held = sampler.now()
-            held = stack.redis_clients()
+            held = redis_clients(stack)
             sampler.start()
         finally:
             stack.resume("inference")
@@ -575,11 +473,12 @@ def run_streams(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
 def make_records(stack: Stack, n: int) -> list[str]:
     from shared import names
     from shared.jobs import new_record
+    from shared.settings import DEFAULT_MODEL_NAME
 
     ids = [f"job_bench{os.getpid()}{time.time_ns()}{i}" for i in range(n)]
-    pipe = stack.redis.pipeline(transaction=False)
+    pipe = stack.redis().pipeline(transaction=False)
     for job_id in ids:
-        rec = new_record(job_id, "SmolLM2-135M-Instruct", '{"prompt": "bench"}', True)
+        rec = new_record(job_id, DEFAULT_MODEL_NAME, '{"prompt": "bench"}', True)
         rec.update(status="running", started_at=repr(time.time()))
         pipe.hset(names.job_key(job_id), mapping=rec)
         pipe.expire(names.job_key(job_id), 3600)
@@ -588,16 +487,21 @@ def make_records(stack: Stack, n: int) -> list[str]:
 
 
 def publish(stack: Stack, ids: list[str], ticks: int, interval: float, batch: int = 0) -> float:
-    """Every stream gets one token event per interval. batch 0: all of them in one MULTI/EXEC per
-    tick, the worst case (one burst of N events). batch B: groups of B streams, one MULTI each,
-    spread evenly over the interval, like N/B inference workers each stepping B sequences.
-    Returns how far behind schedule the publisher fell at worst (s)."""
+    """Every stream gets one token event per interval, written as the output lane writes a step
+    (gpu_worker/output_lane.py: `step_write` per job, one `JobOps.step` call, in one MULTI/EXEC).
+    batch 0: all streams in one step per tick, the worst case (one burst of N events). batch B:
+    groups of B streams, one step each, spread evenly over the interval, like N/B inference workers
+    each stepping B sequences. Returns how far behind schedule the publisher fell at worst (s)."""
     import orjson
 
-    from shared import names
+    from shared.job_ops import JobOps, step_write
 
+    client = stack.redis()
+    ops = JobOps(client, 3600)
     groups = [ids[i:i + batch] for i in range(0, len(ids), batch)] if batch else [ids]
     seqs = dict.fromkeys(ids, 0)
+    text_bytes = dict.fromkeys(ids, 0)
+    token = (100).to_bytes(4, "little")  # one packed token id per event
     t0 = time.monotonic()
     behind = 0.0
     for k in range(ticks):
@@ -607,14 +511,21 @@ def publish(stack: Stack, ids: list[str], ticks: int, interval: float, batch: in
             if delay > 0:
                 time.sleep(delay)
             behind = max(behind, -delay)
-            pipe = stack.redis.pipeline(transaction=True)
+            pipe = client.pipeline(transaction=True)
             stamp = repr(time.time())
+            chunk = stamp.encode()
+            keys: list[str] = []
+            args: list[Any] = []
             for job_id in group:
                 seqs[job_id] += 1
                 seq = seqs[job_id]
-                pipe.xadd(names.events_key(job_id), {"type": "token", "text": stamp}, id=f"0-{seq}")
-                pipe.publish(names.job_channel(job_id), orjson.dumps({"seq": seq, "type": "token", "text": stamp}))
-                pipe.hset(names.job_key(job_id), mapping={"seq": seq, "completion_tokens": seq})
+                message = orjson.dumps({"seq": seq, "type": "token", "text": stamp})
+                job_keys, job_args = step_write(job_id, 3 if seq == 1 else 0, (seq - 1) * 4, token,
+                                                text_bytes[job_id], chunk, seq, message, seq)
+                text_bytes[job_id] += len(chunk)
+                keys += job_keys
+                args += job_args
+            ops.step(keys, args, pipe)
             pipe.execute()
     return behind
 
@@ -623,8 +534,9 @@ def finish_records(stack: Stack, ids: list[str]) -> None:
     from shared.job_ops import JobOps
     from shared.jobs import FinishReason
 
-    ops = JobOps(stack.redis, 3600)
-    pipe = stack.redis.pipeline(transaction=False)
+    client = stack.redis()
+    ops = JobOps(client, 3600)
+    pipe = client.pipeline(transaction=False)
     for job_id in ids:
         ops.finish(job_id, FinishReason.length, "", {"text": ""}, pipe=pipe)
     pipe.execute()
@@ -632,7 +544,7 @@ def finish_records(stack: Stack, ids: list[str]) -> None:
 
 def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    api = stack.api_pid()
+    api = api_pid(stack)
     for n in args.relay_n:
         ids = make_records(stack, n)
         sampler = RssSampler(api)
@@ -641,8 +553,6 @@ def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
         clients.wait_connected(120)
         time.sleep(0.5)
         sampler.start()
-        import psutil
-
         api_proc = psutil.Process(api)
         cpu0 = sum(api_proc.cpu_times()[:2])
         behind = publish(stack, ids, args.relay_ticks, args.relay_interval, args.relay_batch)
@@ -698,8 +608,9 @@ def report(accept: list[dict[str, Any]], streams: list[dict[str, Any]], relay: l
                   f"({r['redis_clients_held']['pubsub']}) | {r['events_per_s']:,.0f} | {r['open_refusals']} |")
         print()
     if relay:
-        print(f"(c) relay delay, publish (MULTI: XADD + PUBLISH) -> SSE client, one token per stream every "
-              f"{args.relay_interval * 1e3:.0f} ms for {args.relay_ticks} ticks (target p99 <= 50 ms)\n")
+        print(f"(c) relay delay, the output lane's step write (STEP script in MULTI) -> SSE client, one token per "
+              f"stream every {args.relay_interval * 1e3:.0f} ms for {args.relay_ticks} ticks "
+              "(target p99 <= 50 ms)\n")
         print("| streams | events per burst | events/s offered | delay p50 ms | delay p99 ms | delay max ms | "
               "complete | API RSS peak | opens refused (503, retried) |")
         print("|---|---|---|---|---|---|---|---|---|")
@@ -715,9 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="accept,streams,relay",
                    help="comma list of accept, streams, relay, and accept-auth (keys and limits on against off)")
     p.add_argument("--auth-rounds", type=int, default=3, help="alternating rounds for accept-auth")
-    p.add_argument("--quick", action="store_true", help="smoke test: short and small")
-    p.add_argument("--model", default=os.environ.get("MODEL") or DEFAULT_MODEL,
-                   help="model directory (the synthetic engine needs only its tokenizer)")
+    p.add_argument("--quick", action="store_true", help="seconds: short and small")
+    p.add_argument("--model", default=None,
+                   help="model directory (the synthetic engine needs only its tokenizer; default: the service's)")
     p.add_argument("--accept-s", type=float, default=10.0, help="seconds per accept run")
     p.add_argument("--accept-procs", type=int, default=2, help="client processes (and wrk threads)")
     p.add_argument("--accept-conns", type=int, default=32, help="connections per client process")
@@ -730,11 +641,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--relay-interval", type=float, default=0.1, help="seconds between a stream's token events")
     p.add_argument("--relay-batch", type=int, default=0,
                    help="streams per MULTI, spread over the interval (0: all streams in one burst per tick)")
+    p.add_argument("--settle", type=float, default=8.0, help="seconds for the stack to drain after an accept run")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if args.quick:
-        args.accept_s, args.stream_n, args.stream_tokens = 3.0, "20,100", 20
-        args.relay_n, args.relay_ticks = "1,20", 10
+        args.accept_s, args.accept_conns, args.stream_n, args.stream_tokens, args.settle = 2.0, 4, "10", 5, 1.0
+        args.relay_n, args.relay_ticks, args.client_procs, args.auth_rounds = "1,10", 5, 1, 1
+    args.model = quick_model(args.model) if args.quick else args.model or default_model()
     args.stream_n = [int(x) for x in str(args.stream_n).split(",")]
     args.relay_n = [int(x) for x in str(args.relay_n).split(",")]
     only = set(args.only.split(","))
@@ -745,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json_out:
             Path(args.json_out).write_text(json.dumps({"accept_auth": rows}, indent=2, default=str))
         return 0
-    stack = Stack(args, workdir)
+    stack = start(args, workdir / "stack")
     accept: list[dict[str, Any]] = []
     streams: list[dict[str, Any]] = []
     relay: list[dict[str, Any]] = []
@@ -758,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             relay = run_relay(stack, args)
     finally:
         print("[stack] stopping", file=sys.stderr, flush=True)
-        stack.stop()
+        stop_stack(stack)
     report(accept, streams, relay, args)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},

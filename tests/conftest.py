@@ -1,20 +1,22 @@
-"""Shared fixtures: one real redis-server for the session, the real default model, a tiny model."""
+"""Shared fixtures: one real redis-server for the session, the real default model, a tiny model, and
+the whole stack (started by bench/stack.py, the launcher the benchmarks use too)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+import bench.stack
+from bench.common import ROOT, make_tiny_model
+from bench.stack import Stack, stop_stack
 from infra.redis_server import RedisServer
-from shared.lifecycle import preexec_die_with_parent
 from shared.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["ROOT", "Stack", "start_stack", "stop_stack"]
 
 
 @pytest.fixture(scope="session")
@@ -51,85 +53,21 @@ def model_path() -> str:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
     """A randomly initialised Llama of the default model's shape family, tiny, with the real tokenizer."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(model_path) / name).exists():
-            shutil.copy(Path(model_path) / name, out / name)
-    return str(out)
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), model_path)
 
 
-class Stack:
-    """The whole stack under the real supervisor (`conveyor up`), on the session's Redis."""
-
-    def __init__(self, url: str, redis_url: str, proc: subprocess.Popen[bytes], env: dict[str, str]) -> None:
-        self.url, self.redis_url, self.proc, self.env = url, redis_url, proc, env
-
-    def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url, decode_responses=True)
-
-    def worker_pids(self, pool: str) -> list[int]:
-        from shared.heartbeat import live_workers
-
-        return [w["pid"] for w in live_workers(self.redis(), pool)]
+# the tests' stack: fast redelivery and heartbeats, small limits, webhooks to 127.0.0.1 allowed
+TEST_ENV = {
+    "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
+    "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING",
+    "WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on 127.0.0.1
+}
 
 
 def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
                 args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False) -> Stack:
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    from infra.redis_server import free_port
-
-    port = free_port()
-    env = dict(os.environ)
-    env.update({
-        "REDIS_URL": redis_url, "PORT": str(port), "HOST": "127.0.0.1", "MODEL": model,
-        "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
-        "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING", "CONVEYOR_CACHE": str(tmp),
-        "WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on 127.0.0.1
-    })
-    env.update(extra or {})
-    log = open(tmp / "stack.log", "ab")
-    flags = [] if autoscale else ["--no-autoscale"]
-    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])],
-                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=preexec_die_with_parent())  # a killed test run leaves no stack behind
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"stack exited early; see {tmp / 'stack.log'}")
-        try:
-            with urllib.request.urlopen(url + ready_path, timeout=2) as resp:
-                if resp.status == 200:
-                    return Stack(url, redis_url, proc, env)
-        except OSError:
-            time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("stack did not become ready")
-
-
-def stop_stack(stack: Stack) -> None:
-    import signal
-    import subprocess
-
-    stack.proc.send_signal(signal.SIGTERM)
-    try:
-        stack.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        stack.proc.kill()
+    """The whole stack under the real supervisor (`conveyor up`) on `redis_url` ("": its own Redis)."""
+    return bench.stack.start_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args, ready_path, autoscale)
 
 
 @pytest.fixture(scope="session")

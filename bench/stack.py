@@ -1,0 +1,226 @@
+"""One way to start the whole stack for a test or a benchmark: `conveyor up` as a child process on a
+free port, on a given Redis or on the embedded redis-server the supervisor starts, ready when an
+HTTP path answers 200; its processes found by role; stopped cleanly (SIGTERM, then SIGKILL)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import redis
+
+from infra.redis_server import free_port, read_local_redis_url
+from shared.lifecycle import preexec_die_with_parent
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES = ("supervisor", "redis-server", "api", "tokenizer", "inference", "output-lane", "celery", "celery-beat",
+         "mp-helper", "other")
+
+
+@dataclass
+class Stack:
+    """A running `conveyor up`: its URL, its Redis, the child process, its environment and log."""
+
+    url: str
+    redis_url: str
+    proc: subprocess.Popen[bytes]
+    env: dict[str, str]
+    log: Path
+    seen: set[int] = field(default_factory=set)  # every pid of the tree ever seen, for the check at stop
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+
+    def worker_pids(self, pool: str) -> list[int]:
+        """Live workers of a pool, from their heartbeats."""
+        from shared.heartbeat import live_workers
+
+        return [w["pid"] for w in live_workers(self.redis(), pool)]
+
+    def tree(self) -> list[tuple[str, psutil.Process]]:
+        out = process_tree(self.proc.pid)
+        self.seen.update(p.pid for _, p in out)
+        return out
+
+    def by_role(self, role: str) -> list[psutil.Process]:
+        return [p for r, p in self.tree() if r == role]
+
+    def pause(self, *roles: str) -> None:
+        for role in roles:
+            for p in self.by_role(role):
+                p.send_signal(signal.SIGSTOP)
+
+    def resume(self, *roles: str) -> None:
+        for role in roles:
+            for p in self.by_role(role):
+                p.send_signal(signal.SIGCONT)
+
+
+def start_stack(workdir: Path, redis_url: str | None = None, model: str = "", extra: dict[str, str] | None = None,
+                args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False,
+                timeout: float = 180.0) -> Stack:
+    """`conveyor up` (with `--no-autoscale` unless `autoscale`) on a free port; `CONVEYOR_CACHE` and the
+    log (`stack.log`) under `workdir`. With `redis_url` empty the supervisor starts its own redis-server
+    and `Stack.redis_url` is read from its connection file. Returns once `ready_path` answers 200."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    env = dict(os.environ)
+    env.update({"REDIS_URL": redis_url or "", "PORT": str(port), "HOST": "127.0.0.1", "CONVEYOR_CACHE": str(workdir),
+                "LOG_LEVEL": "WARNING"})
+    if model:
+        env["MODEL"] = model
+    env.update(extra or {})
+    log = workdir / "stack.log"
+    flags = [] if autoscale else ["--no-autoscale"]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])], env=env, cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=preexec_die_with_parent())  # a killed run leaves no stack behind
+    stack = Stack(f"http://127.0.0.1:{port}", redis_url or "", proc, env, log)
+    try:
+        wait_http(stack.url + ready_path, proc, timeout, f"the stack (log {log})", stack.tree)
+        if not stack.redis_url:
+            stack.redis_url = read_local_redis_url(workdir) or ""
+            if not stack.redis_url:
+                raise RuntimeError(f"no Redis connection file under {workdir / 'redis'}")
+    except BaseException:
+        stop_stack(stack, timeout=10)
+        raise
+    return stack
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "", each_poll: Any = None) -> None:
+    """Poll `url` until it answers 200, failing early if `proc` exits."""
+    what = what or url
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: exited with {proc.returncode} before it was ready")
+        if each_poll is not None:
+            each_poll()
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{what}: not ready after {timeout:.0f}s")
+
+
+def stop_stack(stack: Stack, timeout: float = 60.0) -> list[int]:
+    """SIGTERM the supervisor (it drains and stops its children); SIGKILL its session after the timeout.
+    Returns the pids of the tree that outlived it and had to be killed."""
+    stack.tree()
+    if stack.proc.poll() is None:
+        stack.resume("tokenizer", "inference")  # a paused worker cannot drain
+        stack.proc.send_signal(signal.SIGTERM)
+        try:
+            stack.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+                os.killpg(stack.proc.pid, signal.SIGKILL)
+            stack.proc.wait()
+    leftovers = []
+    deadline = time.monotonic() + 5
+    for pid in sorted(stack.seen - {stack.proc.pid}):
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                p.wait(max(0.0, deadline - time.monotonic()))
+        except psutil.TimeoutExpired:
+            leftovers.append(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return leftovers
+
+
+def process_tree(sup_pid: int) -> list[tuple[str, psutil.Process]]:
+    """(role, process) for the supervisor and every descendant; roles as in ROLES (the output lane is a
+    spawn child of an inference worker, celery-beat a child of the Celery worker)."""
+    try:
+        root = psutil.Process(sup_pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    return [(role, p) for p in procs if (role := classify(p, sup_pid))]
+
+
+def classify(p: psutil.Process, sup_pid: int) -> str | None:
+    try:
+        if p.pid == sup_pid:
+            return "supervisor"
+        cmd = " ".join(p.cmdline())
+        if "redis-server" in p.name() or "redis-server" in cmd:
+            return "redis-server"
+        for role in ("api", "tokenizer", "inference"):
+            if re.search(rf"infra\.cli {role}\b", cmd):
+                return role
+        parent = p.parent()
+        parent_cmd = " ".join(parent.cmdline()) if parent is not None else ""
+        if "spawn_main" in cmd:
+            return "output-lane" if "infra.cli inference" in parent_cmd else "mp-helper"
+        if "workers.celery_app" in cmd:  # the worker, and beat forked from it
+            return "celery-beat" if "workers.celery_app" in parent_cmd else "celery"
+        if "resource_tracker" in cmd or "forkserver" in cmd:
+            return "mp-helper"
+        return "other"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def cpu_seconds(stack: Stack | None) -> dict[tuple[str, int], float]:
+    """CPU seconds (user + system) so far of each process of the stack, keyed by (role, pid), and of this
+    process (the load generator) as ("client", pid)."""
+    me = psutil.Process()
+    out = {("client", me.pid): sum(me.cpu_times()[:2])}
+    for role, proc in stack.tree() if stack is not None else []:
+        try:
+            out[(role, proc.pid)] = sum(proc.cpu_times()[:2])
+        except psutil.Error:
+            continue
+    return out
+
+
+def cpu_share(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float],
+              wall: float) -> dict[str, float]:
+    """Per role: CPU used between two snapshots, as a percentage of one core over `wall` seconds."""
+    share: dict[str, float] = {}
+    for key, t in after.items():
+        share[key[0]] = share.get(key[0], 0.0) + (t - before.get(key, 0.0)) / wall * 100
+    return share
+
+
+def scan_log(path: Path) -> dict[str, Any]:
+    """Counts of what matters in the stack's log: tracebacks, errors, worker exits, claims, warnings."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    lines = text.splitlines()
+    warnings: dict[str, int] = {}
+    for ln in lines:
+        if " WARNING " in ln:
+            msg = re.sub(r"\d+(\.\d+)?", "N", re.sub(r"\[\d+\]", "[N]", re.sub(r"^.*? WARNING ", "", ln)))[:160]
+            warnings[msg] = warnings.get(msg, 0) + 1
+    return {
+        "lines": len(lines),
+        "tracebacks": text.count("Traceback (most recent call last)"),
+        "errors": [ln for ln in lines if " ERROR " in ln or " CRITICAL " in ln],
+        "exits": [ln for ln in lines if re.search(r"pid \d+ exited with", ln)],
+        "claims": sum("claimed " in ln for ln in lines),
+        "warnings": warnings,
+    }
