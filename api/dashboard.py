@@ -40,7 +40,7 @@ from api.sse import EventStream
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
 from api.tenancy import not_found
 from shared import metrics as m
-from shared import names
+from shared import names, scripts
 from shared.jobs import ACTIVE
 from shared.policy import PoolSignals, pool_load
 from shared.settings import Settings
@@ -59,22 +59,6 @@ ACTIVE_JOBS = 15  # shown; up to FOLLOWED are followed until they end
 FOLLOWED = 100
 ACTIVE_STATUSES = frozenset(s.value for s in ACTIVE)
 JOB_FIELDS = ("status", "created_at", "first_token_at", "finished_at", "completion_tokens", "finish_reason")
-
-# KEYS[1] a stream whose entries carry a `job_id` field.  ARGV[1] how many of the newest entries.
-# Returns the newest entry's id ('0-0' for an empty stream), then those entries' job ids, newest first.
-# The entries stay in Redis: those of `jobs` carry whole requests.
-TAIL_SCRIPT = """
-local entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', ARGV[1])
-local out = {entries[1] and entries[1][1] or '0-0'}
-for _, e in ipairs(entries) do
-  local f = e[2]
-  for i = 1, #f, 2 do
-    if f[i] == 'job_id' then out[#out + 1] = f[i + 1]; break end
-  end
-end
-return out
-"""
-
 
 def quantile(bounds: tuple[float, ...], counts: list[float], q: float) -> float | None:
     """The q-quantile of non-cumulative bucket counts, interpolated in its bucket (as Prometheus'
@@ -251,7 +235,7 @@ class JobFollower:
 
     async def seed(self) -> None:
         for stream, count in ((names.JOBS_STREAM, FOLLOWED), (names.ENDED_STREAM, ENDED_JOBS)):
-            top, *ids = await self.client.eval(TAIL_SCRIPT, 1, stream, count)
+            top, *ids = await scripts.TAIL.acall(self.client, [stream], [count])
             self.last[stream] = top
             for job_id in reversed(ids):
                 self._add(stream, job_id)

@@ -12,8 +12,8 @@ from typing import Any
 import redis.asyncio as aredis
 
 from shared import names
-from shared.job_ops import finish_write, submit_write
-from shared.jobs import FINISH_SCRIPT, REQUEST_CANCEL_SCRIPT, SUBMIT_SCRIPT, FinishReason, Job, JobStatus, new_record
+from shared.job_ops import AsyncJobOps
+from shared.jobs import FinishReason, Job, JobStatus, new_record
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
 
@@ -25,7 +25,7 @@ CHARS_PER_TOKEN = 3
 @dataclass
 class Admission:
     """What the submit script decided: the job (None when refused), whether it was an idempotent
-    replay, and the script's reply (codes and rate-limit state; see shared.jobs.SUBMIT_SCRIPT)."""
+    replay, and the script's reply (codes and rate-limit state; see shared/scripts/submit.lua)."""
 
     job: Job | None
     replayed: bool
@@ -38,9 +38,7 @@ class JobStore:
         # the last guard on the jobs stream's length, far past MAX_QUEUED (admission refuses long before):
         # XADD trims the oldest entries, normally long consumed, past it
         self.jobs_maxlen = 4 * settings.max_queued + 10_000
-        self._finish = client.register_script(FINISH_SCRIPT)
-        self._request_cancel = client.register_script(REQUEST_CANCEL_SCRIPT)
-        self._submit = client.register_script(SUBMIT_SCRIPT)
+        self.jobs = AsyncJobOps(client, settings.job_ttl_s)
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, background: bool = True,
                      owner: str = "", max_waiting: int = 0) -> Admission:
@@ -52,10 +50,11 @@ class JobStore:
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
         prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
-        keys, args = submit_write(job_id, record, request_json, self.settings.job_ttl_s, owner,
-                                  math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens, max_waiting,
-                                  idempotency_key or "", self.settings.idempotency_ttl_s, self.jobs_maxlen)
-        reply = list(await self._submit(keys=keys, args=args))  # integers; a replay's job id is text
+        reply = await self.jobs.submit(  # integers; a replay's job id is text
+            job_id, record, request_json, owner=owner,
+            reserve_tokens=math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens, max_waiting=max_waiting,
+            idempotency_key=idempotency_key or "", idempotency_ttl_s=self.settings.idempotency_ttl_s,
+            jobs_maxlen=self.jobs_maxlen)
         if reply[0] == 2:
             return Admission(await self.get(str(reply[1])), True, reply)
         if reply[0] != 1:
@@ -74,23 +73,14 @@ class JobStore:
         return (owner or "") if exists else None
 
     async def get(self, job_id: str) -> Job | None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(names.job_key(job_id))
-        pipe.get(names.text_key(job_id))
-        rec, text = await pipe.execute()
-        if not rec:
-            return None
-        rec["text"] = text or ""
-        return Job.from_record(rec)
+        rec = await self.jobs.read(job_id)
+        return Job.from_record(rec) if rec is not None else None
 
     async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
         """Returns (job, changed). changed is False when the job had already ended."""
-        keys, args = finish_write(job_id, FinishReason.cancelled, "", self.settings.job_ttl_s,
-                                  required_status=JobStatus.queued.value)
-        ended = await self._finish(keys=keys, args=args)
-        if int(ended) > 0:
+        if await self.jobs.finish(job_id, FinishReason.cancelled, required_status=JobStatus.queued.value) > 0:
             return await self.get(job_id), True
-        before = await self._request_cancel(keys=[names.job_key(job_id)], args=[names.CONTROL_CHANNEL, job_id])
+        before = await self.jobs.request_cancel(job_id)
         if not before:
             return None, False
         if before != JobStatus.running.value:

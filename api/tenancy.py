@@ -19,11 +19,11 @@ from fastapi import Depends, Request
 from api.deps import SettingsDep
 from api.errors import ApiError
 from api.store import JobStore
-from shared import names
+from shared import names, scripts
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
-from shared.tenants import STREAM_LEASE_S, STREAM_OPEN_SCRIPT, Tenant, hash_key
+from shared.tenants import STREAM_LEASE_S, Tenant, hash_key
 
 CACHE_S = 2.0  # a revoked key stops working within this long
 CACHE_MAX = 10_000
@@ -122,7 +122,7 @@ def _too_many(message: str, retry_ms: int, headers: dict[str, str] | None = None
 
 
 def refusal(reply: list[int], retry_global_ms: int) -> ApiError:
-    """The submit script's refusal codes as errors (see shared.jobs.SUBMIT_SCRIPT)."""
+    """The submit script's refusal codes as errors (see shared/scripts/submit.lua)."""
     code = int(reply[0])
     if code == -1:
         return ApiError(401, "invalid or revoked API key", code="invalid_api_key")
@@ -199,8 +199,8 @@ async def require_stream_slot(client: aredis.Redis, caller: Caller, stream_id: s
     t = caller.tenant
     if t is None or t.max_streams <= 0:
         return True
-    ok = await client.eval(STREAM_OPEN_SCRIPT, 1, names.tenant_streams_key(t.name), stream_id, time.time(),
-                           STREAM_LEASE_S, t.max_streams)
+    ok = await scripts.STREAM_OPEN.acall(client, [names.tenant_streams_key(t.name)],
+                                         [stream_id, time.time(), STREAM_LEASE_S, t.max_streams])
     return bool(ok)
 
 

@@ -12,7 +12,7 @@ TOKENIZED_STREAM = f"{PREFIX}:tokenized"
 DEAD_LETTER_STREAM = f"{PREFIX}:dead"
 TOKENIZER_GROUP = "tokenizers"
 INFERENCE_GROUP = "inference"
-# every job that ends is appended here (by FINISH_SCRIPT, atomically with its end), for the
+# every job that ends is appended here (by shared/scripts/finish.lua, atomically with its end), for the
 # after-job work in workers/after_job.py (usage accounting, the client's webhook)
 ENDED_STREAM = f"{PREFIX}:ended"
 AFTER_JOB_GROUP = "after-job"

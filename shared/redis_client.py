@@ -1,4 +1,5 @@
-"""Redis clients with the same reconnect policy everywhere: exponential backoff with jitter."""
+"""Redis clients with the same reconnect policy everywhere: exponential backoff with jitter. Their
+pipelines replay script calls that met a Redis without the scripts (see shared.scripts)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,18 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
+from shared import scripts
+
 RETRYABLE = (ConnectionError, TimeoutError, ConnectionResetError, OSError)
 
 
+class Redis(redis.Redis):
+    def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> scripts.Pipeline:
+        return scripts.Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
 def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
-    return redis.Redis.from_url(
+    return Redis.from_url(
         url, decode_responses=decode, health_check_interval=15, socket_keepalive=True,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries),
         retry_on_error=[ConnectionError, TimeoutError],

@@ -5,32 +5,19 @@ Redis 7 reports a group's lag in XINFO GROUPS (the number KEDA's lag mode reads)
 no such field, and Redis 7 answers NULL when it cannot tell (after entries in the undelivered range
 were deleted or trimmed); then the entries after the group's last-delivered-id are counted, in pages,
 by a script inside Redis, so no entry (the inference stream holds binary Arrow batches) crosses the
-wire or meets a client that decodes responses.
+wire or meets a client that decodes responses (shared/scripts/count_after.lua).
 """
 
 from __future__ import annotations
 
 import redis
 
-from shared import names
+from shared import names, scripts
 from shared.heartbeat import live_workers
 from shared.policy import PoolSignals
 
 PAGE = 200
 COUNT_LIMIT = 1_000  # a counted lag stops here: well past where every pool is at its max
-
-# KEYS[1] stream.  ARGV: exclusive start ("(<id>"), limit, page size.  Returns the entries counted.
-COUNT_SCRIPT = """
-local n, start, limit, page = 0, ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-while n < limit do
-  local want = math.min(page, limit - n)
-  local entries = redis.call('XRANGE', KEYS[1], start, '+', 'COUNT', want)
-  n = n + #entries
-  if #entries < want then break end
-  start = '(' .. entries[#entries][1]
-end
-return n
-"""
 
 POOL_STREAMS: dict[str, tuple[str, str]] = {
     names.TOKENIZER_POOL: (names.JOBS_STREAM, names.TOKENIZER_GROUP),
@@ -84,8 +71,7 @@ def pool_signals(client: redis.Redis, capacity_per_replica: int) -> dict[str, Po
 def _count_after(client: redis.Redis, stream: str, last_id: str, limit: int) -> int:
     if last_id == "0-0":  # nothing delivered yet: every entry is lag
         return int(client.xlen(stream))
-    count = client.register_script(COUNT_SCRIPT)
-    return int(count(keys=[stream], args=[f"({last_id}", limit, PAGE]))
+    return int(scripts.COUNT_AFTER(client, [stream], [f"({last_id}", limit, PAGE]))
 
 
 def _text(value: str | bytes) -> str:

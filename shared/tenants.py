@@ -5,7 +5,8 @@ names the tenant). The tenant hash (`names.tenant_key`) holds the key's digest, 
 webhook signing secret, when it was made and whether it is disabled. Limits are per minute for
 requests and tokens (token buckets, refilled continuously), and at once for unfinished jobs and
 open event streams; 0 means no limit. The buckets are checked and charged in the submit script
-(`shared.jobs.SUBMIT_SCRIPT`), in the same round trip that enqueues the job.
+(shared/scripts/submit.lua), in the same round trip that enqueues the job; a stream slot is taken
+by shared/scripts/stream_open.lua.
 """
 
 from __future__ import annotations
@@ -94,16 +95,3 @@ def list_all(client: redis.Redis) -> list[dict[str, Any]]:
                         "disabled": rec.get("disabled") == "1", **{k: int(rec.get(k) or 0) for k in LIMITS},
                         "active_jobs": int(client.get(names.tenant_active_key(name)) or 0)})
     return out
-
-
-# KEYS[1] the tenant's open streams (sorted set).  ARGV: stream id, now, lease seconds, limit (0: none).
-# Takes a stream slot if one is free. Returns 1, or 0 when the tenant is at its limit.
-STREAM_OPEN_SCRIPT = """
-local now = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local limit = tonumber(ARGV[4])
-if limit > 0 and redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
-return 1
-"""

@@ -11,9 +11,9 @@ import pytest
 import redis
 
 from infra.redis_server import RedisServer
-from shared import names
+from shared import names, scripts
 from shared.job_ops import submit_write
-from shared.jobs import SUBMIT_SCRIPT, new_record
+from shared.jobs import new_record
 from tests.conftest import Stack, start_stack, stop_stack
 
 
@@ -31,7 +31,6 @@ def scaled(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Iterato
 
 def burst(r: redis.Redis, n: int) -> list[str]:
     """Enqueue n jobs at once with the API's own submit script (faster than any HTTP client here)."""
-    submit = r.register_script(SUBMIT_SCRIPT)
     pipe = r.pipeline(transaction=False)
     ids = []
     for i in range(n):
@@ -39,8 +38,8 @@ def burst(r: redis.Redis, n: int) -> list[str]:
         ids.append(job_id)
         request = f'{{"prompt": "Burst job {i}: tell me something.", "max_tokens": 2}}'
         keys, args = submit_write(job_id, new_record(job_id, "m", request, True), request, 3600)
-        submit(keys=keys, args=args, client=pipe)
-    pipe.execute()
+        scripts.SUBMIT.queue(pipe, keys, args)
+    scripts.execute(pipe)
     return ids
 
 

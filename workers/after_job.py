@@ -1,13 +1,13 @@
 """After a job ends: usage accounting, and the client's webhook if the job asked for one.
 
-Every end (success, failure, cancel) is appended to the `ended` stream by FINISH_SCRIPT, in the
+Every end (success, failure, cancel) is appended to the `ended` stream by the finish script, in the
 same atomic step as the end itself, so none is missed. `drain` reads it through the `after-job`
 consumer group (a Celery task that beat starts every 30 s and that waits on Redis for ends for
 25 s, see workers/celery_app.py), in batches:
 
-- usage is added to the day's totals (`conveyor:usage:<date of the drain>`, per model) once per
-  job: one script call per job, pipelined per batch; a marker field on the job's record makes a
-  second delivery a no-op;
+- usage is added to the day's totals (`names.usage_key()`, the date of the drain, per model) once
+  per job: one script call per job (shared/scripts/account.lua), pipelined per batch; a marker
+  field on the job's record makes a second delivery a no-op;
 - the webhook gets `POST <webhook_url>` with the job object as polled (JSON), the batch's calls in
   parallel. A failure (no answer within WEBHOOK_TIMEOUT_S, a status other than 2xx, a redirect, an
   address refused, below) leaves the entry pending, to be tried again after WEBHOOK_RETRY_S, up to
@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from shared import names
+from shared import names, scripts
 from shared.heartbeat import beat, forget
 from shared.jobs import Job
 from shared.settings import Settings
@@ -59,27 +59,6 @@ from shared.stream_consumer import Entry, StreamConsumer
 
 log = logging.getLogger("conveyor.after_job")
 
-# KEYS[1] job hash, KEYS[2] the day's usage hash.  ARGV: ttl of the usage hash.
-# Adds the job's tokens to the day's usage once (the job's `accounted` field marks it done).
-# Returns {webhook URL, owner} ('' for none), or false when the record has expired.
-ACCOUNT_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-if redis.call('HSETNX', KEYS[1], 'accounted', '1') == 1 then
-  local rec = redis.call('HMGET', KEYS[1], 'model', 'prompt_tokens', 'completion_tokens')
-  local model = rec[1] or ''
-  redis.call('HINCRBY', KEYS[2], model .. ':prompt_tokens', tonumber(rec[2] or '0') or 0)
-  redis.call('HINCRBY', KEYS[2], model .. ':completion_tokens', tonumber(rec[3] or '0') or 0)
-  redis.call('HINCRBY', KEYS[2], model .. ':jobs', 1)
-  redis.call('EXPIRE', KEYS[2], ARGV[1])
-end
-local rec = redis.call('HMGET', KEYS[1], 'webhook_url', 'owner')
-return {rec[1] or '', rec[2] or ''}
-"""
-# KEYS[1] job hash.  ARGV[1] why the job's last webhook delivery failed.
-# Notes it on the record as `webhook_error`, unless the record has expired (it is not brought back).
-NOTE_FAILURE_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'webhook_error', ARGV[1]) end
-"""
 USAGE_TTL_S = 35 * 86400
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -226,8 +205,6 @@ class AfterJob:
                                        consumer or f"after-{socket.gethostname()}-{os.getpid()}",
                                        names.CELERY_POOL, settings.claim_idle_ms, settings.delivery_limit)
         self.consumer.ensure_group()
-        self._account = client.register_script(ACCOUNT_SCRIPT)
-        self._note_failure = client.register_script(NOTE_FAILURE_SCRIPT)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="webhook")
         # lookups run apart, so one that hangs (getaddrinfo has no timeout) still ends the delivery on time
         self._lookups = ThreadPoolExecutor(parallel, thread_name_prefix="webhook-dns")
@@ -280,9 +257,9 @@ class AfterJob:
         pipe = self.client.pipeline(transaction=False)
         ids = [_s(e.fields.get(b"job_id") or e.fields.get("job_id") or "") for e in entries]  # type: ignore[call-overload]
         for job_id in ids:
-            self._account(keys=[names.job_key(job_id), names.usage_key()], args=[USAGE_TTL_S], client=pipe)
+            scripts.ACCOUNT.queue(pipe, [names.job_key(job_id), names.usage_key()], [USAGE_TTL_S])
         hooks, unaccounted = {}, set()
-        for entry, job_id, found in zip(entries, ids, pipe.execute(raise_on_error=False)):
+        for entry, job_id, found in zip(entries, ids, scripts.execute(pipe, raise_on_error=False)):
             if isinstance(found, Exception):
                 log.warning("accounting %s failed: %s; will retry", job_id, found)
                 unaccounted.add(entry.id)
@@ -313,8 +290,8 @@ class AfterJob:
         if failures:
             pipe = self.client.pipeline(transaction=False)
             for job_id, why in failures.items():
-                self._note_failure(keys=[names.job_key(job_id)], args=[why], client=pipe)
-            pipe.execute(raise_on_error=False)
+                scripts.NOTE_FAILURE.queue(pipe, [names.job_key(job_id)], [why])
+            scripts.execute(pipe, raise_on_error=False)
         counts["done"] += len(done)
         counts["failed"] += len(entries) - len(done)
 

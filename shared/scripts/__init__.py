@@ -1,0 +1,101 @@
+"""The Lua scripts of the Redis protocol, one `.lua` file each beside this module (each opens with its
+KEYS, ARGV and reply), and how they are called.
+
+A call sends EVALSHA; a NOSCRIPT answer (a Redis that restarted or flushed its script cache) loads
+every script and sends the call again. In a pipeline a call is queued as EVALSHA too, and `execute`
+runs the pipeline and replays, in order, the commands that answered NOSCRIPT once the scripts are
+loaded (the pipelines of `shared.redis_client` clients do so on their own). Nothing here sends
+SCRIPT EXISTS, which redis-py's `register_script` sends before every pipeline that holds one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from redis.exceptions import NoScriptError
+
+HERE = Path(__file__).resolve().parent
+
+
+class Script:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = (HERE / f"{name}.lua").read_text()
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
+
+    def __call__(self, client: redis.Redis, keys: list[Any], args: list[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            load(client)
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def acall(self, client: aredis.Redis, keys: list[Any], args: list[Any]) -> Any:
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            await aload(client)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+
+    def queue(self, pipe: redis.client.Pipeline, keys: list[Any], args: list[Any]) -> Any:
+        """Queue the call on `pipe`, to be run by `execute` (or a pipeline of a shared.redis_client client)."""
+        return pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+
+START = Script("start")
+STEP = Script("step")
+FINISH = Script("finish")
+SUBMIT = Script("submit")
+REQUEST_CANCEL = Script("request_cancel")
+ACCOUNT = Script("account")
+NOTE_FAILURE = Script("note_failure")
+COUNT_AFTER = Script("count_after")
+STREAM_OPEN = Script("stream_open")
+TAIL = Script("tail")
+ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL)
+
+
+def load(client: redis.Redis | redis.client.Pipeline) -> None:
+    """Load every script (one round trip) on the client's (or pipeline's) connection pool."""
+    pipe = redis.client.Pipeline(client.connection_pool, client.response_callbacks, False, None)
+    for script in ALL:
+        pipe.script_load(script.source)
+    pipe.execute()
+
+
+async def aload(client: aredis.Redis) -> None:
+    pipe = client.pipeline(transaction=False)
+    for script in ALL:
+        pipe.script_load(script.source)
+    await pipe.execute()
+
+
+def execute(pipe: redis.client.Pipeline, raise_on_error: bool = True) -> list[Any]:
+    """Run `pipe`. Commands that answered NOSCRIPT ran nothing: once every script is loaded they run
+    again, in their order, in one more round trip (a transaction's again as one transaction)."""
+    stack = list(pipe.command_stack)
+    results = redis.client.Pipeline.execute(pipe, raise_on_error=False)
+    missing = [i for i, res in enumerate(results) if isinstance(res, NoScriptError)]
+    if missing:
+        load(pipe)
+        for i in missing:
+            args, options = stack[i]
+            pipe.pipeline_execute_command(*args, **options)
+        for i, res in zip(missing, redis.client.Pipeline.execute(pipe, raise_on_error=False)):
+            results[i] = res
+    if raise_on_error:
+        for res in results:
+            if isinstance(res, Exception):
+                raise res
+    return results
+
+
+class Pipeline(redis.client.Pipeline):
+    """A pipeline whose `execute` is `execute` above."""
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        return execute(self, raise_on_error)

@@ -1,0 +1,49 @@
+-- step: one engine step's output for many jobs in one call (the output lane's per-step write).
+-- KEYS, 4 per job: job hash, event stream, token ids, text
+-- ARGV: 1 ttl (s), 2 now (unix s), then 9 per job, in the order of its keys:
+--   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys) and
+--             FIRST_TOKEN (2: the job's first token: set first_token_at); shared/job_ops.py names them
+--   ids_at    byte offset of `ids` in the token ids
+--   ids       packed int32 little-endian token ids ('' none)
+--   text_at   byte offset of `chunk` in the text
+--   chunk     the text chunk ('' none)
+--   seq       the chunk's event id (0-<seq>)
+--   message   what to publish on the job's channel
+--   n_tokens  completion tokens so far
+--   channel   the job's pub/sub channel
+-- A step may be sent twice (replayed after a reconnect). Offsets (SETRANGE, not APPEND) make a second
+-- write of ids or text a no-op, and a chunk whose seq is not past the job's recorded seq (the id of its
+-- event stream's last entry) is a replay: it is not appended, published or recorded again.
+-- Returns {chunks written, chunks skipped as replays}.
+local ttl, now = tonumber(ARGV[1]), ARGV[2]
+local written, replayed = 0, 0
+local a = 3
+for k = 1, #KEYS, 4 do
+  local job, events, ids_key, text_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
+  local flags, ids_at, ids, text_at, chunk, seq, message, n_tokens, channel = unpack(ARGV, a, a + 8)
+  flags = tonumber(flags)
+  if ids ~= '' then
+    if flags >= 2 then redis.call('HSET', job, 'first_token_at', now) end
+    redis.call('SETRANGE', ids_key, ids_at, ids)
+  end
+  if chunk ~= '' then
+    redis.call('SETRANGE', text_key, text_at, chunk)
+    if tonumber(seq) <= tonumber(redis.call('HGET', job, 'seq') or '0') then
+      replayed = replayed + 1
+    else
+      redis.call('XADD', events, '0-' .. seq, 'type', 'token', 'text', chunk)
+      redis.call('PUBLISH', channel, message)
+      redis.call('HSET', job, 'seq', seq, 'completion_tokens', n_tokens)
+      written = written + 1
+    end
+  elseif ids ~= '' then
+    redis.call('HSET', job, 'completion_tokens', n_tokens)
+  end
+  if flags % 2 == 1 then
+    redis.call('EXPIRE', events, ttl)
+    redis.call('EXPIRE', ids_key, ttl)
+    redis.call('EXPIRE', text_key, ttl)
+  end
+  a = a + 9
+end
+return {written, replayed}

@@ -1,0 +1,76 @@
+-- submit: admit and enqueue a job in one atomic step: an idempotent replay, the tenant's limits, the
+-- service-wide queue cap, then the record, its queue ordinal and the `jobs` entry. A refusal stores nothing.
+-- KEYS: 1 job hash, 2 jobs stream, 3 submitted counter, 4 dequeued counter, 5 tenant hash,
+--       6 tenant's requests bucket, 7 tenant's tokens bucket, 8 tenant's unfinished jobs, 9 idempotency key
+-- ARGV: 1 ttl (s), 2 now (unix s), 3 owner ('' no tenant: KEYS 5-8 unused), 4 tokens to reserve,
+--       5 most jobs waiting service-wide (0 no cap), 6 idempotency ttl (0 no key), 7 request digest,
+--       8 the jobs stream's approximate cap, 9 job-hash key prefix, 10 job id, 11 request JSON,
+--       12.. record field/value pairs
+-- Returns {1, ordinal, dequeued, rpm, requests left, requests reset ms, tpm, tokens left, tokens reset ms};
+--   {2, job id} an idempotent replay; {-1} unknown or disabled tenant; {-2, retry ms, rpm, reset ms} over
+--   its requests per minute; {-3, retry ms, tpm, left, reset ms} over its tokens per minute; {-4, limit}
+--   at its unfinished-jobs limit; {-5, depth} the service-wide queue is full; {-6} the idempotency key
+--   was used with another body; {-7, tpm} the request alone needs more than the tenant's tokens per minute.
+local job, jobs, submitted, dequeued_key, tenant = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local requests_bucket, tokens_bucket, active, idem = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local ttl, now, owner, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local max_waiting, idem_ttl, digest, jobs_cap = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local job_prefix, job_id, request = ARGV[9], ARGV[10], ARGV[11]
+if idem_ttl ~= '0' then
+  local seen = redis.call('GET', idem)
+  if seen then
+    local sep = string.find(seen, ':', 1, true)
+    local id, seen_digest = string.sub(seen, 1, sep - 1), string.sub(seen, sep + 1)
+    if redis.call('EXISTS', job_prefix .. id) == 1 then
+      if seen_digest ~= digest then return {-6} end
+      return {2, id}
+    end
+  end
+end
+local function bucket(key, cap, take)
+  if cap <= 0 then return true, -1, 0, 0 end
+  local rate = cap / 60.0
+  local st = redis.call('HMGET', key, 't', 'ts')
+  local left = math.min(cap, (tonumber(st[1]) or cap) + math.max(0, now - (tonumber(st[2]) or now)) * rate)
+  if left < take then return false, left, (cap - left) / rate, (take - left) / rate end
+  return true, left - take, (cap - left + take) / rate, 0
+end
+local rpm, tpm, r_left, r_reset, t_left, t_reset = 0, 0, -1, 0, -1, 0
+if owner ~= '' then
+  local t = redis.call('HMGET', tenant, 'disabled', 'rpm', 'tpm', 'max_queued')
+  if not t[1] or t[1] == '1' then return {-1} end
+  rpm, tpm = tonumber(t[2]) or 0, tonumber(t[3]) or 0
+  local maxq = tonumber(t[4]) or 0
+  if maxq > 0 and tonumber(redis.call('GET', active) or '0') >= maxq then return {-4, maxq} end
+  local ok, retry
+  ok, r_left, r_reset, retry = bucket(requests_bucket, rpm, 1)
+  if not ok then return {-2, math.ceil(retry * 1000), rpm, math.ceil(r_reset * 1000)} end
+  if tpm > 0 and cost > tpm then return {-7, tpm} end
+  ok, t_left, t_reset, retry = bucket(tokens_bucket, tpm, cost)
+  if not ok then return {-3, math.ceil(retry * 1000), tpm, math.floor(t_left), math.ceil(t_reset * 1000)} end
+end
+local dequeued = tonumber(redis.call('GET', dequeued_key) or '0')
+if max_waiting ~= '0' then
+  local depth = tonumber(redis.call('GET', submitted) or '0') - dequeued
+  if depth >= tonumber(max_waiting) then return {-5, depth} end
+end
+if owner ~= '' then
+  if rpm > 0 then
+    redis.call('HSET', requests_bucket, 't', r_left, 'ts', now)
+    redis.call('EXPIRE', requests_bucket, 120)
+  end
+  if tpm > 0 then
+    redis.call('HSET', tokens_bucket, 't', t_left, 'ts', now)
+    redis.call('EXPIRE', tokens_bucket, 120)
+  end
+  redis.call('INCR', active)
+  redis.call('EXPIRE', active, ttl)
+end
+if idem_ttl ~= '0' then redis.call('SET', idem, job_id .. ':' .. digest, 'EX', tonumber(idem_ttl)) end
+local ordinal = redis.call('INCR', submitted)
+for i = 12, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', job, 'ordinal', ordinal, 'owner', owner, 'reserved_tokens', cost)
+redis.call('EXPIRE', job, ttl)
+redis.call('XADD', jobs, 'MAXLEN', '~', jobs_cap, '*', 'job_id', job_id, 'request', request)
+return {1, ordinal, dequeued, rpm, math.floor(r_left), math.ceil(r_reset * 1000), tpm, math.floor(t_left),
+        math.ceil(t_reset * 1000)}
