@@ -12,14 +12,12 @@ from queue import SimpleQueue
 from typing import Any
 
 import pyarrow as pa
-import redis
 
 from gpu_worker.engine import Request
 from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.output_lane import unpack_ids
 from gpu_worker.stats import WorkerStats
-from shared import names
 from shared.job_ops import JobOps
 from shared.schemas import TOKENIZED_SCHEMA, from_ipc
 from shared.stream_consumer import Entry, StreamConsumer
@@ -41,10 +39,9 @@ def request_of(row: dict[str, Any], resume_ids: list[int]) -> Request:
 
 
 class Admission:
-    def __init__(self, client: redis.Redis, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger,
-                 worker_id: str, inbox: SimpleQueue[EngineCommand], to_lane: Queue[LaneCommand],
-                 stats: WorkerStats) -> None:
-        self.client, self.consumer, self.jobs, self.ledger = client, consumer, jobs, ledger
+    def __init__(self, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger, worker_id: str,
+                 inbox: SimpleQueue[EngineCommand], to_lane: Queue[LaneCommand], stats: WorkerStats) -> None:
+        self.consumer, self.jobs, self.ledger = consumer, jobs, ledger
         self.worker_id, self.inbox, self.to_lane, self.stats = worker_id, inbox, to_lane, stats
 
     def admit(self, entry: Entry) -> None:
@@ -77,10 +74,6 @@ class Admission:
             self.inbox.put(Add(request_of(row, resume_ids)))
 
     def progress(self, job_id: str) -> tuple[list[int], str, int]:
-        """What the job's stream holds so far: its saved token ids, their text, the last event seq."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.get(names.tokens_key(job_id))
-        pipe.get(names.text_key(job_id))
-        pipe.hget(names.job_key(job_id), "seq")
-        raw_ids, text, seq = pipe.execute()
-        return unpack_ids(raw_ids), (text or b"").decode(), int(seq or 0)
+        """What the job's earlier worker recorded: its token ids, their streamed text, the last event seq."""
+        packed, text, seq = self.jobs.resume_state(job_id)
+        return unpack_ids(packed), text, seq

@@ -76,8 +76,7 @@ class InferenceWorker:
                                 name="output-lane", daemon=True)
         self.ledger = EntryLedger(self.consumer, settings.max_num_seqs * 2)
         jobs = JobOps(self.client, settings.job_ttl_s)
-        admission = Admission(self.client, self.consumer, jobs, self.ledger, self.worker_id, self.inbox,
-                              self.to_lane, self.stats)
+        admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane, self.stats)
         self.reader = Reader(self.client, self.consumer, jobs, self.ledger, admission, settings.refresh_s,
                              self.stopping)
         self.control = ControlLane(self.client, self.inbox, self.closed)

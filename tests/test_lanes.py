@@ -264,3 +264,33 @@ def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, s
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str, str], tmp_path: Path) -> None:
+    r = redis.Redis.from_url(worker_env["REDIS_URL"])
+    log = open(tmp_path / "worker.log", "ab")
+    spawn = lambda: subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"],  # noqa: E731
+                                     env=worker_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    first, second = spawn(), None
+    try:
+        enqueue(r, {"job_resumed": 30_000})
+        status_of(r, "job_resumed", {"running"})
+        while int(r.hget(names.job_key("job_resumed"), "completion_tokens") or 0) < 500:
+            time.sleep(0.01)
+        first.kill()
+        first.wait()
+        assert r.hget(names.job_key("job_resumed"), "status") == b"running"
+        second = spawn()
+        rec = status_of(r, "job_resumed", {"succeeded", "failed"}, timeout=120)
+        assert rec[b"status"] == b"succeeded" and rec[b"completion_tokens"] == b"30000", rec
+        tokens = [(eid, f[b"text"]) for eid, f in r.xrange(names.events_key("job_resumed")) if f[b"type"] == b"token"]
+        assert [int(eid.split(b"-")[1]) for eid, _ in tokens] == list(range(1, len(tokens) + 1))  # none lost or twice
+        text = b"".join(t for _, t in tokens)
+        assert text == r.get(names.text_key("job_resumed")) and text.count(b" further") == 30_000
+        assert r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"] == 0
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.close()
