@@ -150,8 +150,7 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
     from gpu_worker.engine.step import StepBatch
 
     seq = Sequence(Request("t", ids))
-    eng.scheduler._admit(seq)
-    eng.runner.cache.ensure(1, len(ids))
+    assert eng.blocks.allocate(seq)
     logits = eng.runner.run(StepBatch(decode=[], chunks=[(seq, len(ids))]))
     assert torch.allclose(logits[0], ref, atol=1e-4)
 
@@ -197,11 +196,11 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
         ref = model(torch.tensor([ids])).logits[0, -2:].float()
     eng = LLMEngine(EngineConfig(model="unused", dtype=dtype), model=model)
     seq = Sequence(Request("t", ids[:-1]))
-    eng.scheduler._admit(seq)
-    eng.runner.cache.ensure(1, len(ids))
+    assert eng.blocks.allocate(seq)
     prefill = eng.runner.run(StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
     seq.num_computed = len(ids) - 1
     seq.token_ids.append(ids[-1])
+    eng.blocks.append(seq)
     decode = eng.runner.run(StepBatch(decode=[seq], chunks=[]))
     tol = 1e-4 if dtype == "float32" else 0.03 * ref.abs().max().item()  # bf16: ~1% seen
     assert (prefill[0] - ref[0]).abs().max().item() < tol

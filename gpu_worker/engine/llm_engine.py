@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.model_runner import ModelRunner
 from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.sampler import Sampler
@@ -28,12 +29,13 @@ class LLMEngine:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, model=model)
+        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, model=model,
+                                  kv_cache_mb=config.kv_cache_mb, block_size=config.block_size,
+                                  max_cache_tokens=config.max_num_seqs * config.max_model_len)
         cache = self.runner.cache
-        budget = max(1, config.kv_cache_mb * 2**20 // cache.bytes_per_token)
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, config.prefix_caching)
         batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(self.runner.device.type, 512)
-        self.scheduler = Scheduler(cache, config.max_num_seqs, batched, budget,
-                                   self.runner.max_model_len)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, batched, self.runner.max_model_len)
         self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
@@ -99,17 +101,16 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def kv_usage(self) -> float:
-        return min(1.0, self.scheduler.kv_tokens() / self.scheduler.kv_budget_tokens)
+        """Share of the KV blocks held by running sequences (cached blocks nobody holds are free)."""
+        return self.blocks.num_used / self.blocks.usable_blocks
 
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         batch, rejected = self.scheduler.schedule()
         for seq in rejected:
-            outputs.append(self._fail(seq, f"sequence of {seq.num_tokens} tokens does not fit the KV-cache "
-                                           f"budget or the context of {self.max_model_len} tokens"))
+            outputs.append(self._fail(seq, f"sequence of {seq.num_tokens} tokens does not fit the KV cache "
+                                           f"or the context of {self.max_model_len} tokens"))
         if batch.num_tokens == 0:
-            if not self.scheduler.running:
-                self.runner.cache.shrink_if_idle()
             return outputs
         logits, failed = self._run(batch)
         return outputs + self._postprocess(batch, logits, failed)
@@ -146,6 +147,9 @@ class LLMEngine:
         for s, n in batch.chunks:
             if s.id not in failed:
                 s.num_computed += n
+        for s in batch.decode + [s for s, _ in batch.chunks]:
+            if s.id not in failed:
+                self.blocks.register(s)  # full blocks now computed join the prefix cache
         sampled = [s for s in batch.decode if s.id not in failed]
         sampled += [s for s, _ in batch.chunks if s.id not in failed and s.num_computed == s.num_tokens]
         tokens, errors = self.sampler(logits, sampled)

@@ -1,8 +1,10 @@
 """Runs one engine step through a Llama-family model over a flat token batch.
 
 The linear layers see every scheduled token at once (decode rows and prefill chunks
-together, no padding). Attention reads the slot KV cache: decode rows in one batched call
-over a dense view, prefill chunks one by one with a causal mask offset by what is cached.
+together, no padding). Every new token's K/V is written to its slot of the paged cache in one
+call per layer; decode rows then read their blocks (gathered to a common length, the null block
+as padding) in one batched attention call, and prefill chunks attend one by one, over the cache
+when tokens before them are cached, over themselves when they start the sequence.
 Works for Llama, Mistral, Qwen2/3, SmolLM and other models with the same layer shape.
 
 The runner takes over the model it is given: q/k/v and gate/up weights are concatenated into one
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.engine.gemm import Gemm, choose_gemm
-from gpu_worker.engine.kv_cache import KVCache
+from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.step import StepBatch
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,8 @@ def _layer_weights(layer: torch.nn.Module, gemm: Gemm) -> _Layer:
 
 class ModelRunner:
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "auto",
-                 max_model_len: int = 0, model: torch.nn.Module | None = None) -> None:
+                 max_model_len: int = 0, model: torch.nn.Module | None = None, kv_cache_mb: int = 2048,
+                 block_size: int = 16, max_cache_tokens: int = 0) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if model is None:
@@ -134,8 +137,15 @@ class ModelRunner:
             half = self.head_dim // 2
             self.cos = cos[0]  # [max_len, head_dim]
             self.sin_signed = torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-        self.cache = KVCache(len(self.layers), self.kv_heads, self.head_dim, self.max_model_len,
+        # the KV pool: the budget's worth of blocks, at most `max_cache_tokens` (plus the null block)
+        per_block = bytes_per_token(len(self.layers), self.kv_heads, self.head_dim, self.dtype) * block_size
+        num_blocks = max(2, kv_cache_mb * 2**20 // per_block)
+        if max_cache_tokens > 0:
+            num_blocks = min(num_blocks, -(-max_cache_tokens // block_size) + 1)
+        self.block_size = block_size
+        self.cache = KVCache(len(self.layers), self.kv_heads, self.head_dim, num_blocks, block_size,
                              self.dtype, self.device)
+        self._block_offsets = torch.arange(block_size, device=self.device)
         self._pin = self.device.type == "cuda"
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -154,6 +164,29 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def _slots(self, decode: list, chunks: list) -> list[int]:
+        bs = self.block_size
+        out = []
+        for s in decode:
+            p = s.num_computed
+            out.append(s.block_table[p // bs] * bs + p % bs)
+        for s, n in chunks:
+            table = s.block_table
+            out.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed, s.num_computed + n))
+        return out
+
+    def _gather_index(self, tables: list[list[int]], lengths: torch.Tensor, width: int) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
+        """Flat slot index [rows * width] reading each row's first `width` tokens (the null block
+        past its length), and the [rows, 1, 1, width] mask of the positions that are its own."""
+        bs = self.block_size
+        nblk = -(-width // bs)
+        table = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables], dtype=torch.long)
+        table = table.to(self.device)
+        idx = (table[:, :, None] * bs + self._block_offsets[None, None, :]).view(len(tables), -1)[:, :width]
+        mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
+        return torch.where(mask, idx, 0).reshape(-1), mask.view(len(tables), 1, 1, width)
+
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Compute the scheduled tokens; return float32 logits for every sequence that reaches
@@ -169,26 +202,19 @@ class ModelRunner:
         ids_t, pos_t = self._to_device(ids), self._to_device(pos)
         cos, sin = self.cos[pos_t].unsqueeze(1), self.sin_signed[pos_t].unsqueeze(1)  # [N, 1, D]
 
-        dec_rows = [s.slot for s in decode]
-        dense = dec_rows == list(range(nd))
-        dec_rows_t = self._to_device(dec_rows) if nd else None
-        dec_pos_t = pos_t[:nd]
+        slots_t = self._to_device(self._slots(decode, chunks))  # where each token's K/V is written
         t_dec = max((p + 1 for p in pos[:nd]), default=0)
-        dec_mask = None
-        if nd:
-            # flat row index of (slot, head, position) in a layer's [rows * heads * capacity, head_dim] view
-            cap = self.cache.capacity
-            heads = torch.arange(self.kv_heads, device=self.device)
-            dec_flat = ((dec_rows_t[:, None] * self.kv_heads + heads[None, :]) * cap + dec_pos_t[:, None]).reshape(-1)
-            lengths = dec_pos_t + 1
-            dec_mask = (torch.arange(t_dec, device=self.device)[None, :] < lengths[:, None]).view(nd, 1, 1, t_dec)
-        chunk_meta = []  # (row, start, n, offset, mask)
+        dec_idx = dec_mask = None
+        if nd:  # each decode row reads its first t_dec slots; past its length, the null block
+            dec_idx, dec_mask = self._gather_index([s.block_table for s in decode], pos_t[:nd] + 1, t_dec)
+        chunk_meta = []  # (start, n, offset, gather index or None when the chunk starts the sequence)
         off = nd
         for s, n in chunks:
             p = s.num_computed
-            q_pos = torch.arange(p, p + n, device=self.device)[:, None]
-            mask = torch.arange(p + n, device=self.device)[None, :] <= q_pos
-            chunk_meta.append((s.slot, p, n, off, mask))
+            idx = None
+            if p:
+                idx, _ = self._gather_index([s.block_table], torch.tensor([p + n], device=self.device), p + n)
+            chunk_meta.append((p, n, off, idx))
             off += n
 
         h = F.embedding(ids_t, self.embed_w)
@@ -203,15 +229,12 @@ class ModelRunner:
                                 F.rms_norm(qk[:, H:], (D,), L.k_norm, L.eps)), dim=1)
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)  # RoPE on q and k at once
             q, k = qk[:, :H], qk[:, H:]
-            kc, vc = self.cache.k[li], self.cache.v[li]
-            if nd:  # scatter each decode row's new K/V into its slot: a flat index_copy_, no index_put
-                kc.view(-1, D).index_copy_(0, dec_flat, k[:nd].reshape(-1, D))
-                vc.view(-1, D).index_copy_(0, dec_flat, v[:nd].reshape(-1, D))
-                if dense:
-                    kk, vv = kc[:nd, :, :t_dec], vc[:nd, :, :t_dec]
-                else:
-                    kk = kc.index_select(0, dec_rows_t)[:, :, :t_dec]
-                    vv = vc.index_select(0, dec_rows_t)[:, :, :t_dec]
+            kc, vc = self.cache.k[li], self.cache.v[li]  # [slots, KV, D]
+            kc.index_copy_(0, slots_t, k)
+            vc.index_copy_(0, slots_t, v)
+            if nd:
+                kk = kc.index_select(0, dec_idx).view(nd, t_dec, KV, D).transpose(1, 2)
+                vv = vc.index_select(0, dec_idx).view(nd, t_dec, KV, D).transpose(1, 2)
                 o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kk, vv, attn_mask=dec_mask, enable_gqa=True)
             if pure_decode:
                 out = o.view(n_tok, H * D)
@@ -219,12 +242,18 @@ class ModelRunner:
                 out = q.new_empty(n_tok, H, D)
                 if nd:
                     out[:nd] = o.squeeze(2)
-                for row, p, n, o_off, mask in chunk_meta:
-                    kc[row, :, p : p + n] = k[o_off : o_off + n].transpose(0, 1)
-                    vc[row, :, p : p + n] = v[o_off : o_off + n].transpose(0, 1)
+                for p, n, o_off, idx in chunk_meta:
                     qq = q[o_off : o_off + n].transpose(0, 1).unsqueeze(0)
-                    oc = F.scaled_dot_product_attention(qq, kc[row : row + 1, :, : p + n],
-                                                        vc[row : row + 1, :, : p + n], attn_mask=mask, enable_gqa=True)
+                    if idx is None:  # the chunk is all the sequence has: attend within it
+                        kk = k[o_off : o_off + n].transpose(0, 1).unsqueeze(0)
+                        vv = v[o_off : o_off + n].transpose(0, 1).unsqueeze(0)
+                        oc = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+                    else:  # cached tokens before it: read them (and the chunk) from the cache
+                        kk = kc.index_select(0, idx).view(1, p + n, KV, D).transpose(1, 2)
+                        vv = vc.index_select(0, idx).view(1, p + n, KV, D).transpose(1, 2)
+                        mask = torch.arange(p + n, device=self.device)[None, :] <= torch.arange(
+                            p, p + n, device=self.device)[:, None]
+                        oc = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
                     out[o_off : o_off + n] = oc[0].transpose(0, 1)
                 out = out.view(n_tok, H * D)
             h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
@@ -232,7 +261,7 @@ class ModelRunner:
             h = self.gemm.linear_add(L.act(gate) * up, L.down, h)
 
         sample_rows = list(range(nd))
-        for (s, n), (_, _, _, o_off, _) in zip(chunks, chunk_meta):
+        for (s, n), (_, _, o_off, _) in zip(chunks, chunk_meta):
             if s.num_computed + n == s.num_tokens:
                 sample_rows.append(o_off + n - 1)
         if not sample_rows:

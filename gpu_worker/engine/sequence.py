@@ -1,4 +1,4 @@
-"""A request as the engine sees it: token ids in, token ids out, and where its KV lives."""
+"""A request as the engine sees it: token ids in, token ids out, and the KV-cache blocks it holds."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ class Sequence:
         self.token_ids: list[int] = list(req.prompt_ids) + list(req.resume_ids)
         self.num_prompt = len(req.prompt_ids)
         self.num_computed = 0  # tokens whose K/V are in the cache
-        self.slot = -1
+        self.block_table: list[int] = []  # KV-cache blocks, in token order (see block_manager.py)
+        self.num_hashed_blocks = 0  # leading blocks registered in (or served by) the prefix cache
+        self.last_block_hash = 0
         self.status = SeqStatus.WAITING
         self.arrival = time.monotonic()
         self.finish_reason: str | None = None
@@ -60,4 +62,5 @@ class Sequence:
         return self.req.temperature < TEMPERATURE_FLOOR
 
     def __repr__(self) -> str:
-        return f"Sequence({self.id!r}, tokens={self.num_tokens}, computed={self.num_computed}, slot={self.slot})"
+        return (f"Sequence({self.id!r}, tokens={self.num_tokens}, computed={self.num_computed}, "
+                f"blocks={len(self.block_table)})")

@@ -1,0 +1,150 @@
+"""KV-cache blocks: who holds which, and which prompt prefixes are cached (as in nano-vllm / vLLM).
+
+The cache is a pool of fixed-size blocks; each sequence holds a block table (its blocks, in token
+order). Block 0 is reserved and stays zero: padded reads of the cache point at it.
+
+Prefix caching: once a full block's K/V is computed, it is registered under a hash chained over
+every token up to its end. A sequence joining later takes registered blocks for the longest
+matching prefix of its tokens instead of computing them (a shared system prompt, the earlier turns
+of a chat). Blocks are reference-counted; a block nobody holds stays cached until its space is
+needed, and then the least recently released one is reused first (LRU). Token ids are kept with
+each cached block and compared on a hit, so a hash collision can never serve the wrong K/V.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from gpu_worker.engine.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def chain_hash(prev: int, tokens: tuple[int, ...]) -> int:
+    return hash((prev, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs at least 2 blocks")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.ref = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.by_hash: dict[int, int] = {}
+        self.clean = list(range(num_blocks - 1, NULL_BLOCK, -1))  # never-cached free blocks; pop() gives the lowest
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # cached, held by nobody; oldest first
+        self.hits = 0  # prompt tokens served from the cache (cumulative)
+        self.queried = 0  # prompt tokens looked up (cumulative)
+
+    # --- accounting ---------------------------------------------------------------------------
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self.clean) + len(self.cached_free)
+
+    @property
+    def num_used(self) -> int:
+        return self.usable_blocks - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix lookup ------------------------------------------------------------------------
+    def _matches(self, seq: Sequence) -> list[int]:
+        """Registered blocks holding the longest prefix of the sequence's tokens. The block with the
+        last token is never taken: that token is computed, to get the logits to sample from."""
+        if not self.prefix_caching:
+            return []
+        bs, ids = self.block_size, seq.token_ids
+        found: list[int] = []
+        h = 0
+        for i in range((len(ids) - 1) // bs):
+            tokens = tuple(ids[i * bs : (i + 1) * bs])
+            h = chain_hash(h, tokens)
+            block = self.by_hash.get(h)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            found.append(block)
+        return found
+
+    # --- allocation ---------------------------------------------------------------------------
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, cached ones first; False (and nothing
+        taken) when the free blocks do not suffice."""
+        assert not seq.block_table
+        hits = self._matches(seq)
+        need = self.blocks_for(seq.num_tokens) - len(hits)
+        revived = sum(1 for b in hits if self.ref[b] == 0)  # cached blocks that leave the free pool
+        if need + revived > self.num_free:
+            return False
+        for b in hits:
+            if self.ref[b] == 0:
+                del self.cached_free[b]
+            self.ref[b] += 1
+        seq.block_table = hits + [self._take() for _ in range(need)]
+        seq.num_hashed_blocks = len(hits)
+        seq.last_block_hash = self.block_hash[hits[-1]] if hits else 0
+        seq.num_computed = len(hits) * self.block_size
+        self.queried += seq.num_tokens
+        self.hits += seq.num_computed
+        return True
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the sequence's next token has room (a new block is needed at a block boundary)."""
+        return seq.num_tokens <= len(seq.block_table) * self.block_size or self.num_free > 0
+
+    def append(self, seq: Sequence) -> None:
+        """Make room for the sequence's newest token (call after `can_append`)."""
+        if seq.num_tokens > len(seq.block_table) * self.block_size:
+            seq.block_table.append(self._take())
+
+    def free(self, seq: Sequence) -> None:
+        for b in reversed(seq.block_table):  # the prefix's head is released last: evicted last
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.block_hash[b] is not None:
+                    self.cached_free[b] = None
+                else:
+                    self.clean.append(b)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def register(self, seq: Sequence) -> None:
+        """Cache the sequence's full blocks whose K/V is now computed."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed, seq.num_tokens) // bs
+        h = seq.last_block_hash if seq.num_hashed_blocks else 0
+        for i in range(seq.num_hashed_blocks, full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(h, tokens)
+            block = seq.block_table[i]
+            if h not in self.by_hash and self.block_hash[block] is None:
+                self.by_hash[h] = block
+                self.block_hash[block], self.block_tokens[block] = h, tokens
+            seq.last_block_hash = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def _take(self) -> int:
+        if self.clean:
+            block = self.clean.pop()
+        else:
+            block, _ = self.cached_free.popitem(last=False)  # the least recently released cached block
+            del self.by_hash[self.block_hash[block]]
+            self.block_hash[block] = self.block_tokens[block] = None
+        self.ref[block] = 1
+        return block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block nobody holds."""
+        while self.cached_free:
+            block, _ = self.cached_free.popitem()
+            del self.by_hash[self.block_hash[block]]
+            self.block_hash[block] = self.block_tokens[block] = None
+            self.clean.append(block)
