@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.chaos                        # 500 jobs, 3 rounds, real model
     .venv/bin/python -m bench.chaos --jobs 60 --rounds 1   # a short one
-    .venv/bin/python -m bench.chaos --quick                # 20 jobs, 1 round, synthetic engine
+    .venv/bin/python -m bench.chaos --quick                # 20 jobs, 1 round, synthetic engine, no Redis restart
 
 Starts a redis-server of its own (append-only, its port and data dir kept, so this script can
 restart it) and `conveyor up --no-autoscale --tokenizers 2 --inference 2` on it (bench/stack.py), with fast
@@ -370,11 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-copies", type=int, default=2, help="clean runs per spec for the reference")
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds after the last submission")
     ap.add_argument("--quick", action="store_true",
-                    help="seconds: 20 jobs, 1 round, a 1 s Redis outage, the synthetic engine")
+                    help="seconds: 20 jobs, 1 round of kills, no Redis restart, the synthetic engine")
     args = ap.parse_args(argv)
     if args.quick:
         args.jobs, args.rounds, args.inflight, args.engine, args.ref_copies = 20, 1, 8, "synthetic", 1
-        args.gap, args.outage, args.deadline = 0.3, 1.0, 120.0
+        args.gap, args.outage, args.deadline, args.no_redis_restart = 0.3, 1.0, 120.0, True
     args.model = args.model or default_model()
     args.run_id = f"{int(time.time())}"
     args.kill = [r for r in args.kill.split(",") if r]
