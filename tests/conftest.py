@@ -61,6 +61,9 @@ TEST_ENV = {
     "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
     "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING",
     "WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on 127.0.0.1
+    # the end-to-end tests compare texts across runs (resumes, redeliveries): float32 greedy decoding
+    # gives the same tokens whatever else shares a batch; bfloat16 (DTYPE=auto on such CPUs) need not
+    "DTYPE": "float32",
 }
 
 

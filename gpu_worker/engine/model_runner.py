@@ -35,9 +35,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), as oneDNN reports it."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(torch.backends.mkldnn.is_available() and check is not None and check())
+
+
+def checkpoint_dtype(model_path: str) -> torch.dtype | None:
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""))
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype | None = None) -> torch.dtype:
+    """`auto`, as vLLM does: the checkpoint's half-precision dtype where the device computes it, with
+    float32 checkpoints run in bfloat16 there; float32 on CPUs without native bfloat16."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return checkpoint if checkpoint in (torch.bfloat16, torch.float16) else torch.bfloat16
+        if checkpoint == torch.float16:
+            return torch.float32  # fp16 on CPU is slow where it is not native; fp32 holds it exactly
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[name]
@@ -105,7 +128,8 @@ class ModelRunner:
                  max_model_len: int = 0, model: torch.nn.Module | None = None, kv_cache_mb: int = 2048,
                  block_size: int = 16, max_cache_tokens: int = 0) -> None:
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        own = model.dtype if model is not None else checkpoint_dtype(model_path)
+        self.dtype = resolve_dtype(dtype, self.device, own)
         if model is None:
             from transformers import AutoModelForCausalLM
 
