@@ -43,6 +43,7 @@ from shared import metrics as m
 from shared import names, scripts
 from shared.jobs import ACTIVE
 from shared.policy import PoolSignals, pool_load
+from shared.retry import arun_loop
 from shared.settings import Settings
 from shared.signals import pool_lags
 
@@ -232,6 +233,14 @@ class JobFollower:
         self.active: OrderedDict[str, None] = OrderedDict()
         self.ended: deque[str] = deque(maxlen=ENDED_JOBS)
         self.last = {names.JOBS_STREAM: "0-0", names.ENDED_STREAM: "0-0"}
+        self.seeded = False
+
+    async def step(self) -> None:
+        """Seed from the streams' newest entries once, then wait for new entries."""
+        if not self.seeded:
+            await self.seed()
+            self.seeded = True
+        await self.read()
 
     async def seed(self) -> None:
         for stream, count in ((names.JOBS_STREAM, FOLLOWED), (names.ENDED_STREAM, ENDED_JOBS)):
@@ -289,10 +298,12 @@ class SnapshotHub:
         self.subscribers: set[asyncio.Queue[bytes]] = set()
         self.latest: bytes | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.idle = asyncio.Event()  # set: no dashboard is open, the loops end
 
     def subscribe(self) -> asyncio.Queue[bytes]:
         queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=2)
         self.subscribers.add(queue)
+        self.idle.clear()
         if self.latest is not None:
             queue.put_nowait(self.latest)
         # each loop ends once no one is subscribed (checked after each of its waits): restart whichever has
@@ -304,18 +315,12 @@ class SnapshotHub:
 
     def unsubscribe(self, queue: asyncio.Queue[bytes]) -> None:
         self.subscribers.discard(queue)
+        if not self.subscribers:
+            self.idle.set()
 
     async def _follow(self) -> None:
-        seeded = False
-        while self.subscribers:
-            try:
-                if not seeded:
-                    await self.follower.seed()
-                    seeded = True
-                await self.follower.read()
-            except RedisError as exc:
-                log.warning("dashboard: jobs not followed (%s)", exc)
-                await asyncio.sleep(TICK_S)
+        self.follower.seeded = False
+        await arun_loop(self.follower.step, self.idle, log, "dashboard: following jobs")
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()

@@ -26,6 +26,7 @@ import redis.asyncio as aredis
 
 from api import sse
 from shared import names
+from shared.retry import arun_loop
 
 log = logging.getLogger("conveyor.relay")
 
@@ -88,6 +89,7 @@ class Relay:
         self._last_rx = 0.0
         self._connected = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
         self.stopping = False  # the server is shutting down: streams end (clients resume elsewhere)
 
     def drain(self) -> None:
@@ -110,6 +112,7 @@ class Relay:
 
     async def stop(self) -> None:
         sse.forget_shutdown(self.drain)
+        self._stopped.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -163,19 +166,21 @@ class Relay:
         return True
 
     async def _run(self) -> None:
-        backoff = 0.1
-        while True:
-            try:
-                await self._connect()
-                backoff = 0.1
-                await self._read()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # connection lost, refused, reset, or a protocol error
-                log.warning("pub/sub connection lost (%s); reconnecting in %.1fs", exc, backoff)
+        await arun_loop(self._session, self._stopped, log, "pub/sub")
+
+    async def _session(self) -> None:
+        """Connect and read until the connection is lost; the loop then connects again at once, and
+        backs off while connecting fails."""
+        try:
+            await self._connect()
+        except Exception:
             await self._drop()
-            await asyncio.sleep(backoff + random.random() * backoff)
-            backoff = min(backoff * 2, 5.0)
+            raise
+        try:
+            await self._read()
+        except Exception as exc:  # lost, reset, closed by the server, or a protocol error
+            log.warning("pub/sub connection lost (%s); reconnecting", exc)
+        await self._drop()
 
     async def _connect(self) -> None:
         conn = self.client.connection_pool.make_connection()

@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from api.relay import Relay
 from api.store import JobStore
 from shared.jobs import Job
+from shared.retry import Backoff
 
 CATCH_UP_S = 5.0  # silence this long: re-read the event stream (a lost message, a Redis restart)
 QUEUED_POLL_S = 2.0  # while queued: how often the status and position are re-read for `status` events
@@ -43,7 +44,8 @@ Event = TokenEvent | DoneEvent | StatusEvent
 async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0) -> AsyncIterator[Event]:
     """Events after `after`; a Redis error mid-stream is retried (with backoff) from the last seq sent."""
     last = after
-    for attempt in range(8):
+    backoff = Backoff(0.1, 2.0)
+    while backoff.failures < 8:
         try:
             async for ev in _job_events(store, relay, job_id, last):
                 if isinstance(ev, (TokenEvent, DoneEvent)):
@@ -51,7 +53,7 @@ async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0)
                 yield ev
             return
         except RedisError:
-            await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+            await asyncio.sleep(backoff.next())
     raise RedisError("the job store stayed unavailable")
 
 

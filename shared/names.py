@@ -29,6 +29,10 @@ INFERENCE_POOL = "inference"
 POOLS = (TOKENIZER_POOL, INFERENCE_POOL)
 CELERY_POOL = "celery"  # heartbeats only (its consumers' liveness); not a scaled pool
 
+# Celery's broker queue (a list); kombu adds `_kombu.binding.<queue>` and, with acks late, `unacked`,
+# `unacked_index` and `unacked_mutex` of its own naming
+CELERY_QUEUE = f"{PREFIX}:celery"
+
 STATS_KEY = f"{PREFIX}:stats"
 # the local autoscaler's latest decisions that change or want to change a pool (capped; the dashboard reads it)
 SCALING_DECISIONS_STREAM = f"{PREFIX}:scaling:decisions"
@@ -71,7 +75,6 @@ def workers_key(pool: str) -> str:
     """A pool's live workers: a sorted set of worker ids scored by when their heartbeat runs out
     (unix seconds), so readers find them without scanning the keyspace."""
     return f"{PREFIX}:workers:{pool}"
-
 
 
 # tenants (api keys): a hash per tenant, by name, and an index from the key's SHA-256 to the name.

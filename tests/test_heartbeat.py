@@ -29,3 +29,34 @@ def test_forget_removes_a_worker_at_once(redis_db: redis.Redis) -> None:
     beat(redis_db, "inference", "w", '{"running": 1}', 60_000)
     forget(redis_db, "inference", "w")
     assert live_workers(redis_db, "inference") == []
+
+
+def test_readers_of_live_workers_never_scan_the_keyspace(redis_db: redis.Redis, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """/readyz, /metrics, /scaling and the signals read the pools' registries, never SCAN or KEYS."""
+    import asyncio
+
+    import redis.asyncio as aredis
+
+    from api.metrics import SystemCollector
+    from api.routes.health import _readiness
+    from shared.signals import pool_signals
+
+    url = redis_server.url.rsplit("/", 1)[0] + "/15"  # redis_db's database
+    raw = redis.Redis.from_url(url)
+    beat(redis_db, names.INFERENCE_POOL, "w", '{"running": 2}', 60_000)
+    redis_db.config_resetstat()
+    assert pool_signals(raw, 8)[names.INFERENCE_POOL].running == 2
+    assert list(SystemCollector(redis_db, raw, 0).collect())
+
+    async def ready() -> int:
+        client = aredis.Redis.from_url(url, decode_responses=True)
+        try:
+            return (await _readiness(client)).status_code
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(ready()) == 503  # no tokenizer is alive
+    calls = set(redis_db.info("commandstats"))
+    assert "cmdstat_zrangebyscore" in calls or "cmdstat_zcount" in calls
+    assert not calls & {"cmdstat_scan", "cmdstat_keys"}
+    raw.close()

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from infra.redis_server import RedisServer, free_port, read_local_redis_url
+from shared import names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +42,7 @@ def mode(path: Path) -> int:
 
 def test_a_client_without_the_password_is_refused(server: RedisServer) -> None:
     assert raw_command(server.port, b"PING\r\n").startswith(b"-NOAUTH")
-    assert raw_command(server.port, b"GET conveyor:stats\r\n").startswith(b"-NOAUTH")
+    assert raw_command(server.port, f"GET {names.STATS_KEY}\r\n".encode()).startswith(b"-NOAUTH")
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(host="127.0.0.1", port=server.port).ping()
     with pytest.raises(redis.AuthenticationError):

@@ -24,7 +24,7 @@ def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
     r.xreadgroup(g, "c1", {s: ">"})
     r.xack(s, g, *ids[6:])
     assert trim_all(r)[s] == 4 and r.xlen(s) == 0
-    assert trim_consumed(r, "conveyor:none", g) == 0
+    assert trim_consumed(r, f"{names.PREFIX}:none", g) == 0
 
 
 def test_celery_app_registers_tasks() -> None:
@@ -32,6 +32,13 @@ def test_celery_app_registers_tasks() -> None:
 
     assert {"conveyor.trim_streams", "conveyor.after_jobs"} <= set(app.tasks)
     assert {e["task"] for e in app.conf.beat_schedule.values()} == {"conveyor.trim_streams", "conveyor.after_jobs"}
+
+
+def test_stream_trimming_has_one_owner() -> None:
+    """Beat's upkeep task trims; the tokenizer workers no longer do."""
+    import workers.tokenizer.worker as tokenizer
+
+    assert not hasattr(tokenizer, "trim_all") and not hasattr(tokenizer, "upkeep")
 
 
 def test_trim_with_a_binary_client(redis_server) -> None:  # type: ignore[no-untyped-def]

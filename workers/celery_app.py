@@ -1,5 +1,6 @@
 """The Celery app: work that runs after a job ends (usage accounting, webhooks) and periodic
-upkeep, both on beat's schedule. `conveyor up` runs one worker with beat embedded; on a cluster:
+upkeep (stream trimming, which nothing else does), both on beat's schedule. `conveyor up` runs one
+worker with beat embedded; on a cluster:
 
     celery -A workers.celery_app worker      # tasks
     celery -A workers.celery_app beat        # schedule
@@ -13,6 +14,7 @@ import redis
 from celery import Celery
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
+from shared import names
 from shared.redis_client import sync_client
 from shared.settings import get_settings
 from workers import upkeep
@@ -23,7 +25,7 @@ AFTER_JOBS_EVERY_S = 30.0
 AFTER_JOBS_RUN_S = 25.0
 app = Celery("conveyor", broker=settings.redis_url or "redis://127.0.0.1:6379/0")
 app.conf.update(
-    task_default_queue="conveyor:celery",
+    task_default_queue=names.CELERY_QUEUE,
     task_acks_late=True,  # a task whose worker dies is delivered again
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,

@@ -1,7 +1,7 @@
 """Upkeep that keeps Redis memory flat: trim consumed stream entries.
 
-Runs from the tokenizer workers' periodic loop and as Celery beat tasks; every function is
-safe to run concurrently from many processes."""
+The one owner of stream trimming, run as a Celery beat task (workers/celery_app.py); every function
+is safe to run concurrently from many processes."""
 
 from __future__ import annotations
 

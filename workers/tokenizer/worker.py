@@ -23,11 +23,11 @@ from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.model_config import model_context
 from shared.redis_client import sync_client
+from shared.retry import run_loop
 from shared.schemas import TOKENIZED_SCHEMA, GenerationRequest, to_ipc
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
 from workers.tokenizer.prompt import PromptBuilder, PromptError
-from workers.upkeep import trim_all
 
 log = logging.getLogger("conveyor.tokenizer")
 
@@ -44,6 +44,7 @@ class TokenizerWorker:
         self.context = model_context(settings.model_path, settings.max_model_len)
         self.stop_event = threading.Event()
         self.counters = {"processed": 0, "failed": 0, "batches": 0}
+        self.next_claim = 0.0
 
     def run(self) -> None:
         self.consumer.ensure_group()
@@ -51,27 +52,20 @@ class TokenizerWorker:
                        lambda: dict(self.counters))
         hb.start()
         log.info("tokenizer worker %s ready (context %d tokens)", self.worker_id, self.context)
-        next_claim = 0.0
-        backoff = 0.1
         try:
-            while not self.stop_event.is_set():
-                try:
-                    if time.monotonic() >= next_claim:
-                        self._recover()
-                        next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
-                        trim_all(self.client)  # keep the streams to what is still in flight
-                    entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=500)
-                    if entries:
-                        self.process(entries)
-                    backoff = 0.1
-                except redis.ConnectionError as exc:
-                    self.consumer.note_outage()
-                    log.warning("redis unavailable (%s); retrying in %.1fs", exc, backoff)
-                    self.stop_event.wait(backoff + random.random() * backoff)
-                    backoff = min(backoff * 2, 5.0)
+            run_loop(self.step, self.stop_event, log, "tokenizer", on_outage=self.consumer.note_outage)
         finally:
             hb.stop()
             log.info("tokenizer worker %s stopped", self.worker_id)
+
+    def step(self) -> None:
+        """Take over what dead workers left (now and then), then tokenize one read's entries."""
+        if time.monotonic() >= self.next_claim:
+            self._recover()
+            self.next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
+        entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=500)
+        if entries:
+            self.process(entries)
 
     def _recover(self) -> None:
         """Entries a dead worker left: each is tokenized alone, so a job that kills its worker
