@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 class Script:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.source = (HERE / f"{name}.lua").read_text()
+        self.source = (HERE / f"{name}.lua").read_text(encoding="utf-8")
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: redis.Redis, keys: list[Any], args: list[Any]) -> Any:
