@@ -209,11 +209,13 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         ready = threading.Thread(target=lambda: _wait_ready(url, stop) and print(
             f"conveyor is up at {url}  (Ctrl-C stops it)", flush=True), daemon=True)
         ready.start()
-        scaler = Autoscaler(settings, env["REDIS_URL"], pools) if autoscale else None
+        scaler = (Autoscaler(settings, env["REDIS_URL"], {n: (p.min_size, p.max_size) for n, p in pools.items()})
+                  if autoscale else None)
         state_path = settings.cache_dir / "supervisor.json"
         while not stop.is_set():
             if scaler is not None:
-                scaler()
+                for name, target in scaler({n: p.target for n, p in pools.items()}).items():
+                    pools[name].target = target
             for p in everything:
                 p.reconcile()
             write_state(state_path, url, everything,

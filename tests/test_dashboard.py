@@ -56,11 +56,6 @@ def test_latency_window_forgets_what_is_older_than_its_span() -> None:
     assert later["p50"] is None and later["n"] == 0
 
 
-class _Pool:
-    def __init__(self, target: int, min_size: int, max_size: int) -> None:
-        self.target, self.min_size, self.max_size = target, min_size, max_size
-
-
 @pytest.fixture(scope="module")
 def dash_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_dir: str) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
     url = redis_server.url.rsplit("/", 1)[0] + f"/{DB}"
@@ -115,12 +110,12 @@ def _number(text: str) -> float:
 
 def _record_a_decision(redis_url: str) -> None:
     """A real autoscaler, on stand-in pools and a forced lag, records its decision in the stack's Redis."""
-    pools = {names.TOKENIZER_POOL: _Pool(1, 1, 3), names.INFERENCE_POOL: _Pool(1, 1, 1)}
-    scaler = Autoscaler(Settings(redis_url=redis_url), redis_url, pools)  # type: ignore[arg-type]
+    scaler = Autoscaler(Settings(redis_url=redis_url), redis_url, {names.TOKENIZER_POOL: (1, 3),
+                                                                   names.INFERENCE_POOL: (1, 1)})
     scaler.signals = lambda: {names.TOKENIZER_POOL: PoolSignals(lag=500),  # type: ignore[method-assign]
                               names.INFERENCE_POOL: PoolSignals(lag=0, capacity_per_replica=64)}
-    scaler()
-    assert pools[names.TOKENIZER_POOL].target == 3
+    targets = scaler({names.TOKENIZER_POOL: 1, names.INFERENCE_POOL: 1})
+    assert targets[names.TOKENIZER_POOL] == 3
 
 
 def _steady_load(http: httpx.Client, seconds: float, in_flight: int) -> None:
