@@ -189,7 +189,7 @@ class OutputLane:
     def commit(self, pipe: Any, done: list[str]) -> None:
         results = call(self._replayable(pipe), log=log, name="output lane write")
         for i, res in enumerate(results):
-            if isinstance(res, Exception) and "equal or smaller" not in str(res):
+            if isinstance(res, Exception):
                 log.warning("output write %d failed: %s", i, res)
         for job_id in done:
             del self.states[job_id]

@@ -35,6 +35,7 @@ from gpu_worker.stats import WorkerStats
 from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
+from shared.lifecycle import name_thread, named
 from shared.redis_client import sync_client
 from shared.settings import Settings
 from shared.stream_consumer import StreamConsumer
@@ -89,12 +90,13 @@ class InferenceWorker:
                           self.ledger.idle, self.lane.is_alive)
         for name, target in (("control", self.control.run), ("feedback", self.feedback.run),
                              ("reader", self.reader.run), ("drain-timer", self._drain_timer)):
-            threading.Thread(target=target, name=name, daemon=True).start()
+            threading.Thread(target=named(name, target), name=name, daemon=True).start()
         hb = Heartbeat(self.client, names.INFERENCE_POOL, self.worker_id, self.settings.heartbeat_s,
                        self.stats.as_dict)
         hb.start()
         signal.signal(signal.SIGTERM, self._drain)
         signal.signal(signal.SIGINT, self._drain)
+        name_thread("engine-loop")  # torch's compute threads, started with the engine, keep the process name
         log.info("inference worker %s ready (%s engine)", self.worker_id, self.settings.engine)
         try:
             if not loop.run():

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from shared import names
+from shared.lifecycle import name_thread
 from shared.redis_client import sync_client
 from shared.settings import Settings
 
@@ -43,6 +44,7 @@ class Heartbeat(threading.Thread):
         beat(self.client, self.pool, self.worker_id, json.dumps(body), int(self.interval * 2500))
 
     def run(self) -> None:
+        name_thread("heartbeat")
         while not self.stop_event.is_set():
             try:
                 self.beat()

@@ -1,5 +1,6 @@
 """A child process dies with its parent, even when the parent is SIGKILLed (Linux's
-PR_SET_PDEATHSIG; elsewhere nothing happens)."""
+PR_SET_PDEATHSIG; elsewhere nothing happens). Threads carry their names into the kernel
+(PR_SET_NAME), so `top -H` and /proc/<pid>/task/*/comm tell a worker's lanes apart."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 _prctl: Callable[..., int] | None
 try:
     _prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
@@ -32,3 +34,17 @@ def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     """A preexec_fn for subprocess.Popen: the child gets `sig` when this process dies."""
     parent = os.getpid()
     return lambda: die_with_parent(sig, parent)
+
+
+def name_thread(name: str) -> None:
+    """Name the calling thread for the kernel (at most 15 bytes are kept)."""
+    if _prctl is not None:
+        _prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def named(name: str, target: Callable[[], object]) -> Callable[[], None]:
+    """`target`, run under a kernel-visible thread name: for threading.Thread(target=...)."""
+    def run() -> None:
+        name_thread(name)
+        target()
+    return run
