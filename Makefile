@@ -30,7 +30,7 @@ model: setup
 run: model
 	$(VENV)/bin/conveyor up
 
-# the dashboard's browser test (tests/test_dashboard.py) drives Debian's headless chromium through chromedriver
+# the dashboard's browser test (tests/api/test_dashboard.py) drives Debian's headless chromium through chromedriver
 SUDO := $(shell [ $$(id -u) -eq 0 ] || echo sudo)
 browser:
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { $(SUDO) apt-get update -qq && \

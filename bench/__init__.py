@@ -1,5 +1,5 @@
 """Benchmarks, run as modules from the repository root (`.venv/bin/python -m bench.engine --help`); each
-has a `--quick` mode that tests/test_bench_quick.py runs. BENCHMARKS.md holds the current figures.
+has a `--quick` mode that tests/bench/test_bench_quick.py runs. BENCHMARKS.md holds the current figures.
 
 - engine:      in-process generation, named contenders interleaved (and decode-step timing)
 - gemm_shapes: CPU GEMM backends per weight shape

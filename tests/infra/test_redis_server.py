@@ -19,7 +19,7 @@ import redis
 from infra.redis_server import RedisServer, free_port, read_local_redis_url
 from shared import names
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ def test_every_script_is_a_documented_file() -> None:
 
 
 def test_scripts_ship_with_the_package() -> None:
-    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '"shared.scripts" = ["*.lua"]' in pyproject
 
 

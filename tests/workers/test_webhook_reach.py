@@ -21,8 +21,8 @@ import redis
 
 from shared import names
 from shared.settings import Settings
-from tests.test_after_job import end_job
 from tests.webhook_server import webhook_server
+from tests.workers.test_after_job import end_job
 from workers.after_job import AfterJob, IPAddress, address_refusal, redact
 
 

@@ -19,7 +19,7 @@ from shared import names
 from shared.policy import DEFAULT_POLICIES
 from shared.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "infra" / "k8s"
 KUBERNETES_VERSION = "1.30"
 CORE_KINDS = {"Namespace", "ConfigMap", "Secret", "Service", "Deployment", "StatefulSet",
