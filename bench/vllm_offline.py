@@ -90,8 +90,7 @@ def run_ours(args: argparse.Namespace) -> dict:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
-                                    max_model_len=2048, prefix_caching=args.prefix_caching,
-                                    compile=args.compile))
+                                    max_model_len=2048, prefix_caching=args.prefix_caching))
 
     def ids(m):
         return tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -170,7 +169,6 @@ def main() -> int:
     p.add_argument("--system-words", type=int, default=0,
                    help="a system prompt of about this many words (~1.2 tokens each), shared by every request")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
     args = p.parse_args()
     args.system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_words))
     res = run_vllm(args) if args.engine == "vllm" else run_ours(args)

@@ -55,7 +55,8 @@ def build_engine(settings: Settings) -> Engine:
     engine: Engine = LLMEngine(EngineConfig(
         model=settings.model_path, device=settings.device, dtype=settings.dtype,
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-        kv_cache_mb=settings.kv_cache_mb, max_model_len=settings.max_model_len, threads=settings.torch_threads))
+        kv_cache_mb=settings.kv_cache_mb, max_model_len=settings.max_model_len, threads=settings.torch_threads,
+        block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching))
     return engine
 
 

@@ -61,13 +61,17 @@ class Settings(BaseSettings):
     # gpu_worker/ engine
     engine: str = Field("torch", description="torch | synthetic (a zero-cost benchmark instrument)")
     device: str = "auto"
-    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16")
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA and on "
+                       "CPUs with native bfloat16 (AVX512-BF16, AMX), else float32")
     stream_interval: int = Field(1, ge=1, description="tokens per streamed chunk after the first; more means "
                                  "fewer events for the output lane, Redis, the API and clients to handle")
     max_num_seqs: int = Field(64, description="most sequences running at once")
     max_num_batched_tokens: int = Field(0, description="most tokens per step (decode + prefill chunks); "
                                                        "0: 256 on CPU, 2048 on CUDA")
-    kv_cache_mb: int = Field(2048, description="KV-cache budget; the newest request is preempted past it")
+    kv_cache_mb: int = Field(2048, description="KV-cache pool, in blocks of kv_block_size tokens; when no block is "
+                             "free the newest request is preempted")
+    kv_block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
+    prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     max_model_len: int = Field(4096, description="context cap; 0 means the model's own")
     torch_threads: int = 0
 

@@ -22,7 +22,6 @@ class EngineConfig:
     threads: int = 0
     block_size: int = 16  # tokens per KV-cache block
     prefix_caching: bool = True
-    compile: bool = False
 
 
 class Engine(Protocol):
