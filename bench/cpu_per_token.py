@@ -107,8 +107,9 @@ def generated_tokens(url: str, prefix: str) -> float:
 class Conveyor:
     name, metric_prefix = "conveyor", "conveyor:"
 
-    def __init__(self, model: str, dtype: str, workdir: Path) -> None:
-        self.stack = start_stack(workdir, None, model, {"DTYPE": dtype, "LOG_LEVEL": "WARNING"}, timeout=600)
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        self.stack = start_stack(workdir, None, model, {"DTYPE": dtype, "LOG_LEVEL": "WARNING", **(env or {})},
+                                 timeout=600)
         self.url = self.stack.url
 
     def processes(self) -> tuple[dict[str, list[psutil.Process]], int]:
@@ -124,7 +125,7 @@ class Conveyor:
 class Vllm:
     name, metric_prefix = "vllm", "vllm:"
 
-    def __init__(self, model: str, dtype: str, workdir: Path) -> None:
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
         from bench.serve import VllmServer
 
         self.server = VllmServer(argparse.Namespace(dtype=dtype, model=model, vllm_timeout=900), workdir, "vllm")
@@ -150,10 +151,14 @@ def measure(server, args: argparse.Namespace, streams: int, workdir: Path) -> di
     procs, model_pid = server.processes()
     tok0 = generated_tokens(server.url, server.metric_prefix)
     before = snapshot(procs, model_pid)
+    t0 = os.times()
     res = guidellm(server.url, args.model, streams, args.seconds, args.prompt_tokens, args.output_tokens, workdir,
                    "vllm" if server.name == "vllm" else None)
     after = snapshot(procs, model_pid)
+    t1 = os.times()
     tokens = generated_tokens(server.url, server.metric_prefix) - tok0
+    client = (t1.children_user + t1.children_system) - (t0.children_user + t0.children_system)
+    res["client_cpu_per_1k"] = round(client * 1000 / max(tokens, 1), 3)  # guidellm itself, on the same cores
     res.update(server=server.name, streams=streams, tokens=tokens, cpu_per_1k=diff(before, after, int(tokens)))
     return res
 
@@ -168,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=40)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--servers", default="conveyor,vllm")
+    p.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="an environment variable for conveyor's stack (repeatable), e.g. a setting under test")
     p.add_argument("--json", dest="json_out")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -178,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     args.model = args.model or default_model()
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))
     kinds = {"conveyor": Conveyor, "vllm": Vllm}
-    servers = [kinds[s](args.model, args.dtype, workdir / s) for s in args.servers.split(",")]
+    for s in args.servers.split(","):
+        (workdir / s).mkdir(parents=True, exist_ok=True)
+    env = dict(kv.split("=", 1) for kv in args.env)
+    servers = [kinds[s](args.model, args.dtype, workdir / s, env) for s in args.servers.split(",")]
     runs: list[dict] = []
     try:
         for s in servers:  # one untimed warm-up each

@@ -48,6 +48,7 @@ PROMPTS = [
 ]
 WORDS = ("you are a helpful assistant who answers briefly and accurately, citing the facts that matter "
          "and saying plainly when something is not known").split()
+CHECKED = 8  # requests whose greedy token ids are returned, to compare the engines' outputs
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
 
 
@@ -68,8 +69,9 @@ def run_vllm(args: argparse.Namespace) -> dict:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm import LLM, SamplingParams
 
+    extra = {"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_seqs,
-              enable_prefix_caching=args.prefix_caching)
+              enable_prefix_caching=args.prefix_caching, **extra)
     sp = SamplingParams(temperature=0, max_tokens=args.max_new, ignore_eos=True)
     llm.chat(messages(2), sp, use_tqdm=False)
     reqs = messages(args.n, args.system)
@@ -79,7 +81,8 @@ def run_vllm(args: argparse.Namespace) -> dict:
     ttfts = [o.metrics.first_token_latency for o in outs
              if getattr(o, "metrics", None) is not None and getattr(o.metrics, "first_token_latency", None)]
     return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt,
-            "ttft_p50": sorted(ttfts)[len(ttfts) // 2] if ttfts else None}
+            "ttft_p50": sorted(ttfts)[len(ttfts) // 2] if ttfts else None,
+            "ids": [list(o.outputs[0].token_ids) for o in outs[:CHECKED]]}
 
 
 def run_ours(args: argparse.Namespace) -> dict:
@@ -90,10 +93,13 @@ def run_ours(args: argparse.Namespace) -> dict:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
-                                    max_model_len=2048, prefix_caching=args.prefix_caching))
+                                    max_model_len=2048, prefix_caching=args.prefix_caching,
+                                    max_num_batched_tokens=args.max_batched_tokens))
 
     def ids(m):
         return tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    out: dict[str, list[int]] = {}
 
     def generate(reqs: list[list[dict]], tag: str) -> tuple[int, list[float]]:
         t0 = time.perf_counter()
@@ -106,6 +112,7 @@ def run_ours(args: argparse.Namespace) -> dict:
             now = None
             for o in engine.step():
                 n += len(o.token_ids)
+                out.setdefault(o.id, []).extend(o.token_ids)
                 if o.token_ids and o.id not in first:
                     now = now or time.perf_counter()
                     first[o.id] = now - t0
@@ -116,7 +123,8 @@ def run_ours(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     n, ttfts = generate(reqs, "r")
     dt = time.perf_counter() - t0
-    return {"tokens": n, "seconds": dt, "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None}
+    return {"tokens": n, "seconds": dt, "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None,
+            "ids": [out[f"r{i}"] for i in range(min(CHECKED, len(reqs)))]}
 
 
 def compare(args: argparse.Namespace, rest: list[str]) -> int:
@@ -138,7 +146,7 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
                     print(proc.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"{engine} {dtype} failed")
                 res = json.loads(line[-1])
-                print(json.dumps(res), file=sys.stderr, flush=True)
+                print(json.dumps({k: v for k, v in res.items() if k != "ids"}), file=sys.stderr, flush=True)
                 results.setdefault((engine, dtype), []).append(res)
     print(f"| dtype | vLLM-CPU tok/s | conveyor tok/s | ratio | vLLM s | conveyor s |  (medians of {args.repeats})")
     print("|---|---|---|---|---|---|")
@@ -148,6 +156,12 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
         vs = statistics.median(x["seconds"] for x in results[("vllm", dtype)])
         os_ = statistics.median(x["seconds"] for x in results[("ours", dtype)])
         print(f"| {dtype} | {v:.0f} | {o:.0f} | {o / v:.2f}x | {vs:.2f} | {os_:.2f} |")
+    for dtype in args.dtypes.split(","):
+        a, b = results[("vllm", dtype)][-1]["ids"], results[("ours", dtype)][-1]["ids"]
+        same = sum(x == y for x, y in zip(a, b))
+        prefix = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x)) for x, y in zip(a, b)]
+        print(f"{dtype}: greedy tokens identical for {same}/{len(a)} requests; first difference at token "
+              f"{sorted(prefix)} (ours in float32 equals transformers' generate)")
     return 0
 
 
@@ -166,6 +180,8 @@ def main() -> int:
     p.add_argument("--n", type=int, default=64)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--max-seqs", type=int, default=32)
+    p.add_argument("--max-batched-tokens", type=int, default=0,
+                   help="tokens per step for both engines (0: each engine's default; vLLM's is 4096, ours 256 on CPU)")
     p.add_argument("--system-words", type=int, default=0,
                    help="a system prompt of about this many words (~1.2 tokens each), shared by every request")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False)
