@@ -4,9 +4,11 @@ Both servers run on this machine (conveyor via bench/stack.py, vLLM via `vllm se
 bench/vllm_setup.sh makes), each alone while measured: the same guidellm load (concurrent streams,
 synthetic prompts of --prompt-tokens, --output-tokens each, --seconds per run) goes to one, then the
 other, alternating which goes first, --repeats times per level. Per run it reads guidellm's JSON
-(output tok/s, TTFT and ITL medians) and each process's CPU seconds from /proc/<pid>/stat, plus
-every thread of the model process (/proc/<pid>/task/*/stat: conveyor's inference worker, vLLM's
-`VLLM::Worker`), divided by the tokens the run generated.
+(TTFT and ITL medians, the run's duration), the tokens the server generated meanwhile (its own
+`generation_tokens_total`: guidellm's tok/s counts completed requests only) and each process's CPU
+seconds from /proc/<pid>/stat, plus every thread of the model process (/proc/<pid>/task/*/stat:
+conveyor's inference worker, vLLM's `VLLM::Worker`), divided by the tokens the run generated; and the
+CPU of guidellm itself, which shares the cores.
 
     .venv/bin/python -m bench.cpu_per_token --levels 1,8,32 --repeats 3
     .venv/bin/python -m bench.cpu_per_token --quick      # a tiny model, conveyor only, seconds
@@ -83,12 +85,14 @@ def guidellm(url: str, model_dir: str, streams: int, seconds: float, prompt_toke
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode:
         raise SystemExit(f"guidellm failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    m = bench["metrics"]
 
     def med(name: str) -> float:
         return float(m[name]["successful"]["median"])
 
-    return {"tok_s": float(m["output_tokens_per_second"]["successful"]["mean"]),
+    return {"duration": float(bench["duration"]),
+            "tok_s_completed": float(m["output_tokens_per_second"]["successful"]["mean"]),
             "ttft_ms": med("time_to_first_token_ms"), "itl_ms": med("inter_token_latency_ms"),
             "requests": int(m["request_totals"]["successful"]), "errored": int(m["request_totals"]["errored"])}
 
@@ -159,7 +163,9 @@ def measure(server, args: argparse.Namespace, streams: int, workdir: Path) -> di
     tokens = generated_tokens(server.url, server.metric_prefix) - tok0
     client = (t1.children_user + t1.children_system) - (t0.children_user + t0.children_system)
     res["client_cpu_per_1k"] = round(client * 1000 / max(tokens, 1), 3)  # guidellm itself, on the same cores
-    res.update(server=server.name, streams=streams, tokens=tokens, cpu_per_1k=diff(before, after, int(tokens)))
+    # generated tok/s from the server's own counter: guidellm's figure counts completed requests only
+    res.update(server=server.name, streams=streams, tokens=tokens, tok_s=round(tokens / res["duration"], 1),
+               cpu_per_1k=diff(before, after, int(tokens)))
     return res
 
 
