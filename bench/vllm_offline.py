@@ -86,7 +86,6 @@ def run_vllm(args: argparse.Namespace) -> dict:
 
 
 def run_ours(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from transformers import AutoTokenizer
 
     from gpu_worker.engine import EngineConfig, LLMEngine, Request
@@ -166,6 +165,7 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main() -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file by vLLM's interpreter too
     if "--compare" in sys.argv:
         d = argparse.ArgumentParser()
         d.add_argument("--compare", action="store_true")
@@ -174,7 +174,7 @@ def main() -> int:
         args, rest = d.parse_known_args()
         return compare(args, rest)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--engine", choices=["vllm", "ours"], required=True)
+    p.add_argument("--engine", choices=["vllm", "ours"], default="ours")
     p.add_argument("--model", default=os.environ.get("CONVEYOR_MODEL", DEFAULT_MODEL))
     p.add_argument("--dtype", default="float32")
     p.add_argument("--n", type=int, default=64)
@@ -185,7 +185,13 @@ def main() -> int:
     p.add_argument("--system-words", type=int, default=0,
                    help="a system prompt of about this many words (~1.2 tokens each), shared by every request")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--quick", action="store_true", help="seconds: our engine on a tiny random model (unless --model)")
     args = p.parse_args()
+    if args.quick:
+        from bench.common import quick_model
+
+        args.model = quick_model(None if args.model == DEFAULT_MODEL else args.model)
+        args.engine, args.n, args.max_new = "ours", 4, 4
     args.system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_words))
     res = run_vllm(args) if args.engine == "vllm" else run_ours(args)
     res.update(engine=args.engine, dtype=args.dtype, tok_s=round(res["tokens"] / res["seconds"], 1))

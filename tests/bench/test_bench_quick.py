@@ -78,3 +78,24 @@ def test_gpu_check_smoke() -> None:
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def test_offline_batch(tiny_model_dir: str) -> None:
+    """The in-process batch that bench.vllm_offline runs against vLLM: our side, with and without a
+    shared system prompt served from the prefix cache."""
+    for extra in ([], ["--system-words", "60", "--prefix-caching"]):
+        out = bench("vllm_offline", "--model", tiny_model_dir, *extra)
+        res = json.loads(out.strip().splitlines()[-1])
+        assert res["engine"] == "ours" and res["tokens"] == 4 * 4 and len(res["ids"]) == 4
+
+
+def test_kv_cache() -> None:
+    out = bench("kv_cache")
+    res = json.loads(out.splitlines()[0])
+    assert res["most_running"] == res["requests"] and res["paged_waste"] < res["dense_waste"]
+
+
+@pytest.mark.slow
+def test_cpu_per_token() -> None:
+    out = bench("cpu_per_token")
+    assert "| conveyor | 2 |" in out and '"inference"' in out
