@@ -211,41 +211,20 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 40, 300])
 def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(rows: int) -> None:
-    """float32 on CPU uses F.linear below `min_rows` rows and a packed (MKL) or reordered (oneDNN)
-    copy of the weight from there; each must compute x @ w.T (+ bias, + residual) as F.linear does,
-    at any row count, whatever row count the copy was prepared for."""
-    from gpu_worker.engine.gemm import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
+    """float32 on CPU uses F.linear below `min_rows` rows and a oneDNN-reordered copy of the weight
+    from there; both must compute x @ w.T (+ bias, + residual) as F.linear does, at any row count,
+    whatever row count the copy was prepared for."""
+    from gpu_worker.engine.gemm import SplitGemm, choose_gemm
 
     layer_gemm, head_gemm = choose_gemm(torch.device("cpu"), torch.float32)
     if not isinstance(layer_gemm, SplitGemm):
         pytest.skip("this torch build has no oneDNN")
-    assert isinstance(head_gemm, SplitGemm)
     torch.manual_seed(rows)
     w, b = torch.randn(96, 64), torch.randn(96)
     x, residual = torch.randn(rows, 64), torch.randn(rows, 96)
     expect = torch.nn.functional.linear(x, w, b)
-    packs = _mkl_packing_ok() and layer_gemm.packed.serves_any_rows(w)  # where it does not, oneDNN serves
-    for gemm, wide in ((layer_gemm, MklPackedGemm if packs else OneDnnGemm), (head_gemm, OneDnnGemm)):
+    for gemm in (layer_gemm, head_gemm):
         prepared = gemm.prepare(w)
-        assert isinstance(prepared[1], wide)
         torch.testing.assert_close(gemm.linear(x, prepared, b), expect, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gemm.linear_add(x, prepared, residual), expect - b + residual,
                                    rtol=1e-5, atol=1e-5)
-
-
-def test_cpu_float32_gemm_falls_back_to_onednn_for_a_shape_packing_does_not_serve(monkeypatch) -> None:
-    """A weight shape whose MKL-packed copy failed the row-count check takes oneDNN's copy, and still
-    computes F.linear's result."""
-    from gpu_worker.engine.gemm import MklPackedGemm, OneDnnGemm, SplitGemm, _mkl_packing_ok, choose_gemm
-
-    layer_gemm, _ = choose_gemm(torch.device("cpu"), torch.float32)
-    if not isinstance(layer_gemm, SplitGemm) or not _mkl_packing_ok():
-        pytest.skip("this torch build has no oneDNN or no MKL packing")
-    monkeypatch.setattr(MklPackedGemm, "serves_any_rows", lambda self, w: False)
-    w = torch.randn(80, 48)
-    prepared = layer_gemm.prepare(w)
-    assert isinstance(prepared[1], OneDnnGemm)
-    x, residual = torch.randn(12, 48), torch.randn(12, 80)
-    expect = torch.nn.functional.linear(x, w)
-    torch.testing.assert_close(layer_gemm.linear(x, prepared), expect, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer_gemm.linear_add(x, prepared, residual), expect + residual, rtol=1e-5, atol=1e-5)
