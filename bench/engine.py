@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.engine             # full default run: 15-20 minutes on 2 idle cores
     .venv/bin/python -m bench.engine --quick     # seconds: a tiny random model, 4 requests x 4 tokens
-    .venv/bin/python -m bench.engine --profile   # also break down one fp32 engine step at 32 running
+    .venv/bin/python -m bench.engine --profile   # also break down a decode step at 32 running, per --dtypes
     .venv/bin/python -m bench.engine --step-time 1,8,32 --dtypes float32,bfloat16   # decode-step time only
     .venv/bin/python -m bench.engine --after-idle 8 --dtypes bfloat16   # a prefill step warm and after idling
 
@@ -617,12 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="seconds to wait, before each run, for other processes to fall under --max-noise")
     p.add_argument("--check", type=int, default=4, help="requests compared with batch-1 generate (0: skip)")
-    p.add_argument("--profile", action="store_true", help="also profile one fp32 engine step at 32 running")
+    p.add_argument("--profile", action="store_true", help="also profile a decode step at 32 running, per --dtypes")
     p.add_argument("--json", dest="json_out", help="also write the medians here, and a chart beside it (.png)")
     p.add_argument("--step-time", default="", help="decode-step time only, at these batch sizes (e.g. 1,8,32)")
     p.add_argument("--after-idle", type=float, default=0.0,
                    help="decode-step mode: also time a prefill step after this many seconds idle")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="decode-step mode: engine dtypes")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="decode-step and --profile modes: engine dtypes")
     p.add_argument("--steps", type=int, default=15, help="decode-step mode: timed steps per batch size")
     p.add_argument("--prompt-len", type=int, default=40, help="decode-step mode: prompt tokens per request")
     args = p.parse_args(argv)
@@ -712,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"engine in process: {wl.n} requests x {wl.max_new} tokens, {args.concurrency} in flight",
                   x_label="arrivals")
     if args.profile:
-        profile_step(s)
+        for dtype in args.dtypes.split(","):
+            profile_step(s, dtype)
     print(f"\nfinished in {(datetime.now(UTC) - started).total_seconds() / 60:.1f} min")
     return 0
 

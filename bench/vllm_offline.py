@@ -28,24 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for a good night's sleep.",
-    "Explain photosynthesis in one sentence.",
-    "Write a haiku about the sea.",
-    "What does a compiler do?",
-    "Suggest a name for a grey cat.",
-    "How many legs does a spider have?",
-    "Translate 'good morning' into Spanish and German.",
-    "Why is the sky blue?",
-    "List four primary school subjects.",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-    "What is 17 times 23?",
-    "Describe a rainy afternoon in a small town.",
-    "What is the difference between a list and a tuple in Python?",
-    "Recommend a book for someone who likes science fiction.",
-    "How do I boil an egg?",
-]
+# run as a file by vLLM's interpreter too (its own venv): bench.common needs nothing beyond the standard library
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import PROMPTS  # noqa: E402
+
 WORDS = ("you are a helpful assistant who answers briefly and accurately, citing the facts that matter "
          "and saying plainly when something is not known").split()
 CHECKED = 8  # requests whose greedy token ids are returned, to compare the engines' outputs
@@ -165,7 +151,6 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main() -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file by vLLM's interpreter too
     if "--compare" in sys.argv:
         d = argparse.ArgumentParser()
         d.add_argument("--compare", action="store_true")

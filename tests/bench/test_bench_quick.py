@@ -99,3 +99,8 @@ def test_kv_cache() -> None:
 def test_cpu_per_token() -> None:
     out = bench("cpu_per_token")
     assert "| conveyor | 2 |" in out and '"inference"' in out
+
+
+def test_compile_layers(tiny_model_dir: str) -> None:
+    out = bench("compile_layers", "--model", tiny_model_dir)
+    assert "eager bfloat16: layers" in out and "compiled bfloat16: layers" in out
