@@ -129,7 +129,7 @@ class Conveyor:
 class Vllm:
     name, metric_prefix = "vllm", "vllm:"
 
-    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, dtype: str, workdir: Path) -> None:
         from bench.serve import VllmServer
 
         self.server = VllmServer(argparse.Namespace(dtype=dtype, model=model, vllm_timeout=900), workdir, "vllm")
@@ -190,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         args.output_tokens = 8
     args.model = args.model or default_model()
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))
-    kinds = {"conveyor": Conveyor, "vllm": Vllm}
-    for s in args.servers.split(","):
-        (workdir / s).mkdir(parents=True, exist_ok=True)
     env = dict(kv.split("=", 1) for kv in args.env)
-    servers = [kinds[s](args.model, args.dtype, workdir / s, env) for s in args.servers.split(",")]
+    servers = []
+    for name in args.servers.split(","):
+        (workdir / name).mkdir(parents=True, exist_ok=True)
+        servers.append(Conveyor(args.model, args.dtype, workdir / name, env) if name == "conveyor"
+                       else Vllm(args.model, args.dtype, workdir / name))
     runs: list[dict] = []
     try:
         for s in servers:  # one untimed warm-up each

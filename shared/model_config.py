@@ -1,6 +1,6 @@
 """What the stages read from a model's `config.json` without loading the model: its vocabulary
-size (the API's bounds on token ids) and the context it serves (the tokenizer's length check,
-the API's `max_model_len`)."""
+size (the API's bounds on token ids), the context it serves (the tokenizer's length check,
+the API's `max_model_len`) and the dtype its weights were saved in (the engine's DTYPE=auto)."""
 
 from __future__ import annotations
 
@@ -37,3 +37,10 @@ def model_context(model_dir: str, cap: int) -> int:
     """The context served: the model's own, capped by MAX_MODEL_LEN (0: no cap)."""
     own = _int_field(model_config(model_dir), "max_position_embeddings") or cap or 4096
     return min(own, cap) if cap > 0 else own
+
+
+def checkpoint_dtype(model_dir: str) -> str | None:
+    """The dtype the weights were saved in ("float32", "bfloat16", ...), if the config says."""
+    cfg = model_config(model_dir)
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    return str(value) if value else None

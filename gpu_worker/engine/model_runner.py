@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from gpu_worker.engine.gemm import Gemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.step import StepBatch
+from shared.model_config import checkpoint_dtype
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +40,6 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), as oneDNN reports it."""
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(torch.backends.mkldnn.is_available() and check is not None and check())
-
-
-def checkpoint_dtype(model_path: str) -> torch.dtype | None:
-    import json
-    from pathlib import Path
-
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""))
 
 
 def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype | None = None) -> torch.dtype:
@@ -128,7 +118,7 @@ class ModelRunner:
                  max_model_len: int = 0, model: torch.nn.Module | None = None, kv_cache_mb: int = 2048,
                  block_size: int = 16, max_cache_tokens: int = 0) -> None:
         self.device = resolve_device(device)
-        own = model.dtype if model is not None else checkpoint_dtype(model_path)
+        own = model.dtype if model is not None else DTYPES.get(checkpoint_dtype(model_path) or "")
         self.dtype = resolve_dtype(dtype, self.device, own)
         if model is None:
             from transformers import AutoModelForCausalLM
