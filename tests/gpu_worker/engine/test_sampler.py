@@ -1,0 +1,89 @@
+"""The batched sampler draws from the distribution a request asked for: temperature, top-k, top-p,
+whatever else shares its batch, and reproducibly from (seed, token index)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpu_worker.engine.sampler import Sampler, token_uniform
+from gpu_worker.engine.sequence import Request, Sequence
+
+DRAWS = 4000
+
+
+def _seqs(n: int, **kw) -> list[Sequence]:
+    return [Sequence(Request(f"r{i}", [1], seed=i, **kw)) for i in range(n)]
+
+
+def _freq(tokens: list[int], vocab: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double() / len(tokens)
+
+
+def test_draws_follow_softmax_of_logits_over_temperature() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    for temp in (1.0, 0.5, 2.0):
+        tokens, errors = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, temperature=temp))
+        assert not errors
+        expected = torch.softmax(logits.double() / temp, dim=0)
+        assert (_freq(tokens, 6) - expected).abs().max() < 0.03, (temp, _freq(tokens, 6), expected)
+
+
+def test_top_k_keeps_only_the_k_most_likely_in_proportion() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0, 2.5, -1.0])
+    tokens, _ = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, top_k=3))
+    f = _freq(tokens, 6)
+    assert set(torch.nonzero(f).flatten().tolist()) == {1, 3, 4}
+    expected = torch.softmax(torch.tensor([3.0, 2.0, 2.5], dtype=torch.float64), dim=0)
+    assert (f[[1, 3, 4]] - expected).abs().max() < 0.03
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([0.1, 0.5, 0.1, 0.3])
+    tokens, _ = Sampler()(probs.log().repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.7))
+    f = _freq(tokens, 4)  # 0.5 + 0.3 reaches 0.7: tokens 1 and 3, renormalised
+    assert f[0] == 0 and f[2] == 0
+    assert abs(f[1] - 0.625) < 0.03 and abs(f[3] - 0.375) < 0.03
+
+
+def test_top_p_over_a_flat_vocabulary_reaches_past_its_first_candidates() -> None:
+    vocab = 3000  # nearly flat: the nucleus holds most of the vocabulary, far more than 512 candidates
+    logits = torch.zeros(vocab)
+    logits[-500:] = -30.0  # these 500 together hold ~0 mass: never in a 0.95 nucleus
+    tokens, _ = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.95))
+    drawn = set(tokens)
+    assert len(drawn) > 1000 and max(drawn) < vocab - 500
+
+
+def test_large_vocabulary_draws_land_on_the_likely_tokens_only() -> None:
+    vocab = 1000  # not a multiple of the sampler's block: the padding is never drawn
+    logits = torch.full((vocab,), float("-inf"))
+    logits[[3, 510, 999]] = torch.tensor([0.0, 1.0, 2.0])
+    tokens, errors = Sampler()(torch.nan_to_num(logits, neginf=-1e4).repeat(DRAWS, 1), _seqs(DRAWS))
+    assert not errors and set(tokens) == {3, 510, 999}
+    expected = torch.softmax(torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64), dim=0)
+    assert (_freq(tokens, vocab)[[3, 510, 999]] - expected).abs().max() < 0.03
+
+
+def test_a_row_draws_the_same_token_alone_or_in_any_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(8, 2000) * 2
+    mixed = [Sequence(Request(f"m{i}", [1], seed=100 + i, temperature=t, top_k=k, top_p=p))
+             for i, (t, k, p) in enumerate([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 40, 1.0), (0.9, 0, 0.9),
+                                            (1.2, 100, 0.8), (0.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 5, 0.5)])]
+    together, _ = Sampler()(logits, mixed)
+    alone = [Sampler()(logits[i : i + 1], [s])[0][0] for i, s in enumerate(mixed)]
+    assert together == alone
+    assert together[0] == int(logits[0].argmax()) and together[5] == int(logits[5].argmax())
+    reversed_, _ = Sampler()(logits.flip(0), mixed[::-1])
+    assert reversed_[::-1] == together
+
+
+def test_uniforms_from_seed_and_index_are_spread() -> None:
+    us = [token_uniform(seed, index) for seed in range(50) for index in range(200)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert abs(sum(us) / len(us) - 0.5) < 0.01
+    assert abs(sum((u - 0.5) ** 2 for u in us) / len(us) - 1 / 12) < 0.005
+    assert len(set(us)) == len(us)  # no two (seed, index) pairs here share a draw
+    assert not math.isclose(token_uniform(7, 0), token_uniform(7, 1))
