@@ -160,6 +160,8 @@ class ModelRunner:
         self.cache = KVCache(len(self.layers), self.kv_heads, self.head_dim, num_blocks, block_size,
                              self.dtype, self.device)
         self._block_offsets = torch.arange(block_size, device=self.device)
+        # a layer's K (or V) seen as [KV * slots, D]: head h's slot s is row h * slots + s
+        self._head_offsets = torch.arange(self.kv_heads, device=self.device)[None, :, None] * (num_blocks * block_size)
         self._upcast_attention = self.device.type == "cpu" and self.dtype != torch.float32
         self._pin = self.device.type == "cuda"
 
@@ -190,22 +192,18 @@ class ModelRunner:
 
     def _attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
-        """One query per decode row: q [rows, H, D] against K/V gathered from the cache as [KV, rows * T, D];
-        out [rows, H, D]. On CPU in half precision: two batched matmuls over (KV head, row), each KV head's
-        query group at once, scores and softmax in float32 (`bias` masks padding): no upcast copies and
-        about half of SDPA's time there. Elsewhere: SDPA over the same gathered K/V."""
+        """One query per decode row: q [rows, H, D] against K/V gathered from the cache as [rows, KV, T, D];
+        out [rows, H, D]. On CPU in half precision: two batched matmuls over (row, KV head), each KV head's
+        query group at once, softmax in float32 (`bias` masks padding): no upcast copies and about half of
+        SDPA's time there. Elsewhere: SDPA over the same gathered K/V."""
         rows, H, D = q.shape
-        KV = self.kv_heads
-        T = k.shape[1] // rows
         if bias is None:
-            kk = k.view(KV, rows, T, D).transpose(0, 1)
-            vv = v.view(KV, rows, T, D).transpose(0, 1)
-            return self._attend(q.unsqueeze(2), kk, vv, attn_mask=mask).view(rows, H, D)
-        g = H // KV
-        qg = q.view(rows, KV, g, D).transpose(0, 1).reshape(KV * rows, g, D)
-        scores = torch.baddbmm(bias, qg, k.view(KV * rows, T, D).transpose(1, 2), alpha=D**-0.5)
+            return self._attend(q.unsqueeze(2), k, v, attn_mask=mask).reshape(rows, H, D)
+        _, KV, T, _ = k.shape
+        qg = q.reshape(rows * KV, H // KV, D)
+        scores = torch.baddbmm(bias, qg, k.view(rows * KV, T, D).transpose(1, 2), alpha=D**-0.5)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, v.view(KV * rows, T, D)).view(KV, rows, g, D).transpose(0, 1).reshape(rows, H, D)
+        return torch.bmm(probs, v.view(rows * KV, T, D)).view(rows, H, D)
 
     def _slots(self, decode: list, chunks: list) -> list[int]:
         bs = self.block_size
@@ -220,15 +218,17 @@ class ModelRunner:
 
     def _gather_index(self, tables: list[list[int]], lengths: torch.Tensor, width: int) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:
-        """Flat slot index [rows * width] reading each row's first `width` tokens (the null block
-        past its length), and the [rows, 1, 1, width] mask of the positions that are its own."""
+        """Flat index [rows * KV * width] into a layer's K or V seen as [KV * slots, D], reading each row's
+        first `width` tokens per head (the null block past its length): one index_select gives them
+        as a contiguous [rows, KV, width, D]. And the [rows, 1, 1, width] mask of the row's own positions."""
         bs = self.block_size
         nblk = -(-width // bs)
         table = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables], dtype=torch.long)
         table = table.to(self.device)
         idx = (table[:, :, None] * bs + self._block_offsets[None, None, :]).view(len(tables), -1)[:, :width]
         mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
-        return torch.where(mask, idx, 0).reshape(-1), mask.view(len(tables), 1, 1, width)
+        idx = torch.where(mask, idx, 0)
+        return (idx[:, None, :] + self._head_offsets).reshape(-1), mask.view(len(tables), 1, 1, width)
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
@@ -250,10 +250,10 @@ class ModelRunner:
         dec_idx = dec_mask = dec_bias = None
         if nd:  # each decode row reads its first t_dec slots; past its length, the null block
             dec_idx, dec_mask = self._gather_index([s.block_table for s in decode], pos_t[:nd] + 1, t_dec)
-            if self._upcast_attention:  # the matmul path's additive mask, one row per (KV head, row)
-                dec_bias = torch.zeros(nd, t_dec, dtype=torch.float32, device=self.device).masked_fill_(
-                    ~dec_mask.view(nd, t_dec), float("-inf")).expand(self.kv_heads, nd, t_dec).reshape(
-                    self.kv_heads * nd, 1, t_dec).to(self.dtype)
+            if self._upcast_attention:  # the matmul path's additive mask, one row per (row, KV head)
+                dec_bias = torch.zeros(nd, 1, t_dec, dtype=self.dtype, device=self.device).masked_fill_(
+                    ~dec_mask.view(nd, 1, t_dec), float("-inf")).expand(nd, self.kv_heads, t_dec).reshape(
+                    nd * self.kv_heads, 1, t_dec)
         chunk_meta = []  # (start, n, offset, gather index or None when the chunk starts the sequence)
         off = nd
         for s, n in chunks:
@@ -279,11 +279,12 @@ class ModelRunner:
             kc, vc = self.cache.k[li], self.cache.v[li]  # [KV, slots, D]
             kc.index_copy_(1, slots_t, k.transpose(0, 1))
             vc.index_copy_(1, slots_t, v.transpose(0, 1))
+            kf, vf = kc.view(-1, D), vc.view(-1, D)  # [KV * slots, D]: what the gather indices address
             if nd:
-                o = self._attend_decode(q[:nd], kc.index_select(1, dec_idx), vc.index_select(1, dec_idx),
-                                        dec_mask, dec_bias)
+                o = self._attend_decode(q[:nd], kf.index_select(0, dec_idx).view(nd, KV, t_dec, D),
+                                        vf.index_select(0, dec_idx).view(nd, KV, t_dec, D), dec_mask, dec_bias)
             if pure_decode:
-                out = o.view(n_tok, H * D)
+                out = o.reshape(n_tok, H * D)
             else:
                 out = q.new_empty(n_tok, H, D)
                 if nd:
@@ -295,8 +296,8 @@ class ModelRunner:
                         vv = v[o_off : o_off + n].transpose(0, 1).unsqueeze(0)
                         oc = self._attend(qq, kk, vv, is_causal=True)
                     else:  # cached tokens before it: read them (and the chunk) from the cache
-                        kk = kc.index_select(1, idx).unsqueeze(0)  # [1, KV, p + n, D]
-                        vv = vc.index_select(1, idx).unsqueeze(0)
+                        kk = kf.index_select(0, idx).view(1, KV, p + n, D)
+                        vv = vf.index_select(0, idx).view(1, KV, p + n, D)
                         mask = torch.arange(p + n, device=self.device)[None, :] <= torch.arange(
                             p, p + n, device=self.device)[:, None]
                         oc = self._attend(qq, kk, vv, attn_mask=mask)
