@@ -104,3 +104,8 @@ def test_cpu_per_token() -> None:
 def test_compile_layers(tiny_model_dir: str) -> None:
     out = bench("compile_layers", "--model", tiny_model_dir)
     assert "eager bfloat16: layers" in out and "compiled bfloat16: layers" in out
+
+
+def test_sampler() -> None:
+    out = bench("sampler")
+    assert "| temperature 1 |" in out and "| temperature 0.7, top_p 0.9 |" in out and "8 rows" in out

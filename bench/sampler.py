@@ -1,0 +1,65 @@
+"""The sampler alone: milliseconds per engine step to sample every row of a batch, per sampling setting.
+
+Random logits of the default model's vocabulary (49,152; scaled so the distribution is neither flat
+nor one-hot), the rows all sampled (no greedy rows), two torch threads, median of --iters calls after a
+warm-up. What serving pays per step on top of the model when clients leave temperature at its
+default of 1 (guidellm, most OpenAI clients), or set top_p / top_k.
+
+    .venv/bin/python -m bench.sampler                  # rows 1, 8, 32, 64
+    .venv/bin/python -m bench.sampler --quick          # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+SETTINGS = {  # name -> Request keyword arguments
+    "temperature 1": {"temperature": 1.0},
+    "temperature 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
+    "temperature 0.8, top_k 50": {"temperature": 0.8, "top_k": 50},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="1,8,32,64")
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rows, args.vocab, args.iters = "1,8", 4096, 3
+    import torch
+
+    from gpu_worker.engine.sampler import Sampler
+    from gpu_worker.engine.sequence import Request, Sequence
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"sampler: ms per step, every row sampled; vocabulary {args.vocab}, {args.threads} torch threads, "
+          f"median of {args.iters}\n")
+    print("| setting | " + " | ".join(f"{r} rows" for r in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for name, kw in SETTINGS.items():
+        cells = []
+        for n in rows:
+            logits = torch.randn(n, args.vocab) * 3
+            seqs = [Sequence(Request(f"r{i}", [1], seed=i, **kw)) for i in range(n)]
+            sampler = Sampler()
+            sampler(logits, seqs)
+            times = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                sampler(logits, seqs)
+                times.append(time.perf_counter() - t)
+            cells.append(f"{statistics.median(times) * 1000:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
