@@ -232,7 +232,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """Compute the scheduled tokens; return float32 logits for every sequence that reaches
+        """Compute the scheduled tokens; return logits (in the model's dtype) for every sequence that reaches
         its end this step: the decode rows first, then completed chunks, in order."""
         decode, chunks = batch.decode, batch.chunks
         nd = len(decode)
@@ -316,4 +316,4 @@ class ModelRunner:
         if len(sample_rows) < n_tok:  # a pure decode step samples every row, in order
             h = h.index_select(0, self._to_device(sample_rows))
         h = F.rms_norm(h, self.hidden_shape, self.norm_w, self.norm_eps)
-        return self.head_gemm.linear(h, self.lm_head_w).float()
+        return self.head_gemm.linear(h, self.lm_head_w)  # the sampler upcasts only the rows it samples

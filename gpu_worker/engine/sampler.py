@@ -39,9 +39,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], dict[int, str]]:
         """A token per row, and the rows that could not be sampled, with why: a row with NaN or
         inf logits, or one whose sampling raised, fails alone."""
+        # logits come in the model's dtype: an argmax is the same in any float width, and upcasting a whole
+        # bf16 batch to float32 costs more than its argmax (2 ms at 32 rows of 49,152 on 2 cores)
         out = logits.max(dim=-1).indices.tolist()  # first maximum, as argmax; ~2.5x faster on CPU
-        # one reduction per row: any NaN or inf in a row makes its sum non-finite
-        finite = torch.isfinite(logits.sum(dim=-1)).tolist()
+        # one reduction per row: any NaN or inf in a row makes its sum non-finite (float16 summed in
+        # float32, where finite logits could overflow; bfloat16 has float32's range)
+        wide = torch.float32 if logits.dtype == torch.float16 else None
+        finite = torch.isfinite(logits.sum(dim=-1, dtype=wide)).tolist()
         errors = {i: "the model produced non-finite logits (NaN or inf)" for i, ok in enumerate(finite) if not ok}
         rows = [i for i, s in enumerate(seqs) if not s.greedy and i not in errors]
         if not rows:

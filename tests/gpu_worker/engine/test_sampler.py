@@ -87,3 +87,21 @@ def test_uniforms_from_seed_and_index_are_spread() -> None:
     assert abs(sum((u - 0.5) ** 2 for u in us) / len(us) - 1 / 12) < 0.005
     assert len(set(us)) == len(us)  # no two (seed, index) pairs here share a draw
     assert not math.isclose(token_uniform(7, 0), token_uniform(7, 1))
+
+
+def test_half_precision_logits_sample_as_their_float32_upcast() -> None:
+    """The runner hands over logits in the model's dtype: greedy and sampled rows come out as they would
+    from the same logits in float32."""
+    torch.manual_seed(1)
+    logits = (torch.randn(6, 3000) * 4).to(torch.bfloat16)
+    seqs = [Sequence(Request(f"h{i}", [1], seed=i, temperature=t, top_p=p))
+            for i, (t, p) in enumerate([(0.0, 1.0), (1.0, 1.0), (0.7, 0.9), (0.0, 1.0), (1.3, 1.0), (0.5, 0.5)])]
+    assert Sampler()(logits, seqs) == Sampler()(logits.float(), seqs)
+    assert Sampler()(logits, seqs)[0][0] == int(logits.float()[0].argmax())
+
+
+def test_large_finite_float16_logits_are_not_mistaken_for_non_finite() -> None:
+    logits = torch.full((2, 5000), 60000.0, dtype=torch.float16)  # each finite; their sum is not in float16
+    logits[1, 3] = float("nan")
+    tokens, errors = Sampler()(logits, _seqs(2, temperature=0.0))
+    assert set(errors) == {1} and 0 <= tokens[0] < 5000
