@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
+# in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 22 us
+# SDPA / 44 us matmuls, 8 rows 70 / 59, 32 rows 241 / 106; 400 tokens a row: 2 rows 61 / 56 (BENCHMARKS.md).
+MATMUL_ATTENTION_MIN_READ = 600
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -195,7 +201,7 @@ class ModelRunner:
         """One query per decode row: q [rows, H, D] against K/V gathered from the cache as [rows, KV, T, D];
         out [rows, H, D]. On CPU in half precision: two batched matmuls over (row, KV head), each KV head's
         query group at once, softmax in float32 (`bias` masks padding): no upcast copies and about half of
-        SDPA's time there. Elsewhere: SDPA over the same gathered K/V."""
+        SDPA's time there. Elsewhere, and for small reads (`bias` None): SDPA over the same gathered K/V."""
         rows, H, D = q.shape
         if bias is None:
             return self._attend(q.unsqueeze(2), k, v, attn_mask=mask).reshape(rows, H, D)
@@ -250,7 +256,8 @@ class ModelRunner:
         dec_idx = dec_mask = dec_bias = None
         if nd:  # each decode row reads its first t_dec slots; past its length, the null block
             dec_idx, dec_mask = self._gather_index([s.block_table for s in decode], pos_t[:nd] + 1, t_dec)
-            if self._upcast_attention:  # the matmul path's additive mask, one row per (row, KV head)
+            if self._upcast_attention and nd * t_dec >= MATMUL_ATTENTION_MIN_READ:
+                # the matmul path's additive mask, one row per (row, KV head)
                 dec_bias = torch.zeros(nd, 1, t_dec, dtype=self.dtype, device=self.device).masked_fill_(
                     ~dec_mask.view(nd, 1, t_dec), float("-inf")).expand(nd, self.kv_heads, t_dec).reshape(
                     nd * self.kv_heads, 1, t_dec)

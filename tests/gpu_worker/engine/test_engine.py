@@ -209,13 +209,18 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
         assert prefill[0].argmax() == ref[0].argmax() and decode[0].argmax() == ref[1].argmax()
 
 
+@pytest.mark.parametrize("matmul_from", [0, 10**9], ids=["matmul-attention", "sdpa"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: str) -> None:
+def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: str, matmul_from: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows of different lengths in one step (padding masked, block boundaries crossed; in
-    bf16 on CPU the batched-matmul attention) each get the logits the model's own forward gives."""
+    bf16 on CPU either attention path) each get the logits the model's own forward gives."""
+    from gpu_worker.engine import model_runner
     from gpu_worker.engine.sequence import Sequence
     from gpu_worker.engine.step import StepBatch
+
+    monkeypatch.setattr(model_runner, "MATMUL_ATTENTION_MIN_READ", matmul_from)
 
     model = _tiny(arch).to(getattr(torch, dtype))
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((3, 17, 40, 16))]
