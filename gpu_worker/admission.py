@@ -16,9 +16,8 @@ import pyarrow as pa
 from gpu_worker.engine import Request
 from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
-from gpu_worker.output_lane import unpack_ids
 from gpu_worker.stats import WorkerStats
-from shared.job_ops import JobOps
+from shared.job_ops import JobOps, unpack_ids
 from shared.schemas import TOKENIZED_SCHEMA, from_ipc
 from shared.stream_consumer import Entry, StreamConsumer
 

@@ -11,7 +11,6 @@ import logging
 import os
 import queue
 import signal
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from tokenizers import Tokenizer
 
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
-from shared.job_ops import JobOps, step_write
+from shared.job_ops import JobOps, pack_ids, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
 from shared.metrics import (
@@ -58,16 +57,6 @@ class JobState:
     written: int = 0  # tokens written to Redis (ids and completion_tokens)
     held_ids: bytearray = field(default_factory=bytearray)  # packed ids not written yet
     held_text: str = ""  # text released by the detokenizer, not written yet
-
-
-def pack_ids(ids: list[int]) -> bytes:
-    return struct.pack(f"<{len(ids)}i", *ids)
-
-
-def unpack_ids(data: bytes | None) -> list[int]:
-    if not data:
-        return []
-    return list(struct.unpack(f"<{len(data) // 4}i", data[: len(data) // 4 * 4]))
 
 
 class OutputLane:

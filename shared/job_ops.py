@@ -9,6 +9,7 @@ same builders make.
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 from typing import Any
 
@@ -30,6 +31,17 @@ FRESH = 1
 FIRST_TOKEN = 2
 
 Write = tuple[list[str], list[Any]]
+
+
+def pack_ids(ids: list[int]) -> bytes:
+    """Token ids as a job's token-ids key holds them: int32, little-endian, back to back."""
+    return struct.pack(f"<{len(ids)}i", *ids)
+
+
+def unpack_ids(data: bytes | None) -> list[int]:
+    if not data:
+        return []
+    return list(struct.unpack(f"<{len(data) // 4}i", data[: len(data) // 4 * 4]))
 
 
 def start_write(job_id: str, worker_id: str) -> Write:

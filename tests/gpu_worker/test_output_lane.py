@@ -11,8 +11,9 @@ import redis
 from tokenizers import Tokenizer
 
 from gpu_worker.messages import Abort, LaneReport, Register
-from gpu_worker.output_lane import OutputLane, unpack_ids
+from gpu_worker.output_lane import OutputLane
 from shared import names
+from shared.job_ops import unpack_ids
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.schemas import DELTA_SCHEMA, to_ipc
 from shared.settings import Settings
