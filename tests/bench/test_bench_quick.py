@@ -109,3 +109,8 @@ def test_compile_layers(tiny_model_dir: str) -> None:
 def test_sampler() -> None:
     out = bench("sampler")
     assert "| temperature 1 |" in out and "| temperature 0.7, top_p 0.9 |" in out and "8 rows" in out
+
+
+def test_attention() -> None:
+    out = bench("attention")
+    assert "| 64 | 1 |" in out and "| 64 | 8 |" in out
