@@ -31,8 +31,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
-# in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 22 us
-# SDPA / 44 us matmuls, 8 rows 70 / 59, 32 rows 241 / 106; 400 tokens a row: 2 rows 61 / 56 (BENCHMARKS.md).
+# in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 21 us
+# SDPA / 40 us matmuls, 4 rows 41 / 45, 8 rows 68 / 54; 400 tokens a row: 1 row 38 / 45, 2 rows 56 / 50
+# (`python -m bench.attention`, BENCHMARKS.md).
 MATMUL_ATTENTION_MIN_READ = 600
 
 
