@@ -31,10 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gpu_worker.engine.host_memory import keep_freed_memory
-    from gpu_worker.engine.model_runner import ModelRunner
+    from gpu_worker.engine.model_runner import ModelRunner  # on CPU it sets the engine's malloc tunables
 
-    keep_freed_memory()  # as LLMEngine does on CPU: without it the upcasts fault their pages in each call
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=64, num_hidden_layers=1,

@@ -8,8 +8,7 @@ import math
 import torch
 
 from gpu_worker.engine.block_manager import BlockManager
-from gpu_worker.engine.host_memory import keep_freed_memory
-from gpu_worker.engine.model_runner import ModelRunner, resolve_device
+from gpu_worker.engine.model_runner import ModelRunner
 from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler
@@ -30,8 +29,6 @@ class LLMEngine:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.config = config
-        if resolve_device(config.device).type == "cpu":
-            keep_freed_memory()  # each step's temporaries: see host_memory.py
         self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, model=model,
                                   kv_cache_mb=config.kv_cache_mb, block_size=config.block_size,
                                   max_cache_tokens=config.max_num_seqs * config.max_model_len)

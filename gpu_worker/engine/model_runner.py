@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.engine.gemm import Gemm, choose_gemm
+from gpu_worker.engine.host_memory import keep_freed_memory
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.step import StepBatch
 from shared.model_config import checkpoint_dtype
@@ -125,6 +126,8 @@ class ModelRunner:
                  max_model_len: int = 0, model: torch.nn.Module | None = None, kv_cache_mb: int = 2048,
                  block_size: int = 16, max_cache_tokens: int = 0) -> None:
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step's temporaries: see host_memory.py
         own = model.dtype if model is not None else DTYPES.get(checkpoint_dtype(model_path) or "")
         self.dtype = resolve_dtype(dtype, self.device, own)
         if model is None:
