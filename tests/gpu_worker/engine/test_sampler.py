@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu_worker.engine.sampler import Sampler, token_uniform
 from gpu_worker.engine.sequence import Request, Sequence
@@ -105,3 +107,22 @@ def test_large_finite_float16_logits_are_not_mistaken_for_non_finite() -> None:
     logits[1, 3] = float("nan")
     tokens, errors = Sampler()(logits, _seqs(2, temperature=0.0))
     assert set(errors) == {1} and 0 <= tokens[0] < 5000
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 2.0), st.floats(0.001, 1.0), st.integers(0, 2**31 - 1),
+                          st.integers(0, 2**63 - 1), st.integers(0, 5000)), min_size=1, max_size=12))
+def test_any_accepted_sampling_settings_give_a_token_of_the_vocabulary(rows: list) -> None:
+    """Whatever the API accepts (temperature 0-2, top_p from its floor to 1, any top_k, any folded seed, any
+    token index) samples a token of the vocabulary; a nucleus at top_p's floor is the most likely token."""
+    logits = torch.randn(len(rows), 700) * 5
+    seqs = []
+    for i, (t, p, k, seed, index) in enumerate(rows):
+        seq = Sequence(Request(f"f{i}", [1], temperature=t, top_p=p, top_k=k, seed=seed))
+        seq.token_ids += [1] * index  # the index-th generated token
+        seqs.append(seq)
+    tokens, errors = Sampler()(logits, seqs)
+    assert not errors and all(0 <= tok < 700 for tok in tokens)
+    for tok, row, (_, p, _, _, _) in zip(tokens, logits, rows):
+        if p == 0.001:
+            assert tok == int(row.argmax())
