@@ -34,11 +34,10 @@ from fastapi.responses import FileResponse
 from redis.exceptions import RedisError
 
 from api import sse
-from api.errors import ApiError, error_body
+from api.errors import ApiError, error_body, not_found
 from api.metrics import _clients
 from api.sse import EventStream
-from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
-from api.tenancy import not_found
+from api.streaming import Cut, JobFraming, sse_job_events
 from shared import metrics as m
 from shared import names, scripts
 from shared.jobs import ACTIVE
@@ -385,27 +384,15 @@ async def snapshots(request: Request) -> EventStream:
     return EventStream(stream(), request.app.state.settings.sse_ping_s)
 
 
+LIVE_VIEW = JobFraming({Cut.EXPIRED: (404, "the job expired"), Cut.STOPPING: (404, "the job expired"),
+                        Cut.STORE_DOWN: (503, "the job store is unavailable")})
+
+
 @router.get("/jobs/{job_id}/events")
 async def job_stream(job_id: str, request: Request, after: Annotated[int, Query(ge=0)] = 0) -> EventStream:
     """Any job's events (as GET /v1/jobs/{id}/events) for the live view, whoever owns the job."""
     state = request.app.state
     if await state.store.get(job_id) is None:
         raise not_found(job_id)
-
-    async def stream() -> AsyncIterator[bytes]:
-        try:
-            async for ev in job_events(state.store, state.relay, job_id, after):
-                if isinstance(ev, TokenEvent):
-                    yield sse.encode(orjson.dumps({"seq": ev.seq, "text": ev.text}), "token", ev.seq)
-                elif isinstance(ev, StatusEvent):
-                    yield sse.encode(ev.job.model_dump_json(), "status")
-                elif isinstance(ev, DoneEvent):
-                    yield sse.encode(ev.job.model_dump_json(), "done", ev.seq)
-                    return
-            error = error_body(404, "the job expired")
-        except RedisError:
-            error = error_body(503, "the job store is unavailable")
-        yield sse.encode(orjson.dumps(error), "error")
-
-    return EventStream(stream(), state.settings.sse_ping_s)
+    return EventStream(sse_job_events(state.store, state.relay, job_id, LIVE_VIEW, after), state.settings.sse_ping_s)
 

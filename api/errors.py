@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +48,18 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type = status, message, type_ or TYPES.get(status, "error")
         self.param, self.headers, self.code = param, headers, code
+
+
+def not_found(job_id: str) -> ApiError:
+    return ApiError(404, f"no job {job_id!r}")
+
+
+def too_many(message: str, retry_ms: int, headers: dict[str, str] | None = None,
+             code: str = "rate_limit_exceeded") -> ApiError:
+    """A 429 whose Retry-After is `retry_ms` rounded up to whole seconds (at least one)."""
+    retry = str(max(1, math.ceil(retry_ms / 1000)))
+    return ApiError(429, message, type_="rate_limit_error", code=code,
+                    headers={"Retry-After": retry, **(headers or {})})
 
 
 def _printable(text: str) -> str:

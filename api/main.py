@@ -10,11 +10,12 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from api import dashboard, errors, metrics
+from api.auth import KeyCache
 from api.guard import RequestGuard
+from api.quota import Throughput
 from api.relay import Relay
 from api.routes import health, jobs, openai
 from api.store import JobStore
-from api.tenancy import KeyCache, Throughput
 from api.validation import document_bounds
 from shared.limits import MAX_BODY_BYTES
 from shared.redis_client import async_client

@@ -1,17 +1,21 @@
-"""A job's events, gap-free and without duplicates, from any point: subscribe first, replay
-the event stream after `after`, then go live, dropping what was already sent (by seq).
-Silence, a full queue, a relay reconnect or a gap all fall back to replaying from the event stream."""
+"""A job's events, gap-free and without duplicates, from any point, and the same as server-sent events
+(`sse_job_events`, written by a `Framing`). Silence, a full queue, a relay reconnect or a gap all fall
+back to replaying from the event stream."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
 
 import orjson
 from redis.exceptions import RedisError
 
+from api import sse
+from api.errors import error_body
 from api.relay import Relay
 from api.store import JobStore
 from shared.jobs import Job
@@ -58,6 +62,7 @@ async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0)
 
 
 async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) -> AsyncIterator[Event]:
+    """Subscribe first, replay the event stream after `after`, then go live, dropping what was already sent."""
     loop = asyncio.get_running_loop()
     sub = await relay.subscribe(job_id)
     last = after
@@ -117,3 +122,82 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                 yield TokenEvent(seq, msg["text"])
     finally:
         await relay.unsubscribe(sub)
+
+
+class Cut(Enum):
+    """Why a job's stream ends before the job does."""
+
+    EXPIRED = "expired"
+    STOPPING = "stopping"
+    STORE_DOWN = "store_down"
+
+
+class Framing(Protocol):
+    """How one job's events are written as server-sent events."""
+
+    def opening(self) -> bytes | None: ...
+
+    def token(self, ev: TokenEvent) -> bytes: ...
+
+    def status(self, ev: StatusEvent) -> bytes | None: ...
+
+    def done(self, ev: DoneEvent) -> tuple[bytes, ...]: ...
+
+    def cut(self, why: Cut) -> bytes | None:
+        """The last event of a stream cut short; None sends nothing, and lets a store failure propagate."""
+
+
+@dataclass(frozen=True)
+class JobFraming:
+    """The job API's events: `token` ({seq, text}, id = seq), `status` while queued, `done` (the job,
+    id = seq), or an `error` with the status and message `cuts` gives."""
+
+    cuts: Mapping[Cut, tuple[int, str]]
+
+    def opening(self) -> None:
+        return None
+
+    def token(self, ev: TokenEvent) -> bytes:
+        return sse.encode(orjson.dumps({"seq": ev.seq, "text": ev.text}), "token", ev.seq)
+
+    def status(self, ev: StatusEvent) -> bytes:
+        return sse.encode(ev.job.model_dump_json(), "status")
+
+    def done(self, ev: DoneEvent) -> tuple[bytes, ...]:
+        return (sse.encode(ev.job.model_dump_json(), "done", ev.seq),)
+
+    def cut(self, why: Cut) -> bytes:
+        status, message = self.cuts[why]
+        return sse.encode(orjson.dumps(error_body(status, message)), "error")
+
+
+async def sse_job_events(store: JobStore, relay: Relay, job_id: str, framing: Framing, after: int = 0,
+                         on_close: Callable[[bool], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
+    """The job's events after `after` as `framing` writes them, ending with its `done` or `cut` events;
+    `on_close(reached_done)` runs, shielded, however the stream ends (a client gone included)."""
+    reached_done = False
+    try:
+        if (head := framing.opening()) is not None:
+            yield head
+        try:
+            async for ev in job_events(store, relay, job_id, after):
+                if isinstance(ev, TokenEvent):
+                    yield framing.token(ev)
+                elif isinstance(ev, StatusEvent):
+                    if (frame := framing.status(ev)) is not None:
+                        yield frame
+                else:
+                    reached_done = True
+                    for frame in framing.done(ev):
+                        yield frame
+                    return
+            last = framing.cut(Cut.STOPPING if relay.stopping else Cut.EXPIRED)
+        except RedisError:
+            last = framing.cut(Cut.STORE_DOWN)
+            if last is None:
+                raise
+        if last is not None:
+            yield last
+    finally:
+        if on_close is not None:
+            await asyncio.shield(on_close(reached_done))

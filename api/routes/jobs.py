@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Annotated
 
-import orjson
 from fastapi import APIRouter, Header, Query, Response
-from redis.exceptions import RedisError
 
-from api import sse
+from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
 from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
-from api.errors import ApiError, ErrorResponse, error_body
+from api.errors import ApiError, ErrorResponse, not_found
+from api.quota import ThroughputDep, admit
 from api.sse import EventStream
-from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
-from api.tenancy import (
-    Caller,
-    CallerDep,
-    ThroughputDep,
-    admit,
-    not_found,
-    release_stream_slot,
-    require_stream_slot,
-    stream_refused,
-)
+from api.streaming import Cut, JobFraming, sse_job_events
 from api.validation import check_request
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
@@ -42,6 +29,10 @@ _JOB_ID = {"job_id": "$response.body#/id"}
 _LINKS = {"PollJob": {"operationId": "poll_job", "parameters": _JOB_ID},
           "StreamJob": {"operationId": "stream_job", "parameters": _JOB_ID},
           "CancelJob": {"operationId": "cancel_job", "parameters": _JOB_ID}}
+_FRAMING = JobFraming({Cut.EXPIRED: (404, "the job expired"),
+                       Cut.STOPPING: (503, "the server is shutting down; reconnect with Last-Event-ID"),
+                       Cut.STORE_DOWN: (503, "the job store is unavailable; reconnect with Last-Event-ID")})
+
 
 async def get_job_or_404(store: StoreDep, job_id: str, caller: Caller) -> Job:
     """The caller's job; another tenant's job is as absent as one that never was."""
@@ -88,10 +79,6 @@ async def cancel(job_id: str, store: StoreDep, caller: CallerDep) -> Job:
     return job
 
 
-def job_json(job: Job) -> str:
-    return job.model_dump_json()
-
-
 @router.get("/{job_id}/events", operation_id="stream_job",
             responses={**_NOT_FOUND, 200: {"description": "Server-sent events",
                                            "content": {"text/event-stream": {"schema": _SSE_EVENT}}}})
@@ -106,25 +93,10 @@ async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: Settin
     if not await require_stream_slot(redis, caller, slot):
         raise stream_refused(caller)
 
-    async def stream() -> AsyncIterator[bytes]:
-        try:
-            async for ev in job_events(store, relay, job_id, start):
-                if isinstance(ev, TokenEvent):
-                    yield sse.encode(orjson.dumps({"seq": ev.seq, "text": ev.text}), "token", ev.seq)
-                elif isinstance(ev, StatusEvent):
-                    yield sse.encode(job_json(ev.job), "status")
-                elif isinstance(ev, DoneEvent):
-                    yield sse.encode(job_json(ev.job), "done", ev.seq)
-                    return
-            error = (error_body(503, "the server is shutting down; reconnect with Last-Event-ID") if relay.stopping
-                     else error_body(404, "the job expired"))
-        except RedisError:
-            error = error_body(503, "the job store is unavailable; reconnect with Last-Event-ID")
-        finally:
-            await asyncio.shield(release_stream_slot(redis, caller, slot))
-        yield sse.encode(orjson.dumps(error), "error")
+    async def release(_: bool) -> None:
+        await release_stream_slot(redis, caller, slot)
 
-    return EventStream(stream(), settings.sse_ping_s)
+    return EventStream(sse_job_events(store, relay, job_id, _FRAMING, start, release), settings.sse_ping_s)
 
 
 def _parse_seq(value: str | None) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -14,23 +15,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from api import sse
+from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
 from api.deps import RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, error_body
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.quota import Throughput, ThroughputDep, admit
 from api.relay import Relay
 from api.sse import EventStream
 from api.store import JobStore
-from api.streaming import DoneEvent, TokenEvent, job_events
-from api.tenancy import (
-    Caller,
-    CallerDep,
-    Throughput,
-    ThroughputDep,
-    admit,
-    release_stream_slot,
-    require_stream_slot,
-    stream_refused,
-)
+from api.streaming import Cut, DoneEvent, StatusEvent, TokenEvent, job_events, sse_job_events
 from api.validation import check_request
 from shared.jobs import Job, JobStatus
 from shared.model_config import model_context
@@ -95,42 +88,46 @@ async def _wait_for_end(store: JobStore, relay: Relay, job_id: str, request: Req
         task.cancel()
 
 
-def _stream(store: JobStore, relay: Relay, job: Job, include_usage: bool, chunk: Any,
-            role_chunk: bool, ping_s: float, headers: dict[str, str], release: Any) -> EventStream:
-    async def events() -> AsyncIterator[bytes]:
-        finished = False
-        try:
-            if role_chunk:
-                first = chunk(job, {"role": "assistant", "content": ""}, "", None)
-                yield sse.encode(orjson.dumps(first))
-            async for ev in job_events(store, relay, job.id):
-                if isinstance(ev, TokenEvent):
-                    yield sse.encode(orjson.dumps(chunk(job, {"content": ev.text}, ev.text, None)))
-                elif isinstance(ev, DoneEvent):
-                    finished = True
-                    end = ev.job
-                    if end.status is JobStatus.failed:
-                        err = _failure(end)
-                        yield sse.encode(orjson.dumps(error_body(err.status, err.message, err.type)))
-                    else:
-                        yield sse.encode(orjson.dumps(chunk(job, {}, "", _finish(end))))
-                        if include_usage:
-                            last = chunk(job, {}, "", None)
-                            last["choices"] = []
-                            last["usage"] = _usage(end)
-                            yield sse.encode(orjson.dumps(last))
-                    break
-            if not finished:  # the server is shutting down: this generation cannot resume elsewhere
-                err = error_body(503, "the server is shutting down; the generation was cancelled")
-                yield sse.encode(orjson.dumps(err))
-                return
-            yield sse.encode("[DONE]")
-        finally:
-            if not finished:  # the client went away mid-stream: free the engine slot
-                await asyncio.shield(store.cancel(job.id, wait_s=0))
-            await asyncio.shield(release())
+Chunk = Callable[[Job, dict[str, Any], str, str | None], dict[str, Any]]
 
-    return EventStream(events(), ping_s, headers)
+
+@dataclass(frozen=True)
+class ChunkFraming:
+    """OpenAI's stream: unnamed `data:` chunks (a role chunk first for chat), then the finish chunk, the
+    usage chunk when asked for, and `data: [DONE]`; a cut stream ends with an error object instead."""
+
+    job: Job
+    chunk: Chunk
+    role_chunk: bool
+    include_usage: bool
+
+    def opening(self) -> bytes | None:
+        if not self.role_chunk:
+            return None
+        return sse.encode(orjson.dumps(self.chunk(self.job, {"role": "assistant", "content": ""}, "", None)))
+
+    def token(self, ev: TokenEvent) -> bytes:
+        return sse.encode(orjson.dumps(self.chunk(self.job, {"content": ev.text}, ev.text, None)))
+
+    def status(self, ev: StatusEvent) -> None:
+        return None
+
+    def done(self, ev: DoneEvent) -> tuple[bytes, ...]:
+        end = ev.job
+        if end.status is JobStatus.failed:
+            err = _failure(end)
+            frames: list[dict[str, Any]] = [error_body(err.status, err.message, err.type)]
+        else:
+            frames = [self.chunk(self.job, {}, "", _finish(end))]
+            if self.include_usage:
+                frames.append({**self.chunk(self.job, {}, "", None), "choices": [], "usage": _usage(end)})
+        return (*(sse.encode(orjson.dumps(f)) for f in frames), sse.encode("[DONE]"))
+
+    def cut(self, why: Cut) -> bytes | None:
+        """A stream cut short cannot resume elsewhere: an error object, without `[DONE]`; a store failure propagates."""
+        if why is Cut.STORE_DOWN:
+            return None
+        return sse.encode(orjson.dumps(error_body(503, "the server is shutting down; the generation was cancelled")))
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
@@ -159,8 +156,14 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
 
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(store, relay, job, usage, chunk, role_chunk=chat, ping_s=settings.sse_ping_s, headers=limits,
-                       release=lambda: release_stream_slot(redis, caller, slot))
+        framing = ChunkFraming(job, chunk, role_chunk=chat, include_usage=usage)
+
+        async def close(reached_done: bool) -> None:
+            if not reached_done:  # the client went away mid-stream: free the engine slot
+                await store.cancel(job.id, wait_s=0)
+            await release_stream_slot(redis, caller, slot)
+
+        return EventStream(sse_job_events(store, relay, job.id, framing, on_close=close), settings.sse_ping_s, limits)
     end = await _wait_for_end(store, relay, job.id, request)
     if end.status is JobStatus.failed:
         raise _failure(end)

@@ -1,97 +1,23 @@
-"""Who is calling, and may they: API keys (`Authorization: Bearer <key>`), job ownership, and the
-answers to the submit script's admission codes (429 with Retry-After and OpenAI's
-`x-ratelimit-*` headers).
-
-With AUTH off (the default while the API listens on loopback only) every caller is the same
-anonymous tenant, with no per-key limits; the service-wide queue cap still holds."""
+"""Admission: the submit script's refusal codes as errors, OpenAI's `x-ratelimit-*` headers, and the
+measured throughput that caps the service-wide queue."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from dataclasses import dataclass
 from typing import Annotated
 
 import redis.asyncio as aredis
 from fastapi import Depends, Request
 
-from api.deps import SettingsDep
-from api.errors import ApiError
+from api.auth import Caller
+from api.errors import ApiError, too_many
 from api.store import JobStore
-from shared import names, scripts
+from shared import names
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
-from shared.tenants import STREAM_LEASE_S, Tenant, hash_key
-
-CACHE_S = 2.0  # a revoked key stops working within this long
-CACHE_MAX = 10_000
-
-
-@dataclass(frozen=True)
-class Caller:
-    tenant: Tenant | None  # None: auth is off
-
-    @property
-    def owner(self) -> str:
-        return self.tenant.name if self.tenant else ""
-
-    def owns(self, job: Job) -> bool:
-        return self.tenant is None or job.owner == self.tenant.name
-
-
-class KeyCache:
-    """Key digest -> tenant, for a couple of seconds, so most requests spend no round trip on auth.
-    Submits re-check the tenant inside the submit script."""
-
-    def __init__(self, client: aredis.Redis) -> None:
-        self.r = client
-        self._entries: dict[str, tuple[float, Tenant | None]] = {}
-
-    async def lookup(self, key: str) -> Tenant | None:
-        digest = hash_key(key)
-        now = time.monotonic()
-        hit = self._entries.get(digest)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        name = await self.r.get(names.api_key_index(digest))
-        tenant = None
-        if name:
-            rec = await self.r.hgetall(names.tenant_key(name))
-            if rec and rec.get("key_sha256") == digest and rec.get("disabled") != "1":
-                tenant = Tenant.from_record(name, rec)
-        if len(self._entries) >= CACHE_MAX:
-            self._entries.clear()
-        self._entries[digest] = (now + CACHE_S, tenant)
-        return tenant
-
-
-def _bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization", "")
-    scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-async def get_caller(request: Request, settings: SettingsDep) -> Caller:
-    if not settings.auth_required:
-        return Caller(None)
-    key = _bearer(request)
-    challenge = {"WWW-Authenticate": 'Bearer realm="conveyor"'}
-    if key is None:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key",
-                       headers=challenge)
-    tenant = await request.app.state.keys.lookup(key)
-    if tenant is None:
-        raise ApiError(401, "invalid or revoked API key", code="invalid_api_key", headers=challenge)
-    return Caller(tenant)
-
-
-CallerDep = Annotated[Caller, Depends(get_caller)]
-
-
-def not_found(job_id: str) -> ApiError:
-    return ApiError(404, f"no job {job_id!r}")
 
 
 def _duration(ms: int) -> str:
@@ -114,30 +40,23 @@ def rate_headers(rpm: int, requests_left: int, requests_reset_ms: int, tpm: int,
     return out
 
 
-def _too_many(message: str, retry_ms: int, headers: dict[str, str] | None = None,
-              code: str = "rate_limit_exceeded") -> ApiError:
-    retry = str(max(1, math.ceil(retry_ms / 1000)))
-    return ApiError(429, message, type_="rate_limit_error", code=code,
-                    headers={"Retry-After": retry, **(headers or {})})
-
-
 def refusal(reply: list[int], retry_global_ms: int) -> ApiError:
     """The submit script's refusal codes as errors (see shared/scripts/submit.lua)."""
     code = int(reply[0])
     if code == -1:
         return ApiError(401, "invalid or revoked API key", code="invalid_api_key")
     if code == -2:
-        return _too_many(f"rate limit reached: {reply[2]} requests per minute for this key", int(reply[1]),
-                         rate_headers(int(reply[2]), 0, int(reply[3]), 0, 0, 0))
+        return too_many(f"rate limit reached: {reply[2]} requests per minute for this key", int(reply[1]),
+                        rate_headers(int(reply[2]), 0, int(reply[3]), 0, 0, 0))
     if code == -3:
-        return _too_many(f"rate limit reached: {reply[2]} tokens per minute for this key (prompt plus max_tokens "
-                         "are reserved at submit)", int(reply[1]),
-                         rate_headers(0, 0, 0, int(reply[2]), int(reply[3]), int(reply[4])))
+        return too_many(f"rate limit reached: {reply[2]} tokens per minute for this key (prompt plus max_tokens "
+                        "are reserved at submit)", int(reply[1]),
+                        rate_headers(0, 0, 0, int(reply[2]), int(reply[3]), int(reply[4])))
     if code == -4:
-        return _too_many(f"this key has {reply[1]} unfinished jobs, its limit; wait for one to end", 1000)
+        return too_many(f"this key has {reply[1]} unfinished jobs, its limit; wait for one to end", 1000)
     if code == -5:
-        return _too_many(f"the service is at capacity ({reply[1]} jobs waiting); retry later", retry_global_ms,
-                         code="server_overloaded")
+        return too_many(f"the service is at capacity ({reply[1]} jobs waiting); retry later", retry_global_ms,
+                        code="server_overloaded")
     if code == -6:
         return ApiError(422, "this Idempotency-Key was used with a different request body", param="Idempotency-Key",
                         code="idempotency_key_reused")
@@ -192,27 +111,6 @@ class Throughput:
         if not self.rate:
             return 5000
         return int(min(60_000, max(1000, depth_over / self.rate * 1000)))
-
-
-async def require_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> bool:
-    """Take one of the tenant's stream slots; False when it has none free."""
-    t = caller.tenant
-    if t is None or t.max_streams <= 0:
-        return True
-    ok = await scripts.STREAM_OPEN.acall(client, [names.tenant_streams_key(t.name)],
-                                         [stream_id, time.time(), STREAM_LEASE_S, t.max_streams])
-    return bool(ok)
-
-
-async def release_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> None:
-    if caller.tenant is not None and caller.tenant.max_streams > 0:
-        await client.zrem(names.tenant_streams_key(caller.tenant.name), stream_id)
-
-
-def stream_refused(caller: Caller) -> ApiError:
-    limit = caller.tenant.max_streams if caller.tenant else 0
-    return _too_many(f"this key has {limit} open streams, its limit; close one first", 5000)
-
 
 
 async def get_throughput(request: Request) -> Throughput:

@@ -1,0 +1,104 @@
+"""Who is calling: the API key (`Authorization: Bearer <key>`) as a `Caller`, cached briefly, and the stream
+slots a tenant may hold. With AUTH off (the default on loopback) every caller is one tenant without per-key limits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated
+
+import redis.asyncio as aredis
+from fastapi import Depends, Request
+
+from api.deps import SettingsDep
+from api.errors import ApiError, too_many
+from shared import names, scripts
+from shared.jobs import Job
+from shared.tenants import STREAM_LEASE_S, Tenant, hash_key
+
+CACHE_S = 2.0  # a revoked key stops working within this long
+CACHE_MAX = 10_000
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The tenant behind a request, or None when auth is off."""
+
+    tenant: Tenant | None
+
+    @property
+    def owner(self) -> str:
+        return self.tenant.name if self.tenant else ""
+
+    def owns(self, job: Job) -> bool:
+        return self.tenant is None or job.owner == self.tenant.name
+
+
+class KeyCache:
+    """Key digest -> tenant, for a couple of seconds, so most requests spend no round trip on auth.
+    Submits re-check the tenant inside the submit script."""
+
+    def __init__(self, client: aredis.Redis) -> None:
+        self.r = client
+        self._entries: dict[str, tuple[float, Tenant | None]] = {}
+
+    async def lookup(self, key: str) -> Tenant | None:
+        digest = hash_key(key)
+        now = time.monotonic()
+        hit = self._entries.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        name = await self.r.get(names.api_key_index(digest))
+        tenant = None
+        if name:
+            rec = await self.r.hgetall(names.tenant_key(name))
+            if rec and rec.get("key_sha256") == digest and rec.get("disabled") != "1":
+                tenant = Tenant.from_record(name, rec)
+        if len(self._entries) >= CACHE_MAX:
+            self._entries.clear()
+        self._entries[digest] = (now + CACHE_S, tenant)
+        return tenant
+
+
+def _bearer(request: Request) -> str | None:
+    value = request.headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def get_caller(request: Request, settings: SettingsDep) -> Caller:
+    """The request's caller; 401 with a Bearer challenge when a required key is missing or unknown."""
+    if not settings.auth_required:
+        return Caller(None)
+    key = _bearer(request)
+    challenge = {"WWW-Authenticate": 'Bearer realm="conveyor"'}
+    if key is None:
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key",
+                       headers=challenge)
+    tenant = await request.app.state.keys.lookup(key)
+    if tenant is None:
+        raise ApiError(401, "invalid or revoked API key", code="invalid_api_key", headers=challenge)
+    return Caller(tenant)
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]
+
+
+async def require_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> bool:
+    """Take one of the tenant's stream slots; False when it has none free."""
+    t = caller.tenant
+    if t is None or t.max_streams <= 0:
+        return True
+    ok = await scripts.STREAM_OPEN.acall(client, [names.tenant_streams_key(t.name)],
+                                         [stream_id, time.time(), STREAM_LEASE_S, t.max_streams])
+    return bool(ok)
+
+
+async def release_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> None:
+    if caller.tenant is not None and caller.tenant.max_streams > 0:
+        await client.zrem(names.tenant_streams_key(caller.tenant.name), stream_id)
+
+
+def stream_refused(caller: Caller) -> ApiError:
+    limit = caller.tenant.max_streams if caller.tenant else 0
+    return too_many(f"this key has {limit} open streams, its limit; close one first", 5000)
