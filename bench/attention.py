@@ -1,10 +1,10 @@
-"""Decode attention alone, in half precision on CPU: the runner's two paths side by side, per rows and tokens read.
+"""Decode attention alone, in half precision on CPU: the model's two paths side by side, per rows and tokens read.
 
 `sdpa`: torch's SDPA computed in float32 (q, K and V upcast); `matmul`: two batched matmuls per (row, KV
-head) with a float32 softmax. Both are `ModelRunner._attend_decode` on the same gathered K/V, on a one-layer
+head) with a float32 softmax. Both are `Llama.attend_decode` on the same gathered K/V, on a one-layer
 random model with the default model's attention shape (9 query heads, 3 KV heads, head dim 64). Microseconds
 per layer, median of --iters. Where `matmul` starts to win is `MATMUL_ATTENTION_MIN_READ` in
-gpu_worker/engine/model_runner.py (rows x tokens).
+gpu_worker/engine/models/llama.py (rows x tokens).
 
     .venv/bin/python -m bench.attention                      # rows 1-32 at 100 and 400 tokens
     .venv/bin/python -m bench.attention --quick
@@ -31,22 +31,25 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from gpu_worker.engine import EngineConfig
     from gpu_worker.engine.model_runner import ModelRunner  # on CPU it sets the engine's malloc tunables
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
-    runner = ModelRunner("unused", "cpu", args.dtype, model=LlamaForCausalLM(cfg).eval(), kv_cache_mb=16)
-    dt, H, KV, D = runner.dtype, runner.num_heads, runner.kv_heads, runner.head_dim
+    runner = ModelRunner(EngineConfig(model="unused", device="cpu", dtype=args.dtype, kv_cache_mb=16),
+                         LlamaForCausalLM(cfg).eval())
+    model = runner.model
+    dt, H, KV, D = model.dtype, model.num_heads, model.kv_heads, model.head_dim
 
     def per_layer(*attend_args) -> float:
         for _ in range(3):
-            runner._attend_decode(*attend_args)
+            model.attend_decode(*attend_args)
         times = []
         for _ in range(args.iters):
             t = time.perf_counter()
-            runner._attend_decode(*attend_args)
+            model.attend_decode(*attend_args)
             times.append(time.perf_counter() - t)
         return statistics.median(times) * 1e6
 

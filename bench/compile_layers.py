@@ -2,7 +2,7 @@
 busy neighbour.
 
 A standalone decode step over the model's own modules with plain weights (inductor's freezing packs them),
-K/V in a flat cache gathered per row and attention in float32, as the engine's runner does: eager, then compiled
+K/V in a flat cache gathered per row and attention in float32, as the engine's model does: eager, then compiled
 with dynamic shapes (the warm-up is the compile). `--hog` runs a process that keeps about half a core busy
 (6 ms spin, 6 ms sleep) during the timed steps: how much each loses to a busy machine. Our runner's own step
 time for comparison: `python -m bench.engine --step-time 32 --dtypes D`.

@@ -477,15 +477,15 @@ def profile_step(s: Setup, dtype: str = "float32", concurrency: int = 32, steps:
         engine.step()
     runner = engine.runner
     inner_times: list[float] = []
-    real_run = runner.run
+    real_run = runner.run_model
 
-    def timed_run(batch):
+    def timed_run(inputs):
         t = time.perf_counter()
-        out = real_run(batch)
+        out = real_run(inputs)
         inner_times.append(time.perf_counter() - t)
         return out
 
-    runner.run = timed_run
+    runner.run_model = timed_run
     step_times = []
     try:
         for _ in range(steps):
@@ -493,10 +493,10 @@ def profile_step(s: Setup, dtype: str = "float32", concurrency: int = 32, steps:
             engine.step()
             step_times.append(time.perf_counter() - t)
     finally:
-        runner.run = real_run
+        runner.run_model = real_run
     step, fwd = statistics.median(step_times) * 1e3, statistics.median(inner_times) * 1e3
     print(f"\nprofile: {dtype} decode step at {concurrency} running: step {step:.1f} ms median of {steps}; "
-          f"model runner {fwd:.1f} ms; schedule + sample + bookkeeping {step - fwd:.1f} ms "
+          f"model forward {fwd:.1f} ms; inputs + schedule + sample + bookkeeping {step - fwd:.1f} ms "
           f"({concurrency / step * 1e3:.0f} tok/s if every step were like this)")
     from torch.profiler import ProfilerActivity, profile
 

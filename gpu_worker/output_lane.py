@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
-from shared.job_ops import JobOps, pack_ids, step_write
+from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, pack_ids, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
 from shared.metrics import (
@@ -119,7 +119,7 @@ class OutputLane:
             st = self.states.get(job_id)
             if st is None:
                 continue  # already finished here (a stop string ended it before the engine heard)
-            flags = 1 if st.fresh else 0
+            flags = FRESH if st.fresh else 0
             hit = False
             try:
                 emit, hit = st.detok.push(ids) if ids else ("", False)
@@ -132,7 +132,7 @@ class OutputLane:
                 continue
             if ids:
                 if st.n_tokens == 0:
-                    flags |= 2
+                    flags |= FIRST_TOKEN
                     self.metrics.observe(TTFT, wall - st.created_at)
                 elif st.last_token_at:
                     self.metrics.observe(ITL, (wall - st.last_token_at) / len(ids))

@@ -36,6 +36,7 @@ from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.lifecycle import name_thread, named
+from shared.model_config import checkpoint_dtype, model_context
 from shared.redis_client import sync_client
 from shared.settings import Settings
 from shared.stream_consumer import StreamConsumer
@@ -52,11 +53,12 @@ def build_engine(settings: Settings) -> Engine:
         return SyntheticEngine(settings.max_num_seqs)
     from gpu_worker.engine import LLMEngine
 
+    path = settings.model_path
     engine: Engine = LLMEngine(EngineConfig(
-        model=settings.model_path, device=settings.device, dtype=settings.dtype,
+        model=path, device=settings.device, dtype=settings.dtype, checkpoint_dtype=checkpoint_dtype(path),
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-        kv_cache_mb=settings.kv_cache_mb, max_model_len=settings.max_model_len, threads=settings.torch_threads,
-        block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching))
+        kv_cache_mb=settings.kv_cache_mb, max_model_len=model_context(path, settings.max_model_len),
+        threads=settings.torch_threads, block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching))
     return engine
 
 

@@ -140,11 +140,3 @@ class BlockManager:
             self.block_hash[block] = self.block_tokens[block] = None
         self.ref[block] = 1
         return block
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block nobody holds."""
-        while self.cached_free:
-            block, _ = self.cached_free.popitem()
-            del self.by_hash[self.block_hash[block]]
-            self.block_hash[block] = self.block_tokens[block] = None
-            self.clean.append(block)

@@ -8,9 +8,10 @@ the same pages back from the kernel, zero-filled, one page fault at a time. At 3
 (`python -m bench.engine --step-time 32 --dtypes bfloat16,float32 --prompt-len 300`, BENCHMARKS.md).
 
 The settings are glibc's own tunables (the same as MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_ and
-MALLOC_TRIM_THRESHOLD_ in the environment), set by each CPU model runner (idempotent): blocks up to 32 MB come from the
-heap, the heap grows 64 MB at a time and keeps up to 256 MB free before giving memory back. The
-process's memory stays flat: at most that much more than its peak step needs is kept.
+MALLOC_TRIM_THRESHOLD_ in the environment), set whenever the engine resolves a CPU device (device.py;
+idempotent): blocks up to 32 MB come from the heap, the heap grows 64 MB at a time and keeps up to
+256 MB free before giving memory back. The process's memory stays flat: at most that much more than
+its peak step needs is kept.
 """
 
 from __future__ import annotations

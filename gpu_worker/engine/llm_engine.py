@@ -10,10 +10,9 @@ import torch
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.model_runner import ModelRunner
 from gpu_worker.engine.protocol import EngineConfig
-from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler
 from gpu_worker.engine.sequence import Request, Sequence
-from gpu_worker.engine.step import StepBatch, StepOutput
+from gpu_worker.engine.step import Sampled, StepBatch, StepOutput
 
 log = logging.getLogger("conveyor.engine")
 
@@ -29,14 +28,11 @@ class LLMEngine:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.runner = ModelRunner(config.model, config.device, config.dtype, config.max_model_len, model=model,
-                                  kv_cache_mb=config.kv_cache_mb, block_size=config.block_size,
-                                  max_cache_tokens=config.max_num_seqs * config.max_model_len)
+        self.runner = ModelRunner(config, model)
         cache = self.runner.cache
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, config.prefix_caching)
         batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(self.runner.device.type, 512)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, batched, self.runner.max_model_len)
-        self.sampler = Sampler()
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
 
@@ -112,11 +108,11 @@ class LLMEngine:
                                            f"or the context of {self.max_model_len} tokens"))
         if batch.num_tokens == 0:
             return outputs
-        logits, failed = self._run(batch)
-        return outputs + self._postprocess(batch, logits, failed)
+        sampled, failed = self._run(batch)
+        return outputs + self._postprocess(batch, sampled, failed)
 
-    def _run(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, str]]:
-        """The step's logits, and the sequences that failed it. When the batched step raises, each
+    def _run(self, batch: StepBatch) -> tuple[Sampled, dict[str, str]]:
+        """The step's sampled tokens, and the sequences that failed it. When the batched step raises, each
         sequence runs alone (a step rewrites the same cache positions, so running again is safe):
         only the one that raises fails, the rest of the batch goes on."""
         try:
@@ -125,21 +121,21 @@ class LLMEngine:
             if len(batch.decode) + len(batch.chunks) == 1:
                 seq = (batch.decode or [s for s, _ in batch.chunks])[0]
                 log.exception("step failed for %s", seq.id)
-                return torch.empty(0, self.runner.vocab_size), {seq.id: f"the model step failed: {exc}"}
+                return Sampled(), {seq.id: f"the model step failed: {exc}"}
             log.exception("batched step failed; running its %d sequences one by one",
                           len(batch.decode) + len(batch.chunks))
         parts = [StepBatch([s], []) for s in batch.decode] + [StepBatch([], [c]) for c in batch.chunks]
-        rows, failed = [], {}
+        sampled, failed = Sampled(), {}
         for part in parts:
             seq = (part.decode or [s for s, _ in part.chunks])[0]
             try:
-                rows.append(self.runner.run(part))
+                sampled.extend(self.runner.run(part))
             except Exception as exc:  # noqa: BLE001
                 log.exception("step failed for %s", seq.id)
                 failed[seq.id] = f"the model step failed: {exc}"
-        return torch.cat(rows) if rows else torch.empty(0, self.runner.vocab_size), failed
+        return sampled, failed
 
-    def _postprocess(self, batch: StepBatch, logits: torch.Tensor, failed: dict[str, str]) -> list[StepOutput]:
+    def _postprocess(self, batch: StepBatch, sampled: Sampled, failed: dict[str, str]) -> list[StepOutput]:
         outputs = [self._fail(self.seqs[i], why) for i, why in failed.items() if i in self.seqs]
         for s in batch.decode:
             if s.id not in failed:
@@ -150,12 +146,9 @@ class LLMEngine:
         for s in batch.decode + [s for s, _ in batch.chunks]:
             if s.id not in failed:
                 self.blocks.register(s)  # full blocks now computed join the prefix cache
-        sampled = [s for s in batch.decode if s.id not in failed]
-        sampled += [s for s, _ in batch.chunks if s.id not in failed and s.num_computed == s.num_tokens]
-        tokens, errors = self.sampler(logits, sampled)
-        for i, (seq, token) in enumerate(zip(sampled, tokens)):
-            if i in errors:
-                outputs.append(self._fail(seq, errors[i]))
+        for i, (seq, token) in enumerate(zip(sampled.seqs, sampled.tokens)):
+            if i in sampled.errors:
+                outputs.append(self._fail(seq, sampled.errors[i]))
                 continue
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)

@@ -18,10 +18,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 0  # 0: per device (DEFAULT_BATCHED_TOKENS)
     kv_cache_mb: int = 2048
-    max_model_len: int = 4096
+    max_model_len: int = 4096  # the context served, at most the model's own; 0: the model's own
     threads: int = 0
     block_size: int = 16  # tokens per KV-cache block
     prefix_caching: bool = True
+    checkpoint_dtype: str | None = None  # the weights' saved dtype, for dtype=auto ("bfloat16", ...); None: unknown
 
 
 class Engine(Protocol):

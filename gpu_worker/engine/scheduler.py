@@ -49,7 +49,6 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

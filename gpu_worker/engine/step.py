@@ -18,9 +18,19 @@ class StepBatch:
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.chunks)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.decode) + len(self.chunks)
+
+@dataclass
+class Sampled:
+    """What a step sampled: a token for each sequence that reached its end, in order, and the rows
+    that could not be sampled (their index in `seqs`), with why."""
+    seqs: list[Sequence] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def extend(self, other: Sampled) -> None:
+        self.errors.update({len(self.seqs) + i: why for i, why in other.errors.items()})
+        self.seqs += other.seqs
+        self.tokens += other.tokens
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine, Request, StepBatch
 from shared.schemas import GenerationRequest
 from workers.tokenizer.prompt import PromptBuilder
 
@@ -19,6 +19,12 @@ def prompt_ids(model_dir: str, question: str) -> list[int]:
     pb = PromptBuilder(model_dir)
     text = pb.render(GenerationRequest(messages=[{"role": "user", "content": question}]))
     return pb.encode_batch([text], [False])[0]
+
+
+def step_logits(engine: LLMEngine, batch: StepBatch) -> torch.Tensor:
+    """The logits the runner samples from for this batch (decode rows, then completed chunks)."""
+    with torch.inference_mode():
+        return engine.runner.run_model(engine.runner.prepare(batch))
 
 
 def run(engine: LLMEngine, reqs: list[Request], arrivals: dict[str, int] | None = None,
@@ -59,7 +65,7 @@ def alone(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_greedy_matches_transformers_generate(engine: LLMEngine, prompts: list[list[int]],
                                               alone: list[list[int]]) -> None:
-    model = engine.runner.model
+    model = engine.runner.hf_model
     ref = model.generate(torch.tensor([prompts[0]]), max_new_tokens=32, do_sample=False,
                          pad_token_id=2)[0, len(prompts[0]):].tolist()
     assert len(ref) >= 5 and alone[0][: len(ref)] == ref
@@ -87,7 +93,7 @@ def test_chunked_prefill_equals_whole_prefill(model_path: str, engine: LLMEngine
     long_prompt = prompt_ids(model_path, "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 30)
     whole = run(engine, [Request("w", long_prompt, max_tokens=16, temperature=0, ignore_eos=True)])["w"]
     chunked_engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=4,
-                                            max_num_batched_tokens=64), model=engine.runner.model)
+                                            max_num_batched_tokens=64), model=engine.runner.hf_model)
     # a running sequence keeps decoding while the long prompt is prefilled in chunks
     running = Request("r", prompt_ids(model_path, "Count to ten."), max_tokens=40, temperature=0, ignore_eos=True)
     chunked_engine.add_request(running)
@@ -147,11 +153,10 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
     with torch.inference_mode():
         ref = model(torch.tensor([ids])).logits[0, -1]
     from gpu_worker.engine.sequence import Sequence
-    from gpu_worker.engine.step import StepBatch
 
     seq = Sequence(Request("t", ids))
     assert eng.blocks.allocate(seq)
-    logits = eng.runner.run(StepBatch(decode=[], chunks=[(seq, len(ids))]))
+    logits = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids))]))
     assert torch.allclose(logits[0], ref, atol=1e-4)
 
 
@@ -188,7 +193,6 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
     """The fused layers (q/k/v and gate/up in one matrix, oneDNN weights in bf16) compute what the
     model's own forward computes, for a prefill chunk and for the decode step after it."""
     from gpu_worker.engine.sequence import Sequence
-    from gpu_worker.engine.step import StepBatch
 
     model = _tiny(arch).to(getattr(torch, dtype))
     ids = [5, 17, 99, 300, 42, 7, 301, 11]
@@ -197,11 +201,11 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
     eng = LLMEngine(EngineConfig(model="unused", dtype=dtype), model=model)
     seq = Sequence(Request("t", ids[:-1]))
     assert eng.blocks.allocate(seq)
-    prefill = eng.runner.run(StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
+    prefill = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
     seq.num_computed = len(ids) - 1
     seq.token_ids.append(ids[-1])
     eng.blocks.append(seq)
-    decode = eng.runner.run(StepBatch(decode=[seq], chunks=[]))
+    decode = step_logits(eng, StepBatch(decode=[seq], chunks=[]))
     tol = 1e-4 if dtype == "float32" else 0.03 * ref.abs().max().item()  # bf16: ~1% seen
     assert (prefill[0] - ref[0]).abs().max().item() < tol
     assert (decode[0] - ref[1]).abs().max().item() < tol
@@ -216,11 +220,10 @@ def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: st
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode rows of different lengths in one step (padding masked, block boundaries crossed; in
     bf16 on CPU either attention path) each get the logits the model's own forward gives."""
-    from gpu_worker.engine import model_runner
+    from gpu_worker.engine.models import llama
     from gpu_worker.engine.sequence import Sequence
-    from gpu_worker.engine.step import StepBatch
 
-    monkeypatch.setattr(model_runner, "MATMUL_ATTENTION_MIN_READ", matmul_from)
+    monkeypatch.setattr(llama, "MATMUL_ATTENTION_MIN_READ", matmul_from)
 
     model = _tiny(arch).to(getattr(torch, dtype))
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((3, 17, 40, 16))]
@@ -231,12 +234,12 @@ def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: st
     for i, ids in enumerate(prompts):
         seq = Sequence(Request(f"r{i}", ids[:-1]))
         assert eng.blocks.allocate(seq)
-        eng.runner.run(StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
+        step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
         seq.num_computed = len(ids) - 1
         seq.token_ids.append(ids[-1])
         eng.blocks.append(seq)
         seqs.append(seq)
-    logits = eng.runner.run(StepBatch(decode=seqs, chunks=[]))
+    logits = step_logits(eng, StepBatch(decode=seqs, chunks=[]))
     for row, ref in zip(logits, refs):
         tol = 1e-4 if dtype == "float32" else 0.03 * ref.abs().max().item()
         assert (row - ref).abs().max().item() < tol

@@ -104,7 +104,7 @@ def test_prefix_cache_hits_give_the_same_tokens(model_path: str) -> None:
     assert engine.blocks.hits - hits_before >= 3 * 150  # the system prompt, three times
     assert [cached[f"hit{i}"] for i in range(3)] == [plain[f"plain{i}"] for i in range(3)]
     with torch.inference_mode():
-        ref = engine.runner.model.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False,
+        ref = engine.runner.hf_model.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False,
                                            pad_token_id=2)[0, len(prompts[1]):].tolist()
     assert cached["hit1"][: len(ref)] == ref
 

@@ -1,0 +1,253 @@
+"""The Llama-family model the runner runs (Llama, Mistral, Qwen2/3, SmolLM and others with the same layer
+shape): its fused weights, and its forward over a flat token batch and the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.engine.gemm import Gemm, choose_gemm
+from gpu_worker.engine.kv_cache import KVCache
+
+# Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
+# in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 21 us
+# SDPA / 40 us matmuls, 4 rows 41 / 45, 8 rows 68 / 54; 400 tokens a row: 1 row 38 / 45, 2 rows 56 / 50
+# (`python -m bench.attention`, BENCHMARKS.md).
+MATMUL_ATTENTION_MIN_READ = 600
+
+
+class PrefillChunk(NamedTuple):
+    """A prefill chunk's place in the step: its sequence's first position computed, its token count,
+    its first row in the batch, and the gather index of its sequence's tokens up to its end in the
+    cache (None when the chunk starts the sequence: it attends within itself)."""
+    start: int
+    length: int
+    offset: int
+    index: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    """What a step's attention writes and reads, as the runner prepares it: decode rows first, one
+    token each, then the prefill chunks. Gather indices address a layer's K or V seen as
+    [KV * slots, D] (head h's slot s is row h * slots + s)."""
+    slots: torch.Tensor  # [tokens]: the cache slot each token's K/V is written to
+    num_decode: int
+    decode_len: int = 0  # tokens each decode row reads: the longest row's, the others padded
+    decode_index: torch.Tensor | None = None  # [rows * KV * decode_len]
+    decode_mask: torch.Tensor | None = None  # [rows, 1, 1, decode_len]: the row's own positions
+    chunks: list[PrefillChunk] = field(default_factory=list)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights, with q/k/v and gate/up fused into single matrices; the four
+    matrices are held as the GEMM backend prepared them (a tensor, or a backend-specific form)."""
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    eps: float
+    qkv: object
+    qkv_bias: torch.Tensor | None
+    o: object
+    o_bias: torch.Tensor | None
+    gate_up: object
+    down: object
+    act: object
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of linears that read the same input, then point each
+    linear's parameters at its slice of the result, so the model holds no second copy."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+    if any(has_bias) and bias is None:
+        raise ValueError("cannot fuse linears where only some have a bias")
+    at = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = weight[at : at + n]
+        if bias is not None:
+            m.bias.data = bias[at : at + n]
+        at += n
+    return weight, bias
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", None) or norm.eps)
+
+
+def _layer_weights(layer: torch.nn.Module, gemm: Gemm) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+    if mlp.gate_proj.bias is not None or mlp.down_proj.bias is not None:
+        raise ValueError("MLP biases are not supported")
+    weights = _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _eps(layer.input_layernorm),
+                     gemm.prepare(qkv), qkv_bias, gemm.prepare(attn.o_proj.weight), attn.o_proj.bias,
+                     gemm.prepare(gate_up), gemm.prepare(mlp.down_proj.weight), mlp.act_fn,
+                     attn.q_norm.weight if hasattr(attn, "q_norm") else None,
+                     attn.k_norm.weight if hasattr(attn, "k_norm") else None)
+    if gemm.copies_weights:  # these layers' matrices now live here: keep one copy, not two
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            m.weight.data = m.weight.data.new_empty(0)
+    return weights
+
+
+class Llama:
+    """A Llama-family decoder over a flat token batch: the linear layers see every scheduled token at
+    once (decode rows and prefill chunks together, no padding). Every new token's K/V is written to
+    its slot of the paged cache in one call per layer; decode rows then read their blocks (gathered to
+    a common length, the null block as padding) in one batched attention call, and prefill chunks
+    attend one by one, over the cache when tokens before them are cached, over themselves when they
+    start the sequence.
+
+    It takes over the transformers model it is built from (already on its device, in its dtype): q/k/v
+    and gate/up weights are concatenated into one matrix each (that model's parameters become views of
+    it), and where the GEMM backend keeps its own layout (oneDNN on CPU in bfloat16) that model's layer
+    matrices are emptied."""
+
+    def __init__(self, hf_model: torch.nn.Module, max_len: int) -> None:
+        cfg, inner = hf_model.config, hf_model.model
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.vocab_size = cfg.vocab_size
+        self.hidden_shape = (cfg.hidden_size,)
+        self.embed_w = inner.embed_tokens.weight
+        self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
+        self.gemm, self.head_gemm = choose_gemm(self.device, self.dtype)
+        with torch.no_grad():
+            self.layers = [_layer_weights(layer, self.gemm) for layer in inner.layers]
+            self.lm_head_w = self.head_gemm.prepare(hf_model.lm_head.weight)
+        self.norm_w = inner.norm.weight
+        self.norm_eps = _eps(inner.norm)
+        self.cos, self.sin_signed = self._rope_tables(inner.rotary_emb, max_len)
+        self.upcast_attention = self.device.type == "cpu" and self.dtype != torch.float32
+
+    def _rope_tables(self, rotary_emb: torch.nn.Module, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin per position, [max_len, head_dim]: RoPE as x * cos + roll(x, D/2) * sin_signed,
+        rotate_half(x) * sin with the sign moved onto sin."""
+        with torch.inference_mode():
+            pos = torch.arange(max_len, device=self.device)[None]
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = rotary_emb(probe, pos)
+            half = self.head_dim // 2
+            return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                cache: KVCache) -> torch.Tensor:
+        """The last layer's hidden states, [tokens, hidden]; every token's K/V is written to the cache."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [N, 1, D]
+        bias = self._decode_bias(attn)
+        h = F.embedding(ids, self.embed_w)
+        for li, L in enumerate(self.layers):
+            h = self._layer(L, h, cos, sin, cache.k[li], cache.v[li], attn, bias)
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype for the hidden states given (the rows to sample)."""
+        h = F.rms_norm(h, self.hidden_shape, self.norm_w, self.norm_eps)
+        return self.head_gemm.linear(h, self.lm_head_w)
+
+    def _decode_bias(self, attn: AttentionMetadata) -> torch.Tensor | None:
+        """The matmul decode path's additive mask, one row per (row, KV head); None where decode rows
+        read through SDPA (see MATMUL_ATTENTION_MIN_READ)."""
+        nd, t = attn.num_decode, attn.decode_len
+        if not (nd and self.upcast_attention and nd * t >= MATMUL_ATTENTION_MIN_READ):
+            return None
+        return torch.zeros(nd, 1, t, dtype=self.dtype, device=self.device).masked_fill_(
+            ~attn.decode_mask.view(nd, 1, t), float("-inf")).expand(nd, self.kv_heads, t).reshape(
+            nd * self.kv_heads, 1, t)
+
+    def _layer(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+               vc: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None) -> torch.Tensor:
+        q, k, v = self._qkv(L, F.rms_norm(h, self.hidden_shape, L.ln1, L.eps), cos, sin)
+        out = self._attention(q, k, v, kc, vc, attn, bias)
+        h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
+        gate, up = self.gemm.linear(F.rms_norm(h, self.hidden_shape, L.ln2, L.eps), L.gate_up).chunk(2, dim=-1)
+        return self.gemm.linear_add(L.act(gate) * up, L.down, h)
+
+    def _qkv(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [N, H, D], k and v [N, KV, D], with RoPE applied to q and k at once."""
+        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+        qkv = self.gemm.linear(x, L.qkv, L.qkv_bias).view(x.shape[0], H + 2 * KV, D)
+        qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
+        if L.q_norm is not None:
+            qk = torch.cat((F.rms_norm(qk[:, :H], (D,), L.q_norm, L.eps),
+                            F.rms_norm(qk[:, H:], (D,), L.k_norm, L.eps)), dim=1)
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)
+        return qk[:, :H], qk[:, H:], v
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                   attn: AttentionMetadata, bias: torch.Tensor | None) -> torch.Tensor:
+        """Write k and v to their slots of the layer's cache (kc, vc: [KV, slots, D]), then attend: [N, H * D]."""
+        H, D = self.num_heads, self.head_dim
+        kc.index_copy_(1, attn.slots, k.transpose(0, 1))
+        vc.index_copy_(1, attn.slots, v.transpose(0, 1))
+        kf, vf = kc.view(-1, D), vc.view(-1, D)  # [KV * slots, D]: what the gather indices address
+        n_tok, nd = q.shape[0], attn.num_decode
+        if nd:
+            o = self._decode(q[:nd], kf, vf, attn, bias)
+            if not attn.chunks:
+                return o.reshape(n_tok, H * D)
+        out = q.new_empty(n_tok, H, D)
+        if nd:
+            out[:nd] = o
+        for chunk in attn.chunks:
+            out[chunk.offset : chunk.offset + chunk.length] = self._prefill(q, k, v, kf, vf, chunk)
+        return out.view(n_tok, H * D)
+
+    def _decode(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, attn: AttentionMetadata,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """The decode rows' attention, [rows, H, D], over K/V gathered from the cache."""
+        nd, KV, T, D = attn.num_decode, self.kv_heads, attn.decode_len, self.head_dim
+        return self.attend_decode(q, kf.index_select(0, attn.decode_index).view(nd, KV, T, D),
+                                  vf.index_select(0, attn.decode_index).view(nd, KV, T, D), attn.decode_mask, bias)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
+                 chunk: PrefillChunk) -> torch.Tensor:
+        """One prefill chunk's attention, [n, H, D]."""
+        p, n, off, idx = chunk
+        qq = q[off : off + n].transpose(0, 1).unsqueeze(0)
+        if idx is None:  # the chunk is all the sequence has: attend within it
+            kk = k[off : off + n].transpose(0, 1).unsqueeze(0)
+            vv = v[off : off + n].transpose(0, 1).unsqueeze(0)
+            oc = self.attend(qq, kk, vv, is_causal=True)
+        else:  # cached tokens before it: read them (and the chunk) from the cache
+            kk = kf.index_select(0, idx).view(1, self.kv_heads, p + n, self.head_dim)
+            vv = vf.index_select(0, idx).view(1, self.kv_heads, p + n, self.head_dim)
+            mask = torch.arange(p + n, device=self.device)[None, :] <= torch.arange(
+                p, p + n, device=self.device)[:, None]
+            oc = self.attend(qq, kk, vv, attn_mask=mask)
+        return oc[0].transpose(0, 1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+        """SDPA; on CPU in half precision, computed in float32: torch's CPU flash attention is ~4x
+        slower in bfloat16 than in float32 at decode shapes (a decode step at 32 rows: 36 ms of
+        attention against 9 ms), and the upcast of q, K and V costs less than the difference."""
+        if self.upcast_attention:
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True,
+                                                  **kw).to(self.dtype)  # type: ignore[arg-type]
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)  # type: ignore[arg-type]
+
+    def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """One query per decode row: q [rows, H, D] against K/V gathered from the cache as [rows, KV, T, D];
+        out [rows, H, D]. On CPU in half precision: two batched matmuls over (row, KV head), each KV head's
+        query group at once, softmax in float32 (`bias` masks padding): no upcast copies and about half of
+        SDPA's time there. Elsewhere, and for small reads (`bias` None): SDPA over the same gathered K/V."""
+        rows, H, D = q.shape
+        if bias is None:
+            return self.attend(q.unsqueeze(2), k, v, attn_mask=mask).reshape(rows, H, D)
+        _, KV, T, _ = k.shape
+        qg = q.reshape(rows * KV, H // KV, D)
+        scores = torch.baddbmm(bias, qg, k.view(rows * KV, T, D).transpose(1, 2), alpha=D**-0.5)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, v.view(rows * KV, T, D)).view(rows, H, D)
