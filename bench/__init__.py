@@ -10,6 +10,6 @@ has a `--quick` mode that tests/bench/test_bench_quick.py runs. BENCHMARKS.md ho
 - chaos:       nothing lost or corrupted while processes die and Redis restarts
 - gpu_check.sh: the engine on one NVIDIA GPU against transformers' continuous batching
 
-Shared parts: stack.py (start and stop a stack, find its processes), sse_client.py (read event
+Shared parts: harness/stack.py (start and stop a stack, find its processes), harness/sse.py (read event
 streams), common.py (prompts, models, percentiles, the wait for a quiet machine), plot.py (charts).
 """

@@ -5,7 +5,7 @@
     .venv/bin/python -m bench.chaos --quick                # 20 jobs, 1 round, synthetic engine, no Redis restart
 
 Starts a redis-server of its own (append-only, its port and data dir kept, so this script can
-restart it) and `conveyor up --no-autoscale --tokenizers 2 --inference 2` on it (bench/stack.py), with fast
+restart it) and `conveyor up --no-autoscale --tokenizers 2 --inference 2` on it (harness/stack.py), with fast
 redelivery (CLAIM_IDLE_MS=3000, REFRESH_S=0.5, HEARTBEAT_S=1, DELIVERY_LIMIT=5).
 
 1. Reference: every (prompt, params) of a fixed list runs twice through the same stack before any
@@ -39,8 +39,8 @@ import httpx
 import redis
 
 from bench.common import PROMPTS, default_model, md_table, tree_state
-from bench.sse_client import check_events, read_sse
-from bench.stack import Stack, scan_log, start_stack, stop_stack
+from harness.sse import check_events, read_sse
+from harness.stack import Stack, scan_log, start_stack, stop_stack
 from infra.redis_server import RedisServer
 from shared import names
 from shared.jobs import TERMINAL

@@ -12,7 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.models import make_tiny_model
+
 ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["ROOT", "make_tiny_model"]  # re-exported for the benchmarks
 
 PROMPTS = [
     "What is the capital of France?",
@@ -44,24 +47,6 @@ def default_model() -> str:
     from shared.settings import Settings
 
     return Settings().model_path
-
-
-def make_tiny_model(out: Path, tokenizer_from: str) -> str:
-    """A randomly initialised Llama of the default model's shape family, tiny, with the real tokenizer
-    (copied from `tokenizer_from`): what the tests and every `--quick` run use."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(tokenizer_from) / name).exists():
-            shutil.copy(Path(tokenizer_from) / name, out / name)
-    return str(out)
 
 
 def quick_model(model: str | None) -> str:
@@ -116,7 +101,10 @@ class CpuShare:
 def wait_for_quiet(max_share: float, timeout: float, sample_s: float = 1.0,
                    count_self: bool = False) -> float | None:
     """Before a timed run: wait (`sample_s` samples, at most `timeout` s) until other processes (or all,
-    `count_self`) use at most `max_share` of the CPU. Returns the last sample."""
+    `count_self`) use at most `max_share` of the CPU. Returns the last sample; None, without sampling,
+    when `timeout` is 0 or less."""
+    if timeout <= 0:
+        return None
     deadline = time.monotonic() + timeout
     while True:
         cpu = CpuShare(count_self)

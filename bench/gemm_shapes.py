@@ -5,10 +5,10 @@ row counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/ge
 
     .venv/bin/python -m bench.gemm_shapes                      # SmolLM2-135M's shapes, float32
     .venv/bin/python -m bench.gemm_shapes --dtype bfloat16
-    .venv/bin/python -m bench.gemm_shapes --quick              # seconds: rows 1 and 8, a few calls
+    .venv/bin/python -m bench.gemm_shapes --quick              # seconds: 8 rows only, one call per figure
 
 Shapes (in -> out): fused q/k/v, o, fused gate/up, down, LM head. Each figure is the smaller of two
-medians of --n calls, in microseconds; "layer" sums the four layer matrices.
+medians of --n calls after --warmup calls, in microseconds; "layer" sums the four layer matrices.
 
 By default each call reuses one weight, which then sits in the CPU's caches. A model's step reads
 every layer's weights once, from memory: `--copies 30` cycles through 30 copies of each weight
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
 
-def timed(fn, n: int) -> float:
-    for _ in range(10):
+def timed(fn, n: int, warmup: int = 10) -> float:
+    for _ in range(warmup):
         fn()
     runs = []
     for _ in range(2):
@@ -47,12 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rows", default="1,4,8,16,32,64")
     p.add_argument("--n", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls before each figure")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--copies", type=int, default=1, help="distinct copies of each weight to cycle through")
-    p.add_argument("--quick", action="store_true", help="seconds: rows 1,8, 3 calls per figure")
+    p.add_argument("--quick", action="store_true",
+                   help="seconds: 8 rows only, one untimed and one timed call per figure")
     args = p.parse_args(argv)
     if args.quick:
-        args.rows, args.n = "1,8", 3
+        args.rows, args.n, args.warmup = "8", 1, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -71,9 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         for k, (i, _) in SHAPES.items():
             x = torch.randn(m, i, dtype=dtype)
             ws, pws = weights[k], packed[k]
-            a = timed(lambda x=x, ws=ws: F.linear(x, ws[next(turn) % len(ws)]), args.n)
+            a = timed(lambda x=x, ws=ws: F.linear(x, ws[next(turn) % len(ws)]), args.n, args.warmup)
             b = timed(lambda x=x, pws=pws: torch.ops.mkldnn._linear_pointwise(x, pws[next(turn) % len(pws)], None,
-                                                                                 "none", [], ""), args.n)
+                                                                                 "none", [], ""), args.n, args.warmup)
             times = [a, b]
             if mkl:  # packed for 32 rows, called with the actual rows, as the engine does
                 mws = mkl_packed[k]
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                     j = next(turn) % len(ws)
                     return torch.ops.mkl._mkl_linear(x, mws[j], ws[j], None, x.shape[0])
 
-                times.append(timed(packed_call, args.n))
+                times.append(timed(packed_call, args.n, args.warmup))
             cells.append(" / ".join(f"{t:.0f}" for t in times))
             if k != "lm_head":
                 for j, t in enumerate(times):

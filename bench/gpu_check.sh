@@ -2,7 +2,8 @@
 # GPU check: our engine vs transformers' continuous batching (generate_batch) on one NVIDIA GPU.
 #
 #   bench/gpu_check.sh            # on a machine with one NVIDIA GPU; needs no network
-#   bench/gpu_check.sh --smoke    # tiny model on CPU, to test the script itself
+#   bench/gpu_check.sh --smoke    # tiny model on CPU, to test the script itself: every phase, one level of
+#                                 # 2 requests x 4 new tokens, no warm-up waves, a small hf-cb cache
 #
 # Builds a randomly initialised Llama of about 1.1B parameters from a LlamaConfig (nothing comes
 # from a hub), saves it to a temporary directory, then runs each contender in its own process, with
@@ -11,7 +12,8 @@
 # Markdown table. A phase that fails or times out is reported and the others still run.
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), PHASE_TIMEOUT seconds (default 900),
-# KV_CACHE_MB for our engine (default 8192), LEVELS (default "1 32 128 256"), KEEP=1 keeps the model.
+# KV_CACHE_MB for our engine (default 8192), LEVELS (default "1 32 128 256"; "2" with --smoke), KEEP=1 keeps
+# the model.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,7 +21,7 @@ SMOKE=0
 for arg in "$@"; do
   case "$arg" in
     --smoke) SMOKE=1 ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
@@ -31,7 +33,7 @@ PHASE_TIMEOUT="${PHASE_TIMEOUT:-900}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 export SMOKE KV_CACHE_MB="${KV_CACHE_MB:-8192}"
-if [[ "$SMOKE" == 1 ]]; then export LEVELS="${LEVELS:-1 4}"; else export LEVELS="${LEVELS:-1 32 128 256}"; fi
+if [[ "$SMOKE" == 1 ]]; then export LEVELS="${LEVELS:-2}"; else export LEVELS="${LEVELS:-1 32 128 256}"; fi
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/conveyor-gpu-check.XXXXXX")"
 cleanup() { if [[ "${KEEP:-0}" == 1 ]]; then echo "kept $WORK"; else rm -rf "$WORK"; fi; }
@@ -46,17 +48,17 @@ import sys
 import time
 import warnings
 
-import torch
-
 from bench.common import percentile
 
 SMOKE = os.environ.get("SMOKE") == "1"
 LEVELS = [int(x) for x in os.environ["LEVELS"].split()]
 DEVICE = "cpu" if SMOKE else "cuda"
-PROMPT_LEN, MAX_NEW = (16, 8) if SMOKE else (64, 128)
+PROMPT_LEN, MAX_NEW = (16, 4) if SMOKE else (64, 128)
 
 
 def prompts(n, vocab, seed):
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(PROMPT_LEN - 8, PROMPT_LEN + 9, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
@@ -71,11 +73,14 @@ def summary(first, times, wall, n_tokens):
 
 
 def sync():
+    import torch
+
     if DEVICE == "cuda":
         torch.cuda.synchronize()
 
 
 def build(model_dir):
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if SMOKE:
@@ -117,7 +122,8 @@ def run_ours(model_dir):
         wall = time.perf_counter() - t0
         return times, wall
 
-    wave(prompts(max(LEVELS), vocab, 99), 4)  # warm-up: allocator, kernels, the cache at full size
+    if not SMOKE:
+        wave(prompts(max(LEVELS), vocab, 99), 4)  # warm-up: allocator, kernels, the cache at full size
     out = {}
     for c in LEVELS:
         times, wall = wave(prompts(c, vocab, c), MAX_NEW)
@@ -145,22 +151,27 @@ def cb_wave(manager, inputs, max_new):
 def run_hf_cb(model_dir):
     """The manager `generate_batch` builds, sized from the same workload hints; its construction, warm-up
     (graph capture where used) and thread start stay out of the timing, as our engine's do."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    import torch
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
     vocab = model.config.vocab_size
     gen = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=-1)
+    # on CPU the cache would otherwise be sized from the host's free memory (gigabytes for a tiny model)
+    cb_config = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256) if SMOKE else None
     out = {}
     for c in LEVELS:
         inputs = prompts(c, vocab, c)
         hints = WorkloadHints(max_prompt_length=max(map(len, inputs)), max_generated_length=MAX_NEW, num_requests=c)
-        manager = model.init_continuous_batching(generation_config=gen, workload_hints=hints)
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb_config,
+                                                 workload_hints=hints)
         manager.warmup()
         manager.start()
 
         try:
-            cb_wave(manager, inputs, 4)  # warm-up
+            if not SMOKE:
+                cb_wave(manager, inputs, 4)  # warm-up
             sync()
             t0 = time.perf_counter()
             res = cb_wave(manager, inputs, MAX_NEW)
@@ -205,6 +216,8 @@ def table(work):
 
 def main():
     phase, work = sys.argv[1], sys.argv[2]
+    if phase == "table":  # reads the JSON files only: no torch, no transformers
+        return table(work)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
 
@@ -212,8 +225,6 @@ def main():
     hf_logging.disable_progress_bar()
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     model_dir = os.path.join(work, "model")
-    if phase == "table":
-        return table(work)
     result = {"build": build, "ours": run_ours, "hf-cb": run_hf_cb}[phase](model_dir)
     with open(os.path.join(work, f"{phase}.json"), "w") as f:
         json.dump(result, f)

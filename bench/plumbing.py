@@ -1,10 +1,10 @@
 """Plumbing benchmark: what one API process carries when generation costs nothing.
 
     .venv/bin/python -m bench.plumbing                    # everything (about 5 minutes)
-    .venv/bin/python -m bench.plumbing --quick            # seconds: small and short
+    .venv/bin/python -m bench.plumbing --quick            # seconds: every part once, small and short
     .venv/bin/python -m bench.plumbing --only relay --relay-n 1,100,1000
 
-It starts its own stack (bench/stack.py: `conveyor up --no-autoscale`, its own redis-server) with
+It starts its own stack (harness/stack.py: `conveyor up --no-autoscale`, its own redis-server) with
 ENGINE=synthetic: the zero-cost synthetic engine, a benchmark instrument that emits one fixed token
 per running request per step with no model, so only the plumbing is measured. One API process.
 
@@ -49,9 +49,9 @@ from typing import Any
 
 import psutil
 
-from bench.common import default_model, percentile, quick_model
-from bench.sse_client import HttpStatusError, raw_events
-from bench.stack import Stack, start_stack, stop_stack
+from bench.common import default_model, percentile
+from harness.sse import HttpStatusError, raw_events
+from harness.stack import Stack, start_stack, stop_stack
 
 SUBMIT_BODY = b'{"prompt": "Hello", "max_tokens": 1}'
 OPEN_ATTEMPTS = 10
@@ -150,25 +150,41 @@ async def _submit_loop(host: str, port: int, conns: int, duration: float, t_star
     return {"per_second": per_second, "lat": lat, "statuses": statuses, "errors": errors}
 
 
-def _submit_proc(host: str, port: int, conns: int, duration: float, t_start: float, out: Any, auth: str = "") -> None:
+def _submit_proc(host: str, port: int, conns: int, duration: float, ready: Any, start_at: Any, out: Any,
+                 auth: str = "") -> None:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    out.put(asyncio.run(_submit_loop(host, port, conns, duration, t_start, auth)))
+    with ready.get_lock():
+        ready.value += 1
+    while not start_at.value:
+        time.sleep(0.005)
+    out.put(asyncio.run(_submit_loop(host, port, conns, duration, start_at.value, auth)))
 
 
-def accept_python(stack: Stack, procs: int, conns: int, duration: float, auth: str = "") -> dict[str, Any]:
+def accept_python(stack: Stack, procs: int, conns: int, duration: float, auth: str = "",
+                  lead: float = 3.0) -> dict[str, Any]:
+    """The client processes start together, `lead` s after they were spawned (or once all are ready, if later)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    t_start = time.time() + 3.0  # after the processes have started
-    ps = [ctx.Process(target=_submit_proc, args=("127.0.0.1", stack.port, conns, duration, t_start, q,
+    ready, start_at = ctx.Value("i", 0), ctx.Value("d", 0.0)
+    spawned = time.time()
+    ps = [ctx.Process(target=_submit_proc, args=("127.0.0.1", stack.port, conns, duration, ready, start_at, q,
                                                  auth))
           for _ in range(procs)]
     for p in ps:
         p.start()
+    deadline = time.monotonic() + 120
+    while ready.value < procs:
+        if time.monotonic() > deadline or any(p.exitcode is not None for p in ps):
+            for p in ps:
+                p.kill()
+            raise RuntimeError(f"only {ready.value}/{procs} accept client processes started")
+        time.sleep(0.01)
+    start_at.value = max(spawned + lead, time.time() + 0.05)
     results = [q.get(timeout=duration + 120) for _ in ps]
     for p in ps:
         p.join()
@@ -237,7 +253,8 @@ def run_accept(stack: Stack, args: argparse.Namespace, workdir: Path) -> list[di
                 stack.pause("tokenizer", "inference")
             try:
                 if client == "python":
-                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s)
+                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s,
+                                      lead=3.0 * args.pauses)
                 else:
                     r = accept_wrk(stack, args.accept_procs, args.accept_procs * args.accept_conns, args.accept_s,
                                    workdir)
@@ -274,7 +291,8 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
                 stack = stacks[name]
                 stack.pause("tokenizer", "inference")
                 try:
-                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s, auth[name])
+                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s, auth[name],
+                                      lead=3.0 * args.pauses)
                 finally:
                     drop_queued(stack)
                     stack.resume("tokenizer", "inference")
@@ -282,7 +300,7 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
                 rows.append(r)
                 print(f"[accept-auth] round {rnd}, {name}: {r['accepted_per_s']:.0f} jobs/s, "
                       f"p50 {r['lat_p50_ms']:.1f} ms, statuses {r['statuses']}", file=sys.stderr, flush=True)
-                time.sleep(2)
+                time.sleep(2 * args.pauses)
     finally:
         for stack in stacks.values():
             stop_stack(stack)
@@ -302,7 +320,7 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
 
 
 async def _sse(url: str, job_id: str, rec: dict[str, Any], connected: Any, timeout: float) -> None:
-    """One SSE stream on /v1/jobs/{id}/events (bench/sse_client.py's bare reader, one deadline for the
+    """One SSE stream on /v1/jobs/{id}/events (harness/sse.py's bare reader, one deadline for the
     whole stream, no timer per read: it shares the cores with the API it measures)."""
     told = False
     try:
@@ -433,7 +451,7 @@ def run_streams(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
             ids = submit_jobs(stack, n, args.stream_tokens)
             clients = SseClients(stack.port, ids, args.client_procs, stamped=False, timeout=args.stream_timeout)
             open_s = clients.wait_connected(120)
-            time.sleep(1.0)
+            time.sleep(1.0 * args.pauses)
             rss_held = sampler.now()
             held = redis_clients(stack)
             sampler.start()
@@ -463,7 +481,7 @@ def run_streams(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{held['total']} ({held['pubsub']} pub/sub), {events} token events in {last_done - t0:.1f}s, "
               f"{open_503} refused opens (retried)" + (f"; first error: {errors[0]}" if errors else ""),
               file=sys.stderr, flush=True)
-        time.sleep(2)
+        time.sleep(2 * args.pauses)
     return rows
 
 
@@ -551,7 +569,7 @@ def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
         clients = SseClients(stack.port, ids, args.client_procs if n > 1 else 1, stamped=True,
                              timeout=args.relay_ticks * args.relay_interval + 120)
         clients.wait_connected(120)
-        time.sleep(0.5)
+        time.sleep(0.5 * args.pauses)
         sampler.start()
         api_proc = psutil.Process(api)
         cpu0 = sum(api_proc.cpu_times()[:2])
@@ -577,7 +595,7 @@ def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
               f"{row['p99_ms']:.1f} ms, max {row['max_ms']:.1f} ms; API {row['api_cpu_ms_per_event']:.3f} CPU-ms "
               f"per event; {complete}/{n} complete; publisher up to "
               f"{behind * 1e3:.0f} ms behind", file=sys.stderr, flush=True)
-        time.sleep(1)
+        time.sleep(1 * args.pauses)
     return rows
 
 
@@ -626,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="accept,streams,relay",
                    help="comma list of accept, streams, relay, and accept-auth (keys and limits on against off)")
     p.add_argument("--auth-rounds", type=int, default=3, help="alternating rounds for accept-auth")
-    p.add_argument("--quick", action="store_true", help="seconds: short and small")
+    p.add_argument("--quick", action="store_true", help="seconds: every part once, 1 s accept runs from one client "
+                   "process, 4 streams of 3 tokens, 4 relay streams of 3 ticks, no pauses")
     p.add_argument("--model", default=None,
                    help="model directory (the synthetic engine needs only its tokenizer; default: the service's)")
     p.add_argument("--accept-s", type=float, default=10.0, help="seconds per accept run")
@@ -642,12 +661,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--relay-batch", type=int, default=0,
                    help="streams per MULTI, spread over the interval (0: all streams in one burst per tick)")
     p.add_argument("--settle", type=float, default=8.0, help="seconds for the stack to drain after an accept run")
+    p.add_argument("--pauses", type=float, default=1.0,
+                   help="scale of the fixed pauses: before an accept run (3 s), after opening streams, between runs")
     p.add_argument("--json", dest="json_out")
     args = p.parse_args(argv)
     if args.quick:
-        args.accept_s, args.accept_conns, args.stream_n, args.stream_tokens, args.settle = 2.0, 4, "10", 5, 1.0
-        args.relay_n, args.relay_ticks, args.client_procs, args.auth_rounds = "1,10", 5, 1, 1
-    args.model = quick_model(args.model) if args.quick else args.model or default_model()
+        args.accept_s, args.accept_procs, args.accept_conns, args.settle, args.pauses = 1.0, 1, 4, 0.0, 0.0
+        args.stream_n, args.stream_tokens, args.client_procs, args.auth_rounds = "4", 3, 1, 1
+        args.relay_n, args.relay_ticks, args.relay_interval = "4", 3, 0.02
+    args.model = args.model or default_model()
     args.stream_n = [int(x) for x in str(args.stream_n).split(",")]
     args.relay_n = [int(x) for x in str(args.relay_n).split(",")]
     only = set(args.only.split(","))

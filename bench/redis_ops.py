@@ -173,7 +173,7 @@ def cpu(r: redis.Redis) -> tuple[float, float]:
     return float(main), float(info["used_cpu_sys"] + info["used_cpu_user"])
 
 
-def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> dict[str, Any]:
+def measure(url: str, name: str, step: Step, seconds: float, clients: int, settle: float = 0.5) -> dict[str, Any]:
     r = redis.Redis.from_url(url)
     r.flushdb()
     r.config_set("auto-aof-rewrite-percentage", 0)  # a rewrite mid-run would hide the bytes appended
@@ -188,7 +188,7 @@ def measure(url: str, name: str, step: Step, seconds: float, clients: int) -> di
     procs = [ctx.Process(target=drive, args=(url, step, seconds, go, out)) for _ in range(clients)]
     for p in procs:
         p.start()
-    time.sleep(0.5)
+    time.sleep(settle)  # the clients reach go.wait() before the CPU baseline is read
     cpu0, t0 = cpu(r), time.monotonic()
     go.set()
     units = sum(out.get(timeout=seconds + 120) for _ in procs)
@@ -216,10 +216,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=256, help="output tokens per job in the job scenarios")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
-    parser.add_argument("--quick", action="store_true", help="seconds: 0.3 s per scenario, 16-token jobs")
+    parser.add_argument("--settle", type=float, default=0.5,
+                        help="seconds between starting the client processes and the measured run")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds: every scenario for 0.2 s after 0.05 s to settle, 8-token jobs")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seconds, args.tokens = 0.3, 16
+        args.seconds, args.settle, args.tokens = 0.2, 0.05, 8
 
     binary = args.server or redis_binary()
 
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|---|---|---|")
         try:
             for name, step, unit in scenarios:
-                m = measure(url, name, step, args.seconds, args.clients)
+                m = measure(url, name, step, args.seconds, args.clients, args.settle)
                 per_cpu = m["commands"] / m["main_cpu"]
                 rate = f"{m['units'] / m['wall']:,.0f} {unit}s/s"
                 jobs = f"{m['units'] / m['main_cpu']:,.0f}" if unit == "job" else ""

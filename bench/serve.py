@@ -79,8 +79,8 @@ from bench.common import (
     quick_model,
     wait_for_quiet,
 )
-from bench.sse_client import HttpStatusError, post_sse_data
-from bench.stack import Stack, cpu_seconds, cpu_share, start_stack, stop_stack, wait_http
+from harness.sse import HttpStatusError, post_sse_data
+from harness.stack import Stack, cpu_seconds, cpu_share, start_stack, stop_stack, wait_http
 
 VLLM_VENV = ROOT / ".cache" / "vllm-venv"
 
@@ -365,9 +365,9 @@ async def first_chunk(url: str, i: int, max_tokens: int) -> tuple[str, float, fl
     return f"job_{cid.split('-', 1)[1]}", sent, first
 
 
-def ttft_hops(url: str, n: int, max_tokens: int, gap: float) -> None:
+def ttft_hops(url: str, n: int, max_tokens: int, gap: float, untimed: int = 3, wake_samples: int = 20) -> None:
     async def requests() -> list[tuple[str, float, float]]:
-        for i in range(3):
+        for i in range(untimed):
             await first_chunk(url, i, max_tokens)
         out = []
         for i in range(n):
@@ -386,7 +386,7 @@ def ttft_hops(url: str, n: int, max_tokens: int, gap: float) -> None:
         wake = {}
         for idle in (0.0, 0.01, 0.05, 0.2):  # median GET /healthz round trip after each idle gap
             ts = []
-            for _ in range(20):
+            for _ in range(wake_samples):
                 time.sleep(idle)
                 t = time.perf_counter()
                 client.get("/healthz").raise_for_status()
@@ -409,7 +409,7 @@ def idle_cpu(stack: Stack, seconds: float, settle: float) -> None:
     share.pop("client", None)
     rows = [[role, f"{pct:.1f}"] for role, pct in sorted(share.items())]
     rows.append(["**all**", f"{sum(share.values()):.1f}"])
-    print(f"\nIdle stack, {seconds:.0f} s after {settle:.0f} s to settle, CPU as % of one core:\n")
+    print(f"\nIdle stack, {seconds:g} s after {settle:g} s to settle, CPU as % of one core:\n")
     print(md_table(["process", "CPU %"], rows))
 
 
@@ -474,7 +474,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--start", action="store_true",
                        help="start `conveyor up --no-autoscale` on a free port with its own Redis, stop it at the end")
     p.add_argument("--quick", action="store_true", help="seconds: --start on a tiny random model (unless --model), "
-                   "levels 1,2 of 4 requests x 8 tokens, --inprocess, --hops 3, --idle 1")
+                   "level 2 of 2 requests x 3 tokens, no warm-up, --inprocess, --hops 1 (none untimed, 2 wake-up "
+                   "samples per idle gap), --idle 0.5")
     p.add_argument("--levels", default="1,8,32", help="closed-loop concurrency levels (default 1,8,32; '' for none)")
     p.add_argument("--rate", type=float, default=None,
                    help="open loop instead: Poisson arrivals at this many requests/s (fixed seed)")
@@ -502,8 +503,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.start = args.start or not args.url
-        args.levels, args.n, args.max_tokens, args.repeats, args.quiet_wait = "1,2", "4", 8, 1, 0.0
-        args.inprocess, args.hops, args.idle, args.settle = True, 3, 1.0, 0.0
+        args.levels, args.n, args.max_tokens, args.repeats, args.quiet_wait, args.no_warmup = "2", "2", 3, 1, 0.0, True
+        args.inprocess, args.hops, args.idle, args.settle = True, 1, 0.5, 0.0
     if not args.url and not args.start:
         p.error("give --url URL or --start")
     if args.idle and not args.start:
@@ -595,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"ITL p50 {res.itl_p50:6.1f} ms "
                           f"({time.perf_counter() - t:.0f}s{note})", file=sys.stderr, flush=True)
         if args.hops:
-            ttft_hops(conveyor_url, args.hops, args.max_tokens, args.gap)
+            ttft_hops(conveyor_url, args.hops, args.max_tokens, args.gap, *((0, 2) if args.quick else (3, 20)))
     finally:
         if vllm is not None:
             print("[vllm] stopping", file=sys.stderr, flush=True)

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.soak --jobs 2000 --engine torch --rate 3      # the real model
     .venv/bin/python -m bench.soak --quick                                  # seconds: 30 jobs, 5 s TTL
 
-Starts `conveyor up --no-autoscale` (bench/stack.py; its own redis-server, under --workdir) with
+Starts `conveyor up --no-autoscale` (harness/stack.py; its own redis-server, under --workdir) with
 ENGINE=synthetic by default: the synthetic engine is a zero-cost benchmark instrument (one fixed
 token per running request per step, no model), so the soak exercises the plumbing (API, tokenizer
 pool, reader lane, output lane, relay, Redis) at many jobs per second. `--engine torch` runs the
@@ -41,8 +41,8 @@ import httpx
 import redis
 
 from bench.common import PROMPTS, default_model, md_table, quick_model, tree_state
-from bench.sse_client import check_events, read_sse
-from bench.stack import Stack, scan_log, start_stack, stop_stack
+from harness.sse import check_events, read_sse
+from harness.stack import Stack, scan_log, start_stack, stop_stack
 from shared import names
 from shared.jobs import TERMINAL
 
@@ -197,7 +197,7 @@ async def main_async(args: argparse.Namespace, stack: Stack) -> int:
         sampler = asyncio.create_task(soak.sampler(stop))
         await soak.load(client)
         elapsed = time.monotonic() - soak.t0
-        soak.log(f"{soak.done} jobs ended in {elapsed:.0f} s; idle for {args.idle:.0f} s so the last records expire")
+        soak.log(f"{soak.done} jobs ended in {elapsed:.0f} s; idle for {args.idle:g} s so the last records expire")
         end = await asyncio.to_thread(soak.sample)
         soak.samples.append(end)
         await asyncio.sleep(args.idle)
@@ -242,7 +242,7 @@ async def main_async(args: argparse.Namespace, stack: Stack) -> int:
     print()
     print(md_table(["process", f"RSS MiB after warm-up ({warm['done']} jobs, t={warm['t']:.0f}s)",
                     f"RSS MiB at the end ({end['done']} jobs, t={end['t']:.0f}s)", "peak after warm-up", "growth",
-                    f"after {args.idle:.0f} s idle"],
+                    f"after {args.idle:g} s idle"],
                    rows))
     ok = sum(v for k, v in soak.status.items() if k.endswith("succeeded"))
     e2e = sorted(soak.e2e)
@@ -307,11 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", default="soak.csv")
     ap.add_argument("--model", default=None, help="model directory (default: the service's default model)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="seconds: 30 jobs at 15/s, JOB_TTL_S 5, one worker each")
+    ap.add_argument("--quick", action="store_true", help="seconds: 30 jobs at 60/s, polled every 0.1 s, JOB_TTL_S 5, "
+                    "one worker each, 0.5 s idle")
     args = ap.parse_args(argv)
     if args.quick:
-        args.jobs, args.rate, args.inflight, args.ttl, args.sample_s, args.idle = 30, 15.0, 8, 5, 1.0, 3.0
-        args.tokenizers, args.inference, args.max_tokens = 1, 1, 16
+        args.jobs, args.rate, args.inflight, args.ttl, args.sample_s, args.idle = 30, 60.0, 8, 5, 0.5, 0.5
+        args.tokenizers, args.inference, args.max_tokens, args.poll_s = 1, 1, 16, 0.1
     args.model = quick_model(args.model) if args.quick and args.engine == "torch" else args.model or default_model()
     if args.idle < 0:
         args.idle = args.ttl + 10.0

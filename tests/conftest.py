@@ -1,5 +1,5 @@
 """Shared fixtures: one real redis-server for the session, the real default model, a tiny model, and
-the whole stack (started by bench/stack.py, the launcher the benchmarks use too)."""
+the whole stack (started by harness/stack.py, the launcher the benchmarks use too)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import redis
 
-import bench.stack
-from bench.common import ROOT, make_tiny_model
-from bench.stack import Stack, stop_stack
+import harness.stack
+from harness.models import make_tiny_model
+from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
 
@@ -70,7 +70,7 @@ TEST_ENV = {
 def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
                 args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False) -> Stack:
     """The whole stack under the real supervisor (`conveyor up`) on `redis_url` ("": its own Redis)."""
-    return bench.stack.start_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args, ready_path, autoscale)
+    return harness.stack.start_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args, ready_path, autoscale)
 
 
 @pytest.fixture(scope="session")

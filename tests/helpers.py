@@ -1,16 +1,19 @@
-"""Small clients for the tests: submit, wait, and read SSE streams (bench/sse_client.py's reader)."""
+"""Small clients for the tests: submit, wait, read SSE streams (harness/sse.py's reader), and wait on any
+condition with a deadline instead of sleeping."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
+import redis
 
-from bench.sse_client import iter_sse, read_events, tokens_text
+from harness.sse import iter_sse, read_events, tokens_text
 from shared.jobs import TERMINAL
 
-__all__ = ["chat", "iter_sse", "read_events", "submit", "tokens_text", "wait"]
+__all__ = ["blocked_on", "chat", "iter_sse", "read_events", "submit", "tokens_text", "until", "wait"]
 
 
 def submit(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -32,3 +35,25 @@ def wait(client: httpx.Client, job_id: str, timeout: float = 120.0) -> dict[str,
 
 def chat(content: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": content}]
+
+
+T = TypeVar("T")
+
+
+def until(what: str, condition: Callable[[], T], timeout: float = 5.0, every: float = 0.01) -> T:
+    """The first truthy value of `condition()`; fails the test naming `what` once `timeout` has passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+def blocked_on(r: redis.Redis, command: str) -> list[dict[str, str]]:
+    """The clients of `r`'s database that are blocked in `command` (lower case) right now."""
+    db = str(r.connection_pool.connection_kwargs.get("db", 0))
+    return [c for c in r.client_list() if c.get("cmd") == command and "b" in c.get("flags", "")
+            and c.get("db") == db]

@@ -30,7 +30,7 @@ def test_engine_contenders(tiny_model_dir: str, tmp_path: Path) -> None:
 
 
 def test_engine_step_time(tiny_model_dir: str) -> None:
-    out = bench("engine", "--model", tiny_model_dir, "--step-time", "1,4", "--after-idle", "0.1", "--dtypes", "float32")
+    out = bench("engine", "--model", tiny_model_dir, "--step-time", "4", "--after-idle", "0.1", "--dtypes", "float32")
     assert "batch   4: decode step" in out and "prefill step: warm" in out
 
 
@@ -58,7 +58,7 @@ def test_serve(tiny_model_dir: str, tmp_path: Path) -> None:
     out = bench("serve", "--model", tiny_model_dir, "--json", str(tmp_path / "serve.json"))
     assert "Idle stack" in out and "TTFT by hop" in out and "| deliver |" in out
     rows = json.loads((tmp_path / "serve.json").read_text())["results"]
-    assert {(r["target"], r["level"]) for r in rows} == {(t, c) for t in ("conveyor", "in-process") for c in "12"}
+    assert {(r["target"], r["level"]) for r in rows} == {("conveyor", "2"), ("in-process", "2")}
     assert not any(r["errors"] for r in rows)
 
 
@@ -78,27 +78,30 @@ def test_gpu_check_smoke() -> None:
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "| ours (bf16) | 2 |" in proc.stdout and "| transformers continuous batching (bf16) | 2 |" in proc.stdout
+    assert "failed or not run" not in proc.stdout
 
 
 def test_offline_batch(tiny_model_dir: str) -> None:
-    """The in-process batch that bench.vllm_offline runs against vLLM: our side, with and without a
-    shared system prompt served from the prefix cache."""
-    for extra in ([], ["--system-words", "60", "--prefix-caching"]):
-        out = bench("vllm_offline", "--model", tiny_model_dir, *extra)
-        res = json.loads(out.strip().splitlines()[-1])
-        assert res["engine"] == "ours" and res["tokens"] == 4 * 4 and len(res["ids"]) == 4
+    """The in-process batch that bench.vllm_offline runs against vLLM: our side, with a shared system
+    prompt served from the prefix cache (its warm-up requests have none)."""
+    out = bench("vllm_offline", "--model", tiny_model_dir, "--system-words", "60", "--prefix-caching")
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["engine"] == "ours" and res["tokens"] == 4 * 4 and len(res["ids"]) == 4
 
 
-def test_kv_cache() -> None:
-    out = bench("kv_cache")
+def test_kv_cache(tiny_model_dir: str) -> None:
+    out = bench("kv_cache", "--model", tiny_model_dir)
     res = json.loads(out.splitlines()[0])
     assert res["most_running"] == res["requests"] and res["paged_waste"] < res["dense_waste"]
 
 
 @pytest.mark.slow
-def test_cpu_per_token() -> None:
-    out = bench("cpu_per_token")
-    assert "| conveyor | 2 |" in out and '"inference"' in out
+def test_cpu_per_token(tiny_model_dir: str, tmp_path: Path) -> None:
+    out = bench("cpu_per_token", "--model", tiny_model_dir, "--json", str(tmp_path / "cpt.json"))
+    assert "| conveyor | 1 |" in out and '"inference"' in out
+    [run] = json.loads((tmp_path / "cpt.json").read_text())["runs"]
+    assert run["tokens"] > 0 and not run["errored"], run
 
 
 def test_compile_layers(tiny_model_dir: str) -> None:
