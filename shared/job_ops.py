@@ -18,6 +18,7 @@ import redis.asyncio as aredis
 
 from shared import names, scripts
 from shared.jobs import FinishReason, JobStatus
+from shared.redis_client import text
 
 STATUS_FOR = {
     FinishReason.stop: JobStatus.succeeded,
@@ -94,10 +95,6 @@ def request_cancel_write(job_id: str) -> Write:
     return [names.job_key(job_id)], [names.CONTROL_CHANNEL, job_id]
 
 
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v or "")
-
-
 class JobOps:
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         self.client, self.ttl_s = client, ttl_s
@@ -141,8 +138,8 @@ class JobOps:
         pipe.get(names.tokens_key(job_id))
         pipe.get(names.text_key(job_id))
         pipe.hget(names.job_key(job_id), "seq")
-        ids, text, seq = pipe.execute()
-        return ids or b"", _text(text), int(seq or 0)
+        ids, saved, seq = pipe.execute()
+        return ids or b"", text(saved), int(seq or 0)
 
 
 class AsyncJobOps:
@@ -160,7 +157,7 @@ class AsyncJobOps:
 
     async def request_cancel(self, job_id: str) -> str:
         """The job's status before the request ('' for no such job); see request_cancel.lua."""
-        return _text(await scripts.REQUEST_CANCEL.acall(self.client, *request_cancel_write(job_id)))
+        return text(await scripts.REQUEST_CANCEL.acall(self.client, *request_cancel_write(job_id)))
 
     async def read(self, job_id: str) -> dict[str, str] | None:
         """The job's record with its text so far, or None when there is no such job."""

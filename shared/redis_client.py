@@ -37,3 +37,10 @@ def async_client(url: str, max_connections: int = 256) -> aredis.Redis:
         retry_on_error=[ConnectionError, TimeoutError],
     )
     return aredis.Redis(connection_pool=pool)
+
+
+def text(v: bytes | str | None) -> str:
+    """A Redis reply as text, whichever way the client decodes: "" for None (no such key or field)."""
+    if v is None:
+        return ""
+    return v.decode() if isinstance(v, bytes) else str(v)

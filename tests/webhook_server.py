@@ -51,7 +51,8 @@ def webhook_server(tls: ssl.SSLContext | None = None) -> Iterator[Hooks]:
         server.socket = tls.wrap_socket(server.socket, server_side=True)
     hooks.port = server.server_address[1]
     hooks.url = f"{'https' if tls else 'http'}://127.0.0.1:{hooks.port}/hook"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # a short poll interval: shutdown() waits for the serving loop to notice, up to one interval
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     try:
         yield hooks

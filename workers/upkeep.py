@@ -5,20 +5,15 @@ is safe to run concurrently from many processes."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import redis
 
 from shared import names
+from shared.redis_client import text
 
 
 def _id_key(eid: str) -> tuple[int, int]:
     ms, _, seq = eid.partition("-")
     return int(ms), int(seq or 0)
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def trim_consumed(client: redis.Redis, stream: str, group: str) -> int:
@@ -28,15 +23,15 @@ def trim_consumed(client: redis.Redis, stream: str, group: str) -> int:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:
         return 0
-    info = next((g for g in groups if _s(g["name"]) == group), None)
+    info = next((g for g in groups if text(g["name"]) == group), None)
     if info is None:
         return 0
-    floor = _s(info["last-delivered-id"])
+    floor = text(info["last-delivered-id"])
     if floor == "0-0":
         return 0
     pending = client.xpending(stream, group)
     if pending and pending.get("pending"):
-        oldest = _s(pending["min"])
+        oldest = text(pending["min"])
         floor = min(floor, oldest, key=_id_key)
     else:
         ms, seq = _id_key(floor)
@@ -45,4 +40,5 @@ def trim_consumed(client: redis.Redis, stream: str, group: str) -> int:
 
 
 def trim_all(client: redis.Redis) -> dict[str, int]:
+    """Trim every stream with a consumer group; entries removed, per stream."""
     return {stream: trim_consumed(client, stream, group) for stream, group in names.STREAM_GROUPS.items()}

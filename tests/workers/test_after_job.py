@@ -15,8 +15,10 @@ from shared import names
 from shared.job_ops import JobOps
 from shared.jobs import FinishReason, Job, JobStatus, new_record
 from shared.settings import Settings
+from tests.helpers import blocked_on, until
 from tests.webhook_server import webhook_server
-from workers.after_job import AfterJob, sign
+from workers.after_job import AfterJob
+from workers.webhook import sign
 
 
 def end_job(r: redis.Redis, job_id: str, webhook_url: str | None = None, text: str = "Paris.",
@@ -161,13 +163,20 @@ def test_one_drain_takes_a_backlog(redis_db: redis.Redis) -> None:
 
 def test_a_waiting_drain_sends_webhooks_as_jobs_end(redis_db: redis.Redis) -> None:
     worker = after(redis_db)
+    t0 = time.monotonic()
+    assert worker.drain(budget_s=0.5, wait_ms=200) == {"done": 0, "failed": 0, "dead": 0}
+    assert 0.45 < time.monotonic() - t0 < 2  # nothing ended: it waited out its budget, no longer
     with webhook_server() as hooks:
         result: dict[str, int] = {}
-        t = threading.Thread(target=lambda: result.update(worker.drain(budget_s=4, wait_ms=500)))
+        t = threading.Thread(target=lambda: result.update(worker.drain(budget_s=30, wait_ms=500)))
         t.start()
-        time.sleep(1)  # the drain is waiting on Redis now
-        end_job(redis_db, "job_live", hooks.url)
-        assert hooks.wait_for(1, timeout=2.5), "no webhook while the drain was waiting"
-        assert t.is_alive()  # sent as the job ended, not when the drain returned
-        t.join()
+        try:
+            until("the drain to wait on Redis", lambda: blocked_on(redis_db, "xreadgroup"))
+            end_job(redis_db, "job_live", hooks.url)
+            assert hooks.wait_for(1, timeout=5), "no webhook while the drain was waiting"
+            assert t.is_alive()  # sent as the job ended, not when the drain returned
+        finally:
+            worker.stopping.set()  # as at a worker's warm shutdown: it returns after its current wait
+            t.join(timeout=5)
+        assert not t.is_alive()
     assert result == {"done": 1, "failed": 0, "dead": 0}
