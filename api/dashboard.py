@@ -41,10 +41,10 @@ from api.streaming import Cut, JobFraming, sse_job_events
 from shared import metrics as m
 from shared import names, scripts
 from shared.jobs import ACTIVE
-from shared.policy import PoolSignals, pool_load
+from shared.policy import pool_load
 from shared.retry import arun_loop
 from shared.settings import Settings
-from shared.signals import pool_lags
+from shared.signals import POOL_GROUPS, WorkerBeat, lag_per_replica, read_snapshot
 
 log = logging.getLogger("conveyor.dashboard")
 router = APIRouter(prefix="/dashboard", tags=["dashboard"], include_in_schema=False)
@@ -52,7 +52,6 @@ router = APIRouter(prefix="/dashboard", tags=["dashboard"], include_in_schema=Fa
 STATIC = Path(__file__).resolve().parent / "static"
 TICK_S = 1.0
 WINDOW_S = 15.0  # latency quantiles cover this many seconds
-HEARTBEAT_SCAN_S = 1.0  # how often the pools' registries of live workers are read; heartbeats every tick
 DECISIONS = 12
 ENDED_JOBS = 15
 ACTIVE_JOBS = 15  # shown; up to FOLLOWED are followed until they end
@@ -100,35 +99,20 @@ class LatencyWindow:
 
 class SnapshotReader:
     """Reads one snapshot from Redis (blocking; run it in a thread). Holds what spans ticks: the
-    heartbeat keys, the workers' token counters, the latency windows."""
+    workers' token counters, the latency windows."""
 
     def __init__(self, client: redis.Redis, raw: redis.Redis, settings: Settings) -> None:
         self.client, self.raw, self.settings = client, raw, settings
-        self.heartbeat_keys: list[str] = []
-        self.next_scan = 0.0
         self.worker_tokens: dict[str, int] = {}
         self.tokens = 0
         self.started = False
         self.latency = {"ttft": LatencyWindow(m.TTFT, WINDOW_S), "itl": LatencyWindow(m.ITL, WINDOW_S)}
-        self.per_replica = {names.TOKENIZER_POOL: settings.tokenizer_lag_per_replica,
-                            names.INFERENCE_POOL: settings.inference_lag_per_replica}
+        self.per_replica = lag_per_replica(settings)
 
     def read(self, job_ids: list[str]) -> dict[str, Any]:
         now = time.time()
-        if now >= self.next_scan:
-            pipe = self.client.pipeline(transaction=False)
-            pools = (*names.POOLS, names.CELERY_POOL)
-            for pool in pools:
-                pipe.zrangebyscore(names.workers_key(pool), now, "+inf")
-            self.heartbeat_keys = sorted(names.heartbeat_key(pool, worker) for pool, ids in zip(pools, pipe.execute())
-                                         for worker in ids)
-            self.next_scan = now + HEARTBEAT_SCAN_S
-        keys = self.heartbeat_keys
+        snap = read_snapshot(self.raw, streams=POOL_GROUPS)
         pipe = self.client.pipeline(transaction=False)
-        if keys:
-            pipe.mget(keys)
-        else:
-            pipe.echo("")
         pipe.hgetall(names.STATS_KEY)
         pipe.hgetall(names.hist_key(m.TTFT))
         pipe.hgetall(names.hist_key(m.ITL))
@@ -136,42 +120,28 @@ class SnapshotReader:
         pipe.xlen(names.DEAD_LETTER_STREAM)
         for job_id in job_ids:
             pipe.hmget(names.job_key(job_id), JOB_FIELDS)
-        beats_raw, stats, ttft, itl, decisions, dead, *records = pipe.execute()
-        lags = pool_lags(self.raw)
+        stats, ttft, itl, decisions, dead, *records = pipe.execute()
 
-        beats: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-        for key, value in zip(keys, beats_raw if keys else []):
-            if value:
-                beats.setdefault(key.split(":", 3)[2], []).append((key, _beat(value)))
-        inference = beats.get(names.INFERENCE_POOL, [])
+        inference = snap.workers[names.INFERENCE_POOL]
         self._count_tokens(inference)
-        held = sum(int(b.get("running", 0)) + int(b.get("waiting", 0)) for _, b in inference)
-        signals = {
-            names.TOKENIZER_POOL: PoolSignals(*lags[names.TOKENIZER_POOL]),
-            names.INFERENCE_POOL: PoolSignals(*lags[names.INFERENCE_POOL], running=held,
-                                              capacity_per_replica=self.settings.max_num_seqs),
-        }
         pools: dict[str, Any] = {}
-        for pool, s in signals.items():
-            ws = [b for _, b in beats.get(pool, [])]
-            pools[pool] = {"workers": len(ws), "lag": s.lag, "pending": s.pending,
+        for pool, s in snap.pool_signals(self.settings.max_num_seqs).items():
+            pools[pool] = {"workers": len(snap.workers[pool]), "lag": s.lag, "pending": s.pending,
                            "load": round(float(pool_load(s, self.per_replica[pool])), 2),
                            "lag_per_replica": self.per_replica[pool]}
         inf = pools[names.INFERENCE_POOL]
-        kv = [float(b.get("kv_cache_usage", 0.0)) for _, b in inference]
-        inf.update(running=sum(int(b.get("running", 0)) for _, b in inference),
-                   waiting=sum(int(b.get("waiting", 0)) for _, b in inference),
+        kv = [w.kv_cache_usage for w in inference]
+        inf.update(running=sum(w.running for w in inference), waiting=sum(w.waiting for w in inference),
                    capacity=self.settings.max_num_seqs * len(inference),
                    kv_cache=sum(kv) / len(kv) if kv else None, kv_cache_max=max(kv, default=None),
-                   per_worker=[{"pid": b.get("pid"), "running": b.get("running", 0), "waiting": b.get("waiting", 0),
-                                "kv_cache": b.get("kv_cache_usage", 0.0), "steps": b.get("steps", 0)}
-                               for _, b in inference])
+                   per_worker=[{"pid": w.pid, "running": w.running, "waiting": w.waiting,
+                                "kv_cache": w.kv_cache_usage, "steps": w.steps} for w in inference])
         ended = sum(float(v) for k, v in stats.items() if k.startswith(m.REQUEST_SUCCESS + ":"))
         return {
             "at": now,
             "auth_required": self.settings.auth_required,
             "pools": pools,
-            "celery_workers": len(beats.get(names.CELERY_POOL, [])),
+            "celery_workers": len(snap.workers[names.CELERY_POOL]),
             "totals": {"tokens": self.tokens, "jobs_ended": int(ended),
                        "tokens_of_ended_jobs": int(float(stats.get(m.GENERATION_TOKENS, 0))), "dead_letters": dead},
             "latency": {**{k: w.update(now, raw) for (k, w), raw in zip(self.latency.items(), (ttft, itl))},
@@ -180,28 +150,19 @@ class SnapshotReader:
             "jobs": [_job(job_id, rec) for job_id, rec in zip(job_ids, records)],
         }
 
-    def _count_tokens(self, inference: list[tuple[str, dict[str, Any]]]) -> None:
+    def _count_tokens(self, inference: tuple[WorkerBeat, ...]) -> None:
         """Advance the running total by what each worker generated since the last tick (a worker seen
         for the first time brings all of its count, except on the first tick, which sets the baseline)."""
         seen = {}
-        for key, beat in inference:
-            count = int(beat.get("generated_tokens", 0))
-            before = self.worker_tokens.get(key)
+        for w in inference:
+            count = w.generated_tokens
+            before = self.worker_tokens.get(w.worker_id)
             if before is not None and count >= before:
                 self.tokens += count - before
             elif self.started:
                 self.tokens += count
-            seen[key] = count
+            seen[w.worker_id] = count
         self.worker_tokens, self.started = seen, True
-
-
-def _beat(value: str) -> dict[str, Any]:
-    """A heartbeat's gauges; {} for one that holds none (the Celery workers' is "1")."""
-    try:
-        beat = orjson.loads(value)
-    except orjson.JSONDecodeError:
-        return {}
-    return beat if isinstance(beat, dict) else {}
 
 
 def _decision(fields: dict[str, str]) -> dict[str, Any]:

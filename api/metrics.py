@@ -18,10 +18,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from shared import metrics as m
 from shared import names
-from shared.heartbeat import live_workers
 from shared.policy import pool_load
 from shared.redis_client import sync_client
-from shared.signals import group_lag, pool_signals
+from shared.signals import POOL_GROUPS, lag_per_replica, read_snapshot
 
 router = APIRouter(tags=["metrics"])
 
@@ -32,32 +31,29 @@ class SystemCollector:
 
     def collect(self) -> Iterator[Metric]:
         r = self.client
-        workers: dict[str, list[dict[str, Any]]] = {}
-        for pool in names.POOLS:
-            workers[pool] = live_workers(r, pool)
-        inf = workers[names.INFERENCE_POOL]
-        lags = {stream: group_lag(self.raw, stream, group) for stream, group in names.STREAM_GROUPS.items()}
+        snap = read_snapshot(self.raw, names.POOLS)
+        inf = snap.workers[names.INFERENCE_POOL]
 
         running = GaugeMetricFamily("conveyor:num_requests_running", "Sequences in engine batches")
-        running.add_metric([], sum(w.get("running", 0) for w in inf))
+        running.add_metric([], sum(w.running for w in inf))
         yield running
         waiting = GaugeMetricFamily("conveyor:num_requests_waiting",
                                     "Jobs waiting: in engine queues plus stream entries not yet delivered")
-        waiting.add_metric([], sum(w.get("waiting", 0) for w in inf) + sum(lag for lag, _ in lags.values()))
+        waiting.add_metric([], sum(w.waiting for w in inf) + sum(lag for lag, _ in snap.lags.values()))
         yield waiting
         kv = GaugeMetricFamily("conveyor:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels=["worker"])
         for w in inf:
-            kv.add_metric([str(w.get("pid"))], float(w.get("kv_cache_usage", 0.0)))
+            kv.add_metric([str(w.pid)], w.kv_cache_usage)
         yield kv
         live = GaugeMetricFamily("conveyor:workers_live", "Workers with a fresh heartbeat", labels=["pool"])
-        for pool, ws in workers.items():
-            live.add_metric([pool], len(ws))
+        for pool in names.POOLS:
+            live.add_metric([pool], len(snap.workers[pool]))
         yield live
         lag_g = GaugeMetricFamily("conveyor:stream_lag", "Entries not yet delivered to the group",
                                   labels=["stream", "group"])
         pend_g = GaugeMetricFamily("conveyor:stream_pending", "Entries delivered and not yet acknowledged",
                                    labels=["stream", "group"])
-        for stream, (lag, pending) in lags.items():
+        for stream, (lag, pending) in snap.lags.items():
             lag_g.add_metric([stream, names.STREAM_GROUPS[stream]], lag)
             pend_g.add_metric([stream, names.STREAM_GROUPS[stream]], pending)
         yield lag_g
@@ -102,11 +98,11 @@ async def scaling(request: Request) -> dict[str, dict[str, float]]:
     state = request.app.state
     _clients(state)
     settings = state.settings
-    per_replica = {names.TOKENIZER_POOL: settings.tokenizer_lag_per_replica,
-                   names.INFERENCE_POOL: settings.inference_lag_per_replica}
+    per_replica = lag_per_replica(settings)
 
     def read() -> dict[str, dict[str, float]]:
-        signals = pool_signals(state.metrics_raw, settings.max_num_seqs)
+        snap = read_snapshot(state.metrics_raw, (names.INFERENCE_POOL,), POOL_GROUPS)
+        signals = snap.pool_signals(settings.max_num_seqs)
         return {pool: {"lag": s.lag, "pending": s.pending, "running": s.running,
                        "load": float(pool_load(s, per_replica[pool]))} for pool, s in signals.items()}
 

@@ -12,7 +12,7 @@ from shared import names
 from shared.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
 from shared.redis_client import sync_client
 from shared.settings import Settings
-from shared.signals import pool_signals
+from shared.signals import POOL_GROUPS, lag_per_replica, read_snapshot
 
 log = logging.getLogger("conveyor.autoscaler")
 DECISIONS_MAXLEN = 200  # approximate cap of names.SCALING_DECISIONS_STREAM
@@ -21,8 +21,7 @@ DECISIONS_MAXLEN = 200  # approximate cap of names.SCALING_DECISIONS_STREAM
 def policies_for(settings: Settings, bounds: dict[str, tuple[int, int]]) -> dict[str, PoolPolicy]:
     """Each pool's policy, within its (min, max) process count."""
     out = {}
-    lag = {names.TOKENIZER_POOL: settings.tokenizer_lag_per_replica,
-           names.INFERENCE_POOL: settings.inference_lag_per_replica}
+    lag = lag_per_replica(settings)
     for name, (low, high) in bounds.items():
         base = DEFAULT_POLICIES[name]
         out[name] = dataclasses.replace(
@@ -42,7 +41,8 @@ class Autoscaler:
         self._next = 0.0
 
     def signals(self) -> dict[str, PoolSignals]:
-        return pool_signals(self.client, self.capacity)
+        """Each pool's signals, read from Redis now."""
+        return read_snapshot(self.client, (names.INFERENCE_POOL,), POOL_GROUPS).pool_signals(self.capacity)
 
     def __call__(self, current: dict[str, int]) -> dict[str, int]:
         """Each pool's target given its `current` one: the same until a period has passed, and when

@@ -15,20 +15,18 @@ from rich.live import Live
 from rich.table import Table
 
 from shared import names
-from shared.heartbeat import live_workers
-from shared.signals import pool_signals
+from shared.signals import read_snapshot
 
 
 def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir: Path) -> dict[str, Any]:
-    signals = pool_signals(raw, max_num_seqs)
+    """What `render` shows: each pool's row, the supervisor's state, the latest decisions, the dead letters."""
+    snap = read_snapshot(raw, names.POOLS)
     pools: dict[str, Any] = {}
-    for pool in names.POOLS:
-        workers = live_workers(client, pool)
-        s = signals.get(pool)
-        pools[pool] = {"workers": len(workers), "lag": s.lag if s else 0, "pending": s.pending if s else 0,
-                       "running": sum(int(w.get("running", 0)) for w in workers),
-                       "waiting": sum(int(w.get("waiting", 0)) for w in workers),
-                       "kv": max((float(w.get("kv_cache_usage", 0.0)) for w in workers), default=0.0)}
+    for pool, s in snap.pool_signals(max_num_seqs).items():
+        workers = snap.workers[pool]
+        pools[pool] = {"workers": len(workers), "lag": s.lag, "pending": s.pending,
+                       "running": sum(w.running for w in workers), "waiting": sum(w.waiting for w in workers),
+                       "kv": max((w.kv_cache_usage for w in workers), default=0.0)}
     state_path = cache_dir / "supervisor.json"
     supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
     decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]

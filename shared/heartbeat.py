@@ -1,6 +1,6 @@
 """Worker heartbeats: a key per worker with a TTL a little over the interval, holding its counters,
 and the worker's id in its pool's registry (`names.workers_key`, scored by when the heartbeat runs
-out), so /readyz, /metrics, /scaling and the autoscaler read live workers without a keyspace scan."""
+out), so readers find live workers without a keyspace scan. shared.signals reads both."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import redis
@@ -20,6 +21,7 @@ from shared import names
 from shared.lifecycle import name_thread
 from shared.redis_client import sync_client
 from shared.settings import Settings
+from shared.signals import read_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -71,40 +73,25 @@ def beat(client: redis.Redis, pool: str, worker_id: str, body: str, ttl_ms: int)
 
 
 def forget(client: redis.Redis, pool: str, worker_id: str) -> None:
+    """The worker is gone at once: its key and its place in the registry."""
     pipe = client.pipeline(transaction=False)
     pipe.delete(names.heartbeat_key(pool, worker_id))
     pipe.zrem(names.workers_key(pool), worker_id)
     pipe.execute()
 
 
-def live_ids(client: redis.Redis, pool: str) -> list[str]:
-    """Ids of the pool's workers whose heartbeat has not run out."""
-    return [v.decode() if isinstance(v, bytes) else v
-            for v in client.zrangebyscore(names.workers_key(pool), time.time(), "+inf")]
-
-
 def live_workers(client: redis.Redis, pool: str) -> list[dict[str, Any]]:
-    """The heartbeat bodies of the pool's live workers (a body that is not a JSON object counts as {})."""
-    ids = live_ids(client, pool)
-    if not ids:
-        return []
-    out = []
-    for v in client.mget([names.heartbeat_key(pool, i) for i in ids]):
-        if v:
-            try:
-                body = json.loads(v)
-            except ValueError:
-                body = {}
-            out.append(body if isinstance(body, dict) else {})
-    return out
+    """The pool's live workers as dicts of their gauges (pid, host, running, ...), for scripts and tests;
+    shared.signals reads them typed."""
+    return [asdict(w) for w in read_snapshot(client, (pool,), {}).workers[pool]]
 
 
 def check_pool(settings: Settings, pool: str) -> bool:
     """For probes: is a worker of this pool alive on this host (this container or pod)?"""
     try:
-        workers = live_workers(sync_client(settings.redis_url or "redis://127.0.0.1:6379/0", retries=1), pool)
+        client = sync_client(settings.redis_url or "redis://127.0.0.1:6379/0", retries=1)
+        workers = read_snapshot(client, (pool,), {}).workers[pool]
     except redis.RedisError:
         return False
     host = socket.gethostname()
-    mine = [w for w in workers if w.get("host") == host]
-    return bool(mine)
+    return any(w.host == host for w in workers)

@@ -1,11 +1,11 @@
 """At-least-once consumption of a Redis stream by a consumer group.
 
-New entries come from XREADGROUP; entries a dead consumer (no heartbeat) left pending are
-taken over with XCLAIM once idle past a deadline. A live consumer keeps its own in-flight entries fresh
-(XCLAIM ... JUSTID resets their idle time) so long generations are not stolen. An entry
-delivered more than `delivery_limit` times goes to the dead-letter stream instead. Entries
-already delivered twice are claimed one at a time, so a poison entry reaches the dead-letter
-stream alone.
+New entries come from XREADGROUP; entries a dead consumer (not a live worker of its pool, as
+shared.signals reads the pool's registry) left pending are taken over with XCLAIM once idle past a
+deadline. A live consumer keeps its own in-flight entries fresh (XCLAIM ... JUSTID resets their
+idle time) so long generations are not stolen. An entry delivered more than `delivery_limit` times
+goes to the dead-letter stream instead. Entries already delivered twice are claimed one at a time,
+so a poison entry reaches the dead-letter stream alone.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import redis
 
 from shared import names
+from shared.redis_client import text
+from shared.signals import read_live
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +32,11 @@ class Entry:
     deliveries: int = 1
 
 
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class StreamConsumer:
     def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, pool: str,
                  claim_idle_ms: int = 30_000, delivery_limit: int = 3) -> None:
         self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
-        self.pool = pool  # consumers are workers of this pool; their heartbeats say who is alive
+        self.pool = pool  # consumers are workers of this pool; its registry says who is alive
         self.claim_idle_ms, self.delivery_limit = claim_idle_ms, delivery_limit
         self._quiet_until = 0.0
 
@@ -60,7 +58,7 @@ class StreamConsumer:
             return []
         entries: list[Entry] = []
         for _stream, items in reply or []:
-            entries.extend(Entry(_s(eid), fields) for eid, fields in items if fields is not None)
+            entries.extend(Entry(text(eid), fields) for eid, fields in items if fields is not None)
         return entries
 
     def note_outage(self) -> None:
@@ -69,7 +67,7 @@ class StreamConsumer:
         self._quiet_until = time.monotonic() + self.claim_idle_ms / 1000
 
     def claim_stale(self, count: int = 64) -> tuple[list[Entry], list[Entry]]:
-        """Take over entries idle past the deadline whose consumer has no live heartbeat.
+        """Take over entries idle past the deadline whose consumer is not a live worker of the pool.
         Returns (to process, dead-lettered)."""
         if time.monotonic() < self._quiet_until:
             return [], []
@@ -81,14 +79,11 @@ class StreamConsumer:
                 self.ensure_group()
                 return [], []
             raise
-        owners = sorted({_s(r["consumer"]) for r in rows} - {self.consumer})
+        owners = {text(r["consumer"]) for r in rows} - {self.consumer}
         if not owners:
             return [], []
-        pipe = self.client.pipeline(transaction=False)
-        for owner in owners:
-            pipe.exists(names.heartbeat_key(self.pool, owner))
-        dead_owners = {o for o, alive in zip(owners, pipe.execute()) if not alive}
-        stale = [r for r in rows if _s(r["consumer"]) in dead_owners][:count]
+        dead_owners = owners - set(read_live(self.client, (self.pool,))[self.pool])
+        stale = [r for r in rows if text(r["consumer"]) in dead_owners][:count]
         if not stale:
             return [], []
         # an entry delivered twice already may be what killed its workers: take such entries one
@@ -109,13 +104,13 @@ class StreamConsumer:
     def _claim(self, rows: list[dict], idle_ms: int) -> tuple[list[Entry], list[Entry]]:  # type: ignore[type-arg]
         """XCLAIM the pending `rows` still idle for idle_ms; acknowledge entries trimmed meanwhile and
         dead-letter those past the delivery limit. Returns (to process, dead-lettered)."""
-        deliveries = {_s(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}
+        deliveries = {text(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}
         claimed = self.client.xclaim(self.stream, self.group, self.consumer, idle_ms, list(deliveries))
-        self.ack([_s(eid) for eid, fields in claimed if fields is None])
+        self.ack([text(eid) for eid, fields in claimed if fields is None])
         keep, dead = [], []
         for eid, fields in claimed:
             if fields is not None:
-                entry = Entry(_s(eid), fields, deliveries.get(_s(eid), 1))
+                entry = Entry(text(eid), fields, deliveries.get(text(eid), 1))
                 (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
         for entry in dead:
             self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from api.deps import RedisDep, SettingsDep
 from api.guard import on_internal_port
 from shared import __version__, names
+from shared.signals import aread_live
 
 router = APIRouter(tags=["health"])
 
@@ -45,11 +44,8 @@ async def readyz(redis: RedisDep, request: Request, settings: SettingsDep) -> JS
 
 
 async def _readiness(redis: RedisDep) -> JSONResponse:
-    pools: dict[str, int] = {}
     try:
-        await redis.ping()
-        for pool in names.POOLS:
-            pools[pool] = int(await redis.zcount(names.workers_key(pool), time.time(), "+inf"))
+        pools = {pool: len(ids) for pool, ids in (await aread_live(redis, names.POOLS)).items()}
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return JSONResponse({"status": "unavailable", "redis": False, "error": type(exc).__name__}, 503,
                             headers={"Retry-After": "2"})

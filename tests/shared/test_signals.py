@@ -1,7 +1,10 @@
-"""group_lag against the real redis-server (6.2: no `lag` in XINFO GROUPS), and the Redis 7 path."""
+"""The signals reader: group lags against the real redis-server (6.2: no `lag` in XINFO GROUPS) and
+the Redis 7 replies, the one test of liveness, heartbeats parsed into typed values, and the snapshot
+every reader takes."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -11,10 +14,27 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aredis
 
 from infra.redis_server import free_port
 from shared import names, signals
-from shared.signals import group_lag, pool_lags
+from shared.heartbeat import beat
+from shared.policy import PoolSignals
+from shared.settings import Settings
+from shared.signals import (
+    COUNT_LIMIT,
+    GroupLag,
+    Uncounted,
+    WorkerBeat,
+    aread_live,
+    is_live,
+    lag_per_replica,
+    parse_beat,
+    parse_group,
+    parse_registry,
+    read_live,
+    read_snapshot,
+)
 
 STREAM, GROUP = "test:stream", "workers"
 
@@ -30,6 +50,10 @@ def client(request: pytest.FixtureRequest, redis_db: redis.Redis) -> Iterator[re
                       decode_responses=False)
     yield raw
     raw.close()
+
+
+def group_lag(client: redis.Redis, stream: str = STREAM, group: str = GROUP, limit: int = COUNT_LIMIT) -> GroupLag:
+    return read_snapshot(client, (), {stream: group}, limit).lags[stream]
 
 
 def add(client: redis.Redis, n: int, stream: str = STREAM) -> list[str]:
@@ -117,11 +141,14 @@ def test_other_groups_do_not_interfere(client: redis.Redis) -> None:
     assert group_lag(client, STREAM, "others") == (0, 4)
 
 
-def test_pool_lags_reads_both_pool_streams(client: redis.Redis) -> None:
+def test_pool_signals_read_both_pool_streams(client: redis.Redis) -> None:
     client.xgroup_create(names.JOBS_STREAM, names.TOKENIZER_GROUP, id="0", mkstream=True)
     add(client, 3, stream=names.JOBS_STREAM)
     add(client, 1, stream=names.TOKENIZED_STREAM)
-    assert pool_lags(client) == {names.TOKENIZER_POOL: (3, 0), names.INFERENCE_POOL: (1, 0)}
+    snap = read_snapshot(client)
+    assert snap.lags == {names.JOBS_STREAM: (3, 0), names.TOKENIZED_STREAM: (1, 0), names.ENDED_STREAM: (0, 0)}
+    assert snap.pool_signals(64) == {names.TOKENIZER_POOL: PoolSignals(3, 0),
+                                     names.INFERENCE_POOL: PoolSignals(1, 0, 0, 64)}
 
 
 def test_a_wrong_type_is_an_error(client: redis.Redis) -> None:
@@ -141,39 +168,28 @@ def test_binary_entries_through_a_decoding_client(client: redis.Redis) -> None:
     raw.close()
 
 
-class Redis7:
-    """The real client, with XINFO GROUPS answering as Redis 7 does (`entries-read` and `lag`)."""
-
-    def __init__(self, real: redis.Redis, lag: int | None) -> None:
-        self.real, self.lag, self.counted = real, lag, 0
-
-    def xinfo_groups(self, stream: str) -> list[dict[str, Any]]:
-        return [{**g, "entries-read": None, "lag": self.lag} for g in self.real.xinfo_groups(stream)]
-
-    def evalsha(self, *args: Any) -> Any:
-        self.counted += 1
-        return self.real.evalsha(*args)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
+def redis7_groups(lag: int | None, last_id: str | bytes = "5-0") -> list[dict[str, Any]]:
+    """XINFO GROUPS as Redis 7 answers it, `entries-read` and `lag` included."""
+    return [{"name": "others", "consumers": 0, "pending": 0, "last-delivered-id": "0-0", "entries-read": 0,
+             "lag": 9},
+            {"name": GROUP, "consumers": 1, "pending": 1, "last-delivered-id": last_id, "entries-read": None,
+             "lag": lag}]
 
 
-def test_redis7_lag_field_is_used_when_present(client: redis.Redis) -> None:
-    client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
-    add(client, 5)
-    read(client, 1)
-    fake = Redis7(client, lag=42)
-    assert group_lag(fake, STREAM, GROUP) == (42, 1)  # type: ignore[arg-type]
-    assert fake.counted == 0
+def test_redis7_lag_field_is_used_when_present() -> None:
+    assert parse_group(redis7_groups(42), 5, GROUP) == GroupLag(42, 1)
 
 
-def test_redis7_null_lag_falls_back_to_counting(client: redis.Redis) -> None:
-    client.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
-    add(client, 5)
-    read(client, 1)
-    fake = Redis7(client, lag=None)
-    assert group_lag(fake, STREAM, GROUP) == (4, 1)  # type: ignore[arg-type]
-    assert fake.counted == 1
+def test_redis7_null_lag_is_counted_after_the_last_delivered_id() -> None:
+    assert parse_group(redis7_groups(None, b"5-0"), 5, GROUP) == Uncounted("5-0", 1)
+    assert parse_group(redis7_groups(None, "0-0"), 5, GROUP) == GroupLag(5, 1)  # nothing delivered: all of it
+
+
+def test_a_missing_stream_and_a_missing_group_need_no_count() -> None:
+    assert parse_group(redis.ResponseError("no such key"), 0, GROUP) == GroupLag(0, 0)
+    assert parse_group(redis7_groups(3), 7, "absent") == GroupLag(7, 0)
+    with pytest.raises(redis.ResponseError):
+        parse_group(redis.ResponseError("WRONGTYPE"), 0, GROUP)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +230,57 @@ def test_redis7_real_server(redis7: redis.Redis) -> None:
     redis7.xdel(STREAM, ids[6])  # a hole after the group's position: Redis 7 answers lag NULL
     assert redis7.xinfo_groups(STREAM)[0]["lag"] is None
     assert group_lag(redis7, STREAM, GROUP) == (6, 3)
+
+
+def test_live_means_the_registry_score_is_still_ahead() -> None:
+    assert is_live(10.5, 10.0) and not is_live(10.0, 10.0) and not is_live(9.0, 10.0) and not is_live(None, 10.0)
+    reply = [(b"w2", 12.0), ("w1", 11.0), ("gone", 9.0), ("now", 10.0)]
+    assert parse_registry(reply, 10.0) == ("w1", "w2")
+
+
+def test_heartbeats_parse_into_typed_gauges() -> None:
+    body = b'{"pid": 7, "host": "h", "running": 2, "waiting": 1, "kv_cache_usage": 0.5, "steps": 9, ' \
+           b'"generated_tokens": 40, "jobs_started": 3}'
+    assert parse_beat("inference", "w", body) == WorkerBeat("inference", "w", 7, "h", 2, 1, 0.5, 9, 40)
+    assert parse_beat("inference", "w", body).held == 3
+    for empty in (None, "", "1", "[1]", "{not json", '{"running": "2", "pid": "7"}'):
+        assert parse_beat("celery", "c", empty) == WorkerBeat("celery", "c"), empty
+
+
+def test_lag_per_replica_comes_from_the_settings() -> None:
+    s = Settings(tokenizer_lag_per_replica=5, inference_lag_per_replica=3)
+    assert lag_per_replica(s) == {names.TOKENIZER_POOL: 5, names.INFERENCE_POOL: 3}
+
+
+def test_a_snapshot_holds_live_workers_and_their_heartbeats(client: redis.Redis) -> None:
+    beat(client, names.INFERENCE_POOL, "i2", '{"pid": 2, "running": 3, "waiting": 1}', 60_000)
+    beat(client, names.INFERENCE_POOL, "i1", '{"pid": 1, "running": 1, "kv_cache_usage": 0.25}', 60_000)
+    beat(client, names.CELERY_POOL, "c", "1", 60_000)
+    client.zadd(names.workers_key(names.TOKENIZER_POOL), {"ran-out": time.time() - 1})
+    client.set(names.heartbeat_key(names.TOKENIZER_POOL, "unlisted"), "{}")  # a key alone is not a live worker
+    snap = read_snapshot(client)
+    assert snap.workers == {
+        names.TOKENIZER_POOL: (),
+        names.INFERENCE_POOL: (WorkerBeat(names.INFERENCE_POOL, "i1", 1, running=1, kv_cache_usage=0.25),
+                               WorkerBeat(names.INFERENCE_POOL, "i2", 2, running=3, waiting=1)),
+        names.CELERY_POOL: (WorkerBeat(names.CELERY_POOL, "c"),),
+    }
+    assert snap.pool_signals(8)[names.INFERENCE_POOL] == PoolSignals(0, 0, running=5, capacity_per_replica=8)
+    assert read_live(client) == {pool: tuple(w.worker_id for w in ws) for pool, ws in snap.workers.items()}
+
+
+def test_the_async_reader_sees_the_same_live_workers(client: redis.Redis) -> None:
+    beat(client, names.TOKENIZER_POOL, "t", "{}", 60_000)
+    beat(client, names.INFERENCE_POOL, "i", "{}", 60_000)
+    kwargs = client.connection_pool.connection_kwargs
+
+    async def live() -> dict[str, tuple[str, ...]]:
+        async_client = aredis.Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs["db"],
+                                    password=kwargs.get("password"), decode_responses=kwargs["decode_responses"])
+        try:
+            return await aread_live(async_client)
+        finally:
+            await async_client.aclose()
+
+    expected = {names.TOKENIZER_POOL: ("t",), names.INFERENCE_POOL: ("i",), names.CELERY_POOL: ()}
+    assert asyncio.run(live()) == read_live(client) == expected

@@ -3,12 +3,12 @@ ends in the dead-letter stream after the delivery limit."""
 
 from __future__ import annotations
 
-import time
-
 import redis
 
 from shared import names
+from shared.heartbeat import beat, forget
 from shared.stream_consumer import StreamConsumer
+from tests.helpers import until
 
 S, G, POOL = names.JOBS_STREAM, names.TOKENIZER_GROUP, names.TOKENIZER_POOL
 
@@ -19,16 +19,33 @@ def consumer(r: redis.Redis, name: str, limit: int = 3) -> StreamConsumer:
     return c
 
 
+def idle(r: redis.Redis, ms: int = 50) -> None:
+    """Wait until every pending entry has been idle `ms` or more."""
+    until(f"pending entries idle {ms} ms", lambda: all(
+        p["time_since_delivered"] >= ms for p in r.xpending_range(S, G, min="-", max="+", count=100)))
+
+
 def test_live_owner_keeps_its_entries(redis_db: redis.Redis) -> None:
     a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
-    redis_db.set(names.heartbeat_key(POOL, "a"), "{}")
+    beat(redis_db, POOL, "a", "{}", 60_000)
     eid = redis_db.xadd(S, {"job_id": "j1"})
     assert [e.id for e in a.read(10, 100)] == [eid]
-    time.sleep(0.1)
+    idle(redis_db)
     assert b.claim_stale() == ([], [])  # idle, but its owner is alive
-    redis_db.delete(names.heartbeat_key(POOL, "a"))
+    forget(redis_db, POOL, "a")
     keep, dead = b.claim_stale()
     assert [(e.id, e.deliveries) for e in keep] == [(eid, 2)] and not dead
+
+
+def test_liveness_is_the_registry_score_not_the_heartbeat_key(redis_db: redis.Redis) -> None:
+    a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
+    redis_db.set(names.heartbeat_key(POOL, "a"), "{}")  # a key left behind, its registry entry run out
+    redis_db.zadd(names.workers_key(POOL), {"a": 1.0})
+    eid = redis_db.xadd(S, {"job_id": "j1"})
+    a.read(10, 100)
+    idle(redis_db)
+    keep, dead = b.claim_stale()
+    assert [e.id for e in keep] == [eid] and not dead
 
 
 def test_poison_entry_dead_lettered_after_limit(redis_db: redis.Redis) -> None:
@@ -37,7 +54,7 @@ def test_poison_entry_dead_lettered_after_limit(redis_db: redis.Redis) -> None:
     assert first.read(10, 100)[0].id == eid  # delivery 1, then the consumer "dies"
     deliveries = []
     for i in range(1, 4):
-        time.sleep(0.1)
+        idle(redis_db)
         keep, dead = consumer(redis_db, f"c{i}", limit=2).claim_stale()
         deliveries += [e.deliveries for e in keep]
         if dead:
@@ -53,7 +70,7 @@ def test_refresh_keeps_long_work(redis_db: redis.Redis) -> None:
     a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
     eid = redis_db.xadd(S, {"job_id": "long"})
     a.read(10, 100)
-    time.sleep(0.1)
+    idle(redis_db, 80)
     a.refresh([eid])
     b.claim_idle_ms = 80
     assert b.claim_stale() == ([], [])  # refreshed just now: not idle enough
@@ -63,7 +80,7 @@ def test_outage_holds_claims_back(redis_db: redis.Redis) -> None:
     a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
     redis_db.xadd(S, {"job_id": "x"})
     a.read(10, 100)
-    time.sleep(0.1)
+    idle(redis_db)
     b.claim_idle_ms = 5000
     b.note_outage()
     b.claim_idle_ms = 50
@@ -79,7 +96,7 @@ def test_a_poison_entry_that_kills_its_workers_is_dead_lettered_alone(redis_db: 
     done: list[str] = []
     dead_lettered: list[str] = []
     for n in range(1, 10):
-        time.sleep(0.1)
+        idle(redis_db)
         c = consumer(redis_db, f"c{n}")
         crashed = False
         while not crashed:
