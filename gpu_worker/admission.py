@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 from multiprocessing.queues import Queue
 from queue import SimpleQueue
-from typing import Any
 
 import pyarrow as pa
 
@@ -18,7 +17,7 @@ from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
 from shared.job_ops import JobOps, unpack_ids
-from shared.schemas import TOKENIZED_SCHEMA, from_ipc
+from shared.schemas import TOKENIZED_SCHEMA, batch_requests, from_ipc
 from shared.stream_consumer import Entry, StreamConsumer
 
 log = logging.getLogger("conveyor.inference")
@@ -30,11 +29,6 @@ def entry_batch(entry: Entry) -> pa.RecordBatch:
     raw = entry.fields.get(b"batch", entry.fields.get("batch"))
     return from_ipc(raw if isinstance(raw, bytes) else str(raw).encode(), TOKENIZED_SCHEMA)
 
-
-def request_of(row: dict[str, Any], resume_ids: list[int]) -> Request:
-    return Request(id=row["job_id"], prompt_ids=row["prompt_ids"], max_tokens=row["max_tokens"],
-                   temperature=row["temperature"], top_p=row["top_p"], top_k=row["top_k"], seed=row["seed"],
-                   stop_token_ids=tuple(row["stop_token_ids"]), ignore_eos=row["ignore_eos"], resume_ids=resume_ids)
 
 
 class Admission:
@@ -49,28 +43,26 @@ class Admission:
         except Exception as exc:
             self.consumer.dead_letter(entry, f"unreadable batch: {exc}")
             return
-        started: list[tuple[dict[str, Any], int, int, float]] = []
-        for row in batch.to_pylist():
-            code, seq, created = self.jobs.start(row["job_id"], self.worker_id)
+        started: list[tuple[Request, int, int, float]] = []
+        for req in batch_requests(batch):
+            code, seq, created = self.jobs.start(req.id, self.worker_id)
             if code in (STARTED, RESUMED):
-                started.append((row, code, seq, created))
+                started.append((req, code, seq, created))
         if not started:  # every job already ended (or was cancelled) elsewhere
             self.consumer.ack([entry.id])
             return
-        self.ledger.open(entry.id, [row["job_id"] for row, _, _, _ in started])
-        for row, code, seq, created in started:
+        self.ledger.open(entry.id, [req.id for req, _, _, _ in started])
+        for req, code, seq, created in started:
             self.ledger.take_slot()
-            resume_ids: list[int] = []
             emitted = ""
             if code == RESUMED:  # another worker began this job: continue from what it recorded
-                resume_ids, emitted, seq = self.progress(row["job_id"])
+                req.resume_ids, emitted, seq = self.progress(req.id)
                 self.stats.jobs_resumed += 1
             self.stats.jobs_started += 1
             self.to_lane.put(Register(
-                job_id=row["job_id"], stop=tuple(row["stop"]), created_at=created,
-                prompt_tokens=len(row["prompt_ids"]), started=code == STARTED, seq=seq,
-                resume_ids=tuple(resume_ids), emitted=emitted))
-            self.inbox.put(Add(request_of(row, resume_ids)))
+                job_id=req.id, stop=tuple(req.stop), created_at=created, prompt_tokens=len(req.prompt_ids),
+                started=code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted))
+            self.inbox.put(Add(req))
 
     def progress(self, job_id: str) -> tuple[list[int], str, int]:
         """What the job's earlier worker recorded: its token ids, their streamed text, the last event seq."""

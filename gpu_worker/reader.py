@@ -73,7 +73,7 @@ class Reader:
 
     def fail_entry(self, entry: Entry, reason: str) -> None:
         try:
-            job_ids = entry_batch(entry).column("job_id").to_pylist()
+            job_ids = entry_batch(entry).column("id").to_pylist()
         except Exception:  # noqa: BLE001 - nothing to fail: the entry is already dead-lettered
             return
         for job_id in job_ids:

@@ -1,27 +1,12 @@
-"""A request as the engine sees it: token ids in, token ids out, and the KV-cache blocks it holds."""
+"""A request inside the engine: its token ids so far, its status, and the KV-cache blocks it holds."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from enum import Enum
 
-from shared.limits import TEMPERATURE_FLOOR
+from shared.schemas import Request
 
-
-@dataclass
-class Request:
-    id: str
-    prompt_ids: list[int]
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    # tokens already generated elsewhere (a resumed job): prefilled after the prompt, not re-emitted
-    resume_ids: list[int] = field(default_factory=list)
+__all__ = ["Request", "SeqStatus", "Sequence"]
 
 
 class SeqStatus(Enum):
@@ -41,9 +26,6 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks registered in (or served by) the prefix cache
         self.last_block_hash = 0
         self.status = SeqStatus.WAITING
-        self.arrival = time.monotonic()
-        self.finish_reason: str | None = None
-        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +41,7 @@ class Sequence:
 
     @property
     def greedy(self) -> bool:
-        return self.req.temperature < TEMPERATURE_FLOOR
+        return self.req.greedy
 
     def __repr__(self) -> str:
         return (f"Sequence({self.id!r}, tokens={self.num_tokens}, computed={self.num_computed}, "

@@ -13,12 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pyarrow as pa
 import pytest
 
 from infra.redis_server import RedisServer
 from shared import names
-from shared.schemas import TOKENIZED_SCHEMA, to_ipc
+from shared.schemas import Request, requests_batch, to_ipc
 from tests.conftest import ROOT, Stack, start_stack, stop_stack
 from tests.helpers import read_events, submit, tokens_text, wait
 
@@ -102,12 +101,10 @@ def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, c
     for job_id, temperature in (("job_poison", float("nan")), ("job_mate", 0.0)):
         r.hset(names.job_key(job_id), mapping={"id": job_id, "status": "queued", "model": "tiny",
                                                 "created_at": repr(time.time()), "seq": 0})
-        rows.append({"job_id": job_id, "prompt_ids": [5, 6, 7], "max_tokens": 5, "temperature": temperature,
-                     "top_p": 1.0, "top_k": 0, "seed": 1, "stop": [], "stop_token_ids": [], "ignore_eos": True})
+        rows.append(Request(job_id, [5, 6, 7], max_tokens=5, temperature=temperature, seed=1, ignore_eos=True))
     w = spawn_inference(rstack, tmp_path / "w.log")
     try:
-        r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)),
-                                        "jobs": 2})
+        r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(requests_batch(rows)), "jobs": 2})
         poison, mate = (wait(client, j, timeout=120) for j in ("job_poison", "job_mate"))
         assert poison["status"] == "failed" and "temperature" in poison["error"], poison
         assert mate["status"] == "succeeded" and mate["usage"]["completion_tokens"] == 5, mate

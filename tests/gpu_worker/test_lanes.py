@@ -42,7 +42,7 @@ from gpu_worker.output_lane import OutputLane
 from gpu_worker.stats import WorkerStats
 from shared import names
 from shared.jobs import FinishReason, JobStatus, new_record
-from shared.schemas import DELTA_SCHEMA, TOKENIZED_SCHEMA, from_ipc, to_ipc
+from shared.schemas import DELTA_SCHEMA, from_ipc, requests_batch, to_ipc
 from shared.settings import Settings
 from tests.conftest import ROOT
 
@@ -208,13 +208,11 @@ def worker_env(redis_server, model_path: str, tmp_path: Path) -> Iterator[dict[s
 
 def enqueue(r: redis.Redis, jobs: dict[str, int]) -> None:
     """One `tokenized` entry holding these jobs (id -> max_tokens), as the tokenizer pool writes it."""
-    rows = []
-    for job_id, max_tokens in jobs.items():
+    for job_id in jobs:
         r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}", True))
-        rows.append({"job_id": job_id, "prompt_ids": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0.0,
-                     "top_p": 1.0, "top_k": 0, "seed": 1, "stop": [], "stop_token_ids": [], "ignore_eos": True})
-    batch = pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
-    r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": len(rows)})
+    batch = requests_batch([Request(job_id, [1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=1,
+                                    ignore_eos=True) for job_id, max_tokens in jobs.items()])
+    r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": len(jobs)})
 
 
 def status_of(r: redis.Redis, job_id: str, want: set[str], timeout: float = 60) -> dict[bytes, bytes]:

@@ -2,29 +2,40 @@
 
 from __future__ import annotations
 
-import math
-
 import pyarrow as pa
 import pytest
 from pydantic import ValidationError
 
 from shared.jobs import Job
-from shared.schemas import DELTA_SCHEMA, TOKENIZED_SCHEMA, GenerationRequest, from_ipc, to_ipc
+from shared.schemas import (
+    DELTA_SCHEMA,
+    TOKENIZED_SCHEMA,
+    GenerationRequest,
+    Request,
+    batch_requests,
+    from_ipc,
+    requests_batch,
+    to_ipc,
+)
 
 
 def test_tokenized_batch_round_trips() -> None:
-    rows = [
-        {"job_id": f"job_{i}", "prompt_ids": list(range(i + 1)), "max_tokens": 16, "temperature": 0.5,
-         "top_p": 0.9, "top_k": 40, "seed": 2**62 + i, "stop": ["\n\n", "END"], "stop_token_ids": [2],
-         "ignore_eos": i % 2 == 0}
-        for i in range(5)
-    ]
-    batch = pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
-    back = from_ipc(to_ipc(batch), TOKENIZED_SCHEMA).to_pylist()
-    for a, b in zip(rows, back):
-        assert {k: v for k, v in a.items() if k not in ("temperature", "top_p")} == \
-               {k: v for k, v in b.items() if k not in ("temperature", "top_p")}
-        assert math.isclose(a["temperature"], b["temperature"], rel_tol=1e-6)
+    reqs = [Request(f"job_{i}", list(range(i + 1)), max_tokens=16, temperature=0.5, top_p=0.75, top_k=40,
+                    seed=2**62 + i, stop=["\n\n", "END"], stop_token_ids=[2], ignore_eos=i % 2 == 0) for i in range(5)]
+    back = batch_requests(from_ipc(to_ipc(requests_batch(reqs)), TOKENIZED_SCHEMA))
+    assert back == reqs  # 0.5 and 0.75 are exact in float32, the wire type of both
+    assert "resume_ids" not in TOKENIZED_SCHEMA.names  # set by the inference worker, never sent
+
+
+def test_the_door_makes_the_engine_request() -> None:
+    """What the API validated is what the engine receives: the floors applied once, a missing seed drawn once."""
+    req = GenerationRequest(prompt="x", max_tokens=7, temperature=0.001, top_p=0.0001, seed=-1, stop="END",
+                            stop_token_ids=[5], ignore_eos=True).tokenized("job_1", [1, 2])
+    assert req == Request("job_1", [1, 2], max_tokens=7, temperature=0.0, top_p=0.001, seed=2**63 - 1, stop=["END"],
+                          stop_token_ids=[5], ignore_eos=True)
+    assert req.greedy
+    seeds = {GenerationRequest(prompt="x").tokenized("j", [1]).seed for _ in range(4)}
+    assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
 
 
 def test_delta_batch_round_trips_and_schema_is_checked() -> None:

@@ -8,16 +8,16 @@ import json
 import time
 from collections.abc import Iterator
 
-import pyarrow as pa
 import pytest
 import redis
 
 from gpu_worker.worker import InferenceWorker
 from shared import names
 from shared.jobs import new_record
-from shared.schemas import TOKENIZED_SCHEMA, from_ipc, to_ipc
+from shared.schemas import TOKENIZED_SCHEMA, Request, batch_requests, from_ipc, requests_batch, to_ipc
 from shared.settings import Settings
 from shared.stream_consumer import Entry
+from tests.helpers import until
 from workers.tokenizer.worker import TokenizerWorker
 
 
@@ -36,6 +36,12 @@ def enqueue(r: redis.Redis, job_id: str, request_json: str) -> None:
     record = new_record(job_id, "m", request_json, True)
     r.hset(names.job_key(job_id), mapping={k: v for k, v in record.items() if k != "request"})
     r.xadd(names.JOBS_STREAM, {"job_id": job_id, "request": request_json})
+
+
+def idle_ms(r: redis.Redis, eid: str) -> int:
+    """How long the pending inference entry `eid` has gone undelivered, as Redis counts it."""
+    [row] = r.xpending_range(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, min=eid, max=eid, count=1)
+    return int(row["time_since_delivered"])
 
 
 def test_tokenizer_fails_bad_jobs_alone(settings: Settings) -> None:
@@ -57,41 +63,38 @@ def test_tokenizer_fails_bad_jobs_alone(settings: Settings) -> None:
     assert "top_k" in r.hget(names.job_key("job_topk"), "error")
     assert r.xlen(names.TOKENIZED_STREAM) == 1
     raw = redis.Redis.from_url(settings.redis_url).xrange(names.TOKENIZED_STREAM)[0][1][b"batch"]
-    assert from_ipc(raw, TOKENIZED_SCHEMA).column("job_id").to_pylist() == ["job_a", "job_b"]
+    assert from_ipc(raw, TOKENIZED_SCHEMA).column("id").to_pylist() == ["job_a", "job_b"]
     assert r.xpending(names.JOBS_STREAM, names.TOKENIZER_GROUP)["pending"] == 0
 
 
 def test_a_row_arrow_cannot_hold_fails_its_job_alone(settings: Settings) -> None:
     w = TokenizerWorker(settings)
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    row = {"prompt_ids": [1, 2], "max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 1,
-           "stop": [], "stop_token_ids": [], "ignore_eos": False}
     for job_id in ("job_ok", "job_overflow"):
         r.hset(names.job_key(job_id), mapping={"id": job_id, "status": "queued", "created_at": time.time()})
-    batch = w._record_batch([{**row, "job_id": "job_ok"}, {**row, "job_id": "job_overflow", "top_k": 3_000_000_000}])
-    assert batch is not None and batch.column("job_id").to_pylist() == ["job_ok"]
+    batch = w._record_batch([Request("job_ok", [1, 2], max_tokens=4, temperature=0.0, seed=1),
+                             Request("job_overflow", [1, 2], max_tokens=4, seed=1, top_k=3_000_000_000)])
+    assert batch is not None and batch.column("id").to_pylist() == ["job_ok"]
     assert r.hget(names.job_key("job_overflow"), "status") == "failed"
     assert r.hget(names.job_key("job_ok"), "status") == "queued"
 
 
 def test_redelivered_inference_entry_is_split_one_job_each(settings: Settings) -> None:
     r = redis.Redis.from_url(settings.redis_url)
-    rows = [{"job_id": f"job_{i}", "prompt_ids": [1, 2, i], "max_tokens": 4, "temperature": 0.0, "top_p": 1.0,
-             "top_k": 0, "seed": i, "stop": [], "stop_token_ids": [], "ignore_eos": False} for i in range(3)]
+    batch = requests_batch([Request(f"job_{i}", [1, 2, i], max_tokens=4, temperature=0.0, seed=i) for i in range(3)])
     worker = InferenceWorker(settings)
     worker.consumer.ensure_group()
-    eid = r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)),
-                                          "jobs": 3}).decode()
+    eid = r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": 3}).decode()
     r.xreadgroup(names.INFERENCE_GROUP, "inference-dead", {names.TOKENIZED_STREAM: ">"})  # its worker died
-    time.sleep(0.1)
+    until("the entry to be idle past CLAIM_IDLE_MS", lambda: idle_ms(r, eid) > settings.claim_idle_ms)
     keep, dead = worker.consumer.claim_stale()
     assert [e.id for e in keep] == [eid] and keep[0].deliveries == 2 and not dead
     assert worker.reader.split(keep[0])
     assert r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"] == 0  # the original is acked
     entries = r.xrange(names.TOKENIZED_STREAM)
-    singles = [from_ipc(f[b"batch"], TOKENIZED_SCHEMA).to_pylist() for e, f in entries if e.decode() != eid]
-    assert [s[0]["job_id"] for s in singles] == ["job_0", "job_1", "job_2"] and all(len(s) == 1 for s in singles)
-    assert singles[1][0] == rows[1]
+    singles = [batch_requests(from_ipc(f[b"batch"], TOKENIZED_SCHEMA)) for e, f in entries if e.decode() != eid]
+    assert [s[0].id for s in singles] == ["job_0", "job_1", "job_2"] and all(len(s) == 1 for s in singles)
+    assert singles[1] == batch_requests(batch)[1:2]
     # a single-job entry is not split again: it goes to the engine, and past the limit to the dead letters
     one = r.xrange(names.TOKENIZED_STREAM)[-1]
     assert not worker.reader.split(Entry(one[0].decode(), one[1], 2))

@@ -8,7 +8,6 @@ worker that dies mid-batch leaves its entries pending for another worker to clai
 from __future__ import annotations
 
 import logging
-import random
 import signal
 import threading
 import time
@@ -22,9 +21,9 @@ from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.model_config import model_context
-from shared.redis_client import sync_client
+from shared.redis_client import sync_client, text
 from shared.retry import run_loop
-from shared.schemas import TOKENIZED_SCHEMA, GenerationRequest, to_ipc
+from shared.schemas import GenerationRequest, Request, requests_batch, to_ipc
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
 from workers.tokenizer.prompt import PromptBuilder, PromptError
@@ -88,9 +87,8 @@ class TokenizerWorker:
     def process(self, entries: list[Entry]) -> None:
         """Tokenize a read's entries into one record batch. A job that cannot be tokenized fails
         alone, with its reason; nothing a request holds can stop this loop."""
-        rows: list[dict[str, Any]] = []
-        texts: list[str] = []
-        raw: list[bool] = []
+        accepted: list[tuple[str, GenerationRequest]] = []
+        prompts: list[str] = []
         job_ids = [_field(e.fields, "job_id") for e in entries]
         pipe = self.client.pipeline(transaction=False)
         for job_id in job_ids:
@@ -101,8 +99,7 @@ class TokenizerWorker:
                 continue  # cancelled, expired or already taken further: nothing to do
             try:
                 req = GenerationRequest.model_validate_json(_field(entry.fields, "request") or "")
-                text = self.prompts.render(req)
-                row = _row(job_id, req)
+                prompt = self.prompts.render(req)
             except (ValidationError, PromptError) as exc:
                 self._fail(job_id, f"invalid request: {exc}")
                 continue
@@ -110,18 +107,16 @@ class TokenizerWorker:
                 log.exception("job %s could not be prepared", job_id)
                 self._fail(job_id, f"the request could not be tokenized ({type(exc).__name__})")
                 continue
-            texts.append(text)
-            raw.append(req.prompt is not None)
-            rows.append(row)
-        if rows:
-            for row, ids in zip(rows, self._encode(texts, raw)):
-                row["prompt_ids"] = ids
-            rows = [r for r in rows if self._validate(r)]
-        batch = self._record_batch(rows)
+            accepted.append((job_id, req))
+            prompts.append(prompt)
+        ids = self._encode(prompts, [req.prompt is not None for _, req in accepted]) if accepted else []
+        requests = [req.tokenized(job_id, prompt_ids) for (job_id, req), prompt_ids in zip(accepted, ids)
+                    if self._fits(job_id, prompt_ids, req.max_tokens)]
+        batch = self._record_batch(requests)
         pipe = self.client.pipeline(transaction=True)
         if batch is not None:
             pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": batch.num_rows})
-            for job_id, n in zip(batch.column("job_id").to_pylist(), batch.column("prompt_ids").value_lengths()):
+            for job_id, n in zip(batch.column("id").to_pylist(), batch.column("prompt_ids").value_lengths()):
                 pipe.hset(names.job_key(job_id), "prompt_tokens", n.as_py())
         pipe.xack(names.JOBS_STREAM, names.TOKENIZER_GROUP, *[e.id for e in entries])
         pipe.execute()
@@ -135,41 +130,41 @@ class TokenizerWorker:
         except Exception:  # noqa: BLE001
             log.exception("batch encode failed; encoding one by one")
         out: list[list[int] | None] = []
-        for text, r in zip(texts, raw):
+        for one, r in zip(texts, raw):
             try:
-                out.append(self.prompts.encode_batch([text], [r])[0])
+                out.append(self.prompts.encode_batch([one], [r])[0])
             except Exception:  # noqa: BLE001
                 out.append(None)
         return out
 
-    def _record_batch(self, rows: list[dict[str, Any]]) -> pa.RecordBatch | None:
-        """The rows as one Arrow batch; a row the schema cannot hold fails its job alone."""
-        if not rows:
+    def _record_batch(self, requests: list[Request]) -> pa.RecordBatch | None:
+        """The requests as one Arrow batch; a request the schema cannot hold fails its job alone."""
+        if not requests:
             return None
         try:
-            return pa.RecordBatch.from_pylist(rows, schema=TOKENIZED_SCHEMA)
+            return requests_batch(requests)
         except (pa.ArrowException, OverflowError, TypeError, ValueError):
-            log.exception("record batch failed; building it row by row")
+            log.exception("record batch failed; building it request by request")
         good = []
-        for row in rows:
+        for req in requests:
             try:
-                pa.RecordBatch.from_pylist([row], schema=TOKENIZED_SCHEMA)
-                good.append(row)
+                requests_batch([req])
+                good.append(req)
             except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
-                self._fail(row["job_id"], f"invalid request: a value is out of range ({exc})")
-        return pa.RecordBatch.from_pylist(good, schema=TOKENIZED_SCHEMA) if good else None
+                self._fail(req.id, f"invalid request: a value is out of range ({exc})")
+        return requests_batch(good) if good else None
 
-    def _validate(self, row: dict[str, Any]) -> bool:
-        if row["prompt_ids"] is None:
-            self._fail(row["job_id"], "the prompt could not be tokenized")
+    def _fits(self, job_id: str, prompt_ids: list[int] | None, max_tokens: int) -> bool:
+        if prompt_ids is None:
+            self._fail(job_id, "the prompt could not be tokenized")
             return False
-        n = len(row["prompt_ids"])
+        n = len(prompt_ids)
         if n == 0:
-            self._fail(row["job_id"], "the prompt is empty after tokenization")
+            self._fail(job_id, "the prompt is empty after tokenization")
             return False
-        if n + row["max_tokens"] > self.context:
-            self._fail(row["job_id"], f"the prompt is {n} tokens; with max_tokens {row['max_tokens']} it exceeds "
-                                      f"the model's context of {self.context} tokens")
+        if n + max_tokens > self.context:
+            self._fail(job_id, f"the prompt is {n} tokens; with max_tokens {max_tokens} it exceeds "
+                               f"the model's context of {self.context} tokens")
             return False
         return True
 
@@ -179,17 +174,9 @@ class TokenizerWorker:
 
 
 def _field(fields: dict[Any, Any], name: str) -> str | None:
+    """A stream entry's field as text, None when the entry has no such field."""
     v = fields.get(name.encode(), fields.get(name))
-    return v.decode() if isinstance(v, bytes) else v
-
-
-def _row(job_id: str, req: GenerationRequest) -> dict[str, Any]:
-    return {
-        "job_id": job_id, "prompt_ids": [], "max_tokens": req.max_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "top_k": req.top_k,
-        "seed": req.seed % (1 << 63) if req.seed is not None else random.getrandbits(63),
-        "stop": req.stop, "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,
-    }
+    return None if v is None else text(v)
 
 
 def main(settings: Settings) -> int:

@@ -10,6 +10,7 @@ import torch
 from gpu_worker.engine import EngineConfig, LLMEngine, Request
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.sequence import Sequence
+from shared.schemas import GenerationRequest
 
 POISON_TOKEN = 40_000
 PROMPTS = [[1, 504, 3158, 314, 260, 1184, 30], [1, 2683, 253, 1345, 10425, 30], [1, 1978, 314, 260, 6568, 3930, 47]]
@@ -65,9 +66,9 @@ def test_out_of_vocabulary_ids_fail_only_their_request(engine: LLMEngine, alone:
 def test_non_finite_logits_fail_only_their_row(engine: LLMEngine, alone: list[list[int]]) -> None:
     """A token whose embedding is NaN (corrupt weights, an overflow) poisons only the sequences that
     hold it; their rows are caught before sampling."""
-    embed = engine.runner.embed_w.clone()  # untie from the LM head: only inputs carrying the token are hit
+    embed = engine.runner.model.embed_w.clone()  # untie from the LM head: only inputs carrying the token are hit
     embed[POISON_TOKEN] = float("nan")
-    engine.runner.embed_w = embed
+    engine.runner.model.embed_w = embed
     poison = [Request("nan-greedy", [1, POISON_TOKEN, 30], max_tokens=8, temperature=0),
               Request("nan-sampled", [1, POISON_TOKEN, 31], max_tokens=8, temperature=0.7, top_p=0.9, seed=3)]
     out = drive(engine, [*poison, *(greedy(i, p) for i, p in enumerate(PROMPTS))])
@@ -77,8 +78,10 @@ def test_non_finite_logits_fail_only_their_row(engine: LLMEngine, alone: list[li
 
 
 def test_tiny_temperature_is_greedy_in_the_engine(engine: LLMEngine, alone: list[list[int]]) -> None:
-    out = drive(engine, [greedy(0, PROMPTS[0]), Request("tiny", PROMPTS[0], max_tokens=12, temperature=1e-40,
-                                                        ignore_eos=True)])
+    """A temperature the door accepts but that would overflow the logits reaches the engine as greedy."""
+    door = GenerationRequest(prompt="x", temperature=1e-40, max_tokens=12, ignore_eos=True)
+    tiny = door.tokenized("tiny", PROMPTS[0])
+    out = drive(engine, [greedy(0, PROMPTS[0]), tiny])
     assert out["tiny"] == (alone[0], "length", None)
 
 

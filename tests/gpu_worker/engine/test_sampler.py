@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from gpu_worker.engine.sampler import Sampler, token_uniform
 from gpu_worker.engine.sequence import Request, Sequence
+from shared.schemas import GenerationRequest
 
 DRAWS = 4000
 
@@ -118,7 +119,8 @@ def test_any_accepted_sampling_settings_give_a_token_of_the_vocabulary(rows: lis
     logits = torch.randn(len(rows), 700) * 5
     seqs = []
     for i, (t, p, k, seed, index) in enumerate(rows):
-        seq = Sequence(Request(f"f{i}", [1], temperature=t, top_p=p, top_k=k, seed=seed))
+        accepted = GenerationRequest(prompt="x", temperature=t, top_p=p, top_k=k, seed=seed)
+        seq = Sequence(accepted.tokenized(f"f{i}", [1]))  # the door's floors applied, as in the service
         seq.token_ids += [1] * index  # the index-th generated token
         seqs.append(seq)
     tokens, errors = Sampler()(logits, seqs)
