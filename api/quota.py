@@ -121,10 +121,10 @@ ThroughputDep = Annotated[Throughput, Depends(get_throughput)]
 
 
 async def admit(store: JobStore, throughput: Throughput, settings: Settings, caller: Caller, req: GenerationRequest,
-                idempotency_key: str | None = None, background: bool = True) -> tuple[Job, bool, dict[str, str]]:
+                idempotency_key: str | None = None) -> tuple[Job, bool, dict[str, str]]:
     """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError."""
     cap = throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s)
-    got = await store.submit(req, idempotency_key, background, caller.owner, cap)
+    got = await store.submit(req, idempotency_key, caller.owner, cap)
     if got.job is None:
         if got.replayed or got.reply[0] == 2:
             raise ApiError(409, "the job this Idempotency-Key named has just expired; send again")

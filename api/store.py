@@ -40,13 +40,13 @@ class JobStore:
         self.jobs_maxlen = 4 * settings.max_queued + 10_000
         self.jobs = AsyncJobOps(client, settings.job_ttl_s)
 
-    async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, background: bool = True,
-                     owner: str = "", max_waiting: int = 0) -> Admission:
-        """Admit, store and enqueue a job in one round trip (SUBMIT_SCRIPT): an idempotent replay, the
+    async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, owner: str = "",
+                     max_waiting: int = 0) -> Admission:
+        """Admit, store and enqueue a job in one round trip (submit.lua): an idempotent replay, the
         tenant's limits and the service-wide queue cap are checked first; a refusal stores nothing."""
         job_id = "job_" + uuid.uuid4().hex
         request_json = req.model_dump_json(exclude_defaults=True)
-        record = new_record(job_id, self.settings.served_model_name, request_json, background)
+        record = new_record(job_id, self.settings.served_model_name, request_json)
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
         prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])

@@ -496,7 +496,7 @@ def make_records(stack: Stack, n: int) -> list[str]:
     ids = [f"job_bench{os.getpid()}{time.time_ns()}{i}" for i in range(n)]
     pipe = stack.redis().pipeline(transaction=False)
     for job_id in ids:
-        rec = new_record(job_id, DEFAULT_MODEL_NAME, '{"prompt": "bench"}', True)
+        rec = new_record(job_id, DEFAULT_MODEL_NAME, '{"prompt": "bench"}')
         rec.update(status="running", started_at=repr(time.time()))
         pipe.hset(names.job_key(job_id), mapping=rec)
         pipe.expire(names.job_key(job_id), 3600)

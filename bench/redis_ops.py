@@ -38,9 +38,9 @@ from typing import Any
 import redis
 
 from infra.redis_server import RedisServer, redis_binary
-from shared import names
+from shared import names, scripts
 from shared.job_ops import JobOps, step_write, submit_write
-from shared.jobs import SUBMIT_SCRIPT, FinishReason, new_record
+from shared.jobs import FinishReason, new_record
 
 REQUEST = '{"messages":[{"role":"user","content":"' + "x" * 200 + '"}],"max_tokens":256,"temperature":0.7}'
 BATCH = 32
@@ -106,12 +106,12 @@ def job(tokens: int, every: int) -> Step:
             for stream, group in names.STREAM_GROUPS.items():
                 with contextlib.suppress(redis.ResponseError):  # the group exists
                     r.xgroup_create(stream, group, id="0", mkstream=True)
-            state["jobs"], state["submit"] = JobOps(r, 86400), r.register_script(SUBMIT_SCRIPT)
+            state["jobs"], state["submit"] = JobOps(r, 86400), r.register_script(scripts.SUBMIT.source)
         jobs: JobOps = state["jobs"]
         consumer = f"bench-{os.getpid()}"
         ids = [f"{os.getpid()}-{wave}-{k}" for k in range(BATCH)]
         for job_id in ids:  # api/store.py: one script call per request
-            keys, args = submit_write(job_id, new_record(job_id, "m", REQUEST, True), REQUEST, 86400)
+            keys, args = submit_write(job_id, new_record(job_id, "m", REQUEST), REQUEST, 86400)
             state["submit"](keys=keys, args=args)
         # workers/tokenizer/worker.py
         reply: Any = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.JOBS_STREAM: ">"}, count=BATCH)

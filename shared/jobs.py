@@ -13,8 +13,6 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from shared import scripts
-
 
 class JobStatus(str, Enum):
     queued = "queued"
@@ -87,7 +85,7 @@ class Job(BaseModel):
         return self.status in TERMINAL
 
 
-def new_record(job_id: str, model: str, request_json: str, background: bool) -> dict[str, Any]:
+def new_record(job_id: str, model: str, request_json: str) -> dict[str, Any]:
     return {
         "id": job_id,
         "status": JobStatus.queued.value,
@@ -95,8 +93,5 @@ def new_record(job_id: str, model: str, request_json: str, background: bool) -> 
         "request": request_json,
         "created_at": repr(time.time()),
         "seq": 0,
-        "background": int(background),
     }
 
-
-SUBMIT_SCRIPT = scripts.SUBMIT.source  # the submit script's text, for callers that register it themselves (bench/)

@@ -140,7 +140,7 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
     if body.stream and not await require_stream_slot(redis, caller, slot):
         raise stream_refused(caller)
     try:
-        job, _, limits = await admit(store, throughput, settings, caller, gen, background=False)
+        job, _, limits = await admit(store, throughput, settings, caller, gen)
     except BaseException:
         if body.stream:
             await release_stream_slot(redis, caller, slot)

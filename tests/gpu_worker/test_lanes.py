@@ -176,7 +176,7 @@ def test_output_lane_replays_a_step_write_after_an_outage(redis_url: str, model_
     lane = OutputLane(settings, feedback)  # type: ignore[arg-type]
     r = redis.Redis.from_url(redis_url)
     job_id = f"job_replay_{time.time_ns()}"
-    r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}", True) | {"status": "running"})
+    r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}") | {"status": "running"})
     lane.register(Register(job_id, (), time.time(), 1, started=True))
     rows = [{"job_id": job_id, "token_ids": [WORD_TOKEN, WORD_TOKEN], "finish_reason": "length", "error": None}]
     pipe, done = lane.build(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)))
@@ -209,7 +209,7 @@ def worker_env(redis_server, model_path: str, tmp_path: Path) -> Iterator[dict[s
 def enqueue(r: redis.Redis, jobs: dict[str, int]) -> None:
     """One `tokenized` entry holding these jobs (id -> max_tokens), as the tokenizer pool writes it."""
     for job_id in jobs:
-        r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}", True))
+        r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
     batch = requests_batch([Request(job_id, [1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=1,
                                     ignore_eos=True) for job_id, max_tokens in jobs.items()])
     r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": len(jobs)})

@@ -30,7 +30,7 @@ class Lane:
         self.lane = OutputLane(settings, self.feedback)  # type: ignore[arg-type]
         self.r = redis.Redis.from_url(redis_url, decode_responses=False)
         self.job_id = job_id
-        record = new_record(job_id, "m", "{}", True) | {"status": JobStatus.running.value}
+        record = new_record(job_id, "m", "{}") | {"status": JobStatus.running.value}
         self.r.hset(names.job_key(job_id), mapping=record)
         self.lane.register(Register(job_id, tuple(stop), float(record["created_at"]), prompt_tokens=3, started=True))
 

@@ -37,7 +37,7 @@ def burst(r: redis.Redis, n: int) -> list[str]:
         job_id = "job_" + uuid.uuid4().hex
         ids.append(job_id)
         request = f'{{"prompt": "Burst job {i}: tell me something.", "max_tokens": 2}}'
-        keys, args = submit_write(job_id, new_record(job_id, "m", request, True), request, 3600)
+        keys, args = submit_write(job_id, new_record(job_id, "m", request), request, 3600)
         scripts.SUBMIT.queue(pipe, keys, args)
     scripts.execute(pipe)
     return ids

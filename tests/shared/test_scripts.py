@@ -75,7 +75,7 @@ def test_our_clients_pipelines_replay_noscript_on_their_own(raw: redis.Redis) ->
 
 
 def _running_job(r: redis.Redis, job_id: str) -> None:
-    r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}", True))
+    r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
     assert JobOps(r, 60).start(job_id, "w")[0] == 1
 
 

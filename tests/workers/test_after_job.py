@@ -23,7 +23,7 @@ from workers.webhook import sign
 
 def end_job(r: redis.Redis, job_id: str, webhook_url: str | None = None, text: str = "Paris.",
             owner: str | None = None) -> None:
-    record = new_record(job_id, "m", "", True) | {"status": JobStatus.running.value, "prompt_tokens": 7}
+    record = new_record(job_id, "m", "") | {"status": JobStatus.running.value, "prompt_tokens": 7}
     record.pop("request")  # the API keeps the request on the jobs stream only
     if webhook_url:
         record["webhook_url"] = webhook_url  # as the API stores it

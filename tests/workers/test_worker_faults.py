@@ -33,7 +33,7 @@ def settings(redis_server, model_path: str) -> Iterator[Settings]:  # type: igno
 
 def enqueue(r: redis.Redis, job_id: str, request_json: str) -> None:
     """A job as the API stores it, with whatever request text (an older API, a bug, a hand-made entry)."""
-    record = new_record(job_id, "m", request_json, True)
+    record = new_record(job_id, "m", request_json)
     r.hset(names.job_key(job_id), mapping={k: v for k, v in record.items() if k != "request"})
     r.xadd(names.JOBS_STREAM, {"job_id": job_id, "request": request_json})
 
