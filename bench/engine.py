@@ -1,7 +1,7 @@
 """In-process generation benchmark: named contenders on the same workload, interleaved, one Markdown table.
 
     .venv/bin/python -m bench.engine             # full default run: 15-20 minutes on 2 idle cores
-    .venv/bin/python -m bench.engine --quick     # seconds: a tiny random model, 4 requests x 4 tokens
+    .venv/bin/python -m bench.engine --quick     # seconds: a tiny random model, 2 requests x 3 tokens, no warm-up
     .venv/bin/python -m bench.engine --profile   # also break down a decode step at 32 running, per --dtypes
     .venv/bin/python -m bench.engine --step-time 1,8,32 --dtypes float32,bfloat16   # decode-step time only
     .venv/bin/python -m bench.engine --after-idle 8 --dtypes bfloat16   # a prefill step warm and after idling
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="model directory (default: the service's default model)")
     p.add_argument("--quick", action="store_true",
-                   help="seconds: a tiny random model (unless --model), 4 requests x 4 tokens, 2 in flight")
+                   help="seconds: a tiny random model (unless --model), 2 requests x 3 tokens, 2 in flight, no warm-up")
     p.add_argument("--n", type=int, default=64, help="requests per run")
     p.add_argument("--max-new", type=int, default=64, help="tokens generated per request")
     p.add_argument("--concurrency", type=int, default=32,
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=40, help="decode-step mode: prompt tokens per request")
     args = p.parse_args(argv)
     if args.quick:
-        args.n, args.max_new, args.concurrency, args.rate, args.repeats = 4, 4, 2, 50.0, 1
+        args.n, args.max_new, args.concurrency, args.rate, args.repeats = 2, 3, 2, 50.0, 1
         args.naive_subset, args.retries, args.quiet_wait, args.check, args.steps = 2, 0, 0.0, 2, 3
         args.after_idle = min(args.after_idle, 0.1)
     args.model = quick_model(args.model) if args.quick else args.model or default_model()
@@ -652,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"workload: {wl.n} requests, prompts {min(lens)}-{max(lens)} tokens, {wl.max_new} new tokens each, "
           f"greedy, EOS ignored; all: {args.concurrency} in flight; poisson: {args.rate:g} req/s (seed "
           f"{args.seed}); {args.repeats} repeat(s)\n")
-    warm_up(s)
+    if not args.quick:  # the measured runs check their token counts themselves
+        warm_up(s)
 
     results: dict[tuple[str, str], list[Result]] = {(c, m): [] for c in args.only for m in modes}
     ours_tokens: dict[str, list[list[int]]] = {}

@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-import redis
 
 from api.dashboard import LatencyWindow, quantile
 from infra.autoscale import Autoscaler
@@ -29,7 +28,7 @@ from shared import metrics as m
 from shared import names
 from shared.policy import PoolSignals
 from shared.settings import Settings
-from tests.conftest import ROOT, Stack, start_stack, stop_stack
+from tests.conftest import ROOT, Stack
 from tests.helpers import iter_sse, submit, wait
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -54,15 +53,6 @@ def test_latency_window_forgets_what_is_older_than_its_span() -> None:
     assert w.update(5.0, fast)["p50"] == pytest.approx(0.005)
     later = w.update(16.0, fast)  # the fast ones are now older than the span
     assert later["p50"] is None and later["n"] == 0
-
-
-@pytest.fixture(scope="module")
-def dash_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_dir: str) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    url = redis_server.url.rsplit("/", 1)[0] + f"/{DB}"
-    redis.Redis.from_url(url).flushdb()
-    s = start_stack(tmp_path_factory.mktemp("dash-stack"), url, tiny_model_dir)
-    yield s
-    stop_stack(s)
 
 
 def _chrome(tmp: Path) -> Any:
@@ -131,13 +121,13 @@ def _steady_load(http: httpx.Client, seconds: float, in_flight: int) -> None:
         time.sleep(0.5)
 
 
-def test_dashboard_in_a_browser(dash_stack: Stack, tmp_path: Path) -> None:
+def test_dashboard_in_a_browser(tiny_stack: Stack, tmp_path: Path) -> None:
     started = time.monotonic()
     out = tmp_path / "screenshots"
     out.mkdir()
     print(f"\ndashboard screenshots: {out}")
-    _record_a_decision(dash_stack.redis_url)
-    r = dash_stack.redis()
+    _record_a_decision(tiny_stack.redis_url)
+    r = tiny_stack.redis()
     decision = r.xrevrange(names.SCALING_DECISIONS_STREAM, count=1)[0][1]
     assert decision["pool"] == names.TOKENIZER_POOL and (decision["from"], decision["to"]) == ("1", "3")
     assert decision["reason"].startswith("scale out 1 -> 3") and float(decision["at"]) > time.time() - 60
@@ -145,10 +135,10 @@ def test_dashboard_in_a_browser(dash_stack: Stack, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
     driver = _chrome(tmp_path)
-    http = httpx.Client(base_url=dash_stack.url, timeout=30)
+    http = httpx.Client(base_url=tiny_stack.url, timeout=30)
     try:
         _viewport(driver, 1280, 800)
-        driver.get(f"{dash_stack.url}/dashboard")
+        driver.get(f"{tiny_stack.url}/dashboard")
         text = lambda sel: driver.find_element(By.CSS_SELECTOR, sel).text  # noqa: E731
         js = driver.execute_script
 
@@ -233,10 +223,10 @@ def _snapshot_times(url: str, n: int, into: list[float]) -> None:
                     return
 
 
-def test_every_open_dashboard_gets_the_same_reading(dash_stack: Stack) -> None:
+def test_every_open_dashboard_gets_the_same_reading(tiny_stack: Stack) -> None:
     a: list[float] = []
     b: list[float] = []
-    threads = [threading.Thread(target=_snapshot_times, args=(dash_stack.url, 4, x)) for x in (a, b)]
+    threads = [threading.Thread(target=_snapshot_times, args=(tiny_stack.url, 4, x)) for x in (a, b)]
     for t in threads:
         t.start()
     for t in threads:
@@ -246,15 +236,15 @@ def test_every_open_dashboard_gets_the_same_reading(dash_stack: Stack) -> None:
     assert all(0.5 < t2 - t1 < 2.0 for t1, t2 in zip(a[1:], a[2:])), a
 
 
-async def test_with_keys_required_the_dashboard_is_internal_and_shows_any_job(dash_stack: Stack) -> None:
+async def test_with_keys_required_the_dashboard_is_internal_and_shows_any_job(tiny_stack: Stack) -> None:
     from api.main import create_app
 
-    http = httpx.Client(base_url=dash_stack.url, timeout=30)
+    http = httpx.Client(base_url=tiny_stack.url, timeout=30)
     job = wait(http, submit(http, prompt="Hello there.", max_tokens=12)["id"])
     http.close()
     port = 18_000
-    settings = Settings(redis_url=dash_stack.redis_url, auth="required", host="127.0.0.1", port=port,
-                        internal_port=port + 1, model=dash_stack.env["MODEL"])
+    settings = Settings(redis_url=tiny_stack.redis_url, auth="required", host="127.0.0.1", port=port,
+                        internal_port=port + 1, model=tiny_stack.env["MODEL"])
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app):

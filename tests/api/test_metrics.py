@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import submit, wait
+from tests.helpers import submit, until, wait
 
 NAMES = [
     "conveyor:num_requests_waiting", "conveyor:num_requests_running", "conveyor:kv_cache_usage_perc",
@@ -15,33 +15,46 @@ NAMES = [
 ]
 
 
-def test_metrics_after_a_few_jobs(stack) -> None:  # type: ignore[no-untyped-def]
-    import time
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    fams = text_string_to_metric_families(text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
 
-    with httpx.Client(base_url=stack.url, timeout=60) as c:
+
+def test_metrics_after_a_few_jobs(tiny_stack) -> None:  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=tiny_stack.url, timeout=60) as c:
+        before = _samples(c.get("/metrics").text)
         for q in ("One", "Two", "Three"):
             assert wait(c, submit(c, prompt=q, max_tokens=8, ignore_eos=True)["id"])["status"] == "succeeded"
-        time.sleep(2.5)  # workers flush their observations every second
+
+        def grown(name: str) -> float:
+            return samples.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+        def flushed() -> bool:  # workers flush their observations every second
+            nonlocal samples
+            samples = _samples(c.get("/metrics").text)
+            return grown("conveyor:inter_token_latency_seconds_count") >= 3 * 7
+        samples = before
+        until("the workers' observations of the three jobs on /metrics", flushed, timeout=30)
         text = c.get("/metrics").text
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    fams = {f.name for f in text_string_to_metric_families(text)}
     for name in NAMES:
         assert name in fams, name
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
-    assert samples[("conveyor:generation_tokens_total", ())] >= 24
-    assert samples[("conveyor:prompt_tokens_total", ())] >= 3
-    assert samples[("conveyor:time_to_first_token_seconds_count", ())] >= 3
-    assert samples[("conveyor:e2e_request_latency_seconds_count", ())] >= 3
-    assert samples[("conveyor:inter_token_latency_seconds_count", ())] >= 3 * 7
+    samples = _samples(text)
+    assert grown("conveyor:generation_tokens_total") >= 24
+    assert grown("conveyor:prompt_tokens_total") >= 3
+    assert grown("conveyor:time_to_first_token_seconds_count") >= 3
+    assert grown("conveyor:e2e_request_latency_seconds_count") >= 3
+    assert grown("conveyor:inter_token_latency_seconds_count") >= 3 * 7
     assert samples[("conveyor:workers_live", (("pool", "inference"),))] >= 1
     assert samples[("conveyor:workers_live", (("pool", "tokenizer"),))] >= 1
     assert samples[("conveyor:num_requests_waiting", ())] >= 0
 
 
-def test_scaling_counts_what_the_engines_hold(stack) -> None:  # type: ignore[no-untyped-def]
+def test_scaling_counts_what_the_engines_hold(tiny_stack) -> None:  # type: ignore[no-untyped-def]
     """GET /scaling, read by KEDA's inference trigger: lag plus occupancy, as the local policy counts."""
     import time
 
-    with httpx.Client(base_url=stack.url, timeout=60) as c:
+    with httpx.Client(base_url=tiny_stack.url, timeout=60) as c:
         before = c.get("/scaling").json()
         assert set(before) == {"tokenizer", "inference"}
         job = submit(c, prompt="Count to a thousand:", max_tokens=900, ignore_eos=True)

@@ -1,21 +1,21 @@
-"""The SSE relay: one shared pub/sub connection, resume at random cut points, slow clients."""
+"""The SSE relay, on the tiny-model stack: one shared pub/sub connection, resume at random cut points,
+slow clients."""
 
 from __future__ import annotations
 
 import json
 import random
 import threading
-import time
 
 import httpx
 import pytest
 
-from tests.helpers import iter_sse, read_events, submit, tokens_text, wait
+from tests.helpers import iter_sse, read_events, submit, tokens_text, until, wait
 
 
 @pytest.fixture
-def client(stack) -> httpx.Client:  # type: ignore[no-untyped-def]
-    with httpx.Client(base_url=stack.url, timeout=60) as c:
+def client(tiny_stack) -> httpx.Client:  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=tiny_stack.url, timeout=60) as c:
         yield c
 
 
@@ -24,14 +24,15 @@ def _subscribers(stack) -> list[int]:  # type: ignore[no-untyped-def]
     return [int(c["sub"]) for c in stack.redis().client_list() if int(c.get("sub", 0)) > 0]
 
 
-def test_many_streams_share_one_pubsub_connection(stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
-    base = len(_subscribers(stack))
-    jobs = [submit(client, prompt=f"Story {i}:", max_tokens=400, ignore_eos=True) for i in range(40)]
+def test_many_streams_share_one_pubsub_connection(tiny_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
+    base = len(_subscribers(tiny_stack))
+    jobs = [submit(client, prompt=f"Story {i}:", max_tokens=1000, ignore_eos=True) for i in range(40)]
     stop = threading.Event()
     opened = threading.Semaphore(0)
 
     def hold(job_id: str) -> None:
-        with httpx.Client(base_url=stack.url, timeout=60) as c, c.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+        with httpx.Client(base_url=tiny_stack.url, timeout=60) as c, \
+                c.stream("GET", f"/v1/jobs/{job_id}/events") as r:
             opened.release()
             for _ in r.iter_lines():
                 if stop.is_set():
@@ -42,11 +43,10 @@ def test_many_streams_share_one_pubsub_connection(stack, client: httpx.Client) -
         t.start()
     for _ in jobs:
         assert opened.acquire(timeout=30)
-    time.sleep(0.5)
-    subs = _subscribers(stack)
     try:
+        subs = until("one connection to carry all 40 job channels",
+                     lambda: (subs := _subscribers(tiny_stack)) and max(subs) >= 40 and subs, timeout=30)
         assert len(subs) <= base + 1  # at most the relay's own connection is new, not one per stream
-        assert max(subs) >= 40  # one connection carries all the job channels
     finally:
         stop.set()
         for j in jobs:
@@ -68,10 +68,10 @@ def test_resume_at_random_cut_points(client: httpx.Client) -> None:
         assert tokens_text(got) == wait(client, job["id"])["text"] == json.loads(got[-1]["data"])["text"]
 
 
-def test_stalled_client_does_not_block_others(stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
+def test_stalled_client_does_not_block_others(tiny_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
     slow_job = submit(client, prompt="Slow:", max_tokens=200, ignore_eos=True, temperature=0)
     # open a stream and never read it: its queue fills and it falls back to replay later
-    stalled = httpx.Client(base_url=stack.url, timeout=120)
+    stalled = httpx.Client(base_url=tiny_stack.url, timeout=120)
     cm = stalled.stream("GET", f"/v1/jobs/{slow_job['id']}/events")
     cm.__enter__()
     try:

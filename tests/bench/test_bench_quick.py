@@ -30,7 +30,7 @@ def test_engine_contenders(tiny_model_dir: str, tmp_path: Path) -> None:
 
 
 def test_engine_step_time(tiny_model_dir: str) -> None:
-    out = bench("engine", "--model", tiny_model_dir, "--step-time", "4", "--after-idle", "0.1", "--dtypes", "float32")
+    out = bench("engine", "--model", tiny_model_dir, "--step-time", "1,4", "--after-idle", "0.1", "--dtypes", "float32")
     assert "batch   4: decode step" in out and "prefill step: warm" in out
 
 
