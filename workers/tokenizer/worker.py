@@ -67,10 +67,14 @@ class TokenizerWorker:
             self.process(entries)
 
     def _recover(self) -> None:
-        """Entries a dead worker left: each is tokenized alone, so a job that kills its worker
-        takes no batch-mate with it and alone reaches the dead-letter stream."""
+        """Entries a dead worker left, and this worker's own that a Redis outage cut off mid-batch
+        (a read entry stays pending until acknowledged; nothing is held here between reads): each is
+        tokenized alone, so a job that kills its worker takes no batch-mate with it and alone reaches
+        the dead-letter stream."""
         while True:
             keep, dead = self.consumer.claim_stale(self.settings.tokenizer_batch)
+            own, own_dead = self.consumer.retry_own(self.settings.claim_idle_ms, self.settings.tokenizer_batch)
+            keep, dead = keep + own, dead + own_dead
             self._fail_dead(dead)
             for entry in keep:
                 self.process([entry])
