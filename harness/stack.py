@@ -47,9 +47,9 @@ class Stack:
 
     def worker_pids(self, pool: str) -> list[int]:
         """Live workers of a pool, from their heartbeats."""
-        from shared.heartbeat import live_workers
+        from shared.signals import read_snapshot
 
-        return [w["pid"] for w in live_workers(self.redis(), pool)]
+        return [w.pid for w in read_snapshot(self.redis(), (pool,), {}).workers[pool]]
 
     def tree(self) -> list[tuple[str, psutil.Process]]:
         out = process_tree(self.proc.pid)

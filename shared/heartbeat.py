@@ -12,7 +12,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import redis
@@ -78,12 +77,6 @@ def forget(client: redis.Redis, pool: str, worker_id: str) -> None:
     pipe.delete(names.heartbeat_key(pool, worker_id))
     pipe.zrem(names.workers_key(pool), worker_id)
     pipe.execute()
-
-
-def live_workers(client: redis.Redis, pool: str) -> list[dict[str, Any]]:
-    """The pool's live workers as dicts of their gauges (pid, host, running, ...), for scripts and tests;
-    shared.signals reads them typed."""
-    return [asdict(w) for w in read_snapshot(client, (pool,), {}).workers[pool]]
 
 
 def check_pool(settings: Settings, pool: str) -> bool:

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from shared import names
-from shared.heartbeat import live_workers
+from shared.signals import read_snapshot
 
 MODEL = "SmolLM2-135M-Instruct"
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
@@ -92,7 +92,7 @@ def test_async_client(stack) -> None:  # type: ignore[no-untyped-def]
 def _running(stack) -> int:  # type: ignore[no-untyped-def]
 
     r = stack.redis()
-    return sum(w.get("running", 0) for w in live_workers(r, names.INFERENCE_POOL))
+    return sum(w.running for w in read_snapshot(r, (names.INFERENCE_POOL,), {}).workers[names.INFERENCE_POOL])
 
 
 def test_disconnect_cancels_streaming_request(stack) -> None:  # type: ignore[no-untyped-def]

@@ -9,7 +9,7 @@ import redis
 
 from infra.redis_server import RedisServer
 from shared import names
-from shared.heartbeat import Heartbeat, beat, check_pool, forget, live_workers
+from shared.heartbeat import Heartbeat, beat, check_pool, forget
 from shared.settings import Settings
 from shared.signals import read_live, read_snapshot
 from tests.helpers import until
@@ -41,7 +41,7 @@ def test_a_worker_is_live_while_its_heartbeat_lasts(redis_db: redis.Redis) -> No
 def test_forget_removes_a_worker_at_once(redis_db: redis.Redis) -> None:
     beat(redis_db, "inference", "w", '{"running": 1}', 60_000)
     forget(redis_db, "inference", "w")
-    assert live(redis_db, "inference") == () and live_workers(redis_db, "inference") == []
+    assert live(redis_db, "inference") == () and not read_snapshot(redis_db, ("inference",), {}).workers["inference"]
 
 
 def test_live_workers_and_the_probe_read_the_same_beats(redis_db: redis.Redis, redis_server: RedisServer) -> None:
@@ -49,8 +49,8 @@ def test_live_workers_and_the_probe_read_the_same_beats(redis_db: redis.Redis, r
     assert not check_pool(settings, "inference")
     hb = Heartbeat(redis_db, "inference", "w", 60, lambda: {"running": 2})
     hb.beat()
-    [w] = live_workers(redis_db, "inference")
-    assert (w["worker_id"], w["running"], w["host"]) == ("w", 2, socket.gethostname())
+    [w] = read_snapshot(redis_db, ("inference",), {}).workers["inference"]
+    assert (w.worker_id, w.running, w.host) == ("w", 2, socket.gethostname())
     assert check_pool(settings, "inference") and not check_pool(settings, "tokenizer")
     hb.stop()
     assert not check_pool(settings, "inference")
