@@ -143,7 +143,7 @@ def _remember(
     return (*kept, (now, wanted))
 
 
-# Local defaults; infra/k8s/scaledobject-*.yaml carry the same numbers (tests/infra/test_manifests.py checks).
+# Local defaults; infra/k8s/scaledobject-*.yaml carry the same numbers (tests/infra/test_keda.py checks).
 DEFAULT_POLICIES: dict[str, PoolPolicy] = {
     # A replica per full tokenizer batch of queued jobs (TOKENIZER_BATCH = 64); cheap to start and stop.
     names.TOKENIZER_POOL: PoolPolicy(
