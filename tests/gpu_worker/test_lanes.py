@@ -45,6 +45,7 @@ from shared.jobs import FinishReason, JobStatus, new_record
 from shared.schemas import DELTA_SCHEMA, from_ipc, requests_batch, to_ipc
 from shared.settings import Settings
 from tests.conftest import ROOT
+from tests.helpers import until
 
 
 def test_lane_messages_pickle() -> None:
@@ -118,8 +119,14 @@ def test_engine_loop_grace_over_ends_a_drain_early() -> None:
     t.inbox.put(Add(Request("a", [1], max_tokens=10**9)))
     t.running.add("a")
     t.stopping.set()
-    threading.Timer(0.2, t.inbox.put, (GraceOver(),)).start()
+
+    def grace_over_once_stepping() -> None:
+        until("the engine loop to step", lambda: t.loop.stats.steps > 0)
+        t.inbox.put(GraceOver())
+
+    threading.Thread(target=grace_over_once_stepping, daemon=True).start()
     assert t.loop.run() is False
+    assert t.engine.has_unfinished()  # ended by the grace, not drained
 
 
 def test_engine_loop_fails_a_request_the_engine_refuses() -> None:
@@ -195,12 +202,17 @@ def test_output_lane_replays_a_step_write_after_an_outage(redis_url: str, model_
 # --- a whole worker, synthetic engine, real Redis --------------------------------------------------
 
 
+CLAIM_IDLE_MS = 3000
+DRAIN_GRACE_S = 1
+
+
 @pytest.fixture
 def worker_env(redis_server, model_path: str, tmp_path: Path) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
     url = redis_server.url.rsplit("/", 1)[0] + "/10"
     redis.Redis.from_url(url).flushdb()
-    env = dict(os.environ) | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic", "CLAIM_IDLE_MS": "3000",
-                              "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "DRAIN_GRACE_S": "3", "LOG_LEVEL": "INFO",
+    env = dict(os.environ) | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic",
+                              "CLAIM_IDLE_MS": str(CLAIM_IDLE_MS), "REFRESH_S": "0.5", "HEARTBEAT_S": "1",
+                              "DRAIN_GRACE_S": str(DRAIN_GRACE_S), "LOG_LEVEL": "INFO",
                               "CONVEYOR_CACHE": str(tmp_path)}
     yield env
     redis.Redis.from_url(url).flushdb()
@@ -216,13 +228,11 @@ def enqueue(r: redis.Redis, jobs: dict[str, int]) -> None:
 
 
 def status_of(r: redis.Redis, job_id: str, want: set[str], timeout: float = 60) -> dict[bytes, bytes]:
-    deadline = time.monotonic() + timeout
-    while True:
+    def record() -> dict[bytes, bytes] | None:
         rec = r.hgetall(names.job_key(job_id))
-        if rec.get(b"status", b"").decode() in want:
-            return rec
-        assert time.monotonic() < deadline, rec
-        time.sleep(0.05)
+        return rec if rec.get(b"status", b"").decode() in want else None
+
+    return until(f"{job_id} to be {' or '.join(sorted(want))}", record, timeout)
 
 
 def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, str], tmp_path: Path) -> None:
@@ -235,10 +245,8 @@ def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, s
         for job_id, n in (("job_short_a", b"5"), ("job_short_b", b"7")):
             rec = status_of(r, job_id, {"succeeded", "failed"})
             assert rec[b"status"] == b"succeeded" and rec[b"completion_tokens"] == n, rec
-        deadline = time.monotonic() + 10
-        while r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"]:
-            assert time.monotonic() < deadline  # acknowledged once both jobs ended
-            time.sleep(0.05)
+        until("the entry to be acknowledged once both its jobs ended",
+              lambda: not r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"], 10)
 
         enqueue(r, {"job_long": 10**9})
         status_of(r, "job_long", {"running"})
@@ -252,10 +260,12 @@ def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, s
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert time.monotonic() - t0 < 3 + 10 + 5  # the grace, the hand-back, the lane's stop
-        # handed back: claimable by another worker now, not after CLAIM_IDLE_MS
+        elapsed = time.monotonic() - t0
+        assert elapsed < DRAIN_GRACE_S + 10 + 5  # the grace, the hand-back, the lane's stop
+        # handed back at the grace's end: claimable by another worker now, not CLAIM_IDLE_MS after the
+        # worker stopped refreshing it (an entry not handed back would be idle only about `elapsed`)
         [pending] = r.xpending_range(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, "-", "+", 10)
-        assert pending["time_since_delivered"] >= 3000
+        assert pending["time_since_delivered"] >= CLAIM_IDLE_MS + 1000 * (elapsed - DRAIN_GRACE_S)
         assert r.hget(names.job_key("job_drained"), "status") == b"running"
     finally:
         if proc.poll() is None:
@@ -269,22 +279,24 @@ def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str,
     log = open(tmp_path / "worker.log", "ab")
     spawn = lambda: subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"],  # noqa: E731
                                      env=worker_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    total = 6000
     first, second = spawn(), None
     try:
-        enqueue(r, {"job_resumed": 30_000})
+        enqueue(r, {"job_resumed": total})
         status_of(r, "job_resumed", {"running"})
-        while int(r.hget(names.job_key("job_resumed"), "completion_tokens") or 0) < 500:
-            time.sleep(0.01)
+        until("500 tokens recorded by the first worker",
+              lambda: int(r.hget(names.job_key("job_resumed"), "completion_tokens") or 0) >= 500, 60)
         first.kill()
         first.wait()
         assert r.hget(names.job_key("job_resumed"), "status") == b"running"
+        assert int(r.hget(names.job_key("job_resumed"), "completion_tokens") or 0) < total
         second = spawn()
         rec = status_of(r, "job_resumed", {"succeeded", "failed"}, timeout=120)
-        assert rec[b"status"] == b"succeeded" and rec[b"completion_tokens"] == b"30000", rec
+        assert rec[b"status"] == b"succeeded" and rec[b"completion_tokens"] == str(total).encode(), rec
         tokens = [(eid, f[b"text"]) for eid, f in r.xrange(names.events_key("job_resumed")) if f[b"type"] == b"token"]
         assert [int(eid.split(b"-")[1]) for eid, _ in tokens] == list(range(1, len(tokens) + 1))  # none lost or twice
         text = b"".join(t for _, t in tokens)
-        assert text == r.get(names.text_key("job_resumed")) and text.count(b" further") == 30_000
+        assert text == r.get(names.text_key("job_resumed")) and text.count(b" further") == total
         assert r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"] == 0
     finally:
         for proc in (first, second):

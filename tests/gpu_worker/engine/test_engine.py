@@ -1,11 +1,19 @@
-"""The engine in process: batching, preemption, chunked prefill, sampling, abort."""
+"""The engine in process: batching, preemption, chunked prefill, sampling, abort. What holds whatever
+the weights (a request's tokens are the same alone, in any batch, prefilled in chunks, preempted,
+resumed) runs on the tiny random model in float32; the real default model checks greedy decoding
+against transformers' own `generate` and that its answer ends on EOS."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cache
 
 import pytest
 import torch
 
 from gpu_worker.engine import EngineConfig, LLMEngine, Request, StepBatch
+from gpu_worker.engine.block_manager import BlockManager
+from gpu_worker.engine.step import StepOutput
 from shared.schemas import GenerationRequest
 from workers.tokenizer.prompt import PromptBuilder
 
@@ -15,8 +23,13 @@ QUESTIONS = [
 ]
 
 
+@cache
+def _builder(model_dir: str) -> PromptBuilder:
+    return PromptBuilder(model_dir)
+
+
 def prompt_ids(model_dir: str, question: str) -> list[int]:
-    pb = PromptBuilder(model_dir)
+    pb = _builder(model_dir)
     text = pb.render(GenerationRequest(messages=[{"role": "user", "content": question}]))
     return pb.encode_batch([text], [False])[0]
 
@@ -28,92 +41,136 @@ def step_logits(engine: LLMEngine, batch: StepBatch) -> torch.Tensor:
 
 
 def run(engine: LLMEngine, reqs: list[Request], arrivals: dict[str, int] | None = None,
-        steps_log: list[int] | None = None) -> dict[str, list[int]]:
-    """Drive the engine to completion; requests join at the step given in `arrivals`."""
+        steps_log: list[set[str]] | None = None) -> dict[str, list[int]]:
+    """Drive the engine to completion; requests join at the step given in `arrivals`. `steps_log`
+    gets, per step, the requests that received a token."""
     out: dict[str, list[int]] = {r.id: [] for r in reqs}
     pending = sorted(reqs, key=lambda r: (arrivals or {}).get(r.id, 0))
     step = 0
     while pending or engine.has_unfinished():
         while pending and (arrivals or {}).get(pending[0].id, 0) <= step:
             engine.add_request(pending.pop(0))
-        for o in engine.step():
+        outs = engine.step()
+        for o in outs:
+            assert o.error is None, o.error
             out.setdefault(o.id, []).extend(o.token_ids)
         if steps_log is not None:
-            steps_log.append(engine.num_running)
+            steps_log.append({o.id for o in outs if o.token_ids})
         step += 1
     return out
 
 
-@pytest.fixture(scope="module")
-def engine(model_path: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=32))
+def greedy(rid: str, prompt: list[int], n: int = 32, **kw: object) -> Request:
+    return Request(rid, prompt, max_tokens=n, temperature=0, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+# --- the real default model ------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def prompts(model_path: str) -> list[list[int]]:
-    return [prompt_ids(model_path, q) for q in QUESTIONS]
+def real_engine(model_path: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=4))
 
 
 @pytest.fixture(scope="module")
-def alone(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    outs = []
-    for i, p in enumerate(prompts):
-        r = Request(f"alone{i}", p, max_tokens=32, temperature=0, ignore_eos=True)
-        outs.append(run(engine, [r])[r.id])
-    return outs
+def real_answer(real_engine: LLMEngine, model_path: str) -> tuple[list[int], list[int]]:
+    """A chat prompt for the real model and the engine's greedy answer to it, up to its own end."""
+    prompt = prompt_ids(model_path, QUESTIONS[0])
+    answer = run(real_engine, [Request("real", prompt, max_tokens=40, temperature=0)])["real"]
+    assert not real_engine.has_unfinished()
+    return prompt, answer
 
 
-def test_greedy_matches_transformers_generate(engine: LLMEngine, prompts: list[list[int]],
-                                              alone: list[list[int]]) -> None:
-    model = engine.runner.hf_model
-    ref = model.generate(torch.tensor([prompts[0]]), max_new_tokens=32, do_sample=False,
-                         pad_token_id=2)[0, len(prompts[0]):].tolist()
-    assert len(ref) >= 5 and alone[0][: len(ref)] == ref
+def test_greedy_matches_transformers_generate(real_engine: LLMEngine, real_answer: tuple[list[int], list[int]]
+                                              ) -> None:
+    prompt, answer = real_answer
+    with torch.inference_mode():
+        ref = real_engine.runner.hf_model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                                   pad_token_id=2)[0, len(prompt):].tolist()
+    assert len(ref) >= 5 and answer == ref
+
+
+def test_greedy_answer_ends_on_eos(real_engine: LLMEngine, real_answer: tuple[list[int], list[int]]) -> None:
+    _, answer = real_answer
+    assert len(answer) < 40 and answer[-1] in real_engine.eos_token_ids
+    assert not any(t in real_engine.eos_token_ids for t in answer[:-1])
+
+
+# --- the tiny model: what holds for any weights ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tiny_model_dir: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=32))
+
+
+@pytest.fixture
+def engine(shared_engine: LLMEngine) -> Iterator[LLMEngine]:
+    """The module's tiny-model engine; every test leaves it with no request in flight."""
+    assert not shared_engine.has_unfinished()
+    yield shared_engine
+    assert not shared_engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir: str) -> list[list[int]]:
+    return [prompt_ids(tiny_model_dir, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def alone(shared_engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's 32 greedy tokens, run as the only request."""
+    return [run(shared_engine, [greedy(f"alone{i}", p)])[f"alone{i}"] for i, p in enumerate(prompts)]
 
 
 def test_staggered_batch_equals_batch_of_one(engine: LLMEngine, prompts: list[list[int]],
                                              alone: list[list[int]]) -> None:
-    reqs = [Request(f"s{i}", prompts[i % 8], max_tokens=32, temperature=0, ignore_eos=True) for i in range(16)]
+    reqs = [greedy(f"s{i}", prompts[i % 8]) for i in range(16)]
     out = run(engine, reqs, arrivals={f"s{i}": 3 * i for i in range(16)})
     for i in range(16):
         assert out[f"s{i}"] == alone[i % 8], i
 
 
-def test_preemption_under_small_kv_budget(model_path: str, prompts: list[list[int]],
+def test_preemption_under_small_kv_budget(tiny_model_dir: str, prompts: list[list[int]],
                                           alone: list[list[int]]) -> None:
-    small = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=16, kv_cache_mb=12))
-    reqs = [Request(f"p{i}", prompts[i % 8], max_tokens=32, temperature=0, ignore_eos=True) for i in range(16)]
+    small = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=16))
+    small.blocks = small.scheduler.blocks = BlockManager(30, small.runner.block_size)  # ~ 4 sequences' worth
+    reqs = [greedy(f"p{i}", prompts[i % 8]) for i in range(16)]
     out = run(small, reqs, arrivals={f"p{i}": i for i in range(16)})
     assert small.scheduler.num_preemptions > 0
     for i in range(16):
         assert out[f"p{i}"] == alone[i % 8], i
+    assert small.blocks.num_used == 0
 
 
-def test_chunked_prefill_equals_whole_prefill(model_path: str, engine: LLMEngine) -> None:
-    long_prompt = prompt_ids(model_path, "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 30)
-    whole = run(engine, [Request("w", long_prompt, max_tokens=16, temperature=0, ignore_eos=True)])["w"]
-    chunked_engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=4,
-                                            max_num_batched_tokens=64), model=engine.runner.hf_model)
-    # a running sequence keeps decoding while the long prompt is prefilled in chunks
-    running = Request("r", prompt_ids(model_path, "Count to ten."), max_tokens=40, temperature=0, ignore_eos=True)
+def test_chunked_prefill_equals_whole_prefill(tiny_model_dir: str, engine: LLMEngine) -> None:
+    long_prompt = prompt_ids(tiny_model_dir, "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 30)
+    assert len(long_prompt) > 64 * 3
+    whole = run(engine, [greedy("w", long_prompt, 16)])["w"]
+    chunked_engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=4,
+                                            max_num_batched_tokens=64))
+    running = greedy("r", prompt_ids(tiny_model_dir, "Count to ten."), 40)
     chunked_engine.add_request(running)
     chunked_engine.step()
-    log: list[int] = []
-    out = run(chunked_engine, [Request("c", long_prompt, max_tokens=16, temperature=0, ignore_eos=True)],
-              steps_log=log)
+    log: list[set[str]] = []
+    out = run(chunked_engine, [greedy("c", long_prompt, 16)], steps_log=log)
     assert out["c"] == whole
-    assert len(long_prompt) > 64 * 3
+    # the long prompt is prefilled over several steps, and the running sequence decodes in each of them
+    first = next(i for i, got in enumerate(log) if "c" in got)
+    assert first >= len(long_prompt) // 64
+    assert all("r" in got for got in log[: first + 1])
 
 
 def test_seed_reproducible_whatever_the_batch(engine: LLMEngine, prompts: list[list[int]]) -> None:
-    def sampled(i: str) -> Request:
-        return Request(i, prompts[1], max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    def sampled(i: str, seed: int = 1234) -> Request:
+        return Request(i, prompts[1], max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=seed,
+                       ignore_eos=True)
 
     a = run(engine, [sampled("x1")])["x1"]
     others = [Request(f"o{i}", prompts[i], max_tokens=24, temperature=1.0, seed=i) for i in range(2, 8)]
     b = run(engine, [*others, sampled("x2")], arrivals={"x2": 2})["x2"]
-    assert a == b
-    c = run(engine, [Request("x3", prompts[1], max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=99)])["x3"]
+    assert len(a) == 24 and a == b
+    c = run(engine, [sampled("x3", seed=99)])["x3"]
     assert c != a
 
 
@@ -126,7 +183,7 @@ def test_abort_frees_slot_next_step(engine: LLMEngine, prompts: list[list[int]])
     outs = engine.step()
     assert any(o.id == "a1" and o.finish_reason == "cancelled" for o in outs)
     assert engine.num_running == 1
-    engine.add_request(Request("a3", prompts[2], max_tokens=5, temperature=0))
+    engine.add_request(Request("a3", prompts[2], max_tokens=5, temperature=0, ignore_eos=True))
     engine.step()
     assert engine.num_running == 2  # the freed slot is reused
     assert not engine.abort_request("missing")
@@ -136,12 +193,22 @@ def test_abort_frees_slot_next_step(engine: LLMEngine, prompts: list[list[int]])
         engine.step()
 
 
-def test_stop_token_ids_and_eos(engine: LLMEngine, prompts: list[list[int]]) -> None:
-    free = run(engine, [Request("e1", prompts[0], max_tokens=40, temperature=0)])["e1"]
-    assert free[-1] in engine.eos_token_ids  # greedy ends on its own with EOS
+def test_stop_token_ids_end_a_request_at_their_first_occurrence(engine: LLMEngine, prompts: list[list[int]],
+                                                                alone: list[list[int]]) -> None:
+    free = alone[0]
     stop_at = free[2]
-    out = run(engine, [Request("e2", prompts[0], max_tokens=40, temperature=0, stop_token_ids=(stop_at,))])["e2"]
-    assert out == free[:3]
+    outs: list[StepOutput] = []
+    engine.add_request(greedy("e2", prompts[0], stop_token_ids=(stop_at,)))
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == free[: free.index(stop_at) + 1]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_resume_continues_identically(engine: LLMEngine, prompts: list[list[int]], alone: list[list[int]]) -> None:
+    half = alone[3][:10]
+    out = run(engine, [greedy("rs", prompts[3], resume_ids=half)])
+    assert half + out["rs"] == alone[3]
 
 
 def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
@@ -158,12 +225,6 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
     assert eng.blocks.allocate(seq)
     logits = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids))]))
     assert torch.allclose(logits[0], ref, atol=1e-4)
-
-
-def test_resume_continues_identically(engine: LLMEngine, prompts: list[list[int]], alone: list[list[int]]) -> None:
-    half = alone[3][:10]
-    out = run(engine, [Request("rs", prompts[3], max_tokens=32, temperature=0, ignore_eos=True, resume_ids=half)])
-    assert half + out["rs"] == alone[3]
 
 
 def _tiny(arch: str) -> torch.nn.Module:

@@ -4,6 +4,8 @@ the failing request had never been there. A tiny random model of the default's s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -16,9 +18,19 @@ POISON_TOKEN = 40_000
 PROMPTS = [[1, 504, 3158, 314, 260, 1184, 30], [1, 2683, 253, 1345, 10425, 30], [1, 1978, 314, 260, 6568, 3930, 47]]
 
 
-@pytest.fixture
-def engine(tiny_model_dir: str) -> LLMEngine:
+@pytest.fixture(scope="module")
+def shared_engine(tiny_model_dir: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=8))
+
+
+@pytest.fixture
+def engine(shared_engine: LLMEngine) -> Iterator[LLMEngine]:
+    """One engine for the module: each test leaves nothing in flight, and what it breaks (weights, the
+    runner's step) is put back by monkeypatch, so the next test also checks that a failed request
+    left nothing behind that changes another's tokens."""
+    assert not shared_engine.has_unfinished()
+    yield shared_engine
+    assert not shared_engine.has_unfinished()
 
 
 def drive(engine: LLMEngine, reqs: list[Request]) -> dict[str, tuple[list[int], str | None, str | None]]:
@@ -40,9 +52,9 @@ def greedy(i: int, prompt: list[int], **kw: object) -> Request:
     return Request(f"r{i}", prompt, max_tokens=12, temperature=0, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def alone(engine: LLMEngine) -> list[list[int]]:
-    return [drive(engine, [greedy(i, p)])[f"r{i}"][0] for i, p in enumerate(PROMPTS)]
+@pytest.fixture(scope="module")
+def alone(shared_engine: LLMEngine) -> list[list[int]]:
+    return [drive(shared_engine, [greedy(i, p)])[f"r{i}"][0] for i, p in enumerate(PROMPTS)]
 
 
 def _others_unharmed(out: dict, alone: list[list[int]]) -> None:  # type: ignore[type-arg]
@@ -63,12 +75,13 @@ def test_out_of_vocabulary_ids_fail_only_their_request(engine: LLMEngine, alone:
     _others_unharmed(out, alone)
 
 
-def test_non_finite_logits_fail_only_their_row(engine: LLMEngine, alone: list[list[int]]) -> None:
+def test_non_finite_logits_fail_only_their_row(engine: LLMEngine, alone: list[list[int]],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A token whose embedding is NaN (corrupt weights, an overflow) poisons only the sequences that
     hold it; their rows are caught before sampling."""
     embed = engine.runner.model.embed_w.clone()  # untie from the LM head: only inputs carrying the token are hit
     embed[POISON_TOKEN] = float("nan")
-    engine.runner.model.embed_w = embed
+    monkeypatch.setattr(engine.runner.model, "embed_w", embed)
     poison = [Request("nan-greedy", [1, POISON_TOKEN, 30], max_tokens=8, temperature=0),
               Request("nan-sampled", [1, POISON_TOKEN, 31], max_tokens=8, temperature=0.7, top_p=0.9, seed=3)]
     out = drive(engine, [*poison, *(greedy(i, p) for i, p in enumerate(PROMPTS))])
@@ -85,7 +98,8 @@ def test_tiny_temperature_is_greedy_in_the_engine(engine: LLMEngine, alone: list
     assert out["tiny"] == (alone[0], "length", None)
 
 
-def test_a_step_that_raises_for_one_request_fails_only_it(engine: LLMEngine, alone: list[list[int]]) -> None:
+def test_a_step_that_raises_for_one_request_fails_only_it(engine: LLMEngine, alone: list[list[int]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched step raises; each sequence runs alone, and only the one that raises fails."""
     real_run = engine.runner.run
 
@@ -94,7 +108,7 @@ def test_a_step_that_raises_for_one_request_fails_only_it(engine: LLMEngine, alo
             raise RuntimeError("kernel failure for this request")
         return real_run(batch)
 
-    engine.runner.run = run  # type: ignore[method-assign]
+    monkeypatch.setattr(engine.runner, "run", run)
     out = drive(engine, [Request("boom", [1, 2, 3, 4], max_tokens=8), *(greedy(i, p) for i, p in enumerate(PROMPTS))])
     assert out["boom"][1] == "error" and "kernel failure" in (out["boom"][2] or "")
     _others_unharmed(out, alone)

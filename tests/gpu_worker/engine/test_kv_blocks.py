@@ -78,17 +78,16 @@ def test_mixed_lengths_are_admitted_by_their_tokens(tiny_model_dir: str) -> None
     assert engine.blocks.num_used == 0  # every block given back
 
 
-def test_prefix_cache_hits_give_the_same_tokens(model_path: str) -> None:
+def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dir: str) -> None:
     """Requests sharing a long system prompt reuse its blocks and produce what they produce without
-    the cache (float32, greedy)."""
-    from transformers import AutoTokenizer
+    the cache (float32, greedy), and what transformers' `generate` produces."""
+    from tokenizers import Tokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = Tokenizer.from_file(f"{tiny_model_dir}/tokenizer.json")
     system = "You are a careful assistant. " * 30
-    prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
-                                       add_generation_prompt=True, tokenize=True, return_dict=False)
-               for q in ("What is the capital of France?", "Name a large ocean.", "Why is the sky blue?")]
-    engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=8))
+    prompts = [tok.encode(system + q).ids
+               for q in ("What is the capital of France?", "Name a large ocean.", "Describe rain")]
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=8))
 
     def reqs(tag: str) -> list[Request]:
         return [Request(f"{tag}{i}", list(p), max_tokens=12, temperature=0, ignore_eos=True)
@@ -103,26 +102,35 @@ def test_prefix_cache_hits_give_the_same_tokens(model_path: str) -> None:
     cached, _ = _drive(engine, reqs("hit"))
     assert engine.blocks.hits - hits_before >= 3 * 150  # the system prompt, three times
     assert [cached[f"hit{i}"] for i in range(3)] == [plain[f"plain{i}"] for i in range(3)]
+    assert len({tuple(v) for v in plain.values()}) == 3  # the rows differ: one served another's blocks would show
     with torch.inference_mode():
         ref = engine.runner.hf_model.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False,
                                            pad_token_id=2)[0, len(prompts[1]):].tolist()
     assert cached["hit1"][: len(ref)] == ref
 
 
+PREEMPT_CFG = dict(dtype="float32", max_num_seqs=16, max_model_len=2048)
+PREEMPT_PROMPTS = [[20 + i] * (40 + 7 * i) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def preempt_ref(tiny_model_dir: str) -> dict[str, list[int]]:
+    """Each of PREEMPT_PROMPTS' 24 greedy tokens, run as the only request."""
+    alone = LLMEngine(EngineConfig(model=tiny_model_dir, **PREEMPT_CFG))  # type: ignore[arg-type]
+    return {f"r{i}": _drive(alone, [Request(f"r{i}", p, max_tokens=24, temperature=0, ignore_eos=True)])[0][f"r{i}"]
+            for i, p in enumerate(PREEMPT_PROMPTS)}
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_preempted_sequences_resume_to_the_same_tokens(tiny_model_dir: str, prefix_caching: bool) -> None:
+def test_preempted_sequences_resume_to_the_same_tokens(tiny_model_dir: str, preempt_ref: dict[str, list[int]],
+                                                       prefix_caching: bool) -> None:
     """A pool too small for every sequence at once: the newest are preempted by blocks and finish
     with the tokens they produce alone."""
-    cfg = dict(model=tiny_model_dir, dtype="float32", max_num_seqs=16, max_model_len=2048,
-               prefix_caching=prefix_caching)
-    prompts = [[20 + i] * (40 + 7 * i) for i in range(12)]
-    alone = LLMEngine(EngineConfig(**cfg))
-    ref = {f"r{i}": _drive(alone, [Request(f"r{i}", p, max_tokens=24, temperature=0, ignore_eos=True)])[0][f"r{i}"]
-           for i, p in enumerate(prompts)}
-    small = LLMEngine(EngineConfig(**cfg, kv_cache_mb=1))
+    small = LLMEngine(EngineConfig(model=tiny_model_dir, **PREEMPT_CFG, kv_cache_mb=1,  # type: ignore[arg-type]
+                                   prefix_caching=prefix_caching))
     small.blocks = small.scheduler.blocks = BlockManager(40, small.runner.block_size, prefix_caching)
     out, _ = _drive(small, [Request(f"r{i}", p, max_tokens=24, temperature=0, ignore_eos=True)
-                            for i, p in enumerate(prompts)])
+                            for i, p in enumerate(PREEMPT_PROMPTS)])
     assert small.scheduler.num_preemptions > 0
-    assert out == ref
+    assert out == preempt_ref
     assert small.blocks.num_used == 0
