@@ -85,9 +85,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, m
 @pytest.fixture(scope="session")
 def tiny_stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model_dir: str
                ) -> Iterator[Stack]:
-    """The tiny model behind the full stack (db 12 of the session's Redis): the same processes and path as
+    """The tiny model behind the full stack (db 1 of the session's Redis): the same processes and path as
     `stack`, many times faster per token, for behaviour that holds whatever the weights."""
-    url = redis_server.url.rsplit("/", 1)[0] + "/12"
+    url = redis_server.url.rsplit("/", 1)[0] + "/1"
     redis.Redis.from_url(url).flushdb()
     s = start_stack(tmp_path_factory.mktemp("tiny-stack"), url, tiny_model_dir)
     yield s

@@ -33,7 +33,6 @@ from tests.helpers import iter_sse, submit, wait
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-DB = 10
 LONG = 600  # tokens of the job watched live (MAX_TOKENS_CAP is 1000 in the test stacks)
 
 
