@@ -1,119 +1,162 @@
 """Every benchmark's `--quick` run ends well: a benchmark that drifts from the code it measures fails here.
-Speed is never asserted; only that each script runs through and reports what it measures."""
+Speed is never asserted; only that each script runs through and reports what it measures.
+
+The runs are independent processes (each starts what it needs: its own stack, Redis, model), so they
+start together when the module does, two at a time, and each test checks its own run's output."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
 
-
-def bench(module: str, *args: str, timeout: float = 600) -> str:
-    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--quick", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"bench.{module}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+AT_ONCE = 2  # the machine's cores: the runs wait on processes, Redis and sockets as much as they compute
 
 
-def test_engine_contenders(tiny_model_dir: str, tmp_path: Path) -> None:
-    out = bench("engine", "--model", tiny_model_dir, "--json", str(tmp_path / "engine.json"))
+class QuickRuns:
+    """Each benchmark's `--quick` command, started in the background; `out(name)` waits for one."""
+
+    def __init__(self, tiny: str, tmp: Path) -> None:
+        self.tmp = tmp
+        py = [sys.executable, "-m"]
+        runs = {  # the longest first, so the two lanes end together
+            "compile_layers": py + ["bench.compile_layers", "--quick", "--model", tiny],
+            "cpu_per_token": py + ["bench.cpu_per_token", "--quick", "--model", tiny, "--json", str(tmp / "cpt.json")],
+            "gpu_check": ["bash", "bench/gpu_check.sh", "--smoke"],
+            "serve": py + ["bench.serve", "--quick", "--model", tiny, "--json", str(tmp / "serve.json")],
+            "chaos": py + ["bench.chaos", "--quick", "--workdir", str(tmp / "chaos")],
+            "plumbing": py + ["bench.plumbing", "--quick", "--json", str(tmp / "plumbing.json")],
+            "engine": py + ["bench.engine", "--quick", "--model", tiny, "--json", str(tmp / "engine.json")],
+            "soak": py + ["bench.soak", "--quick", "--workdir", str(tmp / "soak"), "--csv", str(tmp / "soak.csv")],
+            "engine_step_time": py + ["bench.engine", "--quick", "--model", tiny, "--step-time", "1,4",
+                                      "--after-idle", "0.1", "--dtypes", "float32"],
+            "offline_batch": py + ["bench.vllm_offline", "--quick", "--model", tiny, "--system-words", "60",
+                                   "--prefix-caching"],
+            "kv_cache": py + ["bench.kv_cache", "--quick", "--model", tiny],
+            "attention": py + ["bench.attention", "--quick"],
+            "redis_ops": py + ["bench.redis_ops", "--quick"],
+            "gemm_shapes": py + ["bench.gemm_shapes", "--quick"],
+            "sampler": py + ["bench.sampler", "--quick"],
+        }
+        self.pool = ThreadPoolExecutor(AT_ONCE)
+        self.futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {
+            name: self.pool.submit(subprocess.run, argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            for name, argv in runs.items()}
+
+    def out(self, name: str) -> str:
+        proc = self.futures[name].result()
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
+    quick = QuickRuns(tiny_model_dir, tmp_path_factory.mktemp("bench-quick"))
+    yield quick
+    quick.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def test_engine_contenders(runs: QuickRuns) -> None:
+    out = runs.out("engine")
     for name in ("naive", "static", "hf-cb", "ours-fp32", "ours-bf16"):
         assert f"| {name}" in out
     assert "ours-fp32 greedy tokens == batch-1 `generate` for 2/2 requests" in out
-    rows = json.loads((tmp_path / "engine.json").read_text())["results"]
+    rows = json.loads((runs.tmp / "engine.json").read_text())["results"]
     assert {r["level"] for r in rows} == {"all", "poisson"}
 
 
-def test_engine_step_time(tiny_model_dir: str) -> None:
-    out = bench("engine", "--model", tiny_model_dir, "--step-time", "1,4", "--after-idle", "0.1", "--dtypes", "float32")
+def test_engine_step_time(runs: QuickRuns) -> None:
+    out = runs.out("engine_step_time")
     assert "batch   4: decode step" in out and "prefill step: warm" in out
 
 
-def test_gemm_shapes() -> None:
-    out = bench("gemm_shapes")
+def test_gemm_shapes(runs: QuickRuns) -> None:
+    out = runs.out("gemm_shapes")
     assert out.count("\n| 8 |") == 1 and "lm_head" in out
 
 
-def test_redis_ops() -> None:
-    out = bench("redis_ops")
+def test_redis_ops(runs: QuickRuns) -> None:
+    out = runs.out("redis_ops")
     assert "chunk-step x32" in out and "per job:" in out
 
 
 @pytest.mark.slow
-def test_plumbing(tmp_path: Path) -> None:
-    bench("plumbing", "--json", str(tmp_path / "plumbing.json"))
-    result = json.loads((tmp_path / "plumbing.json").read_text())
+def test_plumbing(runs: QuickRuns) -> None:
+    runs.out("plumbing")
+    result = json.loads((runs.tmp / "plumbing.json").read_text())
     assert result["accept"] and all(r["accepted_per_s"] > 0 for r in result["accept"])
     assert all(r["complete"] == r["streams"] for r in result["streams"] + result["relay"]), result
     assert all(r["events"] == r["events_expected"] for r in result["relay"]), result["relay"]
 
 
 @pytest.mark.slow
-def test_serve(tiny_model_dir: str, tmp_path: Path) -> None:
-    out = bench("serve", "--model", tiny_model_dir, "--json", str(tmp_path / "serve.json"))
+def test_serve(runs: QuickRuns) -> None:
+    out = runs.out("serve")
     assert "Idle stack" in out and "TTFT by hop" in out and "| deliver |" in out
-    rows = json.loads((tmp_path / "serve.json").read_text())["results"]
+    rows = json.loads((runs.tmp / "serve.json").read_text())["results"]
     assert {(r["target"], r["level"]) for r in rows} == {("conveyor", "2"), ("in-process", "2")}
     assert not any(r["errors"] for r in rows)
 
 
-def test_soak(tmp_path: Path) -> None:
-    out = bench("soak", "--workdir", str(tmp_path / "soak"), "--csv", str(tmp_path / "soak.csv"))
-    assert "| succeeded | 30 |" in out and (tmp_path / "soak.csv").exists()
+def test_soak(runs: QuickRuns) -> None:
+    out = runs.out("soak")
+    assert "| succeeded | 30 |" in out and (runs.tmp / "soak.csv").exists()
 
 
 @pytest.mark.slow
-def test_chaos(tmp_path: Path) -> None:
-    out = bench("chaos", "--workdir", str(tmp_path / "chaos"))
+def test_chaos(runs: QuickRuns) -> None:
+    out = runs.out("chaos")
     assert "| **lost** (never ended) | 0 |" in out
 
 
 @pytest.mark.slow
-def test_gpu_check_smoke() -> None:
-    proc = subprocess.run(["bash", "bench/gpu_check.sh", "--smoke"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "| ours (bf16) | 2 |" in proc.stdout and "| transformers continuous batching (bf16) | 2 |" in proc.stdout
-    assert "failed or not run" not in proc.stdout
+def test_gpu_check_smoke(runs: QuickRuns) -> None:
+    out = runs.out("gpu_check")
+    assert "| ours (bf16) | 2 |" in out and "| transformers continuous batching (bf16) | 2 |" in out
+    assert "failed or not run" not in out
 
 
-def test_offline_batch(tiny_model_dir: str) -> None:
+def test_offline_batch(runs: QuickRuns) -> None:
     """The in-process batch that bench.vllm_offline runs against vLLM: our side, with a shared system
     prompt served from the prefix cache (its warm-up requests have none)."""
-    out = bench("vllm_offline", "--model", tiny_model_dir, "--system-words", "60", "--prefix-caching")
+    out = runs.out("offline_batch")
     res = json.loads(out.strip().splitlines()[-1])
     assert res["engine"] == "ours" and res["tokens"] == 4 * 4 and len(res["ids"]) == 4
 
 
-def test_kv_cache(tiny_model_dir: str) -> None:
-    out = bench("kv_cache", "--model", tiny_model_dir)
+def test_kv_cache(runs: QuickRuns) -> None:
+    out = runs.out("kv_cache")
     res = json.loads(out.splitlines()[0])
     assert res["most_running"] == res["requests"] and res["paged_waste"] < res["dense_waste"]
 
 
 @pytest.mark.slow
-def test_cpu_per_token(tiny_model_dir: str, tmp_path: Path) -> None:
-    out = bench("cpu_per_token", "--model", tiny_model_dir, "--json", str(tmp_path / "cpt.json"))
+def test_cpu_per_token(runs: QuickRuns) -> None:
+    """Also the check that guidellm, the usual load tool, drives the stack unchanged: its backend check
+    (GET /health) passes, and its streamed requests all succeed."""
+    out = runs.out("cpu_per_token")
     assert "| conveyor | 1 |" in out and '"inference"' in out
-    [run] = json.loads((tmp_path / "cpt.json").read_text())["runs"]
-    assert run["tokens"] > 0 and not run["errored"], run
+    [run] = json.loads((runs.tmp / "cpt.json").read_text())["runs"]
+    assert run["requests"] > 0 and run["tokens"] > 0 and not run["errored"], run
 
 
-def test_compile_layers(tiny_model_dir: str) -> None:
-    out = bench("compile_layers", "--model", tiny_model_dir)
+def test_compile_layers(runs: QuickRuns) -> None:
+    out = runs.out("compile_layers")
     assert "eager bfloat16: layers" in out and "compiled bfloat16: layers" in out
 
 
-def test_sampler() -> None:
-    out = bench("sampler")
+def test_sampler(runs: QuickRuns) -> None:
+    out = runs.out("sampler")
     assert "| temperature 1 |" in out and "| temperature 0.7, top_p 0.9 |" in out and "8 rows" in out
 
 
-def test_attention() -> None:
-    out = bench("attention")
+def test_attention(runs: QuickRuns) -> None:
+    out = runs.out("attention")
     assert "| 64 | 1 |" in out and "| 64 | 8 |" in out

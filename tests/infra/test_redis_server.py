@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from infra.redis_server import RedisServer, free_port, read_local_redis_url
 from shared import names
@@ -43,10 +45,11 @@ def mode(path: Path) -> int:
 def test_a_client_without_the_password_is_refused(server: RedisServer) -> None:
     assert raw_command(server.port, b"PING\r\n").startswith(b"-NOAUTH")
     assert raw_command(server.port, f"GET {names.STATS_KEY}\r\n".encode()).startswith(b"-NOAUTH")
+    once = Retry(NoBackoff(), 0)  # redis-py retries an authentication error as a connection error otherwise
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis(host="127.0.0.1", port=server.port).ping()
+        redis.Redis(host="127.0.0.1", port=server.port, retry=once).ping()
     with pytest.raises(redis.AuthenticationError):
-        redis.Redis(host="127.0.0.1", port=server.port, password="guess").ping()
+        redis.Redis(host="127.0.0.1", port=server.port, password="guess", retry=once).ping()
 
 
 def test_the_url_carries_the_password(server: RedisServer) -> None:
