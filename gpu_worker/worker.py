@@ -110,6 +110,9 @@ class InferenceWorker:
             self.lane.join(timeout=LANE_STOP_S)
             if self.lane.is_alive():
                 self.stop_lane()
+            # a lane that died (or was stopped) reads nothing more: the exit must not wait on its full pipe,
+            # or this worker would live on, refreshing its entries, and its jobs would never be redelivered
+            self.to_lane.cancel_join_thread()
             hb.stop()
         log.info("inference worker %s stopped", self.worker_id)
         return 0
@@ -120,7 +123,6 @@ class InferenceWorker:
         resumes a job continues from what was recorded."""
         log.warning("the output lane did not stop within %ds; stopping it", LANE_STOP_S)
         self.lane.terminate()
-        self.to_lane.cancel_join_thread()
 
     def _drain(self, signum: int, _frame: FrameType | None) -> None:
         if not self.stopping.is_set():
