@@ -12,9 +12,11 @@ The messages between them are in messages.py. This module only wires them togeth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 import time
@@ -44,6 +46,7 @@ from shared.stream_consumer import StreamConsumer
 log = logging.getLogger("conveyor.inference")
 
 LANE_STOP_S = 10  # how long the output lane may take to write what it holds at exit
+LANE_BEHIND_MAX = 64  # messages the output lane may be behind before the engine waits for it (backpressure)
 
 
 def build_engine(settings: Settings) -> Engine:
@@ -74,7 +77,7 @@ class InferenceWorker:
         self.closed = threading.Event()  # the engine loop ended: the control lane stops
         self.inbox: SimpleQueue[EngineCommand] = SimpleQueue()
         ctx = mp.get_context("spawn")
-        self.to_lane: Queue[LaneCommand] = ctx.Queue()
+        self.to_lane: Queue[LaneCommand] = ctx.Queue(maxsize=LANE_BEHIND_MAX)
         self.from_lane: Queue[LaneReport] = ctx.Queue()
         self.lane = ctx.Process(target=output_lane.main, args=(settings, self.to_lane, self.from_lane, os.getpid()),
                                 name="output-lane", daemon=True)
@@ -89,7 +92,7 @@ class InferenceWorker:
     def run(self) -> int:
         self.consumer.ensure_group()
         self.lane.start()
-        loop = EngineLoop(build_engine(self.settings), self.inbox, self.to_lane.put, self.stats, self.stopping,
+        loop = EngineLoop(build_engine(self.settings), self.inbox, self.send_to_lane, self.stats, self.stopping,
                           self.ledger.idle, self.lane.is_alive)
         for name, target in (("control", self.control.run), ("feedback", self.feedback.run),
                              ("reader", self.reader.run), ("drain-timer", self._drain_timer)):
@@ -106,7 +109,8 @@ class InferenceWorker:
                 self.ledger.hand_back(self.settings.claim_idle_ms + 1000)
         finally:
             self.closed.set()
-            self.to_lane.put(Stop())  # the lane writes what it has, then exits
+            with contextlib.suppress(queue.Full):  # the lane writes what it has, then exits
+                self.to_lane.put(Stop(), timeout=LANE_STOP_S)
             self.lane.join(timeout=LANE_STOP_S)
             if self.lane.is_alive():
                 self.stop_lane()
@@ -116,6 +120,17 @@ class InferenceWorker:
             hb.stop()
         log.info("inference worker %s stopped", self.worker_id)
         return 0
+
+    def send_to_lane(self, cmd: LaneCommand) -> None:
+        """The engine's output, in order; while the lane is LANE_BEHIND_MAX messages behind, the engine
+        waits for it rather than queue without bound. A lane that died ends the wait."""
+        while True:
+            try:
+                self.to_lane.put(cmd, timeout=1.0)
+                return
+            except queue.Full:
+                if not self.lane.is_alive():
+                    raise SystemExit("the output lane died; exiting so this worker's jobs are redelivered") from None
 
     def stop_lane(self) -> None:
         """The lane is still behind on its queue: stop it, and drop what it was not sent (else the
