@@ -17,6 +17,7 @@ from shared.jobs import FinishReason
 log = logging.getLogger("conveyor.inference")
 
 IDLE_WAIT_S = 0.2  # an idle engine waits this long for a command, then checks whether it drained
+LANE_DIED = "the output lane died; exiting so this worker's jobs are redelivered"
 CHECK_EVERY_S = 1.0  # stats, early aborts, the output lane's health
 EARLY_ABORT_TTL_S = 30.0  # how long a cancel for a job not yet added waits for it
 
@@ -94,4 +95,4 @@ class EngineLoop:
             if now - t > EARLY_ABORT_TTL_S:
                 del self.early_aborts[job_id]
         if not self.lane_alive():
-            raise SystemExit("the output lane died; exiting so this worker's jobs are redelivered")
+            raise SystemExit(LANE_DIED)

@@ -46,9 +46,7 @@ class Reader:
     def upkeep(self) -> None:
         self.consumer.refresh(self.ledger.entries())
         keep, dead = self.consumer.claim_stale(count=READ_COUNT)
-        for entry in dead:
-            self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
-                                   "moved to the dead-letter stream")
+        self.fail_dead(dead)
         for entry in keep:
             log.info("claimed %s (delivery %d) from a worker that stopped", entry.id, entry.deliveries)
             if not self.split(entry):
@@ -60,9 +58,7 @@ class Reader:
         admission off. Held entries are refreshed every refresh_s, so only forgotten ones idle this long."""
         held = set(self.ledger.entries())
         own, dead = self.consumer.retry_own(self.consumer.claim_idle_ms, count=READ_COUNT)
-        for entry in dead:
-            self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
-                                   "moved to the dead-letter stream")
+        self.fail_dead(dead)
         for entry in own:
             if entry.id not in held:
                 log.warning("admitting %s again: its first admission was cut off", entry.id)
@@ -84,6 +80,11 @@ class Reader:
         pipe.execute()
         log.warning("split redelivered entry %s into %d entries of one job", entry.id, batch.num_rows)
         return True
+
+    def fail_dead(self, dead: list[Entry]) -> None:
+        for entry in dead:
+            self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
+                                   "moved to the dead-letter stream")
 
     def fail_entry(self, entry: Entry, reason: str) -> None:
         try:

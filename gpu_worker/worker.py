@@ -28,7 +28,7 @@ from gpu_worker import output_lane
 from gpu_worker.admission import Admission
 from gpu_worker.control import ControlLane
 from gpu_worker.engine import Engine, EngineConfig
-from gpu_worker.engine_loop import EngineLoop
+from gpu_worker.engine_loop import LANE_DIED, EngineLoop
 from gpu_worker.feedback import Feedback
 from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import EngineCommand, GraceOver, LaneCommand, LaneReport, Stop
@@ -130,7 +130,7 @@ class InferenceWorker:
                 return
             except queue.Full:
                 if not self.lane.is_alive():
-                    raise SystemExit("the output lane died; exiting so this worker's jobs are redelivered") from None
+                    raise SystemExit(LANE_DIED) from None
 
     def stop_lane(self) -> None:
         """The lane is still behind on its queue: stop it, and drop what it was not sent (else the

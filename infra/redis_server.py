@@ -3,7 +3,7 @@ with append-only persistence in a data directory of ours.
 
 Durable by default: `appendfsync always` makes redis-server fsync its append-only file before it
 replies, so a write acknowledged to a client (a job answered 202, a finish, a chunk) survives kill -9
-of Redis; `restart()` brings a dead server back on the same port, password and data.
+of Redis; `start()` again brings a dead server back on the same port, password and data.
 
 It is locked down even on loopback: a password (generated unless one is given), a memory cap
 with `noeviction` (a full Redis refuses writes rather than silently dropping jobs). Everything is
@@ -133,12 +133,6 @@ class RedisServer:
 
     def dead(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
-
-    def restart(self, timeout: float = 15.0) -> str:
-        """Start a server that died again, on the same port, password and data (its append-only file)."""
-        if self.proc is not None and self.proc.poll() is None:
-            return self.url
-        return self.start(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

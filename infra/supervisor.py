@@ -139,7 +139,7 @@ def _restart_redis(server: RedisServer, settings: Settings) -> None:
     code = server.proc.returncode if server.proc is not None else None
     log.warning("redis-server exited (%s); restarting it from its append-only file", code)
     try:
-        server.restart()
+        server.start()  # the same port, password and append-only file
         server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE)
         log.warning("redis-server is back on 127.0.0.1:%d", server.port)
     except RuntimeError as exc:  # tried again at the next tick
