@@ -35,6 +35,9 @@ class TokenizerWorker:
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.client = client or sync_client(settings.redis_url, decode=False)
+        # the write that acknowledges a read is never resent by the client: a reply lost to a Redis outage
+        # after the transaction ran would add the batch twice; unacknowledged entries come back (_recover)
+        self.writer = sync_client(settings.redis_url, decode=False, retries=0)
         self.worker_id = new_worker_id(names.TOKENIZER_POOL)
         self.consumer = StreamConsumer(self.client, names.JOBS_STREAM, names.TOKENIZER_GROUP, self.worker_id,
                                        names.TOKENIZER_POOL, settings.claim_idle_ms, settings.delivery_limit)
@@ -117,7 +120,7 @@ class TokenizerWorker:
         requests = [req.tokenized(job_id, prompt_ids) for (job_id, req), prompt_ids in zip(accepted, ids)
                     if self._fits(job_id, prompt_ids, req.max_tokens)]
         batch = self._record_batch(requests)
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.writer.pipeline(transaction=True)
         if batch is not None:
             pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": batch.num_rows})
             for job_id, n in zip(batch.column("id").to_pylist(), batch.column("prompt_ids").value_lengths()):
