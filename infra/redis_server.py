@@ -58,11 +58,14 @@ class RedisServer:
     """A redis-server child process. `start()` returns its URL once it answers PING.
 
     password: None generates one; "" runs without a password (not for anything but benchmarks of
-    the bare server). maxmemory_mb: the memory cap, past which writes are refused (noeviction)."""
+    the bare server). maxmemory_mb: the memory cap, past which writes are refused (noeviction).
+    die_with_parent: SIGTERM it when the starting process dies (off under infra.redis_guard, which
+    stops it after the rest of the stack instead)."""
 
     def __init__(self, data_dir: Path, port: int = 0, appendonly: bool = True, password: str | None = None,
-                 maxmemory_mb: int = 1024, appendfsync: str = "always") -> None:
+                 maxmemory_mb: int = 1024, appendfsync: str = "always", die_with_parent: bool = True) -> None:
         self.data_dir = Path(data_dir)
+        self.die_with_parent = die_with_parent
         self.appendfsync = appendfsync
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -114,7 +117,8 @@ class RedisServer:
         log = open(self.data_dir / "redis.log", "ab")
         # SIGTERM when the starting process dies, however it dies: redis flushes its append-only file
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=preexec_die_with_parent(signal.SIGTERM))
+                                     preexec_fn=preexec_die_with_parent(signal.SIGTERM) if self.die_with_parent
+                                     else None)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout
         try:

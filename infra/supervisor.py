@@ -6,7 +6,8 @@ restarts a crashed child with backoff; scales pools on queue lag when autoscalin
 on Ctrl-C or SIGTERM stops everything it started (workers drain first), leaving nothing behind.
 
 Every child also dies with the supervisor when it is killed outright (SIGKILL): each is started
-with PR_SET_PDEATHSIG (SIGTERM: workers still drain). One stack per data directory: the
+with PR_SET_PDEATHSIG (SIGTERM: workers still drain), and the embedded redis-server goes last
+(infra/redis_guard.py), so that draining workers can still record what they finish. One stack per data directory: the
 supervisor holds an exclusive lock on `<cache>/conveyor.lock`, and so does every child it starts
 (the descriptor is inherited), so a second `conveyor up` refuses until the first stack is gone.
 Its state (pools, pids, restarts) is in `<cache>/supervisor.json`.
@@ -192,10 +193,16 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
     lock = StackLock(settings.cache_dir)
     keep = (lock.fd,)
     redis_server: RedisServer | None = None
+    guard: subprocess.Popen[bytes] | None = None
     env = dict(os.environ)
     if not settings.redis_url:
+        # the guard first: from then on a redis-server outlives the supervisor only until the rest has gone
+        guard = subprocess.Popen([sys.executable, "-m", "infra.redis_guard", str(lock.path),
+                                  str(settings.redis_data_dir / CONNECTION_FILE), str(settings.drain_grace_s + 15)],
+                                 preexec_fn=preexec_die_with_parent(signal.SIGTERM))
         redis_server = RedisServer(settings.redis_data_dir, port=int(os.environ.get("REDIS_PORT", "0")),
-                                   maxmemory_mb=settings.redis_maxmemory_mb, appendfsync=settings.redis_appendfsync)
+                                   maxmemory_mb=settings.redis_maxmemory_mb, appendfsync=settings.redis_appendfsync,
+                                   die_with_parent=False)
         env["REDIS_URL"] = redis_server.start()
         # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis here (mode 0600)
         redis_server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE)
@@ -249,6 +256,9 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         if redis_server is not None:
             redis_server.stop()
             (settings.redis_data_dir / CONNECTION_FILE).unlink(missing_ok=True)
+        if guard is not None:
+            guard.kill()
+            guard.wait()
         (settings.cache_dir / "supervisor.json").unlink(missing_ok=True)
         lock.release()
         log.info("stopped")

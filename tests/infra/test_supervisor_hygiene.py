@@ -54,14 +54,22 @@ def test_sigkill_of_the_supervisor_takes_every_child_along(tmp_path: Path, tiny_
         assert "already running" in second.stderr + second.stdout
         assert _state(tmp_path)["pid"] == stack.proc.pid  # the live stack is untouched
 
+        redis_pid = state["redis_pid"]
+        guard = {p for p in everything if "infra.redis_guard" in psutil.Process(p).cmdline()}
+        assert len(guard) == 1
         stack.proc.send_signal(signal.SIGKILL)
         stack.proc.wait(10)
         deadline = time.monotonic() + 60
         left = _alive(everything)
         while left and time.monotonic() < deadline:
-            time.sleep(0.2)
+            redis_gone = redis_pid not in _alive({redis_pid})
             left = _alive(everything)
+            # redis-server goes last (but for the guard that stops it), so that draining workers can
+            # still record what they finish
+            assert not redis_gone or left <= guard, [psutil.Process(p).cmdline() for p in left]
+            time.sleep(0.1)
         assert not left, [psutil.Process(p).cmdline() for p in left]
+        assert not (tmp_path / "redis" / "connection.json").exists()
     finally:
         if stack.proc.poll() is None:
             stack.proc.kill()
