@@ -12,8 +12,10 @@ from fastapi import Depends, Request
 
 from api.deps import SettingsDep
 from api.errors import ApiError, too_many
-from shared import names, scripts
+from shared import names
+from shared.job_ops import stream_open
 from shared.jobs import Job
+from shared.scripts.codes import StreamOpenCode
 from shared.tenants import STREAM_LEASE_S, Tenant, hash_key
 
 CACHE_S = 2.0  # a revoked key stops working within this long
@@ -89,9 +91,7 @@ async def require_stream_slot(client: aredis.Redis, caller: Caller, stream_id: s
     t = caller.tenant
     if t is None or t.max_streams <= 0:
         return True
-    ok = await scripts.STREAM_OPEN.acall(client, [names.tenant_streams_key(t.name)],
-                                         [stream_id, time.time(), STREAM_LEASE_S, t.max_streams])
-    return bool(ok)
+    return await stream_open(client, t.name, stream_id, STREAM_LEASE_S, t.max_streams) is StreamOpenCode.opened
 
 
 async def release_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> None:

@@ -39,7 +39,8 @@ from api.metrics import _clients
 from api.sse import EventStream
 from api.streaming import Cut, JobFraming, sse_job_events
 from shared import metrics as m
-from shared import names, scripts
+from shared import names
+from shared.job_ops import tail
 from shared.jobs import ACTIVE
 from shared.policy import pool_load
 from shared.retry import arun_loop
@@ -204,9 +205,9 @@ class JobFollower:
 
     async def seed(self) -> None:
         for stream, count in ((names.JOBS_STREAM, FOLLOWED), (names.ENDED_STREAM, ENDED_JOBS)):
-            top, *ids = await scripts.TAIL.acall(self.client, [stream], [count])
-            self.last[stream] = top
-            for job_id in reversed(ids):
+            newest = await tail(self.client, stream, count)
+            self.last[stream] = newest.last_id
+            for job_id in reversed(newest.job_ids):
                 self._add(stream, job_id)
 
     async def read(self) -> None:

@@ -1,5 +1,5 @@
-"""Admission: the submit script's refusal codes as errors, OpenAI's `x-ratelimit-*` headers, and the
-measured throughput that caps the service-wide queue."""
+"""Admission: the submit script's refusals (SubmitCode, shared/scripts/codes.py) as errors, OpenAI's
+`x-ratelimit-*` headers, and the measured throughput that caps the service-wide queue."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from api.store import JobStore
 from shared import names
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
+from shared.scripts.codes import SubmitCode, SubmitReply
 from shared.settings import Settings
 
 
@@ -40,31 +41,31 @@ def rate_headers(rpm: int, requests_left: int, requests_reset_ms: int, tpm: int,
     return out
 
 
-def refusal(reply: list[int], retry_global_ms: int) -> ApiError:
-    """The submit script's refusal codes as errors (see shared/scripts/submit.lua)."""
-    code = int(reply[0])
-    if code == -1:
+def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:
+    """The submit script's refusals as errors (see SubmitCode)."""
+    code = reply.code
+    if code is SubmitCode.unknown_tenant:
         return ApiError(401, "invalid or revoked API key", code="invalid_api_key")
-    if code == -2:
-        return too_many(f"rate limit reached: {reply[2]} requests per minute for this key", int(reply[1]),
-                        rate_headers(int(reply[2]), 0, int(reply[3]), 0, 0, 0))
-    if code == -3:
-        return too_many(f"rate limit reached: {reply[2]} tokens per minute for this key (prompt plus max_tokens "
-                        "are reserved at submit)", int(reply[1]),
-                        rate_headers(0, 0, 0, int(reply[2]), int(reply[3]), int(reply[4])))
-    if code == -4:
-        return too_many(f"this key has {reply[1]} unfinished jobs, its limit; wait for one to end", 1000)
-    if code == -5:
-        return too_many(f"the service is at capacity ({reply[1]} jobs waiting); retry later", retry_global_ms,
+    if code is SubmitCode.over_rpm:
+        return too_many(f"rate limit reached: {reply.rpm} requests per minute for this key", reply.retry_ms,
+                        rate_headers(reply.rpm, 0, reply.requests_reset_ms, 0, 0, 0))
+    if code is SubmitCode.over_tpm:
+        return too_many(f"rate limit reached: {reply.tpm} tokens per minute for this key (prompt plus max_tokens "
+                        "are reserved at submit)", reply.retry_ms,
+                        rate_headers(0, 0, 0, reply.tpm, reply.tokens_left, reply.tokens_reset_ms))
+    if code is SubmitCode.max_queued:
+        return too_many(f"this key has {reply.limit} unfinished jobs, its limit; wait for one to end", 1000)
+    if code is SubmitCode.queue_full:
+        return too_many(f"the service is at capacity ({reply.depth} jobs waiting); retry later", retry_global_ms,
                         code="server_overloaded")
-    if code == -6:
+    if code is SubmitCode.idempotency_conflict:
         return ApiError(422, "this Idempotency-Key was used with a different request body", param="Idempotency-Key",
                         code="idempotency_key_reused")
-    if code == -7:
-        return ApiError(429, f"this request reserves more tokens than the key may use in a minute ({reply[1]}); "
+    if code is SubmitCode.request_over_tpm:
+        return ApiError(429, f"this request reserves more tokens than the key may use in a minute ({reply.tpm}); "
                              "lower max_tokens or shorten the prompt", type_="rate_limit_error",
                         code="request_too_large")
-    raise AssertionError(f"unknown submit code {code}")
+    raise AssertionError(f"not a refusal: submit code {code!r}")
 
 
 class Throughput:
@@ -125,10 +126,12 @@ async def admit(store: JobStore, throughput: Throughput, settings: Settings, cal
     """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError."""
     cap = throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s)
     got = await store.submit(req, idempotency_key, caller.owner, cap)
+    reply = got.reply
     if got.job is None:
-        if got.replayed or got.reply[0] == 2:
+        if reply.code is SubmitCode.replay:
             raise ApiError(409, "the job this Idempotency-Key named has just expired; send again")
-        over = int(got.reply[1]) - cap + 1 if got.reply[0] == -5 else 0
-        raise refusal(got.reply, throughput.retry_ms(over))
-    headers = rate_headers(*(int(x) for x in got.reply[3:9])) if got.reply[0] == 1 else {}
+        over = reply.depth - cap + 1 if reply.code is SubmitCode.queue_full else 0
+        raise refusal(reply, throughput.retry_ms(over))
+    headers = (rate_headers(reply.rpm, reply.requests_left, reply.requests_reset_ms, reply.tpm, reply.tokens_left,
+                            reply.tokens_reset_ms) if reply.code is SubmitCode.accepted else {})
     return got.job, got.replayed, headers

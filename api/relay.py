@@ -1,9 +1,13 @@
-"""One Redis pub/sub connection per API process, fanned out to per-stream bounded queues.
+"""One Redis pub/sub connection per API process (per cluster node that holds subscribed channels),
+fanned out to per-stream bounded queues.
 
-Streams subscribe and unsubscribe per job channel on the shared connection. The connection is
-opened by redis-py (URL, password, TLS) and then read here directly: each socket read is parsed
-by hiredis into all the messages it holds, so a burst of N messages costs one read, not N
-round trips through a general-purpose client.
+Streams subscribe and unsubscribe per job channel on the shared connection. On a Redis Cluster a
+job's channel lives in its partition's slot and is sharded (SSUBSCRIBE): there is one connection
+per node that owns such slots, never one per stream; when a slot moves or a master fails over, the
+relay reconnects to the nodes that own the slots now. A connection is opened by redis-py (URL,
+password, TLS) and then read here directly: each socket read is parsed by hiredis into all the
+messages it holds, so a burst of N messages costs one read, not N round trips through a
+general-purpose client.
 
 A subscriber's queue carries message bytes, or None for "re-read the job's event stream": sent
 after a reconnect (messages published meanwhile are lost to pub/sub, never to the event stream)
@@ -26,6 +30,7 @@ import redis.asyncio as aredis
 
 from api import sse
 from shared import names
+from shared.redis_client import CLUSTER_TYPES
 from shared.retry import arun_loop
 
 log = logging.getLogger("conveyor.relay")
@@ -77,16 +82,64 @@ class Subscription:
         self.put(None)
 
 
+class Link:
+    """One pub/sub connection (to the Redis, or to one node of a cluster) and what it read last."""
+
+    def __init__(self, relay: Relay, node: str, conn: Any) -> None:
+        self.relay, self.node, self.conn = relay, node, conn
+        self.last_rx = asyncio.get_running_loop().time()
+        self.pinged = 0.0
+        self.task: asyncio.Task[None] | None = None
+
+    def send(self, *args: Any) -> None:
+        self.conn._writer.write(b"".join(self.conn.pack_command(*args)))
+
+    def abort(self) -> None:
+        self.conn._writer.transport.abort()  # its reader sees it and the relay reconnects
+
+    async def read(self) -> None:
+        parser = hiredis.Reader()
+        stream = self.conn._reader
+        loop = asyncio.get_running_loop()
+        relay = self.relay
+        subs = relay.subs
+        while True:
+            data = await stream.read(1 << 16)
+            if not data:
+                raise ConnectionError("closed by the server")
+            self.last_rx = loop.time()
+            parser.feed(data)
+            while (msg := parser.gets()) is not False:
+                if not isinstance(msg, list):  # (RESP3 pushes are a list subclass)
+                    if isinstance(msg, hiredis.ReplyError):
+                        log.warning("pub/sub error reply: %s", msg)
+                    continue  # +PONG outside subscribed mode
+                kind = msg[0]
+                if kind == b"message" or kind == b"smessage":
+                    for sub in subs.get(names.channel_job_id(msg[1]), ()):
+                        if sub.put(msg[2]):
+                            relay.delivered += 1
+                elif kind == b"subscribe" or kind == b"ssubscribe":
+                    fut = relay._pending.pop(msg[1], None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+                elif kind == b"sunsubscribe" and names.channel_job_id(msg[1]) in subs:
+                    # the server dropped a channel we still want: its slot moved to another node
+                    raise ConnectionError(f"slot of {msg[1]!r} moved")
+
+
 class Relay:
     def __init__(self, client: aredis.Redis, queue_size: int = 256) -> None:
         self.client = client
         self.queue_size = queue_size
+        self.cluster = isinstance(client, CLUSTER_TYPES)
+        self._sub, self._unsub = ("SSUBSCRIBE", "SUNSUBSCRIBE") if self.cluster else ("SUBSCRIBE", "UNSUBSCRIBE")
         self.subs: dict[str, set[Subscription]] = {}
         self.delivered = 0
         self.reconnects = 0
-        self._conn: Any = None  # connected: a redis-py connection whose socket this class reads
+        self._links: dict[str, Link] = {}  # node ("" for a single Redis) -> its connection, while connected
         self._pending: dict[bytes, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
-        self._last_rx = 0.0
+        self._lost: asyncio.Future[None] | None = None  # set when any link is lost: the session ends
         self._connected = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
@@ -131,8 +184,7 @@ class Relay:
         channel = names.job_channel(job_id).encode()
         confirmed = self._pending.get(channel)
         if len(group) == 1:
-            self._send("SUBSCRIBE", channel)  # if not connected, connecting subscribes it
-            if confirmed is None:
+            if self._send_channel(self._sub, channel) and confirmed is None:
                 confirmed = self._pending[channel] = asyncio.get_running_loop().create_future()
         if confirmed is not None:
             try:
@@ -155,92 +207,112 @@ class Relay:
         group.discard(sub)
         if not group:
             del self.subs[sub.job_id]
-            self._send("UNSUBSCRIBE", names.job_channel(sub.job_id))
+            self._send_channel(self._unsub, names.job_channel(sub.job_id).encode())
 
-    # --- the connection ----------------------------------------------------------------------
-    def _send(self, *args: Any) -> bool:
-        conn = self._conn
-        if conn is None:
-            return False  # (re)connecting subscribes every channel in self.subs
-        conn._writer.write(b"".join(conn.pack_command(*args)))
+    # --- the connections ---------------------------------------------------------------------
+    def _node_of(self, channel: bytes | str) -> str:
+        return self.client.get_node_from_key(channel).name if self.cluster else ""  # type: ignore[attr-defined]
+
+    def _send_channel(self, command: str, channel: bytes) -> bool:
+        """Send (UN)SUBSCRIBE on the link of the channel's node. True when a confirmation will come:
+        sent now, or the node's link is connecting and subscribes it when connected (on a cluster,
+        the first channel of a node opens its link). False when not connected at all (connecting
+        subscribes every channel in self.subs)."""
+        if self._lost is None:
+            return False
+        node = self._node_of(channel)
+        link = self._links.get(node)
+        if link is None:
+            if command != self._sub:
+                return False
+            link = self._open(node)
+        if link.conn is not None:
+            link.send(command, channel)
         return True
+
+    def _open(self, node: str) -> Link:
+        link = self._links[node] = Link(self, node, None)  # no connection yet: it subscribes when it has one
+        link.task = asyncio.create_task(self._link(node), name=f"relay-link-{node}")
+        return link
+
+    async def _link(self, node: str) -> None:
+        """Connect to one node, subscribe the channels it owns, read until lost; a lost link ends
+        the whole session (the next one routes every channel again, from a fresh slot map)."""
+        lost = self._lost
+        try:
+            if self.cluster:
+                target = next(n for n in self.client.get_nodes() if n.name == node)  # type: ignore[attr-defined]
+                conn = target.connection_class(**target.connection_kwargs)
+            else:
+                conn = self.client.connection_pool.make_connection()
+            await conn.connect()  # redis-py does the URL, AUTH, TLS and the handshake
+            link = self._links.get(node)
+            if link is None or link.conn is not None or lost is not self._lost:
+                await conn.disconnect()
+                return
+            link.conn = conn
+            link.last_rx = asyncio.get_running_loop().time()
+            mine = [job_id for job_id in self.subs if self._node_of(names.job_channel(job_id)) == node]
+            for i in range(0, len(mine), 512):
+                link.send(self._sub, *[names.job_channel(job_id) for job_id in mine[i:i + 512]])
+            for job_id in mine:  # anything published while we were away is in the event streams
+                for sub in self.subs.get(job_id, ()):
+                    sub.wake()
+            if not self.cluster:
+                self._connected.set()
+            await link.read()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # lost, reset, closed by the server, moved, or a protocol error
+            if lost is not None and not lost.done():
+                lost.set_exception(exc)
 
     async def _run(self) -> None:
         await arun_loop(self._session, self._stopped, log, "pub/sub")
 
     async def _session(self) -> None:
-        """Connect and read until the connection is lost; the loop then connects again at once, and
+        """Connect and read until a connection is lost; the loop then connects again at once, and
         backs off while connecting fails."""
+        self._lost = asyncio.get_running_loop().create_future()
         try:
-            await self._connect()
-        except Exception:
-            await self._drop()
-            raise
-        try:
-            await self._read()
-        except Exception as exc:  # lost, reset, closed by the server, or a protocol error
+            if self.cluster:
+                await self.client.initialize()  # type: ignore[attr-defined]  # the slot map as it is now
+                for node in {self._node_of(names.job_channel(job_id)) for job_id in self.subs}:
+                    self._open(node)
+                self._connected.set()
+            else:
+                self._open("")
+            channels = len(self.subs)
+            if self.reconnects or channels:
+                log.info("pub/sub connecting; %d channels to subscribe", channels)
+            self.reconnects += 1
+            await self._lost
+        except Exception as exc:
+            if not any(link.conn is not None for link in self._links.values()):
+                raise  # connecting failed: the loop backs off
             log.warning("pub/sub connection lost (%s); reconnecting", exc)
-        await self._drop()
-
-    async def _connect(self) -> None:
-        conn = self.client.connection_pool.make_connection()
-        await conn.connect()  # redis-py does the URL, AUTH, TLS and the handshake
-        self._conn = conn
-        self._connected.set()
-        self._last_rx = asyncio.get_running_loop().time()
-        channels = [names.job_channel(job_id) for job_id in self.subs]
-        for i in range(0, len(channels), 512):
-            self._send("SUBSCRIBE", *channels[i:i + 512])
-        if self.reconnects or channels:
-            log.info("pub/sub connected; %d channels subscribed", len(channels))
-        self.reconnects += 1
-        for group in self.subs.values():  # anything published while we were away is in the event streams
-            for sub in group:
-                sub.wake()
+        finally:
+            await self._drop()
 
     async def _drop(self) -> None:
-        conn, self._conn = self._conn, None
+        links, self._links = self._links, {}
+        self._lost = None
         self._connected.clear()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_result(None)
         self._pending.clear()
-        if conn is not None:
-            try:
-                await conn.disconnect()
-            except Exception:  # already gone
-                pass
-
-    async def _read(self) -> None:
-        parser = hiredis.Reader()
-        stream = self._conn._reader
-        loop = asyncio.get_running_loop()
-        prefix = len(names.CHANNEL_PREFIX)
-        subs = self.subs
-        while True:
-            data = await stream.read(1 << 16)
-            if not data:
-                raise ConnectionError("closed by the server")
-            self._last_rx = loop.time()
-            parser.feed(data)
-            while (msg := parser.gets()) is not False:
-                if not isinstance(msg, list):  # (RESP3 pushes are a list subclass)
-                    if isinstance(msg, hiredis.ReplyError):
-                        log.warning("pub/sub error reply: %s", msg)
-                    continue  # +PONG outside subscribed mode
-                kind = msg[0]
-                if kind == b"message":
-                    for sub in subs.get(msg[1][prefix:].decode(), ()):
-                        if sub.put(msg[2]):
-                            self.delivered += 1
-                elif kind == b"subscribe":
-                    fut = self._pending.pop(msg[1], None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
+        for link in links.values():
+            if link.task is not None:
+                link.task.cancel()
+            if link.conn is not None:
+                try:
+                    await link.conn.disconnect()
+                except Exception:  # already gone
+                    pass
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
-        pinged = 0.0
         while True:
             await asyncio.sleep(TICK_S)
             now = loop.time()
@@ -249,11 +321,13 @@ class Relay:
                     if sub.wake_at <= now:  # spread over the next tick: each wake-up costs its stream a read
                         sub.wake_at = math.inf
                         loop.call_later(random.random() * TICK_S, sub.wake)
-            if self._conn is not None:
-                silent = now - self._last_rx
+            for link in list(self._links.values()):
+                if link.conn is None:
+                    continue
+                silent = now - link.last_rx
                 if silent > 3 * PING_S:
                     log.warning("pub/sub connection silent for %.0fs; reconnecting", silent)
-                    self._conn._writer.transport.abort()  # the reader sees it and reconnects
-                elif silent > PING_S and now - pinged > PING_S:
-                    pinged = now
-                    self._send("PING")
+                    link.abort()
+                elif silent > PING_S and now - link.pinged > PING_S:
+                    link.pinged = now
+                    link.send("PING")

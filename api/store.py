@@ -7,7 +7,6 @@ import math
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import redis.asyncio as aredis
 
@@ -15,6 +14,7 @@ from shared import names
 from shared.job_ops import AsyncJobOps
 from shared.jobs import FinishReason, Job, JobStatus, new_record
 from shared.schemas import GenerationRequest
+from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
 from shared.settings import Settings
 
 # The API cannot tokenize: a prompt is reserved against a tenant's tokens per minute at this many
@@ -24,12 +24,13 @@ CHARS_PER_TOKEN = 3
 
 @dataclass
 class Admission:
-    """What the submit script decided: the job (None when refused), whether it was an idempotent
-    replay, and the script's reply (codes and rate-limit state; see shared/scripts/submit.lua)."""
+    """What the submit script decided: the job (None when refused, or when the job an idempotent replay
+    names has just expired), whether it was an idempotent replay, and the script's reply (its code and
+    rate-limit state)."""
 
     job: Job | None
     replayed: bool
-    reply: list[Any]
+    reply: SubmitReply
 
 
 class JobStore:
@@ -44,24 +45,24 @@ class JobStore:
                      max_waiting: int = 0) -> Admission:
         """Admit, store and enqueue a job in one round trip (submit.lua): an idempotent replay, the
         tenant's limits and the service-wide queue cap are checked first; a refusal stores nothing."""
-        job_id = "job_" + uuid.uuid4().hex
+        job_id = "job_" + uuid.uuid4().hex[:-2] + names.new_job_suffix(owner)  # its partition: the tenant's
         request_json = req.model_dump_json(exclude_defaults=True)
         record = new_record(job_id, self.settings.served_model_name, request_json)
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
         prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
-        reply = await self.jobs.submit(  # integers; a replay's job id is text
+        reply = await self.jobs.submit(
             job_id, record, request_json, owner=owner,
             reserve_tokens=math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens, max_waiting=max_waiting,
             idempotency_key=idempotency_key or "", idempotency_ttl_s=self.settings.idempotency_ttl_s,
             jobs_maxlen=self.jobs_maxlen)
-        if reply[0] == 2:
-            return Admission(await self.get(str(reply[1])), True, reply)
-        if reply[0] != 1:
+        if reply.code is SubmitCode.replay:
+            return Admission(await self.get(reply.job_id), True, reply)
+        if reply.code is not SubmitCode.accepted:
             return Admission(None, False, reply)
         job = Job.from_record({k: str(v) for k, v in record.items()})
         job.owner = owner
-        job.queue_position = max(1, reply[1] - reply[2])
+        job.queue_position = max(1, reply.ordinal - reply.dequeued)
         return Admission(job, False, reply)
 
     async def owner_of(self, job_id: str) -> str | None:
@@ -78,12 +79,13 @@ class JobStore:
 
     async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
         """Returns (job, changed). changed is False when the job had already ended."""
-        if await self.jobs.finish(job_id, FinishReason.cancelled, required_status=JobStatus.queued.value) > 0:
+        ended = await self.jobs.finish(job_id, FinishReason.cancelled, required_status=JobStatus.queued.value)
+        if ended.code is FinishCode.finished:
             return await self.get(job_id), True
-        before = await self.jobs.request_cancel(job_id)
-        if not before:
+        asked = await self.jobs.request_cancel(job_id)
+        if not asked.found:
             return None, False
-        if before != JobStatus.running.value:
+        if asked.before != JobStatus.running.value:
             return await self.get(job_id), False
         deadline = time.monotonic() + wait_s  # the engine frees the slot at its next step
         job = await self.get(job_id)

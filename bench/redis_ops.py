@@ -154,7 +154,7 @@ def subscribe(url: str, ready: Any, stop: Any, out: Any) -> None:
     """One pattern subscriber reading every chunk, as an API process's relay connection would."""
     client: Any = redis.Redis.from_url(url)
     p = client.pubsub(ignore_subscribe_messages=True)
-    p.psubscribe(names.CHANNEL_PREFIX + "*")
+    p.psubscribe(names.job_channel("*"))
     ready.set()
     n, dropped = 0, False
     try:

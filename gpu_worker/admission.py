@@ -18,11 +18,12 @@ from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
 from shared.job_ops import JobOps, unpack_ids
 from shared.schemas import TOKENIZED_SCHEMA, batch_requests, from_ipc
+from shared.scripts.codes import StartCode
 from shared.stream_consumer import Entry, StreamConsumer
 
 log = logging.getLogger("conveyor.inference")
 
-STARTED, RESUMED = 1, 2  # START_SCRIPT's codes for a job to run here
+STARTED, RESUMED = StartCode.started, StartCode.resumed  # start.lua: a job to run here
 
 
 def entry_batch(entry: Entry) -> pa.RecordBatch:
@@ -45,9 +46,9 @@ class Admission:
             return
         started: list[tuple[Request, int, int, float]] = []
         for req in batch_requests(batch):
-            code, seq, created = self.jobs.start(req.id, self.worker_id)
-            if code in (STARTED, RESUMED):
-                started.append((req, code, seq, created))
+            took = self.jobs.start(req.id, self.worker_id)
+            if took.code in (STARTED, RESUMED):
+                started.append((req, took.code, took.seq, took.created_at))
         if not started:  # every job already ended (or was cancelled) elsewhere
             self.consumer.ack([entry.id])
             return

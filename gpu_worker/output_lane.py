@@ -187,19 +187,27 @@ class OutputLane:
     def _replayable(self, pipe: Any) -> Callable[[], list[Any]]:
         """`pipe.execute`, retryable: a failed execute() empties the pipeline, so a retry replays
         the step's commands on a new one."""
-        stack, scripts = list(pipe.command_stack), set(pipe.scripts)
+        calls = _queued(pipe)
         first = [pipe]
 
         def execute() -> list[Any]:
             if first:
                 return first.pop().execute(raise_on_error=False)  # type: ignore[no-any-return]
             again = self.client.pipeline(transaction=True)
-            again.scripts = set(scripts)
-            for args, options in stack:
+            for args, options in calls:
                 again.pipeline_execute_command(*args, **options)
             return again.execute(raise_on_error=False)
 
         return execute
+
+
+def _queued(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """The commands queued on a pipeline, as (args, options): a plain one keeps them in its
+    command_stack, a cluster's in its execution strategy's queue."""
+    strategy = getattr(pipe, "_execution_strategy", None)
+    if strategy is not None:
+        return [(c.args, c.options) for c in strategy.command_queue]
+    return list(pipe.command_stack)
 
 
 def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneReport],

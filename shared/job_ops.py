@@ -1,9 +1,12 @@
-"""The job record's operations in Redis: submit, start, step, finish, cancel, and reading it back.
+"""The job record's operations in Redis: submit, start, step, finish, cancel, and reading it back; and
+the typed calls of the protocol's other scripts.
 
 The `*_write` functions build a script's keys and arguments, in its order (shared/scripts/*.lua name
-them); callers never touch ARGV positions. `JobOps` is the synchronous face (the tokenizer pool, the
-inference worker and its output lane), `AsyncJobOps` the asyncio face (the API); both send what the
-same builders make.
+them), every script's here; callers never touch KEYS or ARGV positions. `JobOps` is the synchronous
+face (the tokenizer pool, the inference worker and its output lane), `AsyncJobOps` the asyncio face (the
+API); both send what the same builders make. The functions after them call the scripts that are not a
+job's lifecycle (the after-job work's, a tenant's stream slots, the streams' tails and lags). Replies come
+back as the types of shared/scripts/codes.py, never as positions or bare integers.
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ import redis.asyncio as aredis
 
 from shared import names, scripts
 from shared.jobs import FinishReason, JobStatus
-from shared.redis_client import text
+from shared.redis_client import CLUSTER_TYPES, text
+from shared.scripts.codes import (
+    FinishReply,
+    RequestCancelReply,
+    StartReply,
+    StreamOpenCode,
+    SubmitReply,
+    TailReply,
+)
 
 STATUS_FOR = {
     FinishReason.stop: JobStatus.succeeded,
@@ -56,9 +67,10 @@ def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text
     return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id)]
 
 
-def step_call(keys: list[str], args: list[Any], ttl_s: int) -> Write:
-    """A whole step call: the jobs' `step_write` parts joined, after the arguments they share."""
-    return keys, [ttl_s, repr(time.time()), *args]
+def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH") -> Write:
+    """A whole step call: the jobs' `step_write` parts joined, after the arguments they share.
+    `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`)."""
+    return keys, [ttl_s, repr(time.time()), publish, *args]
 
 
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",
@@ -66,13 +78,13 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
                  jobs_maxlen: int = 1_000_000) -> Write:
     """A submit call (submit.lua). `idempotency_key` is the client's key (scoped to the owner here);
     `record` is the job hash without its request."""
-    idem = names.idempotency_key(f"{owner}:{idempotency_key}") if idempotency_key else names.job_key(job_id)
+    idem = names.idempotency_key(owner, idempotency_key) if idempotency_key else names.job_key(job_id)
     keys = [names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER,
             names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
             names.tenant_bucket_key(owner, "tokens"), names.tenant_active_key(owner), idem]
     args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
                        idempotency_ttl_s if idempotency_key else 0, hashlib.sha256(request_json.encode()).hexdigest(),
-                       jobs_maxlen, names.job_key(""), job_id, request_json]
+                       jobs_maxlen, names.job_key(job_id).removesuffix(job_id), job_id, request_json]
     for k, v in record.items():
         if k != "request":
             args += [k, v]
@@ -80,24 +92,58 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
 
 
 def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, required_status: str = "",
-                 fields: dict[str, Any] | None = None) -> Write:
+                 fields: dict[str, Any] | None = None, publish: str = "PUBLISH") -> Write:
     """A finish call (finish.lua): the terminal status follows from `reason`."""
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
             names.DEQUEUED_COUNTER, names.text_key(job_id), names.ENDED_STREAM]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
-                       names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN, names.PREFIX]
+                       names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN,
+                       names.partition_prefix(names.job_partition(job_id)), publish]  # the job's, so its tenant's
     for k, v in (fields or {}).items():
         args += [k, v]
     return keys, args
+
+
+def publish_command(client: Any) -> str:
+    """How a job's chunks are published through this client: sharded on a cluster (SPUBLISH in the
+    job's slot reaches only the node that owns it), else PUBLISH."""
+    return "SPUBLISH" if isinstance(client, CLUSTER_TYPES) else "PUBLISH"
 
 
 def request_cancel_write(job_id: str) -> Write:
     return [names.job_key(job_id)], [names.CONTROL_CHANNEL, job_id]
 
 
+def account_write(job_id: str, usage_ttl_s: int) -> Write:
+    """An account call (account.lua): the job's usage onto today's totals, kept `usage_ttl_s`."""
+    return [names.job_key(job_id), names.usage_key(partition=names.job_partition(job_id))], [usage_ttl_s]
+
+
+def note_failure_write(job_id: str, why: str) -> Write:
+    """A note_failure call (note_failure.lua): why the job's last webhook delivery failed."""
+    return [names.job_key(job_id)], [why]
+
+
+def stream_open_write(tenant: str, stream_id: str, lease_s: int, limit: int) -> Write:
+    """A stream_open call (stream_open.lua): one of the tenant's `limit` stream slots (0 none), leased `lease_s`."""
+    return [names.tenant_streams_key(tenant)], [stream_id, time.time(), lease_s, limit]
+
+
+def tail_write(stream: str, count: int) -> Write:
+    """A tail call (tail.lua): the job ids of the stream's `count` newest entries."""
+    return [stream], [count]
+
+
+def count_after_write(stream: str, after_id: str, limit: int, page: int) -> Write:
+    """A count_after call (count_after.lua): the stream's entries after `after_id`, counted up to `limit`,
+    `page` at a time."""
+    return [stream], [f"({after_id}", limit, page]
+
+
 class JobOps:
     def __init__(self, client: redis.Redis, ttl_s: int) -> None:
         self.client, self.ttl_s = client, ttl_s
+        self.publish = publish_command(client)
         self._loaded = False
 
     def _queue(self, script: scripts.Script, pipe: Any, write: Write) -> Any:
@@ -112,23 +158,26 @@ class JobOps:
                 pass  # unreachable now: the pipeline meets the outage and its caller retries
         return script.queue(pipe, *write)
 
-    def start(self, job_id: str, worker_id: str) -> tuple[int, int, float]:
-        """Returns (code, seq, created_at); see start.lua for the codes."""
-        code, seq, created = scripts.START(self.client, *start_write(job_id, worker_id))
-        return int(code), int(seq), float(created or 0.0)
+    def start(self, job_id: str, worker_id: str) -> StartReply:
+        """Take the job (see StartCode for what the code says)."""
+        return StartReply.parse(scripts.START(self.client, *start_write(job_id, worker_id)))
 
-    def step(self, keys: list[str], args: list[Any], pipe: Any) -> Any:
+    def step(self, keys: list[str], args: list[Any], pipe: Any) -> None:
         """Queue one engine step's writes for many jobs (`step_write` parts joined) on `pipe`. Its reply
-        is {chunks written, chunks skipped as replays}: a replayed step is no error."""
-        return self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s))
+        there is a StepReply's (`StepReply.parse`): a replayed step is no error."""
+        self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish))
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
-               pipe: Any = None, required_status: str = "") -> Any:
-        """End an active job exactly once (see finish.lua). With `pipe`, queues it there."""
-        write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields)
-        return self._queue(scripts.FINISH, pipe, write) if pipe is not None else scripts.FINISH(self.client, *write)
+               pipe: Any = None, required_status: str = "") -> FinishReply | None:
+        """End an active job exactly once (see finish.lua). With `pipe`, queues it there and returns None:
+        its reply is the pipeline's to `FinishReply.parse`."""
+        write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields, self.publish)
+        if pipe is not None:
+            self._queue(scripts.FINISH, pipe, write)
+            return None
+        return FinishReply.parse(scripts.FINISH(self.client, *write))
 
-    def fail(self, job_id: str, error: str) -> Any:
+    def fail(self, job_id: str, error: str) -> FinishReply | None:
         return self.finish(job_id, FinishReason.error, error)
 
     def resume_state(self, job_id: str) -> tuple[bytes, str, int]:
@@ -145,19 +194,21 @@ class JobOps:
 class AsyncJobOps:
     def __init__(self, client: aredis.Redis, ttl_s: int) -> None:
         self.client, self.ttl_s = client, ttl_s
+        self.publish = publish_command(client)
 
-    async def submit(self, job_id: str, record: dict[str, Any], request_json: str, **admission: Any) -> list[Any]:
-        """Admit and enqueue (see submit.lua for the reply); `admission` as `submit_write` takes it."""
-        return list(await scripts.SUBMIT.acall(self.client, *submit_write(job_id, record, request_json, self.ttl_s,
-                                                                           **admission)))
+    async def submit(self, job_id: str, record: dict[str, Any], request_json: str, **admission: Any) -> SubmitReply:
+        """Admit and enqueue (see SubmitCode for the outcomes); `admission` as `submit_write` takes it."""
+        write = submit_write(job_id, record, request_json, self.ttl_s, **admission)
+        return SubmitReply.parse(await scripts.SUBMIT.acall(self.client, *write))
 
-    async def finish(self, job_id: str, reason: FinishReason, error: str = "", required_status: str = "") -> int:
-        write = finish_write(job_id, reason, error, self.ttl_s, required_status)
-        return int(await scripts.FINISH.acall(self.client, *write))
+    async def finish(self, job_id: str, reason: FinishReason, error: str = "",
+                     required_status: str = "") -> FinishReply:
+        write = finish_write(job_id, reason, error, self.ttl_s, required_status, publish=self.publish)
+        return FinishReply.parse(await scripts.FINISH.acall(self.client, *write))
 
-    async def request_cancel(self, job_id: str) -> str:
-        """The job's status before the request ('' for no such job); see request_cancel.lua."""
-        return text(await scripts.REQUEST_CANCEL.acall(self.client, *request_cancel_write(job_id)))
+    async def request_cancel(self, job_id: str) -> RequestCancelReply:
+        """Ask the engine running the job to stop it; the reply holds its status before (see request_cancel.lua)."""
+        return RequestCancelReply.parse(await scripts.REQUEST_CANCEL.acall(self.client, *request_cancel_write(job_id)))
 
     async def read(self, job_id: str) -> dict[str, str] | None:
         """The job's record with its text so far, or None when there is no such job."""
@@ -168,3 +219,29 @@ class AsyncJobOps:
         if not rec:
             return None
         return {**rec, "text": text or ""}
+
+
+def queue_account(pipe: Any, job_id: str, usage_ttl_s: int) -> None:
+    """Queue an account call on `pipe` (run by `scripts.execute`); its reply there is an AccountReply's."""
+    scripts.ACCOUNT.queue(pipe, *account_write(job_id, usage_ttl_s))
+
+
+def queue_note_failure(pipe: Any, job_id: str, why: str) -> None:
+    """Queue a note_failure call on `pipe` (run by `scripts.execute`); it replies nothing."""
+    scripts.NOTE_FAILURE.queue(pipe, *note_failure_write(job_id, why))
+
+
+def queue_count_after(pipe: Any, stream: str, after_id: str, limit: int, page: int) -> None:
+    """Queue a count_after call on `pipe` (run by `scripts.execute`); its reply there is the count (an int)."""
+    scripts.COUNT_AFTER.queue(pipe, *count_after_write(stream, after_id, limit, page))
+
+
+async def stream_open(client: aredis.Redis, tenant: str, stream_id: str, lease_s: int, limit: int) -> StreamOpenCode:
+    """Take one of the tenant's stream slots for `stream_id` if one is free."""
+    write = stream_open_write(tenant, stream_id, lease_s, limit)
+    return StreamOpenCode(int(await scripts.STREAM_OPEN.acall(client, *write)))
+
+
+async def tail(client: aredis.Redis, stream: str, count: int) -> TailReply:
+    """The stream's newest entry id and the job ids of its `count` newest entries, newest first."""
+    return TailReply.parse(await scripts.TAIL.acall(client, *tail_write(stream, count)))

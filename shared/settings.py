@@ -31,7 +31,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore", protected_namespaces=())
 
     # where things live
-    redis_url: str = Field("", description="Redis to use; empty means the supervisor starts its own")
+    redis_url: str = Field("", description="Redis to use (one node, or any node of a Redis Cluster); empty means "
+                                           "the supervisor starts its own")
+    celery_broker_url: str = Field("", description="Celery's broker: a single-node Redis; empty means REDIS_URL "
+                                                   "(a Redis Cluster cannot be Celery's broker)")
     cache_dir: Path = Field(default_factory=default_cache_dir, validation_alias="CONVEYOR_CACHE")
     model: str = Field("", description="local model directory or hub id; empty means the default model")
     model_name: str = Field("", description="name reported by the API; defaults to the model dir's name")

@@ -27,6 +27,7 @@ import redis
 import redis.asyncio as aredis
 
 from shared import names, scripts
+from shared.job_ops import queue_count_after
 from shared.policy import PoolSignals
 from shared.redis_client import text
 from shared.settings import Settings
@@ -192,7 +193,7 @@ def read_snapshot(client: redis.Redis, pools: Sequence[str] = WATCHED_POOLS,
     if ids:
         pipe.mget([names.heartbeat_key(pool, worker) for pool, worker in ids])
     for stream, g in uncounted.items():
-        scripts.COUNT_AFTER.queue(pipe, [stream], [f"({g.last_id}", limit, PAGE])
+        queue_count_after(pipe, stream, g.last_id, limit, PAGE)
     second = iter(scripts.execute(pipe) if ids or uncounted else [])
     bodies = next(second) if ids else []
 

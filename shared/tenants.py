@@ -64,14 +64,19 @@ def create(client: redis.Redis, name: str, **limits: int | None) -> tuple[str, s
     digest = hash_key(key)
     old = rec.get("key_sha256")
     values = {**DEFAULT_LIMITS, **{k: v for k, v in limits.items() if v is not None}}
+    # two steps, each in one slot: the tenant's own keys (its partition), then the index that makes
+    # the key valid, so a key never names a tenant that is not there yet
     pipe = client.pipeline(transaction=True)
-    if old:
-        pipe.delete(names.api_key_index(old))
-    pipe.delete(names.tenant_key(name), names.tenant_bucket_key(name, "requests"),
-                names.tenant_bucket_key(name, "tokens"))
+    pipe.delete(names.tenant_key(name))
+    pipe.delete(names.tenant_bucket_key(name, "requests"))
+    pipe.delete(names.tenant_bucket_key(name, "tokens"))
     pipe.hset(names.tenant_key(name), mapping={"key_sha256": digest, "created_at": repr(time.time()),
                                                "disabled": "0", "webhook_secret": secret,
                                                **{k: int(values[k]) for k in LIMITS}})
+    pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    if old:
+        pipe.delete(names.api_key_index(old))
     pipe.set(names.api_key_index(digest), name)
     pipe.sadd(names.TENANTS_SET, name)
     pipe.execute()

@@ -27,13 +27,14 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
 
 import redis
 
 from shared import names, scripts
 from shared.heartbeat import beat, forget
+from shared.job_ops import queue_account, queue_note_failure
 from shared.redis_client import text
+from shared.scripts.codes import AccountReply
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
 from workers.webhook import WebhookSender, redact
@@ -43,13 +44,14 @@ log = logging.getLogger("conveyor.after_job")
 USAGE_TTL_S = 35 * 86400
 
 
-def account(client: redis.Redis, job_ids: list[str]) -> list[Any]:
+def account(client: redis.Redis, job_ids: list[str]) -> list[AccountReply | Exception]:
     """Add each ended job's usage to the day's totals, once per job, in one pipeline. Per job: its
-    (webhook URL, owner), None for a record that has expired, or the exception that stopped it."""
+    webhook URL and owner (or that its record has expired), or the exception that stopped it."""
     pipe = client.pipeline(transaction=False)
     for job_id in job_ids:
-        scripts.ACCOUNT.queue(pipe, [names.job_key(job_id), names.usage_key()], [USAGE_TTL_S])
-    return list(scripts.execute(pipe, raise_on_error=False))
+        queue_account(pipe, job_id, USAGE_TTL_S)
+    return [res if isinstance(res, Exception) else AccountReply.parse(res)
+            for res in scripts.execute(pipe, raise_on_error=False)]
 
 
 def _job_id(entry: Entry) -> str:
@@ -129,9 +131,9 @@ class AfterJob:
             if isinstance(found, Exception):
                 log.warning("accounting %s failed: %s; will retry", job_id, found)
                 unaccounted.add(entry.id)
-            elif found and found[0]:
-                url, owner = text(found[0]), text(found[1])
-                hooks[entry.id] = (url, self._pool.submit(self.webhooks.send, job_id, url, owner))
+            elif found.webhook_url:
+                hooks[entry.id] = (found.webhook_url,
+                                   self._pool.submit(self.webhooks.send, job_id, found.webhook_url, found.owner))
         wait([f for _, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
         done, failures = [], {}
         for entry, job_id in zip(entries, ids):
@@ -156,7 +158,7 @@ class AfterJob:
         if failures:
             pipe = self.client.pipeline(transaction=False)
             for job_id, why in failures.items():
-                scripts.NOTE_FAILURE.queue(pipe, [names.job_key(job_id)], [why])
+                queue_note_failure(pipe, job_id, why)
             scripts.execute(pipe, raise_on_error=False)
         counts["done"] += len(done)
         counts["failed"] += len(entries) - len(done)

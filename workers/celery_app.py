@@ -15,7 +15,7 @@ from celery import Celery
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from shared import names
-from shared.redis_client import sync_client
+from shared.redis_client import is_cluster, sync_client
 from shared.settings import get_settings
 from workers import upkeep
 from workers.after_job import AfterJob
@@ -23,7 +23,12 @@ from workers.after_job import AfterJob
 settings = get_settings()
 AFTER_JOBS_EVERY_S = 30.0
 AFTER_JOBS_RUN_S = 25.0
-app = Celery("conveyor", broker=settings.redis_url or "redis://127.0.0.1:6379/0")
+# Celery's broker is a single Redis (kombu has no cluster transport): CELERY_BROKER_URL, else REDIS_URL,
+# which must then be a single node; the tasks themselves reach conveyor's keys through REDIS_URL
+if not settings.celery_broker_url and settings.redis_url and is_cluster(settings.redis_url):
+    raise SystemExit("REDIS_URL is a Redis Cluster, which cannot be Celery's broker: set CELERY_BROKER_URL "
+                     "to a single-node Redis (`conveyor up --redis-cluster N` starts one)")
+app = Celery("conveyor", broker=settings.celery_broker_url or settings.redis_url or "redis://127.0.0.1:6379/0")
 app.conf.update(
     task_default_queue=names.CELERY_QUEUE,
     task_acks_late=True,  # a task whose worker dies is delivered again

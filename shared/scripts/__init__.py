@@ -1,11 +1,15 @@
 """The Lua scripts of the Redis protocol, one `.lua` file each beside this module (each opens with its
-KEYS, ARGV and reply), and how they are called.
+KEYS, ARGV and reply), and how they are called. Their replies' types (codes and parsed fields) are in
+`shared.scripts.codes`; their keys and arguments are built, and the calls made, by shared/job_ops.py.
 
 A call sends EVALSHA; a NOSCRIPT answer (a Redis that restarted or flushed its script cache) loads
 every script and sends the call again. In a pipeline a call is queued as EVALSHA too, and `execute`
 runs the pipeline and replays, in order, the commands that answered NOSCRIPT once the scripts are
 loaded (the pipelines of `shared.redis_client` clients do so on their own). Nothing here sends
 SCRIPT EXISTS, which redis-py's `register_script` sends before every pipeline that holds one.
+
+On a Redis Cluster a call is sent as EVAL with the script's source: a replica promoted by a
+failover has an empty script cache, and EVAL needs none (Redis compiles a source once and keeps it).
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from typing import Any
 
 import redis
 import redis.asyncio as aredis
+import redis.asyncio.cluster as acluster
+import redis.cluster
 from redis.exceptions import NoScriptError
+
+_CLUSTER = (redis.cluster.RedisCluster, acluster.RedisCluster, acluster.ClusterPipeline)
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,6 +36,8 @@ class Script:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: redis.Redis, keys: list[Any], args: list[Any]) -> Any:
+        if isinstance(client, _CLUSTER):
+            return client.eval(self.source, len(keys), *keys, *args)
         try:
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -35,6 +45,8 @@ class Script:
             return client.evalsha(self.sha, len(keys), *keys, *args)
 
     async def acall(self, client: aredis.Redis, keys: list[Any], args: list[Any]) -> Any:
+        if isinstance(client, _CLUSTER):
+            return await client.eval(self.source, len(keys), *keys, *args)  # type: ignore[misc]
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
         except NoScriptError:
@@ -43,6 +55,8 @@ class Script:
 
     def queue(self, pipe: redis.client.Pipeline, keys: list[Any], args: list[Any]) -> Any:
         """Queue the call on `pipe`, to be run by `execute` (or a pipeline of a shared.redis_client client)."""
+        if isinstance(pipe, _CLUSTER):
+            return pipe.eval(self.source, len(keys), *keys, *args)
         return pipe.evalsha(self.sha, len(keys), *keys, *args)
 
 
@@ -60,7 +74,10 @@ ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:
-    """Load every script (one round trip) on the client's (or pipeline's) connection pool."""
+    """Load every script (one round trip) on the client's (or pipeline's) connection pool; nothing
+    on a cluster, where calls carry their source."""
+    if isinstance(client, _CLUSTER):
+        return
     pipe = redis.client.Pipeline(client.connection_pool, client.response_callbacks, False, None)
     for script in ALL:
         pipe.script_load(script.source)
@@ -68,6 +85,8 @@ def load(client: redis.Redis | redis.client.Pipeline) -> None:
 
 
 async def aload(client: aredis.Redis) -> None:
+    if isinstance(client, _CLUSTER):
+        return
     pipe = client.pipeline(transaction=False)
     for script in ALL:
         pipe.script_load(script.source)

@@ -2,30 +2,31 @@
 -- KEYS: 1 job hash, 2 event stream, 3 token ids, 4 dequeued counter, 5 text, 6 the ended stream
 -- ARGV: 1 status, 2 finish reason, 3 error, 4 now (unix s), 5 ttl (s), 6 the job's channel,
 --       7 required current status ('' any active one), 8 job id, 9 the ended stream's approximate cap,
---       10 the key prefix, 11.. field/value pairs to set on the record
+--       10 the job's partition prefix, 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
+--       12.. field/value pairs to set on the record
 -- Sets the terminal state, appends `done` to the event stream and publishes it, starts the retention
 -- clock of the job's keys and appends the job to the ended stream (the after-job work). A tenant's job
 -- leaves its unfinished count and gives back the tokens it reserved and did not use; the tenant's keys
--- are named from the prefix as shared/names.py names them (tenant_active_key, tenant_bucket_key, tenant_key).
+-- are named from the partition prefix (a tenant's jobs live in its partition) as shared/names.py names them (tenant_active_key, tenant_bucket_key, tenant_key).
 -- Returns the done event's seq; 0 if the job had already ended (or was not in the required status);
 --   -1 if it does not exist.
 local job, events, ids, dequeued, text, ended = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local status, reason, err, now, ttl, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
-local required, job_id, ended_cap, prefix = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local required, job_id, ended_cap, prefix, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local st = redis.call('HGET', job, 'status')
 if not st then return -1 end
 if st ~= 'queued' and st ~= 'running' then return 0 end
 if required ~= '' and st ~= required then return 0 end
 if st == 'queued' then redis.call('INCR', dequeued) end
 redis.call('HSET', job, 'status', status, 'finish_reason', reason, 'error', err, 'finished_at', now)
-for i = 11, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+for i = 12, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 local seq = redis.call('HINCRBY', job, 'seq', 1)
 redis.call('XADD', events, '0-' .. seq, 'type', 'done')
 redis.call('EXPIRE', job, ttl)
 redis.call('EXPIRE', events, ttl)
 redis.call('EXPIRE', ids, ttl)
 redis.call('EXPIRE', text, ttl)
-redis.call('PUBLISH', channel, cjson.encode({seq = seq, type = 'done'}))
+redis.call(publish, channel, cjson.encode({seq = seq, type = 'done'}))
 redis.call('XADD', ended, 'MAXLEN', '~', ended_cap, '*', 'job_id', job_id)
 local owner = redis.call('HGET', job, 'owner')
 if owner and owner ~= '' then

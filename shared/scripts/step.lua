@@ -1,6 +1,7 @@
 -- step: one engine step's output for many jobs in one call (the output lane's per-step write).
 -- KEYS, 4 per job: job hash, event stream, token ids, text
--- ARGV: 1 ttl (s), 2 now (unix s), then 9 per job, in the order of its keys:
+-- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), then 9 per job,
+--   in the order of its keys:
 --   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys) and
 --             FIRST_TOKEN (2: the job's first token: set first_token_at); shared/job_ops.py names them
 --   ids_at    byte offset of `ids` in the token ids
@@ -15,9 +16,9 @@
 -- write of ids or text a no-op, and a chunk whose seq is not past the job's recorded seq (the id of its
 -- event stream's last entry) is a replay: it is not appended, published or recorded again.
 -- Returns {chunks written, chunks skipped as replays}.
-local ttl, now = tonumber(ARGV[1]), ARGV[2]
+local ttl, now, publish = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local written, replayed = 0, 0
-local a = 3
+local a = 4
 for k = 1, #KEYS, 4 do
   local job, events, ids_key, text_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local flags, ids_at, ids, text_at, chunk, seq, message, n_tokens, channel = unpack(ARGV, a, a + 8)
@@ -32,7 +33,7 @@ for k = 1, #KEYS, 4 do
       replayed = replayed + 1
     else
       redis.call('XADD', events, '0-' .. seq, 'type', 'token', 'text', chunk)
-      redis.call('PUBLISH', channel, message)
+      redis.call(publish, channel, message)
       redis.call('HSET', job, 'seq', seq, 'completion_tokens', n_tokens)
       written = written + 1
     end

@@ -14,6 +14,7 @@ from shared import names, scripts
 from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, step_write
 from shared.jobs import FinishReason, new_record
 from shared.redis_client import sync_client
+from shared.scripts.codes import StartCode
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def test_our_clients_pipelines_replay_noscript_on_their_own(raw: redis.Redis) ->
 
 def _running_job(r: redis.Redis, job_id: str) -> None:
     r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
-    assert JobOps(r, 60).start(job_id, "w")[0] == 1
+    assert JobOps(r, 60).start(job_id, "w").code is StartCode.started
 
 
 def test_a_replayed_step_is_reported_not_raised(raw: redis.Redis) -> None:

@@ -1,0 +1,210 @@
+"""The scripts' replies, typed: per script the codes it returns (an `IntEnum` named after it) and, where its
+reply has structure, a dataclass whose `parse` turns the raw reply (a list of integers and strings, bytes
+from a client that does not decode) into named fields once. Each mirrors the `Returns` of its `.lua`
+header; the scripts' keys and arguments are built in shared/job_ops.py.
+
+note_failure.lua returns nothing and count_after.lua a plain count: neither has a type here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+def _text(value: Any) -> str:
+    """A reply's string (bytes from a client that does not decode); '' for nil."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(reply: list[Any], i: int) -> int:
+    return int(reply[i]) if i < len(reply) else 0
+
+
+# submit.lua
+
+
+class SubmitCode(IntEnum):
+    """submit.lua's first reply element: whether the job was admitted, and if not, why."""
+
+    accepted = 1  # {1, ordinal, dequeued, rpm, requests left, requests reset ms, tpm, tokens left, tokens reset ms}
+    replay = 2  # {2, job id}: an idempotent replay of the job the idempotency key names
+    unknown_tenant = -1  # {-1}: unknown or disabled tenant
+    over_rpm = -2  # {-2, retry ms, rpm, reset ms}: over its requests per minute
+    over_tpm = -3  # {-3, retry ms, tpm, left, reset ms}: over its tokens per minute
+    max_queued = -4  # {-4, limit}: at its unfinished-jobs limit
+    queue_full = -5  # {-5, depth}: the service-wide queue is full
+    idempotency_conflict = -6  # {-6}: the idempotency key was used with another body
+    request_over_tpm = -7  # {-7, tpm}: the request alone needs more than the tenant's tokens per minute
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    """submit.lua's reply with its fields named; those its code does not carry are 0 ('' for job_id).
+    requests_left / tokens_left are -1 when the tenant has no such limit (rpm / tpm 0)."""
+
+    code: SubmitCode
+    ordinal: int = 0  # accepted: the job's place in the submit order
+    dequeued: int = 0  # accepted: jobs that had left the queue at submit
+    rpm: int = 0  # accepted, over_rpm
+    requests_left: int = 0  # accepted
+    requests_reset_ms: int = 0  # accepted, over_rpm: until the requests bucket is full again
+    tpm: int = 0  # accepted, over_tpm, request_over_tpm
+    tokens_left: int = 0  # accepted, over_tpm
+    tokens_reset_ms: int = 0  # accepted, over_tpm: until the tokens bucket is full again
+    retry_ms: int = 0  # over_rpm, over_tpm: until the request would fit
+    limit: int = 0  # max_queued: the tenant's unfinished-jobs limit
+    depth: int = 0  # queue_full: the jobs waiting service-wide
+    job_id: str = ""  # replay: the job the idempotency key names
+
+    @classmethod
+    def parse(cls, raw: list[Any]) -> SubmitReply:
+        code = SubmitCode(int(raw[0]))
+        if code is SubmitCode.accepted:
+            return cls(code, *(_int(raw, i) for i in range(1, 9)))
+        if code is SubmitCode.replay:
+            return cls(code, job_id=_text(raw[1]))
+        if code is SubmitCode.over_rpm:
+            return cls(code, retry_ms=_int(raw, 1), rpm=_int(raw, 2), requests_reset_ms=_int(raw, 3))
+        if code is SubmitCode.over_tpm:
+            return cls(code, retry_ms=_int(raw, 1), tpm=_int(raw, 2), tokens_left=_int(raw, 3),
+                       tokens_reset_ms=_int(raw, 4))
+        if code is SubmitCode.max_queued:
+            return cls(code, limit=_int(raw, 1))
+        if code is SubmitCode.queue_full:
+            return cls(code, depth=_int(raw, 1))
+        if code is SubmitCode.request_over_tpm:
+            return cls(code, tpm=_int(raw, 1))
+        return cls(code)  # unknown_tenant, idempotency_conflict
+
+
+# start.lua
+
+
+class StartCode(IntEnum):
+    """start.lua's code: whether the worker that asked is to run the job."""
+
+    started = 1  # it was queued: it is running here now
+    resumed = 2  # already running (a redelivery): resume it from seq
+    ended_or_cancelled = 0  # ended, or its cancel was requested: not to be run
+    no_such_job = -1
+
+
+@dataclass(frozen=True)
+class StartReply:
+    """start.lua's {code, seq, created_at}: the job's last event seq and when it was submitted (unix s, 0
+    when unknown)."""
+
+    code: StartCode
+    seq: int
+    created_at: float
+
+    @classmethod
+    def parse(cls, raw: list[Any]) -> StartReply:
+        code, seq, created = raw
+        return cls(StartCode(int(code)), int(seq), float(_text(created) or 0.0))
+
+
+# finish.lua
+
+
+class FinishCode(IntEnum):
+    """What finish.lua's reply (a number) says: a positive one is the done event's seq."""
+
+    finished = 1  # this call ended the job (the reply, > 0, is the done event's seq)
+    already_ended = 0  # the job had already ended (or was not in the required status)
+    no_such_job = -1
+
+
+@dataclass(frozen=True)
+class FinishReply:
+    code: FinishCode
+    seq: int = 0  # finished: the done event's seq
+
+    @classmethod
+    def parse(cls, raw: Any) -> FinishReply:
+        n = int(raw)
+        return cls(FinishCode.finished, n) if n > 0 else cls(FinishCode(n))
+
+
+# request_cancel.lua
+
+
+@dataclass(frozen=True)
+class RequestCancelReply:
+    """request_cancel.lua's reply: the job's status before the request, '' when there is no such job. Only
+    a `running` job was asked to stop."""
+
+    before: str
+
+    @property
+    def found(self) -> bool:
+        return self.before != ""
+
+    @classmethod
+    def parse(cls, raw: Any) -> RequestCancelReply:
+        return cls(_text(raw))
+
+
+# stream_open.lua
+
+
+class StreamOpenCode(IntEnum):
+    """stream_open.lua's reply."""
+
+    opened = 1  # the stream holds one of the tenant's slots now
+    at_limit = 0  # the tenant holds its limit of open streams
+
+
+# step.lua
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """step.lua's {chunks written, chunks skipped as replays}."""
+
+    written: int
+    replayed: int
+
+    @classmethod
+    def parse(cls, raw: list[Any]) -> StepReply:
+        written, replayed = raw
+        return cls(int(written), int(replayed))
+
+
+# account.lua
+
+
+@dataclass(frozen=True)
+class AccountReply:
+    """account.lua's {webhook URL, owner} ('' for none), or `expired` when the job's record has expired."""
+
+    expired: bool
+    webhook_url: str = ""
+    owner: str = ""
+
+    @classmethod
+    def parse(cls, raw: list[Any] | None) -> AccountReply:
+        if not raw:  # Lua's false arrives as nil
+            return cls(True)
+        return cls(False, _text(raw[0]), _text(raw[1]))
+
+
+# tail.lua
+
+
+@dataclass(frozen=True)
+class TailReply:
+    """tail.lua's reply: the stream's newest entry id ('0-0' when empty), then those entries' job ids,
+    newest first."""
+
+    last_id: str
+    job_ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, raw: list[Any]) -> TailReply:
+        top, *ids = raw
+        return cls(_text(top), [_text(i) for i in ids])
