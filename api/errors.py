@@ -9,9 +9,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.redis_client import UNAVAILABLE
 
 log = logging.getLogger("conveyor.api")
 
@@ -107,12 +107,13 @@ def install(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(RedisConnectionError)
-    @app.exception_handler(RedisTimeoutError)
     async def _redis(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable: %s", exc)
         return JSONResponse(error_body(503, "the job store is unavailable; retry shortly"), 503,
                             headers={"Retry-After": "2"})
+
+    for kind in UNAVAILABLE:
+        app.add_exception_handler(kind, _redis)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -23,7 +23,8 @@ from tokenizers import Tokenizer
 
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
-from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, pack_ids, step_write
+from shared import names
+from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, pack_ids, queue_replica_wait, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
 from shared.metrics import (
@@ -36,7 +37,7 @@ from shared.metrics import (
     TTFT,
     Histograms,
 )
-from shared.redis_client import sync_client
+from shared.redis_client import CLUSTER_TYPES, UNAVAILABLE, sync_client
 from shared.retry import call
 from shared.schemas import DELTA_SCHEMA, from_ipc
 from shared.settings import Settings
@@ -64,6 +65,10 @@ class OutputLane:
         self.client = client or sync_client(settings.redis_url, decode=False)
         self.ttl = settings.job_ttl_s
         self.jobs = JobOps(self.client, self.ttl)
+        # one transaction per step on a single Redis; on a cluster a pipeline whose ends wait for a
+        # replica (WAIT needs the writes' connection, which a cluster's transaction does not lend): each
+        # call there is atomic, and a replayed step or finish is a no-op, so the order is enough
+        self.cluster = isinstance(self.client, CLUSTER_TYPES)
         self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
         self.feedback = feedback
         self.interval = settings.stream_interval
@@ -108,7 +113,7 @@ class OutputLane:
     def build(self, data: bytes) -> tuple[Any, list[str]]:
         """The step's writes: one STEP_SCRIPT call for every job's chunk and ids, then the finishes."""
         rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
-        pipe = self.client.pipeline(transaction=True)
+        pipe = self.client.pipeline(transaction=not self.cluster)
         keys: list[str] = []
         args: list[Any] = []
         finishes: list[tuple[str, str, str, int]] = []
@@ -173,6 +178,10 @@ class OutputLane:
             self.jobs.step(keys, args, pipe)
         for job_id, reason, error, n_tokens in finishes:  # after the step: a job's last chunk precedes its end
             self.jobs.finish(job_id, FinishReason(reason), error, {"completion_tokens": n_tokens}, pipe=pipe)
+        if finishes and self.cluster:  # a job's end survives the loss of its master
+            nodes = [self.client.get_node_from_key(names.job_key(job_id)) for job_id, *_ in finishes]
+            for node in {n.name: n for n in nodes}.values():
+                queue_replica_wait(pipe, node)
         return pipe, done
 
     def commit(self, pipe: Any, done: list[str]) -> None:
@@ -192,11 +201,16 @@ class OutputLane:
 
         def execute() -> list[Any]:
             if first:
-                return first.pop().execute(raise_on_error=False)  # type: ignore[no-any-return]
-            again = self.client.pipeline(transaction=True)
-            for args, options in calls:
-                again.pipeline_execute_command(*args, **options)
-            return again.execute(raise_on_error=False)
+                results = first.pop().execute(raise_on_error=False)
+            else:
+                again = self.client.pipeline(transaction=not self.cluster)
+                for args, options in calls:
+                    again.pipeline_execute_command(*args, **options)
+                results = again.execute(raise_on_error=False)
+            for res in results:  # a cluster's pipeline answers an outage per command: try the whole step again
+                if isinstance(res, UNAVAILABLE):
+                    raise res
+            return results  # type: ignore[no-any-return]
 
         return execute
 

@@ -21,6 +21,7 @@ import redis
 
 from infra.redis_server import free_port, read_local_redis_url
 from shared.lifecycle import preexec_die_with_parent
+from shared.redis_client import sync_client
 
 ROOT = Path(__file__).resolve().parent.parent
 ROLES = ("supervisor", "redis-server", "api", "tokenizer", "inference", "output-lane", "celery", "celery-beat",
@@ -43,7 +44,7 @@ class Stack:
         return int(self.url.rsplit(":", 1)[1])
 
     def redis(self) -> redis.Redis:
-        return redis.Redis.from_url(self.redis_url, decode_responses=True)
+        return sync_client(self.redis_url)  # a cluster's client when it is one
 
     def worker_pids(self, pool: str) -> list[int]:
         """Live workers of a pool, from their heartbeats."""

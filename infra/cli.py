@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--no-autoscale", action="store_true", help="keep the pools at their start size")
     up.add_argument("--celery", type=int, default=1, choices=(0, 1),
                     help="run a Celery worker with beat for after-job work and upkeep (0: none)")
+    up.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                    help="with REDIS_URL empty: run on a local Redis Cluster of N masters (at least 3) and N "
+                         "replicas, Debian's redis-server 7 (`apt-get install redis-server`), instead of one "
+                         "redis-server")
 
     sub.add_parser("api", help="run the HTTP API (uvicorn)")
     tok = sub.add_parser("tokenizer", help="run one tokenizer worker")
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
                      "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
         sys.exit(run_supervisor(settings, args.tokenizers, args.inference, autoscale=not args.no_autoscale,
-                                celery=bool(args.celery)))
+                                celery=bool(args.celery), redis_cluster=args.redis_cluster))
     elif args.cmd == "api":
         from api.server import serve
 
@@ -115,12 +119,13 @@ def _keys(args: argparse.Namespace, settings: Settings) -> int:
 
     from infra.redis_server import read_local_redis_url
     from shared import tenants
+    from shared.redis_client import sync_client
 
     url = settings.redis_url or read_local_redis_url(settings.cache_dir)
     if not url:
         print("no Redis: start the stack (`conveyor up`) or set REDIS_URL", file=sys.stderr)
         return 1
-    client = redis.Redis.from_url(url, decode_responses=True)
+    client = sync_client(url)
     try:
         if args.keys_cmd == "create":
             key, secret = tenants.create(client, args.name, rpm=args.rpm, tpm=args.tpm, max_queued=args.max_queued,

@@ -4,8 +4,8 @@ killed outright: draining workers must still be able to record what they finish.
 The supervisor starts this guard first, as a child that gets SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG), and starts redis-server without that signal. On SIGTERM the guard waits until
 the stack lock is free (every child of the supervisor holds it, inherited; the guard and
-redis-server do not), at most `grace_s`, then stops the redis-server named in the connection
-file (SIGTERM: it flushes its append-only file). When the stack stops normally, the supervisor
+redis-server do not), at most `grace_s`, then stops the redis-server processes named in the
+connection file (SIGTERM: each flushes its append-only file). When the stack stops normally, the supervisor
 stops redis-server itself and then kills the guard.
 
     python -m infra.redis_guard <lock file> <connection file> <grace seconds>
@@ -52,29 +52,38 @@ def wait_for_lock(lock_path: Path, deadline: float) -> bool:
 
 
 def stop_server(connection_file: Path, timeout: float = 10.0) -> None:
-    """SIGTERM the redis-server of the connection file, SIGKILL it if it lingers."""
+    """SIGTERM the redis-server processes of the connection file ("pids", else "pid"), SIGKILL
+    those that linger."""
     try:
-        pid = int(json.loads(connection_file.read_text())["pid"])
+        info = json.loads(connection_file.read_text())
+        pids = [int(p) for p in info.get("pids") or [info["pid"]]]
     except (OSError, ValueError, KeyError, TypeError):
         return
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"redis-server" not in f.read():
-                return  # a stale file: that pid is someone else's now
-    except OSError:
-        return
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if _alive(pid):
+    mine = []
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"redis-server" not in f.read():
+                    continue  # a stale file: that pid is someone else's now
+            os.kill(pid, signal.SIGTERM)
+            mine.append(pid)
+        except (OSError, ProcessLookupError):
+            continue
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in mine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for pid in mine:  # redis 7 refuses one SIGTERM while it writes its first append-only file
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+    for pid in mine:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def main(argv: list[str]) -> int:

@@ -15,6 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from shared import names
+from shared.redis_client import sync_client
 from shared.signals import read_snapshot
 
 
@@ -61,8 +62,8 @@ def render(snap: dict[str, Any]) -> Group:
 
 
 def run(url: str, max_num_seqs: int, cache_dir: Path, watch: bool, every_s: float = 1.0) -> int:
-    client = redis.Redis.from_url(url, decode_responses=True)
-    raw = redis.Redis.from_url(url)
+    client = sync_client(url)
+    raw = sync_client(url, decode=False)
     console = Console()
     if not console.is_terminal:  # piped: no terminal width to fit, so do not squeeze the columns
         console = Console(width=160)

@@ -1,6 +1,7 @@
 """`conveyor up`: the whole stack on one machine.
 
-Starts Redis (unless REDIS_URL is set), the API, the worker pools and a Celery worker (with beat
+Starts Redis (unless REDIS_URL is set: one redis-server, or a local cluster; infra/embedded_redis.py),
+the API, the worker pools and a Celery worker (with beat
 embedded: after-job work and upkeep) as child processes;
 restarts a crashed child with backoff; scales pools on queue lag when autoscaling is on;
 on Ctrl-C or SIGTERM stops everything it started (workers drain first), leaving nothing behind.
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.autoscale import Autoscaler
-from infra.redis_server import CONNECTION_FILE, RedisServer
+from infra.embedded_redis import EmbeddedRedis
+from infra.redis_server import CONNECTION_FILE
 from shared import names
 from shared.lifecycle import preexec_die_with_parent
 from shared.settings import Settings
@@ -134,22 +136,9 @@ class StackLock:
         os.close(self.fd)
 
 
-def _restart_redis(server: RedisServer, settings: Settings) -> None:
-    """The embedded redis-server died: start it again on the same port and data; every process
-    reconnects by itself (their clients retry with backoff)."""
-    code = server.proc.returncode if server.proc is not None else None
-    log.warning("redis-server exited (%s); restarting it from its append-only file", code)
-    try:
-        server.start()  # the same port, password and append-only file
-        server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE)
-        log.warning("redis-server is back on 127.0.0.1:%d", server.port)
-    except RuntimeError as exc:  # tried again at the next tick
-        log.error("redis-server did not come back: %s", exc)
-
-
-def write_state(path: Path, url: str, pools: list[Pool], redis_pid: int | None) -> None:
-    """The supervisor's view for operators and tests: each pool's pids and restarts."""
-    state = {"pid": os.getpid(), "url": url, "updated_at": time.time(), "redis_pid": redis_pid,
+def write_state(path: Path, url: str, pools: list[Pool], redis_pids: list[int]) -> None:
+    """The supervisor's view for operators and tests: each pool's pids and restarts, Redis's pids."""
+    state = {"pid": os.getpid(), "url": url, "updated_at": time.time(), "redis_pids": redis_pids,
              "pools": {p.name: {"pids": [c.proc.pid for c in p.live()], "target": p.target, "restarts": p.restarts}
                        for p in pools}}
     tmp = path.with_suffix(".tmp")
@@ -180,7 +169,7 @@ def celery_argv(settings: Settings) -> list[str]:
 
 
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
-                   celery: bool = True) -> int:
+                   celery: bool = True, redis_cluster: int = 0) -> int:
     stop = threading.Event()
 
     def _signal(signum: int, _frame: object) -> None:
@@ -192,22 +181,19 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
 
     lock = StackLock(settings.cache_dir)
     keep = (lock.fd,)
-    redis_server: RedisServer | None = None
+    embedded: EmbeddedRedis | None = None
     guard: subprocess.Popen[bytes] | None = None
     env = dict(os.environ)
     if not settings.redis_url:
-        # the guard first: from then on a redis-server outlives the supervisor only until the rest has gone
+        # the guard first: from then on Redis outlives the supervisor only until the rest has gone
         guard = subprocess.Popen([sys.executable, "-m", "infra.redis_guard", str(lock.path),
                                   str(settings.redis_data_dir / CONNECTION_FILE), str(settings.drain_grace_s + 15)],
                                  preexec_fn=preexec_die_with_parent(signal.SIGTERM))
-        redis_server = RedisServer(settings.redis_data_dir, port=int(os.environ.get("REDIS_PORT", "0")),
-                                   maxmemory_mb=settings.redis_maxmemory_mb, appendfsync=settings.redis_appendfsync,
-                                   die_with_parent=False)
-        env["REDIS_URL"] = redis_server.start()
-        # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis here (mode 0600)
-        redis_server.write_connection_file(settings.redis_data_dir / CONNECTION_FILE)
-        log.info("redis-server started on 127.0.0.1:%d with a password (data in %s)", redis_server.port,
-                 settings.redis_data_dir)
+        embedded = EmbeddedRedis(settings, redis_cluster)
+        # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis in its connection file
+        env.update(embedded.start())
+    elif redis_cluster:
+        raise SystemExit("--redis-cluster starts a local cluster: leave REDIS_URL empty")
     cli = [sys.executable, "-m", "infra.cli"]
     grace = settings.drain_grace_s
     api = Pool("api", cli + ["api"], env, 1, grace_s=10, keep_fds=keep)
@@ -233,15 +219,14 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
                   if autoscale else None)
         state_path = settings.cache_dir / "supervisor.json"
         while not stop.is_set():
-            if redis_server is not None and redis_server.dead():
-                _restart_redis(redis_server, settings)
+            if embedded is not None:
+                embedded.revive()
             if scaler is not None:
                 for name, target in scaler({n: p.target for n, p in pools.items()}).items():
                     pools[name].target = target
             for p in everything:
                 p.reconcile()
-            write_state(state_path, url, everything,
-                        redis_server.proc.pid if redis_server is not None and redis_server.proc else None)
+            write_state(state_path, url, everything, embedded.pids() if embedded is not None else [])
             stop.wait(1.0)
     finally:
         for p in (api, *extra):
@@ -253,9 +238,8 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         deadline = time.monotonic() + grace + 5
         for p in pools.values():
             p.wait(deadline)
-        if redis_server is not None:
-            redis_server.stop()
-            (settings.redis_data_dir / CONNECTION_FILE).unlink(missing_ok=True)
+        if embedded is not None:
+            embedded.stop()
         if guard is not None:
             guard.kill()
             guard.wait()

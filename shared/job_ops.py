@@ -12,6 +12,7 @@ back as the types of shared/scripts/codes.py, never as positions or bare integer
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 import time
 from typing import Any
@@ -27,9 +28,12 @@ from shared.scripts.codes import (
     RequestCancelReply,
     StartReply,
     StreamOpenCode,
+    SubmitCode,
     SubmitReply,
     TailReply,
 )
+
+log = logging.getLogger(__name__)
 
 STATUS_FOR = {
     FinishReason.stop: JobStatus.succeeded,
@@ -37,6 +41,8 @@ STATUS_FOR = {
     FinishReason.cancelled: JobStatus.cancelled,
     FinishReason.error: JobStatus.failed,
 }
+
+REPLICA_WAIT_MS = 1000  # how long a cluster write that promises something waits for a replica
 
 # step flags (added together): the lane's first write for the job (set its keys' TTLs); its first token
 FRESH = 1
@@ -108,6 +114,12 @@ def publish_command(client: Any) -> str:
     """How a job's chunks are published through this client: sharded on a cluster (SPUBLISH in the
     job's slot reaches only the node that owns it), else PUBLISH."""
     return "SPUBLISH" if isinstance(client, CLUSTER_TYPES) else "PUBLISH"
+
+
+def queue_replica_wait(pipe: Any, node: Any) -> None:
+    """Queue WAIT 1 on a cluster pipeline, to the node (so on the connection) of the writes before it:
+    its reply is how many replicas have them, after at most REPLICA_WAIT_MS."""
+    pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS, target_nodes=node)
 
 
 def request_cancel_write(job_id: str) -> Write:
@@ -197,9 +209,21 @@ class AsyncJobOps:
         self.publish = publish_command(client)
 
     async def submit(self, job_id: str, record: dict[str, Any], request_json: str, **admission: Any) -> SubmitReply:
-        """Admit and enqueue (see SubmitCode for the outcomes); `admission` as `submit_write` takes it."""
+        """Admit and enqueue (see SubmitCode for the outcomes); `admission` as `submit_write` takes it.
+        On a cluster the reply waits until a replica has the job too (WAIT 1 on the same connection), so
+        a 202 survives kill -9 of the master: its replica, promoted, has the job."""
         write = submit_write(job_id, record, request_json, self.ttl_s, **admission)
-        return SubmitReply.parse(await scripts.SUBMIT.acall(self.client, *write))
+        if not isinstance(self.client, CLUSTER_TYPES):
+            return SubmitReply.parse(await scripts.SUBMIT.acall(self.client, *write))
+        pipe = self.client.pipeline(transaction=False)
+        scripts.SUBMIT.queue(pipe, *write)
+        queue_replica_wait(pipe, self.client.get_node_from_key(write[0][0]))  # type: ignore[attr-defined]
+        raw, copies = await pipe.execute()
+        reply = SubmitReply.parse(raw)
+        if reply.code is SubmitCode.accepted and int(copies) < 1:
+            log.warning("job %s: no replica confirmed it within %d ms; it is on the master only", job_id,
+                        REPLICA_WAIT_MS)
+        return reply
 
     async def finish(self, job_id: str, reason: FinishReason, error: str = "",
                      required_status: str = "") -> FinishReply:

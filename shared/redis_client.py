@@ -15,12 +15,22 @@ import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import (
+    ClusterError,
+    ConnectionError,
+    ReadOnlyError,
+    SlotNotCoveredError,
+    TimeoutError,
+    TryAgainError,
+)
 from redis.retry import Retry
 
 from shared import scripts
 
-RETRYABLE = (ConnectionError, TimeoutError, ConnectionResetError, OSError)
+# Redis cannot answer now, but will: down or unreachable, or a cluster in a failover (no master for
+# a slot yet, a write that met a demoted master, a slot in migration)
+UNAVAILABLE = (ConnectionError, TimeoutError, ClusterError, TryAgainError, SlotNotCoveredError, ReadOnlyError)
+RETRYABLE = (*UNAVAILABLE, ConnectionResetError, OSError)
 CLUSTER_TYPES = (redis.cluster.RedisCluster, acluster.RedisCluster)
 
 

@@ -191,7 +191,7 @@ def read_snapshot(client: redis.Redis, pools: Sequence[str] = WATCHED_POOLS,
     uncounted = {stream: g for stream, g in groups.items() if isinstance(g, Uncounted)}
     pipe = client.pipeline(transaction=False)
     if ids:
-        pipe.mget([names.heartbeat_key(pool, worker) for pool, worker in ids])
+        pipe.execute_command("MGET", *[names.heartbeat_key(pool, worker) for pool, worker in ids])  # one slot
     for stream, g in uncounted.items():
         queue_count_after(pipe, stream, g.last_id, limit, PAGE)
     second = iter(scripts.execute(pipe) if ids or uncounted else [])

@@ -83,6 +83,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, m
 
 
 @pytest.fixture(scope="session")
+def cluster_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iterator[Stack]:
+    """`tiny_stack` on a local Redis Cluster (3 masters, 3 replicas: `conveyor up --redis-cluster 3`)."""
+    s = start_stack(tmp_path_factory.mktemp("cluster-stack"), "", tiny_model_dir, args=["--redis-cluster", "3"])
+    yield s
+    stop_stack(s)
+
+
+@pytest.fixture(scope="session", params=["single", "cluster"])
+def plumbing_stack(request: pytest.FixtureRequest) -> Stack:
+    """The tiny-model stack on one Redis node, then on a Redis Cluster: the HTTP contract holds on both."""
+    return request.getfixturevalue("tiny_stack" if request.param == "single" else "cluster_stack")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
 def tiny_stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model_dir: str
                ) -> Iterator[Stack]:
     """The tiny model behind the full stack (db 1 of the session's Redis): the same processes and path as

@@ -55,8 +55,8 @@ class Script:
 
     def queue(self, pipe: redis.client.Pipeline, keys: list[Any], args: list[Any]) -> Any:
         """Queue the call on `pipe`, to be run by `execute` (or a pipeline of a shared.redis_client client)."""
-        if isinstance(pipe, _CLUSTER):
-            return pipe.eval(self.source, len(keys), *keys, *args)
+        if isinstance(pipe, _CLUSTER):  # (a cluster's pipeline refuses .eval(): it cannot see the slots)
+            return pipe.execute_command("EVAL", self.source, len(keys), *keys, *args)
         return pipe.evalsha(self.sha, len(keys), *keys, *args)
 
 
@@ -96,6 +96,8 @@ async def aload(client: aredis.Redis) -> None:
 def execute(pipe: redis.client.Pipeline, raise_on_error: bool = True) -> list[Any]:
     """Run `pipe`. Commands that answered NOSCRIPT ran nothing: once every script is loaded they run
     again, in their order, in one more round trip (a transaction's again as one transaction)."""
+    if isinstance(pipe, _CLUSTER):  # its calls carry their source: nothing to replay
+        return pipe.execute(raise_on_error=raise_on_error)  # type: ignore[no-any-return]
     stack = list(pipe.command_stack)
     results = redis.client.Pipeline.execute(pipe, raise_on_error=False)
     missing = [i for i, res in enumerate(results) if isinstance(res, NoScriptError)]

@@ -32,8 +32,8 @@ def real(stack) -> httpx.Client:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def client(tiny_stack) -> httpx.Client:  # type: ignore[no-untyped-def]
-    with httpx.Client(base_url=tiny_stack.url, timeout=60) as c:
+def client(plumbing_stack) -> httpx.Client:  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=plumbing_stack.url, timeout=60) as c:
         yield c
 
 
@@ -126,14 +126,14 @@ def test_cancel_running_job(client: httpx.Client) -> None:
     assert events[-1]["event"] == "done" and tokens_text(events) == final["text"]
 
 
-def test_cancel_queued_job_and_unknown(tiny_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
-    tiny_stack.pause("tokenizer")  # nothing leaves the queue until the cancel is in
+def test_cancel_queued_job_and_unknown(plumbing_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
+    plumbing_stack.pause("tokenizer")  # nothing leaves the queue until the cancel is in
     try:
         job = submit(client, prompt="Never mind", max_tokens=5)
         r = client.post(f"/v1/jobs/{job['id']}/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled"
     finally:
-        tiny_stack.resume("tokenizer")
+        plumbing_stack.resume("tokenizer")
     final = wait(client, job["id"])
     assert final["status"] == "cancelled" and final["usage"]["completion_tokens"] == 0
     assert client.post("/v1/jobs/job_nope/cancel").status_code == 404

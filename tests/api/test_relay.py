@@ -1,5 +1,5 @@
-"""The SSE relay, on the tiny-model stack: one shared pub/sub connection, resume at random cut points,
-slow clients."""
+"""The SSE relay, on the tiny-model stack (one Redis node, and a Redis Cluster): one shared pub/sub
+connection (per node), resume at random cut points, slow clients."""
 
 from __future__ import annotations
 
@@ -14,24 +14,28 @@ from tests.helpers import iter_sse, read_events, submit, tokens_text, until, wai
 
 
 @pytest.fixture
-def client(tiny_stack) -> httpx.Client:  # type: ignore[no-untyped-def]
-    with httpx.Client(base_url=tiny_stack.url, timeout=60) as c:
+def client(plumbing_stack) -> httpx.Client:  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=plumbing_stack.url, timeout=60) as c:
         yield c
 
 
 def _subscribers(stack) -> list[int]:  # type: ignore[no-untyped-def]
-    """Channel counts of connections subscribed to anything (`sub` in CLIENT LIST)."""
-    return [int(c["sub"]) for c in stack.redis().client_list() if int(c.get("sub", 0)) > 0]
+    """Channel counts of connections subscribed to anything (`sub`, or `ssub` for sharded channels, in
+    CLIENT LIST), over every node of a cluster."""
+    r = stack.redis()
+    nodes = [n.redis_connection for n in r.get_nodes()] if hasattr(r, "get_nodes") else [r]
+    counts = [int(c.get("sub", 0)) + int(c.get("ssub", 0)) for node in nodes for c in node.client_list()]
+    return [n for n in counts if n > 0]
 
 
-def test_many_streams_share_one_pubsub_connection(tiny_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
-    base = len(_subscribers(tiny_stack))
+def test_many_streams_share_one_pubsub_connection(plumbing_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
+    base = len(_subscribers(plumbing_stack))
     jobs = [submit(client, prompt=f"Story {i}:", max_tokens=1000, ignore_eos=True) for i in range(40)]
     stop = threading.Event()
     opened = threading.Semaphore(0)
 
     def hold(job_id: str) -> None:
-        with httpx.Client(base_url=tiny_stack.url, timeout=60) as c, \
+        with httpx.Client(base_url=plumbing_stack.url, timeout=60) as c, \
                 c.stream("GET", f"/v1/jobs/{job_id}/events") as r:
             opened.release()
             for _ in r.iter_lines():
@@ -45,7 +49,7 @@ def test_many_streams_share_one_pubsub_connection(tiny_stack, client: httpx.Clie
         assert opened.acquire(timeout=30)
     try:
         subs = until("one connection to carry all 40 job channels",
-                     lambda: (subs := _subscribers(tiny_stack)) and max(subs) >= 40 and subs, timeout=30)
+                     lambda: (subs := _subscribers(plumbing_stack)) and max(subs) >= 40 and subs, timeout=30)
         assert len(subs) <= base + 1  # at most the relay's own connection is new, not one per stream
     finally:
         stop.set()
@@ -68,10 +72,10 @@ def test_resume_at_random_cut_points(client: httpx.Client) -> None:
         assert tokens_text(got) == wait(client, job["id"])["text"] == json.loads(got[-1]["data"])["text"]
 
 
-def test_stalled_client_does_not_block_others(tiny_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
+def test_stalled_client_does_not_block_others(plumbing_stack, client: httpx.Client) -> None:  # type: ignore[no-untyped-def]
     slow_job = submit(client, prompt="Slow:", max_tokens=200, ignore_eos=True, temperature=0)
     # open a stream and never read it: its queue fills and it falls back to replay later
-    stalled = httpx.Client(base_url=tiny_stack.url, timeout=120)
+    stalled = httpx.Client(base_url=plumbing_stack.url, timeout=120)
     cm = stalled.stream("GET", f"/v1/jobs/{slow_job['id']}/events")
     cm.__enter__()
     try:

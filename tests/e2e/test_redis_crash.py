@@ -1,7 +1,8 @@
-"""kill -9 of the embedded redis-server while jobs run: the supervisor starts it again from its
-append-only file (fsynced before every reply), every process reconnects by itself, and every job
-that was answered 202 ends succeeded with the text of a clean run and an event stream that joins
-to it without a gap or a repeat."""
+"""kill -9 of Redis while jobs run: of the embedded redis-server (the supervisor starts it again from
+its append-only file, fsynced before every reply), or of the master of a local Redis Cluster that
+holds the queue (its replica takes over; what was answered 202 had reached it). Every process
+reconnects by itself, and every job that was answered 202 ends succeeded with the text of a clean
+run and an event stream that joins to it without a gap or a repeat."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from shared import names
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.helpers import read_events, tokens_text, until, wait
 
@@ -24,16 +26,26 @@ JOBS = 30
 BODY = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
 
 
-@pytest.fixture
-def own_stack(tmp_path: Path, tiny_model_dir: str) -> Iterator[Stack]:
-    s = start_stack(tmp_path, "", tiny_model_dir)  # "": the supervisor's own redis-server
+@pytest.fixture(params=["single", "cluster"])
+def own_stack(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dir: str) -> Iterator[Stack]:
+    # "": the supervisor's own redis-server, or its own local cluster
+    s = start_stack(tmp_path, "", tiny_model_dir, args=["--redis-cluster", "3"] if request.param == "cluster" else [])
     yield s
     stop_stack(s)
 
 
-def _redis_pid(stack: Stack) -> int:
-    state = json.loads((Path(stack.env["CONVEYOR_CACHE"]) / "supervisor.json").read_text())
-    return int(state["redis_pid"] or 0)
+def _queue_server(stack: Stack) -> psutil.Process:
+    """The redis-server that holds the queue: the only one, or the cluster's master of its slot."""
+    r = stack.redis()
+    if not hasattr(r, "get_node_from_key"):
+        state = json.loads((Path(stack.env["CONVEYOR_CACHE"]) / "supervisor.json").read_text())
+        return psutil.Process(state["redis_pids"][0])
+    port = r.get_node_from_key(names.JOBS_STREAM).port
+    return next(p for _, p in stack.tree() if f"127.0.0.1:{port}" in " ".join(p.cmdline()))
+
+
+def _listening(port: int) -> bool:
+    return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp"))
 
 
 def _submit(client: httpx.Client, i: int) -> str | None:
@@ -52,16 +64,16 @@ def test_kill_9_of_redis_loses_no_accepted_job(own_stack: Stack) -> None:
     with httpx.Client(base_url=own_stack.url, timeout=30) as client:
         clean = {i: wait(client, _submit(client, i) or "", timeout=120)["text"] for i in range(5)}
         accepted: dict[str, int] = {}
-        before = _redis_pid(own_stack)
+        victim = _queue_server(own_stack)
+        port = next(c.laddr.port for c in victim.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
         for i in range(JOBS):
             if i == JOBS // 2:  # half of them queued or running: the server dies with no warning
-                os.kill(before, signal.SIGKILL)
-                psutil.Process(before).wait(10)
+                os.kill(victim.pid, signal.SIGKILL)
+                victim.wait(10)
             job_id = _submit(client, i)
             if job_id:
                 accepted[job_id] = i
-        until("the supervisor to start redis-server again", lambda: _redis_pid(own_stack) not in (0, before),
-              timeout=30)
+        until("the supervisor to start the redis-server again", lambda: _listening(port), timeout=30)
         for i in range(JOBS // 2, JOBS):  # and the stack takes work again
             job_id = until("a submit to be accepted again", lambda i=i: _submit(client, i), timeout=60)
             accepted[job_id] = i
