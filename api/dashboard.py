@@ -10,9 +10,10 @@ A snapshot holds each pool's live workers, lag, pending and held sequences, KV-c
 tokens generated (summed from the inference heartbeats' counters, so it moves while jobs run) and
 the jobs ended (request_success_total); TTFT and ITL p50/p99 over the last WINDOW_S seconds (the
 difference between the histograms now and WINDOW_S ago); the autoscaler's latest decisions; the
-latest jobs. Jobs are followed from the `jobs` and `ended` streams with a blocking XREAD (the
-streams are trimmed once consumed, so a periodic read would miss entries) and their records read
-each tick until they end.
+latest jobs. Jobs are followed from every partition's `jobs` and `ended` streams with a blocking
+XREAD (the streams are trimmed once consumed, so a periodic read would miss entries; on a cluster,
+one non-blocking XREAD per partition, a partition's two streams sharing its slot) and their records
+read each tick until they end. Dead letters are summed over the partitions' dead-letter streams.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from shared import names
 from shared.job_ops import tail
 from shared.jobs import ACTIVE
 from shared.policy import pool_load
+from shared.redis_client import CLUSTER_TYPES
 from shared.retry import arun_loop
 from shared.settings import Settings
 from shared.signals import POOL_GROUPS, WorkerBeat, lag_per_replica, read_snapshot
@@ -57,6 +59,7 @@ DECISIONS = 12
 ENDED_JOBS = 15
 ACTIVE_JOBS = 15  # shown; up to FOLLOWED are followed until they end
 FOLLOWED = 100
+CLUSTER_IDLE_S = 0.25  # on a cluster, the wait between rounds of reads that found nothing new
 ACTIVE_STATUSES = frozenset(s.value for s in ACTIVE)
 JOB_FIELDS = ("status", "created_at", "first_token_at", "finished_at", "completion_tokens", "finish_reason")
 
@@ -118,10 +121,13 @@ class SnapshotReader:
         pipe.hgetall(names.hist_key(m.TTFT))
         pipe.hgetall(names.hist_key(m.ITL))
         pipe.xrevrange(names.SCALING_DECISIONS_STREAM, count=DECISIONS)
-        pipe.xlen(names.DEAD_LETTER_STREAM)
+        dead_letters = names.streams(names.DEAD)
+        for stream in dead_letters:
+            pipe.xlen(stream)
         for job_id in job_ids:
             pipe.hmget(names.job_key(job_id), JOB_FIELDS)
-        stats, ttft, itl, decisions, dead, *records = pipe.execute()
+        stats, ttft, itl, decisions, *rest = pipe.execute()
+        dead, records = sum(rest[:len(dead_letters)]), rest[len(dead_letters):]
 
         inference = snap.workers[names.INFERENCE_POOL]
         self._count_tokens(inference)
@@ -186,14 +192,17 @@ def _job(job_id: str, rec: list[str | None]) -> dict[str, Any] | None:
 
 
 class JobFollower:
-    """The job ids a snapshot shows: those the `jobs` stream carried (queued, then followed until they
-    end) and those the `ended` stream carried (the latest ENDED_JOBS), read with a blocking XREAD."""
+    """The job ids a snapshot shows: those the `jobs` streams carried (queued, then followed until they
+    end) and those the `ended` streams carried (the latest ENDED_JOBS), every partition's, read with a
+    blocking XREAD."""
 
     def __init__(self, client: aredis.Redis) -> None:
         self.client = client
         self.active: OrderedDict[str, None] = OrderedDict()
         self.ended: deque[str] = deque(maxlen=ENDED_JOBS)
-        self.last = {names.JOBS_STREAM: "0-0", names.ENDED_STREAM: "0-0"}
+        self.jobs_streams = frozenset(names.streams(names.JOBS))
+        self.last = dict.fromkeys([*names.streams(names.JOBS), *names.streams(names.ENDED)], "0-0")
+        self.cluster = isinstance(client, CLUSTER_TYPES)
         self.seeded = False
 
     async def step(self) -> None:
@@ -204,23 +213,40 @@ class JobFollower:
         await self.read()
 
     async def seed(self) -> None:
-        for stream, count in ((names.JOBS_STREAM, FOLLOWED), (names.ENDED_STREAM, ENDED_JOBS)):
-            newest = await tail(self.client, stream, count)
-            self.last[stream] = newest.last_id
-            for job_id in reversed(newest.job_ids):
-                self._add(stream, job_id)
+        """The newest entries of each kind: each partition's `count` newest, taken newest first from the
+        partitions in turn (their order across partitions is not known) up to `count` in all."""
+        for kind, count in ((names.JOBS, FOLLOWED), (names.ENDED, ENDED_JOBS)):
+            streams = names.streams(kind)
+            replies = await asyncio.gather(*(tail(self.client, stream, count) for stream in streams))
+            newest = [got.job_ids for got in replies]
+            self.last.update((stream, got.last_id) for stream, got in zip(streams, replies))
+            merged = [ids[i] for i in range(count) for ids in newest if i < len(ids)][:count]
+            for job_id in reversed(merged):
+                self._add(kind, job_id)
 
     async def read(self) -> None:
-        """Wait up to a second for new entries."""
-        reply = await self.client.xread(self.last, count=512, block=1000)
-        for stream, entries in reply or []:
-            for entry_id, fields in entries:
-                self.last[stream] = entry_id
-                if "job_id" in fields:
-                    self._add(stream, fields["job_id"])
+        """Wait up to a second for new entries. On a cluster (an XREAD stays in one slot), one round of
+        non-blocking reads, a partition's streams each, then a short wait when all were empty."""
+        if not self.cluster or names.PARTITIONS == 1:
+            replies = [await self.client.xread(self.last, count=512, block=1000)]
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for p in names.partitions():
+                pipe.xread({s: self.last[s] for s in (names.stream(names.JOBS, p), names.stream(names.ENDED, p))},
+                           count=512)
+            replies = await pipe.execute()
+            if not any(replies):
+                await asyncio.sleep(CLUSTER_IDLE_S)
+        for reply in replies:
+            for stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    self.last[stream] = entry_id
+                    if "job_id" in fields:
+                        self._add(names.JOBS if stream in self.jobs_streams else names.ENDED, fields["job_id"])
 
-    def _add(self, stream: str, job_id: str) -> None:
-        if stream == names.JOBS_STREAM:
+    def _add(self, kind: str, job_id: str) -> None:
+        """A job id a stream of this kind carried (`names.JOBS` or `names.ENDED`)."""
+        if kind == names.JOBS:
             self.active[job_id] = None
             while len(self.active) > FOLLOWED:
                 self.active.popitem(last=False)
@@ -241,7 +267,7 @@ class JobFollower:
                 shown_active.append(job)
             else:
                 if job_id in self.active:
-                    self._add(names.ENDED_STREAM, job_id)  # ended before its `ended` entry came
+                    self._add(names.ENDED, job_id)  # ended before its `ended` entry came
                 shown_ended.append(job)
         shown_active.sort(key=lambda j: (j["status"] != "running", -(j["created_at"] or 0)))
         shown_ended.sort(key=lambda j: -(j["finished_at"] or 0))

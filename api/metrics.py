@@ -58,8 +58,8 @@ class SystemCollector:
             pend_g.add_metric([stream, names.STREAM_GROUPS[stream]], pending)
         yield lag_g
         yield pend_g
-        dead = GaugeMetricFamily("conveyor:dead_letters", "Entries in the dead-letter stream")
-        dead.add_metric([], int(r.xlen(names.DEAD_LETTER_STREAM)))
+        dead = GaugeMetricFamily("conveyor:dead_letters", "Entries in the dead-letter streams (every partition's)")
+        dead.add_metric([], dead_letters(r))
         yield dead
         streams = GaugeMetricFamily("conveyor:sse_streams", "Streams open on this API process")
         streams.add_metric([], self.relay_streams)
@@ -81,6 +81,14 @@ class SystemCollector:
             h = HistogramMetricFamily(name, name.split(":")[1].replace("_", " "))
             h.add_metric([], buckets, total)
             yield h
+
+
+def dead_letters(client: redis.Redis) -> int:
+    """Entries in the dead-letter streams, summed over the partitions (one XLEN each, in a pipeline)."""
+    pipe = client.pipeline(transaction=False)
+    for stream in names.streams(names.DEAD):
+        pipe.xlen(stream)
+    return sum(int(n) for n in pipe.execute())
 
 
 def _clients(state: Any) -> None:

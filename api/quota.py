@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from typing import Annotated
@@ -13,7 +14,7 @@ from fastapi import Depends, Request
 
 from api.auth import Caller
 from api.errors import ApiError, too_many
-from api.store import JobStore
+from api.store import JobStore, partition_cap
 from shared import names
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
@@ -70,11 +71,13 @@ def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:
 
 class Throughput:
     """Jobs leaving the queue per second while there is a queue (an EWMA over a few seconds), read
-    from the counters the workers keep: the basis of the service-wide wait estimate."""
+    from the counters the workers keep, summed over the partitions: the basis of the service-wide
+    wait estimate."""
 
     def __init__(self, client: aredis.Redis, period_s: float = 2.0) -> None:
         self.r, self.period_s = client, period_s
         self.rate: float | None = None
+        self.depth = 0  # jobs waiting service-wide at the latest sample
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -84,13 +87,23 @@ class Throughput:
         if self._task is not None:
             self._task.cancel()
 
+    async def counters(self) -> tuple[int, int]:
+        """Jobs submitted and jobs dequeued since the service began, over all partitions: one GET a key
+        in one pipeline (on a cluster each key is in its partition's slot, so no MGET across them)."""
+        pipe = self.r.pipeline(transaction=False)
+        for p in names.partitions():
+            pipe.get(names.submitted_counter(p))
+            pipe.get(names.dequeued_counter(p))
+        got = await pipe.execute()
+        return sum(int(v or 0) for v in got[::2]), sum(int(v or 0) for v in got[1::2])
+
     async def _run(self) -> None:
         last: tuple[float, int] | None = None
         while True:
             try:
-                submitted, dequeued = await self.r.mget(names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER)
-                now, d = time.monotonic(), int(dequeued or 0)
-                depth = int(submitted or 0) - d
+                submitted, d = await self.counters()
+                now = time.monotonic()
+                depth = self.depth = submitted - d
                 if depth <= 0:
                     self.rate = None  # no backlog, no evidence of capacity: the next burst starts afresh
                 elif last is not None:
@@ -121,16 +134,33 @@ async def get_throughput(request: Request) -> Throughput:
 ThroughputDep = Annotated[Throughput, Depends(get_throughput)]
 
 
+def queue_full(reply: SubmitReply, cap: int, throughput: Throughput) -> tuple[SubmitReply, int]:
+    """A queue_full refusal as the client sees it: the jobs waiting service-wide and how many must leave
+    before a job fits. submit.lua refuses on the job's partition: its depth reached `cap` (its share of the
+    service-wide cap). With one partition that is the whole queue. With several, the jobs waiting are the
+    latest sample's total (at least the partition's), and the partition's excess leaves at its share of the
+    service's rate (its part of the total depth, between all of it and 1/PARTITIONS): counted as that many
+    times more jobs at the whole rate."""
+    over = reply.depth - cap + 1
+    if names.PARTITIONS == 1:
+        return reply, over
+    total = max(reply.depth, throughput.depth)
+    share = max(reply.depth / total if total else 1.0, 1 / names.PARTITIONS)
+    return dataclasses.replace(reply, depth=total), math.ceil(over / share)
+
+
 async def admit(store: JobStore, throughput: Throughput, settings: Settings, caller: Caller, req: GenerationRequest,
                 idempotency_key: str | None = None) -> tuple[Job, bool, dict[str, str]]:
     """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError."""
-    cap = throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s)
+    cap = partition_cap(throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s))
     got = await store.submit(req, idempotency_key, caller.owner, cap)
     reply = got.reply
     if got.job is None:
         if reply.code is SubmitCode.replay:
             raise ApiError(409, "the job this Idempotency-Key named has just expired; send again")
-        over = reply.depth - cap + 1 if reply.code is SubmitCode.queue_full else 0
+        over = 0
+        if reply.code is SubmitCode.queue_full:
+            reply, over = queue_full(reply, cap, throughput)
         raise refusal(reply, throughput.retry_ms(over))
     headers = (rate_headers(reply.rpm, reply.requests_left, reply.requests_reset_ms, reply.tpm, reply.tokens_left,
                             reply.tokens_reset_ms) if reply.code is SubmitCode.accepted else {})

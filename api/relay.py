@@ -253,8 +253,13 @@ class Relay:
             link.conn = conn
             link.last_rx = asyncio.get_running_loop().time()
             mine = [job_id for job_id in self.subs if self._node_of(names.job_channel(job_id)) == node]
-            for i in range(0, len(mine), 512):
-                link.send(self._sub, *[names.job_channel(job_id) for job_id in mine[i:i + 512]])
+            # SSUBSCRIBE takes the channels of one slot at a time: group them by partition
+            by_slot: dict[int, list[str]] = {}
+            for job_id in mine:
+                by_slot.setdefault(names.job_partition(job_id) if self.cluster else 0, []).append(job_id)
+            for group in by_slot.values():
+                for i in range(0, len(group), 512):
+                    link.send(self._sub, *[names.job_channel(job_id) for job_id in group[i:i + 512]])
             for job_id in mine:  # anything published while we were away is in the event streams
                 for sub in self.subs.get(job_id, ()):
                     sub.wake()
@@ -276,7 +281,9 @@ class Relay:
         self._lost = asyncio.get_running_loop().create_future()
         try:
             if self.cluster:
-                await self.client.initialize()  # type: ignore[attr-defined]  # the slot map as it is now
+                await self.client.initialize()  # type: ignore[attr-defined]
+                if self.reconnects:  # the slot map as it is now (after a failover, a moved slot)
+                    await self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
                 for node in {self._node_of(names.job_channel(job_id)) for job_id in self.subs}:
                     self._open(node)
                 self._connected.set()

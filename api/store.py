@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 
 import redis.asyncio as aredis
+from redis.exceptions import RedisError
 
 from shared import names
 from shared.job_ops import AsyncJobOps
@@ -20,6 +21,8 @@ from shared.settings import Settings
 # The API cannot tokenize: a prompt is reserved against a tenant's tokens per minute at this many
 # characters a token (most tokenizers give 3-4 for English), and the difference refunded when the job ends.
 CHARS_PER_TOKEN = 3
+# with several partitions, how long the other partitions' depths (for queue positions) are reused
+DEPTHS_MAX_AGE_S = 1.0
 
 
 @dataclass
@@ -40,12 +43,17 @@ class JobStore:
         # XADD trims the oldest entries, normally long consumed, past it
         self.jobs_maxlen = 4 * settings.max_queued + 10_000
         self.jobs = AsyncJobOps(client, settings.job_ttl_s)
+        self._depths: list[int] = []  # each partition's depth (submitted - dequeued), read at _depths_at
+        self._depths_at = -math.inf
+        self._depths_lock = asyncio.Lock()
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, owner: str = "",
                      max_waiting: int = 0) -> Admission:
         """Admit, store and enqueue a job in one round trip (submit.lua): an idempotent replay, the
-        tenant's limits and the service-wide queue cap are checked first; a refusal stores nothing."""
-        job_id = "job_" + uuid.uuid4().hex[:-2] + names.new_job_suffix(owner)  # its partition: the tenant's
+        tenant's limits and the queue cap are checked first; a refusal stores nothing. `max_waiting` caps
+        the depth of the job's partition (0: no cap): the service-wide cap's share, `partition_cap`."""
+        # its partition: the tenant's; without one, the idempotency key's, else any
+        job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key or ""), uuid.uuid4().hex)
         request_json = req.model_dump_json(exclude_defaults=True)
         record = new_record(job_id, self.settings.served_model_name, request_json)
         if req.webhook_url:
@@ -62,7 +70,7 @@ class JobStore:
             return Admission(None, False, reply)
         job = Job.from_record({k: str(v) for k, v in record.items()})
         job.owner = owner
-        job.queue_position = max(1, reply.ordinal - reply.dequeued)
+        job.queue_position = await self._position(job_id, reply.ordinal - reply.dequeued)
         return Admission(job, False, reply)
 
     async def owner_of(self, job_id: str) -> str | None:
@@ -100,12 +108,49 @@ class JobStore:
         return [(int(eid.split("-")[1]), f.get("type", ""), f.get("text", "")) for eid, f in items]
 
     async def queue_position(self, job_id: str) -> int | None:
-        """Roughly how many jobs are ahead of this one, plus one: its submit ordinal minus the
-        jobs that have left the queue (started, failed or cancelled) since the service began."""
+        """Roughly how many jobs are ahead of this one, plus one: its submit ordinal minus the jobs that
+        have left its partition's queue (started, failed or cancelled) since the service began; exact
+        with one partition. With several, workers take the partitions in turn, so the jobs ahead in each
+        other partition, up to as many as are ahead in its own, are added: an estimate (`_position`)."""
+        p = names.job_partition(job_id)
         pipe = self.r.pipeline(transaction=False)
         pipe.hget(names.job_key(job_id), "ordinal")
-        pipe.get(names.DEQUEUED_COUNTER)
+        pipe.get(names.dequeued_counter(p))
         ordinal, dequeued = await pipe.execute()
         if ordinal is None:
             return None
-        return max(1, int(ordinal) - int(dequeued or 0))
+        return await self._position(job_id, int(ordinal) - int(dequeued or 0))
+
+    async def _position(self, job_id: str, ahead_in_partition: int) -> int:
+        """A queued job's position from its place in its partition (ordinal - dequeued: exact): that, plus,
+        with several partitions, min(depth, jobs ahead in its own) of every other partition's depth (as
+        read within DEPTHS_MAX_AGE_S; when they cannot be read, its partition's place alone)."""
+        own = max(1, ahead_in_partition)
+        if names.PARTITIONS == 1:
+            return own
+        try:
+            depths = await self.partition_depths()
+        except RedisError:
+            return own
+        mine = names.job_partition(job_id)
+        return own + sum(min(d, own - 1) for p, d in enumerate(depths) if p != mine)
+
+    async def partition_depths(self) -> list[int]:
+        """Each partition's queue depth (submitted - dequeued), reused for DEPTHS_MAX_AGE_S: one GET per key
+        in one pipeline (each its own slot on a cluster)."""
+        async with self._depths_lock:
+            if time.monotonic() - self._depths_at > DEPTHS_MAX_AGE_S:
+                pipe = self.r.pipeline(transaction=False)
+                for p in names.partitions():
+                    pipe.get(names.submitted_counter(p))
+                    pipe.get(names.dequeued_counter(p))
+                got = await pipe.execute()
+                self._depths = [max(0, int(s or 0) - int(d or 0)) for s, d in zip(got[::2], got[1::2])]
+                self._depths_at = time.monotonic()
+            return self._depths
+
+
+def partition_cap(max_waiting: int) -> int:
+    """A partition's share of the service-wide cap on waiting jobs (0: no cap): submit.lua compares its
+    partition's depth with it, so with one partition the cap holds exactly, with several per partition."""
+    return math.ceil(max_waiting / names.PARTITIONS)

@@ -50,9 +50,9 @@ class Admission:
             if took.code in (STARTED, RESUMED):
                 started.append((req, took.code, took.seq, took.created_at))
         if not started:  # every job already ended (or was cancelled) elsewhere
-            self.consumer.ack([entry.id])
+            self.consumer.ack([entry.ref])
             return
-        self.ledger.open(entry.id, [req.id for req, _, _, _ in started])
+        self.ledger.open(entry.ref, [req.id for req, _, _, _ in started])
         for req, code, seq, created in started:
             self.ledger.take_slot()
             emitted = ""

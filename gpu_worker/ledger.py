@@ -13,7 +13,7 @@ from collections.abc import Collection
 
 from shared.redis_client import RETRYABLE
 from shared.retry import call
-from shared.stream_consumer import StreamConsumer
+from shared.stream_consumer import Ref, StreamConsumer
 
 log = logging.getLogger("conveyor.inference")
 
@@ -24,8 +24,8 @@ class EntryLedger:
     def __init__(self, consumer: StreamConsumer, max_jobs: int) -> None:
         self.consumer = consumer
         self._lock = threading.Lock()
-        self._entry_jobs: dict[str, set[str]] = {}
-        self._job_entry: dict[str, str] = {}
+        self._entry_jobs: dict[Ref, set[str]] = {}
+        self._job_entry: dict[str, Ref] = {}
         self._slots = threading.Semaphore(max_jobs)
 
     def has_room(self, timeout: float) -> bool:
@@ -35,7 +35,7 @@ class EntryLedger:
         self._slots.release()
         return True
 
-    def open(self, entry_id: str, job_ids: Collection[str]) -> None:
+    def open(self, entry_id: Ref, job_ids: Collection[str]) -> None:
         with self._lock:
             self._entry_jobs[entry_id] = set(job_ids)
             for job_id in job_ids:
@@ -63,7 +63,7 @@ class EntryLedger:
             except RETRYABLE as exc:
                 log.warning("entry %s not acknowledged (%s); it stays pending", entry_id, exc)
 
-    def entries(self) -> list[str]:
+    def entries(self) -> list[Ref]:
         with self._lock:
             return list(self._entry_jobs)
 
@@ -74,8 +74,7 @@ class EntryLedger:
 
     def hand_back(self, idle_ms: int) -> None:
         """Make the entries still held claimable by other workers right away (they resume the jobs)."""
-        ids = self.entries()
-        if ids:
-            c = self.consumer
-            c.client.xclaim(c.stream, c.group, c.consumer, 0, ids, idle=idle_ms, justid=True)
-            log.info("handed back %d entries", len(ids))
+        refs = self.entries()
+        if refs:
+            self.consumer.hand_back(refs, idle_ms)
+            log.info("handed back %d entries", len(refs))

@@ -114,8 +114,7 @@ class OutputLane:
         """The step's writes: one STEP_SCRIPT call for every job's chunk and ids, then the finishes."""
         rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
         pipe = self.client.pipeline(transaction=not self.cluster)
-        keys: list[str] = []
-        args: list[Any] = []
+        steps: dict[int, tuple[list[str], list[Any]]] = {}  # one step call per partition (one slot each)
         finishes: list[tuple[str, str, str, int]] = []
         done: list[str] = []
         wall = time.time()
@@ -163,6 +162,7 @@ class OutputLane:
                 if flags or packed or chunk:
                     job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
                                                     st.n_tokens)
+                    keys, args = steps.setdefault(names.job_partition(job_id), ([], []))
                     keys += job_keys
                     args += job_args
                 st.written, st.held_ids, st.held_text = st.n_tokens, bytearray(), ""
@@ -174,7 +174,7 @@ class OutputLane:
                 self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
                 self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
                 self.metrics.inc(f"{REQUEST_SUCCESS}:{reason}")
-        if keys:
+        for keys, args in steps.values():
             self.jobs.step(keys, args, pipe)
         for job_id, reason, error, n_tokens in finishes:  # after the step: a job's last chunk precedes its end
             self.jobs.finish(job_id, FinishReason(reason), error, {"completion_tokens": n_tokens}, pipe=pipe)

@@ -56,11 +56,11 @@ class Reader:
     def readmit_forgotten(self) -> None:
         """Entries of this worker's own that no ledger holds: read just before a Redis outage cut their
         admission off. Held entries are refreshed every refresh_s, so only forgotten ones idle this long."""
-        held = set(self.ledger.entries())
+        held = set(self.ledger.entries())  # refs: (stream, id)
         own, dead = self.consumer.retry_own(self.consumer.claim_idle_ms, count=READ_COUNT)
         self.fail_dead(dead)
         for entry in own:
-            if entry.id not in held:
+            if entry.ref not in held:
                 log.warning("admitting %s again: its first admission was cut off", entry.id)
                 self.admission.admit(entry)
 
@@ -75,8 +75,8 @@ class Reader:
             return False
         pipe = self.client.pipeline(transaction=True)
         for i in range(batch.num_rows):
-            pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch.slice(i, 1)), "jobs": 1})
-        pipe.xack(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, entry.id)
+            pipe.xadd(entry.stream, {"batch": to_ipc(batch.slice(i, 1)), "jobs": 1})
+        pipe.xack(entry.stream, names.INFERENCE_GROUP, entry.id)
         pipe.execute()
         log.warning("split redelivered entry %s into %d entries of one job", entry.id, batch.num_rows)
         return True

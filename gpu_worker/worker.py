@@ -70,7 +70,8 @@ class InferenceWorker:
         self.settings = settings
         self.client = sync_client(settings.redis_url, decode=False)
         self.worker_id = new_worker_id(names.INFERENCE_POOL)
-        self.consumer = StreamConsumer(self.client, names.TOKENIZED_STREAM, names.INFERENCE_GROUP, self.worker_id,
+        self.consumer = StreamConsumer(self.client, names.streams(names.TOKENIZED), names.INFERENCE_GROUP,
+                                       self.worker_id,
                                        names.INFERENCE_POOL, settings.claim_idle_ms, settings.delivery_limit)
         self.stats = WorkerStats()
         self.stopping = threading.Event()  # SIGTERM: read no new work, finish what runs here

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     _logging()
+    if args.cmd == "up" and args.redis_cluster and not os.environ.get("REDIS_PARTITIONS"):
+        # a few partitions per master, so resharding moves whole partitions (before shared.names reads it)
+        os.environ["REDIS_PARTITIONS"] = str(4 * args.redis_cluster)
     from shared.settings import get_settings, is_loopback
 
     settings = get_settings()

@@ -32,7 +32,15 @@ def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir
     supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
     decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]
     return {"pools": pools, "supervisor": supervisor, "decisions": decisions,
-            "dead_letters": int(client.xlen(names.DEAD_LETTER_STREAM))}
+            "dead_letters": dead_letters(client)}
+
+
+def dead_letters(client: redis.Redis) -> int:
+    """Entries in the dead-letter streams, summed over the partitions."""
+    pipe = client.pipeline(transaction=False)
+    for stream in names.streams(names.DEAD):
+        pipe.xlen(stream)
+    return sum(int(n) for n in pipe.execute())
 
 
 def render(snap: dict[str, Any]) -> Group:

@@ -63,7 +63,7 @@ def unpack_ids(data: bytes | None) -> list[int]:
 
 
 def start_write(job_id: str, worker_id: str) -> Write:
-    return [names.job_key(job_id), names.DEQUEUED_COUNTER], [repr(time.time()), worker_id]
+    return [names.job_key(job_id), names.dequeued_counter(names.job_partition(job_id))], [repr(time.time()), worker_id]
 
 
 def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text_offset: int, chunk: bytes,
@@ -84,10 +84,14 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
                  jobs_maxlen: int = 1_000_000) -> Write:
     """A submit call (submit.lua). `idempotency_key` is the client's key (scoped to the owner here);
     `record` is the job hash without its request."""
+    p = names.job_partition(job_id)
     idem = names.idempotency_key(owner, idempotency_key) if idempotency_key else names.job_key(job_id)
-    keys = [names.job_key(job_id), names.JOBS_STREAM, names.SUBMITTED_COUNTER, names.DEQUEUED_COUNTER,
-            names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
-            names.tenant_bucket_key(owner, "tokens"), names.tenant_active_key(owner), idem]
+    # a job without a tenant touches no tenant key: its own key stands in, in its slot
+    tenant = ([names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
+               names.tenant_bucket_key(owner, "tokens"), names.tenant_active_key(owner)] if owner
+              else [names.job_key(job_id)] * 4)
+    keys = [names.job_key(job_id), names.stream(names.JOBS, p), names.submitted_counter(p), names.dequeued_counter(p),
+            *tenant, idem]
     args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
                        idempotency_ttl_s if idempotency_key else 0, hashlib.sha256(request_json.encode()).hexdigest(),
                        jobs_maxlen, names.job_key(job_id).removesuffix(job_id), job_id, request_json]
@@ -101,7 +105,8 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
                  fields: dict[str, Any] | None = None, publish: str = "PUBLISH") -> Write:
     """A finish call (finish.lua): the terminal status follows from `reason`."""
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
-            names.DEQUEUED_COUNTER, names.text_key(job_id), names.ENDED_STREAM]
+            names.dequeued_counter(names.job_partition(job_id)), names.text_key(job_id),
+            names.stream(names.ENDED, names.job_partition(job_id))]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
                        names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN,
                        names.partition_prefix(names.job_partition(job_id)), publish]  # the job's, so its tenant's
@@ -215,6 +220,7 @@ class AsyncJobOps:
         write = submit_write(job_id, record, request_json, self.ttl_s, **admission)
         if not isinstance(self.client, CLUSTER_TYPES):
             return SubmitReply.parse(await scripts.SUBMIT.acall(self.client, *write))
+        await self.client.initialize()  # type: ignore[attr-defined]  # the slot map (once; then a no-op)
         pipe = self.client.pipeline(transaction=False)
         scripts.SUBMIT.queue(pipe, *write)
         queue_replica_wait(pipe, self.client.get_node_from_key(write[0][0]))  # type: ignore[attr-defined]

@@ -4,23 +4,41 @@ The keys that a script or a transaction touches together live in one hash slot, 
 on a Redis Cluster as on one node: a *partition* is a hash tag (`conveyor:{p0}:...`) that holds
 the queue's streams and counters, the keys of the jobs in it and of the tenants whose jobs it
 holds. A job id names its partition (its last two hex digits); a tenant's is fixed by its name.
-There is one partition today (`PARTITIONS`); docs/redis-keys.md lists every key, its slot and who
+`REDIS_PARTITIONS` sets how many (1 by default: a single node gains nothing from more; on a
+cluster, a few per master, so resharding moves whole partitions); docs/redis-keys.md lists every key, its slot and who
 writes it. Keys that are only ever touched alone (heartbeats, histograms, the tenant index) carry
 no tag and spread over the cluster's masters.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import time
 import zlib
 
 PREFIX = "conveyor"
-PARTITIONS = 1
+
+
+def _partitions() -> int:
+    n = int(os.environ.get("REDIS_PARTITIONS") or 1)
+    if not 1 <= n <= 256:
+        raise ValueError(f"REDIS_PARTITIONS={n}: between 1 and 256")
+    return n
+
+
+# how many partitions the queue has (REDIS_PARTITIONS, 1 by default; every process of a deployment
+# must agree, and it may grow but not shrink while jobs live: a job id names its partition)
+PARTITIONS = _partitions()
 
 
 def partition_prefix(partition: int) -> str:
     """`conveyor:{p<n>}`: the hash tag of one partition, before the key's own name."""
     return f"{PREFIX}:{{p{partition}}}"
+
+
+def partitions() -> range:
+    return range(PARTITIONS)
 
 
 def job_partition(job_id: str) -> int:
@@ -32,29 +50,55 @@ def job_partition(job_id: str) -> int:
 
 
 def tenant_partition(owner: str) -> int:
-    """A tenant's home partition, where its limits and its jobs live."""
+    """A tenant's home partition, where its limits, its idempotency keys and its jobs live."""
     return zlib.crc32(owner.encode()) % PARTITIONS
 
 
-def new_job_suffix(owner: str) -> str:
-    """The two hex digits that end a new job id of this owner: its tenant's partition."""
-    return f"{tenant_partition(owner):02x}"
+def new_job_partition(owner: str, idempotency_key: str = "") -> int:
+    """Where a new job goes: its tenant's partition; without a tenant, its idempotency key's, else any
+    (spread at random)."""
+    if owner:
+        return tenant_partition(owner)
+    if idempotency_key:
+        return zlib.crc32(idempotency_key.encode()) % PARTITIONS
+    return random.randrange(PARTITIONS)
 
 
-_P0 = partition_prefix(0)
+def job_id_in(partition: int, hex_id: str) -> str:
+    """A job id (`job_<32 hex>`) whose last two hex digits name `partition`."""
+    return f"job_{hex_id[:30]}{partition:02x}"
 
-# streams and their consumer groups (the autoscaler and KEDA read these names)
-JOBS_STREAM = f"{_P0}:jobs"
-TOKENIZED_STREAM = f"{_P0}:tokenized"
-DEAD_LETTER_STREAM = f"{_P0}:dead"
-TOKENIZER_GROUP = "tokenizers"
-INFERENCE_GROUP = "inference"
+
+# streams, by kind, one of each per partition, and their consumer groups (the autoscaler and KEDA read them)
+JOBS = "jobs"  # submitted jobs, for the tokenizer pool
+TOKENIZED = "tokenized"  # Arrow record batches, for the inference pool
+DEAD = "dead"  # entries delivered too often, with why
 # every job that ends is appended here (by shared/scripts/finish.lua, atomically with its end), for the
 # after-job work in workers/after_job.py (usage accounting, the client's webhook)
-ENDED_STREAM = f"{_P0}:ended"
+ENDED = "ended"
+TOKENIZER_GROUP = "tokenizers"
+INFERENCE_GROUP = "inference"
 AFTER_JOB_GROUP = "after-job"
-ENDED_MAXLEN = 100_000  # approximate cap: bounded even when no Celery worker consumes it
-STREAM_GROUPS = {JOBS_STREAM: TOKENIZER_GROUP, TOKENIZED_STREAM: INFERENCE_GROUP, ENDED_STREAM: AFTER_JOB_GROUP}
+GROUPS = {JOBS: TOKENIZER_GROUP, TOKENIZED: INFERENCE_GROUP, ENDED: AFTER_JOB_GROUP}
+ENDED_MAXLEN = 100_000  # approximate cap per partition: bounded even when no Celery worker consumes it
+
+
+def stream(kind: str, partition: int) -> str:
+    return f"{partition_prefix(partition)}:{kind}"
+
+
+def streams(kind: str) -> list[str]:
+    """The streams of one kind, partition by partition."""
+    return [stream(kind, p) for p in partitions()]
+
+
+def stream_partition(name: bytes | str) -> int:
+    """The partition of a stream (or any partitioned key) from its hash tag."""
+    tagged = name.decode() if isinstance(name, bytes) else name
+    return int(tagged[tagged.index("{p") + 2:tagged.index("}")])
+
+
+STREAM_GROUPS = {stream(kind, p): group for kind, group in GROUPS.items() for p in partitions()}
 
 # pub/sub: a job's chunks on a channel in its partition (sharded pub/sub on a cluster); cancels
 # are rare and broadcast
@@ -73,9 +117,15 @@ CELERY_QUEUE = f"{PREFIX}:celery"
 STATS_KEY = f"{PREFIX}:stats"
 # the local autoscaler's latest decisions that change or want to change a pool (capped; the dashboard reads it)
 SCALING_DECISIONS_STREAM = f"{PREFIX}:scaling:decisions"
-# queue position: ordinal of a job at submit, minus how many jobs have left the queue since
-SUBMITTED_COUNTER = f"{_P0}:submitted"
-DEQUEUED_COUNTER = f"{_P0}:dequeued"
+
+
+# queue position: ordinal of a job at submit, minus how many jobs have left the queue since (per partition)
+def submitted_counter(partition: int) -> str:
+    return f"{partition_prefix(partition)}:submitted"
+
+
+def dequeued_counter(partition: int) -> str:
+    return f"{partition_prefix(partition)}:dequeued"
 
 
 def _job_prefix(job_id: str) -> str:
@@ -110,8 +160,8 @@ def channel_job_id(channel: bytes) -> str:
 
 
 def idempotency_key(owner: str, key: str) -> str:
-    """A client's idempotency key, scoped to its tenant, in the tenant's partition."""
-    return f"{partition_prefix(tenant_partition(owner))}:idem:{owner}:{key}"
+    """A client's idempotency key, scoped to its tenant, in the partition of the job it names."""
+    return f"{partition_prefix(new_job_partition(owner, key))}:idem:{owner}:{key}"
 
 
 # heartbeats and the pools' registries share one slot (`{workers}`): snapshots read them together

@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     # where things live
     redis_url: str = Field("", description="Redis to use (one node, or any node of a Redis Cluster); empty means "
                                            "the supervisor starts its own")
+    redis_partitions: int = Field(1, ge=1, le=256, description="hash-tagged partitions of the queue (shared/names.py "
+                                  "reads it): 1 on one node; on a cluster a few per master (`conveyor up "
+                                  "--redis-cluster N` sets 4N); every process must agree; it may grow, never shrink")
     celery_broker_url: str = Field("", description="Celery's broker: a single-node Redis; empty means REDIS_URL "
                                                    "(a Redis Cluster cannot be Celery's broker)")
     cache_dir: Path = Field(default_factory=default_cache_dir, validation_alias="CONVEYOR_CACHE")

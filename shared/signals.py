@@ -36,11 +36,12 @@ PAGE = 200
 COUNT_LIMIT = 1_000  # a counted lag stops here: well past where every pool is at its max
 WATCHED_POOLS = (*names.POOLS, names.CELERY_POOL)  # the pools a snapshot lists unless told otherwise
 
-POOL_STREAMS: dict[str, tuple[str, str]] = {
-    names.TOKENIZER_POOL: (names.JOBS_STREAM, names.TOKENIZER_GROUP),
-    names.INFERENCE_POOL: (names.TOKENIZED_STREAM, names.INFERENCE_GROUP),
+POOL_STREAMS: dict[str, tuple[str, str]] = {  # pool -> (the kind of stream it reads, its group)
+    names.TOKENIZER_POOL: (names.JOBS, names.TOKENIZER_GROUP),
+    names.INFERENCE_POOL: (names.TOKENIZED, names.INFERENCE_GROUP),
 }
-POOL_GROUPS = dict(POOL_STREAMS.values())  # {stream: group}: the lags that `Snapshot.pool_signals` needs
+# {stream: group}, every partition's: the lags that `Snapshot.pool_signals` needs
+POOL_GROUPS = {stream: group for kind, group in POOL_STREAMS.values() for stream in names.streams(kind)}
 
 
 class GroupLag(NamedTuple):
@@ -90,8 +91,9 @@ class Snapshot:
         stream's lag and pending, plus, for inference, the sequences its engines hold. Needs the
         lags of POOL_GROUPS and, for `running`, the inference pool's workers."""
         out = {}
-        for pool, (stream, _group) in POOL_STREAMS.items():
-            lag, pending = self.lags[stream]
+        for pool, (kind, _group) in POOL_STREAMS.items():  # summed over the partitions
+            lag = sum(self.lags[stream].lag for stream in names.streams(kind))
+            pending = sum(self.lags[stream].pending for stream in names.streams(kind))
             if pool == names.INFERENCE_POOL:
                 held = sum(w.held for w in self.workers.get(pool, ()))
                 out[pool] = PoolSignals(lag, pending, held, capacity_per_replica)

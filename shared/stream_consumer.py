@@ -1,28 +1,38 @@
-"""At-least-once consumption of a Redis stream by a consumer group.
+"""At-least-once consumption of a Redis stream by a consumer group (or of one stream per partition:
+the same group on each; see shared/names.py).
 
 New entries come from XREADGROUP; entries a dead consumer (not a live worker of its pool, as
 shared.signals reads the pool's registry) left pending are taken over with XCLAIM once idle past a
 deadline. A live consumer keeps its own in-flight entries fresh (XCLAIM ... JUSTID resets their
 idle time) so long generations are not stolen. An entry delivered more than `delivery_limit` times
 goes to the dead-letter stream instead. Entries already delivered twice are claimed one at a time,
-so a poison entry reaches the dead-letter stream alone.
+so a poison entry reaches the dead-letter stream alone (its partition's).
+
+With several streams, a read on one Redis node is one XREADGROUP over all of them; on a cluster
+(one slot per call) it is one non-blocking read per stream in a pipeline, then, when all were
+empty, a short blocking read on one stream in turn. Entries carry their stream; acknowledgements
+and claims go to it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis
 
 from shared import names
-from shared.redis_client import text
+from shared.redis_client import CLUSTER_TYPES, text
 from shared.signals import read_live
 
 log = logging.getLogger(__name__)
 
 Fields = dict[bytes | str, bytes | str]
+Ref = tuple[str, str]  # (stream, entry id): what acknowledgements and claims name
+CLUSTER_BLOCK_MS = 50  # on a cluster, how long one idle read blocks on one stream before the next turn
 
 
 @dataclass
@@ -30,36 +40,58 @@ class Entry:
     id: str
     fields: Fields
     deliveries: int = 1
+    stream: str = ""
+
+    @property
+    def ref(self) -> Ref:
+        return self.stream, self.id
 
 
 class StreamConsumer:
-    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, pool: str,
+    def __init__(self, client: redis.Redis, streams: str | list[str], group: str, consumer: str, pool: str,
                  claim_idle_ms: int = 30_000, delivery_limit: int = 3) -> None:
-        self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
+        self.client, self.group, self.consumer = client, group, consumer
+        self.streams = [streams] if isinstance(streams, str) else list(streams)
         self.pool = pool  # consumers are workers of this pool; its registry says who is alive
         self.claim_idle_ms, self.delivery_limit = claim_idle_ms, delivery_limit
+        self.cluster = isinstance(client, CLUSTER_TYPES)
         self._quiet_until = 0.0
+        self._turn = 0
 
     def ensure_group(self) -> None:
-        try:
-            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in self.streams:
+            try:
+                self.client.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     def read(self, count: int, block_ms: int | None) -> list[Entry]:
         """New entries; block_ms None returns at once, 0 would wait forever."""
         try:
-            reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+            if not self.cluster or len(self.streams) == 1:
+                return self._entries(self.client.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"),
+                                                            count=count, block=block_ms))
+            self._turn = (self._turn + 1) % len(self.streams)
+            order = self.streams[self._turn:] + self.streams[:self._turn]
+            pipe = self.client.pipeline(transaction=False)
+            for stream in order:
+                pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
+            entries = [e for reply in pipe.execute() for e in self._entries(reply)]
+            if entries or block_ms is None:
+                return entries
+            return self._entries(self.client.xreadgroup(self.group, self.consumer, {order[0]: ">"}, count=count,
+                                                        block=min(block_ms, CLUSTER_BLOCK_MS) or CLUSTER_BLOCK_MS))
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self.ensure_group()  # the stream was deleted (or Redis lost its data): start over
+            self.ensure_group()  # a stream was deleted (or Redis lost its data): start over
             return []
-        entries: list[Entry] = []
-        for _stream, items in reply or []:
-            entries.extend(Entry(text(eid), fields) for eid, fields in items if fields is not None)
-        return entries
+
+    @staticmethod
+    def _entries(reply: Iterable[tuple[bytes | str, list[tuple[bytes | str, Fields | None]]]] | None) -> list[Entry]:
+        return [Entry(text(eid), fields, 1, text(stream)) for stream, items in reply or []
+                for eid, fields in items if fields is not None]
 
     def note_outage(self) -> None:
         """After losing Redis, live owners need time to refresh their entries and heartbeats
@@ -71,24 +103,25 @@ class StreamConsumer:
         Returns (to process, dead-lettered)."""
         if time.monotonic() < self._quiet_until:
             return [], []
-        try:
-            rows = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count * 4,
-                                              idle=self.claim_idle_ms)
-        except redis.ResponseError as exc:
-            if "NOGROUP" in str(exc):
+        rows: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+        for stream in self.streams:
+            try:
+                rows += [(stream, r) for r in self.client.xpending_range(stream, self.group, min="-", max="+",
+                                                                         count=count * 4, idle=self.claim_idle_ms)]
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
                 self.ensure_group()
-                return [], []
-            raise
-        owners = {text(r["consumer"]) for r in rows} - {self.consumer}
+        owners = {text(r["consumer"]) for _, r in rows} - {self.consumer}
         if not owners:
             return [], []
         dead_owners = owners - set(read_live(self.client, (self.pool,))[self.pool])
-        stale = [r for r in rows if text(r["consumer"]) in dead_owners][:count]
+        stale = [(s, r) for s, r in rows if text(r["consumer"]) in dead_owners][:count]
         if not stale:
             return [], []
         # an entry delivered twice already may be what killed its workers: take such entries one
         # at a time, so one that kills again takes no other entry's delivery count with it
-        suspects = [r for r in stale if int(r["times_delivered"]) >= 2]
+        suspects = [(s, r) for s, r in stale if int(r["times_delivered"]) >= 2]
         if suspects:
             stale = suspects[:1]
         # XCLAIM re-checks the idle time, so two workers claiming at once cannot both win
@@ -97,38 +130,55 @@ class StreamConsumer:
     def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)
         for idle_ms or more, for another try. Returns (to process, dead-lettered)."""
-        rows = self.client.xpending_range(self.stream, self.group, min="-", max="+", count=count,
-                                          consumername=self.consumer, idle=idle_ms)
-        return self._claim(rows, idle_ms) if rows else ([], [])
+        rows = [(stream, r) for stream in self.streams
+                for r in self.client.xpending_range(stream, self.group, min="-", max="+", count=count,
+                                                    consumername=self.consumer, idle=idle_ms)]
+        return self._claim(rows[:count], idle_ms) if rows else ([], [])
 
-    def _claim(self, rows: list[dict], idle_ms: int) -> tuple[list[Entry], list[Entry]]:  # type: ignore[type-arg]
-        """XCLAIM the pending `rows` still idle for idle_ms; acknowledge entries trimmed meanwhile and
-        dead-letter those past the delivery limit. Returns (to process, dead-lettered)."""
-        deliveries = {text(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}
-        claimed = self.client.xclaim(self.stream, self.group, self.consumer, idle_ms, list(deliveries))
-        self.ack([text(eid) for eid, fields in claimed if fields is None])
+    def _claim(self, rows: list[tuple[str, dict]], idle_ms: int) -> tuple[list[Entry], list[Entry]]:  # type: ignore[type-arg]
+        """XCLAIM the pending `rows` (stream, row) still idle for idle_ms; acknowledge entries trimmed
+        meanwhile and dead-letter those past the delivery limit. Returns (to process, dead-lettered)."""
         keep, dead = [], []
-        for eid, fields in claimed:
-            if fields is not None:
-                entry = Entry(text(eid), fields, deliveries.get(text(eid), 1))
-                (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
+        for stream, ids in _by_stream((s, text(r["message_id"])) for s, r in rows).items():
+            deliveries = {text(r["message_id"]): int(r["times_delivered"]) + 1 for s, r in rows if s == stream}
+            claimed = self.client.xclaim(stream, self.group, self.consumer, idle_ms, ids)
+            self.ack([(stream, text(eid)) for eid, fields in claimed if fields is None])
+            for eid, fields in claimed:
+                if fields is not None:
+                    entry = Entry(text(eid), fields, deliveries.get(text(eid), 1), stream)
+                    (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
         for entry in dead:
             self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
         return keep, dead
 
-    def refresh(self, ids: list[str]) -> None:
+    def refresh(self, refs: list[Ref]) -> None:
         """Reset the idle time of entries this consumer still works on."""
-        if ids:
-            self.client.xclaim(self.stream, self.group, self.consumer, 0, ids, justid=True)
+        for stream, ids in _by_stream(refs).items():
+            self.client.xclaim(stream, self.group, self.consumer, 0, ids, justid=True)
 
-    def ack(self, ids: list[str]) -> None:
-        if ids:
-            self.client.xack(self.stream, self.group, *ids)
+    def hand_back(self, refs: list[Ref], idle_ms: int) -> None:
+        """Make entries claimable by other workers at once (as if idle for idle_ms)."""
+        for stream, ids in _by_stream(refs).items():
+            self.client.xclaim(stream, self.group, self.consumer, 0, ids, idle=idle_ms, justid=True)
+
+    def ack(self, refs: list[Ref]) -> None:
+        for stream, ids in _by_stream(refs).items():
+            self.client.xack(stream, self.group, *ids)
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
+        """Move the entry to its partition's dead-letter stream (one transaction: one slot)."""
+        stream = entry.stream or self.streams[0]
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(names.DEAD_LETTER_STREAM, {**entry.fields, "source_stream": self.stream, "source_id": entry.id,
-                                              "reason": reason, "at": repr(time.time())}, maxlen=10_000)
-        pipe.xack(self.stream, self.group, entry.id)
+        pipe.xadd(names.stream(names.DEAD, names.stream_partition(stream)),
+                  {**entry.fields, "source_stream": stream, "source_id": entry.id, "reason": reason,
+                   "at": repr(time.time())}, maxlen=10_000)
+        pipe.xack(stream, self.group, entry.id)
         pipe.execute()
-        log.error("dead-lettered %s %s: %s", self.stream, entry.id, reason)
+        log.error("dead-lettered %s %s: %s", stream, entry.id, reason)
+
+
+def _by_stream(refs: Iterable[Ref]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = defaultdict(list)
+    for stream, eid in refs:
+        out[stream].append(eid)
+    return out

@@ -75,7 +75,7 @@ class AfterJob:
     def __init__(self, client: redis.Redis, settings: Settings, consumer: str | None = None,
                  parallel: int = 16) -> None:
         self.client, self.settings = client, settings
-        self.consumer = _EndedConsumer(client, names.ENDED_STREAM, names.AFTER_JOB_GROUP,
+        self.consumer = _EndedConsumer(client, names.streams(names.ENDED), names.AFTER_JOB_GROUP,
                                        consumer or f"after-{socket.gethostname()}-{os.getpid()}",
                                        names.CELERY_POOL, settings.claim_idle_ms, settings.delivery_limit)
         self.consumer.ensure_group()
@@ -114,8 +114,9 @@ class AfterJob:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.webhooks.close()
         c = self.consumer
-        if not self.client.xpending_range(c.stream, c.group, min="-", max="+", count=1, consumername=c.consumer):
-            self.client.xgroup_delconsumer(c.stream, c.group, c.consumer)
+        for stream in c.streams:
+            if not self.client.xpending_range(stream, c.group, min="-", max="+", count=1, consumername=c.consumer):
+                self.client.xgroup_delconsumer(stream, c.group, c.consumer)
         forget(self.client, names.CELERY_POOL, c.consumer)
 
     def _beat(self) -> None:
@@ -130,25 +131,25 @@ class AfterJob:
         for entry, job_id, found in zip(entries, ids, account(self.client, ids)):
             if isinstance(found, Exception):
                 log.warning("accounting %s failed: %s; will retry", job_id, found)
-                unaccounted.add(entry.id)
+                unaccounted.add(entry.ref)
             elif found.webhook_url:
-                hooks[entry.id] = (found.webhook_url,
+                hooks[entry.ref] = (found.webhook_url,
                                    self._pool.submit(self.webhooks.send, job_id, found.webhook_url, found.owner))
         wait([f for _, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
         done, failures = [], {}
         for entry, job_id in zip(entries, ids):
-            if entry.id in unaccounted:
+            if entry.ref in unaccounted:
                 continue
-            if entry.id not in hooks:
-                done.append(entry.id)
+            if entry.ref not in hooks:
+                done.append(entry.ref)
                 continue
-            url, future = hooks[entry.id]
+            url, future = hooks[entry.ref]
             if not future.done():
                 why = "did not finish in time"
             elif future.exception() is not None:
                 why = f"failed: {future.exception()!r}"
             elif future.result() is None:
-                done.append(entry.id)
+                done.append(entry.ref)
                 continue
             else:
                 why = str(future.result())

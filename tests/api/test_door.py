@@ -92,7 +92,7 @@ async def test_refused_requests_queue_nothing(api: httpx.AsyncClient, redis_serv
     for path, raw, _ in RAW_JSON_REFUSED:
         await api.post(path, content=raw, headers={"content-type": "application/json"})
     r = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13")
-    assert r.xlen(names.JOBS_STREAM) == 0
+    assert sum(r.xlen(s) for s in names.streams(names.JOBS)) == 0
 
 
 async def test_tiny_temperature_and_top_p_are_floored(api: httpx.AsyncClient, redis_server) -> None:  # type: ignore[no-untyped-def]
@@ -102,7 +102,7 @@ async def test_tiny_temperature_and_top_p_are_floored(api: httpx.AsyncClient, re
     client = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13", decode_responses=True)
 
     def queued(job_id: str) -> dict:  # type: ignore[type-arg]
-        entries = client.xrange(names.JOBS_STREAM)
+        entries = client.xrange(names.stream(names.JOBS, names.job_partition(job_id)))
         return json.loads(next(f["request"] for _, f in entries if f["job_id"] == job_id))
 
     stored = queued(r.json()["id"])

@@ -35,12 +35,13 @@ def own_stack(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dir: st
 
 
 def _queue_server(stack: Stack) -> psutil.Process:
-    """The redis-server that holds the queue: the only one, or the cluster's master of its slot."""
+    """The redis-server that holds the queue: the only one, or the cluster's master of its slot (of
+    partition 0's, with several partitions: one that holds part of the queue)."""
     r = stack.redis()
     if not hasattr(r, "get_node_from_key"):
         state = json.loads((Path(stack.env["CONVEYOR_CACHE"]) / "supervisor.json").read_text())
         return psutil.Process(state["redis_pids"][0])
-    port = r.get_node_from_key(names.JOBS_STREAM).port
+    port = r.get_node_from_key(names.stream(names.JOBS, 0)).port
     return next(p for _, p in stack.tree() if f"127.0.0.1:{port}" in " ".join(p.cmdline()))
 
 

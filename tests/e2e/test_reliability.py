@@ -106,12 +106,13 @@ def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, c
         rows.append(Request(job_id, [5, 6, 7], max_tokens=5, temperature=temperature, seed=1, ignore_eos=True))
     w = spawn_inference(rstack, tmp_path / "w.log")
     try:
-        r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(requests_batch(rows)), "jobs": 2})
+        # both ids name partition 0 (no hex ending): the batch goes to its tokenized stream
+        r.xadd(names.stream(names.TOKENIZED, 0), {"batch": to_ipc(requests_batch(rows)), "jobs": 2})
         poison, mate = (wait(client, j, timeout=120) for j in ("job_poison", "job_mate"))
         assert poison["status"] == "failed" and "temperature" in poison["error"], poison
         assert mate["status"] == "succeeded" and mate["usage"]["completion_tokens"] == 5, mate
         assert w.poll() is None  # the worker that ran them is alive
-        assert r.xlen(names.DEAD_LETTER_STREAM) == 0
+        assert sum(r.xlen(s) for s in names.streams(names.DEAD)) == 0
     finally:
         w.terminate()
         w.wait(30)

@@ -224,7 +224,7 @@ def enqueue(r: redis.Redis, jobs: dict[str, int]) -> None:
         r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
     batch = requests_batch([Request(job_id, [1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=1,
                                     ignore_eos=True) for job_id, max_tokens in jobs.items()])
-    r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": len(jobs)})
+    r.xadd(names.stream(names.TOKENIZED, 0), {"batch": to_ipc(batch), "jobs": len(jobs)})
 
 
 def status_of(r: redis.Redis, job_id: str, want: set[str], timeout: float = 60) -> dict[bytes, bytes]:
@@ -246,7 +246,7 @@ def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, s
             rec = status_of(r, job_id, {"succeeded", "failed"})
             assert rec[b"status"] == b"succeeded" and rec[b"completion_tokens"] == n, rec
         until("the entry to be acknowledged once both its jobs ended",
-              lambda: not r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"], 10)
+              lambda: not r.xpending(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP)["pending"], 10)
 
         enqueue(r, {"job_long": 10**9})
         status_of(r, "job_long", {"running"})
@@ -264,7 +264,7 @@ def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, s
         assert elapsed < DRAIN_GRACE_S + 10 + 5  # the grace, the hand-back, the lane's stop
         # handed back at the grace's end: claimable by another worker now, not CLAIM_IDLE_MS after the
         # worker stopped refreshing it (an entry not handed back would be idle only about `elapsed`)
-        [pending] = r.xpending_range(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, "-", "+", 10)
+        [pending] = r.xpending_range(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, "-", "+", 10)
         assert pending["time_since_delivered"] >= CLAIM_IDLE_MS + 1000 * (elapsed - DRAIN_GRACE_S)
         assert r.hget(names.job_key("job_drained"), "status") == b"running"
     finally:
@@ -297,7 +297,7 @@ def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str,
         assert [int(eid.split(b"-")[1]) for eid, _ in tokens] == list(range(1, len(tokens) + 1))  # none lost or twice
         text = b"".join(t for _, t in tokens)
         assert text == r.get(names.text_key("job_resumed")) and text.count(b" further") == total
-        assert r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"] == 0
+        assert r.xpending(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP)["pending"] == 0
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:

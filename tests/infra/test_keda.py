@@ -46,7 +46,8 @@ def test_scaled_objects_match_names_and_the_local_policy() -> None:
             assert spec["fallback"]["replicas"] == policy.max_replicas  # blind, it keeps capacity
             continue
         assert trigger["type"] == "redis-streams"
-        assert (meta["stream"], meta["consumerGroup"]) == POOL_STREAMS[pool]  # what the local autoscaler reads
+        kind, group = POOL_STREAMS[pool]  # what the local autoscaler reads (one partition: the default)
+        assert (meta["stream"], meta["consumerGroup"]) == (names.stream(kind, 0), group)
         host, _, port_text = meta["address"].rpartition(":")
         workload, port = service_backend(host, int(port_text))
         assert workload == "redis"

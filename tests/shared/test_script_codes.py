@@ -125,7 +125,7 @@ async def test_submit_returns_every_code(raw: redis.Redis, api_client: aredis.Re
     assert got == SubmitReply(SubmitCode.max_queued, limit=1)
     seen.add(got.code)
 
-    waiting = int(raw.get(names.SUBMITTED_COUNTER) or 0)
+    waiting = int(raw.get(names.submitted_counter(0)) or 0)
     _, got = await submit(max_waiting=waiting)
     assert got == SubmitReply(SubmitCode.queue_full, depth=waiting)
     seen.add(got.code)
@@ -222,10 +222,10 @@ def test_account_and_note_failure(raw: redis.Redis) -> None:
 
 
 async def test_tail_and_count_after(raw: redis.Redis, api_client: aredis.Redis) -> None:
-    assert await tail(api_client, names.JOBS_STREAM, 5) == TailReply("0-0", [])
-    ids = [raw.xadd(names.JOBS_STREAM, {"job_id": f"j{i}"}).decode() for i in range(4)]
-    assert await tail(api_client, names.JOBS_STREAM, 3) == TailReply(ids[-1], ["j3", "j2", "j1"])
+    assert await tail(api_client, names.stream(names.JOBS, 0), 5) == TailReply("0-0", [])
+    ids = [raw.xadd(names.stream(names.JOBS, 0), {"job_id": f"j{i}"}).decode() for i in range(4)]
+    assert await tail(api_client, names.stream(names.JOBS, 0), 3) == TailReply(ids[-1], ["j3", "j2", "j1"])
     pipe = raw.pipeline(transaction=False)
-    queue_count_after(pipe, names.JOBS_STREAM, ids[0], 10, 2)
-    queue_count_after(pipe, names.JOBS_STREAM, "0-0", 2, 1)
+    queue_count_after(pipe, names.stream(names.JOBS, 0), ids[0], 10, 2)
+    queue_count_after(pipe, names.stream(names.JOBS, 0), "0-0", 2, 1)
     assert scripts.execute(pipe) == [3, 2]

@@ -44,7 +44,7 @@ def test_scripts_ship_with_the_package() -> None:
 
 def test_a_call_loads_the_script_when_redis_lost_it(raw: redis.Redis) -> None:
     raw.script_flush()
-    assert scripts.TAIL(raw, [names.JOBS_STREAM], [5]) == [b"0-0"]
+    assert scripts.TAIL(raw, [names.stream(names.JOBS, 0)], [5]) == [b"0-0"]
 
 
 def _commands(client: redis.Redis) -> dict[str, int]:
@@ -59,7 +59,7 @@ def test_a_pipeline_replays_what_answered_noscript_in_order(raw: redis.Redis, re
         raw.config_resetstat()
         pipe = plain.pipeline(transaction=transaction)  # any client's pipeline, through scripts.execute
         pipe.set("before", 1)
-        scripts.TAIL.queue(pipe, [names.JOBS_STREAM], [5])
+        scripts.TAIL.queue(pipe, [names.stream(names.JOBS, 0)], [5])
         pipe.incr("before")
         assert scripts.execute(pipe) == [True, [b"0-0"], 2]
         stats = _commands(raw)
@@ -71,7 +71,7 @@ def test_a_pipeline_replays_what_answered_noscript_in_order(raw: redis.Redis, re
 def test_our_clients_pipelines_replay_noscript_on_their_own(raw: redis.Redis) -> None:
     raw.script_flush()
     pipe = raw.pipeline(transaction=True)
-    scripts.TAIL.queue(pipe, [names.ENDED_STREAM], [1])
+    scripts.TAIL.queue(pipe, [names.stream(names.ENDED, 0)], [1])
     assert pipe.execute() == [[b"0-0"]]
 
 

@@ -142,11 +142,12 @@ def test_other_groups_do_not_interfere(client: redis.Redis) -> None:
 
 
 def test_pool_signals_read_both_pool_streams(client: redis.Redis) -> None:
-    client.xgroup_create(names.JOBS_STREAM, names.TOKENIZER_GROUP, id="0", mkstream=True)
-    add(client, 3, stream=names.JOBS_STREAM)
-    add(client, 1, stream=names.TOKENIZED_STREAM)
+    client.xgroup_create(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, id="0", mkstream=True)
+    add(client, 3, stream=names.stream(names.JOBS, 0))
+    add(client, 1, stream=names.stream(names.TOKENIZED, 0))
     snap = read_snapshot(client)
-    assert snap.lags == {names.JOBS_STREAM: (3, 0), names.TOKENIZED_STREAM: (1, 0), names.ENDED_STREAM: (0, 0)}
+    assert snap.lags == {names.stream(names.JOBS, 0): (3, 0), names.stream(names.TOKENIZED, 0): (1, 0),
+                         names.stream(names.ENDED, 0): (0, 0)}
     assert snap.pool_signals(64) == {names.TOKENIZER_POOL: PoolSignals(3, 0),
                                      names.INFERENCE_POOL: PoolSignals(1, 0, 0, 64)}
 

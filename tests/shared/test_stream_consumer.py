@@ -10,7 +10,7 @@ from shared.heartbeat import beat, forget
 from shared.stream_consumer import StreamConsumer
 from tests.helpers import until
 
-S, G, POOL = names.JOBS_STREAM, names.TOKENIZER_GROUP, names.TOKENIZER_POOL
+S, G, POOL = names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, names.TOKENIZER_POOL
 
 
 def consumer(r: redis.Redis, name: str, limit: int = 3) -> StreamConsumer:
@@ -61,7 +61,7 @@ def test_poison_entry_dead_lettered_after_limit(redis_db: redis.Redis) -> None:
             break
     assert deliveries == [2]
     assert [e.id for e in dead] == [eid]
-    entries = redis_db.xrange(names.DEAD_LETTER_STREAM)
+    entries = redis_db.xrange(names.stream(names.DEAD, 0))
     assert entries[0][1]["source_id"] == eid and entries[0][1]["job_id"] == "poison"
     assert redis_db.xpending(S, G)["pending"] == 0
 
@@ -71,7 +71,7 @@ def test_refresh_keeps_long_work(redis_db: redis.Redis) -> None:
     eid = redis_db.xadd(S, {"job_id": "long"})
     a.read(10, 100)
     idle(redis_db, 80)
-    a.refresh([eid])
+    a.refresh([(S, eid)])
     b.claim_idle_ms = 80
     assert b.claim_stale() == ([], [])  # refreshed just now: not idle enough
 
@@ -108,7 +108,7 @@ def test_a_poison_entry_that_kills_its_workers_is_dead_lettered_alone(redis_db: 
                 if e.id == poison:
                     crashed = True  # this worker dies too; the rest of what it claimed stays pending
                     break
-                c.ack([e.id])
+                c.ack([e.ref])
                 done.append(e.id)
         if not crashed and redis_db.xpending(S, G)["pending"] == 0:
             break

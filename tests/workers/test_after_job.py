@@ -47,11 +47,11 @@ def test_every_end_is_accounted_once(redis_db: redis.Redis) -> None:
     assert worker.drain() == {"done": 2, "failed": 0, "dead": 0}
     assert redis_db.hgetall(names.usage_key()) == {"m:prompt_tokens": "14", "m:completion_tokens": "6", "m:jobs": "2"}
     assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
-    redis_db.xadd(names.ENDED_STREAM, {"job_id": "job_a"})  # delivered twice: still counted once
+    redis_db.xadd(names.stream(names.ENDED, 0), {"job_id": "job_a"})  # delivered twice: still counted once
     assert worker.drain()["done"] == 1
     assert redis_db.hget(names.usage_key(), "m:jobs") == "2"
     assert 0 < redis_db.ttl(names.usage_key()) <= 35 * 86400
-    redis_db.xadd(names.ENDED_STREAM, {"job_id": "job_expired"})  # its record is gone: nothing to do
+    redis_db.xadd(names.stream(names.ENDED, 0), {"job_id": "job_expired"})  # its record is gone: nothing to do
     assert worker.drain()["done"] == 1 and not redis_db.exists(names.job_key("job_expired"))
 
 
@@ -110,8 +110,8 @@ def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> No
         results = [worker.drain() for _ in range(4)]
         assert [c["failed"] for c in results] == [1, 1, 1, 0] and results[3]["dead"] == 1
         assert len(hooks.received) == 2 + 3  # three tries, then the dead-letter stream
-    [(_, dead)] = redis_db.xrange(names.DEAD_LETTER_STREAM)
-    assert dead["job_id"] == "job_down" and dead["source_stream"] == names.ENDED_STREAM
+    [(_, dead)] = redis_db.xrange(names.stream(names.DEAD, 0))
+    assert dead["job_id"] == "job_down" and dead["source_stream"] == names.stream(names.ENDED, 0)
     assert dead["reason"].endswith("last webhook failure: answered 500")
     assert redis_db.hget(names.job_key("job_down"), "webhook_error") == "answered 500"
     assert redis_db.hget(names.usage_key(), "m:jobs") == "2"  # retries never count a job twice

@@ -10,7 +10,7 @@ from workers.upkeep import trim_all, trim_consumed
 
 def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
     r = redis_db
-    s, g = names.JOBS_STREAM, names.TOKENIZER_GROUP
+    s, g = names.stream(names.JOBS, 0), names.TOKENIZER_GROUP
     r.xgroup_create(s, g, id="0", mkstream=True)
     ids = [r.xadd(s, {"n": i}) for i in range(10)]
     got = r.xreadgroup(g, "c1", {s: ">"}, count=6)[0][1]
@@ -44,7 +44,7 @@ def test_stream_trimming_has_one_owner() -> None:
 def test_trim_with_a_binary_client(redis_server) -> None:  # type: ignore[no-untyped-def]
     raw = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/14")
     raw.flushdb()
-    s, g = names.TOKENIZED_STREAM, names.INFERENCE_GROUP
+    s, g = names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP
     raw.xgroup_create(s, g, id="0", mkstream=True)
     ids = [raw.xadd(s, {"batch": b"\xff\x00"}) for _ in range(3)]
     raw.xreadgroup(g, "c", {s: ">"})

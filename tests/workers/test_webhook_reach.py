@@ -111,7 +111,7 @@ def test_inside_targets_are_refused_and_dead_lettered(redis_db: redis.Redis,
         assert [c["failed"] for c in results] == [n, n, n, 0] and results[3]["dead"] == n
         # every try ended in its refusal (the reasons below), before any connection: none is on its way
         assert hooks.received == []  # nothing arrived, not even once
-    dead = {d["job_id"]: d["reason"] for _, d in redis_db.xrange(names.DEAD_LETTER_STREAM)}
+    dead = {d["job_id"]: d["reason"] for _, d in redis_db.xrange(names.stream(names.DEAD, 0))}
     assert set(dead) == set(targets)
     for job_id, (_, why) in targets.items():
         assert dead[job_id].startswith("delivered 4 times without completing; last webhook failure: webhook ")

@@ -35,12 +35,12 @@ def enqueue(r: redis.Redis, job_id: str, request_json: str) -> None:
     """A job as the API stores it, with whatever request text (an older API, a bug, a hand-made entry)."""
     record = new_record(job_id, "m", request_json)
     r.hset(names.job_key(job_id), mapping={k: v for k, v in record.items() if k != "request"})
-    r.xadd(names.JOBS_STREAM, {"job_id": job_id, "request": request_json})
+    r.xadd(names.stream(names.JOBS, 0), {"job_id": job_id, "request": request_json})
 
 
 def idle_ms(r: redis.Redis, eid: str) -> int:
     """How long the pending inference entry `eid` has gone undelivered, as Redis counts it."""
-    [row] = r.xpending_range(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, min=eid, max=eid, count=1)
+    [row] = r.xpending_range(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, min=eid, max=eid, count=1)
     return int(row["time_since_delivered"])
 
 
@@ -61,10 +61,10 @@ def test_tokenizer_fails_bad_jobs_alone(settings: Settings) -> None:
         rec = r.hgetall(names.job_key(job_id))
         assert rec["status"] == "failed" and rec["error"], (job_id, rec)
     assert "top_k" in r.hget(names.job_key("job_topk"), "error")
-    assert r.xlen(names.TOKENIZED_STREAM) == 1
-    raw = redis.Redis.from_url(settings.redis_url).xrange(names.TOKENIZED_STREAM)[0][1][b"batch"]
+    assert r.xlen(names.stream(names.TOKENIZED, 0)) == 1
+    raw = redis.Redis.from_url(settings.redis_url).xrange(names.stream(names.TOKENIZED, 0))[0][1][b"batch"]
     assert from_ipc(raw, TOKENIZED_SCHEMA).column("id").to_pylist() == ["job_a", "job_b"]
-    assert r.xpending(names.JOBS_STREAM, names.TOKENIZER_GROUP)["pending"] == 0
+    assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
 
 
 def test_a_row_arrow_cannot_hold_fails_its_job_alone(settings: Settings) -> None:
@@ -84,17 +84,17 @@ def test_redelivered_inference_entry_is_split_one_job_each(settings: Settings) -
     batch = requests_batch([Request(f"job_{i}", [1, 2, i], max_tokens=4, temperature=0.0, seed=i) for i in range(3)])
     worker = InferenceWorker(settings)
     worker.consumer.ensure_group()
-    eid = r.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": 3}).decode()
-    r.xreadgroup(names.INFERENCE_GROUP, "inference-dead", {names.TOKENIZED_STREAM: ">"})  # its worker died
+    eid = r.xadd(names.stream(names.TOKENIZED, 0), {"batch": to_ipc(batch), "jobs": 3}).decode()
+    r.xreadgroup(names.INFERENCE_GROUP, "inference-dead", {names.stream(names.TOKENIZED, 0): ">"})  # its worker died
     until("the entry to be idle past CLAIM_IDLE_MS", lambda: idle_ms(r, eid) > settings.claim_idle_ms)
     keep, dead = worker.consumer.claim_stale()
     assert [e.id for e in keep] == [eid] and keep[0].deliveries == 2 and not dead
     assert worker.reader.split(keep[0])
-    assert r.xpending(names.TOKENIZED_STREAM, names.INFERENCE_GROUP)["pending"] == 0  # the original is acked
-    entries = r.xrange(names.TOKENIZED_STREAM)
+    assert r.xpending(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP)["pending"] == 0  # the original is acked
+    entries = r.xrange(names.stream(names.TOKENIZED, 0))
     singles = [batch_requests(from_ipc(f[b"batch"], TOKENIZED_SCHEMA)) for e, f in entries if e.decode() != eid]
     assert [s[0].id for s in singles] == ["job_0", "job_1", "job_2"] and all(len(s) == 1 for s in singles)
     assert singles[1] == batch_requests(batch)[1:2]
     # a single-job entry is not split again: it goes to the engine, and past the limit to the dead letters
-    one = r.xrange(names.TOKENIZED_STREAM)[-1]
+    one = r.xrange(names.stream(names.TOKENIZED, 0))[-1]
     assert not worker.reader.split(Entry(one[0].decode(), one[1], 2))

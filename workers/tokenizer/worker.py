@@ -39,7 +39,7 @@ class TokenizerWorker:
         # after the transaction ran would add the batch twice; unacknowledged entries come back (_recover)
         self.writer = sync_client(settings.redis_url, decode=False, retries=0)
         self.worker_id = new_worker_id(names.TOKENIZER_POOL)
-        self.consumer = StreamConsumer(self.client, names.JOBS_STREAM, names.TOKENIZER_GROUP, self.worker_id,
+        self.consumer = StreamConsumer(self.client, names.streams(names.JOBS), names.TOKENIZER_GROUP, self.worker_id,
                                        names.TOKENIZER_POOL, settings.claim_idle_ms, settings.delivery_limit)
         self.jobs = JobOps(self.client, settings.job_ttl_s)
         self.prompts = PromptBuilder(settings.model_path)
@@ -92,8 +92,17 @@ class TokenizerWorker:
                                        f"{entry.deliveries} times and was moved to the dead-letter stream")
 
     def process(self, entries: list[Entry]) -> None:
-        """Tokenize a read's entries into one record batch. A job that cannot be tokenized fails
-        alone, with its reason; nothing a request holds can stop this loop."""
+        """Tokenize a read's entries: one record batch per partition they came from."""
+        by_partition: dict[str, list[Entry]] = {}
+        for entry in entries:
+            by_partition.setdefault(entry.stream, []).append(entry)
+        for stream, group in by_partition.items():
+            self._process(stream, group)
+
+    def _process(self, stream: str, entries: list[Entry]) -> None:
+        """Tokenize one partition's entries into one record batch, for that partition's inference
+        stream. A job that cannot be tokenized fails alone, with its reason; nothing a request holds
+        can stop this loop."""
         accepted: list[tuple[str, GenerationRequest]] = []
         prompts: list[str] = []
         job_ids = [_field(e.fields, "job_id") for e in entries]
@@ -122,10 +131,11 @@ class TokenizerWorker:
         batch = self._record_batch(requests)
         pipe = self.writer.pipeline(transaction=True)
         if batch is not None:
-            pipe.xadd(names.TOKENIZED_STREAM, {"batch": to_ipc(batch), "jobs": batch.num_rows})
+            pipe.xadd(names.stream(names.TOKENIZED, names.stream_partition(stream)),
+                      {"batch": to_ipc(batch), "jobs": batch.num_rows})
             for job_id, n in zip(batch.column("id").to_pylist(), batch.column("prompt_ids").value_lengths()):
                 pipe.hset(names.job_key(job_id), "prompt_tokens", n.as_py())
-        pipe.xack(names.JOBS_STREAM, names.TOKENIZER_GROUP, *[e.id for e in entries])
+        pipe.xack(stream, names.TOKENIZER_GROUP, *[e.id for e in entries])
         pipe.execute()
         self.counters["processed"] += batch.num_rows if batch is not None else 0
         self.counters["batches"] += 1
