@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.plumbing                    # everything (about 5 minutes)
     .venv/bin/python -m bench.plumbing --quick            # seconds: every part once, small and short
     .venv/bin/python -m bench.plumbing --only relay --relay-n 1,100,1000
+    .venv/bin/python -m bench.plumbing --only accept-cluster   # one Redis node against a 3-master cluster
 
 It starts its own stack (harness/stack.py: `conveyor up --no-autoscale`, its own redis-server) with
 ENGINE=synthetic: the zero-cost synthetic engine, a benchmark instrument that emits one fixed token
@@ -22,6 +23,12 @@ per running request per step with no model, so only the plumbing is measured. On
     token events with the output lane's own step write (`shared.job_ops.step_write` + `JobOps.step`:
     per tick, one STEP script call for a group of jobs in one MULTI/EXEC), with the wall-clock
     publish time in the text. Delay = client receive time - publish time, per token event, p50/p99/max.
+
+(d) accept-cluster: a stack on one redis-server and a stack on a local Redis Cluster (`conveyor up
+    --redis-cluster 3`: 3 masters, 3 replicas, 12 partitions) up at once, rounds alternating between
+    them: (a) with the workers paused, then (c) at --relay-n streams; with the Redis processes' CPU
+    per accepted job and per relayed event (replicas included): the per-operation cost that sizes a
+    deployment (two cores show no scale-out).
 
 Clients, publisher, API, Redis and the (idle) workers all share this machine's cores: the figures
 are for that, and say how many client processes drove them.
@@ -60,11 +67,12 @@ OPEN_ATTEMPTS = 10
 # ----------------------------------------------------------------------------- the stack
 
 
-def start(args: argparse.Namespace, workdir: Path, extra: dict[str, str] | None = None) -> Stack:
+def start(args: argparse.Namespace, workdir: Path, extra: dict[str, str] | None = None,
+          up_args: list[str] | None = None) -> Stack:
     print(f"[stack] starting (ENGINE=synthetic, log {workdir / 'stack.log'})", file=sys.stderr, flush=True)
     env = {"ENGINE": "synthetic", "MAX_NUM_SEQS": str(max(1024, max(args.stream_n))),
            "LOG_LEVEL": os.environ.get("LOG_LEVEL", "WARNING"), **(extra or {})}
-    stack = start_stack(workdir, None, args.model, env)
+    stack = start_stack(workdir, None, args.model, env, up_args)
     print(f"[stack] ready at {stack.url}", file=sys.stderr, flush=True)
     return stack
 
@@ -241,7 +249,19 @@ def drop_queued(stack: Stack) -> None:
     """After a paused-workers run: forget the jobs that piled up (nobody waits for them)."""
     from shared import names
 
-    stack.redis().xtrim(names.JOBS_STREAM, maxlen=0)
+    for stream in names.streams(names.JOBS):
+        stack.redis().xtrim(stream, maxlen=0)
+
+
+def redis_cpu_s(stack: Stack) -> float:
+    """CPU seconds so far of the stack's redis-server processes (a cluster's masters and replicas)."""
+    total = 0.0
+    for p in stack.by_role("redis-server"):
+        try:
+            total += sum(p.cpu_times()[:2])
+        except psutil.Error:
+            continue
+    return total
 
 
 def run_accept(stack: Stack, args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
@@ -314,6 +334,62 @@ def run_accept_auth(args: argparse.Namespace, workdir: Path) -> list[dict[str, A
     if med["auth off"]:
         print(f"\nratio (auth + limits / off): {med['auth + limits'] / med['auth off']:.2f}")
     return rows
+
+
+def run_accept_cluster(args: argparse.Namespace, workdir: Path) -> dict[str, list[dict[str, Any]]]:
+    """Accepted jobs/s and relayed events, one Redis node against a local 3-master cluster: both stacks
+    up at once, rounds alternating; Redis CPU per operation (a cluster's replicas included)."""
+    from shared import names
+
+    big = {"MAX_QUEUED": str(10**9), "MAX_QUEUE_WAIT_S": str(10**9)}
+    stacks = {"one node": start(args, workdir / "single", big),
+              "3-master cluster": start(args, workdir / "cluster", big, ["--redis-cluster", "3"])}
+    partitions = {"one node": 1, "3-master cluster": 12}  # each stack's REDIS_PARTITIONS (the supervisor's default)
+    accept: list[dict[str, Any]] = []
+    relay: list[dict[str, Any]] = []
+    try:
+        for rnd in range(args.auth_rounds):
+            order = list(stacks) if rnd % 2 == 0 else list(stacks)[::-1]
+            for name in order:
+                stack = stacks[name]
+                names.PARTITIONS = partitions[name]  # this process builds keys for that stack
+                stack.pause("tokenizer", "inference")
+                cpu0 = redis_cpu_s(stack)
+                try:
+                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s,
+                                      lead=3.0 * args.pauses)
+                finally:
+                    r_cpu = redis_cpu_s(stack) - cpu0
+                    drop_queued(stack)
+                    stack.resume("tokenizer", "inference")
+                jobs = max(1.0, r["accepted_per_s"] * args.accept_s)
+                r.update(mode=name, round=rnd, redis_cpu_ms_per_job=r_cpu * 1e3 / jobs)
+                accept.append(r)
+                print(f"[accept-cluster] round {rnd}, {name}: {r['accepted_per_s']:.0f} jobs/s, p50 "
+                      f"{r['lat_p50_ms']:.1f} ms, Redis {r['redis_cpu_ms_per_job']:.3f} CPU-ms/job, statuses "
+                      f"{r['statuses']}", file=sys.stderr, flush=True)
+                for row in run_relay(stack, args):
+                    row.update(mode=name, round=rnd)
+                    relay.append(row)
+                time.sleep(2 * args.pauses)
+    finally:
+        names.PARTITIONS = 1
+        for stack in stacks.values():
+            stop_stack(stack)
+
+    def med(rows: list[dict[str, Any]], name: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["mode"] == name)
+
+    print(f"\none Redis node against a 3-master cluster (3 replicas, 12 partitions) on {os.cpu_count()} CPUs; "
+          f"{args.auth_rounds} alternating rounds, medians\n")
+    print("| Redis | jobs/s accepted (workers paused) | accept p50 ms | Redis CPU-ms per job | "
+          "relay delay p50 / p99 ms | Redis CPU-ms per event | API CPU-ms per event |\n|---|---|---|---|---|---|---|")
+    for name in stacks:
+        print(f"| {name} | {med(accept, name, 'accepted_per_s'):,.0f} | {med(accept, name, 'lat_p50_ms'):.1f} | "
+              f"{med(accept, name, 'redis_cpu_ms_per_job'):.3f} | {med(relay, name, 'p50_ms'):.1f} / "
+              f"{med(relay, name, 'p99_ms'):.1f} | {med(relay, name, 'redis_cpu_ms_per_event'):.4f} | "
+              f"{med(relay, name, 'api_cpu_ms_per_event'):.4f} |")
+    return {"accept": accept, "relay": relay}
 
 
 # ----------------------------------------------------------------------------- SSE clients
@@ -512,9 +588,12 @@ def publish(stack: Stack, ids: list[str], ticks: int, interval: float, batch: in
     each stepping B sequences. Returns how far behind schedule the publisher fell at worst (s)."""
     import orjson
 
+    from shared import names
     from shared.job_ops import JobOps, step_write
+    from shared.redis_client import CLUSTER_TYPES
 
     client = stack.redis()
+    cluster = isinstance(client, CLUSTER_TYPES)
     ops = JobOps(client, 3600)
     groups = [ids[i:i + batch] for i in range(0, len(ids), batch)] if batch else [ids]
     seqs = dict.fromkeys(ids, 0)
@@ -529,12 +608,12 @@ def publish(stack: Stack, ids: list[str], ticks: int, interval: float, batch: in
             if delay > 0:
                 time.sleep(delay)
             behind = max(behind, -delay)
-            pipe = client.pipeline(transaction=True)
+            pipe = client.pipeline(transaction=not cluster)  # as the output lane: one step call per partition
             stamp = repr(time.time())
             chunk = stamp.encode()
-            keys: list[str] = []
-            args: list[Any] = []
+            steps: dict[int, tuple[list[str], list[Any]]] = {}
             for job_id in group:
+                keys, args = steps.setdefault(names.job_partition(job_id), ([], []))
                 seqs[job_id] += 1
                 seq = seqs[job_id]
                 message = orjson.dumps({"seq": seq, "type": "token", "text": stamp})
@@ -543,7 +622,8 @@ def publish(stack: Stack, ids: list[str], ticks: int, interval: float, batch: in
                 text_bytes[job_id] += len(chunk)
                 keys += job_keys
                 args += job_args
-            ops.step(keys, args, pipe)
+            for keys, args in steps.values():
+                ops.step(keys, args, pipe)
             pipe.execute()
     return behind
 
@@ -572,11 +652,12 @@ def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
         time.sleep(0.5 * args.pauses)
         sampler.start()
         api_proc = psutil.Process(api)
-        cpu0 = sum(api_proc.cpu_times()[:2])
+        cpu0, redis0 = sum(api_proc.cpu_times()[:2]), redis_cpu_s(stack)
         behind = publish(stack, ids, args.relay_ticks, args.relay_interval, args.relay_batch)
         finish_records(stack, ids)
         recs = clients.results(args.relay_ticks * args.relay_interval + 180)
         api_cpu_s = sum(api_proc.cpu_times()[:2]) - cpu0
+        redis_s = redis_cpu_s(stack) - redis0
         sampler.stop()
         sampler.join()
         delays = [d for r in recs for d in r["delays"]]
@@ -588,7 +669,8 @@ def run_relay(stack: Stack, args: argparse.Namespace) -> list[dict[str, Any]]:
                "p99_ms": percentile(delays, 99), "max_ms": max(delays) if delays else float("nan"),
                "publisher_behind_s": behind, "rss_peak": sampler.peak,
                "open_refusals": sum(len(r["open_errors"]) for r in recs),
-               "api_cpu_ms_per_event": api_cpu_s * 1e3 / max(1, len(delays))}
+               "api_cpu_ms_per_event": api_cpu_s * 1e3 / max(1, len(delays)),
+               "redis_cpu_ms_per_event": redis_s * 1e3 / max(1, len(delays))}
         rows.append(row)
         print(f"[relay] {n} streams at {rate:.0f} events/s, bursts of {args.relay_batch or n}: delay p50 "
               f"{row['p50_ms']:.1f} ms, p99 "
@@ -642,7 +724,8 @@ def report(accept: list[dict[str, Any]], streams: list[dict[str, Any]], relay: l
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="accept,streams,relay",
-                   help="comma list of accept, streams, relay, and accept-auth (keys and limits on against off)")
+                   help="comma list of accept, streams, relay; or accept-auth (keys and limits on against off), or "
+                        "accept-cluster (one Redis node against a 3-master cluster)")
     p.add_argument("--auth-rounds", type=int, default=3, help="alternating rounds for accept-auth")
     p.add_argument("--quick", action="store_true", help="seconds: every part once, 1 s accept runs from one client "
                    "process, 4 streams of 3 tokens, 4 relay streams of 3 ticks, no pauses")
@@ -679,6 +762,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_accept_auth(args, workdir)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps({"accept_auth": rows}, indent=2, default=str))
+        return 0
+    if only == {"accept-cluster"}:
+        both = run_accept_cluster(args, workdir)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"accept_cluster": both}, indent=2, default=str))
         return 0
     stack = start(args, workdir / "stack")
     accept: list[dict[str, Any]] = []

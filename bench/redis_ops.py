@@ -20,7 +20,7 @@ Scenarios:
 - job:        a job's whole life in waves of 32 concurrent jobs of --tokens tokens: submit
               (MULTI HSET EXPIRE XADD EXEC), tokenizer (XREADGROUP, HMGET, MULTI XADD HSET.. XACK
               EXEC), inference (XREADGROUP, START script, one chunk-step per token, FINISH
-              script, XACK); `job/8` streams one chunk per 8 tokens instead of one per token
+              script, XACK); `job/4` and `job/8` stream one chunk per 4 or 8 tokens instead of one per token
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def xadd(depth: int) -> Step:
     def step(r: redis.Redis, i: int) -> int:
         pipe = r.pipeline(transaction=False)
         for k in range(depth):
-            pipe.xadd(names.JOBS_STREAM, {"job_id": f"{os.getpid()}-{i}-{k}", "request": REQUEST},
+            pipe.xadd(names.stream(names.JOBS, 0), {"job_id": f"{os.getpid()}-{i}-{k}", "request": REQUEST},
                       maxlen=100_000, approximate=True)
         pipe.execute()
         return depth
@@ -114,27 +114,27 @@ def job(tokens: int, every: int) -> Step:
             keys, args = submit_write(job_id, new_record(job_id, "m", REQUEST), REQUEST, 86400)
             state["submit"](keys=keys, args=args)
         # workers/tokenizer/worker.py
-        reply: Any = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.JOBS_STREAM: ">"}, count=BATCH)
+        reply: Any = r.xreadgroup(names.TOKENIZER_GROUP, consumer, {names.stream(names.JOBS, 0): ">"}, count=BATCH)
         entries = reply[0][1]
         pipe = r.pipeline(transaction=False)
         for job_id in ids:
             pipe.hmget(names.job_key(job_id), "status", "cancel_requested")
         pipe.execute()
         pipe = r.pipeline(transaction=True)
-        pipe.xadd(names.TOKENIZED_STREAM, {"batch": os.urandom(BATCH * 45 * 4 + 1200), "jobs": BATCH})
+        pipe.xadd(names.stream(names.TOKENIZED, 0), {"batch": os.urandom(BATCH * 45 * 4 + 1200), "jobs": BATCH})
         for job_id in ids:
             pipe.hset(names.job_key(job_id), "prompt_tokens", 45)
-        pipe.xack(names.JOBS_STREAM, names.TOKENIZER_GROUP, *[e[0] for e in entries])
+        pipe.xack(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, *[e[0] for e in entries])
         pipe.execute()
         # gpu_worker/worker.py reader lane, then output lane steps
-        reply = r.xreadgroup(names.INFERENCE_GROUP, consumer, {names.TOKENIZED_STREAM: ">"}, count=1)
+        reply = r.xreadgroup(names.INFERENCE_GROUP, consumer, {names.stream(names.TOKENIZED, 0): ">"}, count=1)
         [(entry_id, _)] = reply[0][1]
         for job_id in ids:
             jobs.start(job_id, consumer)
         chunks = -(-tokens // every)
         for seq in range(1, chunks + 1):
             chunk_step(r, ids, seq, every, jobs if seq == chunks else None)
-        r.xack(names.TOKENIZED_STREAM, names.INFERENCE_GROUP, entry_id)
+        r.xack(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, entry_id)
         return BATCH
 
     return step
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         ("publish depth 64", publish(64), "cmd"),
         (f"chunk-step x{BATCH}", chunk, "chunk"),
         (f"job ({args.tokens} tok, chunk/token)", job(args.tokens, 1), "job"),
+        (f"job/4 ({args.tokens} tok, chunk/4 tok: STREAM_INTERVAL 4)", job(args.tokens, 4), "job"),
         (f"job/8 ({args.tokens} tok, chunk/8 tok)", job(args.tokens, 8), "job"),
     ]
     if args.only:
