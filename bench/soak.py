@@ -177,7 +177,8 @@ class Soak:
         kinds: collections.Counter[str] = collections.Counter()
         for key in self.r.scan_iter(count=1000):
             parts = key.split(":")
-            kinds[":".join(parts[:2]) if len(parts) > 2 else key] += 1
+            n = 3 if len(parts) > 1 and parts[1].startswith("{") else 2  # conveyor:{p0}:job:<id> -> conveyor:{p0}:job
+            kinds[":".join(parts[:n]) if len(parts) > n else key] += 1
         return dict(kinds.most_common())
 
 
@@ -248,8 +249,8 @@ async def main_async(args: argparse.Namespace, stack: Stack) -> int:
     e2e = sorted(soak.e2e)
     try:
         keys = soak.key_breakdown()
-        lens = {s: soak.r.xlen(s) for s in (names.JOBS_STREAM, names.TOKENIZED_STREAM, names.ENDED_STREAM,
-                                            names.DEAD_LETTER_STREAM)}
+        lens = {s: soak.r.xlen(s) for kind in (names.JOBS, names.TOKENIZED, names.ENDED, names.DEAD)
+                for s in names.streams(kind)}
     except redis.RedisError as exc:
         keys, lens = {"error": str(exc)}, {}
     logscan = scan_log(stack.log)
