@@ -64,8 +64,8 @@ class JobStore:
             reserve_tokens=math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens, max_waiting=max_waiting,
             idempotency_key=idempotency_key or "", idempotency_ttl_s=self.settings.idempotency_ttl_s,
             jobs_maxlen=self.jobs_maxlen)
-        if reply.code is SubmitCode.replay:
-            return Admission(await self.get(reply.job_id), True, reply)
+        if reply.code is SubmitCode.replay:  # another request's job, or this one's (a call sent again)
+            return Admission(await self.get(reply.job_id), reply.job_id != job_id, reply)
         if reply.code is not SubmitCode.accepted:
             return Admission(None, False, reply)
         job = Job.from_record({k: str(v) for k, v in record.items()})

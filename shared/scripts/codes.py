@@ -31,7 +31,7 @@ class SubmitCode(IntEnum):
     """submit.lua's first reply element: whether the job was admitted, and if not, why."""
 
     accepted = 1  # {1, ordinal, dequeued, rpm, requests left, requests reset ms, tpm, tokens left, tokens reset ms}
-    replay = 2  # {2, job id}: an idempotent replay of the job the idempotency key names
+    replay = 2  # {2, job id}: an idempotent replay of the job the idempotency key names, or this call sent again
     unknown_tenant = -1  # {-1}: unknown or disabled tenant
     over_rpm = -2  # {-2, retry ms, rpm, reset ms}: over its requests per minute
     over_tpm = -3  # {-3, retry ms, tpm, left, reset ms}: over its tokens per minute

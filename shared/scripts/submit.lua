@@ -2,12 +2,13 @@
 -- service-wide queue cap, then the record, its queue ordinal and the `jobs` entry. A refusal stores nothing.
 -- KEYS: 1 job hash, 2 jobs stream, 3 submitted counter, 4 dequeued counter, 5 tenant hash,
 --       6 tenant's requests bucket, 7 tenant's tokens bucket, 8 tenant's unfinished jobs, 9 idempotency key
--- ARGV: 1 ttl (s), 2 now (unix s), 3 owner ('' no tenant: KEYS 5-8 unused), 4 tokens to reserve,
---       5 most jobs waiting service-wide (0 no cap), 6 idempotency ttl (0 no key), 7 request digest,
+-- ARGV: 1 ttl (s), 2 now (unix s), 3 owner ('' no tenant: KEYS 5-8 unused, the job key stands in), 4 tokens to reserve,
+--       5 most jobs waiting in the partition (0 no cap), 6 idempotency ttl (0 no key), 7 request digest,
 --       8 the jobs stream's approximate cap, 9 job-hash key prefix, 10 job id, 11 request JSON,
 --       12.. record field/value pairs
 -- Returns {1, ordinal, dequeued, rpm, requests left, requests reset ms, tpm, tokens left, tokens reset ms};
---   {2, job id} an idempotent replay; {-1} unknown or disabled tenant; {-2, retry ms, rpm, reset ms} over
+--   {2, job id} an idempotent replay, or this very call sent again; {-1} unknown or disabled tenant;
+--   {-2, retry ms, rpm, reset ms} over
 --   its requests per minute; {-3, retry ms, tpm, left, reset ms} over its tokens per minute; {-4, limit}
 --   at its unfinished-jobs limit; {-5, depth} the service-wide queue is full; {-6} the idempotency key
 --   was used with another body; {-7, tpm} the request alone needs more than the tenant's tokens per minute.
@@ -16,6 +17,9 @@ local requests_bucket, tokens_bucket, active, idem = KEYS[6], KEYS[7], KEYS[8], 
 local ttl, now, owner, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local max_waiting, idem_ttl, digest, jobs_cap = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local job_prefix, job_id, request = ARGV[9], ARGV[10], ARGV[11]
+-- the same call sent again (its reply was lost to a dropped connection) finds its job: enqueued and
+-- charged once; the caller knows the id for its own
+if redis.call('EXISTS', job) == 1 then return {2, job_id} end
 if idem_ttl ~= '0' then
   local seen = redis.call('GET', idem)
   if seen then

@@ -229,3 +229,20 @@ async def test_tail_and_count_after(raw: redis.Redis, api_client: aredis.Redis) 
     queue_count_after(pipe, names.stream(names.JOBS, 0), ids[0], 10, 2)
     queue_count_after(pipe, names.stream(names.JOBS, 0), "0-0", 2, 1)
     assert scripts.execute(pipe) == [3, 2]
+
+
+async def test_a_submit_sent_again_is_enqueued_and_charged_once(raw: redis.Redis, api_client: aredis.Redis) -> None:
+    """A client that lost the reply sends the same call again (redis-py retries a dropped connection):
+    the second call finds its job, so the queue holds it once and its tenant pays once."""
+    ops = AsyncJobOps(api_client, 60)
+    acme = tenant(raw, "acme-again", rpm=60, tpm=1000)
+    job_id = names.job_id_in(names.tenant_partition(acme), "cd" * 16)
+    record = new_record(job_id, "m", '{"prompt": "hi"}')
+    first = await ops.submit(job_id, record, '{"prompt": "hi"}', owner=acme, reserve_tokens=100)
+    again = await ops.submit(job_id, record, '{"prompt": "hi"}', owner=acme, reserve_tokens=100)
+    assert first.code is SubmitCode.accepted and again == SubmitReply(SubmitCode.replay, job_id=job_id)
+    stream = names.stream(names.JOBS, names.job_partition(job_id))
+    assert [f[b"job_id"] for _, f in raw.xrange(stream)].count(job_id.encode()) == 1
+    assert raw.get(names.tenant_active_key(acme)) == b"1"
+    assert float(raw.hget(names.tenant_bucket_key(acme, "tokens"), "t")) < 1000 - 99  # 100 taken once
+    assert float(raw.hget(names.tenant_bucket_key(acme, "tokens"), "t")) > 1000 - 101
