@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.servers, args.levels, args.repeats, args.seconds = (
-            quick_model(args.model), "conveyor", "1", 1, 2)
+            quick_model(args.model), "conveyor", "1", 1, 4)  # 4 s: a request completes even on a busy machine
         args.prompt_tokens, args.output_tokens, args.no_warmup = 16, 4, True
     args.model = args.model or default_model()
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))

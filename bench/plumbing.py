@@ -249,8 +249,10 @@ def drop_queued(stack: Stack) -> None:
     """After a paused-workers run: forget the jobs that piled up (nobody waits for them)."""
     from shared import names
 
-    for stream in names.streams(names.JOBS):
-        stack.redis().xtrim(stream, maxlen=0)
+    r = stack.redis()
+    for p in names.partitions():
+        # the dropped jobs leave the queue's count too, or admission would go on counting them as waiting
+        r.incrby(names.dequeued_counter(p), r.xtrim(names.stream(names.JOBS, p), maxlen=0))
 
 
 def redis_cpu_s(stack: Stack) -> float:
