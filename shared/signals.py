@@ -5,7 +5,7 @@ and each consumer group's lag and pending.
 A worker is live while its pool's registry (`names.workers_key`) scores it later than now: the score
 is when its heartbeat runs out (shared/heartbeat.py writes both). `is_live` is the only such test.
 
-Redis 7 reports a group's lag in XINFO GROUPS (the number KEDA's lag mode reads). Redis 6.2 has
+Redis 7 reports a group's lag in XINFO GROUPS. Redis 6.2 has
 no such field, and Redis 7 answers NULL when it cannot tell (after entries in the undelivered range
 were deleted or trimmed); then the entries after the group's last-delivered-id are counted, in pages,
 by a script inside Redis, so no entry (the inference stream holds binary Arrow batches) crosses the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from infra.autoscale import policies_for
@@ -110,21 +111,26 @@ def policy_types(policy: dict[str, Any]) -> list[str]:
     return list(spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])])
 
 
-def isolating(pod: Peer, direction: str) -> list[dict[str, Any]]:
-    """The policies that select this pod for `direction` ("Ingress" or "Egress"); none: all is allowed."""
+def isolating(pod: Peer, direction: str, policies: Mapping[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The policies that select this pod for `direction` ("Ingress" or "Egress"); none: all is allowed.
+    policies: by name, those in force (default: the manifests')."""
     if pod.namespace != NAMESPACE:
         return []
-    return [p for p in NETWORK_POLICIES.values()
+    return [p for p in (NETWORK_POLICIES if policies is None else policies).values()
             if direction in policy_types(p) and selects(p["spec"]["podSelector"], dict(pod.labels))]
 
 
-def allows(pod: Peer, direction: str, other: Peer, protocol: str, port: int) -> bool:
-    policies = isolating(pod, direction)
+def allows(pod: Peer, direction: str, other: Peer, protocol: str, port: int,
+           in_force: Mapping[str, dict[str, Any]] | None = None) -> bool:
+    policies = isolating(pod, direction, in_force)
     key, peers = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
     return not policies or any(
         (not rule.get(peers) or any(peer_matches(p, other) for p in rule[peers])) and port_matches(rule, protocol, port)
         for policy in policies for rule in policy["spec"].get(key, []))
 
 
-def reachable(src: Peer, dst: Peer, port: int, protocol: str = "TCP") -> bool:
-    return allows(src, "Egress", dst, protocol, port) and allows(dst, "Ingress", src, protocol, port)
+def reachable(src: Peer, dst: Peer, port: int, protocol: str = "TCP",
+              policies: Mapping[str, dict[str, Any]] | None = None) -> bool:
+    """Whether src may open a connection to dst's port, under `policies` (default: the manifests')."""
+    return (allows(src, "Egress", dst, protocol, port, policies)
+            and allows(dst, "Ingress", src, protocol, port, policies))

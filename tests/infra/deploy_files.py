@@ -276,3 +276,53 @@ def redis_image_major(image: str) -> int:
     found = re.match(r"(\d+)", tag)
     assert found, f"{image}: no version in the tag"
     return int(found.group(1))
+
+
+# ---- the Redis Cluster component (infra/k8s/redis-cluster) -------------------------------------------
+
+REDIS_CLUSTER = K8S / "redis-cluster"
+# list fields that Kubernetes' strategic merge merges item by item, and the key that matches items
+MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+              "volumeMounts": "mountPath", "ports": "containerPort"}
+
+
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """A strategic-merge patch as kustomize applies it: mappings merge, lists of MERGE_KEYS merge by their
+    key, the patch's items first and in its order, then the base's others (so an env variable a patch
+    names moves up to where the patch puts it); anything else is replaced."""
+    if not (isinstance(base, dict) and isinstance(patch, dict)):
+        return patch
+    out = dict(base)
+    for key, value in patch.items():
+        if key in MERGE_KEYS and isinstance(value, list) and isinstance(out.get(key), list):
+            by = MERGE_KEYS[key]
+            old = {item[by]: item for item in out[key]}
+            named = {item[by] for item in value}
+            out[key] = [strategic_merge(old.get(item[by], {}), item) for item in value] + [
+                item for item in out[key] if item[by] not in named]
+        else:
+            out[key] = strategic_merge(out.get(key), value)
+    return out
+
+
+def redis_cluster_component() -> dict[str, Any]:
+    return load(REDIS_CLUSTER / "kustomization.yaml")[0]
+
+
+def with_redis_cluster() -> list[dict[str, Any]]:
+    """The base's documents with the Redis Cluster component applied: its patches, then its resources."""
+    component = redis_cluster_component()
+    docs = [dict(d) for d in DOCS]
+    for entry in component.get("patches", []):
+        for patch in load(REDIS_CLUSTER / entry["path"]):
+            at = [i for i, d in enumerate(docs) if (d["kind"], d["metadata"]["name"]) ==
+                  (patch["kind"], patch["metadata"]["name"])]
+            assert len(at) == 1, f"the patch of {patch['kind']}/{patch['metadata']['name']} matches {len(at)}"
+            docs[at[0]] = strategic_merge(docs[at[0]], patch)
+    for resource in component.get("resources", []):
+        docs += load(REDIS_CLUSTER / resource)
+    return docs
+
+
+def kinds_in(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}

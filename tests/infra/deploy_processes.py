@@ -185,12 +185,14 @@ def expand(value: str, env: Mapping[str, str]) -> str:
                   value)
 
 
-def container_env(c: dict[str, Any]) -> dict[str, str]:
-    """A container's environment: the image's ENV, then envFrom, then env in order."""
+def container_env(c: dict[str, Any], config_maps: Mapping[str, dict[str, Any]] | None = None) -> dict[str, str]:
+    """A container's environment: the image's ENV, then envFrom, then env in order. config_maps: by name,
+    those its envFrom reads (default: the manifests')."""
     env = dict(IMAGE_ENV) if is_app_image(c["image"]) else {}
+    maps = of_kind("ConfigMap") if config_maps is None else config_maps
     for source in c.get("envFrom", []):
         assert set(source) == {"configMapRef"}, source
-        env.update(of_kind("ConfigMap")[source["configMapRef"]["name"]]["data"])
+        env.update(maps[source["configMapRef"]["name"]]["data"])
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = expand(str(e["value"]), env)
