@@ -1,4 +1,4 @@
-"""/metrics exposes the whole system's signals, named like vLLM's."""
+"""/metrics and /scaling expose the whole system's signals, named like vLLM's, on one Redis node and on a cluster."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams for s in f.samples}
 
 
-def test_metrics_after_a_few_jobs(tiny_stack) -> None:  # type: ignore[no-untyped-def]
-    with httpx.Client(base_url=tiny_stack.url, timeout=60) as c:
+def test_metrics_after_a_few_jobs(plumbing_stack) -> None:  # type: ignore[no-untyped-def]
+    with httpx.Client(base_url=plumbing_stack.url, timeout=60) as c:
         before = _samples(c.get("/metrics").text)
         for q in ("One", "Two", "Three"):
             assert wait(c, submit(c, prompt=q, max_tokens=8, ignore_eos=True)["id"])["status"] == "succeeded"
@@ -50,11 +50,11 @@ def test_metrics_after_a_few_jobs(tiny_stack) -> None:  # type: ignore[no-untype
     assert samples[("conveyor:num_requests_waiting", ())] >= 0
 
 
-def test_scaling_counts_what_the_engines_hold(tiny_stack) -> None:  # type: ignore[no-untyped-def]
+def test_scaling_counts_what_the_engines_hold(plumbing_stack) -> None:  # type: ignore[no-untyped-def]
     """GET /scaling, read by KEDA's inference trigger: lag plus occupancy, as the local policy counts."""
     import time
 
-    with httpx.Client(base_url=tiny_stack.url, timeout=60) as c:
+    with httpx.Client(base_url=plumbing_stack.url, timeout=60) as c:
         before = c.get("/scaling").json()
         assert set(before) == {"tokenizer", "inference"}
         job = submit(c, prompt="Count to a thousand:", max_tokens=900, ignore_eos=True)
