@@ -2,15 +2,19 @@
 its append-only file, fsynced before every reply), or of the master of a local Redis Cluster that
 holds the queue (its replica takes over; what was answered 202 had reached it). Every process
 reconnects by itself, and every job that was answered 202 ends succeeded with the text of a clean
-run and an event stream that joins to it without a gap or a repeat."""
+run and an event stream that joins to it without a gap or a repeat; a client that follows a job's
+live stream through the outage, resuming with Last-Event-ID, gets it whole."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -61,10 +65,29 @@ def _submit(client: httpx.Client, i: int) -> str | None:
     return str(r.json()["id"])
 
 
+def _follow(url: str, job_id: str, out: list[dict[str, Any]]) -> None:
+    """A client on the job's live stream through the outage: when the stream breaks (or cannot be
+    opened), it opens it again after the last event it has (Last-Event-ID), until `done`."""
+    deadline = time.monotonic() + 180
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while time.monotonic() < deadline and not (out and out[-1].get("event") == "done"):
+            headers = {"Last-Event-ID": out[-1]["id"]} if out else None
+            try:
+                out += read_events(client, job_id, headers=headers)
+            except (httpx.TransportError, AssertionError):  # Redis down: 503, or the stream cut off
+                time.sleep(0.2)
+
+
 def test_kill_9_of_redis_loses_no_accepted_job(own_stack: Stack) -> None:
     with httpx.Client(base_url=own_stack.url, timeout=30) as client:
         clean = {i: wait(client, _submit(client, i) or "", timeout=120)["text"] for i in range(5)}
         accepted: dict[str, int] = {}
+        live: list[dict[str, Any]] = []
+        followed = _submit(client, 0)
+        assert followed
+        accepted[followed] = 0
+        follower = threading.Thread(target=_follow, args=(own_stack.url, followed, live), daemon=True)
+        follower.start()
         victim = _queue_server(own_stack)
         port = next(c.laddr.port for c in victim.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
         for i in range(JOBS):
@@ -79,6 +102,9 @@ def test_kill_9_of_redis_loses_no_accepted_job(own_stack: Stack) -> None:
             job_id = until("a submit to be accepted again", lambda i=i: _submit(client, i), timeout=60)
             accepted[job_id] = i
         assert len(accepted) >= JOBS // 2
+        follower.join(180)
+        assert [int(e["id"]) for e in live] == list(range(1, len(live) + 1))  # read live across the outage
+        assert live[-1]["event"] == "done" and tokens_text(live) == clean[0]
         for job_id, i in accepted.items():
             final = wait(client, job_id, timeout=180)
             assert final["status"] == "succeeded" and final["text"] == clean[i % 5], (final, clean[i % 5])
