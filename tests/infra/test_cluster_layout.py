@@ -69,3 +69,29 @@ def test_jobs_spread_over_every_master_and_chunks_go_by_sharded_pubsub(cluster_s
         until("jobs on every master", lambda: len(holders()) == len(masters), timeout=120)
     after = published()
     assert all(after[m.name] > before[m.name] for m in masters), (before, after)
+
+
+async def test_tenant_limits_stay_exact_on_the_cluster(cluster_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission is one atomic call in the tenant's partition: on a cluster a tenant's requests per
+    minute and unfinished jobs are counted exactly, and a refusal stores nothing."""
+    from shared import tenants
+    from shared.job_ops import AsyncJobOps
+    from shared.jobs import new_record
+    from shared.redis_client import async_client
+    from shared.scripts.codes import SubmitCode
+
+    monkeypatch.setattr(names, "PARTITIONS", 12)
+    r = cluster_stack.redis()
+    tenants.create(r, "cluster-tenant", rpm=3, tpm=0, max_queued=0, max_streams=0)
+    client = async_client(cluster_stack.redis_url)
+    ops = AsyncJobOps(client, 60)
+    codes = []
+    for i in range(5):
+        job_id = names.job_id_in(names.new_job_partition("cluster-tenant"), f"{i + 1:x}" * 32)
+        reply = await ops.submit(job_id, new_record(job_id, "m", "{}"), "{}", owner="cluster-tenant")
+        codes.append(reply.code)
+        if reply.code is not SubmitCode.accepted:
+            assert not r.exists(names.job_key(job_id))  # a refusal stores nothing
+    await client.aclose()
+    assert codes == [SubmitCode.accepted] * 3 + [SubmitCode.over_rpm] * 2
+    assert r.get(names.tenant_active_key("cluster-tenant")) == "3"

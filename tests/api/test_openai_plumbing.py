@@ -1,0 +1,45 @@
+"""The OpenAI routes' plumbing, whatever the weights, on one Redis node and on a Redis Cluster: a
+streamed answer is the non-streamed one, and a client that drops its stream cancels its job."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import until
+
+
+@pytest.fixture
+def oai(plumbing_stack) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=plumbing_stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _model(oai: openai.OpenAI) -> str:
+    return oai.models.list().data[0].id
+
+
+def test_chat_and_completions_streamed_equal_non_streamed(oai: openai.OpenAI) -> None:
+    model, msg = _model(oai), [{"role": "user", "content": "Tell me about rivers."}]
+    full = oai.chat.completions.create(model=model, messages=msg, temperature=0, max_tokens=12)
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model=model, messages=msg, temperature=0, max_tokens=12, stream=True) if c.choices)
+    assert streamed == full.choices[0].message.content and full.usage.completion_tokens > 0
+    text = oai.completions.create(model=model, prompt="Rivers are", temperature=0, max_tokens=12).choices[0].text
+    assert text == "".join(c.choices[0].text for c in oai.completions.create(
+        model=model, prompt="Rivers are", temperature=0, max_tokens=12, stream=True) if c.choices)
+
+
+def test_a_dropped_stream_cancels_its_job(plumbing_stack, oai: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": _model(oai), "messages": [{"role": "user", "content": "Count:"}], "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=plumbing_stack.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            chunks = [json.loads(line[6:]) for line, _ in zip(
+                (x for x in resp.iter_lines() if x.startswith("data: {")), range(3))]
+        job_id = "job_" + chunks[0]["id"].removeprefix("chatcmpl-")
+        job = until("the dropped stream's job to be cancelled",
+                    lambda: (j := c.get(f"/v1/jobs/{job_id}").json())["status"] == "cancelled" and j, timeout=15)
+        assert job["finish_reason"] == "cancelled" and job["usage"]["completion_tokens"] < 900
