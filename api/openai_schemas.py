@@ -15,6 +15,7 @@ from shared.limits import (
     Content,
     MaxTokens,
     Name,
+    Priority,
     Seed,
     StopList,
     StopString,
@@ -50,6 +51,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = None
+    priority: Priority = 0  # vLLM's: among the tenant's waiting jobs, lower runs first
 
     # accepted and harmless: they change nothing about the text
     _IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities",
@@ -72,7 +74,7 @@ class _Common(BaseModel):
                 no(name, f"unsupported parameter: {name}")
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"stop": self.stop, "ignore_eos": self.ignore_eos}
+        out: dict[str, Any] = {"stop": self.stop, "ignore_eos": self.ignore_eos, "priority": self.priority}
         for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)

@@ -1,8 +1,8 @@
 """Which stream entries this worker holds and which of their jobs are still running.
 
-A `tokenized` entry carries several jobs; it is acknowledged once every one of them has a recorded
-end, so a worker that dies leaves each unfinished job claimable. The ledger also bounds the jobs
-in flight, so the reader takes no more entries than the engine can start soon.
+A `tokenized` entry carries one job (or, from before the fair queue, several); it is acknowledged once
+every one of them has a recorded end, so a worker that dies leaves each unfinished job claimable. The
+ledger also bounds the jobs in flight, so the reader takes no more jobs than the engine can start soon.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class EntryLedger:
         self._entry_jobs: dict[Ref, set[str]] = {}
         self._job_entry: dict[str, Ref] = {}
         self._slots = threading.Semaphore(max_jobs)
+        self._max_jobs, self._held = max_jobs, 0
 
     def has_room(self, timeout: float) -> bool:
         """Whether a job could start now (waits up to `timeout` for one to end)."""
@@ -34,6 +35,11 @@ class EntryLedger:
             return False
         self._slots.release()
         return True
+
+    def free(self) -> int:
+        """How many more jobs could be taken now."""
+        with self._lock:
+            return self._max_jobs - self._held
 
     def open(self, entry_id: Ref, job_ids: Collection[str]) -> None:
         with self._lock:
@@ -44,6 +50,8 @@ class EntryLedger:
     def take_slot(self) -> None:
         """Before a job of an open entry goes to the engine; blocks while the engine is full."""
         self._slots.acquire()
+        with self._lock:
+            self._held += 1
 
     def close(self, job_id: str) -> None:
         """The job's end is recorded: free its slot, and acknowledge its entry if it was the last."""
@@ -56,6 +64,7 @@ class EntryLedger:
             complete = not jobs
             if complete:
                 del self._entry_jobs[entry_id]
+            self._held -= 1
         self._slots.release()
         if complete:
             try:

@@ -1,5 +1,6 @@
-"""The reader lane: new `tokenized` entries while the engine has room, and upkeep every
-`refresh_s`: keep this worker's entries fresh, take over the entries of a worker that died."""
+"""The reader lane: the next jobs from the fair queue (shared/fair_queue.py), as many as the engine has
+room for, and upkeep every `refresh_s`: keep this worker's entries fresh, take over the entries of a
+worker that died."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import redis
 from gpu_worker.admission import Admission, entry_batch
 from gpu_worker.ledger import EntryLedger
 from shared import names
+from shared.fair_queue import FairQueue
 from shared.job_ops import JobOps
 from shared.retry import run_loop
 from shared.schemas import to_ipc
@@ -28,6 +30,7 @@ class Reader:
     def __init__(self, client: redis.Redis, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger,
                  admission: Admission, refresh_s: float, stopping: threading.Event) -> None:
         self.client, self.consumer, self.jobs, self.ledger = client, consumer, jobs, ledger
+        self.queue = FairQueue(client, consumer.consumer)
         self.admission, self.refresh_s, self.stopping = admission, refresh_s, stopping
         self._next_upkeep = 0.0
 
@@ -40,7 +43,8 @@ class Reader:
             self._next_upkeep = time.monotonic() + self.refresh_s
         if not self.ledger.has_room(ROOM_WAIT_S):
             return
-        for entry in self.consumer.read(count=READ_COUNT, block_ms=READ_BLOCK_MS):
+        # only what can start now: a job taken waits here in arrival order, out of the fair queue's reach
+        for entry in self.queue.pop(count=max(1, min(READ_COUNT, self.ledger.free())), block_ms=READ_BLOCK_MS):
             self.admission.admit(entry)
 
     def upkeep(self) -> None:

@@ -74,9 +74,10 @@ def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text
 
 
 def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH") -> Write:
-    """A whole step call: the jobs' `step_write` parts joined, after the arguments they share.
-    `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`)."""
-    return keys, [ttl_s, repr(time.time()), publish, *args]
+    """A whole step call: the jobs' `step_write` parts joined (jobs of one partition), after the arguments
+    they share. `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`)."""
+    prefix = keys[0][:keys[0].index(":job:")]  # the partition's, where its tenants' fair-queue counters are
+    return keys, [ttl_s, repr(time.time()), publish, prefix, *args]
 
 
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",

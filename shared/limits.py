@@ -32,6 +32,8 @@ MAX_STOP_TOKEN_IDS = 32
 MAX_NAME_CHARS = 256
 MAX_URL_CHARS = 2048
 MAX_BODY_BYTES = 2 * 2**20  # a larger request body answers 413 before it is parsed
+PRIORITY_MIN, PRIORITY_MAX = -1000, 1000  # a job's priority within its tenant: lower runs first (vLLM's meaning)
+WEIGHT_MIN, WEIGHT_MAX = 0.01, 100.0  # a tenant's fair-share weight (shared/fair_queue.py)
 
 
 def clean_text(v: str) -> str:
@@ -75,6 +77,7 @@ Temperature = Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=F
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
+Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]
 WebhookUrl = Annotated[str, Field(max_length=MAX_URL_CHARS), AfterValidator(clean_text), AfterValidator(http_url)]
 
 

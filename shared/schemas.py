@@ -15,6 +15,7 @@ from shared.limits import (
     MAX_MESSAGES,
     Content,
     MaxTokens,
+    Priority,
     Seed,
     StopList,
     StopTokenIds,
@@ -72,6 +73,7 @@ class GenerationRequest(SamplingParams):
     prompt: Content | None = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     webhook_url: WebhookUrl | None = None  # POSTed the job once it ends
+    priority: Priority = 0  # among its tenant's waiting jobs, lower runs first; ties by arrival
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:

@@ -1,6 +1,7 @@
 """The one reader of the signals that /metrics, /scaling, /readyz, the dashboard, `conveyor status`, the
 autoscaler and the stream consumers' claims go by: which workers are live, what their heartbeats hold,
-and each consumer group's lag and pending.
+and each consumer group's lag and pending (the inference group's lag counts the jobs waiting in the fair
+queue before its stream).
 
 A worker is live while its pool's registry (`names.workers_key`) scores it later than now: the score
 is when its heartbeat runs out (shared/heartbeat.py writes both). `is_live` is the only such test.
@@ -40,6 +41,9 @@ POOL_STREAMS: dict[str, tuple[str, str]] = {  # pool -> (the kind of stream it r
     names.TOKENIZER_POOL: (names.JOBS, names.TOKENIZER_GROUP),
     names.INFERENCE_POOL: (names.TOKENIZED, names.INFERENCE_GROUP),
 }
+# a `tokenized` stream's lag includes the jobs waiting in its partition's fair queue (shared/fair_queue.py),
+# counted by their payloads: {stream: payload hash}
+FAIR_STREAMS = {names.stream(names.TOKENIZED, p): names.fair_key(p, "payload") for p in names.partitions()}
 # {stream: group}, every partition's: the lags that `Snapshot.pool_signals` needs
 POOL_GROUPS = {stream: group for kind, group in POOL_STREAMS.values() for stream in names.streams(kind)}
 
@@ -182,9 +186,13 @@ def read_snapshot(client: redis.Redis, pools: Sequence[str] = WATCHED_POOLS,
     for stream in streams:
         pipe.xinfo_groups(stream)
         pipe.xlen(stream)
+    waiting = [stream for stream in streams if stream in FAIR_STREAMS]
+    for stream in waiting:
+        pipe.hlen(FAIR_STREAMS[stream])
     first = pipe.execute(raise_on_error=False)
     live = _live_by_pool(pools, first[:len(pools)], now)
-    info = first[len(pools):]
+    info = first[len(pools):len(pools) + 2 * len(streams)]
+    in_fair_queue = dict(zip(waiting, (int(_ok(n)) for n in first[len(pools) + 2 * len(streams):])))
     # XLEN fails only where XINFO GROUPS does (a key of another type), and parse_group raises that
     groups = {stream: parse_group(info[2 * i], info[2 * i + 1], group)
               for i, (stream, group) in enumerate(streams.items())}
@@ -204,6 +212,7 @@ def read_snapshot(client: redis.Redis, pools: Sequence[str] = WATCHED_POOLS,
         workers[pool].append(parse_beat(pool, worker, body))
     lags = {stream: GroupLag(int(next(second)), g.pending) if isinstance(g, Uncounted) else g
             for stream, g in groups.items()}
+    lags = {stream: GroupLag(g.lag + in_fair_queue.get(stream, 0), g.pending) for stream, g in lags.items()}
     return Snapshot(now, {pool: tuple(ws) for pool, ws in workers.items()}, lags)
 
 

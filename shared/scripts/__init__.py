@@ -70,7 +70,10 @@ NOTE_FAILURE = Script("note_failure")
 COUNT_AFTER = Script("count_after")
 STREAM_OPEN = Script("stream_open")
 TAIL = Script("tail")
-ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL)
+FAIR_PUSH = Script("fair_push")
+FAIR_POP = Script("fair_pop")
+ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL, FAIR_PUSH,
+       FAIR_POP)
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:

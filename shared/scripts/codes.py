@@ -3,7 +3,8 @@ reply has structure, a dataclass whose `parse` turns the raw reply (a list of in
 from a client that does not decode) into named fields once. Each mirrors the `Returns` of its `.lua`
 header; the scripts' keys and arguments are built in shared/job_ops.py.
 
-note_failure.lua returns nothing and count_after.lua a plain count: neither has a type here.
+note_failure.lua returns nothing, count_after.lua and fair_push.lua a plain count, and fair_pop.lua a stream
+read (shared/fair_queue.py parses it): none has a type here.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 --       7 required current status ('' any active one), 8 job id, 9 the ended stream's approximate cap,
 --       10 the job's partition prefix, 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
 --       12.. field/value pairs to set on the record
--- Sets the terminal state, appends `done` to the event stream and publishes it, starts the retention
+-- A job still waiting in the fair queue (shared/fair_queue.py) leaves it. Sets the terminal state, appends `done` to the event stream and publishes it, starts the retention
 -- clock of the job's keys and appends the job to the ended stream (the after-job work). A tenant's job
 -- leaves its unfinished count and gives back the tokens it reserved and did not use; the tenant's keys
 -- are named from the partition prefix (a tenant's jobs live in its partition) as shared/names.py names them (tenant_active_key, tenant_bucket_key, tenant_key).
@@ -17,7 +17,15 @@ local st = redis.call('HGET', job, 'status')
 if not st then return -1 end
 if st ~= 'queued' and st ~= 'running' then return 0 end
 if required ~= '' and st ~= required then return 0 end
-if st == 'queued' then redis.call('INCR', dequeued) end
+if st == 'queued' then
+  redis.call('INCR', dequeued)
+  if redis.call('HDEL', prefix .. ':fair:payload', job_id) == 1 then -- waiting in the fair queue: leave it
+    local owner = redis.call('HGET', job, 'owner')
+    local tenant = (owner and owner ~= '') and owner or '_'
+    redis.call('ZREM', prefix .. ':fair:q:' .. tenant, job_id)
+    if redis.call('ZCARD', prefix .. ':fair:q:' .. tenant) == 0 then redis.call('ZREM', prefix .. ':fair:tenants', tenant) end
+  end
+end
 redis.call('HSET', job, 'status', status, 'finish_reason', reason, 'error', err, 'finished_at', now)
 for i = 12, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 local seq = redis.call('HINCRBY', job, 'seq', 1)

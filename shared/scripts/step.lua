@@ -1,7 +1,7 @@
 -- step: one engine step's output for many jobs in one call (the output lane's per-step write).
 -- KEYS, 4 per job: job hash, event stream, token ids, text
--- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), then 9 per job,
---   in the order of its keys:
+-- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), 4 the jobs'
+--   partition's key prefix (one call per partition), then 9 per job, in the order of its keys:
 --   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys) and
 --             FIRST_TOKEN (2: the job's first token: set first_token_at); shared/job_ops.py names them
 --   ids_at    byte offset of `ids` in the token ids
@@ -15,16 +15,27 @@
 -- A step may be sent twice (replayed after a reconnect). Offsets (SETRANGE, not APPEND) make a second
 -- write of ids or text a no-op, and a chunk whose seq is not past the job's recorded seq (the id of its
 -- event stream's last entry) is a replay: it is not appended, published or recorded again.
+-- New tokens are charged to the job's tenant in the fair queue (shared/fair_queue.py): 2 per token over the
+-- tenant's weight on its virtual counter, 1 per token on its served count; a replay charges nothing.
 -- Returns {chunks written, chunks skipped as replays}.
-local ttl, now, publish = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local ttl, now, publish, prefix = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
+local OUTPUT_COST = 2
 local written, replayed = 0, 0
-local a = 4
+local charges, served = {}, {}
+local a = 5
 for k = 1, #KEYS, 4 do
   local job, events, ids_key, text_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local flags, ids_at, ids, text_at, chunk, seq, message, n_tokens, channel = unpack(ARGV, a, a + 8)
   flags = tonumber(flags)
   if ids ~= '' then
     if flags >= 2 then redis.call('HSET', job, 'first_token_at', now) end
+    local rec = redis.call('HMGET', job, 'completion_tokens', 'owner', 'weight')
+    local new = tonumber(n_tokens) - (tonumber(rec[1]) or 0)
+    if new > 0 then
+      local tenant = (rec[2] and rec[2] ~= '') and rec[2] or '_'
+      charges[tenant] = (charges[tenant] or 0) + new * OUTPUT_COST / (tonumber(rec[3]) or 1)
+      served[tenant] = (served[tenant] or 0) + new
+    end
     redis.call('SETRANGE', ids_key, ids_at, ids)
   end
   if chunk ~= '' then
@@ -46,5 +57,10 @@ for k = 1, #KEYS, 4 do
     redis.call('EXPIRE', text_key, ttl)
   end
   a = a + 9
+end
+for tenant, cost in pairs(charges) do
+  redis.call('HINCRBYFLOAT', prefix .. ':fair:vtc', tenant, cost)
+  redis.call('ZADD', prefix .. ':fair:tenants', 'XX', 'INCR', cost, tenant)
+  redis.call('HINCRBY', prefix .. ':fair:served', tenant, served[tenant])
 end
 return {written, replayed}

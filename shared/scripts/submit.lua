@@ -1,5 +1,6 @@
 -- submit: admit and enqueue a job in one atomic step: an idempotent replay, the tenant's limits, the
--- service-wide queue cap, then the record, its queue ordinal and the `jobs` entry. A refusal stores nothing.
+-- service-wide queue cap, then the record (with its tenant's fair-share weight), its queue ordinal and the
+-- `jobs` entry. A refusal stores nothing.
 -- KEYS: 1 job hash, 2 jobs stream, 3 submitted counter, 4 dequeued counter, 5 tenant hash,
 --       6 tenant's requests bucket, 7 tenant's tokens bucket, 8 tenant's unfinished jobs, 9 idempotency key
 -- ARGV: 1 ttl (s), 2 now (unix s), 3 owner ('' no tenant: KEYS 5-8 unused, the job key stands in), 4 tokens to reserve,
@@ -39,9 +40,10 @@ local function bucket(key, cap, take)
   if left < take then return false, left, (cap - left) / rate, (take - left) / rate end
   return true, left - take, (cap - left + take) / rate, 0
 end
-local rpm, tpm, r_left, r_reset, t_left, t_reset = 0, 0, -1, 0, -1, 0
+local rpm, tpm, r_left, r_reset, t_left, t_reset, weight = 0, 0, -1, 0, -1, 0, '1'
 if owner ~= '' then
-  local t = redis.call('HMGET', tenant, 'disabled', 'rpm', 'tpm', 'max_queued')
+  local t = redis.call('HMGET', tenant, 'disabled', 'rpm', 'tpm', 'max_queued', 'weight')
+  weight = t[5] or '1'
   if not t[1] or t[1] == '1' then return {-1} end
   rpm, tpm = tonumber(t[2]) or 0, tonumber(t[3]) or 0
   local maxq = tonumber(t[4]) or 0
@@ -73,7 +75,7 @@ end
 if idem_ttl ~= '0' then redis.call('SET', idem, job_id .. ':' .. digest, 'EX', tonumber(idem_ttl)) end
 local ordinal = redis.call('INCR', submitted)
 for i = 12, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
-redis.call('HSET', job, 'ordinal', ordinal, 'owner', owner, 'reserved_tokens', cost)
+redis.call('HSET', job, 'ordinal', ordinal, 'owner', owner, 'reserved_tokens', cost, 'weight', weight)
 redis.call('EXPIRE', job, ttl)
 redis.call('XADD', jobs, 'MAXLEN', '~', jobs_cap, '*', 'job_id', job_id, 'request', request)
 return {1, ordinal, dequeued, rpm, math.floor(r_left), math.ceil(r_reset * 1000), tpm, math.floor(t_left),

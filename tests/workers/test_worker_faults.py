@@ -1,5 +1,5 @@
-"""Workers fail a bad job alone: the tokenizer ends it with its reason and tokenizes its
-batch-mates; an inference entry that comes back after a crash is split into one entry per job.
+"""Workers fail a bad job alone: the tokenizer ends it with its reason and queues its batch-mates in the
+fair queue; an inference entry that comes back after a crash is split into one entry per job.
 Real Redis (a database of its own), the real tokenizer."""
 
 from __future__ import annotations
@@ -61,9 +61,13 @@ def test_tokenizer_fails_bad_jobs_alone(settings: Settings) -> None:
         rec = r.hgetall(names.job_key(job_id))
         assert rec["status"] == "failed" and rec["error"], (job_id, rec)
     assert "top_k" in r.hget(names.job_key("job_topk"), "error")
-    assert r.xlen(names.stream(names.TOKENIZED, 0)) == 1
-    raw = redis.Redis.from_url(settings.redis_url).xrange(names.stream(names.TOKENIZED, 0))[0][1][b"batch"]
-    assert from_ipc(raw, TOKENIZED_SCHEMA).column("id").to_pylist() == ["job_a", "job_b"]
+    # the good ones wait in the fair queue, in arrival order, each its own tokenized row
+    assert r.zrange(names.fair_queue_key(0, names.ANONYMOUS_TENANT), 0, -1) == ["job_a", "job_b"]
+    raw = redis.Redis.from_url(settings.redis_url).hgetall(names.fair_key(0, "payload"))
+    assert {job_id: from_ipc(row, TOKENIZED_SCHEMA).column("id").to_pylist() for job_id, row in raw.items()} == {
+        b"job_a": ["job_a"], b"job_b": ["job_b"]}
+    assert r.hget(names.job_key("job_b"), "prompt_tokens") == str(len(
+        from_ipc(raw[b"job_b"], TOKENIZED_SCHEMA).column("prompt_ids")[0]))
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
 
 

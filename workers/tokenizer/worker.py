@@ -1,8 +1,9 @@
 """The tokenizer pool's worker: `jobs` stream -> chat template + tokenize + validate ->
-one Arrow record batch per read -> `tokenized` stream. No torch here.
+one Arrow row per job -> its tenant's queue in the fair queue (shared/fair_queue.py), whence the
+inference workers take jobs fairest first. No torch here.
 
-An entry is acknowledged only in the same transaction that adds its tokenized batch, so a
-worker that dies mid-batch leaves its entries pending for another worker to claim.
+An entry is acknowledged only in the same script call that queues its job, so a worker that dies
+mid-batch leaves its entries pending for another worker to claim.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pyarrow as pa
 import redis
 from pydantic import ValidationError
 
-from shared import names
+from shared import fair_queue, names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.model_config import model_context
@@ -35,8 +36,8 @@ class TokenizerWorker:
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.client = client or sync_client(settings.redis_url, decode=False)
-        # the write that acknowledges a read is never resent by the client: a reply lost to a Redis outage
-        # after the transaction ran would add the batch twice; unacknowledged entries come back (_recover)
+        # the write that acknowledges a read is not resent by the client (though a resent one would queue
+        # nothing twice): unacknowledged entries come back (_recover)
         self.writer = sync_client(settings.redis_url, decode=False, retries=0)
         self.worker_id = new_worker_id(names.TOKENIZER_POOL)
         self.consumer = StreamConsumer(self.client, names.streams(names.JOBS), names.TOKENIZER_GROUP, self.worker_id,
@@ -92,7 +93,7 @@ class TokenizerWorker:
                                        f"{entry.deliveries} times and was moved to the dead-letter stream")
 
     def process(self, entries: list[Entry]) -> None:
-        """Tokenize a read's entries: one record batch per partition they came from."""
+        """Tokenize a read's entries, partition by partition (each partition's jobs queue in its own fair queue)."""
         by_partition: dict[str, list[Entry]] = {}
         for entry in entries:
             by_partition.setdefault(entry.stream, []).append(entry)
@@ -100,9 +101,9 @@ class TokenizerWorker:
             self._process(stream, group)
 
     def _process(self, stream: str, entries: list[Entry]) -> None:
-        """Tokenize one partition's entries into one record batch, for that partition's inference
-        stream. A job that cannot be tokenized fails alone, with its reason; nothing a request holds
-        can stop this loop."""
+        """Tokenize one partition's entries (one record batch, a row per job) and queue the jobs in the
+        partition's fair queue. A job that cannot be tokenized fails alone, with its reason; nothing a
+        request holds can stop this loop."""
         accepted: list[tuple[str, GenerationRequest]] = []
         prompts: list[str] = []
         job_ids = [_field(e.fields, "job_id") for e in entries]
@@ -129,15 +130,14 @@ class TokenizerWorker:
         requests = [req.tokenized(job_id, prompt_ids) for (job_id, req), prompt_ids in zip(accepted, ids)
                     if self._fits(job_id, prompt_ids, req.max_tokens)]
         batch = self._record_batch(requests)
-        pipe = self.writer.pipeline(transaction=True)
+        queued: list[tuple[str, int, int, bytes]] = []
         if batch is not None:
-            pipe.xadd(names.stream(names.TOKENIZED, names.stream_partition(stream)),
-                      {"batch": to_ipc(batch), "jobs": batch.num_rows})
-            for job_id, n in zip(batch.column("id").to_pylist(), batch.column("prompt_ids").value_lengths()):
-                pipe.hset(names.job_key(job_id), "prompt_tokens", n.as_py())
-        pipe.xack(stream, names.TOKENIZER_GROUP, *[e.id for e in entries])
-        pipe.execute()
-        self.counters["processed"] += batch.num_rows if batch is not None else 0
+            priority = {job_id: req.priority for job_id, req in accepted}
+            for i, (job_id, n) in enumerate(zip(batch.column("id").to_pylist(),
+                                                batch.column("prompt_ids").value_lengths().to_pylist())):
+                queued.append((job_id, priority[job_id], n, to_ipc(batch.slice(i, 1))))
+        fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued)
+        self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
 
     def _encode(self, texts: list[str], raw: list[bool]) -> list[list[int] | None]:

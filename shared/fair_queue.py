@@ -1,0 +1,111 @@
+"""The fair queue: where tokenized jobs wait for an inference worker, one queue per tenant, served by
+the Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
+
+Each partition (shared/names.py) keeps, in its own slot:
+- per tenant, a sorted set of its waiting job ids, scored by priority (lower first), then arrival;
+- the backlogged tenants, a sorted set scored by each one's virtual counter;
+- the counters: a tenant is charged INPUT_COST per prompt token when its job is taken and OUTPUT_COST
+  per generated token as the output lane records them (step.lua), each over the tenant's weight
+  (`conveyor keys create --weight`, 1 by default; a job records its tenant's weight at submit);
+- the waiting jobs' tokenized rows, a doorbell, and the tokens served per tenant (for the share shown).
+
+A tokenizer queues its jobs with `push` (fair_push.lua, which also acknowledges their `jobs` entries).
+An inference worker with free slots calls `FairQueue.pop`: fair_pop.lua takes the next job from the
+backlogged tenant with the smallest counter, as many times as asked, appends each to the partition's
+`tokenized` stream and reads them there as this consumer in the same call, so a job taken is pending
+on the stream, claimed and redelivered like any entry (shared/stream_consumer.py) if its worker dies.
+A tenant that becomes backlogged starts at the smallest counter of the backlogged tenants: idle time
+banks no credit. Since every worker pops from the same sorted set, the order holds service-wide, not
+per worker. The bound (the paper's): while two tenants stay backlogged, the weighted service each
+received differs by at most about twice one job's cost (its prompt plus OUTPUT_COST x max_tokens) plus
+what the slots already running hold. Without keys every job is one tenant (`names.ANONYMOUS_TENANT`):
+first in, first out by priority, as before.
+
+With several partitions each is fair on its own: a tenant lives in one partition (its jobs and limits
+do), so fairness holds among the tenants of a partition, and partitions are served in turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from shared import names, scripts
+from shared.redis_client import CLUSTER_TYPES, text
+from shared.stream_consumer import Entry
+
+INPUT_COST = 1  # per prompt token (fair_pop.lua)
+OUTPUT_COST = 2  # per generated token (step.lua)
+CLUSTER_BLOCK_MS = 50  # on a cluster, how long an idle pop waits on one partition's doorbell before the next
+STREAM_CAP = 100_000  # the `tokenized` stream's approximate length cap: entries live there only while running
+
+Write = tuple[list[str], list[Any]]
+
+
+def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]]) -> Write:
+    """A fair_push call: `jobs` are (job id, priority, prompt tokens, one-row tokenized batch); `ack_ids`
+    the partition's `jobs` entries they came from."""
+    keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "arrivals", "bell")]
+    args: list[Any] = [names.TOKENIZER_GROUP, names.partition_prefix(partition), len(ack_ids), *ack_ids]
+    for job in jobs:
+        args += job
+    return [*keys, names.stream(names.JOBS, partition)], args
+
+
+def pop_write(partition: int, consumer: str, count: int) -> Write:
+    """A fair_pop call: up to `count` jobs for `consumer`, as `tokenized` entries."""
+    keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "bell")]
+    return ([*keys, names.stream(names.TOKENIZED, partition), names.fair_key(partition, "served")],
+            [names.INFERENCE_GROUP, consumer, count, names.partition_prefix(partition), STREAM_CAP])
+
+
+def push(client: redis.Redis | Any, partition: int, ack_ids: list[str],
+         jobs: list[tuple[str, int, int, bytes]]) -> int:
+    """Queue tokenized jobs and acknowledge their `jobs` entries, in one atomic call; replaying it (a
+    reply lost to an outage) queues nothing twice. Returns how many were queued."""
+    return int(scripts.FAIR_PUSH(client, *push_write(partition, ack_ids, jobs)))
+
+
+def parse_entries(reply: Any) -> list[Entry]:
+    """fair_pop.lua's reply (XREADGROUP's, through Lua: fields as a flat list) as entries."""
+    out = []
+    for stream, items in reply or []:
+        for eid, flat in items:
+            if flat:
+                out.append(Entry(text(eid), dict(zip(flat[::2], flat[1::2])), 1, text(stream)))
+    return out
+
+
+class FairQueue:
+    """An inference worker's side: the next jobs, fairest first, from every partition."""
+
+    def __init__(self, client: redis.Redis, consumer: str) -> None:
+        self.client, self.consumer = client, consumer
+        self.cluster = isinstance(client, CLUSTER_TYPES)
+        self._turn = 0
+
+    def pop(self, count: int, block_ms: int | None) -> list[Entry]:
+        """Up to `count` jobs, as entries of the `tokenized` streams (pending for this consumer). When
+        none waits, waits up to `block_ms` for a doorbell and tries once more."""
+        entries = self._pop_all(count)
+        if entries or not block_ms:
+            return entries
+        if self.cluster or names.PARTITIONS == 1:
+            bell = names.fair_key(self._turn % names.PARTITIONS, "bell")
+            timeout = block_ms if not self.cluster else min(block_ms, CLUSTER_BLOCK_MS)
+            rung = self.client.blpop([bell], timeout=timeout / 1000)
+        else:
+            rung = self.client.blpop([names.fair_key(p, "bell") for p in names.partitions()], timeout=block_ms / 1000)
+        return self._pop_all(count) if rung else []
+
+    def _pop_all(self, count: int) -> list[Entry]:
+        """One pop per partition, starting at the next in turn, until `count` are taken."""
+        entries: list[Entry] = []
+        self._turn = (self._turn + 1) % names.PARTITIONS
+        for i in range(names.PARTITIONS):
+            if len(entries) >= count:
+                break
+            p = (self._turn + i) % names.PARTITIONS
+            entries += parse_entries(scripts.FAIR_POP(self.client, *pop_write(p, self.consumer, count - len(entries))))
+        return entries
