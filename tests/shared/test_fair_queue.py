@@ -1,0 +1,190 @@
+"""The fair queue's order, deterministically: jobs go through the real scripts (the tokenizer's push,
+the inference worker's pop, the output lane's step charges) on a real Redis, and a loop stands in for
+the engines: SLOTS jobs at a time, one token per job per step, jobs of different lengths. The service each tenant got is counted
+here, from what was popped and generated, not read back from Redis.
+
+Service is weighted as the scheduler weighs it: a prompt token 1, a generated token 2, over the tenant's
+weight. The Virtual Token Counter's bound (Sheng et al., OSDI 2024): while two tenants stay backlogged
+the service they got differs by at most twice the largest job's cost."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+
+from shared import fair_queue, names
+from shared.fair_queue import INPUT_COST, OUTPUT_COST, FairQueue
+from shared.job_ops import FRESH, JobOps, step_write
+from shared.jobs import FinishReason, new_record
+from shared.redis_client import sync_client
+from shared.schemas import TOKENIZED_SCHEMA, Request, from_ipc, requests_batch, to_ipc
+
+SLOTS = 4
+PROMPT, MAX_TOKENS = 10, 8
+JOB_COST = PROMPT * INPUT_COST + MAX_TOKENS * OUTPUT_COST
+BOUND = 2 * JOB_COST  # the paper's: twice the largest job's cost
+
+
+@pytest.fixture
+def raw(redis_server) -> Iterator[redis.Redis]:  # type: ignore[no-untyped-def]
+    client = sync_client(redis_server.url.rsplit("/", 1)[0] + "/9", decode=False)
+    client.flushdb()
+    client.xgroup_create(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, id="0", mkstream=True)
+    client.xgroup_create(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, id="0", mkstream=True)
+    yield client
+    client.flushdb()
+    client.close()
+
+
+@dataclass
+class Sim:
+    """Submitted jobs, the fair queue, and SLOTS engine slots generating a token per job per step."""
+
+    r: redis.Redis
+    weights: dict[str, float]
+    running: dict[str, int] = field(default_factory=dict)  # job id -> tokens generated
+    owner: dict[str, str] = field(default_factory=dict)
+    length: dict[str, int] = field(default_factory=dict)  # job id -> its max_tokens (they differ, 2..MAX_TOKENS)
+    served: Counter[str] = field(default_factory=Counter)  # tenant -> weighted service (not over weight)
+    started: list[str] = field(default_factory=list)
+    n: int = 0
+    busy: int = 0  # slots running in the last step
+
+    def __post_init__(self) -> None:
+        self.queue = FairQueue(self.r, "engine-1")
+        self.ops = JobOps(self.r, 3600)
+
+    def submit(self, tenant: str, count: int, priority: int = 0) -> list[str]:
+        """`count` jobs of `tenant`, stored as submit.lua stores them and pushed as the tokenizer pushes."""
+        ids = []
+        for _ in range(count):
+            self.n += 1
+            job_id = names.job_id_in(0, f"{self.n:030x}")
+            rec = new_record(job_id, "m", "{}")
+            self.r.hset(names.job_key(job_id), mapping={**{k: v for k, v in rec.items() if k != "request"},
+                                                       "owner": tenant, "weight": self.weights[tenant]})
+            self.length[job_id] = 2 + self.n * 5 % (MAX_TOKENS - 1)
+            row = to_ipc(requests_batch([Request(job_id, [1] * PROMPT, max_tokens=self.length[job_id])]))
+            assert fair_queue.push(self.r, 0, [], [(job_id, priority, PROMPT, row)]) == 1
+            self.owner[job_id] = tenant
+            ids.append(job_id)
+        return ids
+
+    def step(self) -> None:
+        """Fill free slots from the fair queue, then one token for every running job."""
+        free = SLOTS - len(self.running)
+        if free:
+            for entry in self.queue.pop(free, None):
+                [req] = [row["id"] for row in from_ipc(entry.fields[b"batch"], TOKENIZED_SCHEMA).to_pylist()]
+                self.r.xack(entry.stream, names.INFERENCE_GROUP, entry.id)
+                self.running[req] = 0
+                self.started.append(req)
+                self.served[self.owner[req]] += PROMPT * INPUT_COST
+        self.busy = len(self.running)
+        keys: list[str] = []
+        args: list[object] = []
+        for job_id in list(self.running):
+            self.running[job_id] += 1
+            self.served[self.owner[job_id]] += OUTPUT_COST
+            k, a = step_write(job_id, FRESH if self.running[job_id] == 1 else 0, 0, b"", 0, b"", 0, b"",
+                              self.running[job_id])
+            keys += k
+            args += a
+        if keys:
+            pipe = self.r.pipeline(transaction=False)
+            self.ops.step(keys, args, pipe)
+            pipe.execute()
+        for job_id, n in list(self.running.items()):
+            if n >= self.length[job_id]:
+                del self.running[job_id]
+
+    def waiting(self, tenant: str) -> int:
+        return int(self.r.zcard(names.fair_queue_key(0, tenant)))
+
+    def gap(self, a: str, b: str) -> float:
+        return abs(self.served[a] / self.weights[a] - self.served[b] / self.weights[b])
+
+
+@pytest.mark.parametrize("weights", [{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 3.0}], ids=["1:1", "1:3"])
+def test_backlogged_tenants_are_served_by_weight_within_the_bound(raw: redis.Redis, weights: dict[str, float]) -> None:
+    sim = Sim(raw, weights)
+    sim.submit("a", 60)
+    sim.submit("b", 60)
+    worst = 0.0
+    while sim.waiting("a") and sim.waiting("b"):
+        sim.step()
+        worst = max(worst, sim.gap("a", "b"))
+    assert worst <= BOUND, (worst, BOUND)
+    # and the weights show: b, three times a's weight, got about three times a's service meanwhile
+    ratio = sim.served["b"] / sim.served["a"]
+    assert weights["b"] * 0.8 <= ratio <= weights["b"] * 1.25, ratio
+
+
+def test_a_tenant_back_from_idle_gets_no_burst(raw: redis.Redis) -> None:
+    """While b was away a was served alone (its counter grew); b comes back with a backlog and is lifted
+    to a's counter: from then on the two get equal service within the bound, b no more."""
+    sim = Sim(raw, {"a": 1.0, "b": 1.0})
+    sim.submit("a", 200)
+    for _ in range(60):
+        sim.step()
+    assert sim.waiting("a")
+    before = Counter(sim.served)
+    sim.submit("b", 30)
+    worst_b_ahead = 0.0
+    while sim.waiting("a") and sim.waiting("b"):
+        sim.step()
+        since = {t: sim.served[t] - before[t] for t in ("a", "b")}
+        worst_b_ahead = max(worst_b_ahead, since["b"] - since["a"])
+    assert worst_b_ahead <= BOUND, worst_b_ahead
+    assert sim.waiting("b") == 0  # and b was served all along: its backlog ended first
+
+
+def test_a_tenant_alone_gets_every_slot(raw: redis.Redis) -> None:
+    """Work-conserving: with one tenant backlogged, no slot stays empty while it has jobs waiting."""
+    sim = Sim(raw, {"a": 1.0, "b": 1.0})
+    sim.submit("a", 20)
+    while sim.waiting("a"):
+        sim.step()
+        assert sim.busy == SLOTS
+    assert len(sim.started) >= 20 - SLOTS
+
+
+def test_lower_priority_value_runs_first_then_arrival(raw: redis.Redis) -> None:
+    sim = Sim(raw, {"a": 1.0})
+    later = sim.submit("a", 100, priority=1)
+    urgent = sim.submit("a", 1, priority=0)
+    first_of_the_rest = sim.submit("a", 1, priority=1)
+    sim.step()
+    assert sim.started[0] == urgent[0]
+    assert sim.started[1:SLOTS] == later[:SLOTS - 1]  # ties go by arrival
+    while sim.waiting("a"):
+        sim.step()
+    assert sim.started[-1] == first_of_the_rest[0] or first_of_the_rest[0] in sim.running
+
+
+def test_a_job_ended_while_waiting_leaves_the_queue(raw: redis.Redis) -> None:
+    """A job cancelled (or failed) while it waits is taken out of its tenant's queue by finish.lua; a
+    tenant with nothing left waiting is no longer backlogged."""
+    sim = Sim(raw, {"a": 1.0})
+    [job_id] = sim.submit("a", 1)
+    assert sim.ops.finish(job_id, FinishReason.cancelled) is not None
+    assert sim.waiting("a") == 0 and not raw.zscore(names.fair_key(0, "tenants"), "a")
+    assert not raw.hexists(names.fair_key(0, "payload"), job_id)
+    assert sim.queue.pop(4, None) == []
+
+
+def test_a_push_sent_twice_queues_once(raw: redis.Redis) -> None:
+    """The tokenizer's push replayed (its reply lost to an outage) queues nothing twice, and a job popped
+    meanwhile is not queued again."""
+    sim = Sim(raw, {"a": 1.0})
+    [job_id] = sim.submit("a", 1)
+    row = raw.hget(names.fair_key(0, "payload"), job_id)
+    assert fair_queue.push(raw, 0, [], [(job_id, 0, PROMPT, row)]) == 0
+    assert sim.waiting("a") == 1
+    sim.step()
+    assert fair_queue.push(raw, 0, [], [(job_id, 0, PROMPT, row)]) == 0
+    assert sim.waiting("a") == 0 and sim.started == [job_id]
