@@ -17,9 +17,10 @@ on the stream, claimed and redelivered like any entry (shared/stream_consumer.py
 A tenant that becomes backlogged starts at the smallest counter of the backlogged tenants: idle time
 banks no credit. Since every worker pops from the same sorted set, the order holds service-wide, not
 per worker. The bound (the paper's): while two tenants stay backlogged, the weighted service each
-received differs by at most about twice one job's cost (its prompt plus OUTPUT_COST x max_tokens) plus
-what the slots already running hold. Without keys every job is one tenant (`names.ANONYMOUS_TENANT`):
-first in, first out by priority, as before.
+received differs by at most twice the largest job's cost (INPUT_COST x its prompt + OUTPUT_COST x its
+max_tokens, over the weight); tests/shared/test_fair_queue.py checks it at every step. Without keys
+every job is one tenant (`names.ANONYMOUS_TENANT`): first in, first out by priority, as before;
+FAIR_SHARE=false queues every tenant's jobs so too.
 
 With several partitions each is fair on its own: a tenant lives in one partition (its jobs and limits
 do), so fairness holds among the tenants of a partition, and partitions are served in turn.
@@ -43,11 +44,13 @@ STREAM_CAP = 100_000  # the `tokenized` stream's approximate length cap: entries
 Write = tuple[list[str], list[Any]]
 
 
-def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]]) -> Write:
+def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
+               by_tenant: bool = True) -> Write:
     """A fair_push call: `jobs` are (job id, priority, prompt tokens, one-row tokenized batch); `ack_ids`
-    the partition's `jobs` entries they came from."""
+    the partition's `jobs` entries they came from. `by_tenant` False (FAIR_SHARE=false): one queue."""
     keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "arrivals", "bell")]
-    args: list[Any] = [names.TOKENIZER_GROUP, names.partition_prefix(partition), len(ack_ids), *ack_ids]
+    args: list[Any] = [names.TOKENIZER_GROUP, names.partition_prefix(partition), int(by_tenant), len(ack_ids),
+                       *ack_ids]
     for job in jobs:
         args += job
     return [*keys, names.stream(names.JOBS, partition)], args
@@ -60,11 +63,11 @@ def pop_write(partition: int, consumer: str, count: int) -> Write:
             [names.INFERENCE_GROUP, consumer, count, names.partition_prefix(partition), STREAM_CAP])
 
 
-def push(client: redis.Redis | Any, partition: int, ack_ids: list[str],
-         jobs: list[tuple[str, int, int, bytes]]) -> int:
+def push(client: redis.Redis | Any, partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
+         by_tenant: bool = True) -> int:
     """Queue tokenized jobs and acknowledge their `jobs` entries, in one atomic call; replaying it (a
     reply lost to an outage) queues nothing twice. Returns how many were queued."""
-    return int(scripts.FAIR_PUSH(client, *push_write(partition, ack_ids, jobs)))
+    return int(scripts.FAIR_PUSH(client, *push_write(partition, ack_ids, jobs, by_tenant)))
 
 
 def parse_entries(reply: Any) -> list[Entry]:

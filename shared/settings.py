@@ -68,6 +68,9 @@ class Settings(BaseSettings):
 
     # workers/ tokenizer pool
     tokenizer_batch: int = Field(64, description="most jobs per Arrow record batch")
+    fair_share: bool = Field(True, description="tenants' jobs wait in queues of their own and the tenant with the "
+                             "least weighted service goes next (shared/fair_queue.py); false: one queue, first "
+                             "in, first out (by priority)")
 
     # gpu_worker/ engine
     engine: str = Field("torch", description="torch | synthetic (a zero-cost benchmark instrument)")

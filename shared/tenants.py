@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from shared import names
+from shared.limits import WEIGHT_MAX, WEIGHT_MIN
 
 KEY_PREFIX = "cvk_"
 LIMITS = ("rpm", "tpm", "max_queued", "max_streams")
@@ -41,21 +42,27 @@ class Tenant:
     max_queued: int
     max_streams: int
     disabled: bool
+    weight: float = 1.0  # its share of service against other backlogged tenants (shared/fair_queue.py)
 
     @classmethod
     def from_record(cls, name: str, rec: dict[str, str]) -> Tenant:
-        return cls(name, *(int(rec.get(k) or 0) for k in LIMITS), disabled=rec.get("disabled") == "1")
+        return cls(name, *(int(rec.get(k) or 0) for k in LIMITS), disabled=rec.get("disabled") == "1",
+                   weight=float(rec.get("weight") or 1))
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create(client: redis.Redis, name: str, **limits: int | None) -> tuple[str, str]:
-    """Make a tenant with a new key. Returns (key, webhook secret); neither is stored in clear.
-    The functions here take a client that decodes responses (`decode_responses=True`)."""
+def create(client: redis.Redis, name: str, weight: float = 1.0, **limits: int | None) -> tuple[str, str]:
+    """Make a tenant with a new key. Returns (key, webhook secret); neither is stored in clear. `weight`:
+    its fair share against other backlogged tenants (WEIGHT_MIN..WEIGHT_MAX; a tenant of weight 2 is
+    served twice the tokens of one of weight 1 while both wait). The functions here take a client that
+    decodes responses (`decode_responses=True`)."""
     if not NAME_RE.fullmatch(name):
         raise TenantError("a name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    if not WEIGHT_MIN <= weight <= WEIGHT_MAX:
+        raise TenantError(f"a weight is between {WEIGHT_MIN} and {WEIGHT_MAX:g} (got {weight:g})")
     rec = client.hgetall(names.tenant_key(name))
     if rec and rec.get("disabled") != "1":
         raise TenantError(f"tenant {name!r} exists; revoke it first to issue a new key")
@@ -71,7 +78,7 @@ def create(client: redis.Redis, name: str, **limits: int | None) -> tuple[str, s
     pipe.delete(names.tenant_bucket_key(name, "requests"))
     pipe.delete(names.tenant_bucket_key(name, "tokens"))
     pipe.hset(names.tenant_key(name), mapping={"key_sha256": digest, "created_at": repr(time.time()),
-                                               "disabled": "0", "webhook_secret": secret,
+                                               "disabled": "0", "webhook_secret": secret, "weight": repr(weight),
                                                **{k: int(values[k]) for k in LIMITS}})
     pipe.execute()
     pipe = client.pipeline(transaction=False)
@@ -98,5 +105,6 @@ def list_all(client: redis.Redis) -> list[dict[str, Any]]:
         if rec:
             out.append({"name": name, "created_at": float(rec.get("created_at") or 0),
                         "disabled": rec.get("disabled") == "1", **{k: int(rec.get(k) or 0) for k in LIMITS},
+                        "weight": float(rec.get("weight") or 1),
                         "active_jobs": int(client.get(names.tenant_active_key(name)) or 0)})
     return out

@@ -20,8 +20,7 @@ if required ~= '' and st ~= required then return 0 end
 if st == 'queued' then
   redis.call('INCR', dequeued)
   if redis.call('HDEL', prefix .. ':fair:payload', job_id) == 1 then -- waiting in the fair queue: leave it
-    local owner = redis.call('HGET', job, 'owner')
-    local tenant = (owner and owner ~= '') and owner or '_'
+    local tenant = redis.call('HGET', job, 'fair_queued')
     redis.call('ZREM', prefix .. ':fair:q:' .. tenant, job_id)
     if redis.call('ZCARD', prefix .. ':fair:q:' .. tenant) == 0 then redis.call('ZREM', prefix .. ':fair:tenants', tenant) end
   end

@@ -184,13 +184,17 @@ def test_conveyor_keys_create_list_revoke(redis_server, r: redis.Redis, tmp_path
         return subprocess.run([sys.executable, "-m", "infra.cli", "keys", *args], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
 
-    made = run("create", "team-a", "--rpm", "7", "--max-streams", "2")
+    made = run("create", "team-a", "--rpm", "7", "--max-streams", "2", "--weight", "2.5")
     assert made.returncode == 0, made.stderr
     key = made.stdout.strip().splitlines()[-1]
     assert key.startswith(tenants.KEY_PREFIX) and r.get(names.api_key_index(tenants.hash_key(key))) == "team-a"
+    assert r.hget(names.tenant_key("team-a"), "weight") == "2.5"
     assert run("create", "team-a").returncode == 1  # taken
+    for weight in ("0", "-1", "101", "nan"):
+        bad = run("create", "team-w", "--weight", weight)
+        assert bad.returncode != 0 and "weight" in bad.stderr and not r.exists(names.tenant_key("team-w")), weight
     listed = run("list").stdout
-    assert "team-a" in listed and " 7 " in listed and key not in listed and "active" in listed
+    assert "team-a" in listed and " 7 " in listed and " 2.5 " in listed and key not in listed and "active" in listed
     assert run("revoke", "team-a").returncode == 0
     assert "revoked" in run("list").stdout
     assert run("revoke", "nobody").returncode == 1

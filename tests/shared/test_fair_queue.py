@@ -1,7 +1,7 @@
 """The fair queue's order, deterministically: jobs go through the real scripts (the tokenizer's push,
 the inference worker's pop, the output lane's step charges) on a real Redis, and a loop stands in for
-the engines: SLOTS jobs at a time, one token per job per step, jobs of different lengths. The service each tenant got is counted
-here, from what was popped and generated, not read back from Redis.
+the engines: SLOTS jobs at a time, one token per job per step, jobs of different lengths. The service
+each tenant got is counted here, from what was popped and generated, not read back from Redis.
 
 Service is weighted as the scheduler weighs it: a prompt token 1, a generated token 2, over the tenant's
 weight. The Virtual Token Counter's bound (Sheng et al., OSDI 2024): while two tenants stay backlogged

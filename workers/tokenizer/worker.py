@@ -136,7 +136,8 @@ class TokenizerWorker:
             for i, (job_id, n) in enumerate(zip(batch.column("id").to_pylist(),
                                                 batch.column("prompt_ids").value_lengths().to_pylist())):
                 queued.append((job_id, priority[job_id], n, to_ipc(batch.slice(i, 1))))
-        fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued)
+        fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued,
+                        self.settings.fair_share)
         self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
 
