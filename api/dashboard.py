@@ -41,6 +41,7 @@ from api.sse import EventStream
 from api.streaming import Cut, JobFraming, sse_job_events
 from shared import metrics as m
 from shared import names
+from shared.fair_queue import read_tenants, tenant_rows
 from shared.job_ops import tail
 from shared.jobs import ACTIVE
 from shared.policy import pool_load
@@ -154,6 +155,7 @@ class SnapshotReader:
             "latency": {**{k: w.update(now, raw) for (k, w), raw in zip(self.latency.items(), (ttft, itl))},
                         "window_s": WINDOW_S},
             "decisions": [_decision(fields) for _, fields in decisions],
+            "tenants": tenant_rows(read_tenants(self.raw)),
             "jobs": [_job(job_id, rec) for job_id, rec in zip(job_ids, records)],
         }
 

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from shared import metrics as m
 from shared import names
+from shared.fair_queue import TenantLoad, read_tenants
 from shared.policy import pool_load
 from shared.redis_client import sync_client
 from shared.signals import POOL_GROUPS, lag_per_replica, read_snapshot
@@ -64,6 +65,7 @@ class SystemCollector:
         streams = GaugeMetricFamily("conveyor:sse_streams", "Streams open on this API process")
         streams.add_metric([], self.relay_streams)
         yield streams
+        yield from tenant_metrics(read_tenants(self.raw))
 
         stats = r.hgetall(names.STATS_KEY)
         for name, help_ in ((m.PROMPT_TOKENS, "Prompt tokens processed"),
@@ -81,6 +83,22 @@ class SystemCollector:
             h = HistogramMetricFamily(name, name.split(":")[1].replace("_", " "))
             h.add_metric([], buckets, total)
             yield h
+
+
+def tenant_metrics(rows: list[TenantLoad]) -> Iterator[Metric]:
+    """The fair queue by tenant: the top tenants by name, the rest summed as `_other` (its counter can step
+    back when a tenant moves into the top); `_` is the jobs without a key."""
+    waiting = GaugeMetricFamily("conveyor:tenant_jobs_waiting", "Jobs waiting in the fair queue, by tenant",
+                                labels=["tenant"])
+    oldest = GaugeMetricFamily("conveyor:tenant_oldest_wait_seconds",
+                               "How long the tenant's oldest waiting job has waited", labels=["tenant"])
+    served = CounterMetricFamily("conveyor:tenant_served_tokens", "Prompt and generated tokens served, by tenant "
+                                 "(rate() of it is each tenant's share of service)", labels=["tenant"])
+    for row in rows:
+        waiting.add_metric([row.tenant], row.waiting)
+        oldest.add_metric([row.tenant], row.oldest_wait_s)
+        served.add_metric([row.tenant], row.served_tokens)
+    yield from (waiting, oldest, served)
 
 
 def dead_letters(client: redis.Redis) -> int:

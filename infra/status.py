@@ -1,5 +1,6 @@
 """`conveyor status`: the stack at a glance in a terminal: each pool's live workers, queue lag,
-pending and running jobs, KV-cache use, and the supervisor's pids and restarts, from the same
+pending and running jobs, KV-cache use, the supervisor's pids and restarts, the tenants' waiting jobs
+and share of service, from the same
 signals as /metrics and /scaling (Redis, plus `<cache>/supervisor.json` when the stack is local)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 
 from shared import names
+from shared.fair_queue import read_tenants, tenant_rows
 from shared.redis_client import sync_client
 from shared.signals import read_snapshot
 
@@ -32,7 +34,8 @@ def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir
     supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
     decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]
     return {"pools": pools, "supervisor": supervisor, "decisions": decisions,
-            "dead_letters": dead_letters(client)}
+            "dead_letters": dead_letters(client), "tenants": tenant_rows(read_tenants(raw))}
+
 
 
 def dead_letters(client: redis.Redis) -> int:
@@ -58,6 +61,14 @@ def render(snap: dict[str, Any]) -> Group:
             table.add_row(pool, str(len(local.get("pids", []))), "", "", "", "", "",
                           " ".join(map(str, local.get("pids", []))), str(local.get("restarts", "")))
     parts: list[Any] = [table, f"dead letters: {snap['dead_letters']}"]
+    if snap["tenants"]:
+        tenants = Table(title="tenants (fair queue)", title_justify="left")
+        for col in ("tenant", "waiting", "oldest wait", "served tokens", "share"):
+            tenants.add_column(col, justify="left" if col == "tenant" else "right")
+        for t in snap["tenants"]:
+            tenants.add_row(t["tenant"], str(t["waiting"]), f"{t['oldest_wait_s']:.1f} s", str(t["served_tokens"]),
+                            f"{t['share']:.0%}")
+        parts.append(tenants)
     if snap["decisions"]:
         decisions = Table(title="latest scaling decisions", title_justify="left")
         for col in ("time", "pool", "from", "to", "reason"):

@@ -28,6 +28,9 @@ do), so fairness holds among the tenants of a partition, and partitions are serv
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -40,6 +43,8 @@ INPUT_COST = 1  # per prompt token (fair_pop.lua)
 OUTPUT_COST = 2  # per generated token (step.lua)
 CLUSTER_BLOCK_MS = 50  # on a cluster, how long an idle pop waits on one partition's doorbell before the next
 STREAM_CAP = 100_000  # the `tokenized` stream's approximate length cap: entries live there only while running
+TOP_TENANTS = 10  # tenants shown by name in /metrics, the dashboard and `conveyor status`; the rest summed
+OTHERS = "_other"  # the row of the rest (no tenant name starts with '_')
 
 Write = tuple[list[str], list[Any]]
 
@@ -112,3 +117,58 @@ class FairQueue:
             p = (self._turn + i) % names.PARTITIONS
             entries += parse_entries(scripts.FAIR_POP(self.client, *pop_write(p, self.consumer, count - len(entries))))
         return entries
+
+
+@dataclass(frozen=True)
+class TenantLoad:
+    """One tenant's place in the fair queue, summed over the partitions: jobs waiting, how long the
+    oldest of them has waited, and the tokens (prompt + generated) served to it since the counts began."""
+
+    tenant: str
+    waiting: int = 0
+    oldest_wait_s: float = 0.0
+    served_tokens: int = 0
+
+
+def read_tenants(client: redis.Redis, top: int = TOP_TENANTS) -> list[TenantLoad]:
+    """The `top` tenants with the most jobs waiting (then the most served), and the rest summed as one
+    OTHERS row when there are any: label cardinality stays bounded. Two round trips. `ANONYMOUS_TENANT`
+    is the jobs without a key."""
+    now = time.time()
+    pipe = client.pipeline(transaction=False)
+    for p in names.partitions():
+        pipe.zrange(names.fair_key(p, "tenants"), 0, -1)
+        pipe.hgetall(names.fair_key(p, "served"))
+    first = pipe.execute()
+    served: dict[str, int] = defaultdict(int)
+    backlogged: list[tuple[int, str]] = []
+    for p, (tenants, counts) in zip(names.partitions(), zip(first[::2], first[1::2])):
+        backlogged += [(p, text(t)) for t in tenants]
+        for t, n in counts.items():
+            served[text(t)] += int(n)
+    pipe = client.pipeline(transaction=False)
+    for p, t in backlogged:
+        pipe.zcard(names.fair_queue_key(p, t))
+        pipe.zrange(names.fair_age_key(p, t), 0, 0, withscores=True)
+    second = pipe.execute() if backlogged else []
+    waiting: dict[str, int] = defaultdict(int)
+    oldest: dict[str, float] = defaultdict(float)
+    for (_, t), n, head in zip(backlogged, second[::2], second[1::2]):
+        waiting[t] += int(n)
+        if head:
+            oldest[t] = max(oldest[t], now - float(head[0][1]))
+    rows = sorted((TenantLoad(t, waiting[t], round(oldest[t], 3), served[t]) for t in set(served) | set(waiting)),
+                  key=lambda r: (-r.waiting, -r.served_tokens, r.tenant))
+    rest = rows[top:]
+    if rest:
+        rows = rows[:top] + [TenantLoad(OTHERS, sum(r.waiting for r in rest), max(r.oldest_wait_s for r in rest),
+                                        sum(r.served_tokens for r in rest))]
+    return rows
+
+
+def tenant_rows(rows: list[TenantLoad]) -> list[dict[str, Any]]:
+    """`read_tenants` rows as the dashboard and `conveyor status` show them, with each tenant's share of
+    the tokens served."""
+    total = sum(r.served_tokens for r in rows) or 1
+    return [{"tenant": r.tenant, "waiting": r.waiting, "oldest_wait_s": r.oldest_wait_s,
+             "served_tokens": r.served_tokens, "share": r.served_tokens / total} for r in rows]

@@ -101,8 +101,8 @@ def stream_partition(name: bytes | str) -> int:
 STREAM_GROUPS = {stream(kind, p): group for kind, group in GROUPS.items() for p in partitions()}
 
 # the fair queue in front of each partition's `tokenized` stream (shared/fair_queue.py): per tenant a
-# queue of job ids; the backlogged tenants scored by virtual counter; the counters; the queued jobs'
-# tokenized rows; an arrival counter; a doorbell; tokens served per tenant
+# queue of job ids (and the same by submit time); the backlogged tenants scored by virtual counter; the
+# counters; the queued jobs' tokenized rows; an arrival counter; a doorbell; tokens served per tenant
 FAIR_PARTS = ("tenants", "vtc", "payload", "arrivals", "bell", "served")
 ANONYMOUS_TENANT = "_"  # the fair queue's tenant for jobs without one (no tenant name starts so)
 
@@ -115,6 +115,11 @@ def fair_key(partition: int, part: str) -> str:
 def fair_queue_key(partition: int, tenant: str) -> str:
     """A tenant's queued jobs in a partition: job ids scored by priority, then arrival."""
     return f"{partition_prefix(partition)}:fair:q:{tenant}"
+
+
+def fair_age_key(partition: int, tenant: str) -> str:
+    """The same jobs scored by when they were submitted (unix s): the oldest wait."""
+    return f"{partition_prefix(partition)}:fair:age:{tenant}"
 
 
 # pub/sub: a job's chunks on a channel in its partition (sharded pub/sub on a cluster); cancels

@@ -171,6 +171,16 @@ function renderJobs(snap) {
   $("#jobs-empty").hidden = snap.jobs.length > 0;
 }
 
+function renderTenants(snap) {
+  const rows = snap.tenants || [];
+  $("#tenants tbody").replaceChildren(...rows.map((t) => h("tr", {},
+    h("td", { class: "id" }, t.tenant === "_" ? "(no key)" : t.tenant === "_other" ? "(others)" : t.tenant),
+    h("td", { class: "num" }, fmt.int(t.waiting)),
+    h("td", { class: "num" }, t.waiting ? fmt.ms(t.oldest_wait_s) : "–"),
+    h("td", { class: "num" }, fmt.pct(t.share)))));
+  $("#tenants-empty").hidden = rows.length > 0;
+}
+
 function renderDecisions(snap) {
   const ol = $("#decisions");
   ol.replaceChildren(...snap.decisions.map((d) => {
@@ -256,6 +266,7 @@ function onSnapshot(snap) {
   renderTiles(snap, point);
   renderPools(snap);
   renderJobs(snap);
+  renderTenants(snap);
   renderDecisions(snap);
   drawCharts();
   $("#clock").textContent = fmt.time(snap.at);

@@ -22,6 +22,7 @@ while taken < count do
     local job_id = head[1]
     local payload = redis.call('HGET', payloads, job_id)
     redis.call('HDEL', payloads, job_id)
+    redis.call('ZREM', prefix .. ':fair:age:' .. tenant, job_id)
     if payload then
       redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', 'batch', payload, 'jobs', 1)
       local rec = redis.call('HMGET', prefix .. ':job:' .. job_id, 'prompt_tokens', 'weight')

@@ -9,7 +9,7 @@
 -- call queues nothing twice). A tenant that was not backlogged has its counter lifted to the smallest
 -- counter among the backlogged ones: idle time banks no credit (Sheng et al., OSDI 2024, the Virtual
 -- Token Counter). A job's tenant is its record's owner ('_' for jobs without one); the record keeps the
--- tenant whose queue holds it (`fair_queued`).
+-- tenant whose queue holds it (`fair_queued`); the tenant's age set holds its waiting jobs by submit time.
 -- Returns how many jobs were queued.
 local backlog, counters, payloads, arrivals, bell, jobs = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local group, prefix, by_tenant, n_ack = ARGV[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[4])
@@ -18,7 +18,7 @@ local queued = 0
 for i = 5 + n_ack, #ARGV, 4 do
   local job_id, priority, prompt_tokens, payload = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
   local job = prefix .. ':job:' .. job_id
-  local rec = redis.call('HMGET', job, 'status', 'cancel_requested', 'fair_queued', 'owner')
+  local rec = redis.call('HMGET', job, 'status', 'cancel_requested', 'fair_queued', 'owner', 'created_at')
   if rec[1] == 'queued' and rec[2] ~= '1' and not rec[3] then
     local tenant = (by_tenant and rec[4] and rec[4] ~= '') and rec[4] or '_'
     local queue = prefix .. ':fair:q:' .. tenant
@@ -31,6 +31,7 @@ for i = 5 + n_ack, #ARGV, 4 do
     end
     redis.call('ZADD', queue, priority * SPAN + redis.call('INCR', arrivals), job_id)
     redis.call('HSET', payloads, job_id, payload)
+    redis.call('ZADD', prefix .. ':fair:age:' .. tenant, tonumber(rec[5]) or 0, job_id)
     redis.call('HSET', job, 'fair_queued', tenant, 'prompt_tokens', prompt_tokens)
     queued = queued + 1
   end

@@ -22,6 +22,7 @@ if st == 'queued' then
   if redis.call('HDEL', prefix .. ':fair:payload', job_id) == 1 then -- waiting in the fair queue: leave it
     local tenant = redis.call('HGET', job, 'fair_queued')
     redis.call('ZREM', prefix .. ':fair:q:' .. tenant, job_id)
+    redis.call('ZREM', prefix .. ':fair:age:' .. tenant, job_id)
     if redis.call('ZCARD', prefix .. ':fair:q:' .. tenant) == 0 then redis.call('ZREM', prefix .. ':fair:tenants', tenant) end
   end
 end

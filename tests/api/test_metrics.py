@@ -48,6 +48,10 @@ def test_metrics_after_a_few_jobs(plumbing_stack) -> None:  # type: ignore[no-un
     assert samples[("conveyor:workers_live", (("pool", "inference"),))] >= 1
     assert samples[("conveyor:workers_live", (("pool", "tokenizer"),))] >= 1
     assert samples[("conveyor:num_requests_waiting", ())] >= 0
+    # the fair queue by tenant: these jobs had no key (tenant `_`); each served 8 generated tokens and its prompt
+    served = ("conveyor:tenant_served_tokens_total", (("tenant", "_"),))
+    assert samples[served] - before.get(served, 0.0) >= 3 * (8 + 1)
+    assert samples[("conveyor:tenant_jobs_waiting", (("tenant", "_"),))] >= 0
 
 
 def test_scaling_counts_what_the_engines_hold(plumbing_stack) -> None:  # type: ignore[no-untyped-def]
