@@ -31,7 +31,7 @@ BOUND = 2 * JOB_COST  # the paper's: twice the largest job's cost
 
 @pytest.fixture
 def raw(redis_server) -> Iterator[redis.Redis]:  # type: ignore[no-untyped-def]
-    client = sync_client(redis_server.url.rsplit("/", 1)[0] + "/9", decode=False)
+    client = sync_client(redis_server.url.rsplit("/", 1)[0] + "/2", decode=False)
     client.flushdb()
     client.xgroup_create(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, id="0", mkstream=True)
     client.xgroup_create(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, id="0", mkstream=True)
