@@ -18,9 +18,10 @@ Scenarios:
 - chunk-step: one output-lane step for 32 running jobs: MULTI, STEP_SCRIPT (per job SETRANGE
               tokens + SETRANGE text + XADD event + PUBLISH + HSET seq/completion_tokens), EXEC
 - job:        a job's whole life in waves of 32 concurrent jobs of --tokens tokens: submit
-              (MULTI HSET EXPIRE XADD EXEC), tokenizer (XREADGROUP, HMGET, MULTI XADD HSET.. XACK
-              EXEC), inference (XREADGROUP, START script, one chunk-step per token, FINISH
-              script, XACK); `job/4` and `job/8` stream one chunk per 4 or 8 tokens instead of one per token
+              (SUBMIT script), tokenizer (XREADGROUP, HMGET, FAIR_PUSH script: the jobs into the fair
+              queue, the entries acknowledged), inference (FAIR_POP script: each job onto the tokenized
+              stream and read, START script, one chunk-step per token, FINISH script, XACK per job);
+              `job/4` and `job/8` stream one chunk per 4 or 8 tokens instead of one per token
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from typing import Any
 import redis
 
 from infra.redis_server import RedisServer, redis_binary
-from shared import names, scripts
+from shared import fair_queue, names, scripts
+from shared.fair_queue import FairQueue
 from shared.job_ops import JobOps, step_write, submit_write
 from shared.jobs import FinishReason, new_record
 
@@ -69,10 +71,19 @@ def publish(depth: int) -> Step:
     return step
 
 
+_OPS: dict[int, JobOps] = {}
+
+
+def _ops(r: redis.Redis) -> JobOps:
+    """One JobOps per client, as the output lane keeps one: a new one loads the scripts (SCRIPT LOAD, which
+    the AOF records with their source) before its first call."""
+    return _OPS.setdefault(id(r), JobOps(r, 86400))
+
+
 def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None) -> None:
     """One output-lane step (gpu_worker/output_lane.py): in one MULTI/EXEC, one STEP_SCRIPT call
     with every job's chunk `seq` of `per_chunk` tokens; with `finish`, each job then ends in it."""
-    ops = finish or JobOps(r, 86400)
+    ops = finish or _ops(r)
     pipe = r.pipeline(transaction=True)
     n = seq * per_chunk
     piece = b"tok " * per_chunk
@@ -106,7 +117,7 @@ def job(tokens: int, every: int) -> Step:
             for stream, group in names.STREAM_GROUPS.items():
                 with contextlib.suppress(redis.ResponseError):  # the group exists
                     r.xgroup_create(stream, group, id="0", mkstream=True)
-            state["jobs"], state["submit"] = JobOps(r, 86400), r.register_script(scripts.SUBMIT.source)
+            state["jobs"], state["submit"] = _ops(r), r.register_script(scripts.SUBMIT.source)
         jobs: JobOps = state["jobs"]
         consumer = f"bench-{os.getpid()}"
         ids = [f"{os.getpid()}-{wave}-{k}" for k in range(BATCH)]
@@ -120,21 +131,21 @@ def job(tokens: int, every: int) -> Step:
         for job_id in ids:
             pipe.hmget(names.job_key(job_id), "status", "cancel_requested")
         pipe.execute()
-        pipe = r.pipeline(transaction=True)
-        pipe.xadd(names.stream(names.TOKENIZED, 0), {"batch": os.urandom(BATCH * 45 * 4 + 1200), "jobs": BATCH})
-        for job_id in ids:
-            pipe.hset(names.job_key(job_id), "prompt_tokens", 45)
-        pipe.xack(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, *[e[0] for e in entries])
-        pipe.execute()
-        # gpu_worker/worker.py reader lane, then output lane steps
-        reply = r.xreadgroup(names.INFERENCE_GROUP, consumer, {names.stream(names.TOKENIZED, 0): ">"}, count=1)
-        [(entry_id, _)] = reply[0][1]
+        # one row per job (45 prompt tokens: ~180 bytes of ids and ~500 of Arrow framing) into the fair queue
+        fair_queue.push(r, 0, [e[0] for e in entries], [(job_id, 0, 45, os.urandom(680)) for job_id in ids])
+        # gpu_worker/worker.py reader lane (the fair queue's pop: each job onto the tokenized stream and read),
+        # then output lane steps; each job's entry is acknowledged once it ends
+        taken = FairQueue(r, consumer).pop(BATCH, None)
+        assert len(taken) == BATCH, len(taken)
         for job_id in ids:
             jobs.start(job_id, consumer)
         chunks = -(-tokens // every)
         for seq in range(1, chunks + 1):
             chunk_step(r, ids, seq, every, jobs if seq == chunks else None)
-        r.xack(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, entry_id)
+        pipe = r.pipeline(transaction=False)
+        for entry in taken:
+            pipe.xack(entry.stream, names.INFERENCE_GROUP, entry.id)
+        pipe.execute()
         return BATCH
 
     return step

@@ -18,7 +18,7 @@ from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
 from shared.job_ops import JobOps, unpack_ids
 from shared.schemas import TOKENIZED_SCHEMA, batch_requests, from_ipc
-from shared.scripts.codes import StartCode
+from shared.scripts.codes import StartCode, StartReply
 from shared.stream_consumer import Entry, StreamConsumer
 
 log = logging.getLogger("conveyor.inference")
@@ -44,25 +44,26 @@ class Admission:
         except Exception as exc:
             self.consumer.dead_letter(entry, f"unreadable batch: {exc}")
             return
-        started: list[tuple[Request, int, int, float]] = []
+        started: list[tuple[Request, StartReply]] = []
         for req in batch_requests(batch):
             took = self.jobs.start(req.id, self.worker_id)
             if took.code in (STARTED, RESUMED):
-                started.append((req, took.code, took.seq, took.created_at))
+                started.append((req, took))
         if not started:  # every job already ended (or was cancelled) elsewhere
             self.consumer.ack([entry.ref])
             return
-        self.ledger.open(entry.ref, [req.id for req, _, _, _ in started])
-        for req, code, seq, created in started:
+        self.ledger.open(entry.ref, [req.id for req, _ in started])
+        for req, took in started:
             self.ledger.take_slot()
-            emitted = ""
-            if code == RESUMED:  # another worker began this job: continue from what it recorded
+            emitted, seq = "", took.seq
+            if took.code == RESUMED:  # another worker began this job: continue from what it recorded
                 req.resume_ids, emitted, seq = self.progress(req.id)
                 self.stats.jobs_resumed += 1
             self.stats.jobs_started += 1
             self.to_lane.put(Register(
-                job_id=req.id, stop=tuple(req.stop), created_at=created, prompt_tokens=len(req.prompt_ids),
-                started=code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted))
+                job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
+                started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
+                tenant=took.tenant, weight=took.weight))
             self.inbox.put(Add(req))
 
     def progress(self, job_id: str) -> tuple[list[int], str, int]:

@@ -47,6 +47,8 @@ class Register:
     seq: int = 0  # last event seq written
     resume_ids: tuple[int, ...] = ()  # tokens another worker generated and saved
     emitted: str = ""  # the text of those tokens already streamed
+    tenant: str = ""  # the fair-queue tenant its tokens are charged to ('' none)
+    weight: float = 1.0  # that tenant's weight
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import os
 import queue
 import signal
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
@@ -24,7 +25,8 @@ from tokenizers import Tokenizer
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
 from shared import names
-from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, pack_ids, queue_replica_wait, step_write
+from shared.fair_queue import OUTPUT_COST
+from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, pack_ids, queue_replica_wait, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
 from shared.metrics import (
@@ -53,6 +55,8 @@ class JobState:
     n_tokens: int
     created_at: float
     prompt_tokens: int
+    tenant: str = ""  # the fair-queue tenant charged for its tokens ('' none)
+    weight: float = 1.0
     last_token_at: float = 0.0
     fresh: bool = True  # no write from this lane yet
     written: int = 0  # tokens written to Redis (ids and completion_tokens)
@@ -90,7 +94,7 @@ class OutputLane:
         if job.resume_ids:
             detok.resume(list(job.resume_ids), job.emitted)
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
-                      job.prompt_tokens, written=len(job.resume_ids))
+                      job.prompt_tokens, job.tenant, job.weight, written=len(job.resume_ids))
         self.states[job.job_id] = st
         if job.started:
             self.metrics.observe(QUEUE, time.time() - st.created_at)
@@ -115,6 +119,7 @@ class OutputLane:
         rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
         pipe = self.client.pipeline(transaction=not self.cluster)
         steps: dict[int, tuple[list[str], list[Any]]] = {}  # one step call per partition (one slot each)
+        charges: dict[int, Charges] = defaultdict(dict)  # per partition, the new tokens per fair-queue tenant
         finishes: list[tuple[str, str, str, int]] = []
         done: list[str] = []
         wall = time.time()
@@ -162,9 +167,14 @@ class OutputLane:
                 if flags or packed or chunk:
                     job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
                                                     st.n_tokens)
-                    keys, args = steps.setdefault(names.job_partition(job_id), ([], []))
+                    p = names.job_partition(job_id)
+                    keys, args = steps.setdefault(p, ([], []))
                     keys += job_keys
                     args += job_args
+                    new = st.n_tokens - st.written
+                    if st.tenant and new:
+                        cost, served = charges[p].get(st.tenant, (0.0, 0))
+                        charges[p][st.tenant] = (cost + new * OUTPUT_COST / st.weight, served + new)
                 st.written, st.held_ids, st.held_text = st.n_tokens, bytearray(), ""
                 st.fresh = st.fresh and not chunk and not packed
             if reason is not None:
@@ -174,8 +184,8 @@ class OutputLane:
                 self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
                 self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
                 self.metrics.inc(f"{REQUEST_SUCCESS}:{reason}")
-        for keys, args in steps.values():
-            self.jobs.step(keys, args, pipe)
+        for p, (keys, args) in steps.items():
+            self.jobs.step(keys, args, pipe, charges.get(p))
         for job_id, reason, error, n_tokens in finishes:  # after the step: a job's last chunk precedes its end
             self.jobs.finish(job_id, FinishReason(reason), error, {"completion_tokens": n_tokens}, pipe=pipe)
         if finishes and self.cluster:  # a job's end survives the loss of its master

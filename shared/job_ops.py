@@ -73,11 +73,17 @@ def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text
     return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id)]
 
 
-def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH") -> Write:
+Charges = dict[str, tuple[float, int]]  # fair-queue tenant -> (charge on its virtual counter, tokens served)
+
+
+def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH",
+              charges: Charges | None = None) -> Write:
     """A whole step call: the jobs' `step_write` parts joined (jobs of one partition), after the arguments
-    they share. `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`)."""
+    they share. `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`); `charges`: the step's
+    new tokens per tenant (shared/fair_queue.py)."""
     prefix = keys[0][:keys[0].index(":job:")]  # the partition's, where its tenants' fair-queue counters are
-    return keys, [ttl_s, repr(time.time()), publish, prefix, *args]
+    charged = [v for tenant, (cost, tokens) in (charges or {}).items() for v in (tenant, repr(cost), tokens)]
+    return keys, [ttl_s, repr(time.time()), publish, prefix, len(charged) // 3, *charged, *args]
 
 
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",
@@ -180,10 +186,11 @@ class JobOps:
         """Take the job (see StartCode for what the code says)."""
         return StartReply.parse(scripts.START(self.client, *start_write(job_id, worker_id)))
 
-    def step(self, keys: list[str], args: list[Any], pipe: Any) -> None:
-        """Queue one engine step's writes for many jobs (`step_write` parts joined) on `pipe`. Its reply
-        there is a StepReply's (`StepReply.parse`): a replayed step is no error."""
-        self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish))
+    def step(self, keys: list[str], args: list[Any], pipe: Any, charges: Charges | None = None) -> None:
+        """Queue one engine step's writes for many jobs of one partition (`step_write` parts joined) on
+        `pipe`, with their tenants' `charges`. Its reply there is a StepReply's (`StepReply.parse`): a
+        replayed step is no error."""
+        self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish, charges))
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
                pipe: Any = None, required_status: str = "") -> FinishReply | None:

@@ -96,17 +96,21 @@ class StartCode(IntEnum):
 
 @dataclass(frozen=True)
 class StartReply:
-    """start.lua's {code, seq, created_at}: the job's last event seq and when it was submitted (unix s, 0
-    when unknown)."""
+    """start.lua's {code, seq, created_at, tenant, weight}: the job's last event seq, when it was submitted
+    (unix s, 0 when unknown), and the fair-queue tenant its generated tokens are charged to ('' none) with
+    that tenant's weight."""
 
     code: StartCode
     seq: int
     created_at: float
+    tenant: str = ""
+    weight: float = 1.0
 
     @classmethod
     def parse(cls, raw: list[Any]) -> StartReply:
-        code, seq, created = raw
-        return cls(StartCode(int(code)), int(seq), float(_text(created) or 0.0))
+        code, seq, created, tenant, weight = raw
+        return cls(StartCode(int(code)), int(seq), float(_text(created) or 0.0), _text(tenant),
+                   float(_text(weight) or 1.0))
 
 
 # finish.lua

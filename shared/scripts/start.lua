@@ -1,22 +1,24 @@
 -- start: a worker takes a job (or takes over one another worker began).
 -- KEYS: 1 job hash, 2 dequeued counter
 -- ARGV: 1 now (unix s), 2 worker id
--- Returns {code, seq, created_at}: code 1 started, 2 already running (a redelivery: resume from seq),
---   0 ended or cancel requested, -1 no such job.
+-- Returns {code, seq, created_at, tenant, weight}: code 1 started, 2 already running (a redelivery: resume
+--   from seq), 0 ended or cancel requested, -1 no such job; tenant: the fair-queue tenant its generated
+--   tokens are charged to ('' none), weight: that tenant's.
 local job, dequeued = KEYS[1], KEYS[2]
 local now, worker = ARGV[1], ARGV[2]
 local st = redis.call('HGET', job, 'status')
-if not st then return {-1, 0, ''} end
+if not st then return {-1, 0, '', '', '1'} end
 local seq = tonumber(redis.call('HGET', job, 'seq') or '0')
-local created = redis.call('HGET', job, 'created_at') or ''
-if redis.call('HGET', job, 'cancel_requested') == '1' then return {0, seq, created} end
+local rec = redis.call('HMGET', job, 'created_at', 'cancel_requested', 'fair_queued', 'weight')
+local created, tenant, weight = rec[1] or '', rec[3] or '', rec[4] or '1'
+if rec[2] == '1' then return {0, seq, created, tenant, weight} end
 if st == 'queued' then
   redis.call('HSET', job, 'status', 'running', 'started_at', now, 'worker', worker)
   redis.call('INCR', dequeued)
-  return {1, seq, created}
+  return {1, seq, created, tenant, weight}
 end
 if st == 'running' then
   redis.call('HSET', job, 'worker', worker)
-  return {2, seq, created}
+  return {2, seq, created, tenant, weight}
 end
-return {0, seq, created}
+return {0, seq, created, tenant, weight}

@@ -1,7 +1,9 @@
 -- step: one engine step's output for many jobs in one call (the output lane's per-step write).
 -- KEYS, 4 per job: job hash, event stream, token ids, text
 -- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), 4 the jobs'
---   partition's key prefix (one call per partition), then 9 per job, in the order of its keys:
+--   partition's key prefix (one call per partition), 5 how many tenants are charged, then 3 per tenant:
+--   its fair-queue name, the charge on its virtual counter, the tokens served to it; then 9 per job, in
+--   the order of its keys:
 --   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys) and
 --             FIRST_TOKEN (2: the job's first token: set first_token_at); shared/job_ops.py names them
 --   ids_at    byte offset of `ids` in the token ids
@@ -15,27 +17,18 @@
 -- A step may be sent twice (replayed after a reconnect). Offsets (SETRANGE, not APPEND) make a second
 -- write of ids or text a no-op, and a chunk whose seq is not past the job's recorded seq (the id of its
 -- event stream's last entry) is a replay: it is not appended, published or recorded again.
--- New tokens are charged to the job's tenant in the fair queue (shared/fair_queue.py): 2 per token over the
--- tenant's weight on its virtual counter, 1 per token on its served count; a replay charges nothing.
+-- The charges (the output lane sums the step's new tokens per tenant: shared/fair_queue.py) go on the
+-- tenants' counters in the fair queue, unless every chunk of the call was a replay.
 -- Returns {chunks written, chunks skipped as replays}.
-local ttl, now, publish, prefix = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
-local OUTPUT_COST = 2
+local ttl, now, publish, prefix, n_charged = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local written, replayed = 0, 0
-local charges, served = {}, {}
-local a = 5
+local a = 6 + 3 * n_charged
 for k = 1, #KEYS, 4 do
   local job, events, ids_key, text_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local flags, ids_at, ids, text_at, chunk, seq, message, n_tokens, channel = unpack(ARGV, a, a + 8)
   flags = tonumber(flags)
   if ids ~= '' then
     if flags >= 2 then redis.call('HSET', job, 'first_token_at', now) end
-    local rec = redis.call('HMGET', job, 'completion_tokens', 'owner', 'weight')
-    local new = tonumber(n_tokens) - (tonumber(rec[1]) or 0)
-    if new > 0 then
-      local tenant = (rec[2] and rec[2] ~= '') and rec[2] or '_'
-      charges[tenant] = (charges[tenant] or 0) + new * OUTPUT_COST / (tonumber(rec[3]) or 1)
-      served[tenant] = (served[tenant] or 0) + new
-    end
     redis.call('SETRANGE', ids_key, ids_at, ids)
   end
   if chunk ~= '' then
@@ -58,9 +51,12 @@ for k = 1, #KEYS, 4 do
   end
   a = a + 9
 end
-for tenant, cost in pairs(charges) do
-  redis.call('HINCRBYFLOAT', prefix .. ':fair:vtc', tenant, cost)
-  redis.call('ZADD', prefix .. ':fair:tenants', 'XX', 'INCR', cost, tenant)
-  redis.call('HINCRBY', prefix .. ':fair:served', tenant, served[tenant])
+if written > 0 or replayed == 0 then
+  for c = 6, 5 + 3 * n_charged, 3 do
+    local tenant, cost, tokens = ARGV[c], ARGV[c + 1], ARGV[c + 2]
+    redis.call('HINCRBYFLOAT', prefix .. ':fair:vtc', tenant, cost)
+    redis.call('ZADD', prefix .. ':fair:tenants', 'XX', 'INCR', cost, tenant)
+    redis.call('HINCRBY', prefix .. ':fair:served', tenant, tokens)
+  end
 end
 return {written, replayed}

@@ -68,6 +68,12 @@ def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) ->
     heavy_jobs = [r.hgetall(names.job_key(j)) for j in flood]
     assert [j["status"] for j in heavy_jobs] == ["succeeded"] * 200  # revoked with jobs queued: none lost
     assert all(int(j["completion_tokens"]) == 64 for j in heavy_jobs)
+    # charged exactly what it was served: a prompt token 1 and a generated token 2 on its counter (weight 1;
+    # it was the first tenant backlogged, so never lifted)
+    prompts = sum(int(j["prompt_tokens"]) for j in heavy_jobs)
+    p = names.tenant_partition("heavy")
+    assert int(r.hget(names.fair_key(p, "served"), "heavy")) == prompts + 200 * 64
+    assert float(r.hget(names.fair_key(p, "vtc"), "heavy")) == prompts + 200 * 64 * 2
     drain = max(float(j["finished_at"]) for j in heavy_jobs) - min(float(j["created_at"]) for j in heavy_jobs)
     light_done = [j["finished_at"] - j["created_at"] for j in light_jobs]
     assert all(j["status"] == "succeeded" for j in light_jobs)

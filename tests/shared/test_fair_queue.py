@@ -1,5 +1,5 @@
 """The fair queue's order, deterministically: jobs go through the real scripts (the tokenizer's push,
-the inference worker's pop, the output lane's step charges) on a real Redis, and a loop stands in for
+the inference worker's pop and start, the output lane's step with its charges) on a real Redis, and a loop stands in for
 the engines: SLOTS jobs at a time, one token per job per step, jobs of different lengths. The service
 each tenant got is counted here, from what was popped and generated, not read back from Redis.
 
@@ -49,6 +49,7 @@ class Sim:
     running: dict[str, int] = field(default_factory=dict)  # job id -> tokens generated
     owner: dict[str, str] = field(default_factory=dict)
     length: dict[str, int] = field(default_factory=dict)  # job id -> its max_tokens (they differ, 2..MAX_TOKENS)
+    charged: dict[str, tuple[str, float]] = field(default_factory=dict)  # job id -> (tenant, weight) from start
     served: Counter[str] = field(default_factory=Counter)  # tenant -> weighted service (not over weight)
     started: list[str] = field(default_factory=list)
     n: int = 0
@@ -81,22 +82,29 @@ class Sim:
             for entry in self.queue.pop(free, None):
                 [req] = [row["id"] for row in from_ipc(entry.fields[b"batch"], TOKENIZED_SCHEMA).to_pylist()]
                 self.r.xack(entry.stream, names.INFERENCE_GROUP, entry.id)
+                took = self.ops.start(req, "engine-1")  # as admission does: the tenant its tokens are charged to
+                assert (took.tenant, took.weight) == (self.owner[req], self.weights[self.owner[req]])
+                self.charged[req] = (took.tenant, took.weight)
                 self.running[req] = 0
                 self.started.append(req)
                 self.served[self.owner[req]] += PROMPT * INPUT_COST
         self.busy = len(self.running)
         keys: list[str] = []
         args: list[object] = []
+        charges: dict[str, tuple[float, int]] = {}  # as the output lane sums them
         for job_id in list(self.running):
             self.running[job_id] += 1
             self.served[self.owner[job_id]] += OUTPUT_COST
+            tenant, weight = self.charged[job_id]
+            cost, tokens = charges.get(tenant, (0.0, 0))
+            charges[tenant] = (cost + OUTPUT_COST / weight, tokens + 1)
             k, a = step_write(job_id, FRESH if self.running[job_id] == 1 else 0, 0, b"", 0, b"", 0, b"",
                               self.running[job_id])
             keys += k
             args += a
         if keys:
             pipe = self.r.pipeline(transaction=False)
-            self.ops.step(keys, args, pipe)
+            self.ops.step(keys, args, pipe, charges)
             pipe.execute()
         for job_id, n in list(self.running.items()):
             if n >= self.length[job_id]:
