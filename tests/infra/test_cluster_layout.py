@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from harness.stack import Stack
-from shared import job_ops, names
+from shared import fair_queue, job_ops, names
 from shared.jobs import FinishReason
 from tests.helpers import until, wait
 
@@ -28,6 +28,8 @@ def _writes(job_id: str, owner: str) -> dict[str, tuple[list[str], list[object]]
         "tail": job_ops.tail_write(names.stream(names.JOBS, names.job_partition(job_id)), 5),
         "count_after": job_ops.count_after_write(names.stream(names.TOKENIZED, names.job_partition(job_id)),
                                                  "0-0", 10, 10),
+        "fair_push": fair_queue.push_write(names.job_partition(job_id), ["0-1"], [(job_id, 0, 3, b"row")]),
+        "fair_pop": fair_queue.pop_write(names.job_partition(job_id), "w", 4),
     }
 
 
@@ -42,8 +44,10 @@ def test_every_script_touches_one_slot(cluster_stack: Stack, monkeypatch: pytest
         assert names.job_partition(job_id) == p
         for script, (keys, args) in _writes(job_id, owner).items():
             slots = {r.cluster_keyslot(k) for k in keys}
-            # the channel a script publishes on is a key too for sharded pub/sub
-            slots |= {r.cluster_keyslot(a) for a in args if isinstance(a, str) and ":chan:" in a}
+            # the channel a script publishes on is a key too for sharded pub/sub, and keys a script names from
+            # a partition prefix it is given (a tenant's fair queue, its counters) are in that partition's slot
+            slots |= {r.cluster_keyslot(a) for a in args if isinstance(a, str) and (
+                ":chan:" in a or a.startswith(names.PREFIX + ":{p"))}
             assert len(slots) == 1, (script, owner, keys)
 
 
