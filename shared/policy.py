@@ -13,7 +13,8 @@ Kubernetes HPA, so the local supervisor and a cluster make the same decisions fr
   cooldown has passed since a higher count was last wanted (KEDA's `cooldownPeriod` for 1 -> 0).
 
 Load. For the tokenizer pool the load is the lag of `jobs`. For the inference pool it is the lag of
-`tokenized` plus the occupancy of the running batches, expressed in lag units:
+`tokenized` (the jobs waiting in the fair queue before it, one each: shared/fair_queue.py) plus the
+occupancy of the running batches, expressed in lag units:
 
     load = lag + running * lag_per_replica / capacity_per_replica
 
@@ -149,8 +150,9 @@ DEFAULT_POLICIES: dict[str, PoolPolicy] = {
     names.TOKENIZER_POOL: PoolPolicy(
         min_replicas=1, max_replicas=8, lag_per_replica=64, activation_lag=0, scale_in_cooldown_s=60.0
     ),
-    # `tokenized` entries are batches of jobs that no engine had room for; a replica loads a model.
+    # The inference lag is jobs waiting in the fair queue (and entries not yet read), one each: a replica per
+    # MAX_NUM_SEQS (64) of them on top of one per full batch; a replica loads a model.
     names.INFERENCE_POOL: PoolPolicy(
-        min_replicas=1, max_replicas=4, lag_per_replica=2, activation_lag=0, scale_in_cooldown_s=300.0
+        min_replicas=1, max_replicas=4, lag_per_replica=64, activation_lag=0, scale_in_cooldown_s=300.0
     ),
 }

@@ -107,7 +107,7 @@ class Settings(BaseSettings):
     tokenizer_max: int = 4
     inference_max: int = 1
     tokenizer_lag_per_replica: int = 64
-    inference_lag_per_replica: int = 2
+    inference_lag_per_replica: int = 64
     scale_in_cooldown_s: float = Field(0.0, description="0 keeps each pool's default (60 s / 300 s)")
 
     @model_validator(mode="after")

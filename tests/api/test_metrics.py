@@ -68,4 +68,4 @@ def test_scaling_counts_what_the_engines_hold(plumbing_stack) -> None:  # type: 
             seen = c.get("/scaling").json()["inference"]
         c.post(f"/v1/jobs/{job['id']}/cancel")
     assert seen["running"] >= 1
-    assert seen["load"] == seen["lag"] + seen["running"] * 2 / 64  # 2 entries per replica, MAX_NUM_SEQS 64
+    assert seen["load"] == seen["lag"] + seen["running"] * 64 / 64  # 64 waiting jobs per replica, MAX_NUM_SEQS 64
