@@ -196,3 +196,22 @@ def test_a_push_sent_twice_queues_once(raw: redis.Redis) -> None:
     sim.step()
     assert fair_queue.push(raw, 0, [], [(job_id, 0, PROMPT, row)]) == 0
     assert sim.waiting("a") == 0 and sim.started == [job_id]
+
+
+def test_the_tenants_shown_are_bounded_and_the_rest_summed(raw: redis.Redis) -> None:
+    """/metrics, the dashboard and `conveyor status` read `read_tenants`: the tenants with the most waiting by
+    name, the rest as one `_other` row, so label cardinality stays bounded whatever the tenant count."""
+    weights = {f"t{i:02d}": 1.0 for i in range(12)}
+    sim = Sim(raw, weights)
+    for i, tenant in enumerate(weights):
+        sim.submit(tenant, i + 1)  # t11 has the most waiting
+    sim.step()  # SLOTS jobs taken: their prompts are served
+    rows = fair_queue.read_tenants(raw, top=10)
+    assert [r.tenant for r in rows[:10]] == [f"t{i:02d}" for i in range(11, 1, -1)]
+    other = rows[10]
+    assert other.tenant == fair_queue.OTHERS and len(rows) == 11
+    assert sum(r.waiting for r in rows) == sum(range(1, 13)) - SLOTS
+    assert sum(r.served_tokens for r in rows) == SLOTS * PROMPT + SLOTS  # the prompts, and a token each
+    assert all(r.oldest_wait_s >= 0 for r in rows) and rows[0].oldest_wait_s > 0
+    shares = fair_queue.tenant_rows(rows)
+    assert abs(sum(r["share"] for r in shares) - 1) < 1e-9
