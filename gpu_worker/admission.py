@@ -54,8 +54,9 @@ class Admission:
             return
         self.ledger.open(entry.ref, [req.id for req, _ in started])
         for req, took in started:
-            self.ledger.take_slot()
+            self.ledger.take_slot(req.id, took.tenant)
             emitted, seq = "", took.seq
+            req.tenant = took.tenant
             if took.code == RESUMED:  # another worker began this job: continue from what it recorded
                 req.resume_ids, emitted, seq = self.progress(req.id)
                 self.stats.jobs_resumed += 1

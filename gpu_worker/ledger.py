@@ -21,25 +21,36 @@ ACK_ATTEMPTS = 20
 
 
 class EntryLedger:
-    def __init__(self, consumer: StreamConsumer, max_jobs: int) -> None:
+    def __init__(self, consumer: StreamConsumer, max_jobs: int, spare: int = 0) -> None:
+        """`max_jobs`: jobs held at once (running or about to); `spare`: more, for jobs of tenants with none
+        here, which the engine gives a slot at once (gpu_worker/engine/scheduler.py)."""
         self.consumer = consumer
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
         self._entry_jobs: dict[Ref, set[str]] = {}
         self._job_entry: dict[str, Ref] = {}
-        self._slots = threading.Semaphore(max_jobs)
-        self._max_jobs, self._held = max_jobs, 0
+        self._job_tenant: dict[str, str] = {}  # jobs holding a slot -> their fair-queue tenant
+        self._max_jobs, self._spare, self._held = max_jobs, spare, 0
 
     def has_room(self, timeout: float) -> bool:
         """Whether a job could start now (waits up to `timeout` for one to end)."""
-        if not self._slots.acquire(timeout=timeout):
-            return False
-        self._slots.release()
-        return True
+        with self._room:
+            return self._room.wait_for(lambda: self._held < self._max_jobs, timeout)
 
     def free(self) -> int:
         """How many more jobs could be taken now."""
         with self._lock:
             return self._max_jobs - self._held
+
+    def spare(self) -> int:
+        """How many more jobs of tenants with none here could be taken now, beyond `free`."""
+        with self._lock:
+            return self._max_jobs + self._spare - self._held
+
+    def tenants(self) -> set[str]:
+        """The tenants of the jobs held here."""
+        with self._lock:
+            return set(self._job_tenant.values())
 
     def open(self, entry_id: Ref, job_ids: Collection[str]) -> None:
         with self._lock:
@@ -47,11 +58,12 @@ class EntryLedger:
             for job_id in job_ids:
                 self._job_entry[job_id] = entry_id
 
-    def take_slot(self) -> None:
-        """Before a job of an open entry goes to the engine; blocks while the engine is full."""
-        self._slots.acquire()
-        with self._lock:
+    def take_slot(self, job_id: str, tenant: str = "") -> None:
+        """Before a job of an open entry goes to the engine; blocks while the spare room is full too."""
+        with self._room:
+            self._room.wait_for(lambda: self._held < self._max_jobs + self._spare)
             self._held += 1
+            self._job_tenant[job_id] = tenant
 
     def close(self, job_id: str) -> None:
         """The job's end is recorded: free its slot, and acknowledge its entry if it was the last."""
@@ -64,8 +76,9 @@ class EntryLedger:
             complete = not jobs
             if complete:
                 del self._entry_jobs[entry_id]
-            self._held -= 1
-        self._slots.release()
+            if self._job_tenant.pop(job_id, None) is not None:
+                self._held -= 1
+                self._room.notify_all()
         if complete:
             try:
                 call(lambda: self.consumer.ack([entry_id]), attempts=ACK_ATTEMPTS, log=log, name="ack")

@@ -23,7 +23,7 @@ log = logging.getLogger("conveyor.inference")
 
 READ_COUNT = 8
 READ_BLOCK_MS = 500
-ROOM_WAIT_S = 0.5
+ROOM_WAIT_S = 0.1  # a full worker looks this often for a job of a tenant with none here
 
 
 class Reader:
@@ -41,10 +41,16 @@ class Reader:
         if time.monotonic() >= self._next_upkeep:
             self.upkeep()
             self._next_upkeep = time.monotonic() + self.refresh_s
-        if not self.ledger.has_room(ROOM_WAIT_S):
+        if self.ledger.has_room(ROOM_WAIT_S):
+            # only what can start soon: a job taken waits here in arrival order, out of the fair queue's reach
+            entries = self.queue.pop(count=max(1, min(READ_COUNT, self.ledger.free())), block_ms=READ_BLOCK_MS)
+        elif self.ledger.spare() > 0:
+            # every slot is taken: a job of a tenant with none here may still come in, and the engine gives
+            # it the slot of the tenant running the most (gpu_worker/engine/scheduler.py)
+            entries = self.queue.pop(count=1, block_ms=None, skip=self.ledger.tenants())
+        else:
             return
-        # only what can start now: a job taken waits here in arrival order, out of the fair queue's reach
-        for entry in self.queue.pop(count=max(1, min(READ_COUNT, self.ledger.free())), block_ms=READ_BLOCK_MS):
+        for entry in entries:
             self.admission.admit(entry)
 
     def upkeep(self) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,11 +62,11 @@ def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, in
     return [*keys, names.stream(names.JOBS, partition)], args
 
 
-def pop_write(partition: int, consumer: str, count: int) -> Write:
-    """A fair_pop call: up to `count` jobs for `consumer`, as `tokenized` entries."""
+def pop_write(partition: int, consumer: str, count: int, skip: Collection[str] = ()) -> Write:
+    """A fair_pop call: up to `count` jobs for `consumer`, as `tokenized` entries, of tenants not in `skip`."""
     keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "bell")]
     return ([*keys, names.stream(names.TOKENIZED, partition), names.fair_key(partition, "served")],
-            [names.INFERENCE_GROUP, consumer, count, names.partition_prefix(partition), STREAM_CAP])
+            [names.INFERENCE_GROUP, consumer, count, names.partition_prefix(partition), STREAM_CAP, *sorted(skip)])
 
 
 def push(client: redis.Redis | Any, partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
@@ -93,10 +94,10 @@ class FairQueue:
         self.cluster = isinstance(client, CLUSTER_TYPES)
         self._turn = 0
 
-    def pop(self, count: int, block_ms: int | None) -> list[Entry]:
-        """Up to `count` jobs, as entries of the `tokenized` streams (pending for this consumer). When
-        none waits, waits up to `block_ms` for a doorbell and tries once more."""
-        entries = self._pop_all(count)
+    def pop(self, count: int, block_ms: int | None, skip: Collection[str] = ()) -> list[Entry]:
+        """Up to `count` jobs, as entries of the `tokenized` streams (pending for this consumer), of tenants
+        not in `skip`. When none waits, waits up to `block_ms` for a doorbell and tries once more."""
+        entries = self._pop_all(count, skip)
         if entries or not block_ms:
             return entries
         if self.cluster or names.PARTITIONS == 1:
@@ -105,9 +106,9 @@ class FairQueue:
             rung = self.client.blpop([bell], timeout=timeout / 1000)
         else:
             rung = self.client.blpop([names.fair_key(p, "bell") for p in names.partitions()], timeout=block_ms / 1000)
-        return self._pop_all(count) if rung else []
+        return self._pop_all(count, skip) if rung else []
 
-    def _pop_all(self, count: int) -> list[Entry]:
+    def _pop_all(self, count: int, skip: Collection[str]) -> list[Entry]:
         """One pop per partition, starting at the next in turn, until `count` are taken."""
         entries: list[Entry] = []
         self._turn = (self._turn + 1) % names.PARTITIONS
@@ -115,7 +116,8 @@ class FairQueue:
             if len(entries) >= count:
                 break
             p = (self._turn + i) % names.PARTITIONS
-            entries += parse_entries(scripts.FAIR_POP(self.client, *pop_write(p, self.consumer, count - len(entries))))
+            entries += parse_entries(scripts.FAIR_POP(self.client, *pop_write(p, self.consumer, count - len(entries),
+                                                                              skip)))
         return entries
 
 

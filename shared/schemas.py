@@ -111,6 +111,9 @@ class Request:
     # tokens already generated elsewhere (a resumed job): prefilled after the prompt, not re-emitted;
     # set by the inference worker from the job record, never sent between stages
     resume_ids: list[int] = field(default_factory=list, metadata={"arrow": False})
+    # the fair-queue tenant it is charged to ('' none): the engine gives a tenant that runs nothing a slot
+    # (gpu_worker/engine/scheduler.py); set by the inference worker from the job record, never sent between stages
+    tenant: str = field(default="", metadata={"arrow": False})
 
     @property
     def greedy(self) -> bool:

@@ -8,11 +8,17 @@ when blocks for all its tokens are free (prefix-cache hits cost none), and a dec
 takes a new block at each block boundary. When none is free, the newest running sequence is
 preempted (its blocks freed) and later recomputed from its prompt plus the tokens it had produced,
 much of it usually from the prefix cache.
+
+Fair share (shared/fair_queue.py decides which jobs reach an engine) also needs a slot for a newcomer:
+when every slot runs and a waiting sequence's tenant runs nothing here, the newest sequence of the tenant
+running the most (if it runs two or more) is preempted, and the newcomer goes first. A light tenant then
+waits a step for a slot, not for a heavy tenant's running job to end. Requests without a tenant (or all
+of one tenant) never preempt each other this way.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.sequence import SeqStatus, Sequence
@@ -29,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0  # of those, made for a tenant that ran nothing (_make_room)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -52,6 +59,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _make_room(self) -> None:
+        """With every slot running: a waiting sequence whose tenant runs nothing here takes the slot of the
+        newest sequence of the tenant running the most (two or more), which waits behind it."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return
+        running = Counter(s.req.tenant for s in self.running)
+        newcomer = next((s for s in self.waiting if s.req.tenant and not running[s.req.tenant]), None)
+        if newcomer is None:
+            return
+        heaviest, n = running.most_common(1)[0]
+        if n < 2 or not heaviest:
+            return
+        victim = next(s for s in reversed(self.running) if s.req.tenant == heaviest)
+        self._preempt(victim)
+        self.num_fair_preemptions += 1
+        self.waiting.remove(newcomer)
+        self.waiting.appendleft(newcomer)
+
     def _fits_ever(self, seq: Sequence) -> bool:
         return (seq.num_tokens < self.max_model_len
                 and self.blocks.blocks_for(seq.num_tokens + 1) <= self.blocks.usable_blocks)
@@ -60,6 +85,7 @@ class Scheduler:
         """Returns the step's batch and the sequences that can never run (too long for the cache)."""
         rejected: list[Sequence] = []
         decode: list[Sequence] = []
+        self._make_room()  # before anything is scheduled: its victim must not be in this step
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue

@@ -6,16 +6,21 @@
 -- KEYS: 1 backlogged tenants (zset), 2 virtual counters (hash), 3 payloads (hash), 4 doorbell (list),
 --       5 the `tokenized` stream, 6 served tokens per tenant (hash)
 -- ARGV: 1 the inference group, 2 consumer, 3 how many jobs at most, 4 the partition's key prefix,
---       5 the stream's approximate cap
+--       5 the stream's approximate cap, 6.. tenants to pass over (a worker with every slot taken asks only
+--       for a tenant that has none there)
 -- Returns the stream read's reply (XREADGROUP's: entries not yet delivered, up to the count, this
 -- call's and any added otherwise, such as a redelivered entry split in one per job).
 local backlog, counters, payloads, bell, stream, served = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local group, consumer, count, prefix, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local skip, n_skip = {}, #ARGV - 5
+for i = 6, #ARGV do skip[ARGV[i]] = true end
 local taken = 0
 while taken < count do
-  local top = redis.call('ZRANGE', backlog, 0, 0)
-  if not top[1] then break end
-  local tenant = top[1]
+  local tenant = nil
+  for _, t in ipairs(redis.call('ZRANGE', backlog, 0, n_skip)) do -- the first n_skip + 1: one is not skipped
+    if not skip[t] then tenant = t; break end
+  end
+  if not tenant then break end
   local queue = prefix .. ':fair:q:' .. tenant
   local head = redis.call('ZPOPMIN', queue)
   if head[1] then

@@ -215,3 +215,15 @@ def test_the_tenants_shown_are_bounded_and_the_rest_summed(raw: redis.Redis) -> 
     assert all(r.oldest_wait_s >= 0 for r in rows) and rows[0].oldest_wait_s > 0
     shares = fair_queue.tenant_rows(rows)
     assert abs(sum(r["share"] for r in shares) - 1) < 1e-9
+
+
+def test_a_full_worker_asks_only_for_tenants_it_does_not_hold(raw: redis.Redis) -> None:
+    """An inference worker with every slot taken passes over the tenants it already runs: it takes the
+    fairest job of another tenant, or nothing (and rings no one)."""
+    sim = Sim(raw, {"heavy": 1.0, "light": 1.0})
+    sim.submit("heavy", 5)
+    assert sim.queue.pop(1, None, skip={"heavy"}) == []
+    [light] = sim.submit("light", 1)
+    taken = sim.queue.pop(1, None, skip={"heavy"})
+    assert [from_ipc(e.fields[b"batch"], TOKENIZED_SCHEMA).column("id").to_pylist() for e in taken] == [[light]]
+    assert sim.waiting("heavy") == 5
