@@ -9,7 +9,7 @@ time for comparison: `python -m bench.engine --step-time 32 --dtypes D`.
 
     .venv/bin/python -m bench.compile_layers --dtype bfloat16
     .venv/bin/python -m bench.compile_layers --dtype bfloat16 --hog
-    .venv/bin/python -m bench.compile_layers --quick
+    .venv/bin/python -m bench.compile_layers --quick     # seconds: a tiny model, its first layer, 4 rows x 20 tokens
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ HOG = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t 
 
 
 def layers_ms(model_dir: str, dtype_name: str, compiled: bool, rows: int, tokens: int,
-              steps: int) -> tuple[float, float]:
-    """(warm-up seconds, median ms of the layers of one decode step)."""
+              steps: int, n_layers: int = 0) -> tuple[float, float]:
+    """(warm-up seconds, median ms of the layers of one decode step): the model's first `n_layers` (0: all)."""
     import statistics
 
     import torch
@@ -39,7 +39,7 @@ def layers_ms(model_dir: str, dtype_name: str, compiled: bool, rows: int, tokens
     cfg = model.config
     H, KV = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    layers = model.model.layers
+    layers = list(model.model.layers)[:n_layers or None]
 
     def step(h, cos, sin, kcs, vcs, slots, idx, mask):
         nd, t = h.shape[0], mask.shape[-1]
@@ -92,20 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--tokens", type=int, default=100, help="tokens each row attends to")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=0, help="only the model's first N decoder layers (default: all)")
     p.add_argument("--hog", action="store_true", help="time beside a process that keeps half a core busy")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     from bench.common import default_model, quick_model
 
     if args.quick:
-        args.model, args.rows, args.tokens, args.steps = quick_model(args.model), 4, 20, 3
+        args.model, args.rows, args.tokens, args.steps, args.layers = quick_model(args.model), 4, 20, 3, 1
     model = args.model or default_model()
     hog = subprocess.Popen([sys.executable, "-c", HOG]) if args.hog else None
     try:
         for compiled in (False, True):
-            warm, ms = layers_ms(model, args.dtype, compiled, args.rows, args.tokens, args.steps)
+            warm, ms = layers_ms(model, args.dtype, compiled, args.rows, args.tokens, args.steps, args.layers)
             print(f"{'compiled' if compiled else 'eager'} {args.dtype}: layers of a decode step at {args.rows} rows "
                   f"x {args.tokens} tokens {ms:.2f} ms (median of {args.steps}; warm-up {warm:.1f} s)"
+                  + (f"  [first {args.layers} layer(s) only]" if args.layers else "")
                   + ("  [beside a half-core hog]" if hog else ""), flush=True)
     finally:
         if hog is not None:
@@ -114,4 +116,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.common import exit_now
+
+    exit_now(main())

@@ -12,7 +12,8 @@ CPU of guidellm itself, which shares the cores.
 
     .venv/bin/python -m bench.cpu_per_token --levels 1,8,32 --repeats 3
     .venv/bin/python -m bench.cpu_per_token --quick      # seconds: a tiny model, conveyor only, one run of
-                                                         # 1 stream for 2 s, 4 tokens per request, no warm-up
+                                                         # 1 stream for 4 s or 8 requests, 4 tokens per request,
+                                                         # no warm-up, guidellm making 8 prompts ahead (not 4,096)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -75,7 +77,10 @@ def diff(a: dict, b: dict, tokens: int) -> dict:
 
 
 def guidellm(url: str, model_dir: str, streams: int, seconds: float, prompt_tokens: int, output_tokens: int,
-             workdir: Path, model_name: str | None = None) -> dict:
+             workdir: Path, model_name: str | None = None, prefetch: int = 0, max_requests: int = 0) -> dict:
+    """One guidellm run of `seconds`, or of `max_requests` requests if they end sooner. `prefetch`: prompts its
+    data-loader worker makes ahead (0: guidellm's default, 4,096). The run is stopped, with its worker processes,
+    if it has not ended `seconds` + 180 s later (guidellm can hang at the end of a run: vllm-project/guidellm#431)."""
     out = workdir / f"guidellm-{time.monotonic_ns()}.json"
     backend = f"kind=openai_http,target={url}" + (f",model={model_name}" if model_name else "")
     cmd = [str(Path(sys.executable).parent / "guidellm"), "run", "--backend", backend,
@@ -83,9 +88,22 @@ def guidellm(url: str, model_dir: str, streams: int, seconds: float, prompt_toke
            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
            "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
            "--output", f"kind=json,path={out}", "--disable-console-interactive"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if prefetch:
+        cmd += ["--data-loader", f"kind=pytorch,prefetch_factor={prefetch}"]
+    if max_requests:
+        cmd += ["--constraint", f"kind=max_requests,count={max_requests}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=workdir,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=seconds + 180)
+    except BaseException as exc:
+        os.killpg(proc.pid, signal.SIGKILL)  # its worker processes too: they hold the output pipe open
+        proc.wait()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise SystemExit(f"guidellm did not end within {seconds + 180:.0f} s; stopped it") from None
+        raise
     if proc.returncode:
-        raise SystemExit(f"guidellm failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise SystemExit(f"guidellm failed:\n{output[-3000:]}")
     bench = json.loads(out.read_text())["benchmarks"][0]
     m = bench["metrics"]
 
@@ -158,7 +176,7 @@ def measure(server, args: argparse.Namespace, streams: int, workdir: Path) -> di
     before = snapshot(procs, model_pid)
     t0 = os.times()
     res = guidellm(server.url, args.model, streams, args.seconds, args.prompt_tokens, args.output_tokens, workdir,
-                   "vllm" if server.name == "vllm" else None)
+                   "vllm" if server.name == "vllm" else None, args.prefetch, args.requests)
     after = snapshot(procs, model_pid)
     t1 = os.times()
     tokens = generated_tokens(server.url, server.metric_prefix) - tok0
@@ -183,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="an environment variable for conveyor's stack (repeatable), e.g. a setting under test")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed guidellm run on each server")
+    p.add_argument("--requests", type=int, default=0, help="end a run after this many requests, if sooner than "
+                   "--seconds (default: --seconds only)")
+    p.add_argument("--prefetch", type=int, default=0,
+                   help="prompts guidellm's data-loader worker makes ahead (default: guidellm's own, 4,096)")
     p.add_argument("--json", dest="json_out")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -190,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.servers, args.levels, args.repeats, args.seconds = (
             quick_model(args.model), "conveyor", "1", 1, 4)  # 4 s: a request completes even on a busy machine
         args.prompt_tokens, args.output_tokens, args.no_warmup = 16, 4, True
+        args.requests, args.prefetch = args.requests or 8, args.prefetch or 8
     args.model = args.model or default_model()
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))
     env = dict(kv.split("=", 1) for kv in args.env)

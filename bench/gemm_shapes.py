@@ -94,4 +94,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bench.common import exit_now
+
+    exit_now(main())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.common import default_model, quick_model
+from bench.common import default_model, exit_now, quick_model
 
 
 def round_up(x: int, step: int) -> int:
@@ -70,4 +70,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

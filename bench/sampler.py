@@ -62,4 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.common import exit_now
+
+    exit_now(main())

@@ -72,6 +72,7 @@ from bench.common import (
     PROMPTS,
     ROOT,
     default_model,
+    exit_now,
     fmt,
     md_table,
     messages_for,
@@ -629,4 +630,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

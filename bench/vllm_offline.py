@@ -30,7 +30,7 @@ from pathlib import Path
 
 # run as a file by vLLM's interpreter too (its own venv): bench.common needs nothing beyond the standard library
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import PROMPTS  # noqa: E402
+from bench.common import PROMPTS, exit_now  # noqa: E402
 
 WORDS = ("you are a helpful assistant who answers briefly and accurately, citing the facts that matter "
          "and saying plainly when something is not known").split()
@@ -150,13 +150,14 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def main() -> int:
-    if "--compare" in sys.argv:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--compare" in argv:
         d = argparse.ArgumentParser()
         d.add_argument("--compare", action="store_true")
         d.add_argument("--dtypes", default="float32,bfloat16")
         d.add_argument("--repeats", type=int, default=3)
-        args, rest = d.parse_known_args()
+        args, rest = d.parse_known_args(argv)
         return compare(args, rest)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=["vllm", "ours"], default="ours")
@@ -171,7 +172,7 @@ def main() -> int:
                    help="a system prompt of about this many words (~1.2 tokens each), shared by every request")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--quick", action="store_true", help="seconds: our engine on a tiny random model (unless --model)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         from bench.common import quick_model
 
@@ -185,4 +186,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())

@@ -1,0 +1,58 @@
+"""Several benchmarks' `--quick` runs in one process, one after another: what the smoke test of the benchmarks
+(tests/bench/test_bench_quick.py) uses for those that need no stack, so that they share one interpreter and
+one import of torch instead of paying for one each.
+
+    .venv/bin/python -m bench.quick OUTDIR '{"NAME": ["bench.MODULE", "ARG", ...], ...}'
+
+Each run is `main(ARGS)` of its module, its standard output in OUTDIR/NAME.out and its exit status in
+OUTDIR/NAME.rc (then the traceback, if it raised). Every run is attempted, in the order given; the exit
+status is 1 if any failed. A run that changes process-wide settings (bench.compile_layers: inductor's) goes last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from bench.common import exit_now
+
+
+def run_one(module: str, args: list[str], out: Path) -> tuple[int, str]:
+    """(exit status, traceback or message) of `module.main(args)`, its standard output written to `out`."""
+    with out.open("w") as f, contextlib.redirect_stdout(f):
+        try:
+            code = importlib.import_module(module).main(args)
+        except SystemExit as exc:
+            code = exc.code
+        except Exception:  # noqa: BLE001 - reported, and the next run still runs
+            return 1, traceback.format_exc()
+        finally:
+            sys.stdout.flush()
+    if code is None or isinstance(code, int):
+        return code or 0, ""
+    return 1, str(code)  # SystemExit("message")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise SystemExit(__doc__)
+    outdir, runs = Path(argv[0]), json.loads(argv[1])
+    outdir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name, (module, *args) in runs.items():
+        print(f"[quick] {name}: {module} {' '.join(args)}", file=sys.stderr, flush=True)
+        code, why = run_one(module, args, outdir / f"{name}.out")
+        (outdir / f"{name}.rc").write_text(f"{code}\n{why}")
+        if code:
+            print(f"[quick] {name} failed (exit {code})\n{why}", file=sys.stderr, flush=True)
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    exit_now(main())
