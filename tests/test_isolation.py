@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
 from tests.conftest import ROOT
 
+# no Redis answers there: importing needs none. The Celery broker is named apart from REDIS_URL so that
+# workers.celery_app does not wait (10 s) for that Redis to say whether it is a cluster
+ENV = {"PATH": "/usr/bin:/bin", "REDIS_URL": "redis://127.0.0.1:1/0", "CELERY_BROKER_URL": "redis://127.0.0.1:1/0"}
 
-def _modules_after(import_line: str) -> set[str]:
+
+@functools.cache  # one fresh interpreter per import line, shared by the tests that ask about it
+def _modules_after(import_line: str) -> frozenset[str]:
     code = f"import sys; {import_line}; print('\\n'.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin", "REDIS_URL": "redis://127.0.0.1:1/0"})
-    return set(out.stdout.split())
+                         env=ENV)
+    return frozenset(out.stdout.split())
 
 
 def test_api_imports_neither_torch_nor_tokenizers() -> None:

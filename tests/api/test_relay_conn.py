@@ -5,6 +5,8 @@ restart that wakes every stream to re-read the event streams and resubscribes it
 from __future__ import annotations
 
 import asyncio
+import socketserver
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -123,13 +125,29 @@ async def test_streams_share_one_connection(redis_url: str, make_relay: MakeRela
         pub.close()
 
 
-async def test_stream_cancelled_while_subscribing_leaves_nothing_behind(make_relay: MakeRelay) -> None:
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read()  # a server that never answers: the subscription is never confirmed
+class NeverConfirms(socketserver.StreamRequestHandler):
+    """A Redis node that answers a connection's setup and the client's probe (INFO: not a cluster) but
+    never (un)subscribes: a subscription sent to it is never confirmed."""
 
-    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    def handle(self) -> None:
+        while (head := self.rfile.readline()).startswith(b"*"):
+            args = [self.rfile.read(int(self.rfile.readline()[1:]) + 2)[:-2] for _ in range(int(head[1:]))]
+            command = args[0].upper()
+            if command == b"HELLO":  # RESP3
+                self.wfile.write(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+            elif command == b"INFO":
+                self.wfile.write(b"$19\r\ncluster_enabled:0\r\n\r\n")
+            elif not command.endswith(b"SUBSCRIBE"):
+                self.wfile.write(b"+PONG\r\n" if command == b"PING" else b"+OK\r\n")
+
+
+async def test_stream_cancelled_while_subscribing_leaves_nothing_behind(make_relay: MakeRelay) -> None:
+    # on a thread of its own: the client's probe (a blocking call) waits on it from this event loop
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), NeverConfirms)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        relay = await make_relay(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}/0", wait_s=0.1)
+        relay = await make_relay(f"redis://127.0.0.1:{server.server_address[1]}/0", wait_s=0.1)
         task = asyncio.create_task(relay.subscribe("job_gone"))
         await asyncio.sleep(0.2)
         assert relay.active == 1 and not task.done()
@@ -138,4 +156,5 @@ async def test_stream_cancelled_while_subscribing_leaves_nothing_behind(make_rel
             await task
         assert relay.active == 0 and not relay.subs
     finally:
-        server.close()
+        server.shutdown()
+        server.server_close()
