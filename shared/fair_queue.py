@@ -22,6 +22,11 @@ max_tokens, over the weight); tests/shared/test_fair_queue.py checks it at every
 every job is one tenant (`names.ANONYMOUS_TENANT`): first in, first out by priority, as before;
 FAIR_SHARE=false queues every tenant's jobs so too.
 
+Which job an engine takes is half of it; a slot is the other. An inference worker takes only what its
+engine can start soon (gpu_worker/reader.py), and with every slot taken it still takes a job of a tenant that
+has none there (`pop(skip=...)`), for which the engine preempts the newest sequence of the tenant running the
+most (gpu_worker/engine/scheduler.py): a newcomer waits a step, not a heavy job's whole run.
+
 With several partitions each is fair on its own: a tenant lives in one partition (its jobs and limits
 do), so fairness holds among the tenants of a partition, and partitions are served in turn.
 """
