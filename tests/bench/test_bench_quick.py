@@ -61,6 +61,8 @@ class QuickRuns:
             "plumbing": py + ["bench.plumbing", "--quick", "--json", str(tmp / "plumbing.json")],
             "soak": py + ["bench.soak", "--quick", "--workdir", str(tmp / "soak"), "--csv", str(tmp / "soak.csv")],
             "redis_ops": py + ["bench.redis_ops", "--quick"],
+            "fairness": py + ["bench.fairness", "--quick", "--model", tiny, "--modes", "fair", "--json",
+                              str(tmp / "fairness.json")],
         }
         self.pool = ThreadPoolExecutor(AT_ONCE)
         self.futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {
@@ -186,3 +188,12 @@ def test_sampler(runs: QuickRuns) -> None:
 def test_attention(runs: QuickRuns) -> None:
     out = runs.out("attention")
     assert "| 64 | 1 |" in out and "| 64 | 8 |" in out
+
+
+def test_fairness(runs: QuickRuns) -> None:
+    """The fair mode only (FIFO is the same stack with FAIR_SHARE=false): a light tenant's jobs alone and
+    under a heavy tenant's flood, all of them served."""
+    out = runs.out("fairness")
+    assert "| light TTFT p50 under the flood, s |" in out and "| heavy throughput, tok/s |" in out
+    [run] = json.loads((runs.tmp / "fairness.json").read_text())["runs"]
+    assert run["mode"] == "fair" and run["failed"] == 0 and run["heavy_tok_s"] > 0, run

@@ -227,3 +227,20 @@ def test_a_full_worker_asks_only_for_tenants_it_does_not_hold(raw: redis.Redis) 
     taken = sim.queue.pop(1, None, skip={"heavy"})
     assert [from_ipc(e.fields[b"batch"], TOKENIZED_SCHEMA).column("id").to_pylist() for e in taken] == [[light]]
     assert sim.waiting("heavy") == 5
+
+
+def test_fair_share_off_is_one_queue_in_arrival_order(raw: redis.Redis) -> None:
+    """FAIR_SHARE=false: every tenant's jobs in one queue, first in, first out (by priority)."""
+    sim = Sim(raw, {"heavy": 1.0, "light": 1.0})
+    ids = []
+    for tenant in ("heavy", "heavy", "light", "heavy", "light"):
+        sim.n += 1
+        job_id = names.job_id_in(0, f"{sim.n:030x}")
+        raw.hset(names.job_key(job_id), mapping={**{k: v for k, v in new_record(job_id, "m", "{}").items()
+                                                    if k != "request"}, "owner": tenant})
+        row = to_ipc(requests_batch([Request(job_id, [1] * PROMPT, max_tokens=2)]))
+        assert fair_queue.push(raw, 0, [], [(job_id, 0, PROMPT, row)], by_tenant=False) == 1
+        ids.append(job_id)
+    assert sim.waiting(names.ANONYMOUS_TENANT) == 5 and not sim.waiting("light")
+    taken = sim.queue.pop(5, None)
+    assert [from_ipc(e.fields[b"batch"], TOKENIZED_SCHEMA).column("id")[0].as_py() for e in taken] == ids
