@@ -1,0 +1,31 @@
+"""`conveyor status` renders what the signals and the fair queue hold, on a real Redis (a database of its own)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from infra import status
+from shared import names
+from shared.redis_client import sync_client
+
+
+def test_status_shows_the_pools_and_the_tenants_share(redis_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    url = redis_server.url.rsplit("/", 1)[0] + "/4"
+    c, raw = sync_client(url), sync_client(url, decode=False)
+    c.flushdb()
+    try:
+        c.hset(names.fair_key(0, "served"), mapping={"team-a": 1200, names.ANONYMOUS_TENANT: 300})
+        c.zadd(names.fair_key(0, "tenants"), {"team-a": 10})
+        c.zadd(names.fair_queue_key(0, "team-a"), {"job_1": 1})
+        c.zadd(names.fair_age_key(0, "team-a"), {"job_1": time.time() - 3.2})
+        console = Console(width=120, record=True)
+        console.print(status.render(status.snapshot(c, raw, 64, tmp_path)))
+        out = console.export_text()
+    finally:
+        c.flushdb()
+    assert "inference" in out and "tokenizer" in out and "dead letters: 0" in out
+    [row] = [line for line in out.splitlines() if "team-a" in line]
+    assert "1200" in row and "80%" in row and " 1 " in row and "3." in row  # waiting 1, oldest ~3.2 s
