@@ -11,8 +11,9 @@ much of it usually from the prefix cache.
 
 Fair share (shared/fair_queue.py decides which jobs reach an engine) also needs a slot for a newcomer:
 when every slot runs and a waiting sequence's tenant runs nothing here, the newest sequence of the tenant
-running the most (if it runs two or more) is preempted, and the newcomer goes first. A light tenant then
-waits a step for a slot, not for a heavy tenant's running job to end. Requests without a tenant (or all
+running the most (if it runs two or more) is preempted, and the newcomer goes first, unless a running
+sequence ends within FREE_SOON_STEPS anyway. A light tenant then waits at most that many steps for a slot,
+not for a heavy tenant's running job to end. Requests without a tenant (or all
 of one tenant) never preempt each other this way.
 """
 
@@ -23,6 +24,10 @@ from collections import Counter, deque
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.sequence import SeqStatus, Sequence
 from gpu_worker.engine.step import StepBatch
+
+# a newcomer waits for a slot rather than preempting when a running sequence ends within this many steps
+# (at its max_tokens at the latest)
+FREE_SOON_STEPS = 16
 
 
 class Scheduler:
@@ -68,6 +73,8 @@ class Scheduler:
         newcomer = next((s for s in self.waiting if s.req.tenant and not running[s.req.tenant]), None)
         if newcomer is None:
             return
+        if min(s.req.max_tokens - s.num_generated for s in self.running) <= FREE_SOON_STEPS:
+            return  # a slot frees within that many steps anyway: recomputing a victim would cost more
         heaviest, n = running.most_common(1)[0]
         if n < 2 or not heaviest:
             return

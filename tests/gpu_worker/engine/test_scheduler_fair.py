@@ -6,15 +6,15 @@ nothing)."""
 from __future__ import annotations
 
 from gpu_worker.engine.block_manager import BlockManager
-from gpu_worker.engine.scheduler import Scheduler
+from gpu_worker.engine.scheduler import FREE_SOON_STEPS, Scheduler
 from gpu_worker.engine.sequence import SeqStatus, Sequence
 from shared.schemas import Request
 
 SLOTS = 4
 
 
-def _seq(name: str, tenant: str) -> Sequence:
-    return Sequence(Request(name, [1, 2, 3, 4, 5], tenant=tenant))
+def _seq(name: str, tenant: str, max_tokens: int = 256) -> Sequence:
+    return Sequence(Request(name, [1, 2, 3, 4, 5], max_tokens=max_tokens, tenant=tenant))
 
 
 def _run_step(sched: Scheduler) -> list[str]:
@@ -23,6 +23,8 @@ def _run_step(sched: Scheduler) -> list[str]:
     assert not rejected
     for seq, n in batch.chunks:
         seq.num_computed += n
+        if seq.num_computed == seq.num_tokens:  # its prompt is in: the step samples its first token
+            seq.token_ids.append(7)
     for seq in batch.decode:
         seq.num_computed = seq.num_tokens
         seq.token_ids.append(7)
@@ -67,3 +69,19 @@ def test_a_tenant_already_running_waits_its_turn() -> None:
     _run_step(sched)
     sched.add(_seq("l1", "light"))
     assert "l1" not in _run_step(sched) and sched.num_fair_preemptions == 0
+
+
+def test_no_preemption_when_a_slot_frees_soon_anyway() -> None:
+    """A running sequence within FREE_SOON_STEPS of its max_tokens: the newcomer waits for its slot."""
+    sched = _scheduler()
+    for i in range(SLOTS):
+        sched.add(_seq(f"h{i}", "heavy", max_tokens=FREE_SOON_STEPS + 2 if i == 0 else 256))
+    _run_step(sched)  # prefill: each has its first token; h0 ends within FREE_SOON_STEPS + 1
+    sched.add(_seq("l0", "light"))
+    assert "l0" in _run_step(sched) and sched.num_fair_preemptions == 1  # not soon enough: l0 takes a slot
+    sched = _scheduler()
+    for i in range(SLOTS):
+        sched.add(_seq(f"h{i}", "heavy", max_tokens=FREE_SOON_STEPS + 1 if i == 0 else 256))
+    _run_step(sched)  # h0 ends within FREE_SOON_STEPS
+    sched.add(_seq("l0", "light"))
+    assert "l0" not in _run_step(sched) and sched.num_fair_preemptions == 0
