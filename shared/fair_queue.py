@@ -25,7 +25,8 @@ FAIR_SHARE=false queues every tenant's jobs so too.
 Which job an engine takes is half of it; a slot is the other. An inference worker takes only what its
 engine can start soon (gpu_worker/reader.py), and with every slot taken it still takes a job of a tenant that
 has none there (`pop(skip=...)`), for which the engine preempts the newest sequence of the tenant running the
-most (gpu_worker/engine/scheduler.py): a newcomer waits a step, not a heavy job's whole run.
+most (gpu_worker/engine/scheduler.py) unless a slot frees within 16 steps anyway: a newcomer waits at most
+that, not a heavy job's whole run.
 
 With several partitions each is fair on its own: a tenant lives in one partition (its jobs and limits
 do), so fairness holds among the tenants of a partition, and partitions are served in turn.
