@@ -78,7 +78,8 @@ def _commands(stack: Stack) -> int:
 
 def run_mode(fair: bool, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     stack = start_stack(workdir, None, args.model, {"AUTH": "required", "FAIR_SHARE": "true" if fair else "false",
-                                                    "MAX_NUM_SEQS": str(args.max_num_seqs), "DTYPE": args.dtype})
+                                                    "MAX_NUM_SEQS": str(args.max_num_seqs), "DTYPE": args.dtype,
+                                                    "MAX_QUEUE_WAIT_S": "86400"})  # the flood is admitted whole
     try:
         r = stack.redis()
         heavy_key, _ = tenants.create(r, "heavy", rpm=0, tpm=0, max_queued=0)

@@ -28,7 +28,9 @@ def fair_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_mode
     url = redis_server.url.rsplit("/", 1)[0] + "/3"
     redis.Redis.from_url(url).flushdb()
     s = start_stack(tmp_path_factory.mktemp("fair-stack"), url, tiny_model_dir,
-                    extra={"AUTH": "required", "MAX_NUM_SEQS": str(SLOTS)})
+                    # the flood is the point: no admission cap from the estimated wait (MAX_QUEUE_WAIT_S), which
+                    # a slow machine's first measured rate can put under 200 jobs
+                    extra={"AUTH": "required", "MAX_NUM_SEQS": str(SLOTS), "MAX_QUEUE_WAIT_S": "86400"})
     yield s
     stop_stack(s)
 
