@@ -97,13 +97,15 @@ def main(argv: list[str] | None = None) -> None:
 
         if args.check:
             sys.exit(0 if check_pool(settings, args.cmd) else 1)
+        from shared.lifecycle import exit_quickly
+
         if args.cmd == "tokenizer":
             from workers.tokenizer.worker import main as tokenizer_main
 
-            sys.exit(tokenizer_main(settings))
+            exit_quickly(tokenizer_main(settings))
         from gpu_worker.worker import main as inference_main
 
-        sys.exit(inference_main(settings))
+        exit_quickly(inference_main(settings))
     elif args.cmd == "redis":
         from infra.redis_server import run_foreground
 

@@ -229,12 +229,12 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
             write_state(state_path, url, everything, embedded.pids() if embedded is not None else [])
             stop.wait(1.0)
     finally:
-        for p in (api, *extra):
+        api.stop()  # first: no new work comes in
+        api.wait(time.monotonic() + 10)
+        for p in (*extra, *pools.values()):  # then Celery and the pools drain together (its ends stay queued)
             p.stop()
-        for p in (api, *extra):
+        for p in extra:
             p.wait(time.monotonic() + 10)
-        for p in pools.values():
-            p.stop()
         deadline = time.monotonic() + grace + 5
         for p in pools.values():
             p.wait(deadline)

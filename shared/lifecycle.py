@@ -1,14 +1,18 @@
 """A child process dies with its parent, even when the parent is SIGKILLed (Linux's
 PR_SET_PDEATHSIG; elsewhere nothing happens). Threads carry their names into the kernel
-(PR_SET_NAME), so `top -H` and /proc/<pid>/task/*/comm tell a worker's lanes apart."""
+(PR_SET_NAME), so `top -H` and /proc/<pid>/task/*/comm tell a worker's lanes apart. A process that
+loaded torch and transformers exits without the interpreter's final collections (`exit_quickly`)."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import signal
+import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -48,3 +52,11 @@ def named(name: str, target: Callable[[], object]) -> Callable[[], None]:
         name_thread(name)
         target()
     return run
+
+
+def exit_quickly(code: int | None = 0) -> NoReturn:
+    """`sys.exit(code)` after `gc.freeze()`: the interpreter's teardown then runs no collections over every
+    object torch and transformers made (~1 s of CPU for a worker; a stack stops that much sooner). Only for
+    a process whose work is done: its buffers are flushed and its files closed as by sys.exit."""
+    gc.freeze()
+    sys.exit(code)
