@@ -119,7 +119,7 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str
                     return
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.2)
     raise RuntimeError(f"{what}: not ready after {timeout:.0f}s")
 
 
