@@ -10,10 +10,9 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from harness.models import make_tiny_model
-from shared.lifecycle import exit_quickly
 
 ROOT = Path(__file__).resolve().parent.parent
 __all__ = ["ROOT", "make_tiny_model"]  # re-exported for the benchmarks
@@ -41,12 +40,6 @@ PROMPTS = [
 def messages_for(i: int) -> list[dict[str, str]]:
     """Request i's chat: PROMPTS round-robin."""
     return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-
-
-def exit_now(code: int | None = 0) -> NoReturn:
-    """`sys.exit(code)` for a benchmark that loaded torch and transformers, without the interpreter's final
-    collections (shared.lifecycle.exit_quickly)."""
-    exit_quickly(code)
 
 
 def default_model() -> str:

@@ -59,7 +59,8 @@ from typing import TypeVar
 
 import torch
 
-from bench.common import PROMPTS, CpuShare, default_model, exit_now, fmt, percentile, quick_model, wait_for_quiet
+from bench.common import PROMPTS, CpuShare, default_model, fmt, percentile, quick_model, wait_for_quiet
+from shared.lifecycle import exit_quickly
 
 T = TypeVar("T")
 MODES = ("all", "poisson")
@@ -721,4 +722,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        exit_now(main())
+        exit_quickly(main())

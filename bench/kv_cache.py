@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.common import default_model, exit_now, quick_model
+from bench.common import default_model, quick_model
+from shared.lifecycle import exit_quickly
 
 
 def round_up(x: int, step: int) -> int:
@@ -70,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_quickly(main())

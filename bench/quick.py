@@ -18,7 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from bench.common import exit_now
+from shared.lifecycle import exit_quickly
 
 
 def run_one(module: str, args: list[str], out: Path) -> tuple[int, str]:
@@ -55,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_quickly(main())

@@ -62,6 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bench.common import exit_now
+    from shared.lifecycle import exit_quickly
 
-    exit_now(main())
+    exit_quickly(main())

@@ -30,7 +30,8 @@ from pathlib import Path
 
 # run as a file by vLLM's interpreter too (its own venv): bench.common needs nothing beyond the standard library
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import PROMPTS, exit_now  # noqa: E402
+from bench.common import PROMPTS  # noqa: E402
+from shared.lifecycle import exit_quickly  # noqa: E402
 
 WORDS = ("you are a helpful assistant who answers briefly and accurately, citing the facts that matter "
          "and saying plainly when something is not known").split()
@@ -186,4 +187,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_quickly(main())

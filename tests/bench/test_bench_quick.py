@@ -49,6 +49,7 @@ class QuickRuns:
                 "attention": ["bench.attention", "--quick"],
                 "gemm_shapes": ["bench.gemm_shapes", "--quick"],
                 "sampler": ["bench.sampler", "--quick"],
+                "tokenizer": ["bench.tokenizer", "--quick"],
                 "compile_layers": ["bench.compile_layers", "--quick", "--model", tiny],
             },
         }
@@ -197,3 +198,8 @@ def test_fairness(runs: QuickRuns) -> None:
     assert "| light TTFT p50 under the flood, s |" in out and "| heavy throughput, tok/s |" in out
     [run] = json.loads((runs.tmp / "fairness.json").read_text())["runs"]
     assert run["mode"] == "fair" and run["failed"] == 0 and run["heavy_tok_s"] > 0, run
+
+
+def test_tokenizer(runs: QuickRuns) -> None:
+    out = runs.out("tokenizer")
+    assert "| prompts | tokens each |" in out and "\n| 4 | " in out
