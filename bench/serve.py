@@ -72,7 +72,6 @@ from bench.common import (
     PROMPTS,
     ROOT,
     default_model,
-    exit_now,
     fmt,
     md_table,
     messages_for,
@@ -82,6 +81,7 @@ from bench.common import (
 )
 from harness.sse import HttpStatusError, post_sse_data
 from harness.stack import Stack, cpu_seconds, cpu_share, start_stack, stop_stack, wait_http
+from shared.lifecycle import exit_quickly
 
 VLLM_VENV = ROOT / ".cache" / "vllm-venv"
 
@@ -630,4 +630,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_quickly(main())
