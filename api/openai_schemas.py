@@ -1,4 +1,5 @@
-"""OpenAI-compatible request bodies, mapped onto the one generation request conveyor runs.
+"""OpenAI-compatible request bodies, mapped onto the generation requests conveyor runs: one per prompt
+(a completions request may carry several), each run once per choice (`n`).
 
 Options conveyor does not implement are refused with a 400 in OpenAI's error format rather
 than silently ignored."""
@@ -10,12 +11,22 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError
+from shared.grammar import GrammarError
 from shared.limits import (
+    MAX_CHOICES,
     MAX_MESSAGES,
+    MAX_PROMPT_JOBS,
+    MAX_PROMPTS,
     Content,
+    LogitBias,
+    Logprobs,
     MaxTokens,
+    MinTokens,
     Name,
+    Penalty,
     Priority,
+    PromptTokenIds,
+    RepetitionPenalty,
     Seed,
     StopList,
     StopString,
@@ -24,7 +35,7 @@ from shared.limits import (
     TopK,
     TopP,
 )
-from shared.schemas import GenerationRequest, Message
+from shared.schemas import GRAMMAR_PARAMS, GenerationRequest, Grammar, Message, grammar_of
 
 
 class StreamOptions(BaseModel):
@@ -43,44 +54,58 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
-    n: int = 1
-    logprobs: Any = None
-    top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0  # vLLM's
+    logit_bias: LogitBias | None = None
+    min_tokens: MinTokens = 0  # vLLM's
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = None
     priority: Priority = 0  # vLLM's: among the tenant's waiting jobs, lower runs first
+    # structured output: OpenAI's response_format, or vLLM's guided_* / structured_outputs (one of them)
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     # accepted and harmless: they change nothing about the text
     _IGNORED = {"metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities",
-                "reasoning_effort", "verbosity", "web_search_options", "safety_identifier", "prompt_cache_key"}
+                "reasoning_effort", "verbosity", "web_search_options", "safety_identifier", "prompt_cache_key",
+                "guided_decoding_backend", "guided_whitespace_pattern"}
 
     def refuse_unsupported(self) -> None:
-        def no(param: str, why: str) -> None:
-            raise ApiError(400, why, param=param)
-
-        if self.n != 1:
-            no("n", "only n=1 is supported")
-        if self.logprobs not in (None, False) or self.top_logprobs:
-            no("logprobs", "logprobs are not supported")
-        if self.presence_penalty or self.frequency_penalty:
-            no("presence_penalty" if self.presence_penalty else "frequency_penalty", "penalties are not supported")
-        if self.logit_bias:
-            no("logit_bias", "logit_bias is not supported")
         for name in self.model_extra or {}:
-            if name not in self._IGNORED and name not in ("max_completion_tokens", "echo", "suffix", "best_of"):
-                no(name, f"unsupported parameter: {name}")
+            if name not in self._IGNORED:
+                raise ApiError(400, f"unsupported parameter: {name}", param=name)
+
+    def grammar(self) -> Grammar | None:
+        """The structured output asked for; a bad or oversized schema, regex or grammar answers 400."""
+        try:
+            return grammar_of({k: getattr(self, k) for k in GRAMMAR_PARAMS})
+        except (GrammarError, ValidationError) as exc:
+            param = next((k for k in GRAMMAR_PARAMS if getattr(self, k) is not None), "response_format")
+            raise ApiError(400, f"invalid structured output: {_message(exc)}", param=param) from None
 
     def sampling(self, max_tokens: int | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"stop": self.stop, "ignore_eos": self.ignore_eos, "priority": self.priority}
+        out: dict[str, Any] = {"stop": self.stop, "ignore_eos": self.ignore_eos, "priority": self.priority,
+                               "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                               "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias or {},
+                               "min_tokens": self.min_tokens, "grammar": self.grammar()}
         for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if max_tokens is not None:
             out["max_tokens"] = max_tokens
         return out
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(str(e.get("msg", "invalid")).removeprefix("Value error, ") for e in exc.errors())
+    return str(exc)
 
 
 class ContentPart(BaseModel):
@@ -101,14 +126,16 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = None
 
-    def to_generation(self) -> GenerationRequest:
+    def to_generation(self) -> list[GenerationRequest]:
+        """The one generation request the chat asks for (each of its `n` choices runs it)."""
         self.refuse_unsupported()
         if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call:
             raise ApiError(400, "tools and function calling are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ApiError(400, "only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = []
         for i, m in enumerate(self.messages):
             if m.role == "tool":
@@ -121,29 +148,45 @@ class ChatCompletionRequest(_Common):
                 text = m.content or ""
             messages.append(Message(role="system" if m.role == "developer" else m.role, content=text))
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return _generation(messages=messages, **self.sampling(limit))
+        return [_generation(messages=messages, logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0,
+                            **self.sampling(limit))]
+
+
+Prompts = Annotated[list[Content], Field(min_length=1, max_length=MAX_PROMPTS)]
+TokenPrompts = Annotated[list[PromptTokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 
 
 class CompletionRequest(_Common):
-    prompt: Content | Annotated[list[Content], Field(max_length=1)]
-    echo: bool = False
+    # a string, strings, token ids, or lists of token ids: one choice (times n) per prompt
+    prompt: Content | Prompts | PromptTokenIds | TokenPrompts
+    echo: bool = False  # the prompt precedes the completion in `text` (and in logprobs, with its own)
+    logprobs: Logprobs | None = None
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_generation(self) -> GenerationRequest:
+    def to_generation(self) -> list[GenerationRequest]:
+        """One generation request per prompt (each of its `n` choices runs it)."""
         self.refuse_unsupported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1):
-            raise ApiError(400, "only best_of=1 is supported", param="best_of")
-        prompt = self.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ApiError(400, "send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        return _generation(prompt=prompt, **self.sampling(self.max_tokens))
+        if self.best_of not in (None, 1, self.n):
+            raise ApiError(400, "best_of must equal n (choices are not ranked)", param="best_of")
+        p = self.prompt
+        prompts: list[dict[str, Any]]
+        if isinstance(p, str):
+            prompts = [{"prompt": p}]
+        elif p and isinstance(p[0], int):
+            prompts = [{"prompt_token_ids": p}]
+        else:
+            prompts = [{"prompt_token_ids": x} if isinstance(x, list) else {"prompt": x} for x in p]
+        if len(prompts) * self.n > MAX_PROMPT_JOBS:
+            raise ApiError(400, f"prompts x n must be at most {MAX_PROMPT_JOBS}; got {len(prompts) * self.n}",
+                           param="prompt")
+        lp = {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
+        if self.echo and (self.logprobs is not None or any("prompt_token_ids" in one for one in prompts)):
+            lp["prompt_logprobs"] = self.logprobs or 0  # (also how a prompt of token ids gets its text back)
+        sampling = self.sampling(self.max_tokens)
+        return [_generation(**one, **lp, **sampling) for one in prompts]
 
 
 def _generation(**fields: Any) -> GenerationRequest:

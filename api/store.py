@@ -59,9 +59,10 @@ class JobStore:
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
         prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
+        prompt_tokens = len(req.prompt_token_ids or []) + math.ceil(prompt_chars / CHARS_PER_TOKEN)
         reply = await self.jobs.submit(
             job_id, record, request_json, owner=owner,
-            reserve_tokens=math.ceil(prompt_chars / CHARS_PER_TOKEN) + req.max_tokens, max_waiting=max_waiting,
+            reserve_tokens=prompt_tokens + req.max_tokens, max_waiting=max_waiting,
             idempotency_key=idempotency_key or "", idempotency_ttl_s=self.settings.idempotency_ttl_s,
             jobs_maxlen=self.jobs_maxlen)
         if reply.code is SubmitCode.replay:  # another request's job, or this one's (a call sent again)
@@ -102,10 +103,11 @@ class JobStore:
             job = await self.get(job_id)
         return job, True
 
-    async def read_events(self, job_id: str, after: int, count: int = 1000) -> list[tuple[int, str, str]]:
-        """Events with seq > after, in order: (seq, type, text)."""
+    async def read_events(self, job_id: str, after: int, count: int = 1000) -> list[tuple[int, str, str, str]]:
+        """Events with seq > after, in order: (seq, type, text, logprob entries as lines of JSON, '' none)."""
         items = await self.r.xrange(names.events_key(job_id), min=f"(0-{after}", max="+", count=count)
-        return [(int(eid.split("-")[1]), f.get("type", ""), f.get("text", "")) for eid, f in items]
+        return [(int(eid.split("-")[1]), f.get("type", ""), f.get("text", ""), f.get("logprobs", ""))
+                for eid, f in items]
 
     async def queue_position(self, job_id: str) -> int | None:
         """Roughly how many jobs are ahead of this one, plus one: its submit ordinal minus the jobs that

@@ -19,6 +19,7 @@ from api.errors import error_body
 from api.relay import Relay
 from api.store import JobStore
 from shared.jobs import Job
+from shared.logprobs import Entry, chat_item, parse_lines
 from shared.retry import Backoff
 
 CATCH_UP_S = 5.0  # silence this long: re-read the event stream (a lost message, a Redis restart)
@@ -29,6 +30,7 @@ QUEUED_POLL_S = 2.0  # while queued: how often the status and position are re-re
 class TokenEvent:
     seq: int
     text: str
+    logprobs: list[Entry] | None = None  # its tokens' entries (shared/logprobs.py), when the job asked
 
 
 @dataclass
@@ -70,14 +72,14 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
     try:
         while True:
             events = await store.read_events(job_id, last)
-            for seq, kind, text in events:
+            for seq, kind, text, logprobs in events:
                 if kind == "done":
                     job = await store.get(job_id)
                     if job is not None:
                         yield DoneEvent(seq, job)
                     return
                 last = seq
-                yield TokenEvent(seq, text)
+                yield TokenEvent(seq, text, parse_lines(logprobs) if logprobs else None)
             sub.reset()
             if not events:
                 job = await store.get(job_id)
@@ -119,7 +121,7 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                         yield DoneEvent(seq, job)
                     return
                 last = seq
-                yield TokenEvent(seq, msg["text"])
+                yield TokenEvent(seq, msg["text"], msg.get("logprobs"))
     finally:
         await relay.unsubscribe(sub)
 
@@ -158,7 +160,10 @@ class JobFraming:
         return None
 
     def token(self, ev: TokenEvent) -> bytes:
-        return sse.encode(orjson.dumps({"seq": ev.seq, "text": ev.text}), "token", ev.seq)
+        data: dict[str, object] = {"seq": ev.seq, "text": ev.text}
+        if ev.logprobs is not None:
+            data["logprobs"] = [chat_item(e) for e in ev.logprobs]
+        return sse.encode(orjson.dumps(data), "token", ev.seq)
 
     def status(self, ev: StatusEvent) -> bytes:
         return sse.encode(ev.job.model_dump_json(), "status")

@@ -32,10 +32,12 @@ def check_request(req: GenerationRequest, settings: Settings) -> GenerationReque
     if vocab is not None:
         if req.top_k > vocab:
             raise ApiError(422, f"top_k must be 0 (off) or at most the vocabulary size, {vocab}", param="top_k")
-        bad = [t for t in req.stop_token_ids if t >= vocab]
-        if bad:
-            raise ApiError(422, f"stop_token_ids must be below the vocabulary size {vocab}; got {bad[0]}",
-                           param="stop_token_ids")
+        for field, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", list(req.logit_bias)),
+                           ("prompt", req.prompt_token_ids or [])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ApiError(422, f"{field}: token ids must be below the vocabulary size {vocab}; got {bad}",
+                               param=field)
     return req
 
 
@@ -73,15 +75,10 @@ def document_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any
 
 
 # OpenAI options this server refuses (with a 400 naming the option): the schema says which values pass
-_ONLY = {"n": {"enum": [1]}, "logprobs": {"enum": [False, None]}, "top_logprobs": {"enum": [0, None]},
-         "presence_penalty": {"enum": [0]}, "frequency_penalty": {"enum": [0]},
-         "logit_bias": {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]},
-         "tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+_ONLY = {"tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
          "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
          "tool_choice": {"enum": ["none", None]}, "function_call": {"enum": [None]},
-         "response_format": {"anyOf": [{"type": "object", "properties": {"type": {"enum": ["text"]}}},
-                                     {"type": "null"}]},
-         "echo": {"enum": [False]}, "suffix": {"enum": ["", None]}, "best_of": {"enum": [1, None]}}
+         "suffix": {"enum": ["", None]}}
 
 
 def _document_openai(comps: dict[str, Any], settings: Settings) -> None:

@@ -7,8 +7,10 @@ it, so the lane knows every job whose tokens it receives.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from multiprocessing.queues import Queue
 from queue import SimpleQueue
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
@@ -20,6 +22,9 @@ from shared.job_ops import JobOps, unpack_ids
 from shared.schemas import TOKENIZED_SCHEMA, batch_requests, from_ipc
 from shared.scripts.codes import StartCode, StartReply
 from shared.stream_consumer import Entry, StreamConsumer
+
+if TYPE_CHECKING:
+    from gpu_worker.grammar import GrammarLoader
 
 log = logging.getLogger("conveyor.inference")
 
@@ -34,9 +39,11 @@ def entry_batch(entry: Entry) -> pa.RecordBatch:
 
 class Admission:
     def __init__(self, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger, worker_id: str,
-                 inbox: SimpleQueue[EngineCommand], to_lane: Queue[LaneCommand], stats: WorkerStats) -> None:
+                 inbox: SimpleQueue[EngineCommand], to_lane: Queue[LaneCommand], stats: WorkerStats,
+                 grammars: Callable[[], GrammarLoader] | None = None) -> None:
         self.consumer, self.jobs, self.ledger = consumer, jobs, ledger
         self.worker_id, self.inbox, self.to_lane, self.stats = worker_id, inbox, to_lane, stats
+        self._new_loader, self._loader = grammars, None  # made when the first grammar arrives
 
     def admit(self, entry: Entry) -> None:
         try:
@@ -47,7 +54,7 @@ class Admission:
         started: list[tuple[Request, StartReply]] = []
         for req in batch_requests(batch):
             took = self.jobs.start(req.id, self.worker_id)
-            if took.code in (STARTED, RESUMED):
+            if took.code in (STARTED, RESUMED) and self._attach_grammar(req):
                 started.append((req, took))
         if not started:  # every job already ended (or was cancelled) elsewhere
             self.consumer.ack([entry.ref])
@@ -55,19 +62,38 @@ class Admission:
         self.ledger.open(entry.ref, [req.id for req, _ in started])
         for req, took in started:
             self.ledger.take_slot(req.id, took.tenant)
-            emitted, seq = "", took.seq
+            emitted, seq, lp_bytes = "", took.seq, 0
             req.tenant = took.tenant
             if took.code == RESUMED:  # another worker began this job: continue from what it recorded
-                req.resume_ids, emitted, seq = self.progress(req.id)
+                req.resume_ids, emitted, seq, lp_bytes = self.progress(req.id)
                 self.stats.jobs_resumed += 1
             self.stats.jobs_started += 1
             self.to_lane.put(Register(
                 job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
                 started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
-                tenant=took.tenant, weight=took.weight))
+                tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes))
             self.inbox.put(Add(req))
 
-    def progress(self, job_id: str) -> tuple[list[int], str, int]:
-        """What the job's earlier worker recorded: its token ids, their streamed text, the last event seq."""
-        packed, text, seq = self.jobs.resume_state(job_id)
-        return unpack_ids(packed), text, seq
+    def _attach_grammar(self, req: Request) -> bool:
+        """The request's compiled grammar (the tokenizer pool compiled it; gpu_worker/grammar.py loads it), here
+        in the reader thread rather than the engine loop; a grammar that cannot be loaded fails its job alone."""
+        spec = req.grammar_spec
+        if spec is None:
+            return True
+        try:
+            if self._loader is None:
+                if self._new_loader is None:
+                    raise RuntimeError("this worker takes no grammars")
+                self._loader = self._new_loader()
+            req.compiled_grammar = self._loader.load(spec.key, spec)
+            return True
+        except Exception as exc:  # noqa: BLE001 - this job fails alone
+            log.exception("job %s: its grammar could not be loaded", req.id)
+            self.jobs.fail(req.id, f"the grammar could not be loaded: {exc}")
+            return False
+
+    def progress(self, job_id: str) -> tuple[list[int], str, int, int]:
+        """What the job's earlier worker recorded: its token ids, their streamed text, the last event seq,
+        the bytes of its logprob entries."""
+        packed, text, seq, lp_bytes = self.jobs.resume_state(job_id)
+        return unpack_ids(packed), text, seq, lp_bytes

@@ -49,6 +49,7 @@ class Register:
     emitted: str = ""  # the text of those tokens already streamed
     tenant: str = ""  # the fair-queue tenant its tokens are charged to ('' none)
     weight: float = 1.0  # that tenant's weight
+    logprob_bytes: int = 0  # bytes of logprob entries already recorded (a resumed job that asked for them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +59,19 @@ class Deltas:
 
     @classmethod
     def of(cls, outs: list[StepOutput]) -> Deltas:
-        batch = pa.RecordBatch.from_pylist(
-            [{"job_id": o.id, "token_ids": o.token_ids, "finish_reason": o.finish_reason, "error": o.error}
-             for o in outs], schema=DELTA_SCHEMA)
+        batch = pa.RecordBatch.from_pylist([_row(o) for o in outs], schema=DELTA_SCHEMA)
         return cls(to_ipc(batch))
+
+
+def _row(o: StepOutput) -> dict[str, object]:
+    row: dict[str, object] = {"job_id": o.id, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                              "error": o.error}
+    if o.logprobs is not None:
+        row.update(logprobs=o.logprobs.chosen, top_ids=o.logprobs.top_ids, top_logprobs=o.logprobs.top_lps)
+    if o.prompt_logprobs is not None:
+        row.update(prompt_ids=o.prompt_ids, prompt_logprobs=o.prompt_logprobs.chosen,
+                   prompt_top_ids=o.prompt_logprobs.top_ids, prompt_top_logprobs=o.prompt_logprobs.top_lps)
+    return row
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
+from gpu_worker.token_text import TokenText
 from shared import names
 from shared.fair_queue import OUTPUT_COST
 from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, pack_ids, queue_replica_wait, step_write
@@ -63,6 +64,8 @@ class JobState:
     written: int = 0  # tokens written to Redis (ids and completion_tokens)
     held_ids: bytearray = field(default_factory=bytearray)  # packed ids not written yet
     held_text: str = ""  # text released by the detokenizer, not written yet
+    logprob_bytes: int = 0  # length of the job's logprob entries written: where the next go
+    held_logprobs: list[list[Any]] = field(default_factory=list)  # entries of tokens not written yet
 
 
 class OutputLane:
@@ -75,6 +78,7 @@ class OutputLane:
         # call there is atomic, and a replayed step or finish is a no-op, so the order is enough
         self.cluster = isinstance(self.client, CLUSTER_TYPES)
         self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
+        self.token_text = TokenText(self.tokenizer)
         self.feedback = feedback
         self.interval = settings.stream_interval
         self.states: dict[str, JobState] = {}
@@ -95,7 +99,8 @@ class OutputLane:
         if job.resume_ids:
             detok.resume(list(job.resume_ids), job.emitted)
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
-                      job.prompt_tokens, job.tenant, job.weight, written=len(job.resume_ids))
+                      job.prompt_tokens, job.tenant, job.weight, written=len(job.resume_ids),
+                      logprob_bytes=job.logprob_bytes)
         self.states[job.job_id] = st
         if job.started:
             self.metrics.observe(QUEUE, time.time() - st.created_at)
@@ -123,6 +128,7 @@ class OutputLane:
         charges: dict[int, Charges] = defaultdict(dict)  # per partition, the new tokens per fair-queue tenant
         finishes: list[tuple[str, str, str, int]] = []
         done: list[str] = []
+        prompts: list[tuple[str, bytes]] = []  # (job, its prompt's logprobs document): written once
         wall = time.time()
         for row in rows:
             job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
@@ -150,6 +156,10 @@ class OutputLane:
                 st.held_ids += pack_ids(ids)
                 st.n_tokens += len(ids)
                 st.held_text += emit
+                if row["logprobs"] is not None:
+                    st.held_logprobs += self._entries(ids, row["logprobs"], row["top_ids"], row["top_logprobs"])
+            if row["prompt_logprobs"] is not None:
+                prompts.append((job_id, self._prompt_document(row)))
             if hit:
                 if reason is None:
                     self.feedback.put(Abort(job_id, FinishReason.stop))
@@ -159,15 +169,20 @@ class OutputLane:
             # Written now: the first token, the end, a fresh job's keys, else every `interval` tokens.
             if flags or reason is not None or st.n_tokens - st.written >= self.interval:
                 packed, tok_off = bytes(st.held_ids), st.written * 4
-                chunk, message, text_off = b"", b"", st.text_bytes
-                if st.held_text:
+                chunk, message, text_off, lp, lp_off = b"", b"", st.text_bytes, b"", st.logprob_bytes
+                if st.held_text or st.held_logprobs:
                     st.seq += 1
                     chunk = st.held_text.encode()
                     st.text_bytes += len(chunk)
-                    message = orjson.dumps({"seq": st.seq, "type": "token", "text": st.held_text})
-                if flags or packed or chunk:
+                    event: dict[str, Any] = {"seq": st.seq, "type": "token", "text": st.held_text}
+                    if st.held_logprobs:
+                        event["logprobs"] = st.held_logprobs
+                        lp = b"".join(orjson.dumps(e) + b"\n" for e in st.held_logprobs)
+                        st.logprob_bytes += len(lp)
+                    message = orjson.dumps(event)
+                if flags or packed or chunk or lp:
                     job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
-                                                    st.n_tokens)
+                                                    st.n_tokens, lp_off, lp)
                     p = names.job_partition(job_id)
                     keys, args = steps.setdefault(p, ([], []))
                     keys += job_keys
@@ -176,8 +191,8 @@ class OutputLane:
                     if st.tenant and new:
                         cost, served = charges[p].get(st.tenant, (0.0, 0))
                         charges[p][st.tenant] = (cost + new * OUTPUT_COST / st.weight, served + new)
-                st.written, st.held_ids, st.held_text = st.n_tokens, bytearray(), ""
-                st.fresh = st.fresh and not chunk and not packed
+                st.written, st.held_ids, st.held_text, st.held_logprobs = st.n_tokens, bytearray(), "", []
+                st.fresh = st.fresh and not chunk and not packed and not lp
             if reason is not None:
                 finishes.append((job_id, reason, row.get("error") or "", st.n_tokens))
                 done.append(job_id)
@@ -185,6 +200,8 @@ class OutputLane:
                 self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
                 self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
                 self.metrics.inc(f"{REQUEST_SUCCESS}:{reason}")
+        for job_id, document in prompts:  # before the step that carries the job's first token
+            pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
         for p, (keys, args) in steps.items():
             self.jobs.step(keys, args, pipe, charges.get(p))
         for job_id, reason, error, n_tokens in finishes:  # after the step: a job's last chunk precedes its end
@@ -194,6 +211,21 @@ class OutputLane:
             for node in {n.name: n for n in nodes}.values():
                 queue_replica_wait(pipe, node)
         return pipe, done
+
+    def _entries(self, ids: list[int], chosen: list[float], top_ids: list[list[int]],
+                 top_lps: list[list[float]]) -> list[list[Any]]:
+        """Per token [id, text, logprob, [[id, text, logprob] per alternative, most likely first]]."""
+        text = self.token_text
+        return [[t, text(t), lp, [[a, text(a), alp] for a, alp in zip(ai, al)]]
+                for t, lp, ai, al in zip(ids, chosen, top_ids, top_lps)]
+
+    def _prompt_document(self, row: dict[str, Any]) -> bytes:
+        """The prompt's text and its tokens' entries (the first token's logprob is null: nothing precedes it)."""
+        ids = row["prompt_ids"] or []
+        first = [[ids[0], self.token_text(ids[0]), None, []]] if ids else []
+        entries = first + self._entries(ids[1:], row["prompt_logprobs"], row["prompt_top_ids"],
+                                        row["prompt_top_logprobs"])
+        return orjson.dumps({"text": self.tokenizer.decode(ids, skip_special_tokens=False), "tokens": entries})
 
     def commit(self, pipe: Any, done: list[str]) -> None:
         results = call(self._replayable(pipe), log=log, name="output lane write")

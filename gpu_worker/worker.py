@@ -23,6 +23,7 @@ import time
 from multiprocessing.queues import Queue
 from queue import SimpleQueue
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from gpu_worker import output_lane
 from gpu_worker.admission import Admission
@@ -38,10 +39,13 @@ from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.lifecycle import name_thread, named
-from shared.model_config import checkpoint_dtype, model_context
+from shared.model_config import checkpoint_dtype, model_context, vocab_size
 from shared.redis_client import sync_client
 from shared.settings import Settings
 from shared.stream_consumer import StreamConsumer
+
+if TYPE_CHECKING:
+    from gpu_worker.grammar import GrammarLoader
 
 log = logging.getLogger("conveyor.inference")
 
@@ -87,11 +91,18 @@ class InferenceWorker:
         extra = max(2, settings.max_num_seqs // 8)
         self.ledger = EntryLedger(self.consumer, settings.max_num_seqs + extra, spare=extra)
         jobs = JobOps(self.client, settings.job_ttl_s)
-        admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane, self.stats)
+        admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane, self.stats,
+                              self._grammar_loader)
         self.reader = Reader(self.client, self.consumer, jobs, self.ledger, admission, settings.refresh_s,
                              self.stopping)
         self.control = ControlLane(self.client, self.inbox, self.closed)
         self.feedback = Feedback(self.from_lane, self.inbox, self.ledger)
+
+    def _grammar_loader(self) -> GrammarLoader:
+        from gpu_worker.grammar import GrammarLoader  # xgrammar loads only once a grammar arrives
+
+        path = self.settings.model_path
+        return GrammarLoader(path, self.client, vocab_size(path) or 0)
 
     def run(self) -> int:
         self.consumer.ensure_group()

@@ -67,10 +67,13 @@ def start_write(job_id: str, worker_id: str) -> Write:
 
 
 def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text_offset: int, chunk: bytes,
-               seq: int, message: bytes, n_tokens: int) -> Write:
-    """One job's part of a step call (step.lua): its 4 keys and 9 arguments. `flags`: FRESH | FIRST_TOKEN."""
-    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id)]
-    return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id)]
+               seq: int, message: bytes, n_tokens: int, logprobs_offset: int = 0, logprobs: bytes = b"") -> Write:
+    """One job's part of a step call (step.lua): its 5 keys and 11 arguments. `flags`: FRESH | FIRST_TOKEN;
+    `logprobs`: the chunk's tokens' logprob entries (lines of JSON) for a job that asked, at that offset."""
+    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id),
+            names.logprobs_key(job_id)]
+    return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id),
+                  logprobs_offset, logprobs]
 
 
 Charges = dict[str, tuple[float, int]]  # fair-queue tenant -> (charge on its virtual counter, tokens served)
@@ -205,15 +208,16 @@ class JobOps:
     def fail(self, job_id: str, error: str) -> FinishReply | None:
         return self.finish(job_id, FinishReason.error, error)
 
-    def resume_state(self, job_id: str) -> tuple[bytes, str, int]:
-        """What a job's earlier worker recorded: (packed token ids, text, seq of the last event). The
-        client must not decode responses (the ids are binary)."""
+    def resume_state(self, job_id: str) -> tuple[bytes, str, int, int]:
+        """What a job's earlier worker recorded: (packed token ids, text, seq of the last event, bytes of
+        logprob entries). The client must not decode responses (the ids are binary)."""
         pipe = self.client.pipeline(transaction=True)
         pipe.get(names.tokens_key(job_id))
         pipe.get(names.text_key(job_id))
         pipe.hget(names.job_key(job_id), "seq")
-        ids, saved, seq = pipe.execute()
-        return ids or b"", text(saved), int(seq or 0)
+        pipe.strlen(names.logprobs_key(job_id))
+        ids, saved, seq, lp_bytes = pipe.execute()
+        return ids or b"", text(saved), int(seq or 0), int(lp_bytes or 0)
 
 
 class AsyncJobOps:
@@ -249,14 +253,17 @@ class AsyncJobOps:
         return RequestCancelReply.parse(await scripts.REQUEST_CANCEL.acall(self.client, *request_cancel_write(job_id)))
 
     async def read(self, job_id: str) -> dict[str, str] | None:
-        """The job's record with its text so far, or None when there is no such job."""
+        """The job's record with its text so far (and its logprobs, when it asked), or None when there is no
+        such job."""
         pipe = self.client.pipeline(transaction=False)
         pipe.hgetall(names.job_key(job_id))
         pipe.get(names.text_key(job_id))
-        rec, text = await pipe.execute()
+        pipe.get(names.logprobs_key(job_id))
+        pipe.get(names.prompt_logprobs_key(job_id))
+        rec, text, logprobs, prompt_logprobs = await pipe.execute()
         if not rec:
             return None
-        return {**rec, "text": text or ""}
+        return {**rec, "text": text or "", "logprobs": logprobs or "", "prompt_logprobs": prompt_logprobs or ""}
 
 
 def queue_account(pipe: Any, job_id: str, usage_ttl_s: int) -> None:

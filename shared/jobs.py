@@ -13,6 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from shared.logprobs import chat_item, parse_lines, parse_prompt
+
 
 class JobStatus(str, Enum):
     queued = "queued"
@@ -56,6 +58,13 @@ class Job(BaseModel):
     first_token_at: float | None = None
     finished_at: float | None = None
     owner: str = Field("", exclude=True)  # the tenant that submitted it ('' when auth is off); never shown
+    # per generated token, when the request asked (`logprobs`/`top_logprobs`): {token, logprob, bytes, top_logprobs}
+    logprobs: list[dict[str, Any]] | None = None
+    # per prompt token, when asked (`prompt_logprobs`): the same, null for the first (nothing precedes it)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # the compact entries behind those, and the prompt's text (shared/logprobs.py), for the OpenAI routes
+    entries: list[Any] | None = Field(None, exclude=True)
+    prompt: tuple[str, list[Any]] | None = Field(None, exclude=True)
 
     @classmethod
     def from_record(cls, rec: dict[str, str]) -> Job:
@@ -65,7 +74,14 @@ class Job(BaseModel):
 
         prompt = int(rec.get("prompt_tokens") or 0)
         completion = int(rec.get("completion_tokens") or 0)
+        entries = parse_lines(rec["logprobs"]) if rec.get("logprobs") else None
+        prompt_doc = parse_prompt(rec["prompt_logprobs"]) if rec.get("prompt_logprobs") else None
         return cls(
+            logprobs=None if entries is None else [chat_item(e) for e in entries],
+            prompt_logprobs=None if prompt_doc is None else [
+                None if e[2] is None else chat_item(e) for e in prompt_doc[1]],
+            entries=entries,
+            prompt=prompt_doc,
             id=rec["id"],
             status=JobStatus(rec["status"]),
             model=rec.get("model", ""),

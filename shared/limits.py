@@ -34,6 +34,15 @@ MAX_URL_CHARS = 2048
 MAX_BODY_BYTES = 2 * 2**20  # a larger request body answers 413 before it is parsed
 PRIORITY_MIN, PRIORITY_MAX = -1000, 1000  # a job's priority within its tenant: lower runs first (vLLM's meaning)
 WEIGHT_MIN, WEIGHT_MAX = 0.01, 100.0  # a tenant's fair-share weight (shared/fair_queue.py)
+MAX_LOGPROBS = 20  # top alternatives per token (vLLM's limit; OpenAI's completions allow 5, chat 20)
+MAX_CHOICES = 8  # `n`: choices per prompt
+MAX_PROMPTS = 32  # prompts in one completions request; prompts x n at most MAX_PROMPT_JOBS
+MAX_PROMPT_JOBS = 64  # jobs one OpenAI request may become (each choice of each prompt is a job)
+MAX_PROMPT_TOKEN_IDS = 131_072  # a prompt given as token ids (MAX_PROMPT_CHARS bounds text prompts)
+MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
+PENALTY_MIN, PENALTY_MAX = -2.0, 2.0  # presence and frequency (OpenAI's range)
+REPETITION_PENALTY_MAX = 10.0  # multiplicative; 1 is off (vLLM's and transformers' definition)
+BIAS_MIN, BIAS_MAX = -100.0, 100.0  # logit_bias values (OpenAI's range)
 
 
 def clean_text(v: str) -> str:
@@ -78,6 +87,13 @@ TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=PENALTY_MIN, le=PENALTY_MAX, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False)]
+LogitBias = Annotated[dict[TokenId, Annotated[float, Field(ge=BIAS_MIN, le=BIAS_MAX, allow_inf_nan=False)]],
+                      Field(max_length=MAX_LOGIT_BIAS)]
+MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
+PromptTokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]
 WebhookUrl = Annotated[str, Field(max_length=MAX_URL_CHARS), AfterValidator(clean_text), AfterValidator(http_url)]
 
 

@@ -172,6 +172,22 @@ def text_key(job_id: str) -> str:
     return f"{_job_prefix(job_id)}:text:{job_id}"
 
 
+def logprobs_key(job_id: str) -> str:
+    """The generated tokens' logprobs so far, one JSON array per token, newline-terminated (jobs that ask)."""
+    return f"{_job_prefix(job_id)}:logprobs:{job_id}"
+
+
+def prompt_logprobs_key(job_id: str) -> str:
+    """The prompt tokens' logprobs (echo), one JSON document, written once."""
+    return f"{_job_prefix(job_id)}:plogprobs:{job_id}"
+
+
+def grammar_key(spec_key: str) -> str:
+    """A compiled grammar (xgrammar's serialized form), by the hash of its spec: the tokenizer pool writes it,
+    inference workers read it. One key per distinct grammar, with a TTL."""
+    return f"{PREFIX}:grammar:{spec_key}"
+
+
 def job_channel(job_id: str) -> str:
     return f"{_job_prefix(job_id)}:chan:{job_id}"
 

@@ -1,12 +1,12 @@
-"""OpenAI-compatible endpoints on the same job path. These jobs belong to their request:
-a client that disconnects cancels its generation."""
+"""OpenAI-compatible endpoints on the same job path: a job per choice per prompt (api/choices.py). These
+jobs belong to their request: a client that disconnects cancels its generations."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,16 +16,18 @@ from fastapi.responses import JSONResponse
 
 from api import sse
 from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
+from api.choices import Cutoff, admit_all, cancel_all, choice_requests, merged_events, wait_all
 from api.deps import RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, error_body
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
-from api.quota import Throughput, ThroughputDep, admit
+from api.quota import Throughput, ThroughputDep
 from api.relay import Relay
 from api.sse import EventStream
 from api.store import JobStore
-from api.streaming import Cut, DoneEvent, StatusEvent, TokenEvent, job_events, sse_job_events
+from api.streaming import TokenEvent
 from api.validation import check_request
 from shared.jobs import Job, JobStatus
+from shared.logprobs import chat_item, completion_logprobs
 from shared.model_config import model_context
 from shared.settings import Settings
 
@@ -36,10 +38,6 @@ def _check_model(requested: str | None, settings: Settings) -> None:
     if requested and requested != settings.served_model_name:
         raise ApiError(404, f"the model '{requested}' does not exist; this server runs "
                             f"'{settings.served_model_name}'", type_="model_not_found", param="model")
-
-
-def _usage(job: Job) -> dict[str, int]:
-    return job.usage.model_dump()
 
 
 def _finish(job: Job) -> str | None:
@@ -62,118 +60,161 @@ async def models(settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     return {"object": "list", "data": [entry]}
 
 
-async def _wait_for_end(store: JobStore, relay: Relay, job_id: str, request: Request) -> Job:
-    async def consume() -> Job | None:
-        async for ev in job_events(store, relay, job_id):
-            if isinstance(ev, DoneEvent):
-                return ev.job
-        return None
+@dataclass
+class Shape:
+    """How one endpoint writes its choices: chat (`message`/`delta`, logprobs as `content` items) or
+    completions (`text`, legacy logprobs; with `echo` the prompt first)."""
 
-    task = asyncio.create_task(consume())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                job = task.result()
-                if job is None:
-                    raise ApiError(503, "the job expired before it ended")
-                return job
-            if await request.is_disconnected():
-                await store.cancel(job_id, wait_s=0)
-                raise ApiError(499, "client closed the request")
-    except asyncio.CancelledError:
-        await asyncio.shield(store.cancel(job_id, wait_s=0))
-        raise
-    finally:
-        task.cancel()
+    chat: bool
+    logprobs: bool  # the client asked for them
+    echo: bool
+    prompts: list[str | None]  # each job's prompt text when the client gave text (echo), else None
 
-
-Chunk = Callable[[Job, dict[str, Any], str, str | None], dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class ChunkFraming:
-    """OpenAI's stream: unnamed `data:` chunks (a role chunk first for chat), then the finish chunk, the
-    usage chunk when asked for, and `data: [DONE]`; a cut stream ends with an error object instead."""
-
-    job: Job
-    chunk: Chunk
-    role_chunk: bool
-    include_usage: bool
-
-    def opening(self) -> bytes | None:
-        if not self.role_chunk:
-            return None
-        return sse.encode(orjson.dumps(self.chunk(self.job, {"role": "assistant", "content": ""}, "", None)))
-
-    def token(self, ev: TokenEvent) -> bytes:
-        return sse.encode(orjson.dumps(self.chunk(self.job, {"content": ev.text}, ev.text, None)))
-
-    def status(self, ev: StatusEvent) -> None:
-        return None
-
-    def done(self, ev: DoneEvent) -> tuple[bytes, ...]:
-        end = ev.job
-        if end.status is JobStatus.failed:
-            err = _failure(end)
-            frames: list[dict[str, Any]] = [error_body(err.status, err.message, err.type)]
+    def choice(self, i: int, end: Job) -> dict[str, Any]:
+        if self.chat:
+            lp = {"content": [chat_item(e) for e in end.entries or []]} if self.logprobs else None
+            return {"index": i, "message": {"role": "assistant", "content": end.text}, "logprobs": lp,
+                    "finish_reason": _finish(end)}
+        head, entries = self._head(i, end), end.entries or []
+        if self.echo and self.logprobs and end.prompt is not None:
+            lp = completion_logprobs(end.prompt[1] + entries)
         else:
-            frames = [self.chunk(self.job, {}, "", _finish(end))]
-            if self.include_usage:
-                frames.append({**self.chunk(self.job, {}, "", None), "choices": [], "usage": _usage(end)})
-        return (*(sse.encode(orjson.dumps(f)) for f in frames), sse.encode("[DONE]"))
+            lp = completion_logprobs(entries, len(head)) if self.logprobs else None
+        return {"index": i, "text": head + end.text, "logprobs": lp, "finish_reason": _finish(end)}
 
-    def cut(self, why: Cut) -> bytes | None:
-        """A stream cut short cannot resume elsewhere: an error object, without `[DONE]`; a store failure propagates."""
-        if why is Cut.STORE_DOWN:
-            return None
-        return sse.encode(orjson.dumps(error_body(503, "the server is shutting down; the generation was cancelled")))
+    def _head(self, i: int, end: Job) -> str:
+        """The echoed prompt: as the client sent it, or decoded from its token ids."""
+        if not self.echo:
+            return ""
+        given = self.prompts[i]
+        if given is not None:
+            return given
+        return end.prompt[0] if end.prompt is not None else ""
+
+    def delta(self, i: int, text: str, entries: list[Any] | None, offset: int) -> dict[str, Any]:
+        if self.chat:
+            lp = {"content": [chat_item(e) for e in entries or []]} if self.logprobs else None
+            return {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+        lp = completion_logprobs(entries or [], offset) if self.logprobs else None
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
+
+
+def _usage_of(ends: list[Job], n: int) -> dict[str, int]:
+    """Each prompt's tokens once (its n choices share it), every choice's completion tokens."""
+    prompt = sum(e.usage.prompt_tokens for e in ends[::n])
+    completion = sum(e.usage.completion_tokens for e in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
                  relay: Relay, settings: Settings, caller: Caller, throughput: Throughput, chat: bool) -> Any:
-    """Both endpoints: one job, streamed as chunks or awaited; only the response shapes differ."""
+    """Both endpoints: a job per choice per prompt, streamed as chunks or awaited; only the shapes differ."""
     _check_model(body.model, settings)
-    gen = check_request(body.to_generation(), settings)
+    prompts = [check_request(g, settings) for g in body.to_generation()]
+    runs = choice_requests(prompts, body.n)
+    echo = bool(getattr(body, "echo", False))
+    logprobs = bool(body.logprobs is not None and body.logprobs is not False)
+    shape = Shape(chat, logprobs, echo, [r.prompt for r in runs])
     redis = request.app.state.redis
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(redis, caller, slot):
         raise stream_refused(caller)
     try:
-        job, _, limits = await admit(store, throughput, settings, caller, gen)
+        jobs, limits = await admit_all(store, throughput, settings, caller, runs)
     except BaseException:
         if body.stream:
             await release_stream_slot(redis, caller, slot)
         raise
     created = int(time.time())
-    cid = ("chatcmpl-" if chat else "cmpl-") + job.id.removeprefix("job_")
+    cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id.removeprefix("job_")
     obj = "chat.completion" if chat else "text_completion"
-
-    def chunk(j: Job, delta: dict[str, Any], text: str, finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta} if chat else {"index": 0, "text": text}
-        return {"id": cid, "object": f"{obj}.chunk" if chat else obj, "created": created, "model": j.model,
-                "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
-
+    head = {"id": cid, "object": f"{obj}.chunk" if chat else obj, "created": created, "model": jobs[0].model}
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        framing = ChunkFraming(job, chunk, role_chunk=chat, include_usage=usage)
+        frames = _stream(store, relay, jobs, shape, head, body.n, usage)
 
-        async def close(reached_done: bool) -> None:
-            if not reached_done:  # the client went away mid-stream: free the engine slot
-                await store.cancel(job.id, wait_s=0)
+        async def close() -> None:
+            await cancel_all(store, [j for j in jobs if j.id not in finished])
             await release_stream_slot(redis, caller, slot)
 
-        return EventStream(sse_job_events(store, relay, job.id, framing, on_close=close), settings.sse_ping_s, limits)
-    end = await _wait_for_end(store, relay, job.id, request)
-    if end.status is JobStatus.failed:
-        raise _failure(end)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": end.text}} if chat
-              else {"index": 0, "text": end.text})
-    out = {"id": cid, "object": obj, "created": created, "model": end.model,
-           "choices": [{**choice, "logprobs": None, "finish_reason": _finish(end)}], "usage": _usage(end)}
+        finished: set[str] = set()
+        return EventStream(_closing(frames, finished, close), settings.sse_ping_s, limits)
+    ends = await wait_all(store, relay, jobs, request)
+    failed = next((e for e in ends if e.status is JobStatus.failed), None)
+    if failed is not None:
+        raise _failure(failed)
+    out = {"id": cid, "object": obj, "created": created, "model": ends[0].model,
+           "choices": [shape.choice(i, e) for i, e in enumerate(ends)], "usage": _usage_of(ends, body.n)}
     if chat:
         out["system_fingerprint"] = None
     return JSONResponse(out, headers=limits)
+
+
+async def _closing(frames: AsyncIterator[tuple[bytes, str | None]], finished: set[str],
+                   close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The frames; `close` runs, shielded, however the stream ends (the client gone included): it cancels
+    the jobs that did not end, freeing their engine slots."""
+    try:
+        async for frame, ended in frames:
+            if ended:
+                finished.add(ended)
+            yield frame
+    finally:
+        await asyncio.shield(close())
+
+
+async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, head: dict[str, Any], n: int,
+                  include_usage: bool) -> AsyncIterator[tuple[bytes, str | None]]:
+    """OpenAI's stream: unnamed `data:` chunks (for chat a role chunk per choice first), each choice's
+    finish chunk, the usage chunk when asked for, and `data: [DONE]`. A choice that fails or is cut
+    short ends the stream with an error object instead, without `[DONE]`. Yields (frame, job id ended)."""
+    def frame(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse.encode(orjson.dumps({**head, "choices": choices, **extra}))
+
+    if shape.chat:
+        for i in range(len(jobs)):
+            yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}]), None
+    offsets = [0] * len(jobs)  # completions: each choice's text so far, for text_offset
+    started = [False] * len(jobs)
+    ends: list[Job | None] = [None] * len(jobs)
+    async for i, ev in merged_events(store, relay, jobs):
+        if isinstance(ev, Cutoff):
+            if ev.error is not None:
+                raise ev.error
+            yield sse.encode(orjson.dumps(error_body(503, "the server is shutting down; the generation was "
+                                                          "cancelled"))), None
+            return
+        if not started[i] and shape.echo and not shape.chat:  # the prompt first
+            started[i] = True
+            echoed = await _echo_chunk(store, jobs[i].id, shape, i)
+            if echoed is not None:
+                offsets[i] += len(echoed["text"])
+                yield frame([echoed]), None
+        if isinstance(ev, TokenEvent):
+            yield frame([shape.delta(i, ev.text, ev.logprobs, offsets[i])]), None
+            offsets[i] += len(ev.text)
+            continue
+        end = ev.job
+        if end.status is JobStatus.failed:
+            err = _failure(end)
+            yield sse.encode(orjson.dumps(error_body(err.status, err.message, err.type))), end.id
+            return
+        ends[i] = end
+        yield frame([{"index": i, **({"delta": {}} if shape.chat else {"text": ""}), "logprobs": None,
+                      "finish_reason": _finish(end)}]), end.id
+    if include_usage:
+        yield frame([], usage=_usage_of([e for e in ends if e is not None], n)), None
+    yield sse.encode("[DONE]"), None
+
+
+async def _echo_chunk(store: JobStore, job_id: str, shape: Shape, i: int) -> dict[str, Any] | None:
+    job = await store.get(job_id)
+    if job is None:
+        return None
+    text = shape._head(i, job)
+    lp = completion_logprobs(job.prompt[1]) if shape.logprobs and job.prompt is not None else None
+    return {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
 
 
 @router.post("/chat/completions", response_model=None)

@@ -58,8 +58,8 @@ class BlockManager:
     def _matches(self, seq: Sequence) -> list[int]:
         """Registered blocks holding the longest prefix of the sequence's tokens. The block with the
         last token is never taken: that token is computed, to get the logits to sample from."""
-        if not self.prefix_caching:
-            return []
+        if not self.prefix_caching or (seq.prompt_lp is not None and len(seq.prompt_lp) < seq.num_prompt - 1):
+            return []  # its prompt's logprobs are wanted (echo): every prompt position is computed
         bs, ids = self.block_size, seq.token_ids
         found: list[int] = []
         h = 0

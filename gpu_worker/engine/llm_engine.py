@@ -52,6 +52,12 @@ class LLMEngine:
             self._pending.append(StepOutput(req.id, finish_reason="error", error=problem))
             return
         seq = Sequence(req)
+        if req.grammar_kind:
+            try:
+                seq.grammar = self._grammar(req)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._pending.append(StepOutput(req.id, finish_reason="error", error=f"the grammar failed: {exc}"))
+                return
         if req.resume_ids and self._finish_reason(seq, req.resume_ids[-1]) == "stop":
             self._pending.append(StepOutput(req.id, finish_reason="stop"))
             return
@@ -60,6 +66,17 @@ class LLMEngine:
             return
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
+
+    @staticmethod
+    def _grammar(req: Request) -> object:
+        """The request's grammar matcher, caught up with the tokens it already generated (a resumed job)."""
+        from gpu_worker.engine.grammar import GrammarState  # xgrammar loads only once a grammar arrives
+
+        if req.compiled_grammar is None:
+            raise ValueError("the request's grammar was not compiled")
+        state = GrammarState(req.compiled_grammar)
+        state.replay(req.resume_ids)
+        return state
 
     def _check(self, req: Request) -> str | None:
         """What would make this request fail a whole step, caught before it joins one."""
@@ -75,6 +92,11 @@ class LLMEngine:
             return "top_p must be in (0, 1]"
         if req.top_k < 0 or req.max_tokens < 1:
             return "top_k must be >= 0 and max_tokens >= 1"
+        if any(t < 0 for t in req.bias_ids) or len(req.bias_ids) != len(req.bias_values):
+            return "logit_bias must map token ids to values"
+        if not all(math.isfinite(v) for v in (req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
+                                              *req.bias_values)) or req.repetition_penalty <= 0:
+            return "penalties and logit_bias values must be finite, repetition_penalty > 0"
         return None
 
     def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
@@ -150,9 +172,16 @@ class LLMEngine:
             if i in sampled.errors:
                 outputs.append(self._fail(seq, sampled.errors[i]))
                 continue
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                outputs.append(self._fail(seq, f"the grammar refused token {token}"))
+                continue
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
-            outputs.append(StepOutput(seq.id, [token], reason))
+            out = StepOutput(seq.id, [token], reason, logprobs=sampled.logprobs[i] if sampled.logprobs else None)
+            if seq.prompt_lp is not None:  # the prompt completed this step: its logprobs go with the first token
+                out.prompt_ids, out.prompt_logprobs = list(seq.req.prompt_ids), seq.prompt_lp
+                seq.prompt_lp = None
+            outputs.append(out)
             if reason is not None:
                 self.seqs.pop(seq.id, None)
                 self.scheduler.remove(seq)
@@ -166,6 +195,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         req = seq.req
         if token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.is_terminated():  # the output is complete: nothing may follow
             return "stop"
         if seq.num_generated >= req.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

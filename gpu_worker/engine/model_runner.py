@@ -11,7 +11,7 @@ from gpu_worker.engine.device import DTYPES, resolve_device, resolve_dtype
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.models import AttentionMetadata, Llama, PrefillChunk
 from gpu_worker.engine.protocol import EngineConfig
-from gpu_worker.engine.sampler import Sampler
+from gpu_worker.engine.sampler import Sampler, token_logprobs
 from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.step import Sampled, StepBatch
 
@@ -81,7 +81,7 @@ class ModelRunner:
         self._head_offsets = (torch.arange(self.model.kv_heads, device=self.device)[None, :, None]
                               * (self.cache.num_blocks * self.block_size))
         self._pin = self.device.type == "cuda"
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
 
     def _allocate_cache(self, config: EngineConfig) -> KVCache:
         """The KV pool: the budget's worth of blocks, at most enough for `max_num_seqs` contexts of
@@ -99,8 +99,9 @@ class ModelRunner:
         """Compute the scheduled tokens, and sample a token for every sequence that reaches its end
         this step: the decode rows first, then completed chunks, in order."""
         inputs = self.prepare(batch)
-        logits = self.run_model(inputs)
-        return Sampled(inputs.sampled, *self.sampler(logits, inputs.sampled))
+        h = self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache)
+        self._prompt_logprobs(batch, inputs, h)
+        return Sampled(inputs.sampled, *self.sampler(self._logits(h, inputs.sample_rows), inputs.sampled))
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """The batch's token ids, positions, cache slots and attention metadata, on the device."""
@@ -114,13 +115,30 @@ class ModelRunner:
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Logits (in the model's dtype) of the rows to sample. Call under torch.inference_mode (`run` does)."""
-        h = self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache)
-        rows = inputs.sample_rows
+        return self._logits(self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache),
+                            inputs.sample_rows)
+
+    def _logits(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if not rows:
             return torch.empty(0, self.vocab_size)
         if len(rows) < h.shape[0]:  # a pure decode step samples every row, in order
             h = h.index_select(0, self._to_device(rows))
         return self.model.compute_logits(h)  # the sampler upcasts only the rows it samples
+
+    def _prompt_logprobs(self, batch: StepBatch, inputs: StepInputs, h: torch.Tensor) -> None:
+        """For sequences that want their prompt's logprobs (echo): each chunk's rows give the logprobs of
+        the prompt tokens that follow them (the last prompt token's row is the first sampled one instead).
+        A chunk computed again (after preemption) adds nothing: its entries are already there."""
+        for (s, n), chunk in zip(batch.chunks, inputs.attn.chunks):
+            p = s.num_computed
+            if s.prompt_lp is None or len(s.prompt_lp) != p:
+                continue
+            m = min(p + n, s.num_prompt - 1) - p  # rows p .. p+m-1 predict prompt tokens p+1 .. p+m
+            if m <= 0:
+                continue
+            logits = self.model.compute_logits(h[chunk.offset : chunk.offset + m])
+            for one in token_logprobs(logits, s.token_ids[p + 1 : p + 1 + m], [s.req.prompt_logprobs] * m):
+                s.prompt_lp.extend(one)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         t = torch.tensor(values, dtype=torch.long)

@@ -9,6 +9,10 @@ takes a new block at each block boundary. When none is free, the newest running 
 preempted (its blocks freed) and later recomputed from its prompt plus the tokens it had produced,
 much of it usually from the prefix cache.
 
+A waiting sequence whose prompt shares full blocks with one still being prefilled (another choice of the
+same prompt, a long common system prompt) waits until those are computed and takes them from the prefix
+cache, rather than computing them twice side by side; the others behind it go on being admitted.
+
 Fair share (shared/fair_queue.py decides which jobs reach an engine) also needs a slot for a newcomer:
 when every slot runs and a waiting sequence's tenant runs nothing here, the newest sequence of the tenant
 running the most (if it runs two or more) is preempted, and the newcomer goes first, unless a running
@@ -117,12 +121,16 @@ class Scheduler:
                 chunks.append((s, n))
                 budget -= n
 
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._fits_ever(seq):
                 self.waiting.popleft()
                 seq.status = SeqStatus.FINISHED
                 rejected.append(seq)
+                continue
+            if self._prefix_pending(seq):
+                deferred.append(self.waiting.popleft())
                 continue
             if not self.blocks.allocate(seq):
                 break
@@ -135,4 +143,23 @@ class Scheduler:
             else:
                 chunks.append((seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return StepBatch(decode=decode, chunks=chunks), rejected
+
+    def _prefix_pending(self, seq: Sequence) -> bool:
+        """Whether a running sequence is computing, and has not yet cached, full blocks this one would take
+        from the prefix cache (the same prompt's other choices, a shared long system prompt): it then waits
+        a step or more and takes them cached rather than computing them a second time beside it."""
+        if not self.blocks.prefix_caching or seq.prompt_lp is not None:
+            return False
+        bs, ids = self.blocks.block_size, seq.token_ids
+        for r in self.running:
+            if r.num_computed >= r.num_tokens - 1:
+                continue  # decoding: whatever it shares is cached already
+            shared = 0
+            limit = min(len(ids) - 1, r.num_tokens) // bs  # its last token's block is never taken from the cache
+            while shared < limit and ids[shared * bs : (shared + 1) * bs] == r.token_ids[shared * bs:(shared + 1) * bs]:
+                shared += 1
+            if shared > r.num_computed // bs:
+                return True
+        return False

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
+from gpu_worker.engine.step import Logprobs
 from shared.schemas import Request
 
 __all__ = ["Request", "SeqStatus", "Sequence"]
@@ -26,6 +28,10 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks registered in (or served by) the prefix cache
         self.last_block_hash = 0
         self.status = SeqStatus.WAITING
+        # the prompt's logprobs as its chunks are computed (echo), from its second token on; not again for
+        # a resumed job (its first worker reported them)
+        self.prompt_lp: Logprobs | None = Logprobs() if req.prompt_logprobs >= 0 and not req.resume_ids else None
+        self.grammar: Any = None  # its grammar's matcher (gpu_worker/engine/grammar.py), when it has one
 
     @property
     def num_tokens(self) -> int:

@@ -4,8 +4,10 @@ synthetic engine and the worker's lanes can use these without importing the mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from gpu_worker.engine.sequence import Sequence
+if TYPE_CHECKING:
+    from gpu_worker.engine.sequence import Sequence
 
 
 @dataclass
@@ -20,17 +22,37 @@ class StepBatch:
 
 
 @dataclass
+class Logprobs:
+    """Logprobs of a run of tokens: per token, the chosen token's and its top alternatives' (ids and
+    logprobs, most likely first; none when the request asked for 0)."""
+    chosen: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_lps: list[list[float]] = field(default_factory=list)
+
+    def extend(self, other: Logprobs) -> None:
+        self.chosen += other.chosen
+        self.top_ids += other.top_ids
+        self.top_lps += other.top_lps
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+
+@dataclass
 class Sampled:
-    """What a step sampled: a token for each sequence that reached its end, in order, and the rows
-    that could not be sampled (their index in `seqs`), with why."""
+    """What a step sampled: a token for each sequence that reached its end, in order, the rows
+    that could not be sampled (their index in `seqs`), with why, and each row's logprobs (None for
+    rows that did not ask)."""
     seqs: list[Sequence] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
+    logprobs: list[Logprobs | None] = field(default_factory=list)
 
     def extend(self, other: Sampled) -> None:
         self.errors.update({len(self.seqs) + i: why for i, why in other.errors.items()})
         self.seqs += other.seqs
         self.tokens += other.tokens
+        self.logprobs += other.logprobs
 
 
 @dataclass
@@ -40,3 +62,6 @@ class StepOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | cancelled | error
     error: str | None = None
+    logprobs: Logprobs | None = None  # of token_ids, when the request asked
+    prompt_ids: list[int] | None = None  # the prompt and its tokens' logprobs (from the second token on),
+    prompt_logprobs: Logprobs | None = None  # once, when the request asked (echo)

@@ -61,9 +61,11 @@ def test_max_completion_tokens_and_length(oai: openai.OpenAI) -> None:
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": True}, {"presence_penalty": 0.5},
-                                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-                                   {"response_format": {"type": "json_object"}}])
+@pytest.mark.parametrize("extra", [
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+    {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "[0-9]+"}},
+    {"top_logprobs": 3}])
 def test_unsupported_options_are_refused(oai: openai.OpenAI, extra: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, **extra)

@@ -93,7 +93,7 @@ def test_a_replayed_step_is_reported_not_raised(raw: redis.Redis) -> None:
     assert [e for e, _ in raw.xrange(names.events_key("j1"))] == [b"0-1", b"0-2"]
     assert raw.hget(names.job_key("j1"), "seq") == b"2"  # the replay did not wind it back
     assert raw.get(names.text_key("j1")) == b"Hi"
-    assert ops.resume_state("j1") == (b"\x01\x00\x00\x00", "Hi", 2)
+    assert ops.resume_state("j1") == (b"\x01\x00\x00\x00", "Hi", 2, 0)
     assert 0 < raw.ttl(names.tokens_key("j1")) <= 60
 
 

@@ -19,6 +19,7 @@ import redis
 from pydantic import ValidationError
 
 from shared import fair_queue, names
+from shared.grammar import GrammarError
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.model_config import model_context
@@ -27,6 +28,7 @@ from shared.retry import run_loop
 from shared.schemas import GenerationRequest, Request, requests_batch, to_ipc
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
+from workers.tokenizer.grammar import GrammarCompiler
 from workers.tokenizer.prompt import PromptBuilder, PromptError
 
 log = logging.getLogger("conveyor.tokenizer")
@@ -47,6 +49,7 @@ class TokenizerWorker:
         self.context = model_context(settings.model_path, settings.max_model_len)
         self.stop_event = threading.Event()
         self.counters = {"processed": 0, "failed": 0, "batches": 0}
+        self._compiler: GrammarCompiler | None = None
         self.next_claim = 0.0
 
     def run(self) -> None:
@@ -59,6 +62,8 @@ class TokenizerWorker:
             run_loop(self.step, self.stop_event, log, "tokenizer", on_outage=self.consumer.note_outage)
         finally:
             hb.stop()
+            if self._compiler is not None:
+                self._compiler.close()
             log.info("tokenizer worker %s stopped", self.worker_id)
 
     def step(self) -> None:
@@ -105,7 +110,7 @@ class TokenizerWorker:
         partition's fair queue. A job that cannot be tokenized fails alone, with its reason; nothing a
         request holds can stop this loop."""
         accepted: list[tuple[str, GenerationRequest]] = []
-        prompts: list[str] = []
+        prompts: list[str | None] = []  # None: given as token ids
         job_ids = [_field(e.fields, "job_id") for e in entries]
         pipe = self.client.pipeline(transaction=False)
         for job_id in job_ids:
@@ -116,9 +121,14 @@ class TokenizerWorker:
                 continue  # cancelled, expired or already taken further: nothing to do
             try:
                 req = GenerationRequest.model_validate_json(_field(entry.fields, "request") or "")
-                prompt = self.prompts.render(req)
+                prompt = None if req.prompt_token_ids is not None else self.prompts.render(req)
+                if req.grammar is not None:
+                    self._grammars().prepare(req.grammar.spec)
             except (ValidationError, PromptError) as exc:
                 self._fail(job_id, f"invalid request: {exc}")
+                continue
+            except GrammarError as exc:
+                self._fail(job_id, f"invalid grammar: {exc}")
                 continue
             except Exception as exc:  # noqa: BLE001 - one job's failure is that job's alone
                 log.exception("job %s could not be prepared", job_id)
@@ -126,7 +136,9 @@ class TokenizerWorker:
                 continue
             accepted.append((job_id, req))
             prompts.append(prompt)
-        ids = self._encode(prompts, [req.prompt is not None for _, req in accepted]) if accepted else []
+        texts = [(p, req.prompt is not None) for p, (_, req) in zip(prompts, accepted) if p is not None]
+        encoded = iter(self._encode([t for t, _ in texts], [raw for _, raw in texts]) if texts else [])
+        ids = [req.prompt_token_ids if p is None else next(encoded) for p, (_, req) in zip(prompts, accepted)]
         requests = [req.tokenized(job_id, prompt_ids) for (job_id, req), prompt_ids in zip(accepted, ids)
                     if self._fits(job_id, prompt_ids, req.max_tokens)]
         batch = self._record_batch(requests)
@@ -140,6 +152,12 @@ class TokenizerWorker:
                         self.settings.fair_share)
         self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
+
+    def _grammars(self) -> GrammarCompiler:
+        """The grammar compiler (workers/tokenizer/grammar.py), made when the first grammar arrives."""
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.settings.model_path, self.client, self.settings.job_ttl_s)
+        return self._compiler
 
     def _encode(self, texts: list[str], raw: list[bool]) -> list[list[int] | None]:
         """Token ids per text; when the batch call fails, text by text, failing the culprits (None)."""

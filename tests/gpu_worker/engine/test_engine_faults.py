@@ -119,5 +119,5 @@ def test_sampler_reports_bad_rows_instead_of_raising() -> None:
     logits[1, 7] = float("nan")
     logits[2, 0] = float("inf")
     seqs = [Sequence(Request(f"s{i}", [1], temperature=0.8, seed=i)) for i in range(3)]
-    tokens, errors = Sampler()(logits, seqs)
+    tokens, errors, _ = Sampler()(logits, seqs)
     assert set(errors) == {1, 2} and 0 <= tokens[0] < 50

@@ -27,7 +27,7 @@ def _freq(tokens: list[int], vocab: int) -> torch.Tensor:
 def test_draws_follow_softmax_of_logits_over_temperature() -> None:
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     for temp in (1.0, 0.5, 2.0):
-        tokens, errors = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, temperature=temp))
+        tokens, errors, _ = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, temperature=temp))
         assert not errors
         expected = torch.softmax(logits.double() / temp, dim=0)
         assert (_freq(tokens, 6) - expected).abs().max() < 0.03, (temp, _freq(tokens, 6), expected)
@@ -35,7 +35,7 @@ def test_draws_follow_softmax_of_logits_over_temperature() -> None:
 
 def test_top_k_keeps_only_the_k_most_likely_in_proportion() -> None:
     logits = torch.tensor([0.0, 3.0, 1.0, 2.0, 2.5, -1.0])
-    tokens, _ = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, top_k=3))
+    tokens, _, _ = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, top_k=3))
     f = _freq(tokens, 6)
     assert set(torch.nonzero(f).flatten().tolist()) == {1, 3, 4}
     expected = torch.softmax(torch.tensor([3.0, 2.0, 2.5], dtype=torch.float64), dim=0)
@@ -44,7 +44,7 @@ def test_top_k_keeps_only_the_k_most_likely_in_proportion() -> None:
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     probs = torch.tensor([0.1, 0.5, 0.1, 0.3])
-    tokens, _ = Sampler()(probs.log().repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.7))
+    tokens, _, _ = Sampler()(probs.log().repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.7))
     f = _freq(tokens, 4)  # 0.5 + 0.3 reaches 0.7: tokens 1 and 3, renormalised
     assert f[0] == 0 and f[2] == 0
     assert abs(f[1] - 0.625) < 0.03 and abs(f[3] - 0.375) < 0.03
@@ -54,7 +54,7 @@ def test_top_p_over_a_flat_vocabulary_reaches_past_its_first_candidates() -> Non
     vocab = 3000  # nearly flat: the nucleus holds most of the vocabulary, far more than 512 candidates
     logits = torch.zeros(vocab)
     logits[-500:] = -30.0  # these 500 together hold ~0 mass: never in a 0.95 nucleus
-    tokens, _ = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.95))
+    tokens, _, _ = Sampler()(logits.repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.95))
     drawn = set(tokens)
     assert len(drawn) > 1000 and max(drawn) < vocab - 500
 
@@ -63,7 +63,7 @@ def test_large_vocabulary_draws_land_on_the_likely_tokens_only() -> None:
     vocab = 1000  # not a multiple of the sampler's block: the padding is never drawn
     logits = torch.full((vocab,), float("-inf"))
     logits[[3, 510, 999]] = torch.tensor([0.0, 1.0, 2.0])
-    tokens, errors = Sampler()(torch.nan_to_num(logits, neginf=-1e4).repeat(DRAWS, 1), _seqs(DRAWS))
+    tokens, errors, _ = Sampler()(torch.nan_to_num(logits, neginf=-1e4).repeat(DRAWS, 1), _seqs(DRAWS))
     assert not errors and set(tokens) == {3, 510, 999}
     expected = torch.softmax(torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64), dim=0)
     assert (_freq(tokens, vocab)[[3, 510, 999]] - expected).abs().max() < 0.03
@@ -75,11 +75,11 @@ def test_a_row_draws_the_same_token_alone_or_in_any_batch() -> None:
     mixed = [Sequence(Request(f"m{i}", [1], seed=100 + i, temperature=t, top_k=k, top_p=p))
              for i, (t, k, p) in enumerate([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 40, 1.0), (0.9, 0, 0.9),
                                             (1.2, 100, 0.8), (0.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 5, 0.5)])]
-    together, _ = Sampler()(logits, mixed)
+    together, _, _ = Sampler()(logits, mixed)
     alone = [Sampler()(logits[i : i + 1], [s])[0][0] for i, s in enumerate(mixed)]
     assert together == alone
     assert together[0] == int(logits[0].argmax()) and together[5] == int(logits[5].argmax())
-    reversed_, _ = Sampler()(logits.flip(0), mixed[::-1])
+    reversed_, _, _ = Sampler()(logits.flip(0), mixed[::-1])
     assert reversed_[::-1] == together
 
 
@@ -106,7 +106,7 @@ def test_half_precision_logits_sample_as_their_float32_upcast() -> None:
 def test_large_finite_float16_logits_are_not_mistaken_for_non_finite() -> None:
     logits = torch.full((2, 5000), 60000.0, dtype=torch.float16)  # each finite; their sum is not in float16
     logits[1, 3] = float("nan")
-    tokens, errors = Sampler()(logits, _seqs(2, temperature=0.0))
+    tokens, errors, _ = Sampler()(logits, _seqs(2, temperature=0.0))
     assert set(errors) == {1} and 0 <= tokens[0] < 5000
 
 
@@ -123,7 +123,7 @@ def test_any_accepted_sampling_settings_give_a_token_of_the_vocabulary(rows: lis
         seq = Sequence(accepted.tokenized(f"f{i}", [1]))  # the door's floors applied, as in the service
         seq.token_ids += [1] * index  # the index-th generated token
         seqs.append(seq)
-    tokens, errors = Sampler()(logits, seqs)
+    tokens, errors, _ = Sampler()(logits, seqs)
     assert not errors and all(0 <= tok < 700 for tok in tokens)
     for tok, row, (_, p, _, _, _) in zip(tokens, logits, rows):
         if p == 0.001:

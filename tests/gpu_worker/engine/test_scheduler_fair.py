@@ -14,7 +14,8 @@ SLOTS = 4
 
 
 def _seq(name: str, tenant: str, max_tokens: int = 256) -> Sequence:
-    return Sequence(Request(name, [1, 2, 3, 4, 5], max_tokens=max_tokens, tenant=tenant))
+    # distinct prompts: identical ones would wait for each other's prefill (the prefix cache's sharing)
+    return Sequence(Request(name, [ord(c) for c in name] + [1, 2, 3], max_tokens=max_tokens, tenant=tenant))
 
 
 def _run_step(sched: Scheduler) -> list[str]:

@@ -1,0 +1,124 @@
+"""An OpenAI request's choices: each choice of each prompt is a job of its own on the one job path
+(`n` choices of `p` prompts are n x p jobs, index = prompt * n + choice). They are admitted together
+(a refusal withdraws those already admitted), awaited together, and streamed as one merged stream;
+a client that goes away cancels them all. Identical prompts share their prefill through the engine's
+prefix cache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from redis.exceptions import RedisError
+
+from api.auth import Caller
+from api.errors import ApiError
+from api.quota import Throughput, admit
+from api.relay import Relay
+from api.store import JobStore
+from api.streaming import DoneEvent, Event, StatusEvent, job_events
+from shared.jobs import Job
+from shared.limits import SEED_MAX
+from shared.schemas import GenerationRequest
+from shared.settings import Settings
+
+
+def choice_requests(prompts: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """Each prompt's request n times; a given seed becomes seed + choice, so every choice has its own
+    seeded stream (without one, each job draws its own)."""
+    out = []
+    for req in prompts:
+        for i in range(n):
+            seed = None if req.seed is None else (req.seed + i) % (SEED_MAX + 1)
+            out.append(req if i == 0 else req.model_copy(update={"seed": seed}))
+    return out
+
+
+async def admit_all(store: JobStore, throughput: Throughput, settings: Settings, caller: Caller,
+                    requests: list[GenerationRequest]) -> tuple[list[Job], dict[str, str]]:
+    """Admit every choice's job, or none: a refusal cancels those already admitted and is raised."""
+    jobs: list[Job] = []
+    limits: dict[str, str] = {}
+    try:
+        for req in requests:
+            job, _, limits = await admit(store, throughput, settings, caller, req)
+            jobs.append(job)
+    except BaseException:
+        await asyncio.shield(cancel_all(store, jobs))
+        raise
+    return jobs, limits
+
+
+async def cancel_all(store: JobStore, jobs: list[Job]) -> None:
+    for job in jobs:
+        try:
+            await store.cancel(job.id, wait_s=0)
+        except RedisError:
+            pass  # it ends by itself; its slot frees at its max_tokens
+
+
+async def wait_all(store: JobStore, relay: Relay, jobs: list[Job], request: Request) -> list[Job]:
+    """Every job's end, in order; the client going away cancels them all (499)."""
+    async def end_of(job_id: str) -> Job | None:
+        async for ev in job_events(store, relay, job_id):
+            if isinstance(ev, DoneEvent):
+                return ev.job
+        return None
+
+    tasks = [asyncio.create_task(end_of(j.id)) for j in jobs]
+    try:
+        while True:
+            _, pending = await asyncio.wait(tasks, timeout=0.25)
+            if not pending:
+                break
+            if await request.is_disconnected():
+                await cancel_all(store, jobs)
+                raise ApiError(499, "client closed the request")
+        ends = [t.result() for t in tasks]
+        if any(e is None for e in ends):
+            raise ApiError(503, "the job expired before it ended")
+        return ends  # type: ignore[return-value]
+    except asyncio.CancelledError:
+        await asyncio.shield(cancel_all(store, jobs))
+        raise
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@dataclass
+class Cutoff:
+    """A choice's stream ended before its job did (the server stopping, the job expiring, Redis down)."""
+    error: RedisError | None = None
+
+
+async def merged_events(store: JobStore, relay: Relay, jobs: list[Job]) -> AsyncIterator[tuple[int, Event | Cutoff]]:
+    """Every job's events as (index, event), interleaved as they come; a job's stream ends with its
+    DoneEvent, or a Cutoff when it is cut short."""
+    queue: asyncio.Queue[tuple[int, Event | Cutoff]] = asyncio.Queue(maxsize=1024)
+
+    async def pump(i: int, job_id: str) -> None:
+        try:
+            async for ev in job_events(store, relay, job_id):
+                if isinstance(ev, StatusEvent):
+                    continue
+                await queue.put((i, ev))
+                if isinstance(ev, DoneEvent):
+                    return
+            await queue.put((i, Cutoff()))
+        except RedisError as exc:
+            await queue.put((i, Cutoff(exc)))
+
+    tasks = [asyncio.create_task(pump(i, j.id)) for i, j in enumerate(jobs)]
+    try:
+        open_ = len(jobs)
+        while open_:
+            i, ev = await queue.get()
+            if isinstance(ev, (DoneEvent, Cutoff)):
+                open_ -= 1
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
