@@ -48,12 +48,15 @@ COMPILE_BUDGET_MS = 1000  # the estimated compile time a spec may need (the wors
 # the cost model (estimated ms on a 2-core CPU, vocabulary 49,152), measured: see the module's docstring
 _SATURATION = 256  # repetitions beyond this cost no more
 _WIDE, _MEDIUM = 129, 17  # a set of at least this many characters is wide, medium (fewer: narrow)
-_MS_PER_REPEAT = {"wide": 10.0, "medium": 2.0, "narrow": 0.25}
+_MS_PER_REPEAT = {"wide": 12.0, "medium": 2.5, "narrow": 0.5}
+_MS_PER_WIDE_ATOM = 5.0  # a wide set outside any repetition (`...........`), when next to others
+_MS_PER_STATE_SQ = 1.8e-3  # and the grammar's bounded states together: 10 distinct [0-9]-like {1,128} take 2.7 s
 _MS_PER_ARRAY_BOUND_SQ = 1 / 40  # maxItems n costs ~min(n, 128)^2 / 40 ms
 _ARRAY_SATURATION = 128
 _LITERAL_SQ_PER_MS = 25_000  # alternatives' literals cost sum(len^2) / 25,000 ms
 _MS_PER = {"property": 3.0, "branch": 2.0, "integer range": 10.0, "number range": 15.0, "format": 75.0,
            "multipleOf": 5.0, "base": 5.0}
+_RANGE_STATES = {"integer range": 10, "number range": 15}  # a range's digits, as bounded states
 
 # schema keywords xgrammar does not enforce (it ignores them, or, for `contains`, allows only an empty array):
 # refused, rather than returning output that fails the client's own validation
@@ -235,6 +238,7 @@ class _Cost:
         self.ms = _MS_PER["base"]
         self.parts: dict[str, float] = {}
         self.seen: set[Any] = set()  # identical constructs compile once (xgrammar shares them)
+        self.states = 0  # bounded repetitions' states (each count up to _SATURATION), ranges' digits
 
     def add(self, ms: float, what: str, key: Any = None) -> None:
         if ms <= 0 or (key is not None and key in self.seen):
@@ -246,9 +250,13 @@ class _Cost:
 
     def repeat(self, width: int, count: int, what: str, key: Any) -> None:
         rate = _MS_PER_REPEAT["wide" if width >= _WIDE else "medium" if width >= _MEDIUM else "narrow"]
+        if key not in self.seen:
+            self.states += min(count, _SATURATION)
         self.add(rate * min(count, _SATURATION), what, key)
 
     def settle(self) -> None:
+        """Add the cost that grows with the square of the bounded states; refuse a spec over the budget."""
+        self.add(_MS_PER_STATE_SQ * self.states * self.states, "many bounded repetitions together")
         if self.ms <= COMPILE_BUDGET_MS:
             return
         top = sorted(self.parts.items(), key=lambda kv: -kv[1])[:3]
@@ -362,6 +370,7 @@ def _schema_costs(node: dict[str, Any], cost: _Cost, at: str) -> None:
     ranged = any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
     if ranged:
         kind = "integer range" if node.get("type") == "integer" else "number range"
+        cost.states += _RANGE_STATES[kind]
         cost.add(_MS_PER[kind], f"{kind}s")
     if "multipleOf" in node:
         cost.add(_MS_PER["multipleOf"], "multipleOf")
@@ -400,13 +409,14 @@ def _check_regex(rx: str, cost: _Cost, what: str) -> None:
         raise GrammarError(f"{what} names a group ((?P<name>...)), which structured output does not support: "
                            "use (?:...) or (...)")
     try:
-        _walk_regex(parsed, cost, what)
+        _walk_regex(parsed, cost, what, False)
     except RecursionError:
         raise GrammarError(f"{what} nests too deep") from None
 
 
-def _walk_regex(items: Any, cost: _Cost, what: str) -> int:
-    """Check a parsed pattern's items and add their cost; the width (characters) of its widest atom."""
+def _walk_regex(items: Any, cost: _Cost, what: str, repeated: bool) -> int:
+    """Check a parsed pattern's items and add their cost (an atom inside a repetition is the repetition's); the
+    width (characters) of its widest atom."""
     width = 0
     for op, av in items:
         if op in _UNSUPPORTED_OPS:
@@ -423,7 +433,7 @@ def _walk_regex(items: Any, cost: _Cost, what: str) -> int:
             w = _set_width(av)
         elif op in _REPEATS:
             lo, hi, sub = av
-            w = _walk_regex(sub, cost, what)
+            w = _walk_regex(sub, cost, what, True)
             count = lo if hi == sre.MAXREPEAT else hi
             if count > MAX_REPEAT:
                 raise GrammarError(f"{what} repeats {count} times; at most {MAX_REPEAT}")
@@ -433,15 +443,17 @@ def _walk_regex(items: Any, cost: _Cost, what: str) -> int:
             _, add_flags, del_flags, sub = av
             if add_flags or del_flags:
                 raise GrammarError(f"{what} sets flags (such as (?i:...)), which structured output does not support")
-            w = _walk_regex(sub, cost, what)
+            w = _walk_regex(sub, cost, what, repeated)
         elif op is sre.BRANCH:
             w = 0
             for alt in av[1]:
-                w = max(w, _walk_regex(alt, cost, what))
+                w = max(w, _walk_regex(alt, cost, what, repeated))
                 n = sum(1 for o, _ in alt if o is sre.LITERAL)
                 cost.add(n * n / _LITERAL_SQ_PER_MS, f"long alternatives in {what}")
         else:
             w = _WIDE  # anything else Python parses: counted as wide, to be safe
+        if w >= _WIDE and not repeated and op in (sre.NOT_LITERAL, sre.ANY, sre.IN):
+            cost.add(_MS_PER_WIDE_ATOM, f"wide character sets in {what}")
         width = max(width, w)
     return width
 

@@ -55,7 +55,7 @@ class SamplingParams(BaseModel):
     min_tokens: MinTokens = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     presence_penalty: Penalty = 0.0  # subtracted once from the logit of every token the output holds
     frequency_penalty: Penalty = 0.0  # subtracted per occurrence in the output
-    repetition_penalty: RepetitionPenalty = 1.0  # divides positive logits of prompt and output tokens, multiplies others
+    repetition_penalty: RepetitionPenalty = 1.0  # over prompt and output tokens: positive logits /, others *
     logit_bias: LogitBias = Field(default_factory=dict)  # token id -> added to its logit
     logprobs: bool = False  # each generated token's logprob (the model's log-softmax, before any sampling control)
     top_logprobs: Logprobs = 0  # and this many most likely alternatives per token (implies logprobs)
