@@ -41,6 +41,17 @@ def check_request(req: GenerationRequest, settings: Settings) -> GenerationReque
     return req
 
 
+def _vocab_bound(schema: dict[str, Any], vocab: int) -> None:
+    """Every integer item (token id) anywhere in this property's schema: at most vocab - 1."""
+    if schema.get("type") == "integer":
+        schema["maximum"] = vocab - 1
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key, []):
+            _vocab_bound(sub, vocab)
+    if isinstance(schema.get("items"), dict):
+        _vocab_bound(schema["items"], vocab)
+
+
 def _not_null(prop: dict[str, Any]) -> dict[str, Any]:
     """The non-null part of a property that may also be null (the property itself otherwise)."""
     for branch in prop.get("anyOf", []):
@@ -64,6 +75,9 @@ def document_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any
                 _not_null(props["top_k"])["maximum"] = vocab
             if "stop_token_ids" in props:
                 _not_null(props["stop_token_ids"])["items"]["maximum"] = vocab - 1
+            for field in ("prompt_token_ids", "prompt"):  # token ids: below the vocabulary
+                for branch in [props[field]] if field in props else []:
+                    _vocab_bound(branch, vocab)
     _document_openai(comps, settings)
     job = comps.get("GenerationRequest")
     if job:

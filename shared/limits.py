@@ -41,7 +41,7 @@ MAX_PROMPT_JOBS = 64  # jobs one OpenAI request may become (each choice of each 
 MAX_PROMPT_TOKEN_IDS = 131_072  # a prompt given as token ids (MAX_PROMPT_CHARS bounds text prompts)
 MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 PENALTY_MIN, PENALTY_MAX = -2.0, 2.0  # presence and frequency (OpenAI's range)
-REPETITION_PENALTY_MAX = 10.0  # multiplicative; 1 is off (vLLM's and transformers' definition)
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 10.0  # multiplicative; 1 is off (vLLM's definition)
 BIAS_MIN, BIAS_MAX = -100.0, 100.0  # logit_bias values (OpenAI's range)
 
 
@@ -89,7 +89,7 @@ Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=PENALTY_MIN, le=PENALTY_MAX, allow_inf_nan=False)]
-RepetitionPenalty = Annotated[float, Field(gt=0.0, le=REPETITION_PENALTY_MAX, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(ge=REPETITION_PENALTY_MIN, le=REPETITION_PENALTY_MAX, allow_inf_nan=False)]
 LogitBias = Annotated[dict[TokenId, Annotated[float, Field(ge=BIAS_MIN, le=BIAS_MAX, allow_inf_nan=False)]],
                       Field(max_length=MAX_LOGIT_BIAS)]
 MinTokens = Annotated[int, Field(ge=0, le=INT32_MAX)]
