@@ -50,6 +50,7 @@ class QuickRuns:
                 "gemm_shapes": ["bench.gemm_shapes", "--quick"],
                 "sampler": ["bench.sampler", "--quick"],
                 "tokenizer": ["bench.tokenizer", "--quick"],
+                "per_token": ["bench.per_token", "--quick", "--model", tiny],
                 "compile_layers": ["bench.compile_layers", "--quick", "--model", tiny],
             },
         }
@@ -198,6 +199,11 @@ def test_fairness(runs: QuickRuns) -> None:
     assert "| light TTFT p50 under the flood, s |" in out and "| heavy throughput, tok/s |" in out
     [run] = json.loads((runs.tmp / "fairness.json").read_text())["runs"]
     assert run["mode"] == "fair" and run["failed"] == 0 and run["heavy_tok_s"] > 0, run
+
+
+def test_per_token(runs: QuickRuns) -> None:
+    out = runs.out("per_token")
+    assert "| json_schema |" in out and "| logprobs, top 5 |" in out and "schema compile: " in out
 
 
 def test_tokenizer(runs: QuickRuns) -> None:
