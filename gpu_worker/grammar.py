@@ -1,44 +1,87 @@
-"""Compiled grammars for the inference worker's admission (its reader thread, not the engine loop): the
-tokenizer pool compiled each distinct grammar and stored it in Redis (workers/tokenizer/grammar.py); here it
-is read and deserialized (~1 ms), kept in a small LRU, and compiled locally only if the stored copy expired."""
+"""Compiled grammars for the inference worker's admission (its reader thread, not the engine loop).
+
+The tokenizer pool compiled each distinct grammar and stored it in Redis (workers/tokenizer/grammar.py); here it
+is read and deserialized (~20 ms for a typical 0.5 MB schema), kept in a bounded LRU by its spec's hash, and
+compiled here only when the stored copy is gone (expired, or written by another xgrammar version). That spec
+passed the door's checks and compiled in time once already; xgrammar releases the GIL while it compiles, so
+the engine loop keeps stepping meanwhile.
+
+xgrammar (and the tokenizer's description it needs, ~1.3 s to build) loads when the first grammar arrives.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import OrderedDict
 from typing import Any
 
 import redis
-import xgrammar as xgr
-from transformers import AutoTokenizer
 
 from shared import names
-from shared.grammar import GrammarSpec, compile_with
+from shared.grammar import GrammarError, GrammarSpec, compile_with, tokenizer_info
 
-CACHED = 64  # compiled grammars held (~100 KiB-1 MiB each)
+log = logging.getLogger("conveyor.inference")
+
+CACHED = 64  # compiled grammars held (a typical one ~0.1-2 MB in memory)
+COMPILE_THREADS = 2  # a fallback compile shares the CPU with the engine loop
 
 
 class GrammarLoader:
-    def __init__(self, model_path: str, client: redis.Redis, vocab_size: int) -> None:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size or None)
-        self.client = client
+    def __init__(self, model_path: str, client: redis.Redis, vocab_size: int, capacity: int = CACHED) -> None:
+        self.model_path, self.client, self.capacity = model_path, client, capacity
+        self.vocab_size = vocab_size or None  # the model's logits' width (0: config.json's)
         self.cache: OrderedDict[str, Any] = OrderedDict()
-        self._compiler: xgr.GrammarCompiler | None = None
+        self.loaded = self.compiled = 0  # how each grammar not in the cache was made (from Redis, compiled here)
+        self._lock = threading.Lock()
+        self._info: Any = None
+        self._compiler: Any = None
 
-    def load(self, key: str, spec: GrammarSpec) -> Any:
-        compiled = self.cache.get(key)
-        if compiled is not None:
-            self.cache.move_to_end(key)
+    def load(self, spec_key: str, spec: GrammarSpec) -> Any:
+        """The spec's xgrammar CompiledGrammar; GrammarError when it can be neither loaded nor compiled."""
+        with self._lock:
+            compiled = self.cache.get(spec_key)
+            if compiled is not None:
+                self.cache.move_to_end(spec_key)
+                return compiled
+            compiled = self._fetch(spec_key)
+            if compiled is None:
+                compiled = self._compile(spec)
+            self.cache[spec_key] = compiled
+            while len(self.cache) > self.capacity:
+                self.cache.popitem(last=False)
             return compiled
-        data = self.client.get(names.grammar_key(key))
-        if data:
+
+    def _fetch(self, spec_key: str) -> Any:
+        """The stored copy, deserialized; None when there is none that this xgrammar can read."""
+        import xgrammar as xgr
+
+        data = self.client.get(names.grammar_key(spec_key))
+        if not data:
+            return None
+        try:
             compiled = xgr.CompiledGrammar.deserialize_json(data.decode() if isinstance(data, bytes) else data,
-                                                            self.info)
-        else:  # expired since the tokenizer pool compiled it: the spec passed its checks there, compile here
-            if self._compiler is None:
-                self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
-            compiled = compile_with(self._compiler, spec)
-        self.cache[key] = compiled
-        if len(self.cache) > CACHED:
-            self.cache.popitem(last=False)
+                                                            self.info())
+        except (xgr.DeserializeVersionError, xgr.DeserializeFormatError, xgr.InvalidJSONError) as exc:
+            log.warning("grammar %s: the stored copy does not load (%s): compiling it here", spec_key[:12], exc)
+            return None
+        self.loaded += 1
         return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            self._compiler = xgr.GrammarCompiler(self.info(), max_threads=COMPILE_THREADS)
+        try:
+            compiled = compile_with(self._compiler, spec)
+        except (RuntimeError, ValueError) as exc:
+            raise GrammarError(f"the grammar does not compile: {str(exc).strip().splitlines()[0]}") from None
+        self.compiled += 1
+        return compiled
+
+    def info(self) -> Any:
+        """xgrammar's TokenizerInfo for this model (built once, as the tokenizer pool builds it)."""
+        if self._info is None:
+            self._info = tokenizer_info(self.model_path, self.vocab_size)
+        return self._info

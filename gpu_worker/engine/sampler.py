@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.engine.logprobs import Logprobs
 from gpu_worker.engine.sequence import Sequence
-from gpu_worker.engine.step import Logprobs
 
 _MIX = 0x9E3779B97F4A7C15
 _U53 = float(1 << 53)
@@ -171,7 +171,8 @@ def shape_logits(x: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
         r, t, v = zip(*bias)
         x.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
                      torch.tensor(v, dtype=x.dtype, device=dev), accumulate=True)
-    barred = [(j, t) for j, s in enumerate(seqs) if s.num_generated < s.req.min_tokens
+    # (a grammar decides on its own when EOS may come: barring it too could leave a row no token at all)
+    barred = [(j, t) for j, s in enumerate(seqs) if s.num_generated < s.req.min_tokens and s.grammar is None
               for t in {*s.req.stop_token_ids, *([] if s.req.ignore_eos else eos_token_ids)} if t < vocab]
     if barred:
         r, t = zip(*barred)

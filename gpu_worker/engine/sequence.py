@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from gpu_worker.engine.step import Logprobs
+from gpu_worker.engine.logprobs import Logprobs
 from shared.schemas import Request
 
 __all__ = ["Request", "SeqStatus", "Sequence"]

@@ -4,10 +4,9 @@ synthetic engine and the worker's lanes can use these without importing the mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.logprobs import Logprobs
+from gpu_worker.engine.sequence import Sequence
 
 
 @dataclass
@@ -19,23 +18,6 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.chunks)
-
-
-@dataclass
-class Logprobs:
-    """Logprobs of a run of tokens: per token, the chosen token's and its top alternatives' (ids and
-    logprobs, most likely first; none when the request asked for 0)."""
-    chosen: list[float] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_lps: list[list[float]] = field(default_factory=list)
-
-    def extend(self, other: Logprobs) -> None:
-        self.chosen += other.chosen
-        self.top_ids += other.top_ids
-        self.top_lps += other.top_lps
-
-    def __len__(self) -> int:
-        return len(self.chosen)
 
 
 @dataclass
