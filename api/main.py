@@ -14,7 +14,7 @@ from api.auth import KeyCache
 from api.guard import RequestGuard
 from api.quota import Throughput
 from api.relay import Relay
-from api.routes import health, jobs, openai
+from api.routes import health, jobs, openai, responses
 from api.store import JobStore
 from api.validation import document_bounds
 from shared.limits import MAX_BODY_BYTES
@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)
 

@@ -150,10 +150,12 @@ def queue_full(reply: SubmitReply, cap: int, throughput: Throughput) -> tuple[Su
 
 
 async def admit(store: JobStore, throughput: Throughput, settings: Settings, caller: Caller, req: GenerationRequest,
-                idempotency_key: str | None = None) -> tuple[Job, bool, dict[str, str]]:
-    """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError."""
+                idempotency_key: str | None = None, fields: dict[str, str] | None = None
+                ) -> tuple[Job, bool, dict[str, str]]:
+    """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError. `fields`
+    go into the job's record (JobStore.submit)."""
     cap = partition_cap(throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s))
-    got = await store.submit(req, idempotency_key, caller.owner, cap)
+    got = await store.submit(req, idempotency_key, caller.owner, cap, fields)
     reply = got.reply
     if got.job is None:
         if reply.code is SubmitCode.replay:

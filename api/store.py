@@ -48,7 +48,7 @@ class JobStore:
         self._depths_lock = asyncio.Lock()
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, owner: str = "",
-                     max_waiting: int = 0) -> Admission:
+                     max_waiting: int = 0, fields: dict[str, str] | None = None) -> Admission:
         """Admit, store and enqueue a job in one round trip (submit.lua): an idempotent replay, the
         tenant's limits and the queue cap are checked first; a refusal stores nothing. `max_waiting` caps
         the depth of the job's partition (0: no cap): the service-wide cap's share, `partition_cap`."""
@@ -58,6 +58,7 @@ class JobStore:
         record = new_record(job_id, self.settings.served_model_name, request_json)
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
+        record.update(fields or {})  # what another API stores with the job (a response's input, api/responses.py)
         prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
         prompt_tokens = len(req.prompt_token_ids or []) + math.ceil(prompt_chars / CHARS_PER_TOKEN)
         reply = await self.jobs.submit(
@@ -85,6 +86,16 @@ class JobStore:
     async def get(self, job_id: str) -> Job | None:
         rec = await self.jobs.read(job_id)
         return Job.from_record(rec) if rec is not None else None
+
+    async def get_with(self, job_id: str, field: str) -> tuple[Job, str] | tuple[None, None]:
+        """The job and one more field of its record ('' when absent), or (None, None)."""
+        rec = await self.jobs.read(job_id)
+        return (Job.from_record(rec), rec.get(field) or "") if rec is not None else (None, None)
+
+    async def delete(self, job_id: str) -> None:
+        """Every key of an ended job (one partition: one slot)."""
+        await self.r.delete(names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
+                            names.text_key(job_id), names.logprobs_key(job_id), names.prompt_logprobs_key(job_id))
 
     async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
         """Returns (job, changed). changed is False when the job had already ended."""

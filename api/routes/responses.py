@@ -1,0 +1,190 @@
+"""OpenAI's Responses API (api/responses.py): create (waited for, streamed, or in the background), retrieve
+and resume its stream on any API process, cancel, delete, list its input items. A response that is neither
+background nor stored belongs to its connection: a client that goes away cancels it."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+
+from api import sse
+from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
+from api.choices import wait_all
+from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
+from api.errors import ApiError
+from api.quota import ThroughputDep, admit
+from api.relay import Relay
+from api.responses import (
+    HEAD,
+    ResponseRequest,
+    delta_event,
+    head_events,
+    job_id_of,
+    response_object,
+    tail_events,
+)
+from api.routes.openai import _check_model
+from api.sse import EventStream
+from api.store import JobStore
+from api.streaming import DoneEvent, TokenEvent, job_events
+from api.validation import check_request
+from shared.jobs import Job
+
+router = APIRouter(prefix="/v1/responses", tags=["responses"])
+
+
+def _not_found(resp_id: str) -> ApiError:
+    return ApiError(404, f"no response with id '{resp_id}'", param="response_id")
+
+
+async def _owned(store: JobStore, resp_id: str, caller: Caller) -> tuple[Job, dict[str, Any]]:
+    """The caller's stored response (its job and the Responses API's part of the record); anything else 404s."""
+    job_id = job_id_of(resp_id)
+    job, raw = await store.get_with(job_id, "response") if job_id else (None, None)
+    if job is None or not raw or not caller.owns(job):
+        raise _not_found(resp_id)
+    meta = orjson.loads(raw)
+    if not meta.get("store", True):
+        raise _not_found(resp_id)
+    return job, meta
+
+
+async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) -> list[dict[str, str]]:
+    """The earlier turns (from `previous_response_id`: its conversation and its answer), then this input."""
+    before: list[dict[str, str]] = []
+    if body.previous_response_id:
+        prev, meta = await _owned(store, body.previous_response_id, caller)
+        if not prev.ended:
+            raise ApiError(400, "the previous response has not finished", param="previous_response_id")
+        before = [*meta["conversation"], {"role": "assistant", "content": prev.text}]
+    return before + body.input_messages()
+
+
+@router.post("", response_model=None)
+async def create(body: ResponseRequest, request: Request, store: StoreDep, relay: RelayDep, settings: SettingsDep,
+                 caller: CallerDep, throughput: ThroughputDep, redis: RedisDep) -> Any:
+    """Create a response: answered when done, streamed (`stream`), or at once with status `queued` (`background`)."""
+    _check_model(body.model, settings)
+    body.check()
+    conversation = await _conversation(store, body, caller)
+    gen = check_request(body.generation(conversation), settings)
+    meta_json = body.meta(conversation)
+    slot = uuid.uuid4().hex
+    if body.stream and not await require_stream_slot(redis, caller, slot):
+        raise stream_refused(caller)
+    try:
+        job, _, limits = await admit(store, throughput, settings, caller, gen, fields={"response": meta_json})
+    except BaseException:
+        if body.stream:
+            await release_stream_slot(redis, caller, slot)
+        raise
+    meta = orjson.loads(meta_json)
+    if body.stream:
+        async def close(reached_end: bool) -> None:
+            if not reached_end and not body.background:  # it belongs to this connection
+                await store.cancel(job.id, wait_s=0)
+            await release_stream_slot(redis, caller, slot)
+
+        return EventStream(_events(store, relay, job, meta, -1, close), settings.sse_ping_s, limits)
+    if body.background:
+        return JSONResponse(response_object(job, meta), headers=limits)
+    [end] = await wait_all(store, relay, [job], request)
+    if not body.store:
+        await store.delete(job.id)
+    return JSONResponse(response_object(end, meta), headers=limits)
+
+
+@router.get("/{response_id}", response_model=None)
+async def retrieve(response_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep, caller: CallerDep,
+                   redis: RedisDep, stream: bool = False,
+                   starting_after: Annotated[int | None, Query(ge=-1)] = None) -> Any:
+    """The response as it stands; with `stream=true` its events after `starting_after` (a sequence number)."""
+    job, meta = await _owned(store, response_id, caller)
+    if not stream:
+        return response_object(job, meta)
+    slot = uuid.uuid4().hex
+    if not await require_stream_slot(redis, caller, slot):
+        raise stream_refused(caller)
+
+    async def release(_: bool) -> None:
+        await release_stream_slot(redis, caller, slot)
+
+    after = -1 if starting_after is None else starting_after
+    return EventStream(_events(store, relay, job, meta, after, release), settings.sse_ping_s)
+
+
+@router.post("/{response_id}/cancel", response_model=None)
+async def cancel(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
+    """Cancel a background response; cancelling one that has ended changes nothing (idempotent)."""
+    job, meta = await _owned(store, response_id, caller)
+    if not meta.get("background"):
+        raise ApiError(400, "only a background response can be cancelled", param="response_id")
+    if not job.ended:
+        ended, _ = await store.cancel(job.id)
+        job = ended or job
+    return response_object(job, meta)
+
+
+@router.delete("/{response_id}", response_model=None)
+async def delete(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
+    """Delete a stored response (one still running is cancelled first)."""
+    job, _ = await _owned(store, response_id, caller)
+    if not job.ended:
+        await store.cancel(job.id, wait_s=0)
+    await store.delete(job.id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.get("/{response_id}/input_items", response_model=None)
+async def input_items(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
+    """The response's input items, as messages."""
+    job, meta = await _owned(store, response_id, caller)
+    items = []
+    for i, item in enumerate(meta["input"]):
+        content = item.get("content")
+        if isinstance(content, str):
+            content = [{"type": "input_text", "text": content}]
+        items.append({"id": f"msg_{job.id.removeprefix('job_')}_{i}", "type": "message", "status": "completed",
+                      "role": item.get("role", "user"), "content": content})
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": False}
+
+
+async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any], after: int,
+                  on_close: Callable[[bool], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The response's events with sequence_number > after: the opening four, a delta per job token event,
+    the closing four. `on_close(reached_end)` runs, shielded, however the stream ends."""
+    def frame(seq: int, kind: str, data: dict[str, Any]) -> bytes:
+        return sse.encode(orjson.dumps({"type": kind, "sequence_number": seq, **data}), kind)
+
+    reached_end = False
+    try:
+        for seq, kind, data in head_events(job, meta):
+            if seq > after:
+                yield frame(seq, kind, data)
+        try:
+            async for ev in job_events(store, relay, job.id, max(0, after - (HEAD - 1))):
+                if isinstance(ev, TokenEvent):
+                    seq, kind, data = delta_event(job, ev.seq, ev.text)
+                    if seq > after:
+                        yield frame(seq, kind, data)
+                elif isinstance(ev, DoneEvent):
+                    for seq, kind, data in tail_events(ev.job, meta, ev.seq):
+                        if seq > after:
+                            yield frame(seq, kind, data)
+                    reached_end = True
+                    return
+            message = "the server is shutting down; resume with starting_after" if relay.stopping else \
+                "the response expired"
+        except RedisError:
+            message = "the response store is unavailable; resume with starting_after"
+        yield sse.encode(orjson.dumps({"type": "error", "code": "server_error", "message": message}), "error")
+    finally:
+        await asyncio.shield(on_close(reached_end))

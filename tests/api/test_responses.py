@@ -1,0 +1,112 @@
+"""The Responses API through the official openai SDK, against the running stack: create and retrieve, with and
+without background; a stream dropped and resumed with starting_after joins to output_text; cancel twice;
+delete; previous_response_id continues a conversation; input_items; structured output through text.format;
+another key sees 404 everywhere."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import iter_sse, until
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def oai(stack) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_create_and_retrieve(oai: openai.OpenAI) -> None:
+    r = oai.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+                             max_output_tokens=20, metadata={"run": "1"})
+    assert r.status == "completed" and "Paris" in r.output_text
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0 and r.metadata == {"run": "1"}
+    again = oai.responses.retrieve(r.id)
+    assert again.output_text == r.output_text and again.status == "completed"
+    items = oai.responses.input_items.list(r.id)
+    assert [i.role for i in items.data] == ["user"]
+    short = oai.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_background_poll_and_cancel_twice_then_delete(oai: openai.OpenAI) -> None:
+    r = oai.responses.create(model=MODEL, input="Count to one thousand.", background=True, max_output_tokens=900,
+                             extra_body={"ignore_eos": True})
+    assert r.status in ("queued", "in_progress")
+    until("in progress", lambda: oai.responses.retrieve(r.id).status == "in_progress", timeout=60)
+    first = oai.responses.cancel(r.id)
+    second = oai.responses.cancel(r.id)
+    assert first.status == second.status == "cancelled"
+    done = oai.responses.create(model=MODEL, input="Say hi.", background=True, max_output_tokens=8)
+    until("done", lambda: oai.responses.retrieve(done.id).status in ("completed", "incomplete"), timeout=60)
+    oai.responses.delete(done.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(done.id)
+
+
+def test_stream_dropped_and_resumed_joins_to_output_text(oai: openai.OpenAI, stack) -> None:  # type: ignore[no-untyped-def]
+    r = oai.responses.create(model=MODEL, input="Describe the sea in two sentences.", background=True,
+                             temperature=0, max_output_tokens=40)
+    deltas: list[str] = []
+    last = -1
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        with c.stream("GET", f"/v1/responses/{r.id}", params={"stream": "true"}) as resp:
+            for ev in iter_sse(resp):
+                data = json.loads(ev["data"])
+                last = data["sequence_number"]
+                if data["type"] == "response.output_text.delta":
+                    deltas.append(data["delta"])
+                if len(deltas) >= 3:
+                    break  # dropped mid-stream
+    seen: list[str] = []
+    stream = oai.responses.retrieve(r.id, stream=True, starting_after=last)
+    for ev in stream:
+        assert ev.sequence_number > last
+        seen.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        if ev.type == "response.completed":
+            final = ev.response
+    assert seen[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                         "response.completed"]
+    assert "".join(deltas) == final.output_text == oai.responses.retrieve(r.id).output_text
+
+
+def test_streamed_create_and_previous_response_id(oai: openai.OpenAI) -> None:
+    events = list(oai.responses.create(model=MODEL, input="My name is Ada. Remember it.", temperature=0,
+                                       max_output_tokens=20, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    first = events[-1].response
+    follow = oai.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                  temperature=0, max_output_tokens=20)
+    alone = oai.responses.create(model=MODEL, input="What is my name?", temperature=0, max_output_tokens=20)
+    assert follow.previous_response_id == first.id
+    # the earlier turn (its input and its answer) went into the prompt: the model's own recall is not tested
+    carried = follow.usage.input_tokens - alone.usage.input_tokens
+    assert carried >= first.usage.output_tokens + 5, (carried, first.usage)
+
+
+def test_text_format_json_schema(oai: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    r = oai.responses.create(model=MODEL, input="Name the capital of France as JSON.", max_output_tokens=40,
+                             text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    assert set(json.loads(r.output_text)) == {"city"}
+
+
+def test_store_false_is_not_kept_and_bad_requests(oai: openai.OpenAI) -> None:
+    r = oai.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(r.id)
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=MODEL, input="Hi", background=True, store=False)
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=MODEL, input=[{"type": "function_call_output", "call_id": "x", "output": "y"}])
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve("resp_nothing")
