@@ -242,6 +242,24 @@ def test_openai_sdk_with_a_real_key_and_ownership_of_its_ids(auth_stack: Stack) 
         openai.OpenAI(base_url=auth_stack.url + "/v1", api_key="cvk_nope", max_retries=0).models.list()
 
 
+def test_a_response_belongs_to_its_key(auth_stack: Stack) -> None:
+    """Another key gets 404 for every Responses route, as for a response that never existed."""
+    r = auth_stack.redis()
+    a, _ = tenants.create(r, "resp-a")
+    b, _ = tenants.create(r, "resp-b")
+    mine = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=a, max_retries=0)
+    theirs = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=b, max_retries=0)
+    model = mine.models.list().data[0].id
+    resp = mine.responses.create(model=model, input="Hi", background=True, max_output_tokens=4)
+    assert mine.responses.retrieve(resp.id).id == resp.id
+    for call in (lambda: theirs.responses.retrieve(resp.id), lambda: theirs.responses.cancel(resp.id),
+                 lambda: theirs.responses.delete(resp.id), lambda: theirs.responses.input_items.list(resp.id),
+                 lambda: theirs.responses.create(model=model, input="x", previous_response_id=resp.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert mine.responses.retrieve(resp.id).id == resp.id  # untouched
+
+
 def test_open_streams_per_key_are_capped(auth_stack: Stack) -> None:
     r = auth_stack.redis()
     key, _ = tenants.create(r, "streams", max_streams=1)
