@@ -43,3 +43,27 @@ def test_a_dropped_stream_cancels_its_job(plumbing_stack, oai: openai.OpenAI) ->
         job = until("the dropped stream's job to be cancelled",
                     lambda: (j := c.get(f"/v1/jobs/{job_id}").json())["status"] == "cancelled" and j, timeout=15)
         assert job["finish_reason"] == "cancelled" and job["usage"]["completion_tokens"] < 900
+
+
+def test_per_token_features_on_either_redis(oai: openai.OpenAI) -> None:
+    """Logprobs (and the prompt's, with echo over token ids), n choices, a grammar and a background response go
+    through every stage's keys on one node and on a cluster alike (the step script's logprobs key, the prompt's
+    logprobs, the compiled grammar's key)."""
+    model = _model(oai)
+    r = oai.completions.create(model=model, prompt=[[1, 2, 3, 4, 5], [6, 7, 8]], max_tokens=3, temperature=0,
+                               logprobs=2, echo=True, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    for c in r.choices:
+        lp = c.logprobs
+        assert lp.token_logprobs[0] is None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+        assert all(v <= 0 for v in lp.token_logprobs[1:])
+    streamed = [c for chunk in oai.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=1, stream=True) for c in chunk.choices if c.logprobs and c.logprobs.content]
+    assert streamed
+    choice = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Pick"}], max_tokens=8,
+                                         extra_body={"guided_choice": ["red", "blue"]})
+    assert choice.choices[0].message.content in ("red", "blue")
+    resp = oai.responses.create(model=model, input="Hi", background=True, max_output_tokens=4)
+    until("the response ends", lambda: oai.responses.retrieve(resp.id).status in ("completed", "incomplete"),
+          timeout=60)
