@@ -12,6 +12,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import error_body
+from api.files import MAX_FILE_BYTES as FILE_BYTES
 
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -52,9 +53,13 @@ class RequestGuard:
             await self._reply(send_with_id, 404, f"no route {path}")
             return
         length = headers.get(b"content-length")
+        cap = FILE_BYTES if path == "/v1/files" else self.max_body  # an upload is streamed to Redis, not held
+        if length is None and path == "/v1/files" and headers.get(b"transfer-encoding") is not None:
+            await self._reply(send_with_id, 411, "an upload needs a Content-Length")
+            return
         if length is not None:
-            if not length.isdigit() or int(length) > self.max_body:
-                await self._too_large(send_with_id, length.isdigit())
+            if not length.isdigit() or int(length) > cap:
+                await self._too_large(send_with_id, length.isdigit(), cap)
                 return
             await self.app(scope, receive, send_with_id)
             return
@@ -85,8 +90,8 @@ class RequestGuard:
 
         await self.app(scope, replay, send_with_id)
 
-    async def _too_large(self, send: Send, valid: bool) -> None:
-        await self._reply(send, 413 if valid else 400, f"the request body is larger than {self.max_body} bytes"
+    async def _too_large(self, send: Send, valid: bool, cap: int | None = None) -> None:
+        await self._reply(send, 413 if valid else 400, f"the request body is larger than {cap or self.max_body} bytes"
                           if valid else "Content-Length must be a number")
 
     async def _reply(self, send: Send, status: int, msg: str) -> None:

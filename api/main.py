@@ -11,10 +11,12 @@ from fastapi.openapi.utils import get_openapi
 
 from api import dashboard, errors, metrics
 from api.auth import KeyCache
+from api.batches import WINDOW_S, Batches
+from api.files import FileStore
 from api.guard import RequestGuard
 from api.quota import Throughput
 from api.relay import Relay
-from api.routes import health, jobs, openai, responses
+from api.routes import batches, health, jobs, openai, responses
 from api.store import JobStore
 from api.validation import document_bounds
 from shared.limits import MAX_BODY_BYTES
@@ -34,11 +36,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.relay = Relay(client, settings.sse_queue_size)
         app.state.keys = KeyCache(client)
         app.state.throughput = Throughput(client)
+        app.state.files = FileStore(client, settings.job_ttl_s + WINDOW_S)
+        app.state.batches = Batches(client, app.state.store, app.state.files, settings)
         await app.state.relay.start()
         app.state.throughput.start()
+        app.state.batches.start()
         try:
             yield
         finally:
+            await app.state.batches.stop()
             await app.state.throughput.stop()
             await app.state.relay.stop()
             await client.aclose()
@@ -52,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(openai.router)
     app.include_router(responses.router)
+    app.include_router(batches.router)
     app.include_router(metrics.router)
     app.include_router(dashboard.router)
 

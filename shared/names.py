@@ -188,6 +188,29 @@ def grammar_key(spec_key: str) -> str:
     return f"{PREFIX}:grammar:{spec_key}"
 
 
+def file_key(file_id: str, part: str) -> str:
+    """A file's `meta` (hash) and `data` (its bytes: a string, or for a batch's output a hash of lines)."""
+    return f"{PREFIX}:file:{{{file_id}}}:{part}"
+
+
+def files_index(owner: str) -> str:
+    """A tenant's files, by creation time ('' is the tenant of requests without a key)."""
+    return f"{PREFIX}:files:{owner or '_'}"
+
+
+def batch_key(batch_id: str, part: str = "") -> str:
+    """A batch's record, and its `lines` (index -> request), `inflight` (index -> job id), `out` and `err`
+    (index -> result line) hashes and its driver's `lease`: one slot, so its scripts touch one node."""
+    return f"{PREFIX}:batch:{{{batch_id}}}" + (f":{part}" if part else "")
+
+
+def batches_index(owner: str) -> str:
+    return f"{PREFIX}:batches:{owner or '_'}"
+
+
+BATCHES_ACTIVE = f"{PREFIX}:batches:active"  # batches a driver still has to advance
+
+
 def job_channel(job_id: str) -> str:
     return f"{_job_prefix(job_id)}:chan:{job_id}"
 

@@ -99,7 +99,7 @@ class Shape:
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
 
 
-def _usage_of(ends: list[Job], n: int) -> dict[str, int]:
+def usage_of(ends: list[Job], n: int) -> dict[str, int]:
     """Each prompt's tokens once (its n choices share it), every choice's completion tokens."""
     prompt = sum(e.usage.prompt_tokens for e in ends[::n])
     completion = sum(e.usage.completion_tokens for e in ends)
@@ -144,7 +144,7 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
     if failed is not None:
         raise _failure(failed)
     out = {"id": cid, "object": obj, "created": created, "model": ends[0].model,
-           "choices": [shape.choice(i, e) for i, e in enumerate(ends)], "usage": _usage_of(ends, body.n)}
+           "choices": [shape.choice(i, e) for i, e in enumerate(ends)], "usage": usage_of(ends, body.n)}
     if chat:
         out["system_fingerprint"] = None
     return JSONResponse(out, headers=limits)
@@ -204,7 +204,7 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
         yield frame([{"index": i, **({"delta": {}} if shape.chat else {"text": ""}), "logprobs": None,
                       "finish_reason": _finish(end)}]), end.id
     if include_usage:
-        yield frame([], usage=_usage_of([e for e in ends if e is not None], n)), None
+        yield frame([], usage=usage_of([e for e in ends if e is not None], n)), None
     yield sse.encode("[DONE]"), None
 
 

@@ -72,8 +72,9 @@ STREAM_OPEN = Script("stream_open")
 TAIL = Script("tail")
 FAIR_PUSH = Script("fair_push")
 FAIR_POP = Script("fair_pop")
+BATCH_RESULT = Script("batch_result")
 ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL, FAIR_PUSH,
-       FAIR_POP)
+       FAIR_POP, BATCH_RESULT)
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:

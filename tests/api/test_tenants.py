@@ -260,6 +260,30 @@ def test_a_response_belongs_to_its_key(auth_stack: Stack) -> None:
     assert mine.responses.retrieve(resp.id).id == resp.id  # untouched
 
 
+def test_files_and_batches_belong_to_their_key(auth_stack: Stack) -> None:
+    import io
+
+    r = auth_stack.redis()
+    a, _ = tenants.create(r, "batch-a")
+    b, _ = tenants.create(r, "batch-b")
+    mine = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=a, max_retries=0)
+    theirs = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=b, max_retries=0)
+    model = mine.models.list().data[0].id
+    line = {"custom_id": "x", "method": "POST", "url": "/v1/completions",
+            "body": {"model": model, "prompt": "Hi", "max_tokens": 2}}
+    f = mine.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode() + b"\n")), purpose="batch")
+    batch = mine.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    for call in (lambda: theirs.files.retrieve(f.id), lambda: theirs.files.content(f.id),
+                 lambda: theirs.files.delete(f.id), lambda: theirs.batches.retrieve(batch.id),
+                 lambda: theirs.batches.cancel(batch.id),
+                 lambda: theirs.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                               completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert [x.id for x in theirs.files.list().data] == [] and theirs.batches.list().data == []
+    assert mine.batches.retrieve(batch.id).id == batch.id
+
+
 def test_open_streams_per_key_are_capped(auth_stack: Stack) -> None:
     r = auth_stack.redis()
     key, _ = tenants.create(r, "streams", max_streams=1)

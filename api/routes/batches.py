@@ -1,0 +1,129 @@
+"""OpenAI's Files and Batch APIs (api/files.py, api/batches.py). Files and batches belong to the key that made
+them: every other key gets 404."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from api.auth import CallerDep
+from api.batches import Batches, batch_object
+from api.errors import ApiError
+from api.files import PURPOSES, FileStore, file_object
+from shared.limits import Name
+
+router = APIRouter(prefix="/v1", tags=["batches"])
+UPLOAD_CHUNK = 256 * 1024
+
+
+def _files(request: Request) -> FileStore:
+    return request.app.state.files  # type: ignore[no-any-return]
+
+
+def _batches(request: Request) -> Batches:
+    return request.app.state.batches  # type: ignore[no-any-return]
+
+
+def _no_file(file_id: str) -> ApiError:
+    return ApiError(404, f"no file with id '{file_id}'", param="file_id")
+
+
+@router.post("/files", response_model=None)
+async def upload(request: Request, caller: CallerDep, file: Annotated[UploadFile, File()],
+                 purpose: Annotated[str, Form()]) -> Any:
+    """Upload a JSONL file (`purpose=batch`); stored as it is read, never held whole."""
+    if purpose != "batch":
+        raise ApiError(400, "purpose must be 'batch'", param="purpose")
+
+    async def chunks() -> Any:
+        while chunk := await file.read(UPLOAD_CHUNK):
+            yield chunk
+
+    try:
+        return await _files(request).upload(caller.owner, purpose, file.filename or "upload.jsonl", chunks())
+    except ValueError as exc:
+        raise ApiError(413 if "larger" in str(exc) else 400, str(exc), param="file") from None
+
+
+@router.get("/files", response_model=None)
+async def list_files(request: Request, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+                     after: str | None = None, purpose: str | None = None) -> Any:
+    data, more = await _files(request).listing(caller.owner, limit, after)
+    if purpose in PURPOSES:
+        data = [f for f in data if f["purpose"] == purpose]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+@router.get("/files/{file_id}", response_model=None)
+async def get_file(file_id: str, request: Request, caller: CallerDep) -> Any:
+    meta = await _files(request).meta(file_id, caller.owner)
+    if meta is None:
+        raise _no_file(file_id)
+    return file_object(meta)
+
+
+@router.get("/files/{file_id}/content", response_model=None)
+async def file_content(file_id: str, request: Request, caller: CallerDep) -> Any:
+    files = _files(request)
+    meta = await files.meta(file_id, caller.owner)
+    if meta is None:
+        raise _no_file(file_id)
+    return StreamingResponse(files.content(meta), media_type="application/jsonl")
+
+
+@router.delete("/files/{file_id}", response_model=None)
+async def delete_file(file_id: str, request: Request, caller: CallerDep) -> Any:
+    files = _files(request)
+    meta = await files.meta(file_id, caller.owner)
+    if meta is None:
+        raise _no_file(file_id)
+    await files.delete(meta)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+class BatchRequest(BaseModel):
+    input_file_id: Name
+    endpoint: Name
+    completion_window: str = "24h"
+    metadata: Annotated[dict[Name, Name], Field(max_length=16)] | None = None
+
+
+def _no_batch(batch_id: str) -> ApiError:
+    return ApiError(404, f"no batch with id '{batch_id}'", param="batch_id")
+
+
+@router.post("/batches", response_model=None)
+async def create_batch(body: BatchRequest, request: Request, caller: CallerDep) -> Any:
+    """Check every line of the input file (a bad line goes to the error file) and start the rest."""
+    if body.completion_window != "24h":
+        raise ApiError(400, "completion_window must be '24h'", param="completion_window")
+    return await _batches(request).create(caller.owner, body.input_file_id, body.endpoint, body.metadata)
+
+
+@router.get("/batches/{batch_id}", response_model=None)
+async def get_batch(batch_id: str, request: Request, caller: CallerDep) -> Any:
+    rec = await _batches(request).get(batch_id, caller.owner)
+    if rec is None:
+        raise _no_batch(batch_id)
+    return batch_object(rec)
+
+
+@router.get("/batches", response_model=None)
+async def list_batches(request: Request, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                       after: str | None = None) -> Any:
+    data, more = await _batches(request).listing(caller.owner, limit, after)
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
+
+
+@router.post("/batches/{batch_id}/cancel", response_model=None)
+async def cancel_batch(batch_id: str, request: Request, caller: CallerDep) -> Any:
+    """Stop submitting lines and cancel those running; finished lines are kept."""
+    rec = await _batches(request).cancel(batch_id, caller.owner)
+    if rec is None:
+        raise _no_batch(batch_id)
+    return batch_object(rec)

@@ -1,0 +1,11 @@
+-- batch_result: record one batch line's result exactly once (a batch's driver, api/batches.py).
+-- KEYS: 1 the batch's record, 2 its `out` or `err` hash (index -> result line), 3 its `inflight` hash
+-- ARGV: 1 the line's index, 2 its result line (JSON), 3 the counter it adds to: completed or failed
+-- A result already recorded (a driver that died after this call and a new one doing it again) changes nothing.
+-- Returns 1 when recorded now, 0 when it already was.
+local set = redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[1])
+if set == 1 then
+  redis.call('HINCRBY', KEYS[1], ARGV[3], 1)
+end
+return set
