@@ -67,3 +67,20 @@ def test_per_token_features_on_either_redis(oai: openai.OpenAI) -> None:
     resp = oai.responses.create(model=model, input="Hi", background=True, max_output_tokens=4)
     until("the response ends", lambda: oai.responses.retrieve(resp.id).status in ("completed", "incomplete"),
           timeout=60)
+
+
+def test_a_small_batch_on_either_redis(oai: openai.OpenAI) -> None:
+    """A batch's keys (its record, lines, results, lease; its files) on one node and on a cluster alike."""
+    import io
+
+    model = _model(oai)
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"model": model, "input": f"Say {i}", "max_output_tokens": 3}} for i in range(5)]
+    f = oai.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                         purpose="batch")
+    batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    until("the batch completes", lambda: oai.batches.retrieve(batch.id).status == "completed", timeout=120,
+          every=0.2)
+    out = [json.loads(x) for x in oai.files.content(oai.batches.retrieve(batch.id).output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == [f"c{i}" for i in range(5)]
+    assert all(o["response"]["body"]["object"] == "response" for o in out)
