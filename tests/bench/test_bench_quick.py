@@ -63,6 +63,7 @@ class QuickRuns:
             "plumbing": py + ["bench.plumbing", "--quick", "--json", str(tmp / "plumbing.json")],
             "soak": py + ["bench.soak", "--quick", "--workdir", str(tmp / "soak"), "--csv", str(tmp / "soak.csv")],
             "redis_ops": py + ["bench.redis_ops", "--quick"],
+            "batch": py + ["bench.batch", "--quick", "--model", tiny],
             "fairness": py + ["bench.fairness", "--quick", "--model", tiny, "--modes", "fair", "--json",
                               str(tmp / "fairness.json")],
         }
@@ -199,6 +200,11 @@ def test_fairness(runs: QuickRuns) -> None:
     assert "| light TTFT p50 under the flood, s |" in out and "| heavy throughput, tok/s |" in out
     [run] = json.loads((runs.tmp / "fairness.json").read_text())["runs"]
     assert run["mode"] == "fair" and run["failed"] == 0 and run["heavy_tok_s"] > 0, run
+
+
+def test_batch(runs: QuickRuns) -> None:
+    out = runs.out("batch")
+    assert "| batch |" in out and "| interactive |" in out and "interactive TTFT p50/p95" in out
 
 
 def test_per_token(runs: QuickRuns) -> None:
