@@ -1,6 +1,6 @@
 """The Files and Batch APIs through the official openai SDK, against the running stack (tiny model): a batch
 with malformed lines runs the rest, its output and error files parse, counts and custom ids match; a batch
-cancelled midway keeps its finished lines; bounds answer the right 4xx; another key sees nothing."""
+cancelled midway keeps its finished lines; bounds answer the right 4xx (another key: tests/api/test_tenants.py)."""
 
 from __future__ import annotations
 
