@@ -35,7 +35,7 @@ from shared.settings import Settings
 log = logging.getLogger("conveyor.batches")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
-WINDOW = 32  # a batch's jobs in flight at once: enough to keep an engine's batch full, no flood of the queue
+WINDOW = 64  # a batch's jobs in flight at once: twice an engine's slots, so a freed slot finds one waiting
 LEASE_MS = 5000  # a driver that stops renewing (killed) hands the batch to another within this
 TICK_S = 0.25
 MAX_LINES = 50_000
