@@ -122,9 +122,31 @@ class Batches:
         batch_id = "batch_" + uuid.uuid4().hex
         lines_key, err_key = names.batch_key(batch_id, "lines"), names.batch_key(batch_id, "err")
         ttl = self.settings.job_ttl_s + WINDOW_S
+        pipe = self.r.pipeline(transaction=False)
+        try:
+            good, total = await self._check_lines(meta, endpoint, pipe, lines_key, err_key)
+        except BaseException:
+            await self.r.delete(lines_key, err_key)  # nothing of a refused batch stays behind
+            raise
+        now = time.time()
+        rec = {"id": batch_id, "owner": owner, "endpoint": endpoint, "input_file_id": input_file_id,
+               "completion_window": "24h", "status": "in_progress", "created_at": now, "in_progress_at": now,
+               "expires_at": now + WINDOW_S, "total": total, "completed": 0, "failed": total - good,
+               "lines": good, "next": 0, "metadata": orjson.dumps(metadata).decode() if metadata else ""}
+        pipe.hset(names.batch_key(batch_id), mapping=rec)
+        for key in (names.batch_key(batch_id), lines_key, err_key):
+            pipe.expire(key, ttl)
+        pipe.zadd(names.batches_index(owner), {batch_id: now})
+        pipe.expire(names.batches_index(owner), ttl)
+        pipe.sadd(names.BATCHES_ACTIVE, batch_id)
+        await pipe.execute()
+        return batch_object({k: str(v) for k, v in rec.items()})
+
+    async def _check_lines(self, meta: dict[str, Any], endpoint: str, pipe: Any, lines_key: str,
+                           err_key: str) -> tuple[int, int]:
+        """Check each line of the input file: good ones to `lines` (dense indexes), bad ones to `err`."""
         seen: set[str] = set()
         good, total = 0, 0
-        pipe = self.r.pipeline(transaction=False)
         async for raw in self.files.lines(meta):
             if not raw.strip():
                 continue
@@ -145,19 +167,7 @@ class Batches:
                     "error": {"code": exc.code, "message": f"line {total}: {exc.message}"}}))
             if len(pipe) >= 500:
                 await pipe.execute()
-        now = time.time()
-        rec = {"id": batch_id, "owner": owner, "endpoint": endpoint, "input_file_id": input_file_id,
-               "completion_window": "24h", "status": "in_progress", "created_at": now, "in_progress_at": now,
-               "expires_at": now + WINDOW_S, "total": total, "completed": 0, "failed": total - good,
-               "lines": good, "next": 0, "metadata": orjson.dumps(metadata).decode() if metadata else ""}
-        pipe.hset(names.batch_key(batch_id), mapping=rec)
-        for key in (names.batch_key(batch_id), lines_key, err_key):
-            pipe.expire(key, ttl)
-        pipe.zadd(names.batches_index(owner), {batch_id: now})
-        pipe.expire(names.batches_index(owner), ttl)
-        pipe.sadd(names.BATCHES_ACTIVE, batch_id)
-        await pipe.execute()
-        return batch_object({k: str(v) for k, v in rec.items()})
+        return good, total
 
     async def get(self, batch_id: str, owner: str) -> dict[str, Any] | None:
         rec = await self.r.hgetall(names.batch_key(batch_id))
