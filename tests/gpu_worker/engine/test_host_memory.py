@@ -17,7 +17,7 @@ def step():  # a long-context layer's temporaries, freed together: gathered K an
 for _ in range(3):
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+for _ in range(40):
     step()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
@@ -30,5 +30,7 @@ def _faults(mode: str) -> int:
 
 def test_freed_step_memory_is_reused_without_page_faults() -> None:
     pages_per_step = 36 * 2**20 // 4096
-    # (with glibc's defaults the same loop faults in ~120,000 pages here, though not on every run)
-    assert _faults("keep") < pages_per_step  # 20 steps: at most a part of one step's pages, once
+    # With glibc's defaults the same loop faults in ~6,000 pages per step (~240,000 here), though not on every
+    # run. Kept memory may still fault once or twice when the heap grows into new pages: a bound of three steps'
+    # pages over forty steps tells a one-off from a fault per step.
+    assert _faults("keep") < 3 * pages_per_step
