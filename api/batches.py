@@ -4,7 +4,17 @@ batch's `lines` hash. From then on the batch is durable work in Redis: any API p
 batch) submits its lines as jobs of the batch's tenant at the lowest priority (PRIORITY_MAX: the tenant's
 interactive requests go first; other tenants are shielded by the fair queue), at most WINDOW at a time, and
 records each line's result once (batch_result.lua) as the job ends. Every submit carries an idempotency key per
-line, so a driver that dies between submitting and recording leaves nothing run twice."""
+line, so a driver that dies between submitting and recording leaves nothing run twice.
+
+A line's submit charges the tenant's batch_tpm bucket, never its interactive rpm and tpm (submit.lua's `batch`
+budget); a line the budget refuses waits for a later tick. A key may hold max_open_batches batches not yet
+ended and max_batch_lines lines in one (shared/tenants.py). A batch still running BATCH_WINDOW_S after it was
+made (its completion_window, 24 h) expires: its running jobs are cancelled, and they and the lines never
+submitted end in the error file as `batch_expired`.
+
+A batch ends completed, failed (no line succeeded), expired or cancelled. One made with a `webhook_url` is then
+announced on the `ended` stream (an entry with its `batch_id`) that the after-job drain reads: the drain POSTs
+the event (workers/webhook.py), as it does a job's webhook, at least once."""
 
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ import redis.asyncio as aredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from api.errors import ApiError
+from api.errors import ApiError, too_many
 from api.files import FileStore
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest, response_object
@@ -31,6 +41,7 @@ from shared.jobs import Job, JobStatus
 from shared.limits import PRIORITY_MAX
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
+from shared.tenants import Tenant
 
 log = logging.getLogger("conveyor.batches")
 
@@ -38,8 +49,9 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 WINDOW = 64  # a batch's jobs in flight at once: twice an engine's slots, so a freed slot finds one waiting
 LEASE_MS = 5000  # a driver that stops renewing (killed) hands the batch to another within this
 TICK_S = 0.25
-MAX_LINES = 50_000
-WINDOW_S = 24 * 3600  # completion_window "24h"
+MAX_LINES = 50_000  # lines in one batch, whatever the key (a key's max_batch_lines may allow fewer)
+ENDS = ("completed", "failed", "expired", "cancelled")  # a batch's end statuses (workers/webhook.py: BATCH_ENDS)
+STALE_OPEN_S = 3600  # a batch this long past its expiry no longer counts as open (a driver has ended it)
 
 
 class LineError(Exception):
@@ -95,7 +107,11 @@ def batch_object(rec: dict[str, Any]) -> dict[str, Any]:
         v = rec.get(name)
         return int(float(v)) if v else None
 
-    return {"id": rec["id"], "object": "batch", "endpoint": rec["endpoint"], "errors": None,
+    errors = None
+    if rec["status"] == "failed":
+        errors = {"object": "list", "data": [{"code": "no_line_succeeded", "line": None, "param": None,
+                                              "message": "no line of the batch succeeded; see its error file"}]}
+    return {"id": rec["id"], "object": "batch", "endpoint": rec["endpoint"], "errors": errors,
             "input_file_id": rec["input_file_id"], "completion_window": rec["completion_window"],
             "status": rec["status"], "output_file_id": rec.get("output_file_id") or None,
             "error_file_id": rec.get("error_file_id") or None, "created_at": at("created_at"),
@@ -112,8 +128,11 @@ class Batches:
         self.token = uuid.uuid4().hex  # this process's lease token
         self._task: asyncio.Task[None] | None = None
 
-    async def create(self, owner: str, input_file_id: str, endpoint: str, metadata: dict[str, str] | None
-                     ) -> dict[str, Any]:
+    async def create(self, tenant: Tenant | None, input_file_id: str, endpoint: str,
+                     metadata: dict[str, str] | None, webhook_url: str | None = None) -> dict[str, Any]:
+        """Check the input file's lines and start the batch; `tenant` None is the caller without a key (AUTH off:
+        only MAX_LINES bounds it)."""
+        owner = tenant.name if tenant else ""
         if endpoint not in ENDPOINTS:
             raise ApiError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
         meta = await self.files.meta(input_file_id, owner)
@@ -121,18 +140,23 @@ class Batches:
             raise ApiError(404, f"no batch input file with id '{input_file_id}'", param="input_file_id")
         batch_id = "batch_" + uuid.uuid4().hex
         lines_key, err_key = names.batch_key(batch_id, "lines"), names.batch_key(batch_id, "err")
-        ttl = self.settings.job_ttl_s + WINDOW_S
+        window = self.settings.batch_window_s
+        ttl = self.settings.job_ttl_s + window
+        if tenant is not None:
+            await self._open(tenant, batch_id, ttl)
         pipe = self.r.pipeline(transaction=False)
         try:
-            good, total = await self._check_lines(meta, endpoint, pipe, lines_key, err_key)
+            good, total = await self._check_lines(meta, endpoint, pipe, lines_key, err_key, _max_lines(tenant))
         except BaseException:
             await self.r.delete(lines_key, err_key)  # nothing of a refused batch stays behind
+            await self.r.zrem(names.batches_open(owner), batch_id)
             raise
         now = time.time()
         rec = {"id": batch_id, "owner": owner, "endpoint": endpoint, "input_file_id": input_file_id,
                "completion_window": "24h", "status": "in_progress", "created_at": now, "in_progress_at": now,
-               "expires_at": now + WINDOW_S, "total": total, "completed": 0, "failed": total - good,
-               "lines": good, "next": 0, "metadata": orjson.dumps(metadata).decode() if metadata else ""}
+               "expires_at": now + window, "total": total, "completed": 0, "failed": total - good,
+               "lines": good, "next": 0, "metadata": orjson.dumps(metadata).decode() if metadata else "",
+               "webhook_url": webhook_url or ""}
         pipe.hset(names.batch_key(batch_id), mapping=rec)
         for key in (names.batch_key(batch_id), lines_key, err_key):
             pipe.expire(key, ttl)
@@ -142,17 +166,36 @@ class Batches:
         await pipe.execute()
         return batch_object({k: str(v) for k, v in rec.items()})
 
+    async def _open(self, tenant: Tenant, batch_id: str, ttl: int) -> None:
+        """Count the batch among the tenant's open ones; 429 past its max_open_batches. Added first, then
+        counted: two creates racing for the last place may both be refused, never both admitted."""
+        key = names.batches_open(tenant.name)
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zremrangebyscore(key, "-inf", now - STALE_OPEN_S)
+        pipe.zadd(key, {batch_id: now + self.settings.batch_window_s})
+        pipe.zcard(key)
+        pipe.expire(key, ttl)
+        _, _, n, _ = await pipe.execute()
+        cap = tenant.max_open_batches
+        if cap > 0 and n > cap:
+            await self.r.zrem(key, batch_id)
+            raise too_many(f"this key has {cap} batches not yet ended, its limit (max_open_batches); wait for "
+                           "one to end, or cancel one", 60_000)
+
     async def _check_lines(self, meta: dict[str, Any], endpoint: str, pipe: Any, lines_key: str,
-                           err_key: str) -> tuple[int, int]:
+                           err_key: str, max_lines: tuple[int, str]) -> tuple[int, int]:
         """Check each line of the input file: good ones to `lines` (dense indexes), bad ones to `err`."""
         seen: set[str] = set()
         good, total = 0, 0
+        limit, whose = max_lines
         async for raw in self.files.lines(meta):
             if not raw.strip():
                 continue
             total += 1
-            if total > MAX_LINES:
-                raise ApiError(400, f"a batch holds at most {MAX_LINES} lines", param="input_file_id")
+            if total > limit:
+                raise ApiError(400, f"a batch holds at most {limit} lines ({whose})", param="input_file_id",
+                               code="too_many_lines")
             try:
                 line = parse_line(raw, endpoint, self.settings)
                 if line["custom_id"] in seen:
@@ -161,10 +204,8 @@ class Batches:
                 pipe.hset(lines_key, good, orjson.dumps(line))
                 good += 1
             except LineError as exc:
-                custom = _custom_id(raw)
-                pipe.hset(err_key, 1_000_000 + total, orjson.dumps({
-                    "id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom, "response": None,
-                    "error": {"code": exc.code, "message": f"line {total}: {exc.message}"}}))
+                pipe.hset(err_key, 1_000_000 + total,
+                          orjson.dumps(_error(_custom_id(raw), exc.code, f"line {total}: {exc.message}")))
             if len(pipe) >= 500:
                 await pipe.execute()
         return good, total
@@ -228,27 +269,37 @@ class Batches:
         return False
 
     async def advance(self, batch_id: str) -> None:
-        """Record the lines whose jobs ended, submit more (or cancel the rest), finish when all are done."""
+        """Record the lines whose jobs ended, submit more (or cancel the rest), finish when all are done; past
+        its expiry, end what is left as expired."""
         rec = await self.r.hgetall(names.batch_key(batch_id))
+        if rec and rec["status"] in ENDS:  # ended, not yet announced: a driver stopped between the two
+            await self._close(batch_id, rec)
+            return
         if not rec or rec["status"] not in ("in_progress", "cancelling"):
             await self.r.srem(names.BATCHES_ACTIVE, batch_id)
             return
+        expired = rec["status"] == "in_progress" and time.time() >= float(rec["expires_at"])
         inflight = await self.r.hgetall(names.batch_key(batch_id, "inflight"))
         running = {}
         for idx, job_id in inflight.items():
-            job, extra = await self.store.get_with(job_id, "response")
+            job = await self.store.get(job_id)
             if job is not None and not job.ended:
                 running[idx] = job_id
                 continue
             line = orjson.loads(await self.r.hget(names.batch_key(batch_id, "lines"), idx) or "{}")
-            await self._record(batch_id, idx, line, job)
-        if rec["status"] == "cancelling":
+            await self._record(batch_id, idx, line, job, "batch_expired" if expired else "batch_cancelled")
+        nxt, lines = int(rec["next"]), int(rec["lines"])
+        expired = expired and bool(running or nxt < lines)  # every line done by then: it completed in time
+        if rec["status"] == "cancelling" or expired:
             for job_id in running.values():
                 await self.store.cancel(job_id, wait_s=0)
+        if expired:
+            await self._expire(batch_id, rec, list(running))
+            return
+        if rec["status"] == "cancelling":
             if not running:
                 await self._finish(batch_id, rec, "cancelled")
             return
-        nxt, lines = int(rec["next"]), int(rec["lines"])
         cap = max(0, WINDOW - len(running))
         while cap > 0 and nxt < lines:
             line = orjson.loads(await self.r.hget(names.batch_key(batch_id, "lines"), nxt) or "{}")
@@ -256,20 +307,22 @@ class Batches:
             if "response" in line:
                 fields["response"] = line["response"]
             got = await self.store.submit(GenerationRequest.model_validate_json(line["request"]),
-                                          f"{batch_id}:{nxt}", rec.get("owner") or "", 0, fields)
+                                          f"{batch_id}:{nxt}", rec.get("owner") or "", 0, fields, budget="batch")
             if got.job is None:
-                break  # refused for now (the tenant's limits, a full queue): the next tick tries again
+                break  # refused for now (the key's batch_tpm, its unfinished jobs): the next tick tries again
             pipe = self.r.pipeline(transaction=False)
             pipe.hset(names.batch_key(batch_id, "inflight"), nxt, got.job.id)
             pipe.hset(names.batch_key(batch_id), "next", nxt + 1)
-            pipe.expire(names.batch_key(batch_id, "inflight"), self.settings.job_ttl_s + WINDOW_S)
+            pipe.expire(names.batch_key(batch_id, "inflight"), self.settings.job_ttl_s + self.settings.batch_window_s)
             await pipe.execute()
             running[str(nxt)] = got.job.id
             nxt, cap = nxt + 1, cap - 1
         if nxt >= lines and not running:
-            await self._finish(batch_id, rec, "completed")
+            completed = int(await self.r.hget(names.batch_key(batch_id), "completed") or 0)
+            await self._finish(batch_id, rec, "completed" if completed else "failed")
 
-    async def _record(self, batch_id: str, idx: str, line: dict[str, Any], job: Job | None) -> None:
+    async def _record(self, batch_id: str, idx: str, line: dict[str, Any], job: Job | None,
+                      cancelled_code: str = "batch_cancelled") -> None:
         custom = line.get("custom_id")
         ok = job is not None and job.status is JobStatus.succeeded
         if ok:
@@ -278,14 +331,30 @@ class Batches:
                       "response": {"status_code": 200, "request_id": job.id, "body": _body(line, job)}}
         else:
             why = "the job expired" if job is None else (job.error or job.status.value)
-            code = "batch_cancelled" if job is not None and job.status is JobStatus.cancelled else "generation_failed"
-            result = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom, "response": None,
-                      "error": {"code": code, "message": why}}
-        await scripts.BATCH_RESULT.acall(self.r, [
-            names.batch_key(batch_id), names.batch_key(batch_id, "out" if ok else "err"),
-            names.batch_key(batch_id, "inflight")], [idx, orjson.dumps(result), "completed" if ok else "failed"])
+            code = cancelled_code if job is not None and job.status is JobStatus.cancelled else "generation_failed"
+            result = _error(custom, code, why)
+        await scripts.BATCH_RESULT.acall(self.r, _result_keys(batch_id, ok), [idx, orjson.dumps(result),
+                                                                              "completed" if ok else "failed"])
+
+    async def _expire(self, batch_id: str, rec: dict[str, Any], running: list[str]) -> None:
+        """Past its window: the lines still running (their jobs cancelled just now) and those never submitted
+        end in the error file as batch_expired (each once: a driver that stops midway leaves the rest to the
+        next), and the batch ends expired."""
+        left = [*running, *(str(i) for i in range(int(rec["next"]), int(rec["lines"])))]
+        await scripts.aload(self.r)  # the calls below are pipelined, where a missing script is not loaded
+        for at in range(0, len(left), 500):
+            part = left[at:at + 500]
+            lines = await self.r.hmget(names.batch_key(batch_id, "lines"), part)
+            pipe = self.r.pipeline(transaction=False)
+            for idx, raw in zip(part, lines):
+                custom = orjson.loads(raw).get("custom_id") if raw else None
+                result = _error(custom, "batch_expired", "the batch expired before this line ended")
+                scripts.BATCH_RESULT.queue(pipe, _result_keys(batch_id, False), [idx, orjson.dumps(result), "failed"])
+            await pipe.execute()
+        await self._finish(batch_id, rec, "expired")
 
     async def _finish(self, batch_id: str, rec: dict[str, Any], status: str) -> None:
+        """Make the results into the output and error files, end the batch as `status`, then announce it."""
         owner = rec.get("owner") or ""
         now = time.time()
         fields: dict[str, Any] = {"status": status, f"{status}_at": now, "finalizing_at": now}
@@ -298,7 +367,40 @@ class Batches:
                                               f"{batch_id}_{suffix}.jsonl", key, size)
                 fields["output_file_id" if part == "out" else "error_file_id"] = f["id"]
         await self.r.hset(names.batch_key(batch_id), mapping=fields)
-        await self.r.srem(names.BATCHES_ACTIVE, batch_id)
+        await self._close(batch_id, {**rec, **fields})
+
+    async def _close(self, batch_id: str, rec: dict[str, Any]) -> None:
+        """An ended batch leaves the drivers' set and its key's open batches; one made with a webhook_url is
+        first announced on the `ended` stream for the after-job drain. The entry goes before the mark that it
+        went, so a driver that stops between the two announces it again: at least once."""
+        owner = rec.get("owner") or ""
+        if rec.get("webhook_url") and not rec.get("announced"):
+            await self.r.xadd(names.stream(names.ENDED, names.batch_partition(owner)), {"batch_id": batch_id},
+                              maxlen=names.ENDED_MAXLEN, approximate=True)
+            await self.r.hset(names.batch_key(batch_id), "announced", 1)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zrem(names.batches_open(owner), batch_id)
+        pipe.srem(names.BATCHES_ACTIVE, batch_id)
+        await pipe.execute()
+
+
+def _max_lines(tenant: Tenant | None) -> tuple[int, str]:
+    """The most lines a batch of this caller may hold, and whose limit that is."""
+    if tenant is not None and 0 < tenant.max_batch_lines < MAX_LINES:
+        return tenant.max_batch_lines, "this key's max_batch_lines"
+    return MAX_LINES, "the service's limit"
+
+
+def _result_keys(batch_id: str, ok: bool) -> list[str]:
+    """batch_result.lua's keys: the batch's record, its `out` or `err` hash, its `inflight` hash."""
+    return [names.batch_key(batch_id), names.batch_key(batch_id, "out" if ok else "err"),
+            names.batch_key(batch_id, "inflight")]
+
+
+def _error(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """A line of the error file."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}
 
 
 def _custom_id(raw: str) -> str | None:

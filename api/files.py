@@ -1,7 +1,11 @@
 """Files in Redis, for the Batch API. An upload is appended line by line as it arrives (never held whole) to a
 list of its lines, so every API process reads any file back as text. Each file belongs to the key that made it
-and expires after FILE_TTL_S. A batch's output and error files are its result hashes (index -> line), read in
-index order: a result is written once, by line, whoever writes it."""
+and expires after `ttl_s` (JOB_TTL_S + BATCH_WINDOW_S). A batch's output and error files are its result hashes
+(index -> line), read in index order: a result is written once, by line, whoever writes it.
+
+A key's files count against its `max_file_bytes`: each file's size and expiry are noted in the key's sizes hash
+(shared/scripts/file_bytes.lua), so the total drops when a file is deleted and when one expires (without a key,
+AUTH off, only MAX_FILE_BYTES per file applies)."""
 
 from __future__ import annotations
 
@@ -12,36 +16,62 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from shared import names
+from shared import names, scripts
 
 MAX_FILE_BYTES = 64 * 2**20  # an upload larger answers 413
 PURPOSES = ("batch", "batch_output")
+
+
+class TooLarge(ValueError):
+    """An upload over MAX_FILE_BYTES, or over what its key may still store (413)."""
 
 
 class FileStore:
     def __init__(self, client: aredis.Redis, ttl_s: int) -> None:
         self.r, self.ttl_s = client, ttl_s
 
-    async def upload(self, owner: str, purpose: str, filename: str, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
+    async def upload(self, owner: str, purpose: str, filename: str, chunks: AsyncIterator[bytes],
+                     max_stored: int = 0) -> dict[str, Any]:
         """Store an upload line by line as it arrives (a Redis list: each element a whole line, so any process
-        reads it back as text); ValueError when it exceeds MAX_FILE_BYTES or is not UTF-8 (nothing is kept)."""
+        reads it back as text); TooLarge when it exceeds MAX_FILE_BYTES or would take the owner's files past
+        `max_stored` bytes (0: no cap), ValueError when it is not UTF-8 (nothing is kept either way)."""
         file_id = "file-" + uuid.uuid4().hex
         data = names.file_key(file_id, "data")
+        used = await self.stored_bytes(owner) if max_stored else 0
         size, rest, newline = 0, b"", True
         try:
             async for chunk in chunks:
                 size += len(chunk)
                 if size > MAX_FILE_BYTES:
-                    raise ValueError(f"the file is larger than {MAX_FILE_BYTES} bytes")
+                    raise TooLarge(f"the file is larger than {MAX_FILE_BYTES} bytes")
+                if max_stored and used + size > max_stored:
+                    raise _over(max_stored, used)
                 *whole, rest = (rest + chunk).split(b"\n")
                 await self._push(data, whole)
             newline = rest == b""
             if rest:
                 await self._push(data, [rest])
+            if max_stored:  # the check that counts: uploads of the same key may have run meanwhile
+                added, used = await self._count(owner, file_id, size, max_stored)
+                if not added:
+                    raise _over(max_stored, used)
         except BaseException:
             await self.r.delete(data)
             raise
+        if owner and not max_stored:
+            await self._count(owner, file_id, size)
         return await self._record(file_id, owner, purpose, filename, size, "list", newline=newline)
+
+    async def stored_bytes(self, owner: str) -> int:
+        """The bytes of the owner's files that have not expired or been deleted."""
+        return (await self._count(owner, "", 0))[1]
+
+    async def _count(self, owner: str, file_id: str, size: int, cap: int = 0) -> tuple[bool, int]:
+        """Note a file's size against its owner (file_bytes.lua): (added, the owner's total)."""
+        now = int(time.time())
+        got = await scripts.FILE_BYTES.acall(self.r, [names.file_bytes_key(owner)],
+                                             [now, file_id, size, now + self.ttl_s, cap])
+        return bool(int(got[0])), int(got[1])
 
     async def _push(self, key: str, lines: list[bytes]) -> None:
         if not lines:
@@ -56,8 +86,11 @@ class FileStore:
         await pipe.execute()
 
     async def of_lines(self, file_id: str, owner: str, filename: str, lines_key: str, size: int) -> dict[str, Any]:
-        """A file whose content is a hash of lines (a batch's results), in index order."""
+        """A file whose content is a hash of lines (a batch's results), in index order. It counts against its
+        owner's stored bytes, whatever the cap: a batch's results are kept."""
         await self.r.expire(lines_key, self.ttl_s)
+        if owner:
+            await self._count(owner, file_id, size)
         return await self._record(file_id, owner, "batch_output", filename, size, "lines", lines_key)
 
     async def _record(self, file_id: str, owner: str, purpose: str, filename: str, size: int, kind: str,
@@ -113,6 +146,7 @@ class FileStore:
         if meta["kind"] == "list":
             pipe.delete(meta["source"])
         pipe.zrem(names.files_index(meta.get("owner") or ""), meta["id"])
+        pipe.hdel(names.file_bytes_key(meta.get("owner") or ""), meta["id"])
         await pipe.execute()
 
     async def listing(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
@@ -133,3 +167,8 @@ def file_object(meta: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's FileObject."""
     return {"id": meta["id"], "object": "file", "bytes": int(meta["bytes"]), "created_at": int(meta["created_at"]),
             "filename": meta["filename"], "purpose": meta["purpose"], "status": "processed", "status_details": None}
+
+
+def _over(cap: int, used: int) -> TooLarge:
+    return TooLarge(f"this key may store {cap} bytes of files (its max_file_bytes) and {used} are in use; "
+                    "delete files (DELETE /v1/files/{id}) or wait for them to expire")

@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 
 from api import dashboard, errors, metrics
 from api.auth import KeyCache
-from api.batches import WINDOW_S, Batches
+from api.batches import Batches
 from api.files import FileStore
 from api.guard import RequestGuard
 from api.quota import Throughput
@@ -36,7 +36,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.relay = Relay(client, settings.sse_queue_size)
         app.state.keys = KeyCache(client)
         app.state.throughput = Throughput(client)
-        app.state.files = FileStore(client, settings.job_ttl_s + WINDOW_S)
+        app.state.files = FileStore(client, settings.job_ttl_s + settings.batch_window_s)
         app.state.batches = Batches(client, app.state.store, app.state.files, settings)
         await app.state.relay.start()
         app.state.throughput.start()

@@ -48,10 +48,12 @@ class JobStore:
         self._depths_lock = asyncio.Lock()
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, owner: str = "",
-                     max_waiting: int = 0, fields: dict[str, str] | None = None) -> Admission:
+                     max_waiting: int = 0, fields: dict[str, str] | None = None, budget: str = "interactive"
+                     ) -> Admission:
         """Admit, store and enqueue a job in one round trip (submit.lua): an idempotent replay, the
         tenant's limits and the queue cap are checked first; a refusal stores nothing. `max_waiting` caps
-        the depth of the job's partition (0: no cap): the service-wide cap's share, `partition_cap`."""
+        the depth of the job's partition (0: no cap): the service-wide cap's share, `partition_cap`.
+        `budget` 'batch' (a batch line) charges the tenant's batch_tpm bucket instead of its rpm and tpm."""
         # its partition: the tenant's; without one, the idempotency key's, else any
         job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key or ""), uuid.uuid4().hex)
         request_json = req.model_dump_json(exclude_defaults=True)
@@ -65,7 +67,7 @@ class JobStore:
             job_id, record, request_json, owner=owner,
             reserve_tokens=prompt_tokens + req.max_tokens, max_waiting=max_waiting,
             idempotency_key=idempotency_key or "", idempotency_ttl_s=self.settings.idempotency_ttl_s,
-            jobs_maxlen=self.jobs_maxlen)
+            jobs_maxlen=self.jobs_maxlen, budget=budget)
         if reply.code is SubmitCode.replay:  # another request's job, or this one's (a call sent again)
             return Admission(await self.get(reply.job_id), reply.job_id != job_id, reply)
         if reply.code is not SubmitCode.accepted:

@@ -47,7 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     kc = ksub.add_parser("create", help="make a tenant and print its new key (last line; shown once)")
     kc.add_argument("name")
     for flag, what in (("--rpm", "requests per minute"), ("--tpm", "tokens per minute (prompt + max_tokens)"),
-                       ("--max-queued", "unfinished jobs at once"), ("--max-streams", "open event streams at once")):
+                       ("--max-queued", "unfinished jobs at once"), ("--max-streams", "open event streams at once"),
+                       ("--batch-tpm", "tokens per minute of batch lines, a budget apart from --tpm (default 0)"),
+                       ("--max-file-bytes", "bytes of stored files, all told (default 1 GiB)"),
+                       ("--max-open-batches", "batches not yet ended (default 16)"),
+                       ("--max-batch-lines", "lines in one batch (default 50000)")):
         kc.add_argument(flag, type=int, default=None, help=f"{what}; 0: no limit")
     kc.add_argument("--weight", type=float, default=1.0,
                     help="its share of service while other tenants also wait (0.01-100; default 1): weight 2 is "
@@ -136,18 +140,21 @@ def _keys(args: argparse.Namespace, settings: Settings) -> int:
     client = sync_client(url)
     try:
         if args.keys_cmd == "create":
-            key, secret = tenants.create(client, args.name, weight=args.weight, rpm=args.rpm, tpm=args.tpm,
-                                         max_queued=args.max_queued, max_streams=args.max_streams)
+            key, secret = tenants.create(client, args.name, weight=args.weight,
+                                         **{k: getattr(args, k) for k in tenants.LIMITS})
             print(f"tenant {args.name} created; its webhooks are signed with this secret:")
             print(secret)
             print("its API key (shown once; send it as 'Authorization: Bearer <key>'):")
             print(key)
         elif args.keys_cmd == "list":
             rows = tenants.list_all(client)
-            print(f"{'name':24} {'weight':>6} {'rpm':>8} {'tpm':>10} {'queued':>7} {'streams':>8} {'active':>7}  state")
+            print(f"{'name':24} {'weight':>6} {'rpm':>8} {'tpm':>10} {'queued':>7} {'streams':>8} {'batch_tpm':>10} "
+                  f"{'file_bytes':>12} {'batches':>7} {'lines':>7} {'active':>7}  state")
             for t in rows:
                 print(f"{t['name']:24} {t['weight']:>6g} {t['rpm']:>8} {t['tpm']:>10} {t['max_queued']:>7} "
-                      f"{t['max_streams']:>8} {t['active_jobs']:>7}  {'revoked' if t['disabled'] else 'active'}")
+                      f"{t['max_streams']:>8} {t['batch_tpm']:>10} {t['max_file_bytes']:>12} "
+                      f"{t['max_open_batches']:>7} {t['max_batch_lines']:>7} {t['active_jobs']:>7}  "
+                      f"{'revoked' if t['disabled'] else 'active'}")
         elif args.keys_cmd == "revoke":
             tenants.revoke(client, args.name)
             print(f"tenant {args.name} revoked")

@@ -91,20 +91,22 @@ def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBL
 
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",
                  reserve_tokens: int = 0, max_waiting: int = 0, idempotency_key: str = "", idempotency_ttl_s: int = 0,
-                 jobs_maxlen: int = 1_000_000) -> Write:
+                 jobs_maxlen: int = 1_000_000, budget: str = "interactive") -> Write:
     """A submit call (submit.lua). `idempotency_key` is the client's key (scoped to the owner here);
-    `record` is the job hash without its request."""
+    `record` is the job hash without its request; `budget`: 'interactive' (the tenant's rpm and tpm) or
+    'batch' (a batch line: its batch_tpm bucket only)."""
     p = names.job_partition(job_id)
     idem = names.idempotency_key(owner, idempotency_key) if idempotency_key else names.job_key(job_id)
     # a job without a tenant touches no tenant key: its own key stands in, in its slot
+    tokens = "batch_tokens" if budget == "batch" else "tokens"
     tenant = ([names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
-               names.tenant_bucket_key(owner, "tokens"), names.tenant_active_key(owner)] if owner
+               names.tenant_bucket_key(owner, tokens), names.tenant_active_key(owner)] if owner
               else [names.job_key(job_id)] * 4)
     keys = [names.job_key(job_id), names.stream(names.JOBS, p), names.submitted_counter(p), names.dequeued_counter(p),
             *tenant, idem]
     args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
                        idempotency_ttl_s if idempotency_key else 0, hashlib.sha256(request_json.encode()).hexdigest(),
-                       jobs_maxlen, names.job_key(job_id).removesuffix(job_id), job_id, request_json]
+                       jobs_maxlen, names.job_key(job_id).removesuffix(job_id), job_id, request_json, budget]
     for k, v in record.items():
         if k != "request":
             args += [k, v]

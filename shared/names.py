@@ -74,7 +74,8 @@ JOBS = "jobs"  # submitted jobs, for the tokenizer pool
 TOKENIZED = "tokenized"  # Arrow record batches, for the inference pool
 DEAD = "dead"  # entries delivered too often, with why
 # every job that ends is appended here (by shared/scripts/finish.lua, atomically with its end), for the
-# after-job work in workers/after_job.py (usage accounting, the client's webhook)
+# after-job work in workers/after_job.py (usage accounting, the client's webhook); so is every batch that
+# ends with a webhook to call (entries with `batch_id` instead of `job_id`, by api/batches.py)
 ENDED = "ended"
 TOKENIZER_GROUP = "tokenizers"
 INFERENCE_GROUP = "inference"
@@ -198,6 +199,12 @@ def files_index(owner: str) -> str:
     return f"{PREFIX}:files:{owner or '_'}"
 
 
+def file_bytes_key(owner: str) -> str:
+    """A tenant's stored files' sizes: a hash of file id -> "<bytes>:<expires at, unix s>", so the total is
+    right after a delete (the entry goes) and after an expiry (shared/scripts/file_bytes.lua drops it)."""
+    return f"{PREFIX}:file-bytes:{owner or '_'}"
+
+
 def batch_key(batch_id: str, part: str = "") -> str:
     """A batch's record, and its `lines` (index -> request), `inflight` (index -> job id), `out` and `err`
     (index -> result line) hashes and its driver's `lease`: one slot, so its scripts touch one node."""
@@ -208,7 +215,17 @@ def batches_index(owner: str) -> str:
     return f"{PREFIX}:batches:{owner or '_'}"
 
 
-BATCHES_ACTIVE = f"{PREFIX}:batches:active"  # batches a driver still has to advance
+BATCHES_ACTIVE = f"{PREFIX}:batches:_active"  # batches a driver still has to advance (no tenant is named "_...")
+
+
+def batches_open(owner: str) -> str:
+    """A tenant's batches not yet ended, scored by when they expire (its max_open_batches counts them)."""
+    return f"{PREFIX}:batches-open:{owner or '_'}"
+
+
+def batch_partition(owner: str) -> int:
+    """Where a batch's end goes on the `ended` stream (its webhook): its tenant's partition."""
+    return tenant_partition(owner)
 
 
 def job_channel(job_id: str) -> str:
@@ -246,7 +263,7 @@ def _tenant_prefix(name: str) -> str:
 
 
 def tenant_key(name: str) -> str:
-    """Tenant hash: key_sha256, created_at, disabled, rpm, tpm, max_queued, max_streams, webhook_secret."""
+    """Tenant hash: key_sha256, created_at, disabled, weight, webhook_secret and its limits (tenants.LIMITS)."""
     return f"{_tenant_prefix(name)}:tenant:{name}"
 
 
@@ -256,7 +273,8 @@ def api_key_index(key_sha256: str) -> str:
 
 
 def tenant_bucket_key(owner: str, kind: str) -> str:
-    """A tenant's token bucket (`requests` or `tokens`): a hash of tokens left and when it was read."""
+    """A tenant's token bucket (`requests`, `tokens`, or `batch_tokens` for its batch lines): a hash of
+    tokens left and when it was read."""
     return f"{_tenant_prefix(owner)}:bucket:{owner}:{kind}"
 
 

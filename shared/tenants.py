@@ -7,6 +7,13 @@ requests and tokens (token buckets, refilled continuously), and at once for unfi
 open event streams; 0 means no limit. The buckets are checked and charged in the submit script
 (shared/scripts/submit.lua), in the same round trip that enqueues the job; a stream slot is taken
 by shared/scripts/stream_open.lua.
+
+The Batch API has limits of its own: `batch_tpm` is a separate token bucket for batch lines (the
+driver's submits charge it instead of `rpm` and `tpm`, so a batch never spends the key's interactive
+allowance; 0, the default, leaves batch lines unmetered: they run at the lowest priority, behind the
+key's own interactive jobs, and the fair queue shields other tenants); `max_file_bytes` caps the bytes
+of the key's stored files, `max_open_batches` its batches not yet ended, `max_batch_lines` the lines of
+one batch (api/files.py, api/batches.py check them).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from shared import names
 from shared.limits import WEIGHT_MAX, WEIGHT_MIN
 
 KEY_PREFIX = "cvk_"
-LIMITS = ("rpm", "tpm", "max_queued", "max_streams")
-DEFAULT_LIMITS = {"rpm": 600, "tpm": 1_000_000, "max_queued": 256, "max_streams": 256}
+LIMITS = ("rpm", "tpm", "max_queued", "max_streams", "batch_tpm", "max_file_bytes", "max_open_batches",
+          "max_batch_lines")
+DEFAULT_LIMITS = {"rpm": 600, "tpm": 1_000_000, "max_queued": 256, "max_streams": 256, "batch_tpm": 0,
+                  "max_file_bytes": 2**30, "max_open_batches": 16, "max_batch_lines": 50_000}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 STREAM_LEASE_S = 3600  # an open stream's slot is held this long at most (an API process that died frees it)
 
@@ -41,6 +50,10 @@ class Tenant:
     tpm: int
     max_queued: int
     max_streams: int
+    batch_tpm: int  # tokens per minute of its batch lines (a bucket apart from tpm)
+    max_file_bytes: int  # bytes of its stored files, all told
+    max_open_batches: int  # batches not yet ended
+    max_batch_lines: int  # lines in one batch
     disabled: bool
     weight: float = 1.0  # its share of service against other backlogged tenants (shared/fair_queue.py)
 
@@ -77,6 +90,7 @@ def create(client: redis.Redis, name: str, weight: float = 1.0, **limits: int | 
     pipe.delete(names.tenant_key(name))
     pipe.delete(names.tenant_bucket_key(name, "requests"))
     pipe.delete(names.tenant_bucket_key(name, "tokens"))
+    pipe.delete(names.tenant_bucket_key(name, "batch_tokens"))
     pipe.hset(names.tenant_key(name), mapping={"key_sha256": digest, "created_at": repr(time.time()),
                                                "disabled": "0", "webhook_secret": secret, "weight": repr(weight),
                                                **{k: int(values[k]) for k in LIMITS}})

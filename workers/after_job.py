@@ -1,4 +1,5 @@
-"""After a job ends: usage accounting, and the client's webhook if the job asked for one.
+"""After a job ends: usage accounting, and the client's webhook if the job asked for one; after a batch
+ends, its webhook's event.
 
 Every end (success, failure, cancel) is appended to the `ended` stream by the finish script, in the
 same atomic step as the end itself, so none is missed. `drain` reads it through the `after-job`
@@ -13,7 +14,10 @@ consumer group (a Celery task that beat starts every 30 s and that waits on Redi
   than 2xx, a redirect, an address refused) leaves the entry pending, to be tried again after
   WEBHOOK_RETRY_S, up to DELIVERY_LIMIT tries; then it goes to the dead-letter stream, with the
   last failure's reason (also noted on the job record as `webhook_error`). Delivery is at least
-  once: receivers deduplicate on `X-Conveyor-Job`.
+  once: receivers deduplicate on `X-Conveyor-Job`;
+- an entry with a `batch_id` instead of a `job_id` is a batch that ended with a webhook to call
+  (api/batches.py adds it): its event goes out the same way, retried and dead-lettered alike (the
+  failure noted on the batch's record), nothing accounted.
 
 Entries of a Celery worker that died mid-drain are taken over once idle past CLAIM_IDLE_MS
 (workers heartbeat under the `celery` pool name while they drain).
@@ -58,12 +62,24 @@ def _job_id(entry: Entry) -> str:
     return text(entry.fields.get(b"job_id") or entry.fields.get("job_id") or "")
 
 
+def _batch_id(entry: Entry) -> str:
+    return text(entry.fields.get(b"batch_id") or entry.fields.get("batch_id") or "")
+
+
+def _record_key(entry: Entry) -> str:
+    """The record an entry's webhook failures are noted on: its batch's, else its job's ('' none)."""
+    if batch_id := _batch_id(entry):
+        return names.batch_key(batch_id)
+    job_id = _job_id(entry)
+    return names.job_key(job_id) if job_id else ""
+
+
 class _EndedConsumer(StreamConsumer):
-    """Dead-letters a job whose webhook kept failing with the last failure's reason."""
+    """Dead-letters a job (or batch) whose webhook kept failing with the last failure's reason."""
 
     def dead_letter(self, entry: Entry, reason: str) -> None:
-        job_id = _job_id(entry)
-        last = self.client.hget(names.job_key(job_id), "webhook_error") if job_id else None
+        key = _record_key(entry)
+        last = self.client.hget(key, "webhook_error") if key else None
         if last:
             reason = f"{reason}; last webhook failure: {text(last)}"
         super().dead_letter(entry, reason)
@@ -123,27 +139,31 @@ class AfterJob:
         beat(self.client, names.CELERY_POOL, self.consumer.consumer, "1", max(self.settings.claim_idle_ms, 10_000))
 
     def _handle(self, entries: list[Entry], counts: dict[str, int]) -> None:
-        """Account every job of the batch (one pipeline), post the webhooks in parallel, ack what
-        is done. A job whose webhook fails stays pending, its reason noted on its record; nothing
-        in one job stops the others."""
-        ids = [_job_id(e) for e in entries]
+        """Account every job of the batch (one pipeline), post the webhooks (jobs' and ended batches')
+        in parallel, ack what is done. An entry whose webhook fails stays pending, its reason noted on
+        its record; nothing in one entry stops the others."""
+        jobs = [e for e in entries if not _batch_id(e)]
+        ids = [_job_id(e) for e in jobs]
         hooks, unaccounted = {}, set()
-        for entry, job_id, found in zip(entries, ids, account(self.client, ids)):
+        for entry, job_id, found in zip(jobs, ids, account(self.client, ids)):
             if isinstance(found, Exception):
                 log.warning("accounting %s failed: %s; will retry", job_id, found)
                 unaccounted.add(entry.ref)
             elif found.webhook_url:
-                hooks[entry.ref] = (found.webhook_url,
-                                   self._pool.submit(self.webhooks.send, job_id, found.webhook_url, found.owner))
-        wait([f for _, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
+                hooks[entry.ref] = (job_id, redact(found.webhook_url),
+                                    self._pool.submit(self.webhooks.send, job_id, found.webhook_url, found.owner))
+        for entry in entries:
+            if batch_id := _batch_id(entry):
+                hooks[entry.ref] = (batch_id, "its webhook", self._pool.submit(self.webhooks.send_batch, batch_id))
+        wait([f for *_, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
         done, failures = [], {}
-        for entry, job_id in zip(entries, ids):
+        for entry in entries:
             if entry.ref in unaccounted:
                 continue
             if entry.ref not in hooks:
                 done.append(entry.ref)
                 continue
-            url, future = hooks[entry.ref]
+            what, where, future = hooks[entry.ref]
             if not future.done():
                 why = "did not finish in time"
             elif future.exception() is not None:
@@ -153,13 +173,16 @@ class AfterJob:
                 continue
             else:
                 why = str(future.result())
-            failures[job_id] = why
-            log.warning("webhook for %s to %s: %s; will retry", job_id, redact(url), why)
+            failures[entry.ref] = (entry, why)
+            log.warning("webhook for %s to %s: %s; will retry", what, where, why)
         self.consumer.ack(done)
         if failures:
             pipe = self.client.pipeline(transaction=False)
-            for job_id, why in failures.items():
-                queue_note_failure(pipe, job_id, why)
+            for entry, why in failures.values():
+                if batch_id := _batch_id(entry):
+                    scripts.NOTE_FAILURE.queue(pipe, [names.batch_key(batch_id)], [why])  # the same note, on its record
+                else:
+                    queue_note_failure(pipe, _job_id(entry), why)
             scripts.execute(pipe, raise_on_error=False)
         counts["done"] += len(done)
         counts["failed"] += len(entries) - len(done)

@@ -1,4 +1,7 @@
-"""Webhook delivery: `POST <webhook_url>` with the job object as polled (JSON), signed, never inside.
+"""Webhook delivery: `POST <webhook_url>` with the job object as polled (JSON), or, for a batch that
+ended, OpenAI's event (`{"object": "event", "id": "evt_…", "type": "batch.completed", "created_at": …,
+"data": {"id": <batch id>}}`, type batch.completed, batch.failed, batch.expired or batch.cancelled),
+signed, never inside.
 
 - a webhook cannot reach inside: its host is resolved at send time and refused if any address it
   resolves to is loopback, private, link-local, multicast, reserved, unspecified or a cloud
@@ -11,8 +14,9 @@
 - signed: `X-Conveyor-Signature: sha256=<HMAC-SHA256 of "<timestamp>." + body>` with
   `X-Conveyor-Timestamp: <unix seconds>` lets the receiver check the sender and refuse replays. A
   job submitted by a tenant (its record's `owner`) is signed with that tenant's `webhook_secret`;
-  other jobs, and tenants without a secret of their own, with WEBHOOK_SECRET (unsigned if empty).
-  Receivers deduplicate on `X-Conveyor-Job`.
+  other jobs, and tenants without a secret of their own, with WEBHOOK_SECRET (unsigned if empty); a
+  batch's event likewise by its owner. Receivers deduplicate on `X-Conveyor-Job` (a batch's event:
+  `X-Conveyor-Batch`, and its id, the same for every delivery).
 
 Logs show a webhook URL as scheme://host[:port]/… only (`redact`).
 """
@@ -23,6 +27,7 @@ import hashlib
 import hmac
 import http.client
 import ipaddress
+import json
 import socket
 import ssl
 import threading
@@ -50,6 +55,7 @@ METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "168.63.129.16",  # Azure host endpoint (a public-looking address)
 ))
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+BATCH_ENDS = ("completed", "failed", "expired", "cancelled")  # a batch's ends (api/batches.py ENDS): event types
 
 
 def sign(body: bytes, secret: str, timestamp: str) -> str:
@@ -192,12 +198,28 @@ class WebhookSender:
         secret = text(tenant_secret[0]) if tenant_secret and tenant_secret[0] else self.settings.webhook_secret
         return self.post(url, Job.from_record(rec).model_dump_json().encode(), job_id, secret)
 
-    def post(self, url: str, body: bytes, job_id: str, secret: str = "") -> str | None:
-        """POST `body` to `url` within WEBHOOK_TIMEOUT_S, all told. Returns None on a 2xx answer,
-        else why the delivery failed (a redirect is a failure: the target could be anywhere)."""
+    def send_batch(self, batch_id: str) -> str | None:
+        """POST an ended batch's event to the webhook it was made with. Returns None once delivered (or
+        when there is nothing to send: the batch has expired meanwhile, or has no webhook), else why not."""
+        rec = {text(k): text(v) for k, v in self.client.hgetall(names.batch_key(batch_id)).items()}
+        status, url = rec.get("status", ""), rec.get("webhook_url", "")
+        if status not in BATCH_ENDS or not url:
+            return None
+        owner = rec.get("owner", "")
+        tenant_secret = text(self.client.hget(names.tenant_key(owner), "webhook_secret")) if owner else ""
+        event = {"object": "event", "id": "evt_" + batch_id.removeprefix("batch_"), "type": f"batch.{status}",
+                 "created_at": int(float(rec.get(f"{status}_at") or time.time())), "data": {"id": batch_id}}
+        body = json.dumps(event, separators=(",", ":")).encode()
+        return self.post(url, body, batch_id, tenant_secret or self.settings.webhook_secret, "X-Conveyor-Batch")
+
+    def post(self, url: str, body: bytes, job_id: str, secret: str = "", id_header: str = "X-Conveyor-Job"
+             ) -> str | None:
+        """POST `body` to `url` within WEBHOOK_TIMEOUT_S, all told, with `job_id` in `id_header`. Returns
+        None on a 2xx answer, else why the delivery failed (a redirect is a failure: the target could be
+        anywhere)."""
         timeout = self.settings.webhook_timeout_s
         deadline = time.monotonic() + timeout
-        headers = {"Content-Type": "application/json", "User-Agent": "conveyor-webhook", "X-Conveyor-Job": job_id}
+        headers = {"Content-Type": "application/json", "User-Agent": "conveyor-webhook", id_header: job_id}
         if secret:
             ts = str(int(time.time()))
             headers["X-Conveyor-Timestamp"] = ts

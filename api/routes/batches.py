@@ -6,14 +6,15 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 
+from api import file_parquet
 from api.auth import CallerDep
 from api.batches import Batches, batch_object
 from api.errors import ApiError
-from api.files import PURPOSES, FileStore, file_object
-from shared.limits import Name
+from api.files import PURPOSES, FileStore, TooLarge, file_object
+from shared.limits import Name, WebhookUrl
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 UPLOAD_CHUNK = 256 * 1024
@@ -42,10 +43,13 @@ async def upload(request: Request, caller: CallerDep, file: Annotated[UploadFile
         while chunk := await file.read(UPLOAD_CHUNK):
             yield chunk
 
+    cap = caller.tenant.max_file_bytes if caller.tenant else 0
     try:
-        return await _files(request).upload(caller.owner, purpose, file.filename or "upload.jsonl", chunks())
+        return await _files(request).upload(caller.owner, purpose, file.filename or "upload.jsonl", chunks(), cap)
+    except TooLarge as exc:
+        raise ApiError(413, str(exc), param="file") from None
     except ValueError as exc:
-        raise ApiError(413 if "larger" in str(exc) else 400, str(exc), param="file") from None
+        raise ApiError(400, str(exc), param="file") from None
 
 
 @router.get("/files", response_model=None)
@@ -67,11 +71,18 @@ async def get_file(file_id: str, request: Request, caller: CallerDep) -> Any:
 
 
 @router.get("/files/{file_id}/content", response_model=None)
-async def file_content(file_id: str, request: Request, caller: CallerDep) -> Any:
+async def file_content(file_id: str, request: Request, caller: CallerDep,
+                       fmt: Annotated[str, Query(alias="format")] = "jsonl") -> Any:
+    """The file as uploaded (JSONL), or with `format=parquet` its lines as a Parquet table (api/file_parquet.py)."""
+    if fmt not in ("jsonl", "parquet"):
+        raise ApiError(400, "format must be 'jsonl' or 'parquet'", param="format")
     files = _files(request)
     meta = await files.meta(file_id, caller.owner)
     if meta is None:
         raise _no_file(file_id)
+    if fmt == "parquet":
+        return Response(await file_parquet.parquet_of(files.lines(meta), meta["purpose"]),
+                        media_type=file_parquet.MEDIA_TYPE)
     return StreamingResponse(files.content(meta), media_type="application/jsonl")
 
 
@@ -90,6 +101,7 @@ class BatchRequest(BaseModel):
     endpoint: Name
     completion_window: str = "24h"
     metadata: Annotated[dict[Name, Name], Field(max_length=16)] | None = None
+    webhook_url: WebhookUrl | None = None  # POSTed an event (batch.completed, ...) once the batch ends
 
 
 def _no_batch(batch_id: str) -> ApiError:
@@ -101,7 +113,8 @@ async def create_batch(body: BatchRequest, request: Request, caller: CallerDep) 
     """Check every line of the input file (a bad line goes to the error file) and start the rest."""
     if body.completion_window != "24h":
         raise ApiError(400, "completion_window must be '24h'", param="completion_window")
-    return await _batches(request).create(caller.owner, body.input_file_id, body.endpoint, body.metadata)
+    return await _batches(request).create(caller.tenant, body.input_file_id, body.endpoint, body.metadata,
+                                          body.webhook_url)
 
 
 @router.get("/batches/{batch_id}", response_model=None)

@@ -73,8 +73,9 @@ TAIL = Script("tail")
 FAIR_PUSH = Script("fair_push")
 FAIR_POP = Script("fair_pop")
 BATCH_RESULT = Script("batch_result")
+FILE_BYTES = Script("file_bytes")
 ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL, FAIR_PUSH,
-       FAIR_POP, BATCH_RESULT)
+       FAIR_POP, BATCH_RESULT, FILE_BYTES)
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:

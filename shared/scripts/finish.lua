@@ -6,7 +6,8 @@
 --       12.. field/value pairs to set on the record
 -- A job still waiting in the fair queue (shared/fair_queue.py) leaves it. Sets the terminal state, appends `done` to the event stream and publishes it, starts the retention
 -- clock of the job's keys and appends the job to the ended stream (the after-job work). A tenant's job
--- leaves its unfinished count and gives back the tokens it reserved and did not use; the tenant's keys
+-- leaves its unfinished count and gives back the tokens it reserved and did not use (to the bucket it
+-- reserved from: `tokens`, or `batch_tokens` for a batch line, whose record says budget=batch); the tenant's keys
 -- are named from the partition prefix (a tenant's jobs live in its partition) as shared/names.py names them (tenant_active_key, tenant_bucket_key, tenant_key).
 -- Returns the done event's seq; 0 if the job had already ended (or was not in the required status);
 --   -1 if it does not exist.
@@ -39,10 +40,12 @@ redis.call('XADD', ended, 'MAXLEN', '~', ended_cap, '*', 'job_id', job_id)
 local owner = redis.call('HGET', job, 'owner')
 if owner and owner ~= '' then
   redis.call('DECR', prefix .. ':active:' .. owner)
-  local rec = redis.call('HMGET', job, 'reserved_tokens', 'prompt_tokens', 'completion_tokens')
+  local rec = redis.call('HMGET', job, 'reserved_tokens', 'prompt_tokens', 'completion_tokens', 'budget')
   local refund = (tonumber(rec[1]) or 0) - (tonumber(rec[2]) or 0) - (tonumber(rec[3]) or 0)
-  local tpm = tonumber(redis.call('HGET', prefix .. ':tenant:' .. owner, 'tpm') or '0') or 0
-  local bucket = prefix .. ':bucket:' .. owner .. ':tokens'
+  local cap, kind = 'tpm', 'tokens'
+  if rec[4] == 'batch' then cap, kind = 'batch_tpm', 'batch_tokens' end -- a batch line's own bucket (submit.lua)
+  local tpm = tonumber(redis.call('HGET', prefix .. ':tenant:' .. owner, cap) or '0') or 0
+  local bucket = prefix .. ':bucket:' .. owner .. ':' .. kind
   local left = tonumber(redis.call('HGET', bucket, 't') or '')
   if refund > 0 and tpm > 0 and left then redis.call('HSET', bucket, 't', math.min(tpm, left + refund)) end
 end

@@ -2,11 +2,14 @@
 -- service-wide queue cap, then the record (with its tenant's fair-share weight), its queue ordinal and the
 -- `jobs` entry. A refusal stores nothing.
 -- KEYS: 1 job hash, 2 jobs stream, 3 submitted counter, 4 dequeued counter, 5 tenant hash,
---       6 tenant's requests bucket, 7 tenant's tokens bucket, 8 tenant's unfinished jobs, 9 idempotency key
+--       6 tenant's requests bucket, 7 tenant's tokens bucket (its batch_tokens bucket for a batch line),
+--       8 tenant's unfinished jobs, 9 idempotency key
 -- ARGV: 1 ttl (s), 2 now (unix s), 3 owner ('' no tenant: KEYS 5-8 unused, the job key stands in), 4 tokens to reserve,
 --       5 most jobs waiting in the partition (0 no cap), 6 idempotency ttl (0 no key), 7 request digest,
 --       8 the jobs stream's approximate cap, 9 job-hash key prefix, 10 job id, 11 request JSON,
---       12.. record field/value pairs
+--       12 budget: 'interactive' (rpm and tpm) or 'batch' (no rpm; tokens from KEYS[7] at the tenant's
+--       batch_tpm, a line costlier than a whole minute's waits for a full bucket; recorded as the job's
+--       `budget`, so finish.lua refunds to that bucket), 13.. record field/value pairs
 -- Returns {1, ordinal, dequeued, rpm, requests left, requests reset ms, tpm, tokens left, tokens reset ms};
 --   {2, job id} an idempotent replay, or this very call sent again; {-1} unknown or disabled tenant;
 --   {-2, retry ms, rpm, reset ms} over
@@ -17,7 +20,7 @@ local job, jobs, submitted, dequeued_key, tenant = KEYS[1], KEYS[2], KEYS[3], KE
 local requests_bucket, tokens_bucket, active, idem = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local ttl, now, owner, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local max_waiting, idem_ttl, digest, jobs_cap = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-local job_prefix, job_id, request = ARGV[9], ARGV[10], ARGV[11]
+local job_prefix, job_id, request, budget = ARGV[9], ARGV[10], ARGV[11], ARGV[12]
 -- the same call sent again (its reply was lost to a dropped connection) finds its job: enqueued and
 -- charged once; the caller knows the id for its own
 if redis.call('EXISTS', job) == 1 then return {2, job_id} end
@@ -42,10 +45,14 @@ local function bucket(key, cap, take)
 end
 local rpm, tpm, r_left, r_reset, t_left, t_reset, weight = 0, 0, -1, 0, -1, 0, '1'
 if owner ~= '' then
-  local t = redis.call('HMGET', tenant, 'disabled', 'rpm', 'tpm', 'max_queued', 'weight')
+  local t = redis.call('HMGET', tenant, 'disabled', 'rpm', 'tpm', 'max_queued', 'weight', 'batch_tpm')
   weight = t[5] or '1'
   if not t[1] or t[1] == '1' then return {-1} end
   rpm, tpm = tonumber(t[2]) or 0, tonumber(t[3]) or 0
+  if budget == 'batch' then
+    rpm, tpm = 0, tonumber(t[6]) or 0
+    if tpm > 0 then cost = math.min(cost, tpm) end
+  end
   local maxq = tonumber(t[4]) or 0
   if maxq > 0 and tonumber(redis.call('GET', active) or '0') >= maxq then return {-4, maxq} end
   local ok, retry
@@ -74,8 +81,9 @@ if owner ~= '' then
 end
 if idem_ttl ~= '0' then redis.call('SET', idem, job_id .. ':' .. digest, 'EX', tonumber(idem_ttl)) end
 local ordinal = redis.call('INCR', submitted)
-for i = 12, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+for i = 13, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 redis.call('HSET', job, 'ordinal', ordinal, 'owner', owner, 'reserved_tokens', cost, 'weight', weight)
+if budget == 'batch' then redis.call('HSET', job, 'budget', budget) end
 redis.call('EXPIRE', job, ttl)
 redis.call('XADD', jobs, 'MAXLEN', '~', jobs_cap, '*', 'job_id', job_id, 'request', request)
 return {1, ordinal, dequeued, rpm, math.floor(r_left), math.ceil(r_reset * 1000), tpm, math.floor(t_left),

@@ -1,6 +1,7 @@
 """The Files and Batch APIs through the official openai SDK, against the running stack (tiny model): a batch
-with malformed lines runs the rest, its output and error files parse, counts and custom ids match; a batch
-cancelled midway keeps its finished lines; bounds answer the right 4xx (another key: tests/api/test_tenants.py)."""
+with malformed lines runs the rest, its output and error files parse, counts and custom ids match, and read back
+as Parquet tables; a batch cancelled midway keeps its finished lines; bounds answer the right 4xx (another key:
+tests/api/test_tenants.py; per-key caps, expiry and webhooks: tests/api/test_batch_limits.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import socket
 
 import openai
+import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import until
@@ -96,3 +98,39 @@ def test_bounds_and_unknowns(oai: openai.OpenAI, tiny_stack) -> None:  # type: i
         oai.files.retrieve(f.id)
     with pytest.raises(openai.NotFoundError):
         oai.batches.retrieve("batch_nothing")
+
+
+def _parquet(oai: openai.OpenAI, file_id: str) -> list[dict[str, object]]:
+    got = oai.files.content(file_id, extra_query={"format": "parquet"})
+    assert got.response.headers["content-type"] == "application/vnd.apache.parquet"
+    return pq.read_table(io.BytesIO(got.content)).to_pylist()  # type: ignore[no-any-return]
+
+
+def test_files_read_back_as_parquet(oai: openai.OpenAI) -> None:
+    model = oai.models.list().data[0].id
+    lines: list[object] = [_line(i, model) for i in range(3)]
+    lines.insert(1, b"{not json")
+    lines.append(_line(9, model, temperature=7))
+    f = oai.files.create(file=("in.jsonl", io.BytesIO(_jsonl(lines))), purpose="batch")
+    rows = _parquet(oai, f.id)
+    assert [r["custom_id"] for r in rows] == ["req-0", None, "req-1", "req-2", "req-9"]
+    assert rows[1] == {"custom_id": None, "method": None, "url": None, "body": None}  # the line that is not JSON
+    assert rows[0]["method"] == "POST" and rows[0]["url"] == "/v1/chat/completions"
+    assert json.loads(rows[0]["body"]) == lines[0]["body"]  # type: ignore[index,arg-type]
+    batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    done = _wait(oai, batch.id, ("completed", "failed"))
+    assert done.status == "completed"
+    jsonl = {o["custom_id"]: o for o in map(json.loads, oai.files.content(done.output_file_id).text.splitlines())}
+    out = _parquet(oai, done.output_file_id)
+    assert sorted(r["custom_id"] for r in out) == ["req-0", "req-1", "req-2"]
+    for r in out:
+        want = jsonl[r["custom_id"]]
+        assert r["id"] == want["id"] and r["status_code"] == 200 and r["request_id"] == want["response"]["request_id"]
+        assert json.loads(r["body"]) == want["response"]["body"]
+        assert r["error_code"] is None and r["error_message"] is None
+    errors = _parquet(oai, done.error_file_id)
+    assert {r["custom_id"] for r in errors} == {None, "req-9"}
+    assert all(r["status_code"] is None and r["body"] is None and r["error_code"] and r["error_message"]
+               for r in errors)
+    with pytest.raises(openai.BadRequestError, match="format"):
+        oai.files.content(f.id, extra_query={"format": "csv"})
