@@ -197,3 +197,9 @@ def _generation(**fields: Any) -> GenerationRequest:
         err = exc.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ()))
         raise ApiError(422, f"{where}: {err.get('msg', 'invalid')}", param=where or None) from None
+
+
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor-paginated list: `data` with its first and last ids."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}

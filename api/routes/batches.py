@@ -14,6 +14,7 @@ from api.auth import CallerDep
 from api.batches import Batches, batch_object
 from api.errors import ApiError
 from api.files import PURPOSES, FileStore, TooLarge, file_object
+from api.openai_schemas import list_page
 from shared.limits import Name, WebhookUrl
 
 router = APIRouter(prefix="/v1", tags=["batches"])
@@ -58,8 +59,7 @@ async def list_files(request: Request, caller: CallerDep, limit: Annotated[int, 
     data, more = await _files(request).listing(caller.owner, limit, after)
     if purpose in PURPOSES:
         data = [f for f in data if f["purpose"] == purpose]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": more}
+    return list_page(data, more)
 
 
 @router.get("/files/{file_id}", response_model=None)
@@ -129,8 +129,7 @@ async def get_batch(batch_id: str, request: Request, caller: CallerDep) -> Any:
 async def list_batches(request: Request, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=100)] = 20,
                        after: str | None = None) -> Any:
     data, more = await _batches(request).listing(caller.owner, limit, after)
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": more}
+    return list_page(data, more)
 
 
 @router.post("/batches/{batch_id}/cancel", response_model=None)

@@ -19,6 +19,7 @@ from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot
 from api.choices import wait_all
 from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError
+from api.openai_schemas import list_page
 from api.quota import ThroughputDep, admit
 from api.relay import Relay
 from api.responses import (
@@ -153,8 +154,7 @@ async def input_items(response_id: str, store: StoreDep, caller: CallerDep) -> A
             content = [{"type": "input_text", "text": content}]
         items.append({"id": f"msg_{job.id.removeprefix('job_')}_{i}", "type": "message", "status": "completed",
                       "role": item.get("role", "user"), "content": content})
-    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": False}
+    return list_page(items, False)
 
 
 async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any], after: int,
