@@ -15,8 +15,10 @@ from harness.models import make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
+from workers.tokenizer.grammar import GrammarCompiler
 
 __all__ = ["ROOT", "Stack", "start_stack", "stop_stack"]
+GRAMMAR_TTL_S = 600  # compiled grammars' TTL in the grammar_compiler fixture
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +42,31 @@ def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture(scope="session")
+def bytes_db(redis_url: str) -> Iterator[redis.Redis]:
+    """redis_db's database (db 15) as bytes, for what stores binary values (compiled grammars)."""
+    client = redis.Redis.from_url(redis_url.rsplit("/", 1)[0] + "/15")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def _grammar_compiler(model_path: str, bytes_db: redis.Redis) -> Iterator[GrammarCompiler]:
+    compiler = GrammarCompiler(model_path, bytes_db, GRAMMAR_TTL_S)
+    compiler.warm()
+    yield compiler
+    compiler.close()
+
+
+@pytest.fixture
+def grammar_compiler(_grammar_compiler: GrammarCompiler, redis_db: redis.Redis) -> GrammarCompiler:
+    """The tokenizer pool's grammar compiler for the default model, storing in db 15 (flushed for each test,
+    so it forgets what it stored); its child process (~3.5 s to start: xgrammar, torch, the tokenizer) is one
+    for the session."""
+    _grammar_compiler.forget()
+    return _grammar_compiler
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import httpx
 import redis
 
 from harness.sse import iter_sse, read_events, tokens_text
+from shared.grammar import GrammarSpec, from_openai
 from shared.jobs import TERMINAL
 
 __all__ = ["blocked_on", "chat", "iter_sse", "read_events", "submit", "tokens_text", "until", "wait"]
@@ -57,3 +58,10 @@ def blocked_on(r: redis.Redis, command: str) -> list[dict[str, str]]:
     db = str(r.connection_pool.connection_kwargs.get("db", 0))
     return [c for c in r.client_list() if c.get("cmd") == command and "b" in c.get("flags", "")
             and c.get("db") == db]
+
+
+def grammar_spec(**params: object) -> GrammarSpec:
+    """The grammar an OpenAI request's structured-output fields ask for (guided_json=..., response_format=...)."""
+    spec = from_openai(**params)  # type: ignore[arg-type]
+    assert spec is not None
+    return spec

@@ -3,49 +3,27 @@ pool stored, keeps a bounded LRU, and compiles a grammar itself when the stored 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import redis
 import xgrammar as xgr
 
 from gpu_worker.grammar import GrammarLoader
 from shared import names
-from shared.grammar import GrammarError, GrammarSpec, from_openai
+from shared.grammar import GrammarError, GrammarSpec
 from shared.model_config import vocab_size
-from shared.redis_client import sync_client
+from tests.helpers import grammar_spec
 from workers.tokenizer.grammar import GrammarCompiler
 
 CODE = r"[0-9]{3}-[a-z]+"
 
 
-@pytest.fixture(scope="module")
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = sync_client(redis_url.rsplit("/", 1)[0] + "/15", decode=False)  # redis_db's database, as bytes
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def compiler(model_path: str, client: redis.Redis) -> Iterator[GrammarCompiler]:
-    c = GrammarCompiler(model_path, client, 600)
-    c.warm()  # its child starts (~3.5 s) while the loader builds its tokenizer description
-    yield c
-    c.close()
-
-
 @pytest.fixture
-def loader(model_path: str, client: redis.Redis, redis_db: redis.Redis, compiler: GrammarCompiler) -> GrammarLoader:
-    made = GrammarLoader(model_path, client, vocab_size(model_path) or 0, capacity=2)
+def loader(model_path: str, bytes_db: redis.Redis, redis_db: redis.Redis,
+           grammar_compiler: GrammarCompiler) -> GrammarLoader:
+    made = GrammarLoader(model_path, bytes_db, vocab_size(model_path) or 0, capacity=2)
     made.info()  # the tokenizer's description: built once per process (~1.3 s)
-    compiler.prepare(GrammarSpec("regex", "warm"))  # and the compiler's child ready
+    grammar_compiler.prepare(GrammarSpec("regex", "warm"))  # and the compiler's child ready
     return made
-
-
-def _spec(**params: object) -> GrammarSpec:
-    spec = from_openai(**params)  # type: ignore[arg-type]
-    assert spec is not None
-    return spec
 
 
 def _matches(compiled: xgr.CompiledGrammar, text: str) -> bool:
@@ -53,10 +31,10 @@ def _matches(compiled: xgr.CompiledGrammar, text: str) -> bool:
     return bool(matcher.accept_string(text)) and bool(matcher.is_completed())
 
 
-def test_it_loads_what_the_tokenizer_pool_stored(compiler: GrammarCompiler, loader: GrammarLoader,
+def test_it_loads_what_the_tokenizer_pool_stored(grammar_compiler: GrammarCompiler, loader: GrammarLoader,
                                                  redis_db: redis.Redis) -> None:
-    spec = _spec(guided_regex=CODE)
-    compiler.prepare(spec)
+    spec = grammar_spec(guided_regex=CODE)
+    grammar_compiler.prepare(spec)
     compiled = loader.load(spec.key, spec)
     assert (loader.loaded, loader.compiled) == (1, 0)
     assert _matches(compiled, "123-abc") and not _matches(compiled, "12-abc")
@@ -65,18 +43,18 @@ def test_it_loads_what_the_tokenizer_pool_stored(compiler: GrammarCompiler, load
 
 
 def test_a_missing_or_unreadable_copy_is_compiled_here(loader: GrammarLoader, redis_db: redis.Redis) -> None:
-    spec = _spec(guided_json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
+    spec = grammar_spec(guided_json={"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})
     compiled = loader.load(spec.key, spec)  # nothing stored (expired)
     assert (loader.loaded, loader.compiled) == (0, 1)
     assert _matches(compiled, '{"ok": true}')
-    other = _spec(guided_choice=["yes", "no"])
+    other = grammar_spec(guided_choice=["yes", "no"])
     redis_db.set(names.grammar_key(other.key), '{"written by": "another xgrammar"}')
     assert _matches(loader.load(other.key, other), "no")
     assert (loader.loaded, loader.compiled) == (0, 2)
 
 
 def test_the_cache_is_bounded(loader: GrammarLoader) -> None:
-    specs = [_spec(guided_regex=f"[a-z]{{{n}}}") for n in (1, 2, 3)]
+    specs = [grammar_spec(guided_regex=f"[a-z]{{{n}}}") for n in (1, 2, 3)]
     first = loader.load(specs[0].key, specs[0])
     loader.load(specs[1].key, specs[1])
     loader.load(specs[2].key, specs[2])

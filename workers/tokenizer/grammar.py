@@ -82,6 +82,10 @@ class GrammarCompiler:
             while len(self._recent) > RECENT_MAX:
                 self._recent.popitem(last=False)
 
+    def forget(self) -> None:
+        """Forget which grammars were stored lately (their store was emptied): the next prepare looks again."""
+        self._recent.clear()
+
     def close(self) -> None:
         with self._lock:
             self._stop()
