@@ -131,27 +131,28 @@ def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, c
 
 def test_sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     w = spawn_inference(rstack, tmp_path / "d.log")
-    wait_worker(rstack, w.pid)
-    short = submit(client, prompt="Hello there", max_tokens=40, temperature=0, ignore_eos=True)
-    long = submit(client, **{**BODY, "max_tokens": 500})  # outlasts the grace period
-    deadline = time.monotonic() + 60
-    while client.get(f"/v1/jobs/{long['id']}").json()["usage"]["completion_tokens"] < 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    t0 = time.monotonic()
-    w.send_signal(signal.SIGTERM)
-    # whatever it could not finish in time is handed back and another worker, starting meanwhile, completes it
-    w2 = spawn_inference(rstack, tmp_path / "d2.log")
+    w2 = None
     try:
+        wait_worker(rstack, w.pid)
+        short = submit(client, prompt="Hello there", max_tokens=40, temperature=0, ignore_eos=True)
+        long = submit(client, **{**BODY, "max_tokens": 500})  # outlasts the grace period
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/jobs/{long['id']}").json()["usage"]["completion_tokens"] < 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        w.send_signal(signal.SIGTERM)
+        # whatever it could not finish in time is handed back and another worker, starting meanwhile, completes it
+        w2 = spawn_inference(rstack, tmp_path / "d2.log")
         assert w.wait(timeout=20) == 0
         assert time.monotonic() - t0 < 1 + 10  # the grace period plus shutdown
         for j in (short, long):
             assert wait(client, j["id"], timeout=120)["status"] == "succeeded"
-    finally:
-        if w.poll() is None:
-            w.kill()
-        w2.terminate()
-        w2.wait(30)
+    finally:  # a worker this test started never outlives it
+        for proc in (w, w2):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
 
 
 def test_idempotency_key_returns_same_job(client: httpx.Client) -> None:
