@@ -2,8 +2,13 @@
 lines/s and output tok/s of an N-line batch (upload to completion) against the N requests at 32 concurrent
 streams; and an interactive stream's TTFT with no batch running against during one.
 
+`--waves`: the engine in process, in engine steps (what the machine's load does not change): every slot runs
+a batch line (priority 1000) of 32 tokens, all started together, and an interactive request (priority 0)
+arrives k decode steps into them; the steps until its first token, for k = 0, 4, ..., 28.
+
     .venv/bin/python -m bench.batch                  # the default model, 1,000 lines x 32 tokens, 2 rounds
     .venv/bin/python -m bench.batch --quick          # seconds: the tiny model, 40 lines x 8 tokens, 1 round
+    .venv/bin/python -m bench.batch --waves          # the default model in process, 64 slots
 """
 
 from __future__ import annotations
@@ -69,6 +74,43 @@ def ttft(oai: openai.OpenAI, model: str, probes: int) -> list[float]:
     return out
 
 
+def waves(model: str, slots: int, tokens: int) -> list[tuple[int, int, float]]:
+    """(k, engine steps, seconds) from an interactive request's arrival k decode steps into a wave of batch
+    lines filling every slot to its first token (`--waves`)."""
+    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from shared.limits import PRIORITY_MAX
+    from shared.model_config import checkpoint_dtype
+
+    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=slots, checkpoint_dtype=checkpoint_dtype(model)))
+
+    def prompt(w: int, i: int) -> list[int]:  # distinct: none is served from another's prefix
+        return [100 + (w * 131 + i * 7 + j) % 9000 for j in range(40)]
+
+    out = []
+    for w, k in enumerate([0, 0, 4, 8, 12, 16, 20, 24, 28]):  # the first wave warms up
+        lines = [f"w{w}l{i}" for i in range(slots)]
+        for i, rid in enumerate(lines):
+            engine.add_request(Request(rid, prompt(w, i), max_tokens=tokens, temperature=1.0, seed=i,
+                                       ignore_eos=True, priority=PRIORITY_MAX))
+        begun: set[str] = set()
+        while len(begun) < slots:
+            begun |= {o.id for o in engine.step() if o.token_ids}
+        for _ in range(k):
+            engine.step()
+        probe = f"w{w}probe"
+        engine.add_request(Request(probe, prompt(w, slots), max_tokens=8, temperature=1.0, ignore_eos=True))
+        t, steps = time.perf_counter(), 1
+        while not any(o.id == probe and o.token_ids for o in engine.step()):
+            steps += 1
+        if w:
+            out.append((k, steps, time.perf_counter() - t))
+        for rid in [*lines, probe]:
+            engine.abort_request(rid)
+        while engine.has_unfinished():
+            engine.step()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
@@ -78,8 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probes", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--waves", action="store_true", help="the engine in process: TTFT in steps during a batch wave")
+    p.add_argument("--slots", type=int, default=64, help="--waves: the engine's slots (MAX_NUM_SEQS)")
     args = p.parse_args(argv)
     model = quick_model(args.model) if args.quick else (args.model or default_model())
+    if args.waves:
+        rows = waves(model, args.slots, args.tokens)
+        print(f"interactive first token during a wave of {args.slots} batch lines x {args.tokens} tokens, "
+              f"{Path(model).name} in process\n")
+        print("| arrives, steps into the wave | first token after, steps | s |")
+        print("|---:|---:|---:|")
+        for k, steps, s in rows:
+            print(f"| {k} | {steps} | {s:.2f} |")
+        print(f"\nsteps: mean {statistics.mean(r[1] for r in rows):.1f}, max {max(r[1] for r in rows)}")
+        return 0
     if args.quick:
         args.lines, args.tokens, args.probes, args.rounds = 40, 8, 2, 1
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:

@@ -2,7 +2,9 @@
 
 A `tokenized` entry carries one job (or, from before the fair queue, several); it is acknowledged once
 every one of them has a recorded end, so a worker that dies leaves each unfinished job claimable. The
-ledger also bounds the jobs in flight, so the reader takes no more jobs than the engine can start soon.
+ledger also bounds the jobs in flight, so the reader takes no more jobs than the engine can start soon, and
+knows each one's tenant and priority: with every slot taken, the reader still takes a job the engine would
+make room for (gpu_worker/reader.py).
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ ACK_ATTEMPTS = 20
 
 class EntryLedger:
     def __init__(self, consumer: StreamConsumer, max_jobs: int, spare: int = 0) -> None:
-        """`max_jobs`: jobs held at once (running or about to); `spare`: more, for jobs of tenants with none
-        here, which the engine gives a slot at once (gpu_worker/engine/scheduler.py)."""
+        """`max_jobs`: jobs held at once (running or about to); `spare`: more, for jobs the engine gives a slot
+        at once (gpu_worker/engine/scheduler.py): of a tenant with none here, or of a better priority than one
+        its tenant runs here."""
         self.consumer = consumer
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
         self._entry_jobs: dict[Ref, set[str]] = {}
         self._job_entry: dict[str, Ref] = {}
-        self._job_tenant: dict[str, str] = {}  # jobs holding a slot -> their fair-queue tenant
+        self._job_class: dict[str, tuple[str, int]] = {}  # jobs holding a slot -> (fair-queue tenant, priority)
         self._max_jobs, self._spare, self._held = max_jobs, spare, 0
 
     def has_room(self, timeout: float) -> bool:
@@ -43,14 +46,17 @@ class EntryLedger:
             return self._max_jobs - self._held
 
     def spare(self) -> int:
-        """How many more jobs of tenants with none here could be taken now, beyond `free`."""
+        """How many more jobs the engine would make room for could be taken now, beyond `free`."""
         with self._lock:
             return self._max_jobs + self._spare - self._held
 
-    def tenants(self) -> set[str]:
-        """The tenants of the jobs held here."""
+    def worst_priorities(self) -> dict[str, int]:
+        """The tenants of the jobs held here, each with the worst (highest) priority among its jobs."""
         with self._lock:
-            return set(self._job_tenant.values())
+            worst: dict[str, int] = {}
+            for tenant, priority in self._job_class.values():
+                worst[tenant] = max(priority, worst.get(tenant, priority))
+            return worst
 
     def open(self, entry_id: Ref, job_ids: Collection[str]) -> None:
         with self._lock:
@@ -58,12 +64,12 @@ class EntryLedger:
             for job_id in job_ids:
                 self._job_entry[job_id] = entry_id
 
-    def take_slot(self, job_id: str, tenant: str = "") -> None:
+    def take_slot(self, job_id: str, tenant: str = "", priority: int = 0) -> None:
         """Before a job of an open entry goes to the engine; blocks while the spare room is full too."""
         with self._room:
             self._room.wait_for(lambda: self._held < self._max_jobs + self._spare)
             self._held += 1
-            self._job_tenant[job_id] = tenant
+            self._job_class[job_id] = (tenant, priority)
 
     def close(self, job_id: str) -> None:
         """The job's end is recorded: free its slot, and acknowledge its entry if it was the last."""
@@ -76,7 +82,7 @@ class EntryLedger:
             complete = not jobs
             if complete:
                 del self._entry_jobs[entry_id]
-            if self._job_tenant.pop(job_id, None) is not None:
+            if self._job_class.pop(job_id, None) is not None:
                 self._held -= 1
                 self._room.notify_all()
         if complete:

@@ -23,7 +23,7 @@ log = logging.getLogger("conveyor.inference")
 
 READ_COUNT = 8
 READ_BLOCK_MS = 500
-ROOM_WAIT_S = 0.1  # a full worker looks this often for a job of a tenant with none here
+ROOM_WAIT_S = 0.1  # a full worker looks this often for a job the engine would make room for
 
 
 class Reader:
@@ -42,12 +42,13 @@ class Reader:
             self.upkeep()
             self._next_upkeep = time.monotonic() + self.refresh_s
         if self.ledger.has_room(ROOM_WAIT_S):
-            # only what can start soon: a job taken waits here in arrival order, out of the fair queue's reach
+            # only what can start soon: a job taken waits here in the engine's order, out of the fair queue's reach
             entries = self.queue.pop(count=max(1, min(READ_COUNT, self.ledger.free())), block_ms=READ_BLOCK_MS)
         elif self.ledger.spare() > 0:
-            # every slot is taken: a job of a tenant with none here may still come in, and the engine gives
-            # it the slot of the tenant running the most (gpu_worker/engine/scheduler.py)
-            entries = self.queue.pop(count=1, block_ms=None, skip=self.ledger.tenants())
+            # every slot is taken: a job may still come in if its tenant has none here, or if its priority is
+            # better than the worst its tenant holds here; the engine gives it the slot of the tenant running
+            # the most, or of its tenant's job of that worse priority (gpu_worker/engine/scheduler.py)
+            entries = self.queue.pop(count=1, block_ms=None, skip=self.ledger.worst_priorities())
         else:
             return
         for entry in entries:

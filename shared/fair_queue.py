@@ -23,10 +23,13 @@ every job is one tenant (`names.ANONYMOUS_TENANT`): first in, first out by prior
 FAIR_SHARE=false queues every tenant's jobs so too.
 
 Which job an engine takes is half of it; a slot is the other. An inference worker takes only what its
-engine can start soon (gpu_worker/reader.py), and with every slot taken it still takes a job of a tenant that
-has none there (`pop(skip=...)`), for which the engine preempts the newest sequence of the tenant running the
-most (gpu_worker/engine/scheduler.py) unless a slot frees within 16 steps anyway: a newcomer waits at most
-that, not a heavy job's whole run.
+engine can start soon (gpu_worker/reader.py). With every slot taken it still takes the jobs its engine makes
+room for (`pop(skip=...)`: each tenant it holds, with the worst priority it holds of that tenant): a job of
+a tenant that has none there, or one of a strictly better priority than the worst its tenant has there (an
+interactive request beside its own batch's lines). The engine (gpu_worker/engine/scheduler.py) gives the
+first the slot of the tenant running the most, the second the slot of its tenant's job of the worst
+priority, unless a slot frees within 16 steps anyway: such a job waits at most that, not for a running
+job's whole run.
 
 With several partitions each is fair on its own: a tenant lives in one partition (its jobs and limits
 do), so fairness holds among the tenants of a partition, and partitions are served in turn.
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +71,13 @@ def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, in
     return [*keys, names.stream(names.JOBS, partition)], args
 
 
-def pop_write(partition: int, consumer: str, count: int, skip: Collection[str] = ()) -> Write:
-    """A fair_pop call: up to `count` jobs for `consumer`, as `tokenized` entries, of tenants not in `skip`."""
+def pop_write(partition: int, consumer: str, count: int, skip: Mapping[str, int] | None = None) -> Write:
+    """A fair_pop call: up to `count` jobs for `consumer`, as `tokenized` entries; a tenant in `skip` is
+    passed over unless its next job's priority is lower than the one given (PRIORITY_MIN: always)."""
     keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "bell")]
+    below = [x for tenant, priority in sorted((skip or {}).items()) for x in (tenant, priority)]
     return ([*keys, names.stream(names.TOKENIZED, partition), names.fair_key(partition, "served")],
-            [names.INFERENCE_GROUP, consumer, count, names.partition_prefix(partition), STREAM_CAP, *sorted(skip)])
+            [names.INFERENCE_GROUP, consumer, count, names.partition_prefix(partition), STREAM_CAP, *below])
 
 
 def push(client: redis.Redis | Any, partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
@@ -100,9 +105,10 @@ class FairQueue:
         self.cluster = isinstance(client, CLUSTER_TYPES)
         self._turn = 0
 
-    def pop(self, count: int, block_ms: int | None, skip: Collection[str] = ()) -> list[Entry]:
-        """Up to `count` jobs, as entries of the `tokenized` streams (pending for this consumer), of tenants
-        not in `skip`. When none waits, waits up to `block_ms` for a doorbell and tries once more."""
+    def pop(self, count: int, block_ms: int | None, skip: Mapping[str, int] | None = None) -> list[Entry]:
+        """Up to `count` jobs, as entries of the `tokenized` streams (pending for this consumer); a tenant in
+        `skip` only for a job of a priority lower than the one given. When none waits, waits up to `block_ms`
+        for a doorbell and tries once more."""
         entries = self._pop_all(count, skip)
         if entries or not block_ms:
             return entries
@@ -114,7 +120,7 @@ class FairQueue:
             rung = self.client.blpop([names.fair_key(p, "bell") for p in names.partitions()], timeout=block_ms / 1000)
         return self._pop_all(count, skip) if rung else []
 
-    def _pop_all(self, count: int, skip: Collection[str]) -> list[Entry]:
+    def _pop_all(self, count: int, skip: Mapping[str, int] | None) -> list[Entry]:
         """One pop per partition, starting at the next in turn, until `count` are taken."""
         entries: list[Entry] = []
         self._turn = (self._turn + 1) % names.PARTITIONS

@@ -157,7 +157,7 @@ class GenerationRequest(SamplingParams):
                        logprobs=self.top_logprobs if wants else -1,
                        prompt_logprobs=-1 if prompt_lp is None else prompt_lp,
                        bias_ids=list(bias), bias_values=[float(v) for v in bias.values()],
-                       grammar_kind=g.kind if g else "", grammar=g.source if g else "")
+                       grammar_kind=g.kind if g else "", grammar=g.source if g else "", priority=self.priority)
 
 
 _SAMPLING = set(SamplingParams.model_fields)
@@ -190,6 +190,9 @@ class Request:
     prompt_logprobs: int = -1  # the same for the prompt's tokens (echo)
     grammar_kind: str = ""  # structured output (shared/grammar.py); '' none
     grammar: str = ""  # its source, canonical
+    # among its tenant's jobs, lower runs first: the fair queue's order, and the engine's (a running job of a worse
+    # priority gives its slot; gpu_worker/engine/scheduler.py)
+    priority: int = 0
     # tokens already generated elsewhere (a resumed job): prefilled after the prompt, not re-emitted;
     # set by the inference worker from the job record, never sent between stages
     resume_ids: list[int] = field(default_factory=list, metadata={"arrow": False})

@@ -1,24 +1,31 @@
 """Which sequences run this step, and how many tokens each computes.
 
-Two queues, as in nano-vllm: `waiting` (FIFO; preempted sequences go back to the front) and
-`running` (admission order). Each step computes one token for every decoding sequence, then spends
-what is left of the token budget on prefill chunks: first for sequences already prefilling, then
-for new admissions. KV memory is counted in blocks (block_manager.py): a sequence is admitted
-when blocks for all its tokens are free (prefix-cache hits cost none), and a decoding sequence
-takes a new block at each block boundary. When none is free, the newest running sequence is
-preempted (its blocks freed) and later recomputed from its prompt plus the tokens it had produced,
-much of it usually from the prefix cache.
+Two queues, as in nano-vllm: `waiting` and `running` (admission order). `waiting` is ordered by priority
+(lower first, vLLM's meaning), then arrival; a preempted sequence goes back at the front of its priority.
+Each step computes one token for every decoding sequence, then spends what is left of the token budget on
+prefill chunks by priority: within a priority, first for sequences already prefilling, then for new
+admissions. (Across tenants too: an inference worker holds only a few jobs beyond its slots, and which
+tenants' jobs reach it is the fair queue's choice, shared/fair_queue.py.) KV memory is counted in blocks
+(block_manager.py): a sequence is admitted when blocks for all its tokens are free (prefix-cache hits cost
+none), and a decoding sequence takes a new block at each block boundary. When none is free, the newest
+sequence's tenant gives one up: its sequence of the worst priority (the newest among equals) is preempted,
+its blocks freed, and later recomputed from its prompt plus the tokens it had produced, much of it usually
+from the prefix cache.
 
 A waiting sequence whose prompt shares full blocks with one still being prefilled (another choice of the
 same prompt, a long common system prompt) waits until those are computed and takes them from the prefix
 cache, rather than computing them twice side by side; the others behind it go on being admitted.
 
-Fair share (shared/fair_queue.py decides which jobs reach an engine) also needs a slot for a newcomer:
-when every slot runs and a waiting sequence's tenant runs nothing here, the newest sequence of the tenant
-running the most (if it runs two or more) is preempted, and the newcomer goes first, unless a running
-sequence ends within FREE_SOON_STEPS anyway. A light tenant then waits at most that many steps for a slot,
-not for a heavy tenant's running job to end. Requests without a tenant (or all
-of one tenant) never preempt each other this way.
+A waiting sequence that cannot start (every slot runs, or too few blocks are free) may take the place of one
+running (`_make_room`, one a step), its victim (`_victim`):
+- priority: of its own tenant, the running sequence of the worst priority (the newest among equals), if that
+  is strictly worse than its own. A batch's lines (priority 1000, api/batches.py) give their slots to the
+  same tenant's interactive requests (0). Equal priorities never preempt each other.
+- fair share: if its tenant runs nothing here, the same of the tenant running the most, if that runs two or
+  more. A light tenant waits for a slot, not for a heavy tenant's running job to end.
+Priority preempts only within a tenant: a tenant's priorities never cost another tenant a running job. The
+sequence given a victim goes first; when a running sequence ends within FREE_SOON_STEPS anyway, it waits for that
+slot instead and nobody is preempted. Requests without a tenant count as one tenant here.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.sequence import SeqStatus, Sequence
 from gpu_worker.engine.step import StepBatch
 
-# a newcomer waits for a slot rather than preempting when a running sequence ends within this many steps
-# (at its max_tokens at the latest)
+# a sequence given a victim waits for a slot rather than preempting when a running sequence ends within this
+# many steps (at its max_tokens at the latest): recomputing the victim would cost more
 FREE_SOON_STEPS = 16
 
 
@@ -44,10 +51,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_fair_preemptions = 0  # of those, made for a tenant that ran nothing (_make_room)
+        # of those, made by _make_room: for a tenant that ran nothing, for a better priority of the same tenant
+        self.num_fair_preemptions = 0
+        self.num_priority_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, first: bool = False) -> None:
+        """Into `waiting` after the sequences of a better or equal priority (`first`: before its equals)."""
+        p = seq.req.priority
+        if not self.waiting or self.waiting[-1].req.priority < p or (not first and self.waiting[-1].req.priority == p):
+            self.waiting.append(seq)
+            return
+        at = next(i for i, w in enumerate(self.waiting) if w.req.priority > p or (first and w.req.priority == p))
+        self.waiting.insert(at, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -66,27 +84,55 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, first=True)
+
+    def _worst(self) -> dict[str, Sequence]:
+        """Per tenant running here, the sequence it gives up first: of its worst priority, the newest."""
+        worst: dict[str, Sequence] = {}
+        for s in self.running:  # admission order: a later one of an equal priority replaces an earlier
+            w = worst.get(s.req.tenant)
+            if w is None or s.req.priority >= w.req.priority:
+                worst[s.req.tenant] = s
+        return worst
+
+    def _victim(self, seq: Sequence, running: Counter[str], worst: dict[str, Sequence]) -> Sequence | None:
+        """The running sequence `seq` may take the place of, if any: its tenant's worst, when of a strictly
+        worse priority (priority); or, when its tenant runs nothing here, the worst of the tenant running the
+        most, when that runs two or more (fair share)."""
+        tenant = seq.req.tenant
+        if running[tenant]:
+            own = worst[tenant]
+            return own if own.req.priority > seq.req.priority else None
+        heaviest, n = running.most_common(1)[0]
+        return worst[heaviest] if tenant and heaviest and n >= 2 else None
+
+    def _blocked(self, seq: Sequence) -> bool:
+        """Whether the sequence cannot start now: every slot runs, or fewer blocks are free than its tokens
+        need (counting none from the prefix cache: a guess on the safe side)."""
+        return (len(self.running) >= self.max_num_seqs
+                or self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_free)
 
     def _make_room(self) -> None:
-        """With every slot running: a waiting sequence whose tenant runs nothing here takes the slot of the
-        newest sequence of the tenant running the most (two or more), which waits behind it."""
-        if len(self.running) < self.max_num_seqs or not self.waiting:
+        """The first waiting sequence that cannot start but has a victim goes first, into the victim's slot
+        (preempted, it waits at the front of its priority), or into the slot of a running sequence that ends
+        within FREE_SOON_STEPS."""
+        if not self.waiting or not self.running:
             return
-        running = Counter(s.req.tenant for s in self.running)
-        newcomer = next((s for s in self.waiting if s.req.tenant and not running[s.req.tenant]), None)
-        if newcomer is None:
+        running, worst = Counter(s.req.tenant for s in self.running), self._worst()
+        for seq in self.waiting:
+            victim = self._victim(seq, running, worst) if self._blocked(seq) else None
+            if victim is not None:
+                break
+        else:
             return
-        if min(s.req.max_tokens - s.num_generated for s in self.running) <= FREE_SOON_STEPS:
-            return  # a slot frees within that many steps anyway: recomputing a victim would cost more
-        heaviest, n = running.most_common(1)[0]
-        if n < 2 or not heaviest:
-            return
-        victim = next(s for s in reversed(self.running) if s.req.tenant == heaviest)
-        self._preempt(victim)
-        self.num_fair_preemptions += 1
-        self.waiting.remove(newcomer)
-        self.waiting.appendleft(newcomer)
+        if min(s.req.max_tokens - s.num_generated for s in self.running) > FREE_SOON_STEPS:
+            self._preempt(victim)
+            if victim.req.tenant == seq.req.tenant:
+                self.num_priority_preemptions += 1
+            else:
+                self.num_fair_preemptions += 1
+        self.waiting.remove(seq)
+        self.waiting.appendleft(seq)
 
     def _fits_ever(self, seq: Sequence) -> bool:
         return (seq.num_tokens < self.max_model_len
@@ -100,13 +146,15 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
-            while not self.blocks.can_append(seq):  # no block for its next token: preempt the newest
-                victim = self.running[-1]
+            while not self.blocks.can_append(seq):  # no block for its next token: the newest's tenant gives one up
+                victim = self._worst()[self.running[-1].req.tenant]
                 if victim is seq and len(self.running) == 1:
                     rejected.append(seq)
                     self.remove(seq)
                     break
                 self._preempt(victim)
+                if victim in decode:  # scheduled already this step: no longer
+                    decode.remove(victim)
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
@@ -115,33 +163,37 @@ class Scheduler:
 
         budget = self.max_num_batched_tokens - len(decode)
         chunks: list[tuple[Sequence, int]] = []
-        for s in self.running:
-            if s.num_uncomputed > 1 and budget > 0:
-                n = min(s.num_uncomputed, budget)
-                chunks.append((s, n))
-                budget -= n
-
+        # prefill by priority; within one, the sequences already prefilling before new admissions
+        prefilling = deque(sorted((s for s in self.running if s.num_uncomputed > 1), key=lambda s: s.req.priority))
         deferred: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._fits_ever(seq):
-                self.waiting.popleft()
-                seq.status = SeqStatus.FINISHED
-                rejected.append(seq)
-                continue
-            if self._prefix_pending(seq):
-                deferred.append(self.waiting.popleft())
-                continue
-            if not self.blocks.allocate(seq):
-                break
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
-            if seq.num_uncomputed == 1:
-                decode.append(seq)
+        admitting = True
+        while budget > 0:
+            admitting = admitting and bool(self.waiting) and len(self.running) < self.max_num_seqs
+            if prefilling and not (admitting and self.waiting[0].req.priority < prefilling[0].req.priority):
+                seq = prefilling.popleft()
+            elif admitting:
+                seq = self.waiting.popleft()
+                if not self._fits_ever(seq):
+                    seq.status = SeqStatus.FINISHED
+                    rejected.append(seq)
+                    continue
+                if self._prefix_pending(seq):
+                    deferred.append(seq)
+                    continue
+                if not self.blocks.allocate(seq):
+                    self.waiting.appendleft(seq)
+                    admitting = False
+                    continue
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                if seq.num_uncomputed == 1:
+                    decode.append(seq)
+                    budget -= 1
+                    continue
             else:
-                chunks.append((seq, n))
+                break
+            n = min(seq.num_uncomputed, budget)
+            chunks.append((seq, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return StepBatch(decode=decode, chunks=chunks), rejected

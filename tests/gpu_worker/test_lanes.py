@@ -158,17 +158,19 @@ def test_ledger_acks_an_entry_when_its_last_job_ends() -> None:
     consumer = FakeConsumer(fail=2)  # the ack is retried through an outage
     ledger = EntryLedger(consumer, max_jobs=2, spare=1)  # type: ignore[arg-type]
     ledger.open("e1", ["j1", "j2"])
-    ledger.take_slot("j1", "heavy")
-    ledger.take_slot("j2", "heavy")
+    ledger.take_slot("j1", "heavy", priority=1000)
+    ledger.take_slot("j2", "heavy", priority=0)
     assert not ledger.has_room(0.01) and ledger.entries() == ["e1"]
-    # full: only a tenant with nothing here may still come in, into the spare room
-    assert ledger.free() == 0 and ledger.spare() == 1 and ledger.tenants() == {"heavy"}
+    # full: only a tenant with nothing here, or a job better than the worst of its tenant here, may still come
+    # in, into the spare room
+    assert ledger.free() == 0 and ledger.spare() == 1 and ledger.worst_priorities() == {"heavy": 1000}
     ledger.close("j1")
     assert consumer.acked == [] and ledger.has_room(0.01) and not ledger.idle()
+    assert ledger.worst_priorities() == {"heavy": 0}
     ledger.close("j1")  # a second report of the same end changes nothing
     assert ledger.free() == 1
     ledger.close("j2")
-    assert consumer.acked == ["e1"] and ledger.idle() and ledger.entries() == [] and ledger.tenants() == set()
+    assert consumer.acked == ["e1"] and ledger.idle() and ledger.entries() == [] and ledger.worst_priorities() == {}
 
 
 def test_control_lane_turns_cancels_into_aborts() -> None:

@@ -22,6 +22,7 @@ from shared.job_ops import FRESH, JobOps, step_write
 from shared.jobs import FinishReason, new_record
 from shared.redis_client import sync_client
 from shared.schemas import TOKENIZED_SCHEMA, Request, from_ipc, requests_batch, to_ipc
+from shared.stream_consumer import Entry
 
 SLOTS = 4
 PROMPT, MAX_TOKENS = 10, 8
@@ -217,16 +218,27 @@ def test_the_tenants_shown_are_bounded_and_the_rest_summed(raw: redis.Redis) -> 
     assert abs(sum(r["share"] for r in shares) - 1) < 1e-9
 
 
-def test_a_full_worker_asks_only_for_tenants_it_does_not_hold(raw: redis.Redis) -> None:
-    """An inference worker with every slot taken passes over the tenants it already runs: it takes the
-    fairest job of another tenant, or nothing (and rings no one)."""
+def _ids(entries: list[Entry]) -> list[str]:
+    return [i for e in entries for i in from_ipc(e.fields[b"batch"], TOKENIZED_SCHEMA).column("id").to_pylist()]
+
+
+def test_a_full_worker_takes_only_what_its_engine_makes_room_for(raw: redis.Redis) -> None:
+    """An inference worker with every slot taken names each tenant it holds with the worst priority it holds
+    of it: it takes a job of another tenant, or a held tenant's job of a strictly better priority (its engine
+    gives that one the slot of the worse), or nothing."""
     sim = Sim(raw, {"heavy": 1.0, "light": 1.0})
-    sim.submit("heavy", 5)
-    assert sim.queue.pop(1, None, skip={"heavy"}) == []
-    [light] = sim.submit("light", 1)
-    taken = sim.queue.pop(1, None, skip={"heavy"})
-    assert [from_ipc(e.fields[b"batch"], TOKENIZED_SCHEMA).column("id").to_pylist() for e in taken] == [[light]]
-    assert sim.waiting("heavy") == 5
+    sim.submit("heavy", 5, priority=1000)  # a batch's lines
+    assert sim.queue.pop(1, None, skip={"heavy": 1000}) == []  # the batch's lines run there: an equal one waits
+    assert sim.queue.pop(1, None, skip={"heavy": 0}) == []  # so does a worse one
+    [light] = sim.submit("light", 1, priority=1000)
+    assert _ids(sim.queue.pop(1, None, skip={"heavy": 1000})) == [light]  # a tenant with nothing there
+    [urgent] = sim.submit("heavy", 1, priority=0)  # an interactive request of the batch's tenant
+    assert sim.queue.pop(1, None, skip={"heavy": 0}) == []
+    assert _ids(sim.queue.pop(1, None, skip={"heavy": 1000})) == [urgent]
+    [negative] = sim.submit("heavy", 1, priority=-3)  # scores below zero: the priority is still read exactly
+    assert sim.queue.pop(1, None, skip={"heavy": -3}) == []
+    assert _ids(sim.queue.pop(1, None, skip={"heavy": -2})) == [negative]
+    assert sim.waiting("heavy") == 5 and sim.waiting("light") == 0
 
 
 def test_fair_share_off_is_one_queue_in_arrival_order(raw: redis.Redis) -> None:
