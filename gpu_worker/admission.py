@@ -59,20 +59,28 @@ class Admission:
         if not started:  # every job already ended (or was cancelled) elsewhere
             self.consumer.ack([entry.ref])
             return
+        # everything read from Redis before the ledger holds the entry: a failure here (Redis gone) leaves nothing
+        # held, and the reader admits the entry whole again once Redis answers (Reader.readmit_forgotten)
+        registers = [self._register(req, took) for req, took in started]
         self.ledger.open(entry.ref, [req.id for req, _ in started])
-        for req, took in started:
-            self.ledger.take_slot(req.id, took.tenant)
-            emitted, seq, lp_bytes = "", took.seq, 0
-            req.tenant = took.tenant
-            if took.code == RESUMED:  # another worker began this job: continue from what it recorded
-                req.resume_ids, emitted, seq, lp_bytes = self.progress(req.id)
-                self.stats.jobs_resumed += 1
-            self.stats.jobs_started += 1
-            self.to_lane.put(Register(
-                job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
-                started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
-                tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes))
+        for (req, took), register in zip(started, registers, strict=True):
+            self.ledger.take_slot(req.id, took.tenant, req.priority)
+            self.to_lane.put(register)
             self.inbox.put(Add(req))
+
+    def _register(self, req: Request, took: StartReply) -> Register:
+        """What the output lane learns of the job before the engine gets it; a resumed job continues from what
+        its earlier worker recorded."""
+        emitted, seq, lp_bytes = "", took.seq, 0
+        req.tenant = took.tenant
+        if took.code == RESUMED:
+            req.resume_ids, emitted, seq, lp_bytes = self.progress(req.id)
+            self.stats.jobs_resumed += 1
+        self.stats.jobs_started += 1
+        return Register(
+            job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
+            started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
+            tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes)
 
     def _attach_grammar(self, req: Request) -> bool:
         """The request's compiled grammar (the tokenizer pool compiled it; gpu_worker/grammar.py loads it), here
