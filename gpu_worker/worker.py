@@ -86,8 +86,9 @@ class InferenceWorker:
         self.from_lane: Queue[LaneReport] = ctx.Queue()
         self.lane = ctx.Process(target=output_lane.main, args=(settings, self.to_lane, self.from_lane, os.getpid()),
                                 name="output-lane", daemon=True)
-        # the engine's slots and a few more, ready when a slot frees (jobs taken beyond that would wait here
-        # first in, first out, out of the fair queue's reach), and as many again for tenants with no job here
+        # the engine's slots and a few more, ready when a slot frees (jobs taken beyond that would wait here,
+        # out of the fair queue's reach), and as many again for jobs the engine makes room for at once: of a
+        # tenant with no job here, or of a better priority than one its tenant runs here
         extra = max(2, settings.max_num_seqs // 8)
         self.ledger = EntryLedger(self.consumer, settings.max_num_seqs + extra, spare=extra)
         jobs = JobOps(self.client, settings.job_ttl_s)
