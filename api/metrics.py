@@ -46,6 +46,15 @@ class SystemCollector:
         for w in inf:
             kv.add_metric([str(w.pid)], w.kv_cache_usage)
         yield kv
+        pre = CounterMetricFamily("conveyor:num_preemptions", "Sequences preempted (recomputed later), by why: "
+                                  "KV blocks ran out, a tenant with none running, a better priority",
+                                  labels=["worker", "reason"])
+        for w in inf:
+            memory = w.preemptions - w.fair_preemptions - w.priority_preemptions
+            for reason, n in (("memory", memory), ("fair_share", w.fair_preemptions),
+                              ("priority", w.priority_preemptions)):
+                pre.add_metric([str(w.pid), reason], n)
+        yield pre
         live = GaugeMetricFamily("conveyor:workers_live", "Workers with a fresh heartbeat", labels=["pool"])
         for pool in names.POOLS:
             live.add_metric([pool], len(snap.workers[pool]))

@@ -91,6 +91,7 @@ class EngineLoop:
         self.stats.running = self.engine.num_running
         self.stats.waiting = self.engine.num_waiting
         self.stats.kv_cache_usage = round(self.engine.kv_usage(), 4)
+        self.stats.preemptions, self.stats.fair_preemptions, self.stats.priority_preemptions = self.engine.preemptions()
         for job_id, t in list(self.early_aborts.items()):
             if now - t > EARLY_ABORT_TTL_S:
                 del self.early_aborts[job_id]

@@ -15,6 +15,10 @@ class WorkerStats:
     generated_tokens: int = 0
     jobs_started: int = 0
     jobs_resumed: int = 0
+    # sequences preempted since the worker started: all of them, and of those for fair share or for priority
+    preemptions: int = 0
+    fair_preemptions: int = 0
+    priority_preemptions: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

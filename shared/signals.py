@@ -75,6 +75,9 @@ class WorkerBeat:
     kv_cache_usage: float = 0.0
     steps: int = 0
     generated_tokens: int = 0
+    preemptions: int = 0  # since the worker started: all, and of those for fair share, for priority
+    fair_preemptions: int = 0
+    priority_preemptions: int = 0
 
     @property
     def held(self) -> int:
@@ -135,7 +138,10 @@ def parse_beat(pool: str, worker_id: str, body: bytes | str | None) -> WorkerBea
     return WorkerBeat(pool, worker_id, pid if isinstance(pid, int) else None, str(data.get("host", "")),
                       running=int(_number(data, "running")), waiting=int(_number(data, "waiting")),
                       kv_cache_usage=float(_number(data, "kv_cache_usage")), steps=int(_number(data, "steps")),
-                      generated_tokens=int(_number(data, "generated_tokens")))
+                      generated_tokens=int(_number(data, "generated_tokens")),
+                      preemptions=int(_number(data, "preemptions")),
+                      fair_preemptions=int(_number(data, "fair_preemptions")),
+                      priority_preemptions=int(_number(data, "priority_preemptions")))
 
 
 def parse_group(groups: list[dict[str, Any]] | Exception, length: int, group: str) -> GroupLag | Uncounted:

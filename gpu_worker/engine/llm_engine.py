@@ -122,8 +122,14 @@ class LLMEngine:
         """Share of the KV blocks held by running sequences (cached blocks nobody holds are free)."""
         return self.blocks.num_used / self.blocks.usable_blocks
 
+    def preemptions(self) -> tuple[int, int, int]:
+        s = self.scheduler
+        return s.num_preemptions, s.num_fair_preemptions, s.num_priority_preemptions
+
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        decoding = any(s.num_uncomputed == 1 for s in self.scheduler.running)
+        self.scheduler.max_num_batched_tokens = self._budgets[0 if decoding else 1]
         batch, rejected = self.scheduler.schedule()
         for seq in rejected:
             outputs.append(self._fail(seq, f"sequence of {seq.num_tokens} tokens does not fit the KV cache "

@@ -45,5 +45,8 @@ class Engine(Protocol):
     def kv_usage(self) -> float:
         """Fraction of the KV-cache budget in use, 0..1."""
 
+    def preemptions(self) -> tuple[int, int, int]:
+        """Sequences preempted so far: all, and of those for fair share and for priority."""
+
     def step(self) -> list[StepOutput]:
         """Run one step; return every request's new tokens and ends."""

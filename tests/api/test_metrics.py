@@ -11,7 +11,7 @@ NAMES = [
     "conveyor:num_requests_waiting", "conveyor:num_requests_running", "conveyor:kv_cache_usage_perc",
     "conveyor:time_to_first_token_seconds", "conveyor:inter_token_latency_seconds",
     "conveyor:e2e_request_latency_seconds", "conveyor:prompt_tokens", "conveyor:generation_tokens",
-    "conveyor:stream_lag", "conveyor:stream_pending", "conveyor:workers_live",
+    "conveyor:stream_lag", "conveyor:stream_pending", "conveyor:workers_live", "conveyor:num_preemptions",
 ]
 
 

@@ -241,8 +241,9 @@ def test_live_means_the_registry_score_is_still_ahead() -> None:
 
 def test_heartbeats_parse_into_typed_gauges() -> None:
     body = b'{"pid": 7, "host": "h", "running": 2, "waiting": 1, "kv_cache_usage": 0.5, "steps": 9, ' \
-           b'"generated_tokens": 40, "jobs_started": 3}'
-    assert parse_beat("inference", "w", body) == WorkerBeat("inference", "w", 7, "h", 2, 1, 0.5, 9, 40)
+           b'"generated_tokens": 40, "jobs_started": 3, "preemptions": 5, "fair_preemptions": 1, ' \
+           b'"priority_preemptions": 2}'
+    assert parse_beat("inference", "w", body) == WorkerBeat("inference", "w", 7, "h", 2, 1, 0.5, 9, 40, 5, 1, 2)
     assert parse_beat("inference", "w", body).held == 3
     for empty in (None, "", "1", "[1]", "{not json", '{"running": "2", "pid": "7"}'):
         assert parse_beat("celery", "c", empty) == WorkerBeat("celery", "c"), empty
