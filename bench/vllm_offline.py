@@ -17,6 +17,7 @@ The driver runs both, each run a fresh process, alternating which goes first, an
 
     .venv/bin/python -m bench.vllm_offline --compare --dtypes float32,bfloat16 --repeats 3
     .venv/bin/python -m bench.vllm_offline --compare --system-words 400 --prefix-caching --max-new 1
+    .venv/bin/python -m bench.vllm_offline --compare --n 32 --max-new 1 --prompt-words 400   # a prefill burst
 """
 
 from __future__ import annotations
@@ -39,14 +40,20 @@ CHECKED = 8  # requests whose greedy token ids are returned, to compare the engi
 DEFAULT_MODEL = str(Path.home() / ".cache/conveyor/models/SmolLM2-135M-Instruct")
 
 
-def messages(n: int, system: str = "") -> list[list[dict]]:
+def messages(n: int, system: str = "", prompt_words: int = 0) -> list[list[dict]]:
+    """n chat requests: the bench prompts round robin, or with `prompt_words` a distinct long one each."""
     out = []
     for i in range(n):
-        m = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        m = [{"role": "user", "content": long_prompt(i, prompt_words) if prompt_words else PROMPTS[i % len(PROMPTS)]}]
         if system:
             m.insert(0, {"role": "system", "content": system})
         out.append(m)
     return out
+
+
+def long_prompt(i: int, words: int) -> str:
+    """Request i's own text of `words` words (~1.2 tokens each): no two requests share more than a few tokens."""
+    return f"Document {i}: " + " ".join(WORDS[(i * 7 + j * (1 + i % 5)) % len(WORDS)] for j in range(words))
 
 
 def run_vllm(args: argparse.Namespace) -> dict:
@@ -61,13 +68,14 @@ def run_vllm(args: argparse.Namespace) -> dict:
               enable_prefix_caching=args.prefix_caching, **extra)
     sp = SamplingParams(temperature=0, max_tokens=args.max_new, ignore_eos=True)
     llm.chat(messages(2), sp, use_tqdm=False)
-    reqs = messages(args.n, args.system)
+    reqs = messages(args.n, args.system, args.prompt_words)
     t0 = time.perf_counter()
     outs = llm.chat(reqs, sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     ttfts = [o.metrics.first_token_latency for o in outs
              if getattr(o, "metrics", None) is not None and getattr(o.metrics, "first_token_latency", None)]
     return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt,
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
             "ttft_p50": sorted(ttfts)[len(ttfts) // 2] if ttfts else None,
             "ids": [list(o.outputs[0].token_ids) for o in outs[:CHECKED]]}
 
@@ -86,13 +94,16 @@ def run_ours(args: argparse.Namespace) -> dict:
         return tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
 
     out: dict[str, list[int]] = {}
+    prompt_tokens = 0
 
     def generate(reqs: list[list[dict]], tag: str) -> tuple[int, list[float]]:
-        t0 = time.perf_counter()
+        nonlocal prompt_tokens
+        t0 = time.perf_counter()  # from the chat messages, as vLLM's `LLM.chat` (it renders and tokenizes too)
+        prompts = [list(ids(m)) for m in reqs]
+        prompt_tokens = sum(map(len, prompts))
         first: dict[str, float] = {}
-        for i, m in enumerate(reqs):
-            engine.add_request(Request(f"{tag}{i}", list(ids(m)), max_tokens=args.max_new, temperature=0,
-                                       ignore_eos=True))
+        for i, p in enumerate(prompts):
+            engine.add_request(Request(f"{tag}{i}", p, max_tokens=args.max_new, temperature=0, ignore_eos=True))
         n = 0
         while engine.has_unfinished():
             now = None
@@ -105,11 +116,12 @@ def run_ours(args: argparse.Namespace) -> dict:
         return n, sorted(first.values())
 
     generate(messages(2), "w")
-    reqs = messages(args.n, args.system)
+    reqs = messages(args.n, args.system, args.prompt_words)
     t0 = time.perf_counter()
     n, ttfts = generate(reqs, "r")
     dt = time.perf_counter() - t0
-    return {"tokens": n, "seconds": dt, "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None,
+    return {"tokens": n, "seconds": dt, "prompt_tokens": prompt_tokens,
+            "ttft_p50": ttfts[len(ttfts) // 2] if ttfts else None,
             "ids": [out[f"r{i}"] for i in range(min(CHECKED, len(reqs)))]}
 
 
@@ -134,14 +146,17 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
                 res = json.loads(line[-1])
                 print(json.dumps({k: v for k, v in res.items() if k != "ids"}), file=sys.stderr, flush=True)
                 results.setdefault((engine, dtype), []).append(res)
-    print(f"| dtype | vLLM-CPU tok/s | conveyor tok/s | ratio | vLLM s | conveyor s |  (medians of {args.repeats})")
-    print("|---|---|---|---|---|---|")
+    print(f"| dtype | vLLM-CPU tok/s | conveyor tok/s | ratio | vLLM s | conveyor s | prompt tokens | "
+          f"vLLM / conveyor prompt tok/s |  (medians of {args.repeats})")
+    print("|---|---|---|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
-        v = statistics.median(x["tok_s"] for x in results[("vllm", dtype)])
-        o = statistics.median(x["tok_s"] for x in results[("ours", dtype)])
-        vs = statistics.median(x["seconds"] for x in results[("vllm", dtype)])
-        os_ = statistics.median(x["seconds"] for x in results[("ours", dtype)])
-        print(f"| {dtype} | {v:.0f} | {o:.0f} | {o / v:.2f}x | {vs:.2f} | {os_:.2f} |")
+        def med(engine: str, key: str, dtype: str = dtype) -> float:
+            return statistics.median(x[key] for x in results[(engine, dtype)])
+
+        v, o = med("vllm", "tok_s"), med("ours", "tok_s")
+        print(f"| {dtype} | {v:.0f} | {o:.0f} | {o / v:.2f}x | {med('vllm', 'seconds'):.2f} | "
+              f"{med('ours', 'seconds'):.2f} | {med('ours', 'prompt_tokens'):.0f} | "
+              f"{med('vllm', 'prompt_tok_s'):.0f} / {med('ours', 'prompt_tok_s'):.0f} |")
     for dtype in args.dtypes.split(","):
         a, b = results[("vllm", dtype)][-1]["ids"], results[("ours", dtype)][-1]["ids"]
         same = sum(x == y for x, y in zip(a, b))
@@ -171,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per step for both engines (0: each engine's default; vLLM's is 4096, ours 256 on CPU)")
     p.add_argument("--system-words", type=int, default=0,
                    help="a system prompt of about this many words (~1.2 tokens each), shared by every request")
+    p.add_argument("--prompt-words", type=int, default=0,
+                   help="instead of the bench prompts, a distinct prompt of about this many words per request "
+                        "(~1.2 tokens each; with --max-new 1: a prefill burst)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--quick", action="store_true", help="seconds: our engine on a tiny random model (unless --model)")
     args = p.parse_args(argv)
@@ -181,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         args.engine, args.n, args.max_new = "ours", 4, 4
     args.system = " ".join(WORDS[i % len(WORDS)] for i in range(args.system_words))
     res = run_vllm(args) if args.engine == "vllm" else run_ours(args)
-    res.update(engine=args.engine, dtype=args.dtype, tok_s=round(res["tokens"] / res["seconds"], 1))
+    res.update(engine=args.engine, dtype=args.dtype, tok_s=round(res["tokens"] / res["seconds"], 1),
+               prompt_tok_s=round(res["prompt_tokens"] / res["seconds"]))
     print(json.dumps(res), flush=True)
     return 0
 

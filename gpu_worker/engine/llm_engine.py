@@ -21,6 +21,10 @@ log = logging.getLogger("conveyor.engine")
 # stalls every decoding row for that long: 256 halves the stall of 512 at equal throughput (BENCHMARKS.md).
 # A GPU step costs about the same from 1 to thousands of tokens, so it takes much more.
 DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
+# Tokens per step when not configured and no sequence is decoding (a burst of new prompts): the step stalls
+# nobody, and on CPU larger steps prefill faster (larger GEMMs, more chunks to each attention call): 32 distinct
+# ~480-token prompts in bf16, 5.6 s at 4,096 against 6.2 s at 256 (BENCHMARKS.md, "Prefill burst").
+DEFAULT_PREFILL_TOKENS = {"cpu": 4096, "cuda": 2048}
 
 
 class LLMEngine:
@@ -31,8 +35,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, model)
         cache = self.runner.cache
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, config.prefix_caching)
-        batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(self.runner.device.type, 512)
+        device = self.runner.device.type
+        batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device, 512)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, batched, self.runner.max_model_len)
+        # tokens per step (while some sequence decodes, while none does): one budget when configured
+        decoding = self.scheduler.max_num_batched_tokens
+        prefill_only = config.max_num_batched_tokens or DEFAULT_PREFILL_TOKENS.get(device, batched)
+        self._budgets = (decoding, max(prefill_only, decoding))
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
 

@@ -10,6 +10,7 @@ import torch
 from gpu_worker.engine.device import DTYPES, resolve_device, resolve_dtype
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.models import AttentionMetadata, Llama, PrefillChunk
+from gpu_worker.engine.models.llama import PrefillBatch
 from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.sampler import Sampler, token_logprobs
 from gpu_worker.engine.sequence import Sequence
@@ -111,6 +112,8 @@ class ModelRunner:
         width, index, mask = self._decode_reads(batch.decode, pos_t)
         chunks = self._prefill_chunks(batch.chunks, len(batch.decode))
         attn = AttentionMetadata(slots, len(batch.decode), width, index, mask, chunks)
+        if chunks and self.model.batch_prefill:
+            attn.prefill = self._prefill_batch(batch.chunks)
         return StepInputs(ids_t, pos_t, attn, *_sampled(batch, chunks))
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
@@ -179,6 +182,18 @@ class ModelRunner:
             out.append(PrefillChunk(p, n, offset, idx))
             offset += n
         return out
+
+    def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> PrefillBatch:
+        """The step's chunks as one padded batch (`PrefillBatch`): what each reads, and where its rows go."""
+        starts, lengths = [s.num_computed for s, _ in chunks], [n for _, n in chunks]
+        rows, width = max(lengths), max(p + n for p, n in zip(starts, lengths))
+        ends = self._to_device([p + n for p, n in zip(starts, lengths)])
+        index, _ = self._gather_index([s.block_table for s, _ in chunks], ends, width)
+        pad_rows = self._to_device([b * rows + i for b, n in enumerate(lengths) for i in range(n)])
+        first = self._to_device(starts)  # query row i of chunk b sits at position starts[b] + i
+        blocked = (torch.arange(width, device=self.device)[None, None, :]
+                   > first[:, None, None] + torch.arange(rows, device=self.device)[None, :, None])
+        return PrefillBatch(starts, lengths, rows, width, index, pad_rows, blocked)
 
     def _gather_index(self, tables: list[list[int]], lengths: torch.Tensor, width: int) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:
