@@ -81,7 +81,7 @@ def _onednn_ok(device: torch.device) -> bool:
 def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) -> tuple[Gemm, Gemm]:
     """(GEMM for the decoder layers, GEMM for the LM head). On CPU, bf16/fp16 use oneDNN throughout;
     float32 switches by row count (`SplitGemm`: F.linear below 3 rows, oneDNN from there). Measured as
-    whole decode steps (BENCHMARKS.md, "Engine against vLLM-CPU"): a float32 step at 32 running takes
+    whole decode steps (docs/bench-log.md, "GEMM"): a float32 step at 32 running takes
     47 ms with oneDNN's reordered weights against 89-98 ms with MKL's packed sgemm and 105 ms with
     F.linear, although timing each weight shape alone (bench/gemm_shapes.py) had favoured MKL."""
     if not _onednn_ok(device):
