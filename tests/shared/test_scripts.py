@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from infra.redis_server import RedisServer
 from shared import names, scripts
 from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, step_write
 from shared.jobs import FinishReason, new_record
@@ -51,8 +52,18 @@ def _commands(client: redis.Redis) -> dict[str, int]:
     return {k: int(v["calls"]) for k, v in client.info("commandstats").items()}
 
 
-def test_a_pipeline_replays_what_answered_noscript_in_order(raw: redis.Redis, redis_server) -> None:  # type: ignore[no-untyped-def]
-    plain = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13")
+@pytest.fixture(scope="module")
+def quiet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A redis-server of its own: its command counts are this module's alone (the session's serves live stacks)."""
+    server = RedisServer(tmp_path_factory.mktemp("quiet-redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_pipeline_replays_what_answered_noscript_in_order(quiet_server: RedisServer) -> None:
+    raw = sync_client(quiet_server.url, decode=False)
+    plain = redis.Redis.from_url(quiet_server.url)
     for transaction in (True, False):
         raw.flushdb()
         raw.script_flush()
@@ -66,6 +77,7 @@ def test_a_pipeline_replays_what_answered_noscript_in_order(raw: redis.Redis, re
         assert stats["cmdstat_evalsha"] == 2 and stats.get("cmdstat_eval", 0) == 0
         assert stats["cmdstat_script"] == len(scripts.ALL)  # the loads, and no SCRIPT EXISTS
     plain.close()
+    raw.close()
 
 
 def test_our_clients_pipelines_replay_noscript_on_their_own(raw: redis.Redis) -> None:
