@@ -36,12 +36,11 @@ class LLMEngine:
         cache = self.runner.cache
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, config.prefix_caching)
         device = self.runner.device.type
+        # tokens per step while some sequence decodes, and while none does: one budget when configured
         batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device, 512)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, batched, self.runner.max_model_len)
-        # tokens per step (while some sequence decodes, while none does): one budget when configured
-        decoding = self.scheduler.max_num_batched_tokens
         prefill_only = config.max_num_batched_tokens or DEFAULT_PREFILL_TOKENS.get(device, batched)
-        self._budgets = (decoding, max(prefill_only, decoding))
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, batched, self.runner.max_model_len,
+                                   prefill_only)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
 
@@ -137,8 +136,6 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
-        decoding = any(s.num_uncomputed == 1 for s in self.scheduler.running)
-        self.scheduler.max_num_batched_tokens = self._budgets[0 if decoding else 1]
         batch, rejected = self.scheduler.schedule()
         for seq in rejected:
             outputs.append(self._fail(seq, f"sequence of {seq.num_tokens} tokens does not fit the KV cache "

@@ -43,10 +43,13 @@ FREE_SOON_STEPS = 16
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, prefill_only_tokens: int = 0) -> None:
+        """`max_num_batched_tokens`: tokens a step computes while some sequence decodes (a prefill chunk stalls
+        each decoding row for as long as it takes); `prefill_only_tokens`: while none does (0: the same)."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.prefill_only_tokens = max(prefill_only_tokens, self.max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -161,7 +164,7 @@ class Scheduler:
                 self.blocks.append(seq)
                 decode.append(seq)
 
-        budget = self.max_num_batched_tokens - len(decode)
+        budget = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
         chunks: list[tuple[Sequence, int]] = []
         # prefill by priority; within one, the sequences already prefilling before new admissions
         prefilling = deque(sorted((s for s in self.running if s.num_uncomputed > 1), key=lambda s: s.req.priority))
