@@ -27,7 +27,13 @@ def wait(client: httpx.Client, job_id: str, timeout: float = 120.0) -> dict[str,
     deadline = time.monotonic() + timeout
     job: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}").json()
+        r = client.get(f"/v1/jobs/{job_id}")
+        if r.status_code == 503:  # Redis out of reach for a moment: a polling client retries, as told
+            job = r.json()
+            time.sleep(0.2)
+            continue
+        assert r.status_code == 200, f"polling {job_id}: {r.status_code} {r.text}"
+        job = r.json()
         if job["status"] in TERMINAL:
             return job
         time.sleep(0.05)
