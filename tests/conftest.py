@@ -17,16 +17,21 @@ from infra.redis_server import RedisServer
 from shared.settings import Settings
 from workers.tokenizer.grammar import GrammarCompiler
 
-__all__ = ["ROOT", "Stack", "start_stack", "stop_stack"]
+__all__ = ["ROOT", "Stack", "own_redis", "start_stack", "stop_stack"]
 GRAMMAR_TTL_S = 600  # compiled grammars' TTL in the grammar_compiler fixture
+
+
+def own_redis(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[RedisServer]:
+    """A redis-server of its own, in a fresh directory, for a fixture to yield from."""
+    server = RedisServer(tmp_path_factory.mktemp(name))
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
+    yield from own_redis(tmp_path_factory, "redis")
 
 
 @pytest.fixture(scope="session")

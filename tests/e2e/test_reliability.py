@@ -19,7 +19,7 @@ from infra.redis_server import RedisServer
 from shared import names
 from shared.schemas import Request, requests_batch, to_ipc
 from shared.signals import read_snapshot
-from tests.conftest import ROOT, Stack, start_stack, stop_stack
+from tests.conftest import ROOT, Stack, own_redis, start_stack, stop_stack
 from tests.helpers import read_events, submit, tokens_text, until, wait
 
 
@@ -37,10 +37,7 @@ def wait_worker(stack: Stack, pid: int, timeout: float = 60) -> None:
 
 @pytest.fixture(scope="module")
 def redis15(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis-rel"))
-    server.start()
-    yield server
-    server.stop()
+    yield from own_redis(tmp_path_factory, "redis-rel")
 
 
 @pytest.fixture(scope="module")

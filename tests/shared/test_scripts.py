@@ -16,6 +16,7 @@ from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, step_write
 from shared.jobs import FinishReason, new_record
 from shared.redis_client import sync_client
 from shared.scripts.codes import StartCode
+from tests.conftest import own_redis
 
 
 @pytest.fixture
@@ -55,10 +56,7 @@ def _commands(client: redis.Redis) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def quiet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A redis-server of its own: its command counts are this module's alone (the session's serves live stacks)."""
-    server = RedisServer(tmp_path_factory.mktemp("quiet-redis"))
-    server.start()
-    yield server
-    server.stop()
+    yield from own_redis(tmp_path_factory, "quiet-redis")
 
 
 def test_a_pipeline_replays_what_answered_noscript_in_order(quiet_server: RedisServer) -> None:
