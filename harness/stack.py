@@ -80,8 +80,10 @@ def start_stack(workdir: Path, redis_url: str | None = None, model: str = "", ex
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ)
-    env.update({"REDIS_URL": redis_url or "", "PORT": str(port), "HOST": "127.0.0.1", "CONVEYOR_CACHE": str(workdir),
-                "LOG_LEVEL": "WARNING"})
+    # the internal port (/metrics, /scaling) too is one the system handed out: its default, PORT + 1, was never
+    # checked and may be another process's
+    env.update({"REDIS_URL": redis_url or "", "PORT": str(port), "INTERNAL_PORT": str(free_port()),
+                "HOST": "127.0.0.1", "CONVEYOR_CACHE": str(workdir), "LOG_LEVEL": "WARNING"})
     if model:
         env["MODEL"] = model
     env.update(extra or {})
