@@ -55,6 +55,15 @@ class SystemCollector:
                               ("priority", w.priority_preemptions)):
                 pre.add_metric([str(w.pid), reason], n)
         yield pre
+        drafts = CounterMetricFamily("conveyor:spec_decode_num_draft_tokens", "Speculative draft tokens computed "
+                                     "(SPECULATIVE=ngram)", labels=["worker"])
+        kept = CounterMetricFamily("conveyor:spec_decode_num_accepted_tokens", "Speculative draft tokens kept: "
+                                   "each a decode step saved", labels=["worker"])
+        for w in inf:
+            drafts.add_metric([str(w.pid)], w.draft_tokens)
+            kept.add_metric([str(w.pid)], w.accepted_tokens)
+        yield drafts
+        yield kept
         live = GaugeMetricFamily("conveyor:workers_live", "Workers with a fresh heartbeat", labels=["pool"])
         for pool in names.POOLS:
             live.add_metric([pool], len(snap.workers[pool]))

@@ -92,6 +92,7 @@ class EngineLoop:
         self.stats.waiting = self.engine.num_waiting
         self.stats.kv_cache_usage = round(self.engine.kv_usage(), 4)
         self.stats.preemptions, self.stats.fair_preemptions, self.stats.priority_preemptions = self.engine.preemptions()
+        self.stats.draft_tokens, self.stats.accepted_tokens = self.engine.speculation()
         for job_id, t in list(self.early_aborts.items()):
             if now - t > EARLY_ABORT_TTL_S:
                 del self.early_aborts[job_id]

@@ -19,6 +19,9 @@ class WorkerStats:
     preemptions: int = 0
     fair_preemptions: int = 0
     priority_preemptions: int = 0
+    # speculative decoding since the worker started: draft tokens computed, and of those kept
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

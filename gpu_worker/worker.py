@@ -29,6 +29,7 @@ from gpu_worker import output_lane
 from gpu_worker.admission import Admission
 from gpu_worker.control import ControlLane
 from gpu_worker.engine import Engine, EngineConfig
+from gpu_worker.engine.ngram import NgramConfig
 from gpu_worker.engine_loop import LANE_DIED, EngineLoop
 from gpu_worker.feedback import Feedback
 from gpu_worker.ledger import EntryLedger
@@ -65,7 +66,9 @@ def build_engine(settings: Settings) -> Engine:
         model=path, device=settings.device, dtype=settings.dtype, checkpoint_dtype=checkpoint_dtype(path),
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_mb=settings.kv_cache_mb, max_model_len=model_context(path, settings.max_model_len),
-        threads=settings.torch_threads, block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching))
+        threads=settings.torch_threads, block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching,
+        speculative=NgramConfig(settings.num_speculative_tokens, settings.prompt_lookup_min,
+                                settings.prompt_lookup_max) if settings.speculative == "ngram" else None))
     return engine
 
 

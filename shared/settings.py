@@ -89,6 +89,12 @@ class Settings(BaseSettings):
     kv_block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     max_model_len: int = Field(4096, description="context cap; 0 means the model's own")
+    speculative: Literal["", "ngram"] = Field("", description="speculative decoding: ngram (draft tokens from the "
+                                              "sequence's own earlier text, each kept only where sampling draws it "
+                                              "anyway: outputs unchanged) or empty (off)")
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="draft tokens at most per sequence and step")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix n-gram looked up (SPECULATIVE=ngram)")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest suffix n-gram looked up (SPECULATIVE=ngram)")
     torch_threads: int = 0
 
     # reliability
@@ -118,6 +124,8 @@ class Settings(BaseSettings):
             raise ValueError("ENGINE must be 'torch' or 'synthetic'")
         if self.auth not in ("", "required", "off"):
             raise ValueError("AUTH must be 'required' or 'off'")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("PROMPT_LOOKUP_MIN must be at most PROMPT_LOOKUP_MAX")
         if self.max_tokens_cap < 1 or self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("DEFAULT_MAX_TOKENS must be between 1 and MAX_TOKENS_CAP")
         return self

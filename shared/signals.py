@@ -78,6 +78,8 @@ class WorkerBeat:
     preemptions: int = 0  # since the worker started: all, and of those for fair share, for priority
     fair_preemptions: int = 0
     priority_preemptions: int = 0
+    draft_tokens: int = 0  # since the worker started: speculative draft tokens computed, and of those kept
+    accepted_tokens: int = 0
 
     @property
     def held(self) -> int:
@@ -141,7 +143,9 @@ def parse_beat(pool: str, worker_id: str, body: bytes | str | None) -> WorkerBea
                       generated_tokens=int(_number(data, "generated_tokens")),
                       preemptions=int(_number(data, "preemptions")),
                       fair_preemptions=int(_number(data, "fair_preemptions")),
-                      priority_preemptions=int(_number(data, "priority_preemptions")))
+                      priority_preemptions=int(_number(data, "priority_preemptions")),
+                      draft_tokens=int(_number(data, "draft_tokens")),
+                      accepted_tokens=int(_number(data, "accepted_tokens")))
 
 
 def parse_group(groups: list[dict[str, Any]] | Exception, length: int, group: str) -> GroupLag | Uncounted:

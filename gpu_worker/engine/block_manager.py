@@ -103,6 +103,15 @@ class BlockManager:
         if seq.num_tokens > len(seq.block_table) * self.block_size:
             seq.block_table.append(self._take())
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for the sequence's first `num_tokens` positions (its draft's, beyond its tokens), if
+        enough are free; False, and nothing taken, if not. Blocks past what it later keeps stay its own."""
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free:
+            return False
+        seq.block_table.extend(self._take() for _ in range(need))
+        return True
+
     def free(self, seq: Sequence) -> None:
         for b in reversed(seq.block_table):  # the prefix's head is released last: evicted last
             self.ref[b] -= 1

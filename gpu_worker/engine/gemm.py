@@ -50,45 +50,25 @@ class OneDnnGemm(Gemm):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
 
 
-class SplitGemm(Gemm):
-    """float32 on CPU, by row count: torch's `F.linear` on the weights as loaded for steps of one or
-    two rows (single-stream decode: the same kernel, so the same result, as the model's own forward),
-    and from `min_rows` up a second copy of each matrix reordered for oneDNN. Costs the second copy."""
-
-    def __init__(self, batch_hint: int, min_rows: int = 3) -> None:
-        self.onednn = OneDnnGemm(batch_hint)
-        self.min_rows = min_rows
-
-    def prepare(self, w: torch.Tensor) -> tuple[torch.Tensor, object]:
-        return w, self.onednn.prepare(w)
-
-    def linear(self, x: torch.Tensor, w: tuple, b: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] >= self.min_rows:
-            return self.onednn.linear(x, w[1], b)
-        return super().linear(x, w[0], b)
-
-    def linear_add(self, x: torch.Tensor, w: tuple, residual: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= self.min_rows:
-            return self.onednn.linear_add(x, w[1], residual)
-        return super().linear_add(x, w[0], residual)
-
-
 def _onednn_ok(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) -> tuple[Gemm, Gemm]:
-    """(GEMM for the decoder layers, GEMM for the LM head). On CPU, bf16/fp16 use oneDNN throughout;
-    float32 switches by row count (`SplitGemm`: F.linear below 3 rows, oneDNN from there). Measured as
-    whole decode steps (docs/bench-log.md, "GEMM"): a float32 step at 32 running takes
-    47 ms with oneDNN's reordered weights against 89-98 ms with MKL's packed sgemm and 105 ms with
-    F.linear, although timing each weight shape alone (bench/gemm_shapes.py) had favoured MKL."""
+    """(GEMM for the decoder layers, GEMM for the LM head). On CPU, oneDNN on reordered weights at every row
+    count, where the CPU has the dtype's instructions (float32 always). Measured as whole decode steps
+    (docs/bench-log.md, "GEMM"): a float32 step at 32 running takes 47 ms with oneDNN's reordered weights
+    against 89-98 ms with MKL's packed sgemm and 105 ms with F.linear, although timing each weight shape alone
+    (bench/gemm_shapes.py) had favoured MKL; at 1 and 2 rows 16 and 18 ms against F.linear's 36 and 63
+    (`bench.engine --step-time 1,2`: F.linear's matrix-vector products, the LM head's above all, are 5-10x
+    slower). F.linear was kept there once for results bit-identical with transformers' own forward; greedy
+    tokens still match its `generate` (tests/gpu_worker/engine)."""
     if not _onednn_ok(device):
         return Gemm(), Gemm()
     if dtype == torch.float32:
-        split = SplitGemm(batch_hint)
-        return split, split
+        onednn = OneDnnGemm(batch_hint)
+        return onednn, onednn
     supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     check = getattr(torch.ops.mkldnn, supported, None)
     if check is not None and check():  # the CPU has the instructions (AVX512-BF16 / AMX / AVX512-FP16)

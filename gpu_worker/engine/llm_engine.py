@@ -9,6 +9,7 @@ import torch
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.model_runner import ModelRunner
+from gpu_worker.engine.ngram import NgramIndex
 from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.scheduler import Scheduler
 from gpu_worker.engine.sequence import Request, Sequence
@@ -43,6 +44,8 @@ class LLMEngine:
                                    prefill_only)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
+        self.num_draft_tokens = 0  # speculation, cumulative: draft tokens computed, and of those kept
+        self.num_accepted_tokens = 0
 
     @property
     def max_model_len(self) -> int:
@@ -72,6 +75,8 @@ class LLMEngine:
         if seq.num_generated >= req.max_tokens:
             self._pending.append(StepOutput(req.id, finish_reason="length"))
             return
+        if self.config.speculative is not None and not req.shapes_logits:
+            seq.ngrams = NgramIndex(self.config.speculative)  # (a draft cannot follow penalties or a grammar)
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
 
@@ -134,8 +139,12 @@ class LLMEngine:
         s = self.scheduler
         return s.num_preemptions, s.num_fair_preemptions, s.num_priority_preemptions
 
+    def speculation(self) -> tuple[int, int]:
+        return self.num_draft_tokens, self.num_accepted_tokens
+
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        self._propose()
         batch, rejected = self.scheduler.schedule()
         for seq in rejected:
             outputs.append(self._fail(seq, f"sequence of {seq.num_tokens} tokens does not fit the KV cache "
@@ -144,6 +153,14 @@ class LLMEngine:
             return outputs
         sampled, failed = self._run(batch)
         return outputs + self._postprocess(batch, sampled, failed)
+
+    def _propose(self) -> None:
+        """Drafts for the decoding sequences that speculate (ngram.py), never past their max_tokens or the
+        context; the scheduler trims them to the step's budget and free blocks."""
+        for s in self.scheduler.running:
+            if s.ngrams is not None and s.num_uncomputed == 1:
+                room = min(s.req.max_tokens - s.num_generated, self.max_model_len - s.num_tokens) - 1
+                s.draft = s.ngrams.propose(s.token_ids, room)
 
     def _run(self, batch: StepBatch) -> tuple[Sampled, dict[str, str]]:
         """The step's sampled tokens, and the sequences that failed it. When the batched step raises, each
@@ -180,24 +197,53 @@ class LLMEngine:
         for s in batch.decode + [s for s, _ in batch.chunks]:
             if s.id not in failed:
                 self.blocks.register(s)  # full blocks now computed join the prefix cache
-        for i, (seq, token) in enumerate(zip(sampled.seqs, sampled.tokens)):
-            if i in sampled.errors:
-                outputs.append(self._fail(seq, sampled.errors[i]))
-                continue
+        i = 0
+        while i < len(sampled.seqs):  # a sequence's rows: its next token's, then one per draft token
+            seq = sampled.seqs[i]
+            out = self._accept(seq, sampled, i)
+            if out is not None:
+                outputs.append(out)
+            i += 1 + len(seq.draft)
+        for s in batch.decode:
+            s.draft = []
+        return outputs
+
+    def _accept(self, seq: Sequence, sampled: Sampled, first: int) -> StepOutput | None:
+        """The sequence's tokens from its rows from `first` on. The first row's token is its next; each draft
+        token the sampler drew too (its row's token equals it) makes the next row's token valid as well, so
+        the tokens kept are exactly those sampling without the draft gives (its draws go by token index)."""
+        out: StepOutput | None = None
+        draft = seq.draft
+        self.num_draft_tokens += len(draft)
+        for j in range(1 + len(draft)):
+            row, token = first + j, sampled.tokens[first + j]
+            if row in sampled.errors:  # after a kept token, the rest of the draft is dropped instead
+                return self._fail(seq, sampled.errors[row]) if out is None else out
             if seq.grammar is not None and not seq.grammar.accept(token):
-                outputs.append(self._fail(seq, f"the grammar refused token {token}"))
-                continue
+                return self._fail(seq, f"the grammar refused token {token}")
             seq.token_ids.append(token)
+            if j:
+                seq.num_computed += 1  # the draft token at this row's position was right: its K/V stands
+                self.num_accepted_tokens += 1
             reason = self._finish_reason(seq, token)
-            out = StepOutput(seq.id, [token], reason, logprobs=sampled.logprobs[i] if sampled.logprobs else None)
-            if seq.prompt_lp is not None:  # the prompt completed this step: its logprobs go with the first token
-                out.prompt_ids, out.prompt_logprobs = list(seq.req.prompt_ids), seq.prompt_lp
-                seq.prompt_lp = None
-            outputs.append(out)
+            lp = sampled.logprobs[row] if sampled.logprobs else None
+            if out is None:
+                out = StepOutput(seq.id, [token], reason, logprobs=lp)
+                if seq.prompt_lp is not None:  # the prompt completed this step: its logprobs go with the first token
+                    out.prompt_ids, out.prompt_logprobs = list(seq.req.prompt_ids), seq.prompt_lp
+                    seq.prompt_lp = None
+            else:
+                out.token_ids.append(token)
+                out.finish_reason = reason
+                if lp is not None and out.logprobs is not None:
+                    out.logprobs.extend(lp)
             if reason is not None:
                 self.seqs.pop(seq.id, None)
                 self.scheduler.remove(seq)
-        return outputs
+                break
+            if j == len(draft) or token != draft[j]:
+                break
+        return out
 
     def _fail(self, seq: Sequence, error: str) -> StepOutput:
         self.seqs.pop(seq.id, None)

@@ -24,7 +24,8 @@ class StepInputs:
     positions: torch.Tensor  # [tokens]
     attn: AttentionMetadata
     sample_rows: list[int]  # the rows whose logits are sampled: every decode row, then each completed chunk's last
-    sampled: list[Sequence]  # their sequences, in the same order
+    sampled: list[Sequence]  # their sequences, in the same order (a speculating sequence once per decode row)
+    ahead: list[int] | None = None  # per sampled row, its place after its sequence's next token (None: all 0)
 
 
 def _eos_ids(hf_model: torch.nn.Module) -> tuple[int, ...]:
@@ -38,23 +39,43 @@ def _eos_ids(hf_model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _decode_rows(decode: list[Sequence]) -> tuple[list[Sequence], list[int], list[int]]:
+    """The decode rows, one query token each: per sequence its newest token, then its draft's tokens
+    (speculation), each a row of its own at the next position. Their sequences, token ids and positions."""
+    seqs, ids, pos = [], [], []
+    for s in decode:
+        p = s.num_computed
+        seqs.append(s)
+        ids.append(s.token_ids[p])
+        pos.append(p)
+        for i, t in enumerate(s.draft, 1):
+            seqs.append(s)
+            ids.append(t)
+            pos.append(p + i)
+    return seqs, ids, pos
+
+
 def _ids_and_positions(batch: StepBatch) -> tuple[list[int], list[int]]:
-    ids = [s.token_ids[s.num_computed] for s in batch.decode]
-    pos = [s.num_computed for s in batch.decode]
+    _, ids, pos = _decode_rows(batch.decode)
     for s, n in batch.chunks:
         ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
         pos.extend(range(s.num_computed, s.num_computed + n))
     return ids, pos
 
 
-def _sampled(batch: StepBatch, chunks: list[PrefillChunk]) -> tuple[list[int], list[Sequence]]:
-    """The rows to sample and their sequences: every decode row, then each chunk that completes its sequence."""
-    rows, seqs = list(range(len(batch.decode))), list(batch.decode)
+def _sampled(batch: StepBatch, chunks: list[PrefillChunk]) -> tuple[list[int], list[Sequence], list[int] | None]:
+    """The rows to sample, their sequences and places ahead (`StepInputs`): every decode row, then each chunk
+    that completes its sequence."""
+    seqs, _, pos = _decode_rows(batch.decode)
+    rows = list(range(len(seqs)))
+    ahead = [p - s.num_computed for s, p in zip(seqs, pos)] if len(seqs) > len(batch.decode) else None
     for (s, n), chunk in zip(batch.chunks, chunks):
         if s.num_computed + n == s.num_tokens:
             rows.append(chunk.offset + n - 1)
             seqs.append(s)
-    return rows, seqs
+    if ahead is not None:
+        ahead += [0] * (len(seqs) - len(ahead))
+    return rows, seqs, ahead
 
 
 class ModelRunner:
@@ -102,16 +123,18 @@ class ModelRunner:
         inputs = self.prepare(batch)
         h = self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache)
         self._prompt_logprobs(batch, inputs, h)
-        return Sampled(inputs.sampled, *self.sampler(self._logits(h, inputs.sample_rows), inputs.sampled))
+        return Sampled(inputs.sampled, *self.sampler(self._logits(h, inputs.sample_rows), inputs.sampled,
+                                                     inputs.ahead))
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """The batch's token ids, positions, cache slots and attention metadata, on the device."""
         ids, pos = _ids_and_positions(batch)
         ids_t, pos_t = self._to_device(ids), self._to_device(pos)
         slots = self._to_device(self._slots(batch))  # where each token's K/V is written
-        width, index, mask = self._decode_reads(batch.decode, pos_t)
-        chunks = self._prefill_chunks(batch.chunks, len(batch.decode))
-        attn = AttentionMetadata(slots, len(batch.decode), width, index, mask, chunks)
+        rows = _decode_rows(batch.decode)[0]
+        width, index, mask = self._decode_reads(rows, pos_t)
+        chunks = self._prefill_chunks(batch.chunks, len(rows))
+        attn = AttentionMetadata(slots, len(rows), width, index, mask, chunks)
         if chunks and self.model.batch_prefill:
             attn.prefill = self._prefill_batch(batch.chunks)
         return StepInputs(ids_t, pos_t, attn, *_sampled(batch, chunks))
@@ -151,10 +174,8 @@ class ModelRunner:
 
     def _slots(self, batch: StepBatch) -> list[int]:
         bs = self.block_size
-        out = []
-        for s in batch.decode:
-            p = s.num_computed
-            out.append(s.block_table[p // bs] * bs + p % bs)
+        seqs, _, pos = _decode_rows(batch.decode)
+        out = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
         for s, n in batch.chunks:
             table = s.block_table
             out.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed, s.num_computed + n))
@@ -162,11 +183,12 @@ class ModelRunner:
 
     def _decode_reads(self, decode: list[Sequence], positions: torch.Tensor) -> tuple[int, torch.Tensor | None,
                                                                                        torch.Tensor | None]:
-        """What the decode rows read: each its first `width` slots (the longest row's length; past its own
-        length, the null block), as a gather index and mask (`_gather_index`)."""
+        """What the decode rows read (`decode`: a row's sequence, per row): each its first `width` slots (the
+        longest row's length; past its own position, the null block), as a gather index and mask
+        (`_gather_index`). A draft token's row reads the draft's earlier tokens, written to the cache this step."""
         if not decode:
             return 0, None, None
-        width = max(s.num_computed for s in decode) + 1
+        width = max(s.num_computed + len(s.draft) for s in decode) + 1
         index, mask = self._gather_index([s.block_table for s in decode], positions[: len(decode)] + 1, width)
         return width, index, mask
 

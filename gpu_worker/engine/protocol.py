@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from gpu_worker.engine.ngram import NgramConfig
 from gpu_worker.engine.sequence import Request
 from gpu_worker.engine.step import StepOutput
 
@@ -23,6 +24,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     prefix_caching: bool = True
     checkpoint_dtype: str | None = None  # the weights' saved dtype, for dtype=auto ("bfloat16", ...); None: unknown
+    speculative: NgramConfig | None = None  # n-gram speculative decoding (ngram.py); None: off
 
 
 class Engine(Protocol):
@@ -47,6 +49,9 @@ class Engine(Protocol):
 
     def preemptions(self) -> tuple[int, int, int]:
         """Sequences preempted so far: all, and of those for fair share and for priority."""
+
+    def speculation(self) -> tuple[int, int]:
+        """Speculative draft tokens computed so far, and of those kept (SPECULATIVE=ngram)."""
 
     def step(self) -> list[StepOutput]:
         """Run one step; return every request's new tokens and ends."""

@@ -2,8 +2,9 @@
 
 Two queues, as in nano-vllm: `waiting` and `running` (admission order). `waiting` is ordered by priority
 (lower first, vLLM's meaning), then arrival; a preempted sequence goes back at the front of its priority.
-Each step computes one token for every decoding sequence, then spends what is left of the token budget on
-prefill chunks by priority: within a priority, first for sequences already prefilling, then for new
+Each step computes one token for every decoding sequence, then its draft tokens (speculation, ngram.py: in
+order, while the budget lasts and free blocks hold them; a draft never preempts), then spends what is left of
+the token budget on prefill chunks by priority: within a priority, first for sequences already prefilling, then for new
 admissions. (Across tenants too: an inference worker holds only a few jobs beyond its slots, and which
 tenants' jobs reach it is the fair queue's choice, shared/fair_queue.py.) KV memory is counted in blocks
 (block_manager.py): a sequence is admitted when blocks for all its tokens are free (prefix-cache hits cost
@@ -86,6 +87,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
+        seq.draft = []
         self.num_preemptions += 1
         self._enqueue(seq, first=True)
 
@@ -165,6 +167,12 @@ class Scheduler:
                 decode.append(seq)
 
         budget = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
+        for seq in decode:  # draft tokens (speculation) before prefill, while budget and free blocks last
+            if seq.draft:
+                seq.draft = seq.draft[: max(budget, 0)]
+                if seq.draft and not self.blocks.reserve(seq, seq.num_tokens + len(seq.draft)):
+                    seq.draft = []
+                budget -= len(seq.draft)
         chunks: list[tuple[Sequence, int]] = []
         # prefill by priority; within one, the sequences already prefilling before new admissions
         prefilling = deque(sorted((s for s in self.running if s.num_uncomputed > 1), key=lambda s: s.req.priority))

@@ -32,6 +32,8 @@ class Sequence:
         # a resumed job (its first worker reported them)
         self.prompt_lp: Logprobs | None = Logprobs() if req.prompt_logprobs >= 0 and not req.resume_ids else None
         self.grammar: Any = None  # its grammar's matcher (gpu_worker/engine/grammar.py), when it has one
+        self.ngrams: Any = None  # its n-gram index (gpu_worker/engine/ngram.py), when the engine speculates for it
+        self.draft: list[int] = []  # this step's draft tokens, computed after its next token (speculation)
 
     @property
     def num_tokens(self) -> int:

@@ -12,12 +12,12 @@ from gpu_worker.engine.sequence import Sequence
 @dataclass
 class StepBatch:
     """The scheduler's answer for one step."""
-    decode: list[Sequence]  # each computes exactly one token: its last
+    decode: list[Sequence]  # each computes its last token, and its draft's when it has one (speculation)
     chunks: list[tuple[Sequence, int]]  # (sequence, tokens to compute), more than one each
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(n for _, n in self.chunks)
+        return sum(1 + len(s.draft) for s in self.decode) + sum(n for _, n in self.chunks)
 
 
 @dataclass

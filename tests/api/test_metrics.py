@@ -12,6 +12,7 @@ NAMES = [
     "conveyor:time_to_first_token_seconds", "conveyor:inter_token_latency_seconds",
     "conveyor:e2e_request_latency_seconds", "conveyor:prompt_tokens", "conveyor:generation_tokens",
     "conveyor:stream_lag", "conveyor:stream_pending", "conveyor:workers_live", "conveyor:num_preemptions",
+    "conveyor:spec_decode_num_draft_tokens", "conveyor:spec_decode_num_accepted_tokens",
 ]
 
 

@@ -1,6 +1,7 @@
 """The per-token OpenAI features through the whole stack on the default model, with the official client:
 logprobs (chat and completions, streamed too, and on /v1/jobs), echo over token-id prompts, several prompts
-in one request, n choices, and structured output (json_schema, json_object, regex, choice) that always parses."""
+in one request, n choices, structured output (json_schema, json_object, regex, choice) that always parses, and
+speculative decoding (the stack runs SPECULATIVE=ngram) accepting drafts where the model copies text."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import read_events, submit, wait
+from tests.helpers import read_events, submit, until, wait
 
 MODEL = "SmolLM2-135M-Instruct"
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
@@ -168,3 +170,26 @@ def test_jobs_api_logprobs_in_poll_and_events(client: httpx.Client) -> None:
     events = [e for e in read_events(client, job["id"]) if e.get("event") == "token"]
     streamed = [lp for e in events for lp in json.loads(e["data"]).get("logprobs", [])]
     assert [e["logprob"] for e in streamed] == [e["logprob"] for e in done["logprobs"]]
+
+
+def _kept_drafts(client: httpx.Client) -> float:
+    fams = text_string_to_metric_families(client.get("/metrics").text)
+    return sum(s.value for f in fams if f.name == "conveyor:spec_decode_num_accepted_tokens" for s in f.samples)
+
+
+def test_copying_text_keeps_drafts_and_the_answer(oai: openai.OpenAI, client: httpx.Client) -> None:
+    """A copy of the prompt's text, streamed: the n-gram drafts are kept (several tokens a step), the text is
+    the model's greedy answer, and its logprobs come one per token as without speculation."""
+    text = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps. " * 3
+    before = _kept_drafts(client)
+    msg = [{"role": "user", "content": "Copy the following text word for word:\n\n" + text}]
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=msg, temperature=0, max_tokens=48, logprobs=True,
+                                              stream=True, stream_options={"include_usage": True}))
+    answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert answer.startswith("The quick brown fox jumps over the lazy dog, and the lazy dog sleeps.")
+    tokens = sum(len(c.choices[0].logprobs.content or []) for c in chunks if c.choices and c.choices[0].logprobs)
+    assert tokens == chunks[-1].usage.completion_tokens
+    full = oai.chat.completions.create(model=MODEL, messages=msg, temperature=0, max_tokens=48)
+    assert full.choices[0].message.content == answer
+    # the workers report their counters with each heartbeat (every second)
+    until("kept drafts on /metrics", lambda: _kept_drafts(client) - before >= 10, timeout=10)

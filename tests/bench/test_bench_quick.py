@@ -51,6 +51,7 @@ class QuickRuns:
                 "sampler": ["bench.sampler", "--quick"],
                 "tokenizer": ["bench.tokenizer", "--quick"],
                 "per_token": ["bench.per_token", "--quick", "--model", tiny],
+                "speculative": ["bench.speculative", "--quick", "--model", tiny],
                 "compile_layers": ["bench.compile_layers", "--quick", "--model", tiny],
             },
         }
@@ -215,3 +216,8 @@ def test_per_token(runs: QuickRuns) -> None:
 def test_tokenizer(runs: QuickRuns) -> None:
     out = runs.out("tokenizer")
     assert "| prompts | tokens each |" in out and "\n| 4 | " in out
+
+
+def test_speculative(runs: QuickRuns) -> None:
+    out = runs.out("speculative")
+    assert "| edit a text | 2 |" in out and "| open questions | 2 |" in out and "drafts kept" in out

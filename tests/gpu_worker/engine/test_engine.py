@@ -60,6 +60,15 @@ def run(engine: LLMEngine, reqs: list[Request], arrivals: dict[str, int] | None 
     return out
 
 
+@cache
+def reference_model(path: str) -> torch.nn.Module:
+    """transformers' own model, float32, loaded apart from any engine (an engine empties the matrices of the
+    model it takes over)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def greedy(rid: str, prompt: list[int], n: int = 32, **kw: object) -> Request:
     return Request(rid, prompt, max_tokens=n, temperature=0, ignore_eos=True, **kw)  # type: ignore[arg-type]
 
@@ -81,11 +90,10 @@ def real_answer(real_engine: LLMEngine, model_path: str) -> tuple[list[int], lis
     return prompt, answer
 
 
-def test_greedy_matches_transformers_generate(real_engine: LLMEngine, real_answer: tuple[list[int], list[int]]
-                                              ) -> None:
+def test_greedy_matches_transformers_generate(model_path: str, real_answer: tuple[list[int], list[int]]) -> None:
     prompt, answer = real_answer
     with torch.inference_mode():
-        ref = real_engine.runner.hf_model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+        ref = reference_model(model_path).generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
                                                    pad_token_id=2)[0, len(prompt):].tolist()
     assert len(ref) >= 5 and answer == ref
 
@@ -215,10 +223,10 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32"), model=model)
     ids = [5, 17, 99, 1000, 42, 7, 300]
-    with torch.inference_mode():
+    with torch.inference_mode():  # reference first: the runner takes the model over
         ref = model(torch.tensor([ids])).logits[0, -1]
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32"), model=model)
     from gpu_worker.engine.sequence import Sequence
 
     seq = Sequence(Request("t", ids))
@@ -309,14 +317,13 @@ def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: st
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 40, 300])
-def test_cpu_float32_gemm_gives_the_same_result_on_either_side_of_its_switch(rows: int) -> None:
-    """float32 on CPU uses F.linear below `min_rows` rows and a oneDNN-reordered copy of the weight
-    from there; both must compute x @ w.T (+ bias, + residual) as F.linear does, at any row count,
-    whatever row count the copy was prepared for."""
-    from gpu_worker.engine.gemm import SplitGemm, choose_gemm
+def test_cpu_float32_gemm_computes_what_f_linear_does(rows: int) -> None:
+    """float32 on CPU multiplies by a oneDNN-reordered copy of the weight: it must compute x @ w.T (+ bias,
+    + residual) as F.linear does, at any row count, whatever row count the copy was prepared for."""
+    from gpu_worker.engine.gemm import OneDnnGemm, choose_gemm
 
     layer_gemm, head_gemm = choose_gemm(torch.device("cpu"), torch.float32)
-    if not isinstance(layer_gemm, SplitGemm):
+    if not isinstance(layer_gemm, OneDnnGemm):
         pytest.skip("this torch build has no oneDNN")
     torch.manual_seed(rows)
     w, b = torch.randn(96, 64), torch.randn(96)

@@ -8,6 +8,7 @@ import torch
 from gpu_worker.engine import EngineConfig, LLMEngine, Request
 from gpu_worker.engine.block_manager import NULL_BLOCK, BlockManager
 from gpu_worker.engine.sequence import Sequence
+from tests.gpu_worker.engine.test_engine import reference_model
 
 
 def _seq(name: str, ids: list[int]) -> Sequence:
@@ -104,8 +105,9 @@ def test_prefix_cache_hits_give_the_same_tokens(tiny_model_dir: str) -> None:
     assert [cached[f"hit{i}"] for i in range(3)] == [plain[f"plain{i}"] for i in range(3)]
     assert len({tuple(v) for v in plain.values()}) == 3  # the rows differ: one served another's blocks would show
     with torch.inference_mode():
-        ref = engine.runner.hf_model.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False,
-                                           pad_token_id=2)[0, len(prompts[1]):].tolist()
+        ref = reference_model(engine.runner.hf_model.name_or_path).generate(
+            torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False, pad_token_id=2)
+    ref = ref[0, len(prompts[1]):].tolist()
     assert cached["hit1"][: len(ref)] == ref
 
 

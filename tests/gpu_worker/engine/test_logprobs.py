@@ -10,7 +10,7 @@ import torch
 
 from gpu_worker.engine import EngineConfig, LLMEngine, Request
 from gpu_worker.engine.step import StepOutput
-from tests.gpu_worker.engine.test_engine import QUESTIONS, prompt_ids
+from tests.gpu_worker.engine.test_engine import QUESTIONS, prompt_ids, reference_model
 
 
 def drive(engine: LLMEngine, reqs: list[Request]) -> dict[str, list[StepOutput]]:
@@ -28,18 +28,12 @@ def tokens(outs: list[StepOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
-def hf_model(path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 # --- logprobs on the default model ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def real(model_path: str) -> tuple[LLMEngine, torch.nn.Module]:
-    return LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=4)), hf_model(model_path)
+    return LLMEngine(EngineConfig(model=model_path, dtype="float32", max_num_seqs=4)), reference_model(model_path)
 
 
 def test_logprobs_and_prompt_logprobs_equal_transformers(real: tuple[LLMEngine, torch.nn.Module],
