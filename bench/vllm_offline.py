@@ -18,6 +18,7 @@ The driver runs both, each run a fresh process, alternating which goes first, an
     .venv/bin/python -m bench.vllm_offline --compare --dtypes float32,bfloat16 --repeats 3
     .venv/bin/python -m bench.vllm_offline --compare --system-words 400 --prefix-caching --max-new 1
     .venv/bin/python -m bench.vllm_offline --compare --n 32 --max-new 1 --prompt-words 400   # a prefill burst
+    .venv/bin/python -m bench.vllm_offline --compare --dtypes float32 --hog   # also beside a busy neighbour
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import PROMPTS  # noqa: E402
 from shared.lifecycle import exit_quickly  # noqa: E402
 
+# the busy neighbour of --hog (as bench.compile_layers'): about half a core, in 6 ms bursts
+HOG = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < 0.006: pass\n    time.sleep(0.006)\n"
 WORDS = ("you are a helpful assistant who answers briefly and accurately, citing the facts that matter "
          "and saying plainly when something is not known").split()
 CHECKED = 8  # requests whose greedy token ids are returned, to compare the engines' outputs
@@ -133,19 +136,31 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
     vllm_python = os.environ.get("VLLM_PYTHON", str(root / ".cache/vllm-venv/bin/python"))
     pythons = {"ours": sys.executable, "vllm": vllm_python}
     results: dict[tuple[str, str], list[dict]] = {}
+    busy: dict[tuple[str, str], list[float]] = {}  # --hog: tok/s beside the busy neighbour
     for r in range(args.repeats):
         for dtype in args.dtypes.split(","):
             order = ["ours", "vllm"] if r % 2 == 0 else ["vllm", "ours"]
             for engine in order:
-                cmd = [pythons[engine], str(Path(__file__).resolve()), "--engine", engine, "--dtype", dtype, *rest]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
-                line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
-                if proc.returncode or not line:
-                    print(proc.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"{engine} {dtype} failed")
-                res = json.loads(line[-1])
-                print(json.dumps({k: v for k, v in res.items() if k != "ids"}), file=sys.stderr, flush=True)
-                results.setdefault((engine, dtype), []).append(res)
+                for hogged in ((False, True) if args.hog else (False,)):
+                    cmd = [pythons[engine], str(Path(__file__).resolve()), "--engine", engine, "--dtype", dtype, *rest]
+                    hog = subprocess.Popen([sys.executable, "-c", HOG]) if hogged else None
+                    try:
+                        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
+                    finally:
+                        if hog is not None:
+                            hog.kill()
+                            hog.wait()
+                    line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+                    if proc.returncode or not line:
+                        print(proc.stderr[-3000:], file=sys.stderr)
+                        raise SystemExit(f"{engine} {dtype} failed")
+                    res = json.loads(line[-1])
+                    print(json.dumps({k: v for k, v in res.items() if k != "ids"} | {"hog": hogged}), file=sys.stderr,
+                          flush=True)
+                    if hogged:
+                        busy.setdefault((engine, dtype), []).append(res["tok_s"])
+                    else:
+                        results.setdefault((engine, dtype), []).append(res)
     print(f"| dtype | vLLM-CPU tok/s | conveyor tok/s | ratio | vLLM s | conveyor s | prompt tokens | "
           f"vLLM / conveyor prompt tok/s |  (medians of {args.repeats})")
     print("|---|---|---|---|---|---|---|---|")
@@ -157,6 +172,17 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"| {dtype} | {v:.0f} | {o:.0f} | {o / v:.2f}x | {med('vllm', 'seconds'):.2f} | "
               f"{med('ours', 'seconds'):.2f} | {med('ours', 'prompt_tokens'):.0f} | "
               f"{med('vllm', 'prompt_tok_s'):.0f} / {med('ours', 'prompt_tok_s'):.0f} |")
+    if args.hog:
+        print("\nBeside a busy neighbour (a process keeping about half a core busy), medians:\n")
+        print("| dtype | vLLM quiet / busy tok/s | vLLM loss | conveyor quiet / busy tok/s | conveyor loss | "
+              "ratio, busy |")
+        print("|---|---|---:|---|---:|---:|")
+        for dtype in args.dtypes.split(","):
+            q = {e: statistics.median(x["tok_s"] for x in results[(e, dtype)]) for e in ("vllm", "ours")}
+            b = {e: statistics.median(busy[(e, dtype)]) for e in ("vllm", "ours")}
+            print(f"| {dtype} | {q['vllm']:.0f} / {b['vllm']:.0f} | {1 - b['vllm'] / q['vllm']:.0%} | "
+                  f"{q['ours']:.0f} / {b['ours']:.0f} | {1 - b['ours'] / q['ours']:.0%} | "
+                  f"{b['ours'] / b['vllm']:.2f}x |")
     for dtype in args.dtypes.split(","):
         a, b = results[("vllm", dtype)][-1]["ids"], results[("ours", dtype)][-1]["ids"]
         same = sum(x == y for x, y in zip(a, b))
@@ -173,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         d.add_argument("--compare", action="store_true")
         d.add_argument("--dtypes", default="float32,bfloat16")
         d.add_argument("--repeats", type=int, default=3)
+        d.add_argument("--hog", action="store_true", help="each run also beside a process keeping half a core busy")
         args, rest = d.parse_known_args(argv)
         return compare(args, rest)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
