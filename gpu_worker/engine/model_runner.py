@@ -10,6 +10,7 @@ import torch
 from gpu_worker.engine.device import DTYPES, resolve_device, resolve_dtype
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.models import AttentionMetadata, Llama, PrefillChunk
+from gpu_worker.engine.models.checkpoint import load_checkpoint
 from gpu_worker.engine.models.llama import PrefillBatch
 from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.sampler import Sampler, token_logprobs
@@ -79,18 +80,24 @@ def _sampled(batch: StepBatch, chunks: list[PrefillChunk]) -> tuple[list[int], l
 
 
 class ModelRunner:
-    """Owns the model (given, or loaded from `config.model`) and the KV cache sized for it."""
+    """Owns the model (given, or loaded from `config.model`: read from its files by models/checkpoint.py where it
+    can, else through transformers) and the KV cache sized for it."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         self.device = resolve_device(config.device)
         own = model.dtype if model is not None else DTYPES.get(config.checkpoint_dtype or "")
         self.dtype = resolve_dtype(config.dtype, self.device, own)
         if model is None:
+            model = load_checkpoint(config.model, self.dtype, self.device)  # without transformers, where it can
+        if model is None:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
-        # the transformers model taken over: its layer matrices are now views of the fused ones, or emptied
-        self.hf_model = model.to(device=self.device, dtype=self.dtype).eval()
+        if isinstance(model, torch.nn.Module):
+            model = model.to(device=self.device, dtype=self.dtype).eval()
+        # the model taken over (transformers' or the checkpoint's tensors): its layer matrices are now views of
+        # the fused ones, or emptied
+        self.hf_model = model
         own_max = getattr(self.hf_model.config, "max_position_embeddings", 4096)
         self.max_model_len = min(config.max_model_len, own_max) if config.max_model_len > 0 else own_max
         self.eos_token_ids = _eos_ids(self.hf_model)
