@@ -93,6 +93,10 @@ TEST_ENV = {
     "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
     "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING",
     "WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on 127.0.0.1
+    # an inference worker's OpenMP threads sleep between steps instead of spinning: with tiny models a step is
+    # short, and spinning threads take the cores from the API, Redis and the test itself (the schema fuzzer's
+    # run: 56 -> 46 s); serving, spinning is faster (docs/bench-log.md: 25% more tokens at 32 streams)
+    "OMP_WAIT_POLICY": "PASSIVE",
     # the end-to-end tests compare texts across runs (resumes, redeliveries): float32 greedy decoding
     # gives the same tokens whatever else shares a batch; bfloat16 (DTYPE=auto on such CPUs) need not
     "DTYPE": "float32",
