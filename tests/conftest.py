@@ -15,10 +15,38 @@ from harness.models import make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
+from tests.background import ALONE_LANES, Background
 from workers.tokenizer.grammar import GrammarCompiler
 
 __all__ = ["ROOT", "Stack", "own_redis", "start_stack", "stop_stack"]
 GRAMMAR_TTL_S = 600  # compiled grammars' TTL in the grammar_compiler fixture
+
+
+BACKGROUND_MODULES = pytest.StashKey[set[str]]()  # modules of the selected tests marked `background`
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `background` (tests/background.py) go last: what they check runs beside the others."""
+    later = [item for item in items if item.get_closest_marker("background")]
+    config.stash[BACKGROUND_MODULES] = {item.module.__name__ for item in later}  # type: ignore[attr-defined]
+    config.stash[ALONE] = len(later) == len(items)
+    if later:
+        items[:] = [item for item in items if not item.get_closest_marker("background")] + later
+
+
+ALONE = pytest.StashKey[bool]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request: pytest.FixtureRequest) -> Iterator[Background]:
+    """The session's background runs, started before the first test by the modules that have a selected test."""
+    modules = request.config.stash.get(BACKGROUND_MODULES, set())
+    bg = Background(ALONE_LANES if request.config.stash.get(ALONE, False) else 1)
+    if modules:
+        bg.start(request, modules)
+    yield bg
+    bg.close()
 
 
 def own_redis(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[RedisServer]:

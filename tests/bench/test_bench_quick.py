@@ -3,8 +3,9 @@ Speed is never asserted; only that each script runs through and reports what it 
 
 The runs that start what they need (their own stack, Redis, guidellm, a GPU check's phases) are processes of
 their own; the others need torch and nothing else for a few seconds, and run one after another in one more
-(bench.quick: one import of torch for all of them, instead of ~2 s of CPU each). They all start together when
-the module does, four at a time, and each test checks its own output."""
+(bench.quick: one import of torch for all of them, instead of ~2 s of CPU each). They start with the session and
+run beside the other tests (tests/background.py: one at a time then, four at a time when only these are
+selected); these tests run last and each checks its own run's output."""
 
 from __future__ import annotations
 
@@ -12,17 +13,15 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
+from tests.background import Background, background_run
 from tests.conftest import ROOT
 
-# twice the machine's 2 cores: a run spends part of its time waiting (a stack starting and stopping, the
-# supervisor's restart backoff, guidellm's workers), and the others keep both cores busy meanwhile
-AT_ONCE = 4
+pytestmark = pytest.mark.background
 # torch's OpenMP threads then share the cores with other runs: waiting threads sleep rather than spin (the
 # default), which takes the cores' time from the others; what the runs report is unchanged
 ENV = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
@@ -33,7 +32,7 @@ ENV = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSI
 class QuickRuns:
     """Each benchmark's `--quick` command, started in the background; `out(name)` waits for one."""
 
-    def __init__(self, tiny: str, tmp: Path) -> None:
+    def __init__(self, tiny: str, tmp: Path, background: Background) -> None:
         self.tmp = tmp
         py = [sys.executable, "-m"]
         # torch only and seconds each: run by bench.quick one after another in one process, in this order
@@ -69,10 +68,9 @@ class QuickRuns:
             "fairness": py + ["bench.fairness", "--quick", "--model", tiny, "--modes", "fair", "--json",
                               str(tmp / "fairness.json")],
         }
-        self.pool = ThreadPoolExecutor(AT_ONCE)
         self.futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {
-            name: self.pool.submit(subprocess.run, argv, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                                   timeout=600)
+            name: background.submit(subprocess.run, argv, cwd=ROOT, env=ENV, capture_output=True, text=True,
+                                    timeout=600)
             for name, argv in runs.items()}
 
     def out(self, name: str) -> str:
@@ -89,11 +87,15 @@ class QuickRuns:
         return proc.stdout
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuickRuns]:
-    quick = QuickRuns(tiny_model_dir, tmp_path_factory.mktemp("bench-quick"))
-    yield quick
-    quick.pool.shutdown(wait=True, cancel_futures=True)
+@background_run("bench_quick")
+def start(request: pytest.FixtureRequest, background: Background) -> QuickRuns:
+    return QuickRuns(request.getfixturevalue("tiny_model_dir"),
+                     request.getfixturevalue("tmp_path_factory").mktemp("bench-quick"), background)
+
+
+@pytest.fixture
+def runs(background: Background) -> QuickRuns:
+    return background.handle("bench_quick")  # type: ignore[no-any-return]
 
 
 def test_engine_contenders(runs: QuickRuns) -> None:

@@ -1,0 +1,54 @@
+"""Runs that go on beside the rest of the suite: self-contained processes (the benchmarks' `--quick` runs, the
+schema fuzzer against a stack of its own) that no other test touches. The suite leaves about 40% of the
+machine's CPU idle (its tests wait on stacks, Redis, timeouts); these runs use it.
+
+A test module registers what it starts (`@background_run(name)`: resolves its fixtures in the main thread and
+submits its work to the session's `Background`); its tests are marked `background`, run after every other
+test (tests/conftest.py orders them), and read what the work returned. Only the modules with a selected test
+start anything. Alone (no other test selected), the runs get `ALONE_LANES` lanes; beside other tests, one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pytest
+
+ALONE_LANES = 4  # twice the machine's 2 cores: the runs spend part of their time waiting on what they started
+T = TypeVar("T")
+Starter = Callable[[pytest.FixtureRequest, "Background"], object]
+STARTERS: dict[str, tuple[str, Starter]] = {}  # name -> (the module that registered it, its starter)
+
+
+def background_run(name: str) -> Callable[[Starter], Starter]:
+    """Register a module's starter under `name`: called once per session when a test of that module is selected."""
+    def register(fn: Starter) -> Starter:
+        STARTERS[name] = (fn.__module__, fn)
+        return fn
+    return register
+
+
+class Background:
+    """The session's background lanes, and what each started run handed back (`handle`)."""
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        self.pool = ThreadPoolExecutor(lanes, thread_name_prefix="background")
+        self.handles: dict[str, object] = {}
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        return self.pool.submit(fn, *args, **kwargs)
+
+    def start(self, request: pytest.FixtureRequest, modules: set[str]) -> None:
+        for name, (module, starter) in STARTERS.items():
+            if module in modules:
+                self.handles[name] = starter(request, self)
+
+    def handle(self, name: str) -> Any:
+        assert name in self.handles, f"{name}: not started (its module had no selected test)"
+        return self.handles[name]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
