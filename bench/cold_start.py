@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--starts", type=int, default=3)
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    from bench.common import ROOT, default_model, quick_model
-    from bench.speculative import cpu_name
+    from bench.common import ROOT, cpu_name, default_model, quick_model
     from infra.redis_server import RedisServer
 
     model = quick_model(args.model) if args.quick else (args.model or default_model())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -56,6 +57,19 @@ def quick_model(model: str | None) -> str:
     out = Path(tempfile.mkdtemp(prefix="conveyor-tiny-"))
     atexit.register(shutil.rmtree, out, True)
     return make_tiny_model(out, default_model())
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions that decide the engine's kernels (every figure names it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+    has = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(has) or 'no AVX2'})"
 
 
 def percentile(values: list[float], q: float) -> float:

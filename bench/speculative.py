@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 
@@ -22,18 +21,6 @@ PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hu
            "She kept a journal of every ship that passed, every storm that shook the windows, and every quiet "
            "morning when the sea lay flat and grey under the rising sun.")
 EDIT = "Rewrite the following text in the past perfect tense, changing nothing else:\n\n" + PASSAGE
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
-    has = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(has) or 'no AVX2'})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lookup", default="2,4", help="prompt_lookup_min,max")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    from bench.common import PROMPTS, default_model, quick_model
+    from bench.common import PROMPTS, cpu_name, default_model, quick_model
 
     model = quick_model(args.model) if args.quick else (args.model or default_model())
     streams = [int(s) for s in args.streams.split(",")]

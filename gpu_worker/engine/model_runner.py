@@ -4,6 +4,7 @@ metadata), runs the model over them, then samples a token for each sequence that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,9 +41,15 @@ def _eos_ids(hf_model: torch.nn.Module) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _decode_rows(decode: list[Sequence]) -> tuple[list[Sequence], list[int], list[int]]:
-    """The decode rows, one query token each: per sequence its newest token, then its draft's tokens
-    (speculation), each a row of its own at the next position. Their sequences, token ids and positions."""
+class DecodeRows(NamedTuple):
+    """A step's decode rows, one query token each: per sequence its newest token, then its draft's tokens
+    (speculation), each a row of its own at the next position."""
+    seqs: list[Sequence]
+    ids: list[int]
+    pos: list[int]
+
+
+def _decode_rows(decode: list[Sequence]) -> DecodeRows:
     seqs, ids, pos = [], [], []
     for s in decode:
         p = s.num_computed
@@ -53,23 +60,24 @@ def _decode_rows(decode: list[Sequence]) -> tuple[list[Sequence], list[int], lis
             seqs.append(s)
             ids.append(t)
             pos.append(p + i)
-    return seqs, ids, pos
+    return DecodeRows(seqs, ids, pos)
 
 
-def _ids_and_positions(batch: StepBatch) -> tuple[list[int], list[int]]:
-    _, ids, pos = _decode_rows(batch.decode)
+def _ids_and_positions(batch: StepBatch, rows: DecodeRows) -> tuple[list[int], list[int]]:
+    ids, pos = list(rows.ids), list(rows.pos)
     for s, n in batch.chunks:
         ids.extend(s.token_ids[s.num_computed : s.num_computed + n])
         pos.extend(range(s.num_computed, s.num_computed + n))
     return ids, pos
 
 
-def _sampled(batch: StepBatch, chunks: list[PrefillChunk]) -> tuple[list[int], list[Sequence], list[int] | None]:
+def _sampled(batch: StepBatch, decode: DecodeRows, chunks: list[PrefillChunk],
+             ) -> tuple[list[int], list[Sequence], list[int] | None]:
     """The rows to sample, their sequences and places ahead (`StepInputs`): every decode row, then each chunk
     that completes its sequence."""
-    seqs, _, pos = _decode_rows(batch.decode)
+    seqs = list(decode.seqs)
     rows = list(range(len(seqs)))
-    ahead = [p - s.num_computed for s, p in zip(seqs, pos)] if len(seqs) > len(batch.decode) else None
+    ahead = ([p - s.num_computed for s, p in zip(seqs, decode.pos)] if len(seqs) > len(batch.decode) else None)
     for (s, n), chunk in zip(batch.chunks, chunks):
         if s.num_computed + n == s.num_tokens:
             rows.append(chunk.offset + n - 1)
@@ -135,16 +143,16 @@ class ModelRunner:
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """The batch's token ids, positions, cache slots and attention metadata, on the device."""
-        ids, pos = _ids_and_positions(batch)
+        rows = _decode_rows(batch.decode)
+        ids, pos = _ids_and_positions(batch, rows)
         ids_t, pos_t = self._to_device(ids), self._to_device(pos)
-        slots = self._to_device(self._slots(batch))  # where each token's K/V is written
-        rows = _decode_rows(batch.decode)[0]
-        width, index, mask = self._decode_reads(rows, pos_t)
-        chunks = self._prefill_chunks(batch.chunks, len(rows))
-        attn = AttentionMetadata(slots, len(rows), width, index, mask, chunks)
+        slots = self._to_device(self._slots(batch, rows))  # where each token's K/V is written
+        width, index, mask = self._decode_reads(rows.seqs, pos_t)
+        chunks = self._prefill_chunks(batch.chunks, len(rows.seqs))
+        attn = AttentionMetadata(slots, len(rows.seqs), width, index, mask, chunks)
         if chunks and self.model.batch_prefill:
             attn.prefill = self._prefill_batch(batch.chunks)
-        return StepInputs(ids_t, pos_t, attn, *_sampled(batch, chunks))
+        return StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Logits (in the model's dtype) of the rows to sample. Call under torch.inference_mode (`run` does)."""
@@ -179,10 +187,9 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _slots(self, batch: StepBatch) -> list[int]:
+    def _slots(self, batch: StepBatch, rows: DecodeRows) -> list[int]:
         bs = self.block_size
-        seqs, _, pos = _decode_rows(batch.decode)
-        out = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        out = [s.block_table[p // bs] * bs + p % bs for s, p in zip(rows.seqs, rows.pos)]
         for s, n in batch.chunks:
             table = s.block_table
             out.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed, s.num_computed + n))

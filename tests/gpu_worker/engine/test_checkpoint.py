@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request, StepBatch
-from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine import EngineConfig, LLMEngine
 from tests.conftest import ROOT
-from tests.gpu_worker.engine.test_engine import _tiny, step_logits
+from tests.gpu_worker.engine.test_engine import _tiny, prefill_then_decode
 
 
 def _saved(arch: str, tmp_path: Path, tie: bool = False) -> tuple[str, torch.nn.Module]:
@@ -27,16 +26,6 @@ def _saved(arch: str, tmp_path: Path, tie: bool = False) -> tuple[str, torch.nn.
     return str(tmp_path), model
 
 
-def _prefill_and_decode(eng: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    seq = Sequence(Request("t", ids[:-1]))
-    assert eng.blocks.allocate(seq)
-    prefill = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
-    seq.num_computed = len(ids) - 1
-    seq.token_ids.append(ids[-1])
-    eng.blocks.append(seq)
-    return prefill[0], step_logits(eng, StepBatch(decode=[seq], chunks=[]))[0]
-
-
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "llama-tied"])
 def test_read_without_transformers_computes_what_transformers_does(arch: str, tmp_path: Path) -> None:
     path, model = _saved(arch.removesuffix("-tied"), tmp_path, tie=arch.endswith("-tied"))
@@ -45,7 +34,7 @@ def test_read_without_transformers_computes_what_transformers_does(arch: str, tm
         ref = model(torch.tensor([ids])).logits[0, -2:]
     eng = LLMEngine(EngineConfig(model=path, dtype="float32"))
     assert not isinstance(eng.runner.hf_model, torch.nn.Module)  # read by models/checkpoint.py
-    prefill, decode = _prefill_and_decode(eng, ids)
+    prefill, decode = prefill_then_decode(eng, ids)
     assert (prefill - ref[0]).abs().max().item() < 1e-4 and (decode - ref[1]).abs().max().item() < 1e-4
     assert eng.eos_token_ids == (2,)
 

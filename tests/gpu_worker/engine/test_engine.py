@@ -235,6 +235,19 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
     assert torch.allclose(logits[0], ref, atol=1e-4)
 
 
+def prefill_then_decode(eng: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of `ids` but the last prefilled as one chunk, then of the decode step for the last."""
+    from gpu_worker.engine.sequence import Sequence
+
+    seq = Sequence(Request("t", ids[:-1]))
+    assert eng.blocks.allocate(seq)
+    prefill = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
+    seq.num_computed = len(ids) - 1
+    seq.token_ids.append(ids[-1])
+    eng.blocks.append(seq)
+    return prefill[0], step_logits(eng, StepBatch(decode=[seq], chunks=[]))[0]
+
+
 def _tiny(arch: str) -> torch.nn.Module:
     import transformers
 
@@ -261,25 +274,17 @@ def _tiny(arch: str) -> torch.nn.Module:
 def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> None:
     """The fused layers (q/k/v and gate/up in one matrix, oneDNN weights in bf16) compute what the
     model's own forward computes, for a prefill chunk and for the decode step after it."""
-    from gpu_worker.engine.sequence import Sequence
-
     model = _tiny(arch).to(getattr(torch, dtype))
     ids = [5, 17, 99, 300, 42, 7, 301, 11]
     with torch.inference_mode():  # reference first: the runner takes the model over
         ref = model(torch.tensor([ids])).logits[0, -2:].float()
     eng = LLMEngine(EngineConfig(model="unused", dtype=dtype), model=model)
-    seq = Sequence(Request("t", ids[:-1]))
-    assert eng.blocks.allocate(seq)
-    prefill = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
-    seq.num_computed = len(ids) - 1
-    seq.token_ids.append(ids[-1])
-    eng.blocks.append(seq)
-    decode = step_logits(eng, StepBatch(decode=[seq], chunks=[]))
+    prefill, decode = prefill_then_decode(eng, ids)
     tol = 1e-4 if dtype == "float32" else 0.03 * ref.abs().max().item()  # bf16: ~1% seen
-    assert (prefill[0] - ref[0]).abs().max().item() < tol
-    assert (decode[0] - ref[1]).abs().max().item() < tol
+    assert (prefill - ref[0]).abs().max().item() < tol
+    assert (decode - ref[1]).abs().max().item() < tol
     if dtype == "float32":
-        assert prefill[0].argmax() == ref[0].argmax() and decode[0].argmax() == ref[1].argmax()
+        assert prefill.argmax() == ref[0].argmax() and decode.argmax() == ref[1].argmax()
 
 
 @pytest.mark.parametrize("matmul_from", [0, 10**9], ids=["matmul-attention", "sdpa"])
