@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="draft tokens at most per sequence and step")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix n-gram looked up (SPECULATIVE=ngram)")
     prompt_lookup_max: int = Field(4, ge=1, description="longest suffix n-gram looked up (SPECULATIVE=ngram)")
+    paged_attention: bool = Field(True, description="on CPU, decode attention reads the KV cache in place through "
+                                  "a kernel compiled on first use (g++); off, or without a compiler: gather + SDPA")
     torch_threads: int = 0
 
     # reliability

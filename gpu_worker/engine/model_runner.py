@@ -109,9 +109,9 @@ class ModelRunner:
         own_max = getattr(self.hf_model.config, "max_position_embeddings", 4096)
         self.max_model_len = min(config.max_model_len, own_max) if config.max_model_len > 0 else own_max
         self.eos_token_ids = _eos_ids(self.hf_model)
-        self.model = Llama(self.hf_model, self.max_model_len)
-        self.vocab_size = self.model.vocab_size
         self.block_size = config.block_size
+        self.model = Llama(self.hf_model, self.max_model_len, self.block_size, config.paged_attention)
+        self.vocab_size = self.model.vocab_size
         self.cache = self._allocate_cache(config)
         self._block_offsets = torch.arange(self.block_size, device=self.device)
         # a layer's K (or V) seen as [KV * slots, D]: head h's slot s is row h * slots + s
@@ -147,9 +147,12 @@ class ModelRunner:
         ids, pos = _ids_and_positions(batch, rows)
         ids_t, pos_t = self._to_device(ids), self._to_device(pos)
         slots = self._to_device(self._slots(batch, rows))  # where each token's K/V is written
-        width, index, mask = self._decode_reads(rows.seqs, pos_t)
         chunks = self._prefill_chunks(batch.chunks, len(rows.seqs))
-        attn = AttentionMetadata(slots, len(rows.seqs), width, index, mask, chunks)
+        attn = AttentionMetadata(slots, len(rows.seqs), chunks=chunks)
+        if rows.seqs and self.model.paged_decode is not None:
+            attn.decode_tables, attn.decode_lens = self._decode_tables(rows)
+        elif rows.seqs:
+            attn.decode_len, attn.decode_index, attn.decode_mask = self._decode_reads(rows.seqs, pos_t)
         if chunks and self.model.batch_prefill:
             attn.prefill = self._prefill_batch(batch.chunks)
         return StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
@@ -195,13 +198,19 @@ class ModelRunner:
             out.extend(table[p // bs] * bs + p % bs for p in range(s.num_computed, s.num_computed + n))
         return out
 
-    def _decode_reads(self, decode: list[Sequence], positions: torch.Tensor) -> tuple[int, torch.Tensor | None,
-                                                                                       torch.Tensor | None]:
+    def _decode_tables(self, rows: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the decode rows read in place: each its sequence's block table (padded with the null block) and its
+        own length, its position + 1 (a draft token's row reads the draft's earlier tokens, written this step)."""
+        nblk = -(-(max(rows.pos) + 1) // self.block_size)
+        tables = [s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s in rows.seqs]
+        return (torch.tensor(tables, dtype=torch.int32, device=self.device),
+                torch.tensor([p + 1 for p in rows.pos], dtype=torch.int32, device=self.device))
+
+    def _decode_reads(self, decode: list[Sequence], positions: torch.Tensor) -> tuple[int, torch.Tensor,
+                                                                                       torch.Tensor]:
         """What the decode rows read (`decode`: a row's sequence, per row): each its first `width` slots (the
         longest row's length; past its own position, the null block), as a gather index and mask
         (`_gather_index`). A draft token's row reads the draft's earlier tokens, written to the cache this step."""
-        if not decode:
-            return 0, None, None
         width = max(s.num_computed + len(s.draft) for s in decode) + 1
         index, mask = self._gather_index([s.block_table for s in decode], positions[: len(decode)] + 1, width)
         return width, index, mask

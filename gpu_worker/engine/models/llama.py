@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from gpu_worker.engine.gemm import Gemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache
+from gpu_worker.engine.paged_attention import load_paged_decode, supports_paged_decode
 
 # Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
 # in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 21 us
@@ -68,6 +69,8 @@ class AttentionMetadata:
     decode_len: int = 0  # tokens each decode row reads: the longest row's, the others padded
     decode_index: torch.Tensor | None = None  # [rows * KV * decode_len]
     decode_mask: torch.Tensor | None = None  # [rows, 1, 1, decode_len]: the row's own positions
+    decode_tables: torch.Tensor | None = None  # [rows, blocks] int32, read in place (`Llama.paged_decode`)
+    decode_lens: torch.Tensor | None = None  # [rows] int32: the tokens each row reads, in place
     chunks: list[PrefillChunk] = field(default_factory=list)
     prefill: PrefillBatch | None = None  # the chunks batched, where the model attends them at once
 
@@ -133,7 +136,8 @@ class Llama:
     """A Llama-family decoder over a flat token batch: the linear layers see every scheduled token at
     once (decode rows and prefill chunks together, no padding). Every new token's K/V is written to
     its slot of the paged cache in one call per layer; decode rows then read their blocks (gathered to
-    a common length, the null block as padding) in one batched attention call. Prefill chunks, on CPU
+    a common length, the null block as padding) in one batched attention call, or on CPU read them in place
+    (paged_attention.py) where its kernel builds. Prefill chunks, on CPU
     in half precision, attend all at once as one padded batch of matmuls over the cache (`_prefill_batch`);
     elsewhere one by one through SDPA, over the cache when tokens before them are cached, over themselves
     when they start the sequence.
@@ -143,7 +147,8 @@ class Llama:
     it), and where the GEMM backend keeps its own layout (oneDNN on CPU in bfloat16) that model's layer
     matrices are emptied."""
 
-    def __init__(self, hf_model: torch.nn.Module, max_len: int) -> None:
+    def __init__(self, hf_model: torch.nn.Module, max_len: int, block_size: int = 16,
+                 paged_decode: bool = True) -> None:
         cfg, inner = hf_model.config, hf_model.model
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -161,6 +166,9 @@ class Llama:
         self.cos, self.sin_signed = self._rope_tables(inner.rotary_emb, max_len)
         self.upcast_attention = self.device.type == "cpu" and self.dtype != torch.float32
         self.batch_prefill = self.upcast_attention  # prefill attention as batched matmuls (`_prefill_batch`)
+        self.block_size = block_size
+        self.paged_decode = (load_paged_decode() if paged_decode and supports_paged_decode(
+            self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim) else None)
 
     def _rope_tables(self, rotary_emb: torch.nn.Module, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per position, [max_len, head_dim]: RoPE as x * cos + roll(x, D/2) * sin_signed,
@@ -192,7 +200,7 @@ class Llama:
         """The matmul decode path's additive mask, one row per (row, KV head); None where decode rows
         read through SDPA (see MATMUL_ATTENTION_MIN_READ)."""
         nd, t = attn.num_decode, attn.decode_len
-        if not (nd and self.upcast_attention and nd * t >= MATMUL_ATTENTION_MIN_READ):
+        if not (nd and attn.decode_index is not None and self.upcast_attention and nd * t >= MATMUL_ATTENTION_MIN_READ):
             return None
         return torch.zeros(nd, 1, t, dtype=self.dtype, device=self.device).masked_fill_(
             ~attn.decode_mask.view(nd, 1, t), float("-inf")).expand(nd, self.kv_heads, t).reshape(
@@ -228,7 +236,8 @@ class Llama:
         kf, vf = kc.view(-1, D), vc.view(-1, D)  # [KV * slots, D]: what the gather indices address
         n_tok, nd = q.shape[0], attn.num_decode
         if nd:
-            o = self._decode(q[:nd], kf, vf, attn, bias)
+            o = (self.paged_decode(q[:nd], kc, vc, attn.decode_tables, attn.decode_lens, self.block_size)
+                 if attn.decode_tables is not None else self._decode(q[:nd], kf, vf, attn, bias))
             if not attn.chunks:
                 return o.reshape(n_tok, H * D)
         if attn.prefill is not None:

@@ -287,23 +287,25 @@ def test_runner_prefill_and_decode_match_transformers(arch: str, dtype: str) -> 
         assert prefill.argmax() == ref[0].argmax() and decode.argmax() == ref[1].argmax()
 
 
-@pytest.mark.parametrize("matmul_from", [0, 10**9], ids=["matmul-attention", "sdpa"])
+@pytest.mark.parametrize("path", ["paged", "matmul-attention", "sdpa"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: str, matmul_from: int,
+def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: str, path: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode rows of different lengths in one step (padding masked, block boundaries crossed; in
-    bf16 on CPU either attention path) each get the logits the model's own forward gives."""
+    """Decode rows of different lengths in one step (block boundaries crossed; each attention path: read in
+    place, or gathered with padding masked, through matmuls in bf16 on CPU or SDPA) each get the logits the
+    model's own forward gives."""
     from gpu_worker.engine.models import llama
     from gpu_worker.engine.sequence import Sequence
 
-    monkeypatch.setattr(llama, "MATMUL_ATTENTION_MIN_READ", matmul_from)
+    monkeypatch.setattr(llama, "MATMUL_ATTENTION_MIN_READ", 0 if path == "matmul-attention" else 10**9)
 
     model = _tiny(arch).to(getattr(torch, dtype))
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((3, 17, 40, 16))]
     with torch.inference_mode():
         refs = [model(torch.tensor([ids])).logits[0, -1].float() for ids in prompts]
-    eng = LLMEngine(EngineConfig(model="unused", dtype=dtype), model=model)
+    eng = LLMEngine(EngineConfig(model="unused", dtype=dtype, paged_attention=path == "paged"), model=model)
+    assert (eng.runner.model.paged_decode is not None) == (path == "paged")
     seqs = []
     for i, ids in enumerate(prompts):
         seq = Sequence(Request(f"r{i}", ids[:-1]))

@@ -1,0 +1,88 @@
+"""Decode attention read in place from the paged cache (paged_attention.py): the kernel attends each row to its own
+blocks up to its own length as SDPA does over the same tokens gathered, for every head shape it takes, both
+dtypes, any block size; where it cannot be had the engine keeps the gather path, with the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import paged_attention as pa
+from gpu_worker.engine.block_manager import BlockManager
+from tests.gpu_worker.engine.test_engine import prompt_ids, run
+
+
+@pytest.fixture(scope="module")
+def kernel() -> pa.PagedDecode:
+    k = pa.load_paged_decode()
+    assert k is not None, "the kernel did not build (g++ is part of the test machine)"
+    return k
+
+
+def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+               bs: int) -> torch.Tensor:
+    out = []
+    for r in range(q.shape[0]):
+        slots = (tables[r].long()[:, None] * bs + torch.arange(bs)).reshape(-1)[: int(lens[r])]
+        k, v = kc[:, slots].float()[None], vc[:, slots].float()[None]
+        out.append(F.scaled_dot_product_attention(q[r].float()[None, :, None], k, v, enable_gqa=True)[0, :, 0])
+    return torch.stack(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 70), min_size=1, max_size=9), st.sampled_from([1, 4, 16]),
+       st.sampled_from([(4, 2), (9, 3), (8, 8), (4, 1)]), st.sampled_from([16, 64, 128]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**16))
+def test_kernel_attends_each_row_to_its_own_tokens(kernel: pa.PagedDecode, lens: list[int], bs: int,
+                                                   heads: tuple[int, int], d: int, dtype: torch.dtype,
+                                                   seed: int) -> None:
+    H, KV = heads
+    g = torch.Generator().manual_seed(seed)
+    nblk = max(-(-n // bs) for n in lens)
+    num_blocks = len(lens) * nblk + 1
+    kc = torch.randn(KV, num_blocks * bs, d, generator=g).to(dtype)
+    vc = torch.randn(KV, num_blocks * bs, d, generator=g).to(dtype)
+    blocks = (torch.randperm(num_blocks - 1, generator=g) + 1)[: len(lens) * nblk]  # scattered, block 0 unused
+    tables = blocks.view(len(lens), nblk).to(torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    q = (torch.randn(len(lens), H, d, generator=g) * 2).to(dtype)
+    got = kernel(q, kc, vc, tables, lens_t, bs)
+    want = _reference(q, kc, vc, tables, lens_t, bs)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    assert (got.float() - want).abs().max().item() < tol
+
+
+def test_shapes_without_a_kernel_are_refused(kernel: pa.PagedDecode) -> None:
+    assert not pa.supports_paged_decode(torch.device("cpu"), torch.float32, 4, 2, 48)
+    assert not pa.supports_paged_decode(torch.device("cpu"), torch.float16, 4, 2, 64)
+    assert not pa.supports_paged_decode(torch.device("meta"), torch.float32, 4, 2, 64)
+    q, kv = torch.zeros(1, 4, 48), torch.zeros(2, 16, 48)
+    with pytest.raises(ValueError, match="no paged decode kernel"):
+        kernel(q, kv, kv, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 16)
+
+
+def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(FileNotFoundError):
+        pa.build(compiler="no-such-c++-compiler")
+
+
+def test_engine_tokens_equal_the_gather_paths(tiny_model_dir: str) -> None:
+    """Staggered greedy and seeded requests (rows of many lengths, block boundaries crossed, preemption in a small
+    pool) give token for token what the gather + SDPA path gives."""
+    prompts = [prompt_ids(tiny_model_dir, "Tell me about " + "the sea and its tides " * (1 + i % 5)) for i in range(10)]
+    reqs = [Request(f"r{i}", p, max_tokens=24 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
+            for i, p in enumerate(prompts)]
+    arrivals = {f"r{i}": i for i in range(10)}
+    got = {}
+    for paged in (True, False):
+        eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=8, paged_attention=paged))
+        eng.blocks = eng.scheduler.blocks = BlockManager(12, eng.runner.block_size)  # ~ 2 sequences' worth
+        assert (eng.runner.model.paged_decode is not None) == paged
+        got[paged] = run(eng, reqs, arrivals)
+        assert eng.scheduler.num_preemptions > 0
+    assert got[True] == got[False]
