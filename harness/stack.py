@@ -71,6 +71,15 @@ class Stack:
                 p.send_signal(signal.SIGCONT)
 
 
+def kernel_cache() -> str:
+    """The compiled-kernel cache a worker started from here would use (gpu_worker/engine/paged_attention.py)."""
+    if os.environ.get("CONVEYOR_KERNEL_CACHE"):
+        return os.environ["CONVEYOR_KERNEL_CACHE"]
+    root = os.environ.get("CONVEYOR_CACHE") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                                   / "conveyor")
+    return str(Path(root) / "kernels")
+
+
 def start_stack(workdir: Path, redis_url: str | None = None, model: str = "", extra: dict[str, str] | None = None,
                 args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False,
                 timeout: float = 180.0) -> Stack:
@@ -83,7 +92,9 @@ def start_stack(workdir: Path, redis_url: str | None = None, model: str = "", ex
     # the internal port (/metrics, /scaling) too is one the system handed out: its default, PORT + 1, was never
     # checked and may be another process's
     env.update({"REDIS_URL": redis_url or "", "PORT": str(port), "INTERNAL_PORT": str(free_port()),
-                "HOST": "127.0.0.1", "CONVEYOR_CACHE": str(workdir), "LOG_LEVEL": "WARNING"})
+                "HOST": "127.0.0.1", "CONVEYOR_CACHE": str(workdir), "LOG_LEVEL": "WARNING",
+                # the compiled decode attention kernel stays where it was built once, not rebuilt in every workdir
+                "CONVEYOR_KERNEL_CACHE": kernel_cache()})
     if model:
         env["MODEL"] = model
     env.update(extra or {})

@@ -33,8 +33,10 @@ _ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes
 
 
 def cache_dir() -> Path:
-    """Where built kernels are kept: `kernels/` in the service's cache (CONVEYOR_CACHE, else
-    $XDG_CACHE_HOME/conveyor, else ~/.cache/conveyor: where the model is kept too)."""
+    """Where built kernels are kept: $CONVEYOR_KERNEL_CACHE, else `kernels/` in the service's cache (CONVEYOR_CACHE,
+    else $XDG_CACHE_HOME/conveyor, else ~/.cache/conveyor: where the model is kept too)."""
+    if os.environ.get("CONVEYOR_KERNEL_CACHE"):
+        return Path(os.environ["CONVEYOR_KERNEL_CACHE"])
     root = os.environ.get("CONVEYOR_CACHE")
     if not root:
         root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "conveyor")
