@@ -16,7 +16,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HOST=0.0.0.0
 
 # g++: the inference worker compiles its CPU decode attention kernel for the node's CPU on first use
-# (gpu_worker/engine/paged_attention.py; cached under XDG_CACHE_HOME); without it, the portable path
+# (gpu_worker/engine/cpu_kernels.py; cached under XDG_CACHE_HOME); without it, torch ops only
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 RUN if [ -n "$TORCH_INDEX" ]; then pip install --index-url "$TORCH_INDEX" "$TORCH_SPEC"; \

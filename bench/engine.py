@@ -32,10 +32,10 @@ Finally the fp32 engine's tokens are compared with batch-1 `generate` (--check r
 `--step-time B1,B2,..` instead loads the engine per --dtypes and batch size, prefills B identical-length
 prompts, takes 3 untimed decode steps, then reports the median (and min) of --steps timed decode steps:
 the number to compare when changing the model runner (alternate two trees; single runs minutes apart
-are not comparable). `--attention paged,gather` times each step both ways, alternating: decode attention read in
-place (the default) and the portable gather + SDPA path (PAGED_ATTENTION=false). `--after-idle S` times a
---prompt-len prefill step warm (right after another request) and after the process has slept S seconds,
-alternately, 3 times each.
+are not comparable). `--kernels on,off` times each step both ways, alternating: with the compiled CPU kernels (the
+default: decode attention read in place, fused layer steps) and with torch's ops only (CPU_KERNELS=false).
+`--after-idle S` times a --prompt-len prefill step warm (right after another request) and after the process has
+slept S seconds, alternately, 3 times each.
 """
 
 from __future__ import annotations
@@ -513,12 +513,12 @@ def profile_step(s: Setup, dtype: str = "float32", concurrency: int = 32, steps:
 
 
 def step_time(model: str, dtype: str, batch: int, steps: int, prompt_len: int,
-              paged: bool = True) -> tuple[float, float]:
+              kernels: bool = True) -> tuple[float, float]:
     """Median and min decode-step time (ms) at `batch` running sequences, after a prefill of all of them."""
     from gpu_worker.engine import EngineConfig, LLMEngine, Request
 
     engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, max_num_seqs=max(64, batch),
-                                    max_num_batched_tokens=0, paged_attention=paged))
+                                    max_num_batched_tokens=0, cpu_kernels=kernels))
     prompt = list(range(100, 100 + prompt_len))
     for i in range(batch):
         engine.add_request(Request(f"r{i}", prompt, max_tokens=10_000, temperature=0.0, ignore_eos=True))
@@ -565,10 +565,10 @@ def step_times(args: argparse.Namespace) -> int:
           f"{os.environ.get('GOMP_SPINCOUNT', 'unset')}")
     for dtype in args.dtypes.split(","):
         for batch in (int(b) for b in args.step_time.split(",") if b):
-            for attention in args.attention.split(","):
-                med, low = step_time(args.model, dtype, batch, args.steps, args.prompt_len, attention == "paged")
-                print(f"{dtype:9s} batch {batch:3d} {attention:6s}: decode step {med:6.1f} ms median (min {low:.1f}), "
-                      f"{batch / med * 1e3:6.0f} tok/s if every step were like this", flush=True)
+            for kernels in args.kernels.split(","):
+                med, low = step_time(args.model, dtype, batch, args.steps, args.prompt_len, kernels == "on")
+                print(f"{dtype:9s} batch {batch:3d} kernels {kernels:3s}: decode step {med:6.1f} ms median "
+                      f"(min {low:.1f}), {batch / med * 1e3:6.0f} tok/s if every step were like this", flush=True)
         if args.after_idle:
             warm, idle = after_idle(args.model, dtype, args.after_idle, args.prompt_len)
             print(f"{dtype:9s} {args.prompt_len}-token prefill step: warm {' / '.join(f'{x:.0f}' for x in warm)} ms, "
@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="also profile a decode step at 32 running, per --dtypes")
     p.add_argument("--json", dest="json_out", help="also write the medians here, and a chart beside it (.png)")
     p.add_argument("--step-time", default="", help="decode-step time only, at these batch sizes (e.g. 1,8,32)")
-    p.add_argument("--attention", default="paged", help="decode-step mode: paged (in place), gather, or both")
+    p.add_argument("--kernels", default="on", help="decode-step mode: compiled CPU kernels on, off, or on,off")
     p.add_argument("--after-idle", type=float, default=0.0,
                    help="decode-step mode: also time a prefill step after this many seconds idle")
     p.add_argument("--dtypes", default="float32,bfloat16", help="decode-step and --profile modes: engine dtypes")

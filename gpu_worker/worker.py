@@ -67,7 +67,7 @@ def build_engine(settings: Settings) -> Engine:
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_mb=settings.kv_cache_mb, max_model_len=model_context(path, settings.max_model_len),
         threads=settings.torch_threads, block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching,
-        paged_attention=settings.paged_attention,
+        cpu_kernels=settings.cpu_kernels,
         speculative=NgramConfig(settings.num_speculative_tokens, settings.prompt_lookup_min,
                                 settings.prompt_lookup_max) if settings.speculative == "ngram" else None))
     return engine

@@ -72,7 +72,7 @@ class Stack:
 
 
 def kernel_cache() -> str:
-    """The compiled-kernel cache a worker started from here would use (gpu_worker/engine/paged_attention.py)."""
+    """The compiled-kernel cache a worker started from here would use (gpu_worker/engine/cpu_kernels.py)."""
     if os.environ.get("CONVEYOR_KERNEL_CACHE"):
         return os.environ["CONVEYOR_KERNEL_CACHE"]
     root = os.environ.get("CONVEYOR_CACHE") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

@@ -95,8 +95,9 @@ class Settings(BaseSettings):
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="draft tokens at most per sequence and step")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix n-gram looked up (SPECULATIVE=ngram)")
     prompt_lookup_max: int = Field(4, ge=1, description="longest suffix n-gram looked up (SPECULATIVE=ngram)")
-    paged_attention: bool = Field(True, description="on CPU, decode attention reads the KV cache in place through "
-                                  "a kernel compiled on first use (g++); off, or without a compiler: gather + SDPA")
+    cpu_kernels: bool = Field(True, description="on CPU, the engine's kernels compiled on first use (g++): decode "
+                              "attention read from the KV cache in place, fused layer steps; off, or without a "
+                              "compiler: torch ops only (K/V gathered for SDPA)")
     torch_threads: int = 0
 
     # reliability

@@ -110,7 +110,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len, own_max) if config.max_model_len > 0 else own_max
         self.eos_token_ids = _eos_ids(self.hf_model)
         self.block_size = config.block_size
-        self.model = Llama(self.hf_model, self.max_model_len, self.block_size, config.paged_attention)
+        self.model = Llama(self.hf_model, self.max_model_len, self.block_size, config.cpu_kernels)
         self.vocab_size = self.model.vocab_size
         self.cache = self._allocate_cache(config)
         self._block_offsets = torch.arange(self.block_size, device=self.device)

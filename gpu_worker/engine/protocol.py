@@ -25,7 +25,7 @@ class EngineConfig:
     prefix_caching: bool = True
     checkpoint_dtype: str | None = None  # the weights' saved dtype, for dtype=auto ("bfloat16", ...); None: unknown
     speculative: NgramConfig | None = None  # n-gram speculative decoding (ngram.py); None: off
-    paged_attention: bool = True  # CPU decode attention reads the cache in place where its kernel builds
+    cpu_kernels: bool = True  # on CPU, the compiled kernels where they build (cpu_kernels.py)
 
 
 class Engine(Protocol):

@@ -41,7 +41,7 @@ class QuickRuns:
             "torch": {
                 "engine": ["bench.engine", "--quick", "--model", tiny, "--json", str(tmp / "engine.json")],
                 "engine_step_time": ["bench.engine", "--quick", "--model", tiny, "--step-time", "1,4",
-                                     "--attention", "paged,gather", "--after-idle", "0.1", "--dtypes", "float32"],
+                                     "--kernels", "on,off", "--after-idle", "0.1", "--dtypes", "float32"],
                 "offline_batch": ["bench.vllm_offline", "--quick", "--model", tiny, "--system-words", "60",
                                   "--prefix-caching"],
                 "kv_cache": ["bench.kv_cache", "--quick", "--model", tiny],
@@ -109,7 +109,7 @@ def test_engine_contenders(runs: QuickRuns) -> None:
 
 def test_engine_step_time(runs: QuickRuns) -> None:
     out = runs.out("engine_step_time")
-    assert "batch   4 paged : decode step" in out and "batch   4 gather: decode step" in out
+    assert "batch   4 kernels on : decode step" in out and "batch   4 kernels off: decode step" in out
     assert "prefill step: warm" in out
 
 

@@ -19,10 +19,12 @@ inline float load(uint16_t x) {  // bfloat16: the high half of a float32
     return f;
 }
 
-// Row r, KV head h: the G query heads that share h, against the row's first len tokens.
+// Row r, KV head h: the G query heads that share h, against the row's first len tokens. `scores` holds G rows of
+// `stride` floats, 64-byte aligned, stride a multiple of 16: the vectorised loops over a row's scores then split
+// the same way whatever else is in the batch, so a row's result never depends on its neighbours.
 template <typename T, int D>
 void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, int len, int64_t slots, int bs,
-                int G, float scale, float* scores, float* out) {
+                int G, float scale, float* scores, int64_t stride, float* out) {
     const int nblk = (len + bs - 1) / bs;
     for (int b = 0, t = 0; b < nblk; ++b) {
         const int64_t base = static_cast<int64_t>(table[b]) * bs;
@@ -33,13 +35,13 @@ void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, 
                 const float* qg = q + g * D;
                 float s = 0.f;
                 for (int d = 0; d < D; ++d) s += qg[d] * load(k[d]);
-                scores[g * len + t] = s * scale;
+                scores[g * stride + t] = s * scale;
             }
         }
     }
     float inv[64];
     for (int g = 0; g < G; ++g) {
-        float* sg = scores + g * len;
+        float* sg = scores + g * stride;
         float m = sg[0];
         for (int t = 1; t < len; ++t) m = sg[t] > m ? sg[t] : m;
         float sum = 0.f;
@@ -59,7 +61,7 @@ void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, 
             float vf[D];
             for (int d = 0; d < D; ++d) vf[d] = load(v[d]);
             for (int g = 0; g < G; ++g) {
-                const float p = scores[g * len + t];
+                const float p = scores[g * stride + t];
                 float* a = acc + g * D;
                 for (int d = 0; d < D; ++d) a[d] += p * vf[d];
             }
@@ -75,15 +77,16 @@ void run(const float* q, const T* kc, const T* vc, const int32_t* tables, int ma
     const int G = H / KV;
     int longest = 1;
     for (int r = 0; r < rows; ++r) longest = lens[r] > longest ? lens[r] : longest;
+    const int64_t stride = (longest + 15) / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
-        float* scores = static_cast<float*>(std::malloc(sizeof(float) * G * longest));
+        float* scores = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * G * stride));
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < rows * KV; ++task) {
             const int r = task / KV, h = task % KV;
             attend_one<T, D>(q + (static_cast<int64_t>(r) * H + h * G) * D, kc + h * slots * D, vc + h * slots * D,
                              tables + static_cast<int64_t>(r) * max_blocks, lens[r], slots, bs, G, scale, scores,
-                             out + (static_cast<int64_t>(r) * H + h * G) * D);
+                             stride, out + (static_cast<int64_t>(r) * H + h * G) * D);
         }
         std::free(scores);
     }

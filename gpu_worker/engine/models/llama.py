@@ -9,9 +9,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.engine.cpu_kernels import load_layer_ops, load_paged_decode, supports_layer_ops, supports_paged_decode
 from gpu_worker.engine.gemm import Gemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache
-from gpu_worker.engine.paged_attention import load_paged_decode, supports_paged_decode
 
 # Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
 # in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 21 us
@@ -89,6 +89,7 @@ class _Layer:
     gate_up: object
     down: object
     act: object
+    silu: bool  # the activation is SiLU (`LayerOps.silu_mul` computes act(gate) * up at once)
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
@@ -115,6 +116,10 @@ def _eps(norm: torch.nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", None) or norm.eps)
 
 
+def _is_silu(act: object) -> bool:
+    return act is F.silu or isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 def _layer_weights(layer: torch.nn.Module, gemm: Gemm) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -123,7 +128,7 @@ def _layer_weights(layer: torch.nn.Module, gemm: Gemm) -> _Layer:
         raise ValueError("MLP biases are not supported")
     weights = _Layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, _eps(layer.input_layernorm),
                      gemm.prepare(qkv), qkv_bias, gemm.prepare(attn.o_proj.weight), attn.o_proj.bias,
-                     gemm.prepare(gate_up), gemm.prepare(mlp.down_proj.weight), mlp.act_fn,
+                     gemm.prepare(gate_up), gemm.prepare(mlp.down_proj.weight), mlp.act_fn, _is_silu(mlp.act_fn),
                      attn.q_norm.weight if hasattr(attn, "q_norm") else None,
                      attn.k_norm.weight if hasattr(attn, "k_norm") else None)
     if gemm.copies_weights:  # these layers' matrices now live here: keep one copy, not two
@@ -137,7 +142,7 @@ class Llama:
     once (decode rows and prefill chunks together, no padding). Every new token's K/V is written to
     its slot of the paged cache in one call per layer; decode rows then read their blocks (gathered to
     a common length, the null block as padding) in one batched attention call, or on CPU read them in place
-    (paged_attention.py) where its kernel builds. Prefill chunks, on CPU
+    (cpu_kernels.py) where its kernel builds. Prefill chunks, on CPU
     in half precision, attend all at once as one padded batch of matmuls over the cache (`_prefill_batch`);
     elsewhere one by one through SDPA, over the cache when tokens before them are cached, over themselves
     when they start the sequence.
@@ -148,7 +153,7 @@ class Llama:
     matrices are emptied."""
 
     def __init__(self, hf_model: torch.nn.Module, max_len: int, block_size: int = 16,
-                 paged_decode: bool = True) -> None:
+                 cpu_kernels: bool = True) -> None:
         cfg, inner = hf_model.config, hf_model.model
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -167,8 +172,11 @@ class Llama:
         self.upcast_attention = self.device.type == "cpu" and self.dtype != torch.float32
         self.batch_prefill = self.upcast_attention  # prefill attention as batched matmuls (`_prefill_batch`)
         self.block_size = block_size
-        self.paged_decode = (load_paged_decode() if paged_decode and supports_paged_decode(
+        # compiled CPU kernels (cpu_kernels.py), where they build: decode attention in place, fused elementwise steps
+        self.paged_decode = (load_paged_decode() if cpu_kernels and supports_paged_decode(
             self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim) else None)
+        self.ops = (load_layer_ops() if cpu_kernels and supports_layer_ops(self.device, self.dtype, self.head_dim)
+                    else None)
 
     def _rope_tables(self, rotary_emb: torch.nn.Module, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per position, [max_len, head_dim]: RoPE as x * cos + roll(x, D/2) * sin_signed,
@@ -188,13 +196,17 @@ class Llama:
         blocks = self._prefill_blocks(attn.prefill) if attn.prefill is not None else []
         h = F.embedding(ids, self.embed_w)
         for li, L in enumerate(self.layers):
-            h = self._layer(L, h, cos, sin, cache.k[li], cache.v[li], attn, bias, blocks)
+            h = self._layer(L, h, positions, cos, sin, cache.k[li], cache.v[li], attn, bias, blocks)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype for the hidden states given (the rows to sample)."""
-        h = F.rms_norm(h, self.hidden_shape, self.norm_w, self.norm_eps)
-        return self.head_gemm.linear(h, self.lm_head_w)
+        return self.head_gemm.linear(self._norm(h, self.norm_w, self.norm_eps), self.lm_head_w)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.ops is not None and x.is_contiguous():
+            return self.ops.rms_norm(x, w, eps)
+        return F.rms_norm(x, self.hidden_shape, w, eps)
 
     def _decode_bias(self, attn: AttentionMetadata) -> torch.Tensor | None:
         """The matmul decode path's additive mask, one row per (row, KV head); None where decode rows
@@ -206,14 +218,27 @@ class Llama:
             ~attn.decode_mask.view(nd, 1, t), float("-inf")).expand(nd, self.kv_heads, t).reshape(
             nd * self.kv_heads, 1, t)
 
-    def _layer(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
-               vc: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None,
+    def _layer(self, L: _Layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None,
                blocks: list[PrefillBlock]) -> torch.Tensor:
-        q, k, v = self._qkv(L, F.rms_norm(h, self.hidden_shape, L.ln1, L.eps), cos, sin)
-        out = self._attention(q, k, v, kc, vc, attn, bias, blocks)
+        x = self._norm(h, L.ln1, L.eps)
+        if self.ops is not None and L.q_norm is None:  # RoPE and the cache write in one pass
+            H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+            qkv = self.gemm.linear(x, L.qkv, L.qkv_bias).view(x.shape[0], H + 2 * KV, D)
+            self.ops.rope_and_cache(qkv, self.cos, self.sin_signed, positions, attn.slots, kc, vc, H)
+            out = self._attention(qkv[:, :H], qkv[:, H : H + KV], qkv[:, H + KV :], kc, vc, attn, bias, blocks,
+                                  written=True)
+        else:
+            q, k, v = self._qkv(L, x, cos, sin)
+            out = self._attention(q, k, v, kc, vc, attn, bias, blocks)
         h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
-        gate, up = self.gemm.linear(F.rms_norm(h, self.hidden_shape, L.ln2, L.eps), L.gate_up).chunk(2, dim=-1)
-        return self.gemm.linear_add(L.act(gate) * up, L.down, h)
+        gate_up = self.gemm.linear(self._norm(h, L.ln2, L.eps), L.gate_up)
+        if self.ops is not None and L.silu:
+            act = self.ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = L.act(gate) * up
+        return self.gemm.linear_add(act, L.down, h)
 
     def _qkv(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,11 +253,14 @@ class Llama:
         return qk[:, :H], qk[:, H:], v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                   attn: AttentionMetadata, bias: torch.Tensor | None, blocks: list[PrefillBlock]) -> torch.Tensor:
-        """Write k and v to their slots of the layer's cache (kc, vc: [KV, slots, D]), then attend: [N, H * D]."""
+                   attn: AttentionMetadata, bias: torch.Tensor | None, blocks: list[PrefillBlock],
+                   written: bool = False) -> torch.Tensor:
+        """Write k and v to their slots of the layer's cache (kc, vc: [KV, slots, D]) unless `written` already,
+        then attend: [N, H * D]."""
         H, D = self.num_heads, self.head_dim
-        kc.index_copy_(1, attn.slots, k.transpose(0, 1))
-        vc.index_copy_(1, attn.slots, v.transpose(0, 1))
+        if not written:
+            kc.index_copy_(1, attn.slots, k.transpose(0, 1))
+            vc.index_copy_(1, attn.slots, v.transpose(0, 1))
         kf, vf = kc.view(-1, D), vc.view(-1, D)  # [KV * slots, D]: what the gather indices address
         n_tok, nd = q.shape[0], attn.num_decode
         if nd:

@@ -304,7 +304,7 @@ def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: st
     prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((3, 17, 40, 16))]
     with torch.inference_mode():
         refs = [model(torch.tensor([ids])).logits[0, -1].float() for ids in prompts]
-    eng = LLMEngine(EngineConfig(model="unused", dtype=dtype, paged_attention=path == "paged"), model=model)
+    eng = LLMEngine(EngineConfig(model="unused", dtype=dtype, cpu_kernels=path == "paged"), model=model)
     assert (eng.runner.model.paged_decode is not None) == (path == "paged")
     seqs = []
     for i, ids in enumerate(prompts):

@@ -69,7 +69,9 @@ def copy_prompts(tiny_model_dir: str, engines: tuple[LLMEngine, LLMEngine]) -> l
     """Prompts that hold what the tiny model says next: each chat prompt, its greedy continuation, and the
     prompt again (random weights otherwise repeat nothing, and no draft would ever be proposed)."""
     prompts = [prompt_ids(tiny_model_dir, f"Repeat {i}: " + TEXT * (1 + i % 3)) for i in range(8)]
-    said = run(engines[0], _reqs(prompts, temperature=0.0, max_tokens=24))
+    # through both engines: each then holds the same prefix cache (a prompt read partly from the cache is summed in
+    # another order than one computed whole, ~1e-7 apart in float32, enough to flip a seeded draw on a boundary)
+    said, _ = _both(engines, _reqs(prompts, temperature=0.0, max_tokens=24))
     return [p + said[f"r{i}"] + p for i, p in enumerate(prompts)]
 
 

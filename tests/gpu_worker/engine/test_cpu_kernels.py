@@ -1,6 +1,7 @@
-"""Decode attention read in place from the paged cache (paged_attention.py): the kernel attends each row to its own
-blocks up to its own length as SDPA does over the same tokens gathered, for every head shape it takes, both
-dtypes, any block size; where it cannot be had the engine keeps the gather path, with the same tokens."""
+"""The compiled CPU kernels (cpu_kernels.py): decode attention read in place attends each row to its own blocks up to
+its own length as SDPA does over the same tokens gathered, for every head shape it takes, both dtypes, any block
+size; the fused layer steps compute what torch's ops compute; and the engine gives token for token what it gives
+on torch's ops alone (CPU_KERNELS=false, also what runs where no compiler is)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_worker.engine import EngineConfig, LLMEngine, Request
-from gpu_worker.engine import paged_attention as pa
+from gpu_worker.engine import cpu_kernels as pa
 from gpu_worker.engine.block_manager import BlockManager
 from tests.gpu_worker.engine.test_engine import prompt_ids, run
 
@@ -21,6 +22,13 @@ def kernel() -> pa.PagedDecode:
     k = pa.load_paged_decode()
     assert k is not None, "the kernel did not build (g++ is part of the test machine)"
     return k
+
+
+@pytest.fixture(scope="module")
+def ops() -> pa.LayerOps:
+    o = pa.load_layer_ops()
+    assert o is not None, "the layer ops did not build (g++ is part of the test machine)"
+    return o
 
 
 def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
@@ -66,23 +74,59 @@ def test_shapes_without_a_kernel_are_refused(kernel: pa.PagedDecode) -> None:
         kernel(q, kv, kv, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 16)
 
 
+def test_loading_the_kernels_leaves_subnormals_alone(kernel: pa.PagedDecode, ops: pa.LayerOps) -> None:
+    """Built with -ffast-math but not linked with it: loading them must not turn on flush-to-zero process-wide."""
+    tiny = float("5e-324")
+    assert tiny * 1.0 != 0.0
+    assert torch.tensor([1e-40]).mul(1.0).item() != 0.0
+
+
 def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FileNotFoundError):
-        pa.build(compiler="no-such-c++-compiler")
+        pa.build("layer_ops", compiler="no-such-c++-compiler")
 
 
-def test_engine_tokens_equal_the_gather_paths(tiny_model_dir: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 300])
+def test_fused_layer_steps_compute_what_torch_does(ops: pa.LayerOps, dtype: torch.dtype, n: int) -> None:
+    """RMSNorm, SiLU(gate) * up, and RoPE with the cache write, at decode and prefill row counts (300 rows: threads)."""
+    g = torch.Generator().manual_seed(n)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    x, w = (torch.randn(n, 576, generator=g) * 3).to(dtype), torch.randn(576, generator=g).to(dtype)
+    want = (F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype) * w) if dtype == torch.bfloat16 else F.rms_norm(
+        x, (576,), w, 1e-5)
+    assert (ops.rms_norm(x, w, 1e-5).float() - want.float()).abs().max().item() <= tol * want.abs().max().item()
+    gu = (torch.randn(n, 2 * 96, generator=g) * 4).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert (ops.silu_mul(gu).float() - want.float()).abs().max().item() <= tol * want.abs().max().item() + 1e-6
+    H, KV, D, slots = 9, 3, 64, 512
+    qkv = torch.randn(n, H + 2 * KV, D, generator=g).to(dtype)
+    cos, sin = torch.randn(400, D, generator=g).to(dtype), torch.randn(400, D, generator=g).to(dtype)
+    pos = torch.randint(0, 400, (n,), generator=g)
+    where = torch.randperm(slots, generator=g)[:n]
+    kc, vc = torch.zeros(KV, slots, D, dtype=dtype), torch.zeros(KV, slots, D, dtype=dtype)
+    qk = qkv[:, : H + KV]
+    want_qk = torch.addcmul(qk * cos[pos][:, None], qk.roll(D // 2, dims=-1), sin[pos][:, None])
+    want_v = qkv[:, H + KV :].clone()
+    ops.rope_and_cache(qkv, cos, sin, pos, where, kc, vc, H)
+    assert (qkv[:, : H + KV].float() - want_qk.float()).abs().max().item() <= tol * want_qk.abs().max().item()
+    assert torch.equal(kc[:, where].transpose(0, 1), qkv[:, H : H + KV]) and torch.equal(vc[:, where].transpose(0, 1),
+                                                                                        want_v)
+
+
+def test_engine_tokens_equal_torch_ops_alone(tiny_model_dir: str) -> None:
     """Staggered greedy and seeded requests (rows of many lengths, block boundaries crossed, preemption in a small
-    pool) give token for token what the gather + SDPA path gives."""
+    pool) give token for token what torch's ops alone give (K/V gathered for SDPA, unfused steps)."""
     prompts = [prompt_ids(tiny_model_dir, "Tell me about " + "the sea and its tides " * (1 + i % 5)) for i in range(10)]
     reqs = [Request(f"r{i}", p, max_tokens=24 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8, seed=i)
             for i, p in enumerate(prompts)]
     arrivals = {f"r{i}": i for i in range(10)}
     got = {}
     for paged in (True, False):
-        eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=8, paged_attention=paged))
+        eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=8, cpu_kernels=paged))
         eng.blocks = eng.scheduler.blocks = BlockManager(12, eng.runner.block_size)  # ~ 2 sequences' worth
-        assert (eng.runner.model.paged_decode is not None) == paged
+        assert (eng.runner.model.paged_decode is not None) == paged and (eng.runner.model.ops is not None) == paged
         got[paged] = run(eng, reqs, arrivals)
         assert eng.scheduler.num_preemptions > 0
     assert got[True] == got[False]

@@ -1,0 +1,181 @@
+"""The engine's compiled CPU kernels (csrc/), and their loader.
+
+- `PagedDecode` (csrc/paged_attention.cpp): decode attention over the paged KV cache in place, each decode row
+  reading its own blocks up to its own length, where the portable path gathers every row's K/V into a padded copy
+  first and runs SDPA over it (three passes over memory against one).
+- `LayerOps` (csrc/layer_ops.cpp): a layer's elementwise steps in one pass each (RMSNorm; SiLU(gate) * up; RoPE on
+  q and k with the new K/V written to its cache slots), where torch takes several ops, each with its overhead.
+
+Each source is plain C++ behind a C ABI, compiled on first use for this CPU (`g++ -O3 -march=native`, about a
+second) into a cache keyed by its source, the flags and the CPU's feature flags, and loaded through ctypes (a call
+releases the GIL). Kernels run on torch's OpenMP runtime with torch's thread count. Where no compiler is found or
+a build fails, `load_*` returns None (logged once) and the model keeps its torch path (CPU_KERNELS=false: always)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+# -ffast-math compiles only (vectorised exp, reassociated sums); linked with it, gcc adds crtfastmath.o, which
+# sets flush-to-zero for the whole process on load: torch's and numpy's subnormals would vanish
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
+LINK = ("-shared", "-fopenmp")
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged decode kernel's
+_p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: $CONVEYOR_KERNEL_CACHE, else `kernels/` in the service's cache (CONVEYOR_CACHE,
+    else $XDG_CACHE_HOME/conveyor, else ~/.cache/conveyor: where the model is kept too)."""
+    if os.environ.get("CONVEYOR_KERNEL_CACHE"):
+        return Path(os.environ["CONVEYOR_KERNEL_CACHE"])
+    root = os.environ.get("CONVEYOR_CACHE")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "conveyor")
+    return Path(root) / "kernels"
+
+
+def _cpu_flags() -> bytes:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return b""
+
+
+def build(name: str, compiler: str | None = None) -> Path:
+    """csrc/<name>.cpp as a shared library for this CPU, compiled unless already in the cache. Raises on failure."""
+    cxx = compiler or os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise FileNotFoundError(f"no C++ compiler ({cxx})")
+    source = CSRC / f"{name}.cpp"
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS + LINK).encode() + _cpu_flags()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # built aside, then renamed: workers may race
+    os.close(fd)
+    obj = tmp[:-3] + ".o"
+    try:
+        for argv in ([cxx, *FLAGS, "-c", str(source), "-o", obj], [cxx, *LINK, obj, "-o", tmp]):
+            subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(tmp, out)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{cxx} failed: {e.stderr.strip()[-2000:]}") from e
+    finally:
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
+    return out
+
+
+def _function(lib: ctypes.CDLL, name: str, args: tuple, restype: object = None):  # type: ignore[no-untyped-def]
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = args, restype
+    return fn
+
+
+class PagedDecode:
+    """Decode attention read in place: `__call__` attends one query per row to the row's own cached tokens."""
+
+    def __init__(self, path: Path) -> None:
+        self._fn = _function(ctypes.CDLL(str(path)), "conveyor_paged_decode",
+                             (_p, _p, _p, _i, _p, _i, _p, _i, _i, _i, _i, _i64, _i, _f, _p, _i), _i)
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, block_size: int) -> torch.Tensor:
+        """q [rows, H, D]; kc, vc a layer's [KV, slots, D] (float32 or bfloat16, contiguous); tables [rows, blocks]
+        and lens [rows] int32 (a row reads its first lens[r] tokens, lens[r] >= 1). Out [rows, H, D] in q's dtype."""
+        rows, H, D = q.shape
+        KV, slots, _ = kc.shape
+        qf = q.float().contiguous()
+        out = torch.empty_like(qf)
+        rc = self._fn(qf.data_ptr(), kc.data_ptr(), vc.data_ptr(), int(kc.dtype == torch.bfloat16), tables.data_ptr(),
+                      tables.shape[1], lens.data_ptr(), rows, H, KV, D, slots, block_size, D**-0.5, out.data_ptr(),
+                      torch.get_num_threads())
+        if rc:
+            raise ValueError(f"no paged decode kernel for {H} heads over {KV} KV heads of {D}")
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+class LayerOps:
+    """A layer's elementwise steps, each one pass over contiguous float32 or bfloat16 tensors."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        self._rms = _function(lib, "conveyor_rms_norm", (_p, _p, _p, _i, _i64, _i, _f, _i))
+        self._silu = _function(lib, "conveyor_silu_mul", (_p, _p, _i, _i64, _i, _i))
+        self._rope = _function(lib, "conveyor_rope_and_cache", (_p, _p, _p, _p, _p, _p, _p, _i, _i64, _i, _i, _i,
+                                                                _i64, _i), _i)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [N, C] -> x / rms(x) * w, rounded to x's dtype before the weight as transformers' RMSNorm does."""
+        out = torch.empty_like(x)
+        self._rms(x.data_ptr(), w.data_ptr(), out.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1],
+                  eps, torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [N, 2I] (gate, then up) -> silu(gate) * up, [N, I]."""
+        n, two_i = gate_up.shape
+        out = gate_up.new_empty(n, two_i // 2)
+        self._silu(gate_up.data_ptr(), out.data_ptr(), int(gate_up.dtype == torch.bfloat16), n, two_i // 2,
+                   torch.get_num_threads())
+        return out
+
+    def rope_and_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                       slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, num_heads: int) -> None:
+        """qkv [N, H + 2 KV, D]: RoPE on q and k in place (cos, sin: [positions, D] tables, x * cos + roll(x, D/2) *
+        sin), and each token's k and v written to its slot (int64 `slots`) of kc, vc ([KV, slots, D])."""
+        n, heads, d = qkv.shape
+        kv, cache_slots, _ = kc.shape
+        rc = self._rope(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                        kc.data_ptr(), vc.data_ptr(), int(qkv.dtype == torch.bfloat16), n, num_heads, kv, d,
+                        cache_slots, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"no RoPE kernel for head_dim {d}")
+
+
+def supports_paged_decode(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int,
+                          head_dim: int) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim in HEAD_DIMS
+            and num_heads % kv_heads == 0 and num_heads // kv_heads <= 64)
+
+
+def supports_layer_ops(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim <= 512 and head_dim % 2 == 0
+
+
+@cache
+def load_paged_decode() -> PagedDecode | None:
+    """The paged decode kernel, built if need be; None (logged once) where it cannot be had."""
+    try:
+        return PagedDecode(build("paged_attention"))
+    except Exception as e:  # noqa: BLE001 - any failure means the portable path
+        log.warning("paged decode attention unavailable, using gather + SDPA: %s", e)
+        return None
+
+
+@cache
+def load_layer_ops() -> LayerOps | None:
+    """The layer ops, built if need be; None (logged once) where they cannot be had."""
+    try:
+        return LayerOps(build("layer_ops"))
+    except Exception as e:  # noqa: BLE001 - any failure means the portable path
+        log.warning("fused CPU layer ops unavailable, using torch's: %s", e)
+        return None
