@@ -46,8 +46,8 @@ def _submit(c: httpx.Client, **body: object) -> str:
 
 
 def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None:
-    """200 jobs x 64 tokens from a heavy tenant at once; then a light tenant's 10 jobs x 8 tokens, one a
-    second. The light tenant's median completion time is under a quarter of the heavy backlog's drain
+    """200 jobs x 64 tokens from a heavy tenant at once; then a light tenant's 10 jobs x 8 tokens, one every
+    half second (all while the backlog drains: ~6.6 s alone on 2 cores). The light tenant's median completion time is under a quarter of the heavy backlog's drain
     time (first in, first out, its first jobs would wait for most of the backlog). The heavy tenant is
     revoked while its jobs wait: every one of them still runs."""
     r = fair_stack.redis()
@@ -61,7 +61,7 @@ def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) ->
         light_ids = []
         for i in range(10):
             light_ids.append(_submit(light, prompt=f"Name a colour ({i}).", max_tokens=8, ignore_eos=True))
-            time.sleep(1.0)  # the workload: one light request a second
+            time.sleep(0.5)  # the workload: two light requests a second
         light_jobs = [wait(light, job_id, timeout=120) for job_id in light_ids]
         # the revoked key cannot poll: read the heavy jobs' records as the owner of the stack
         until("the heavy backlog to drain", lambda: all(
