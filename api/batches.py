@@ -127,6 +127,7 @@ class Batches:
         self.r, self.store, self.files, self.settings = client, store, files, settings
         self.token = uuid.uuid4().hex  # this process's lease token
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def create(self, tenant: Tenant | None, input_file_id: str, endpoint: str,
                      metadata: dict[str, str] | None, webhook_url: str | None = None) -> dict[str, Any]:
@@ -239,16 +240,21 @@ class Batches:
     # --- the driver ---------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._run(), name="batch-driver")
 
     async def stop(self) -> None:
+        """End the driver. It also checks a flag between ticks: a cancellation that lands inside a Redis call can
+        come out as that call's error (a timeout, a lost connection), which the loop survives by design; once
+        the app's shutdown waited on such a driver forever."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 for batch_id in await self.r.smembers(names.BATCHES_ACTIVE):
                     if await self._lease(batch_id):

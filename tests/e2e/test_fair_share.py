@@ -47,9 +47,9 @@ def _submit(c: httpx.Client, **body: object) -> str:
 
 def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None:
     """200 jobs x 64 tokens from a heavy tenant at once; then a light tenant's 10 jobs x 8 tokens, one every
-    half second (all while the backlog drains: ~6.6 s alone on 2 cores). The light tenant's median completion time is under a quarter of the heavy backlog's drain
-    time (first in, first out, its first jobs would wait for most of the backlog). The heavy tenant is
-    revoked while its jobs wait: every one of them still runs."""
+    half second (all while the backlog drains: ~6.6 s alone on 2 cores). The light tenant's median completion
+    time is under a quarter of the heavy backlog's drain time (first in, first out, its first jobs would wait for
+    most of the backlog). The heavy tenant is revoked while its jobs wait: every one of them still runs."""
     r = fair_stack.redis()
     heavy_key, _ = tenants.create(r, "heavy", rpm=0, tpm=0, max_queued=0)
     light_key, _ = tenants.create(r, "light")
