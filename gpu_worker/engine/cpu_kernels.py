@@ -4,7 +4,8 @@
   reading its own blocks up to its own length, where the portable path gathers every row's K/V into a padded copy
   first and runs SDPA over it (three passes over memory against one).
 - `LayerOps` (csrc/layer_ops.cpp): a layer's elementwise steps in one pass each (RMSNorm; SiLU(gate) * up; RoPE on
-  q and k with the new K/V written to its cache slots), where torch takes several ops, each with its overhead.
+  q and k with the new K/V written to its cache slots; batched prefill's causal softmax), where torch takes several
+  ops, each with its overhead.
 
 Each source is plain C++ behind a C ABI, compiled on first use for this CPU (`g++ -O3 -march=native`, about a
 second) into a cache keyed by its source, the flags and the CPU's feature flags, and loaded through ctypes (a call
@@ -122,6 +123,7 @@ class LayerOps:
         self._silu = _function(lib, "conveyor_silu_mul", (_p, _p, _i, _i64, _i, _i))
         self._rope = _function(lib, "conveyor_rope_and_cache", (_p, _p, _p, _p, _p, _p, _p, _i, _i64, _i, _i, _i,
                                                                 _i64, _i), _i)
+        self._softmax = _function(lib, "conveyor_causal_softmax", (_p, _p, _i, _i64, _i, _i, _i, _i, _i, _i))
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, C] -> x / rms(x) * w, rounded to x's dtype before the weight as transformers' RMSNorm does."""
@@ -149,6 +151,17 @@ class LayerOps:
                         cache_slots, torch.get_num_threads())
         if rc:
             raise ValueError(f"no RoPE kernel for head_dim {d}")
+
+
+    def causal_softmax_(self, scores: torch.Tensor, starts: torch.Tensor, row0: int, kv_heads: int,
+                        group: int) -> torch.Tensor:
+        """In place, over a block of a padded prefill batch's scores [chunks * KV, G * rows, keys] (contiguous): query
+        row i of chunk b, at position starts[b] + row0 + i (int64 `starts`), softmax over keys 0 .. its position,
+        zeros past it. Returns `scores`."""
+        bk, grows, keys = scores.shape
+        self._softmax(scores.data_ptr(), starts.data_ptr(), int(scores.dtype == torch.bfloat16), bk // kv_heads,
+                      kv_heads, group, grows // group, keys, row0, torch.get_num_threads())
+        return scores
 
 
 def supports_paged_decode(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int,

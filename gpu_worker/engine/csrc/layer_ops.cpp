@@ -1,10 +1,11 @@
 // A decoder layer's small elementwise steps, each one pass in place of several torch ops (on CPU, at decode
-// batch sizes, a step's time there is mostly per-op overhead): RMSNorm, SiLU(gate) * up, and RoPE applied to
-// q and k with the new K/V written to its cache slots. float32 (bf16 = 0) or bfloat16 (bf16 = 1), computed in
+// batch sizes, a step's time there is mostly per-op overhead): RMSNorm, SiLU(gate) * up, RoPE applied to q and k
+// with the new K/V written to its cache slots, and the causal softmax of batched prefill attention. float32 (bf16 = 0) or bfloat16 (bf16 = 1), computed in
 // float32 and rounded where transformers' own forward rounds. Built and loaded by
 // gpu_worker/engine/cpu_kernels.py (plain C ABI through ctypes; OpenMP shares torch's runtime).
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace {
@@ -87,9 +88,52 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin, const int64_t* pos, cons
     }
 }
 
+// scores [chunks * KV, G * rows, keys], one block of a padded prefill batch's rows (Llama._prefill_batch): its
+// query row i of chunk b sits at position starts[b] + row0 + i and sees keys 0 .. that position. Softmax in place
+// over those (float32 math, rounded once to T), zeros past them.
+template <typename T>
+void causal_softmax(T* scores, const int64_t* starts, int64_t chunks, int KV, int G, int rows, int keys, int row0,
+                    int threads) {
+    const int64_t n = chunks * KV * G * rows;
+    const int64_t stride = (keys + 15) / 16 * 16;
+#pragma omp parallel num_threads(threads) if (n * keys >= kSerialBelow)
+    {
+        float* buf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * stride));
+#pragma omp for schedule(static)
+        for (int64_t idx = 0; idx < n; ++idx) {
+            const int64_t b = idx / (static_cast<int64_t>(G) * rows * KV);
+            const int64_t seen = starts[b] + row0 + idx % rows + 1;
+            const int limit = seen < keys ? static_cast<int>(seen) : keys;
+            T* row = scores + idx * keys;
+            float m = -INFINITY;
+            for (int k = 0; k < limit; ++k) {
+                buf[k] = load(row[k]);
+                m = buf[k] > m ? buf[k] : m;
+            }
+            float sum = 0.f;
+            for (int k = 0; k < limit; ++k) {
+                buf[k] = std::exp(buf[k] - m);
+                sum += buf[k];
+            }
+            const float inv = 1.f / sum;
+            for (int k = 0; k < limit; ++k) store(row + k, buf[k] * inv);
+            for (int k = limit; k < keys; ++k) store(row + k, 0.f);
+        }
+        std::free(buf);
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+void conveyor_causal_softmax(void* scores, const int64_t* starts, int bf16, int64_t chunks, int KV, int G, int rows,
+                             int keys, int row0, int threads) {
+    if (bf16)
+        causal_softmax(static_cast<uint16_t*>(scores), starts, chunks, KV, G, rows, keys, row0, threads);
+    else
+        causal_softmax(static_cast<float*>(scores), starts, chunks, KV, G, rows, keys, row0, threads);
+}
 
 void conveyor_rms_norm(const void* x, const void* w, void* out, int bf16, int64_t n, int c, float eps, int threads) {
     if (bf16)

@@ -336,12 +336,16 @@ class Llama:
         vv = vf.index_select(0, pre.index).view(B * KV, T, D)
         out = q.new_empty(B, KV, G, R, D)
         unused = q.new_empty(1, 1, 1)  # baddbmm with beta=0: the scale folded into the matmul
+        starts = torch.tensor(pre.starts, dtype=torch.long) if self.ops is not None else None
         for s, e, keys, masked, bias in blocks:
             scores = torch.baddbmm(unused, qg[:, :, :, s:e].reshape(B * KV, G * (e - s), D), kt[:, :, :keys], beta=0,
                                    alpha=D**-0.5)
-            if bias is not None:
-                scores[:, :, masked:].add_(bias)
-            probs = torch.softmax(scores, dim=-1)
+            if starts is not None:  # the mask and the softmax in one pass, each row only over the keys it sees
+                probs = self.ops.causal_softmax_(scores, starts, s, KV, G)  # type: ignore[union-attr]
+            else:
+                if bias is not None:
+                    scores[:, :, masked:].add_(bias)
+                probs = torch.softmax(scores, dim=-1)
             out[:, :, :, s:e] = torch.bmm(probs, vv[:, :keys]).view(B, KV, G, e - s, D)
         return out.permute(0, 3, 1, 2, 4).reshape(B * R, H, D).index_select(0, pre.pad_rows)
 

@@ -115,6 +115,23 @@ def test_fused_layer_steps_compute_what_torch_does(ops: pa.LayerOps, dtype: torc
                                                                                         want_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_softmax_of_a_prefill_block_is_torch_softmax_over_what_each_row_sees(ops: pa.LayerOps,
+                                                                                    dtype: torch.dtype) -> None:
+    """A block of query rows 8..19 of three chunks starting at positions 0, 5 and 30 (KV 2, G 3), 60 keys: row i of
+    chunk b sees keys 0 .. starts[b] + 8 + i; the rest get 0."""
+    g = torch.Generator().manual_seed(3)
+    starts, row0, rows, kv, grp, keys = [0, 5, 30], 8, 12, 2, 3, 60
+    scores = (torch.randn(len(starts) * kv, grp * rows, keys, generator=g) * 4).to(dtype)
+    pos = torch.tensor(starts)[:, None, None, None] + row0 + torch.arange(rows)[None, None, None, :]  # [B,1,1,rows]
+    seen = torch.arange(keys)[None, None, None, None, :] <= pos[..., None]  # [B, 1, 1, rows, keys]
+    mask = seen.expand(len(starts), kv, grp, rows, keys).reshape(len(starts) * kv, grp * rows, keys)
+    want = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    got = ops.causal_softmax_(scores.clone(), torch.tensor(starts), row0, kv, grp)
+    assert (got.float() - want).abs().max().item() < (1e-6 if dtype == torch.float32 else 4e-3)
+    assert not got.float()[~mask].any()
+
+
 def test_engine_tokens_equal_torch_ops_alone(tiny_model_dir: str) -> None:
     """Staggered greedy and seeded requests (rows of many lengths, block boundaries crossed, preemption in a small
     pool) give token for token what torch's ops alone give (K/V gathered for SDPA, unfused steps)."""
