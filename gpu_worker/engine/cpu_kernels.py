@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +36,7 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC
 LINK = ("-shared", "-fopenmp")
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged decode kernel's
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+K = TypeVar("K", "PagedDecode", "LayerOps")
 
 
 def cache_dir() -> Path:
@@ -60,14 +62,14 @@ def _cpu_flags() -> bytes:
 
 def build(name: str, compiler: str | None = None) -> Path:
     """csrc/<name>.cpp as a shared library for this CPU, compiled unless already in the cache. Raises on failure."""
-    cxx = compiler or os.environ.get("CXX") or "g++"
-    if shutil.which(cxx) is None:
-        raise FileNotFoundError(f"no C++ compiler ({cxx})")
     source = CSRC / f"{name}.cpp"
     key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS + LINK).encode() + _cpu_flags()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
-    if out.exists():
+    if out.exists():  # built before, here or by another worker sharing the cache: no compiler needed
         return out
+    cxx = compiler or os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise FileNotFoundError(f"no C++ compiler ({cxx})")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # built aside, then renamed: workers may race
     os.close(fd)
@@ -174,21 +176,21 @@ def supports_layer_ops(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim <= 512 and head_dim % 2 == 0
 
 
+def _load(kind: type[K], source: str, instead: str) -> K | None:
+    try:
+        return kind(build(source))
+    except Exception as e:  # noqa: BLE001 - any failure means torch's path
+        log.warning("CPU kernels %s unavailable, using %s: %s", source, instead, e)
+        return None
+
+
 @cache
 def load_paged_decode() -> PagedDecode | None:
     """The paged decode kernel, built if need be; None (logged once) where it cannot be had."""
-    try:
-        return PagedDecode(build("paged_attention"))
-    except Exception as e:  # noqa: BLE001 - any failure means the portable path
-        log.warning("paged decode attention unavailable, using gather + SDPA: %s", e)
-        return None
+    return _load(PagedDecode, "paged_attention", "gather + SDPA")
 
 
 @cache
 def load_layer_ops() -> LayerOps | None:
     """The layer ops, built if need be; None (logged once) where they cannot be had."""
-    try:
-        return LayerOps(build("layer_ops"))
-    except Exception as e:  # noqa: BLE001 - any failure means the portable path
-        log.warning("fused CPU layer ops unavailable, using torch's: %s", e)
-        return None
+    return _load(LayerOps, "layer_ops", "torch's ops")

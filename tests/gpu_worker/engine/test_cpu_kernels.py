@@ -5,6 +5,8 @@ on torch's ops alone (CPU_KERNELS=false, also what runs where no compiler is).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,9 +83,17 @@ def test_loading_the_kernels_leaves_subnormals_alone(kernel: pa.PagedDecode, ops
     assert torch.tensor([1e-40]).mul(1.0).item() != 0.0
 
 
-def test_no_compiler_means_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_compiler_means_torch_ops_and_a_built_kernel_needs_none(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    monkeypatch.setenv("CONVEYOR_KERNEL_CACHE", str(tmp_path))  # nothing built here yet
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(FileNotFoundError):
-        pa.build("layer_ops", compiler="no-such-c++-compiler")
+        pa.build("layer_ops")
+    assert pa._load(pa.LayerOps, "layer_ops", "torch's ops") is None  # the model then keeps torch's path
+    monkeypatch.setenv("CXX", "g++")
+    built = pa.build("layer_ops")
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")  # a worker without a compiler, sharing the cache
+    assert pa.build("layer_ops") == built and pa._load(pa.LayerOps, "layer_ops", "torch's ops") is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
