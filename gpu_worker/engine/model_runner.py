@@ -238,7 +238,7 @@ class ModelRunner:
         first = self._to_device(starts)  # query row i of chunk b sits at position starts[b] + i
         blocked = (torch.arange(width, device=self.device)[None, None, :]
                    > first[:, None, None] + torch.arange(rows, device=self.device)[None, :, None])
-        return PrefillBatch(starts, lengths, rows, width, index, pad_rows, blocked)
+        return PrefillBatch(starts, lengths, rows, width, index, pad_rows, blocked, first)
 
     def _gather_index(self, tables: list[list[int]], lengths: torch.Tensor, width: int) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:

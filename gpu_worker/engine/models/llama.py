@@ -46,6 +46,7 @@ class PrefillBatch:
     index: torch.Tensor  # [chunks * KV * width] gather index
     pad_rows: torch.Tensor  # [prefill tokens]: each token's row in the padded batch, in step order
     blocked: torch.Tensor  # [chunks, rows, width] bool: key past the query's position
+    first: torch.Tensor  # [chunks] int64: `starts` on the device
 
 
 class PrefillBlock(NamedTuple):
@@ -177,6 +178,8 @@ class Llama:
             self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim) else None)
         self.ops = (load_layer_ops() if cpu_kernels and supports_layer_ops(self.device, self.dtype, self.head_dim)
                     else None)
+        # some layer applies RoPE through torch ops (no fused kernel, or q/k norms first): per-token cos/sin a step
+        self.torch_rope = self.ops is None or any(L.q_norm is not None for L in self.layers)
 
     def _rope_tables(self, rotary_emb: torch.nn.Module, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per position, [max_len, head_dim]: RoPE as x * cos + roll(x, D/2) * sin_signed,
@@ -191,7 +194,9 @@ class Llama:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 cache: KVCache) -> torch.Tensor:
         """The last layer's hidden states, [tokens, hidden]; every token's K/V is written to the cache."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [N, 1, D]
+        cos = sin = None
+        if self.torch_rope:
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [N, 1, D]
         bias = self._decode_bias(attn)
         blocks = self._prefill_blocks(attn.prefill) if attn.prefill is not None else []
         h = F.embedding(ids, self.embed_w)
@@ -218,7 +223,8 @@ class Llama:
             ~attn.decode_mask.view(nd, 1, t), float("-inf")).expand(nd, self.kv_heads, t).reshape(
             nd * self.kv_heads, 1, t)
 
-    def _layer(self, L: _Layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _layer(self, L: _Layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
+               sin: torch.Tensor | None,
                kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None,
                blocks: list[PrefillBlock]) -> torch.Tensor:
         x = self._norm(h, L.ln1, L.eps)
@@ -229,7 +235,7 @@ class Llama:
             out = self._attention(qkv[:, :H], qkv[:, H : H + KV], qkv[:, H + KV :], kc, vc, attn, bias, blocks,
                                   written=True)
         else:
-            q, k, v = self._qkv(L, x, cos, sin)
+            q, k, v = self._qkv(L, x, cos, sin)  # type: ignore[arg-type]
             out = self._attention(q, k, v, kc, vc, attn, bias, blocks)
         h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
         gate_up = self.gemm.linear(self._norm(h, L.ln2, L.eps), L.gate_up)
@@ -304,7 +310,8 @@ class Llama:
 
     def _prefill_blocks(self, pre: PrefillBatch) -> list[PrefillBlock]:
         """The padded prefill batch's blocks of PREFILL_BLOCK_ROWS query rows, each with the keys its rows read and
-        the additive mask of those some of its rows must not see, built once a step for every layer."""
+        the additive mask of those some of its rows must not see, built once a step for every layer (none where the
+        fused causal softmax masks them itself)."""
         B, KV, G, T = len(pre.lengths), self.kv_heads, self.num_heads // self.kv_heads, pre.width
         out = []
         for s in range(0, pre.rows, PREFILL_BLOCK_ROWS):
@@ -312,7 +319,7 @@ class Llama:
             keys = min(T, max(p + min(e, m) for p, m in zip(pre.starts, pre.lengths)))
             masked = min(pre.starts) + s  # a row at position p + i sees keys 0..p+i; p + s is the least of those
             bias = None
-            if masked < keys:
+            if masked < keys and self.ops is None:
                 blocked = pre.blocked[:, None, None, s:e, masked:keys].expand(B, KV, G, e - s, keys - masked)
                 bias = torch.zeros(blocked.shape, dtype=self.dtype, device=self.device).masked_fill_(
                     blocked, float("-inf")).view(B * KV, G * (e - s), keys - masked)
@@ -336,12 +343,11 @@ class Llama:
         vv = vf.index_select(0, pre.index).view(B * KV, T, D)
         out = q.new_empty(B, KV, G, R, D)
         unused = q.new_empty(1, 1, 1)  # baddbmm with beta=0: the scale folded into the matmul
-        starts = torch.tensor(pre.starts, dtype=torch.long) if self.ops is not None else None
         for s, e, keys, masked, bias in blocks:
             scores = torch.baddbmm(unused, qg[:, :, :, s:e].reshape(B * KV, G * (e - s), D), kt[:, :, :keys], beta=0,
                                    alpha=D**-0.5)
-            if starts is not None:  # the mask and the softmax in one pass, each row only over the keys it sees
-                probs = self.ops.causal_softmax_(scores, starts, s, KV, G)  # type: ignore[union-attr]
+            if self.ops is not None:  # the mask and the softmax in one pass, each row only over the keys it sees
+                probs = self.ops.causal_softmax_(scores, pre.first, s, KV, G)
             else:
                 if bias is not None:
                     scores[:, :, masked:].add_(bias)
