@@ -15,7 +15,7 @@ from harness.models import make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
-from tests.background import ALONE_LANES, Background
+from tests.background import ALONE_LANES, BESIDE_LANES, Background
 from workers.tokenizer.grammar import GrammarCompiler
 
 __all__ = ["ROOT", "Stack", "own_redis", "start_stack", "stop_stack"]
@@ -42,7 +42,7 @@ ALONE = pytest.StashKey[bool]()
 def background(request: pytest.FixtureRequest) -> Iterator[Background]:
     """The session's background runs, started before the first test by the modules that have a selected test."""
     modules = request.config.stash.get(BACKGROUND_MODULES, set())
-    bg = Background(ALONE_LANES if request.config.stash.get(ALONE, False) else 1)
+    bg = Background(ALONE_LANES if request.config.stash.get(ALONE, False) else BESIDE_LANES)
     if modules:
         bg.start(request, modules)
     yield bg

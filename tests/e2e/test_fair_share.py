@@ -1,6 +1,7 @@
 """Fair share end to end: the whole stack with keys required and the tiny model behind an engine of 32
 slots, so that a backlog forms. One tenant's flood does not become another tenant's wait; a tenant
-revoked with jobs queued loses none of them; priority orders a tenant's own jobs.
+revoked with jobs queued loses none of them; priority orders a tenant's own jobs. The stack is the module's
+own: its checks run in turn beside the other tests (tests/background.py).
 
 (bench/fairness.py measures the same flood with the default model, FIFO against fair, and reports
 the light tenant's TTFT alone and under the flood.)"""
@@ -9,30 +10,49 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
 from shared import names, tenants
+from tests.background import Background, background_run, in_turn
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.helpers import until, wait
 
+pytestmark = pytest.mark.background
 SLOTS = 8
 
 
-@pytest.fixture(scope="module")
-def fair_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_dir: str) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+def on_fair_stack(tmp: Path, redis_url: str, tiny_model_dir: str) -> dict[str, Exception | None]:
+    url = redis_url.rsplit("/", 1)[0] + "/3"
     redis.Redis.from_url(url).flushdb()
-    s = start_stack(tmp_path_factory.mktemp("fair-stack"), url, tiny_model_dir,
+    s = start_stack(tmp, url, tiny_model_dir,
                     # the flood is the point: no admission cap from the estimated wait (MAX_QUEUE_WAIT_S), which
                     # a slow machine's first measured rate can put under 200 jobs
                     extra={"AUTH": "required", "MAX_NUM_SEQS": str(SLOTS), "MAX_QUEUE_WAIT_S": "86400"})
-    yield s
-    stop_stack(s)
+    try:
+        return in_turn({check.__name__: partial(check, s) for check in (
+            a_light_tenant_is_not_held_behind_a_heavy_backlog, priority_zero_starts_before_a_backlog_of_priority_one)})
+    finally:
+        stop_stack(s)
+
+
+@background_run("fair_share")
+def start(request: pytest.FixtureRequest, background: Background) -> Future[dict[str, Exception | None]]:
+    return background.submit(on_fair_stack, request.getfixturevalue("tmp_path_factory").mktemp("fair-stack"),
+                             request.getfixturevalue("redis_server").url, request.getfixturevalue("tiny_model_dir"))
+
+
+def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(background: Background) -> None:
+    background.outcome("fair_share", "a_light_tenant_is_not_held_behind_a_heavy_backlog")
+
+
+def test_priority_zero_starts_before_a_backlog_of_priority_one(background: Background) -> None:
+    background.outcome("fair_share", "priority_zero_starts_before_a_backlog_of_priority_one")
 
 
 def _client(stack: Stack, key: str) -> httpx.Client:
@@ -45,7 +65,7 @@ def _submit(c: httpx.Client, **body: object) -> str:
     return str(r.json()["id"])
 
 
-def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None:
+def a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None:
     """200 jobs x 64 tokens from a heavy tenant at once; then a light tenant's 10 jobs x 8 tokens, one every
     half second (all while the backlog drains: ~6.6 s alone on 2 cores). The light tenant's median completion
     time is under a quarter of the heavy backlog's drain time (first in, first out, its first jobs would wait for
@@ -87,7 +107,7 @@ def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) ->
     assert statistics.median(waits) < heavy_run / 4, (waits, heavy_run)
 
 
-def test_priority_zero_starts_before_a_backlog_of_priority_one(fair_stack: Stack) -> None:
+def priority_zero_starts_before_a_backlog_of_priority_one(fair_stack: Stack) -> None:
     """A tenant's priority-0 job submitted behind 100 of its priority-1 jobs starts before every one of them
     (the inference worker is paused while they queue, so all 101 wait in the fair queue together)."""
     r = fair_stack.redis()

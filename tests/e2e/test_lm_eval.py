@@ -2,12 +2,17 @@
 by lm-eval's own `hf` model in-process, then by its `local-completions` model against the stack's
 /v1/completions (token-id prompts, batched, `echo: true`, `logprobs: 1`, `max_tokens: 1`). Both run the
 default model in float32 (the test stack's DTYPE), so per-token logprobs agree to ~1e-4 and every pick,
-hence acc and acc_norm, must be the same."""
+hence acc and acc_norm, must be the same. The reference run needs nothing the suite starts: it goes on in a
+process of its own beside the other tests (tests/background.py)."""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterator
+import os
+import subprocess
+import sys
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +20,10 @@ import httpx
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.background
 
-from tests.conftest import Stack  # noqa: E402
+from tests.background import Background, background_run  # noqa: E402
+from tests.conftest import ROOT, Stack  # noqa: E402
 
 TASK = "conveyor_tinymc"
 TASK_DIR = Path(__file__).resolve().parent / "lmeval_task"
@@ -37,9 +44,32 @@ def evaluate(model: str, model_args: dict[str, Any], batch_size: int) -> dict[st
     return {"results": out["results"][TASK], "samples": {s["doc_id"]: s for s in out["samples"][TASK]}}
 
 
+def hf_reference(model_path: str) -> dict[str, Any]:
+    """lm-eval's own `hf` model in this process, as JSON: its results row, and each sample's per-choice
+    (loglikelihood, greedy) pairs and picks."""
+    out = evaluate("hf", {"pretrained": model_path, "dtype": "float32"}, batch_size=8)
+    return {"results": {k: v for k, v in out["results"].items() if isinstance(v, (int, float, str))},
+            "samples": {str(d): {"filtered_resps": [[float(r[0]), bool(r[1])] for r in s["filtered_resps"]],
+                                 "acc": float(s["acc"]), "acc_norm": float(s["acc_norm"])}
+                        for d, s in out["samples"].items()}}
+
+
+@background_run("lm_eval_hf")
+def start(request: pytest.FixtureRequest, background: Background) -> Future[subprocess.CompletedProcess[str]]:
+    code = ("import json, sys; from tests.e2e.test_lm_eval import hf_reference; "
+            "print(json.dumps(hf_reference(sys.argv[1])))")
+    return background.submit(subprocess.run, [sys.executable, "-c", code, request.getfixturevalue("model_path")],
+                             cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True,
+                             text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
-def hf_run(model_path: str) -> Iterator[dict[str, Any]]:
-    yield evaluate("hf", {"pretrained": model_path, "dtype": "float32"}, batch_size=8)
+def hf_run(background: Background) -> dict[str, Any]:
+    proc = background.handle("lm_eval_hf").result()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["samples"] = {int(d): s for d, s in out["samples"].items()}
+    return out  # type: ignore[no-any-return]
 
 
 def test_hf_reference(hf_run: dict[str, Any]) -> None:

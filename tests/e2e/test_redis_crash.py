@@ -3,7 +3,8 @@ its append-only file, fsynced before every reply), or of the master of a local R
 holds the queue (its replica takes over; what was answered 202 had reached it). Every process
 reconnects by itself, and every job that was answered 202 ends succeeded with the text of a clean
 run and an event stream that joins to it without a gap or a repeat; a client that follows a job's
-live stream through the outage, resuming with Last-Event-ID, gets it whole."""
+live stream through the outage, resuming with Last-Event-ID, gets it whole. Each stack is its own, so both
+runs go on beside the other tests (tests/background.py) and the test waits for its run's end."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +22,15 @@ import psutil
 import pytest
 
 from shared import names
+from tests.background import Background, background_run
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.helpers import read_events, tokens_text, until, wait
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.background]
+KINDS = ("single", "cluster")
 
 JOBS = 30
 BODY = {"temperature": 0, "max_tokens": 200, "ignore_eos": True}
-
-
-@pytest.fixture(params=["single", "cluster"])
-def own_stack(request: pytest.FixtureRequest, tmp_path: Path, tiny_model_dir: str) -> Iterator[Stack]:
-    # "": the supervisor's own redis-server, or its own local cluster
-    s = start_stack(tmp_path, "", tiny_model_dir, args=["--redis-cluster", "3"] if request.param == "cluster" else [])
-    yield s
-    stop_stack(s)
 
 
 def _queue_server(stack: Stack) -> psutil.Process:
@@ -78,7 +73,16 @@ def _follow(url: str, job_id: str, out: list[dict[str, Any]]) -> None:
                 time.sleep(0.2)
 
 
-def test_kill_9_of_redis_loses_no_accepted_job(own_stack: Stack) -> None:
+def kill_9_of_redis(tmp: Path, tiny_model_dir: str, kind: str) -> None:
+    # "": the supervisor's own redis-server, or its own local cluster
+    own_stack = start_stack(tmp, "", tiny_model_dir, args=["--redis-cluster", "3"] if kind == "cluster" else [])
+    try:
+        kill_9_on(own_stack)
+    finally:
+        stop_stack(own_stack)
+
+
+def kill_9_on(own_stack: Stack) -> None:
     with httpx.Client(base_url=own_stack.url, timeout=30) as client:
         clean = {i: wait(client, _submit(client, i) or "", timeout=120)["text"] for i in range(5)}
         accepted: dict[str, int] = {}
@@ -111,3 +115,14 @@ def test_kill_9_of_redis_loses_no_accepted_job(own_stack: Stack) -> None:
             events = read_events(client, job_id)
             assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))  # no gap, no repeat
             assert tokens_text(events) == final["text"]
+
+
+@background_run("redis_crash")
+def start(request: pytest.FixtureRequest, background: Background) -> dict[str, Future[None]]:
+    tmp, tiny = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("tiny_model_dir")
+    return {kind: background.submit(kill_9_of_redis, tmp.mktemp(f"crash-{kind}"), tiny, kind) for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kill_9_of_redis_loses_no_accepted_job(background: Background, kind: str) -> None:
+    background.handle("redis_crash")[kind].result()

@@ -1,6 +1,7 @@
 """Nothing lost: a killed worker's job resumes elsewhere, poison entries are dead-lettered,
 SIGTERM drains, Redis restarts are survived. Inference workers here are started by the tests
-themselves (a tiny model), so they can be killed and their exit codes read."""
+themselves (a tiny model), so they can be killed and their exit codes read. Every stack here is the module's
+own: the checks run beside the other tests (tests/background.py), those on `rstack` in turn."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -19,8 +21,11 @@ from infra.redis_server import RedisServer
 from shared import names
 from shared.schemas import Request, requests_batch, to_ipc
 from shared.signals import read_snapshot
-from tests.conftest import ROOT, Stack, own_redis, start_stack, stop_stack
+from tests.background import Background, background_run, in_turn
+from tests.conftest import ROOT, Stack, start_stack, stop_stack
 from tests.helpers import read_events, submit, tokens_text, until, wait
+
+pytestmark = pytest.mark.background
 
 
 def spawn_inference(stack: Stack, log: Path) -> subprocess.Popen[bytes]:
@@ -35,26 +40,24 @@ def wait_worker(stack: Stack, pid: int, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def redis15(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    yield from own_redis(tmp_path_factory, "redis-rel")
-
-
-@pytest.fixture(scope="module")
-def rstack(tmp_path_factory: pytest.TempPathFactory, redis15: RedisServer, tiny_model_dir: str) -> Iterator[Stack]:
-    """The tiny model (float32 greedy: a resumed job's text equals an uninterrupted run's), no inference
-    worker of the supervisor's: the tests start and kill their own."""
-    s = start_stack(tmp_path_factory.mktemp("rstack"), redis15.url, tiny_model_dir,
-                    extra={"DELIVERY_LIMIT": "2", "DRAIN_GRACE_S": "1"}, args=["--inference", "0"],
-                    ready_path="/healthz")
-    yield s
-    stop_stack(s)
-
-
-@pytest.fixture
-def client(rstack: Stack) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=rstack.url, timeout=60) as c:
-        yield c
+def on_rstack(tmp: Path, tiny_model_dir: str) -> dict[str, Exception | None]:
+    """The checks that share `rstack`, in turn: a Redis of its own, the tiny model (float32 greedy: a resumed
+    job's text equals an uninterrupted run's), no inference worker of the supervisor's: the checks start and kill
+    their own."""
+    server = RedisServer(tmp / "redis")
+    server.start()
+    try:
+        rstack = start_stack(tmp / "rstack", server.url, tiny_model_dir,
+                             extra={"DELIVERY_LIMIT": "2", "DRAIN_GRACE_S": "1"}, args=["--inference", "0"],
+                             ready_path="/healthz")
+        try:
+            with httpx.Client(base_url=rstack.url, timeout=60) as client:
+                return in_turn({check.__name__: partial(check, rstack, client, mkdir(tmp / check.__name__))
+                                for check in RSTACK_CHECKS})
+        finally:
+            stop_stack(rstack)
+    finally:
+        server.stop()
 
 
 BODY = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 300, "ignore_eos": True}
@@ -70,7 +73,7 @@ def running_on(stack: Stack) -> list[int]:
     return [pids[c] for c in held if pids.get(c)]
 
 
-def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+def killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     # two workers, started together: the one that runs the job is killed, the other resumes it
     workers = {w.pid: w for w in (spawn_inference(rstack, tmp_path / f"w{i}.log") for i in (1, 2))}
     try:
@@ -103,7 +106,7 @@ def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Clien
     assert tokens_text(events) == final["text"]
 
 
-def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, client: httpx.Client,
+def a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, client: httpx.Client,
                                                                  tmp_path: Path) -> None:
     """A row no request could make (the door refuses it; a corrupt producer could): NaN temperature.
     Its job fails with the reason, its batch-mate succeeds, and the worker is never restarted."""
@@ -126,7 +129,7 @@ def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, c
         w.terminate()
         w.wait(30)
 
-def test_sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+def sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     w = spawn_inference(rstack, tmp_path / "d.log")
     w2 = None
     try:
@@ -152,7 +155,7 @@ def test_sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_
                 proc.wait(30)
 
 
-def test_idempotency_key_returns_same_job(client: httpx.Client) -> None:
+def idempotency_key_returns_same_job(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     h = {"Idempotency-Key": "order-42-" + str(time.time())}
     a = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=h)
     b = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=h)
@@ -165,11 +168,10 @@ def test_idempotency_key_returns_same_job(client: httpx.Client) -> None:
     client.post(f"/v1/jobs/{c.json()['id']}/cancel")
 
 
-def test_redis_outage_503_then_recovery(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> None:
-    data = tmp_path_factory.mktemp("redis-outage")
-    server = RedisServer(data)
+def redis_outage_503_then_recovery(tmp: Path, tiny_model_dir: str) -> None:
+    server = RedisServer(tmp / "redis-outage")
     server.start()
-    stack = start_stack(tmp_path_factory.mktemp("ostack"), server.url, tiny_model_dir)
+    stack = start_stack(tmp / "ostack", server.url, tiny_model_dir)
     try:
         with httpx.Client(base_url=stack.url, timeout=30) as c:
             accepted = submit(c, prompt="Remember me", max_tokens=5)
@@ -194,3 +196,45 @@ def test_redis_outage_503_then_recovery(tmp_path_factory: pytest.TempPathFactory
     finally:
         stop_stack(stack)
         server.stop()
+
+
+RSTACK_CHECKS = (killed_worker_job_resumes_on_another, a_corrupt_row_fails_its_job_alone_and_the_worker_lives,
+                 sigterm_drains_and_exits_zero, idempotency_key_returns_same_job)
+
+
+def mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+@background_run("reliability")
+def start(request: pytest.FixtureRequest, background: Background) -> Future[dict[str, Exception | None]]:
+    return background.submit(on_rstack, request.getfixturevalue("tmp_path_factory").mktemp("reliability"),
+                             request.getfixturevalue("tiny_model_dir"))
+
+
+@background_run("redis_outage")
+def start_outage(request: pytest.FixtureRequest, background: Background) -> Future[None]:
+    return background.submit(redis_outage_503_then_recovery,
+                             request.getfixturevalue("tmp_path_factory").mktemp("outage"),
+                             request.getfixturevalue("tiny_model_dir"))
+
+
+def test_killed_worker_job_resumes_on_another(background: Background) -> None:
+    background.outcome("reliability", "killed_worker_job_resumes_on_another")
+
+
+def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(background: Background) -> None:
+    background.outcome("reliability", "a_corrupt_row_fails_its_job_alone_and_the_worker_lives")
+
+
+def test_sigterm_drains_and_exits_zero(background: Background) -> None:
+    background.outcome("reliability", "sigterm_drains_and_exits_zero")
+
+
+def test_idempotency_key_returns_same_job(background: Background) -> None:
+    background.outcome("reliability", "idempotency_key_returns_same_job")
+
+
+def test_redis_outage_503_then_recovery(background: Background) -> None:
+    background.handle("redis_outage").result()

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
@@ -44,6 +46,7 @@ from shared import names
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.schemas import DELTA_SCHEMA, from_ipc, requests_batch, to_ipc
 from shared.settings import Settings
+from tests.background import Background, background_run, in_turn
 from tests.conftest import ROOT
 from tests.helpers import until
 
@@ -211,16 +214,37 @@ CLAIM_IDLE_MS = 3000
 DRAIN_GRACE_S = 1
 
 
-@pytest.fixture
-def worker_env(redis_server, model_path: str, tmp_path: Path) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
-    url = redis_server.url.rsplit("/", 1)[0] + "/10"
-    redis.Redis.from_url(url).flushdb()
-    env = dict(os.environ) | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic",
-                              "CLAIM_IDLE_MS": str(CLAIM_IDLE_MS), "REFRESH_S": "0.5", "HEARTBEAT_S": "1",
-                              "DRAIN_GRACE_S": str(DRAIN_GRACE_S), "LOG_LEVEL": "INFO",
-                              "CONVEYOR_CACHE": str(tmp_path)}
-    yield env
-    redis.Redis.from_url(url).flushdb()
+def on_whole_workers(tmp: Path, redis_url: str, model_path: str) -> dict[str, Exception | None]:
+    """The whole-worker checks in turn (db 10 of the session's Redis, emptied before each), beside the other tests
+    (tests/background.py): each of them waits on a worker's start, a drain's grace or a dead worker's claim."""
+    url = redis_url.rsplit("/", 1)[0] + "/10"
+
+    def check(fn: Callable[[dict[str, str], Path], None]) -> None:
+        redis.Redis.from_url(url).flushdb()
+        (tmp / fn.__name__).mkdir()
+        fn(dict(os.environ) | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic",
+                               "CLAIM_IDLE_MS": str(CLAIM_IDLE_MS), "REFRESH_S": "0.5", "HEARTBEAT_S": "1",
+                               "DRAIN_GRACE_S": str(DRAIN_GRACE_S), "LOG_LEVEL": "INFO",
+                               "CONVEYOR_CACHE": str(tmp / fn.__name__)}, tmp / fn.__name__)
+
+    return in_turn({fn.__name__: partial(check, fn) for fn in (
+        a_synthetic_worker_runs_cancels_acks_and_drains, a_killed_synthetic_workers_job_resumes_on_another)})
+
+
+@background_run("whole_workers")
+def start(request: pytest.FixtureRequest, background: Background) -> Future[dict[str, Exception | None]]:
+    return background.submit(on_whole_workers, request.getfixturevalue("tmp_path_factory").mktemp("whole-workers"),
+                             request.getfixturevalue("redis_server").url, request.getfixturevalue("model_path"))
+
+
+@pytest.mark.background
+def test_a_synthetic_worker_runs_cancels_acks_and_drains(background: Background) -> None:
+    background.outcome("whole_workers", "a_synthetic_worker_runs_cancels_acks_and_drains")
+
+
+@pytest.mark.background
+def test_a_killed_synthetic_workers_job_resumes_on_another(background: Background) -> None:
+    background.outcome("whole_workers", "a_killed_synthetic_workers_job_resumes_on_another")
 
 
 def enqueue(r: redis.Redis, jobs: dict[str, int]) -> None:
@@ -240,7 +264,7 @@ def status_of(r: redis.Redis, job_id: str, want: set[str], timeout: float = 60) 
     return until(f"{job_id} to be {' or '.join(sorted(want))}", record, timeout)
 
 
-def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, str], tmp_path: Path) -> None:
+def a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, str], tmp_path: Path) -> None:
     r = redis.Redis.from_url(worker_env["REDIS_URL"])
     log = open(tmp_path / "worker.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"], env=worker_env, cwd=ROOT,
@@ -279,7 +303,7 @@ def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, s
         log.close()
 
 
-def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str, str], tmp_path: Path) -> None:
+def a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str, str], tmp_path: Path) -> None:
     r = redis.Redis.from_url(worker_env["REDIS_URL"])
     log = open(tmp_path / "worker.log", "ab")
     spawn = lambda: subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"],  # noqa: E731

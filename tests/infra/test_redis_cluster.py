@@ -1,13 +1,14 @@
 """The local Redis Cluster spreads keys over its three masters, and survives kill -9 of a master:
 a replica takes over and a write acknowledged by WAIT is still there. Needs Debian's redis-server
-7.0 (skips without it)."""
+7.0 (skips without it). The cluster is the test's own: it runs beside the other tests (tests/background.py)."""
 
 from __future__ import annotations
 
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -15,24 +16,34 @@ import redis
 from redis.cluster import RedisCluster
 
 from infra.redis_cluster import LocalCluster, cluster_binary
+from tests.background import Background, background_run
+
+pytestmark = pytest.mark.background
 
 
-def _require_redis_7() -> None:
+@background_run("redis_cluster")
+def start(request: pytest.FixtureRequest, background: Background) -> Future[None] | str:
     try:
         cluster_binary()
     except SystemExit as e:
-        pytest.skip(str(e))
+        return str(e)  # no redis-server 7: the test skips
+    return background.submit(on_a_cluster, request.getfixturevalue("tmp_path_factory").mktemp("cluster"))
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    _require_redis_7()
-    c = LocalCluster(tmp_path / "cluster", masters=3, replicas=1)
+def test_keys_spread_over_the_masters_and_survive_a_master_killed(background: Background) -> None:
+    run = background.handle("redis_cluster")
+    if isinstance(run, str):
+        pytest.skip(run)
+    run.result()
+
+
+def on_a_cluster(tmp: Path) -> None:
+    cluster = LocalCluster(tmp / "cluster", masters=3, replicas=1)
     try:
-        c.start(timeout=30)
-        yield c
+        cluster.start(timeout=30)
+        keys_spread_and_survive_a_master_killed(cluster)
     finally:
-        c.stop()
+        cluster.stop()
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -43,7 +54,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_keys_spread_over_the_masters_and_survive_a_master_killed(cluster: LocalCluster) -> None:
+def keys_spread_and_survive_a_master_killed(cluster: LocalCluster) -> None:
     assert len(cluster.nodes) == 6 and len(set(cluster.ports)) == 6
     masters = cluster.master_ports()
     assert len(masters) == 3 and len(cluster.replica_ports()) == 3
