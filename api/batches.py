@@ -37,7 +37,7 @@ from api.responses import ResponseRequest, response_object
 from api.store import JobStore
 from api.validation import check_request
 from shared import names, scripts
-from shared.jobs import Job, JobStatus
+from shared.jobs import BATCH_ENDS, Job, JobStatus
 from shared.limits import PRIORITY_MAX
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
@@ -50,7 +50,6 @@ WINDOW = 64  # a batch's jobs in flight at once: twice an engine's slots, so a f
 LEASE_MS = 5000  # a driver that stops renewing (killed) hands the batch to another within this
 TICK_S = 0.25
 MAX_LINES = 50_000  # lines in one batch, whatever the key (a key's max_batch_lines may allow fewer)
-ENDS = ("completed", "failed", "expired", "cancelled")  # a batch's end statuses (workers/webhook.py: BATCH_ENDS)
 STALE_OPEN_S = 3600  # a batch this long past its expiry no longer counts as open (a driver has ended it)
 
 
@@ -278,7 +277,7 @@ class Batches:
         """Record the lines whose jobs ended, submit more (or cancel the rest), finish when all are done; past
         its expiry, end what is left as expired."""
         rec = await self.r.hgetall(names.batch_key(batch_id))
-        if rec and rec["status"] in ENDS:  # ended, not yet announced: a driver stopped between the two
+        if rec and rec["status"] in BATCH_ENDS:  # ended, not yet announced: a driver stopped between the two
             await self._close(batch_id, rec)
             return
         if not rec or rec["status"] not in ("in_progress", "cancelling"):

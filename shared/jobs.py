@@ -26,6 +26,8 @@ class JobStatus(str, Enum):
 
 ACTIVE = frozenset({JobStatus.queued, JobStatus.running})
 TERMINAL = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled})
+# a batch's end statuses (OpenAI's Batch API), each also the type of the webhook event announcing it
+BATCH_ENDS = ("completed", "failed", "expired", "cancelled")
 
 
 class FinishReason(str, Enum):

@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import redis
 
 from shared import names
-from shared.jobs import Job
+from shared.jobs import BATCH_ENDS, Job
 from shared.redis_client import text
 from shared.settings import Settings
 
@@ -55,7 +55,6 @@ METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "168.63.129.16",  # Azure host endpoint (a public-looking address)
 ))
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
-BATCH_ENDS = ("completed", "failed", "expired", "cancelled")  # a batch's ends (api/batches.py ENDS): event types
 
 
 def sign(body: bytes, secret: str, timestamp: str) -> str:
