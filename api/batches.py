@@ -37,7 +37,7 @@ from api.responses import ResponseRequest, response_object
 from api.store import JobStore
 from api.validation import check_request
 from shared import names, scripts
-from shared.jobs import BATCH_ENDS, Job, JobStatus
+from shared.jobs import BATCH_ENDS, TERMINAL, Job, JobStatus
 from shared.limits import PRIORITY_MAX
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
@@ -284,13 +284,17 @@ class Batches:
             await self.r.srem(names.BATCHES_ACTIVE, batch_id)
             return
         expired = rec["status"] == "in_progress" and time.time() >= float(rec["expires_at"])
-        inflight = await self.r.hgetall(names.batch_key(batch_id, "inflight"))
+        inflight = list((await self.r.hgetall(names.batch_key(batch_id, "inflight"))).items())
+        pipe = self.r.pipeline(transaction=False)  # each job's status alone, in one round trip
+        for _, job_id in inflight:
+            pipe.hget(names.job_key(job_id), "status")
+        statuses = await pipe.execute() if inflight else []
         running = {}
-        for idx, job_id in inflight.items():
-            job = await self.store.get(job_id)
-            if job is not None and not job.ended:
+        for (idx, job_id), status in zip(inflight, statuses):
+            if status is not None and status not in TERMINAL:
                 running[idx] = job_id
                 continue
+            job = await self.store.get(job_id) if status else None  # ended: its whole record, text and all
             line = orjson.loads(await self.r.hget(names.batch_key(batch_id, "lines"), idx) or "{}")
             await self._record(batch_id, idx, line, job, "batch_expired" if expired else "batch_cancelled")
         nxt, lines = int(rec["next"]), int(rec["lines"])
