@@ -84,6 +84,9 @@ def run_vllm(args: argparse.Namespace) -> dict:
 
 
 def run_ours(args: argparse.Namespace) -> dict:
+    from gpu_worker.cpu_affinity import bind_compute_threads
+
+    bind_compute_threads(os.environ.get("CPU_BIND_THREADS", "false").lower() in ("1", "true"), "cpu")  # as served
     from transformers import AutoTokenizer
 
     from gpu_worker.engine import EngineConfig, LLMEngine, Request

@@ -23,6 +23,7 @@ import orjson
 import redis
 from tokenizers import Tokenizer
 
+from gpu_worker.cpu_affinity import release as release_cpus
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
 from gpu_worker.token_text import TokenText
@@ -269,6 +270,7 @@ def _queued(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
 
 def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneReport],
          parent_pid: int | None = None) -> None:
+    release_cpus()  # not confined to the engine's first core (gpu_worker/cpu_affinity.py)
     die_with_parent(signal.SIGTERM, parent_pid)  # an engine process killed outright takes its lane along
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process decides when the lane stops
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),

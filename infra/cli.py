@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
             from workers.tokenizer.worker import main as tokenizer_main
 
             exit_quickly(tokenizer_main(settings))
+        from gpu_worker.cpu_affinity import bind_compute_threads
+
+        bind_compute_threads(settings.cpu_bind_threads, settings.device)  # before torch loads
         from gpu_worker.worker import main as inference_main
 
         exit_quickly(inference_main(settings))

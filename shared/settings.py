@@ -99,6 +99,9 @@ class Settings(BaseSettings):
                               "attention read from the KV cache in place, fused layer steps; off, or without a "
                               "compiler: torch ops only (K/V gathered for SDPA)")
     torch_threads: int = 0
+    cpu_bind_threads: bool = Field(False, description="on a CPU host that runs one inference worker: its compute "
+                                   "threads bound one to a core (OMP_PROC_BIND=true, OMP_PLACES=cores; an operator's "
+                                   "own OMP_* win); off: the OS places them, as several workers on one host need")
 
     # reliability
     claim_idle_ms: int = Field(30_000, description="pending entries idle this long are taken from dead consumers")
