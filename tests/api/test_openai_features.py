@@ -106,7 +106,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 
 def test_json_schema_output_always_validates(oai: openai.OpenAI) -> None:
-    """10 sampled answers at temperature 1 (two requests of n=5, sent together): each parses and validates."""
+    """20 sampled answers at temperature 1 (four requests of n=5, sent together): each parses and validates."""
     import concurrent.futures
 
     def ask(seed: int) -> list[str]:
@@ -117,9 +117,9 @@ def test_json_schema_output_always_validates(oai: openai.OpenAI) -> None:
         assert all(c.finish_reason == "stop" for c in r.choices), [c.message.content for c in r.choices]
         return [c.message.content for c in r.choices]
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        answers = [a for batch in pool.map(ask, range(11, 13)) for a in batch]
-    assert len(answers) == 10
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = [a for batch in pool.map(ask, range(11, 15)) for a in batch]
+    assert len(answers) == 20
     for a in answers:
         jsonschema.validate(json.loads(a), SCHEMA)
 
