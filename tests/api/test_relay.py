@@ -3,11 +3,13 @@ connection (per node), resume at random cut points, slow clients."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
 
 import httpx
+import psutil
 import pytest
 
 from tests.helpers import iter_sse, read_events, submit, tokens_text, until, wait
@@ -20,11 +22,16 @@ def client(plumbing_stack) -> httpx.Client:  # type: ignore[no-untyped-def]
 
 
 def _subscribers(stack) -> list[int]:  # type: ignore[no-untyped-def]
-    """Channel counts of connections subscribed to anything (`sub`, or `ssub` for sharded channels, in
-    CLIENT LIST), over every node of a cluster."""
+    """Channel counts of the stack's own connections subscribed to anything (`sub`, or `ssub` for sharded
+    channels, in CLIENT LIST), over every node of a cluster: stacks running beside share the session's Redis."""
     r = stack.redis()
     nodes = [n.redis_connection for n in r.get_nodes()] if hasattr(r, "get_nodes") else [r]
-    counts = [int(c.get("sub", 0)) + int(c.get("ssub", 0)) for node in nodes for c in node.client_list()]
+    ours = set()
+    for _, proc in stack.tree():
+        with contextlib.suppress(psutil.Error):
+            ours |= {f"{c.laddr.ip}:{c.laddr.port}" for c in proc.net_connections("tcp") if c.raddr}
+    counts = [int(c.get("sub", 0)) + int(c.get("ssub", 0)) for node in nodes for c in node.client_list()
+              if c["addr"] in ours]
     return [n for n in counts if n > 0]
 
 
