@@ -4,7 +4,8 @@
 is using, and every other thread waits for it at the step's next barrier. Measured on 2 cores (docs/bench-log.md,
 "Binding"): under guidellm at 32 streams the whole service made 5-12% more tokens per second with 5-10% less CPU
 per token; the engine beside a process keeping half a core busy, 9-19% more. Off by default: workers bound alike
-share the same cores' first and second threads, and the test suite's many stacks on 2 cores took 247 -> 358 s.
+share the same cores' first and second threads: the test suite's many stacks on 2 cores took 358 s with it, 247-303 s
+without (runs an hour apart, on a machine that slowed meanwhile).
 
 libgomp reads these when torch loads and pins the loading thread to the first core; what that thread starts
 afterwards inherits its mask. So the worker notes its mask first (`bind_compute_threads`), and the processes it
