@@ -85,8 +85,9 @@ def run_vllm(args: argparse.Namespace) -> dict:
 
 def run_ours(args: argparse.Namespace) -> dict:
     from gpu_worker.cpu_affinity import bind_compute_threads
+    from shared.settings import Settings
 
-    bind_compute_threads(os.environ.get("CPU_BIND_THREADS", "false").lower() in ("1", "true"), "cpu")  # as served
+    bind_compute_threads(Settings().cpu_bind_threads, "cpu")  # before torch loads, as an inference worker does
     from transformers import AutoTokenizer
 
     from gpu_worker.engine import EngineConfig, LLMEngine, Request
