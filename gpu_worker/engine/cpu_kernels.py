@@ -3,6 +3,10 @@
 - `PagedDecode` (csrc/paged_attention.cpp): decode attention over the paged KV cache in place, each decode row
   reading its own blocks up to its own length, where the portable path gathers every row's K/V into a padded copy
   first and runs SDPA over it (three passes over memory against one).
+- `PagedPrefill` (csrc/prefill_attention.cpp): bfloat16 prefill attention over the paged cache in place, every
+  chunk of a step at once, flash style (AVX512-BF16 dot products, online softmax: no scores written, no padded
+  batch, no gathered copy), where the portable path pads the chunks into one batch of matmuls over K/V gathered
+  from the cache. Where the CPU lacks AVX512-BF16 it declines to load.
 - `LayerOps` (csrc/layer_ops.cpp): a layer's elementwise steps in one pass each (RMSNorm; SiLU(gate) * up; RoPE on
   q and k with the new K/V written to its cache slots; batched prefill's causal softmax), where torch takes several
   ops, each with its overhead.
@@ -23,7 +27,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -35,8 +39,9 @@ CSRC = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
 LINK = ("-shared", "-fopenmp")
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged decode kernel's
+PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged prefill kernel's
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-K = TypeVar("K", "PagedDecode", "LayerOps")
+K = TypeVar("K", "PagedDecode", "PagedPrefill", "LayerOps")
 
 
 def cache_dir() -> Path:
@@ -116,6 +121,50 @@ class PagedDecode:
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
+class PagedPrefill:
+    """bfloat16 prefill attention read in place: `__call__` attends every chunk's queries causally to its sequence's
+    cached tokens and its own."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        if not _function(lib, "conveyor_paged_prefill_supported", (), _i)():
+            raise RuntimeError("this CPU has no AVX512-BF16")
+        self._workspace = _function(lib, "conveyor_paged_prefill_workspace", (_p, _p, _i, _i, _i), _i64)
+        self._fn = _function(lib, "conveyor_paged_prefill", (_p, _i64, _p, _p, _p, _i, _p, _p, _p, _i, _i, _i, _i,
+                                                             _i64, _i, _f, _p, _p, _i), _i)
+
+    def workspace(self, starts: torch.Tensor, lengths: torch.Tensor, kv_heads: int, head_dim: int) -> int:
+        """int32 elements of workspace a call over these chunks needs (their K/V packed for the dot products)."""
+        return self._workspace(starts.data_ptr(), lengths.data_ptr(), starts.numel(), kv_heads, head_dim)
+
+    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: PrefillChunks,
+                 block_size: int, out: torch.Tensor) -> torch.Tensor:
+        """q [rows, H, D] bfloat16 (each row's heads contiguous; a view into qkv is fine); kc, vc a layer's
+        [KV, slots, D]; `chunks` the step's prefill chunks, their rows in order; out [rows, H, D] contiguous.
+        Returns out."""
+        rows, H, D = q.shape
+        KV, slots, _ = kc.shape
+        assert q.stride(2) == 1 and q.stride(1) == D and out.is_contiguous()
+        rc = self._fn(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), chunks.tables.data_ptr(),
+                      chunks.tables.shape[1], chunks.starts.data_ptr(), chunks.lengths.data_ptr(),
+                      chunks.offsets.data_ptr(), chunks.starts.numel(), H, KV, D, slots, block_size, D**-0.5,
+                      out.data_ptr(), chunks.work.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise ValueError(f"no paged prefill kernel for {H} heads over {KV} KV heads of {D}")
+        return out
+
+
+class PrefillChunks(NamedTuple):
+    """A step's prefill chunks as the paged prefill kernel reads them (int32 tensors): each chunk's sequence's block
+    table (padded with the null block), its first position, its token count and its first row; and the workspace
+    every layer's call reuses (at least `PagedPrefill.workspace` int32 elements)."""
+    tables: torch.Tensor  # [chunks, blocks]
+    starts: torch.Tensor  # [chunks]
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    work: torch.Tensor
+
+
 class LayerOps:
     """A layer's elementwise steps, each one pass over contiguous float32 or bfloat16 tensors."""
 
@@ -172,6 +221,12 @@ def supports_paged_decode(device: torch.device, dtype: torch.dtype, num_heads: i
             and num_heads % kv_heads == 0 and num_heads // kv_heads <= 64)
 
 
+def supports_paged_prefill(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int,
+                           head_dim: int) -> bool:
+    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS
+            and num_heads % kv_heads == 0)
+
+
 def supports_layer_ops(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim <= 512 and head_dim % 2 == 0
 
@@ -188,6 +243,13 @@ def _load(kind: type[K], source: str, instead: str) -> K | None:
 def load_paged_decode() -> PagedDecode | None:
     """The paged decode kernel, built if need be; None (logged once) where it cannot be had."""
     return _load(PagedDecode, "paged_attention", "gather + SDPA")
+
+
+@cache
+def load_paged_prefill() -> PagedPrefill | None:
+    """The bfloat16 paged prefill kernel, built if need be; None (logged once) where it cannot be had (no compiler,
+    no AVX512-BF16)."""
+    return _load(PagedPrefill, "prefill_attention", "batched matmuls over gathered K/V")
 
 
 @cache

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from gpu_worker.engine.cpu_kernels import PrefillChunks
 from gpu_worker.engine.device import DTYPES, resolve_device, resolve_dtype
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.models import AttentionMetadata, Llama, PrefillChunk
@@ -118,6 +119,7 @@ class ModelRunner:
         self._head_offsets = (torch.arange(self.model.kv_heads, device=self.device)[None, :, None]
                               * (self.cache.num_blocks * self.block_size))
         self._pin = self.device.type == "cuda"
+        self._prefill_work = torch.empty(0, dtype=torch.int32)  # the paged prefill kernel's (`_prefill_tables`)
         self.sampler = Sampler(self.eos_token_ids)
 
     def _allocate_cache(self, config: EngineConfig) -> KVCache:
@@ -153,7 +155,9 @@ class ModelRunner:
             attn.decode_tables, attn.decode_lens = self._decode_tables(rows)
         elif rows.seqs:
             attn.decode_len, attn.decode_index, attn.decode_mask = self._decode_reads(rows.seqs, pos_t)
-        if chunks and self.model.batch_prefill:
+        if chunks and self.model.paged_prefill is not None:
+            attn.prefill_tables = self._prefill_tables(batch.chunks)
+        elif chunks and self.model.batch_prefill:
             attn.prefill = self._prefill_batch(batch.chunks)
         return StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
 
@@ -227,6 +231,23 @@ class ModelRunner:
             out.append(PrefillChunk(p, n, offset, idx))
             offset += n
         return out
+
+    def _prefill_tables(self, chunks: list[tuple[Sequence, int]]) -> PrefillChunks:
+        """The step's chunks as the paged prefill kernel reads them in place, and its workspace (kept, grown as
+        steps need more: a step's worth of packed K/V)."""
+        bs, lengths = self.block_size, [n for _, n in chunks]
+        starts = [s.num_computed for s, _ in chunks]
+        nblk = max(-(-(p + n) // bs) for p, n in zip(starts, lengths))
+        tables = [s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s, _ in chunks]
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        starts_t, lengths_t = (torch.tensor(x, dtype=torch.int32) for x in (starts, lengths))
+        kernel = self.model.paged_prefill
+        assert kernel is not None
+        need = kernel.workspace(starts_t, lengths_t, self.model.kv_heads, self.model.head_dim)
+        if self._prefill_work.numel() < need:
+            self._prefill_work = torch.empty(need, dtype=torch.int32)
+        return PrefillChunks(torch.tensor(tables, dtype=torch.int32), starts_t, lengths_t,
+                             torch.tensor(offsets, dtype=torch.int32), self._prefill_work)
 
     def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> PrefillBatch:
         """The step's chunks as one padded batch (`PrefillBatch`): what each reads, and where its rows go."""

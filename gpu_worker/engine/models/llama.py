@@ -9,7 +9,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.engine.cpu_kernels import load_layer_ops, load_paged_decode, supports_layer_ops, supports_paged_decode
+from gpu_worker.engine.cpu_kernels import (
+    PrefillChunks,
+    load_layer_ops,
+    load_paged_decode,
+    load_paged_prefill,
+    supports_layer_ops,
+    supports_paged_decode,
+    supports_paged_prefill,
+)
 from gpu_worker.engine.gemm import Gemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache
 
@@ -74,6 +82,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor | None = None  # [rows] int32: the tokens each row reads, in place
     chunks: list[PrefillChunk] = field(default_factory=list)
     prefill: PrefillBatch | None = None  # the chunks batched, where the model attends them at once
+    prefill_tables: PrefillChunks | None = None  # the chunks as read in place (`Llama.paged_prefill`)
 
 
 @dataclass
@@ -176,6 +185,8 @@ class Llama:
         # compiled CPU kernels (cpu_kernels.py), where they build: decode attention in place, fused elementwise steps
         self.paged_decode = (load_paged_decode() if cpu_kernels and supports_paged_decode(
             self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim) else None)
+        self.paged_prefill = (load_paged_prefill() if cpu_kernels and supports_paged_prefill(
+            self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim) else None)
         self.ops = (load_layer_ops() if cpu_kernels and supports_layer_ops(self.device, self.dtype, self.head_dim)
                     else None)
         # some layer applies RoPE through torch ops (no fused kernel, or q/k norms first): per-token cos/sin a step
@@ -274,6 +285,12 @@ class Llama:
                  if attn.decode_tables is not None else self._decode(q[:nd], kf, vf, attn, bias))
             if not attn.chunks:
                 return o.reshape(n_tok, H * D)
+        if attn.prefill_tables is not None:  # every chunk at once, read in place
+            out = q.new_empty(n_tok, H, D)
+            if nd:
+                out[:nd] = o
+            self.paged_prefill(q[nd:], kc, vc, attn.prefill_tables, self.block_size, out[nd:])
+            return out.view(n_tok, H * D)
         if attn.prefill is not None:
             o_pre = self._prefill_batch(q[nd:], kf, vf, attn.prefill, blocks)
             return (torch.cat((o, o_pre)) if nd else o_pre).view(n_tok, H * D)

@@ -1,7 +1,9 @@
 """The compiled CPU kernels (cpu_kernels.py): decode attention read in place attends each row to its own blocks up to
 its own length as SDPA does over the same tokens gathered, for every head shape it takes, both dtypes, any block
-size; the fused layer steps compute what torch's ops compute; and the engine gives token for token what it gives
-on torch's ops alone (CPU_KERNELS=false, also what runs where no compiler is)."""
+size; bfloat16 prefill attention read in place attends every chunk's queries causally over its cached tokens and its
+own as SDPA does (where the CPU has AVX512-BF16); the fused layer steps compute what torch's ops compute; and the
+engine gives token for token what it gives on torch's ops alone (CPU_KERNELS=false, also what runs where no compiler
+is)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,43 @@ def test_kernel_attends_each_row_to_its_own_tokens(kernel: pa.PagedDecode, lens:
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     assert (got.float() - want).abs().max().item() < tol
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 150), st.integers(1, 140)), min_size=1, max_size=5), st.sampled_from([1, 16]),
+       st.sampled_from([(4, 2), (9, 3), (8, 8), (4, 1)]), st.sampled_from([16, 64, 128]), st.integers(0, 2**16))
+def test_prefill_kernel_attends_each_chunk_causally_over_its_cache(chunks: list[tuple[int, int]], bs: int,
+                                                                   heads: tuple[int, int], d: int, seed: int) -> None:
+    """Chunks (tokens cached before them, their own count) of scattered block tables, every row of a chunk against
+    SDPA over its sequence's tokens up to its own position, float32; q read from a wider row (as from qkv)."""
+    prefill = pa.load_paged_prefill()
+    if prefill is None:
+        pytest.skip("the paged prefill kernel needs AVX512-BF16")
+    H, KV = heads
+    g = torch.Generator().manual_seed(seed)
+    nblks = [-(-(p + n) // bs) for p, n in chunks]
+    num_blocks = sum(nblks) + 1
+    kc = torch.randn(KV, num_blocks * bs, d, generator=g).bfloat16()
+    vc = torch.randn(KV, num_blocks * bs, d, generator=g).bfloat16()
+    blocks = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered, block 0 unused
+    tables = [blocks[sum(nblks[:i]) : sum(nblks[: i + 1])] for i in range(len(chunks))]
+    rows = sum(n for _, n in chunks)
+    qkv = (torch.randn(rows, H + 2 * KV, d, generator=g) * 2).bfloat16()
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    starts, lengths = i32([p for p, _ in chunks]), i32([n for _, n in chunks])
+    spec = pa.PrefillChunks(i32([t + [0] * (max(nblks) - len(t)) for t in tables]), starts, lengths,
+                            i32([sum(n for _, n in chunks[:i]) for i in range(len(chunks))]),
+                            torch.empty(prefill.workspace(starts, lengths, KV, d), dtype=torch.int32))
+    out = prefill(qkv[:, :H], kc, vc, spec, bs, torch.empty(rows, H, d, dtype=torch.bfloat16))
+    row = 0
+    for (p, n), table in zip(chunks, tables):
+        slots = (torch.tensor(table)[:, None] * bs + torch.arange(bs)).reshape(-1)[: p + n]
+        k, v = kc[:, slots].float()[None], vc[:, slots].float()[None]
+        q = qkv[row : row + n, :H].float().transpose(0, 1)[None]
+        mask = torch.arange(p + n)[None, :] <= torch.arange(p, p + n)[:, None]
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        assert (out[row : row + n].float() - want).abs().max().item() < 2e-2, (p, n)  # bf16: the output's rounding
+        row += n
 
 
 def test_shapes_without_a_kernel_are_refused(kernel: pa.PagedDecode) -> None:

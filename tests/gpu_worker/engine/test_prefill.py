@@ -1,6 +1,7 @@
-"""Prefill chunks of one step attended as one padded batch (`Llama._prefill_batch`): first chunks of
-different lengths, chunks that follow cached tokens and decode rows, side by side in one step, give every
-row the logits the model's own forward gives at that position."""
+"""Prefill chunks of one step attended at once, as one padded batch (`Llama._prefill_batch`) or in place over the
+paged cache (the bfloat16 kernel, `Llama.paged_prefill`): first chunks of different lengths, chunks that follow
+cached tokens and decode rows, side by side in one step, give every row the logits the model's own forward gives at
+that position."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import EngineConfig, LLMEngine, Request, StepBatch
+from gpu_worker.engine.cpu_kernels import load_paged_prefill
 from gpu_worker.engine.models import llama
 from gpu_worker.engine.sequence import Sequence
 from tests.gpu_worker.engine.test_engine import _tiny
@@ -22,12 +24,14 @@ def _all_logits(eng: LLMEngine, batch: StepBatch) -> torch.Tensor:
         return runner.model.compute_logits(h).float()
 
 
-@pytest.mark.parametrize("block_rows", [4, 64])
+@pytest.mark.parametrize(("path", "block_rows"), [("batched", 4), ("batched", 64), ("paged", 0)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_batched_prefill_of_mixed_chunks_matches_transformers(arch: str, dtype: str, block_rows: int,
+def test_batched_prefill_of_mixed_chunks_matches_transformers(arch: str, dtype: str, path: str, block_rows: int,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llama, "PREFILL_BLOCK_ROWS", block_rows)
+    if path == "paged" and (dtype != "bfloat16" or load_paged_prefill() is None):
+        pytest.skip("the paged prefill kernel is bfloat16's, on a CPU with AVX512-BF16")
+    monkeypatch.setattr(llama, "PREFILL_BLOCK_ROWS", block_rows or llama.PREFILL_BLOCK_ROWS)
     model = _tiny(arch).to(getattr(torch, dtype))
     lengths = {"a": 6, "b": 23, "c": 40, "d": 17, "e": 9}
     prompts = {k: [(11 * i + 5 * j) % 500 + 3 for j in range(n)] for i, (k, n) in enumerate(lengths.items())}
@@ -35,6 +39,9 @@ def test_batched_prefill_of_mixed_chunks_matches_transformers(arch: str, dtype: 
         refs = {k: model(torch.tensor([ids])).logits[0].float() for k, ids in prompts.items()}
     eng = LLMEngine(EngineConfig(model="unused", dtype=dtype, prefix_caching=False), model=model)
     eng.runner.model.batch_prefill = True  # the batched path in float32 too: there it must be as exact as SDPA
+    if path == "batched":
+        eng.runner.model.paged_prefill = None
+    assert (eng.runner.model.paged_prefill is not None) == (path == "paged")
     seqs = {}
     for k, ids in prompts.items():
         seqs[k] = Sequence(Request(k, ids if k != "a" else ids[:-1]))
