@@ -1,12 +1,17 @@
-"""Decode attention alone, in half precision on CPU: the model's two paths side by side, per rows and tokens read.
+"""Attention alone, in half precision on CPU: the model's paths side by side, on a one-layer random model with the
+default model's attention shape (9 query heads, 3 KV heads, head dim 64), per layer, median of --iters.
 
-`sdpa`: torch's SDPA computed in float32 (q, K and V upcast); `matmul`: two batched matmuls per (row, KV
-head) with a float32 softmax. Both are `Llama.attend_decode` on the same gathered K/V, on a one-layer
-random model with the default model's attention shape (9 query heads, 3 KV heads, head dim 64). Microseconds
-per layer, median of --iters. Where `matmul` starts to win is `MATMUL_ATTENTION_MIN_READ` in
-gpu_worker/engine/models/llama.py (rows x tokens).
+Decode, per rows and tokens read: `sdpa`, torch's SDPA computed in float32 (q, K and V upcast); `matmul`, two
+batched matmuls per (row, KV head) with a float32 softmax; both `Llama.attend_decode` on the same gathered K/V.
+Where `matmul` starts to win is `MATMUL_ATTENTION_MIN_READ` in gpu_worker/engine/models/llama.py (rows x tokens).
+
+Prefill (`--prefill CHUNKSxROWS`: a step of that many first chunks of that many tokens, as a burst of new prompts):
+`paged`, the bfloat16 kernel reading the cache in place (`Llama.paged_prefill`, where the CPU has AVX512-BF16),
+against `batched`, the chunks padded into one batch of matmuls over K/V gathered from the cache
+(`Llama._prefill_batch`), alternating.
 
     .venv/bin/python -m bench.attention                      # rows 1-32 at 100 and 400 tokens
+    .venv/bin/python -m bench.attention --prefill 32x452 --iters 20
     .venv/bin/python -m bench.attention --quick
 """
 
@@ -24,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill", default="", help="prefill mode: CHUNKSxROWS (e.g. 32x452)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -42,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
                          LlamaForCausalLM(cfg).eval())
     model = runner.model
     dt, H, KV, D = model.dtype, model.num_heads, model.kv_heads, model.head_dim
+    if args.prefill or args.quick:
+        prefill(runner, args.prefill or "3x40", args.iters)
+        if args.prefill:
+            return 0
 
     def per_layer(*attend_args) -> float:
         for _ in range(3):
@@ -67,6 +77,53 @@ def main(argv: list[str] | None = None) -> int:
                 mm = per_layer(q, k, v, mask, bias)
                 print(f"| {T} | {rows} | {sdpa:.1f} | {mm:.1f} | {mm / sdpa:.2f} |")
     return 0
+
+
+def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-def]
+    """The `--prefill` mode: one step of `shape` first chunks, each path's attention over layer 0, per layer."""
+    import torch
+
+    from gpu_worker.engine import Request, StepBatch
+    from gpu_worker.engine.block_manager import BlockManager
+    from gpu_worker.engine.sequence import Sequence
+
+    chunks, rows = (int(x) for x in shape.split("x"))
+    model, cache = runner.model, runner.cache
+    blocks = BlockManager(cache.num_blocks, cache.block_size, False)
+    seqs = [Sequence(Request(f"p{i}", [5 + (i * 7 + j) % 200 for j in range(rows)])) for i in range(chunks)]
+    assert all(blocks.allocate(s) for s in seqs), "the cache holds too few blocks for this shape"
+    batch = StepBatch(decode=[], chunks=[(s, rows) for s in seqs])
+    kc, vc = cache.k[0], cache.v[0]
+    kc.normal_(), vc.normal_()
+    H, D = model.num_heads, model.head_dim
+    q = torch.randn(chunks * rows, H + 2 * model.kv_heads, D, dtype=model.dtype)[:, :H]
+    kernel = model.paged_prefill
+    paths = {}
+    if kernel is not None:
+        spec = runner.prepare(batch).attn.prefill_tables
+        out = torch.empty(chunks * rows, H, D, dtype=model.dtype)
+        paths["paged"] = lambda: kernel(q, kc, vc, spec, cache.block_size, out)
+    model.paged_prefill = None
+    pre = runner.prepare(batch).attn.prefill
+    model.paged_prefill = kernel
+    kf, vf = kc.view(-1, D), vc.view(-1, D)
+    if pre is not None:
+        pblocks = model._prefill_blocks(pre)
+        paths["batched"] = lambda: model._prefill_batch(q, kf, vf, pre, pblocks)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for name, fn in paths.items():
+            fn()
+        for _ in range(iters):
+            for name, fn in paths.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    print(f"prefill attention per layer, ms, {chunks} chunks x {rows} tokens, {model.dtype}, "
+          f"{torch.get_num_threads()} torch threads, median of {iters}, alternating: "
+          + ", ".join(f"{name} {v:.2f}" for name, v in ms.items())
+          + (f"; batched / paged {ms['batched'] / ms['paged']:.2f}x" if len(ms) == 2 else ""))
 
 
 if __name__ == "__main__":

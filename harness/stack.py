@@ -37,7 +37,21 @@ class Stack:
     proc: subprocess.Popen[bytes]
     env: dict[str, str]
     log: Path
+    workdir: Path | None = None
     seen: set[int] = field(default_factory=set)  # every pid of the tree ever seen, for the check at stop
+
+    def wait_ready(self, ready_path: str = "/readyz", timeout: float = 180.0) -> Stack:
+        """Wait until `ready_path` answers 200 (and an embedded Redis's URL is known); stopped if it never does."""
+        try:
+            wait_http(self.url + ready_path, self.proc, timeout, f"the stack (log {self.log})", self.tree)
+            if not self.redis_url and self.workdir is not None:
+                self.redis_url = read_local_redis_url(self.workdir) or ""
+                if not self.redis_url:
+                    raise RuntimeError(f"no Redis connection file under {self.workdir / 'redis'}")
+        except BaseException:
+            stop_stack(self, timeout=10)
+            raise
+        return self
 
     @property
     def port(self) -> int:
@@ -83,9 +97,15 @@ def kernel_cache() -> str:
 def start_stack(workdir: Path, redis_url: str | None = None, model: str = "", extra: dict[str, str] | None = None,
                 args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False,
                 timeout: float = 180.0) -> Stack:
-    """`conveyor up` (with `--no-autoscale` unless `autoscale`) on a free port; `CONVEYOR_CACHE` and the
-    log (`stack.log`) under `workdir`. With `redis_url` empty the supervisor starts its own redis-server
-    and `Stack.redis_url` is read from its connection file. Returns once `ready_path` answers 200."""
+    """`launch_stack`, then `Stack.wait_ready`: returns once `ready_path` answers 200."""
+    return launch_stack(workdir, redis_url, model, extra, args, autoscale).wait_ready(ready_path, timeout)
+
+
+def launch_stack(workdir: Path, redis_url: str | None = None, model: str = "", extra: dict[str, str] | None = None,
+                 args: list[str] | None = None, autoscale: bool = False) -> Stack:
+    """`conveyor up` (with `--no-autoscale` unless `autoscale`) on a free port, started and not waited for;
+    `CONVEYOR_CACHE` and the log (`stack.log`) under `workdir`. With `redis_url` empty the supervisor starts its own
+    redis-server and `Stack.redis_url` is read from its connection file once ready (`Stack.wait_ready`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ)
@@ -104,17 +124,7 @@ def start_stack(workdir: Path, redis_url: str | None = None, model: str = "", ex
         proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])], env=env, cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=preexec_die_with_parent())  # a killed run leaves no stack behind
-    stack = Stack(f"http://127.0.0.1:{port}", redis_url or "", proc, env, log)
-    try:
-        wait_http(stack.url + ready_path, proc, timeout, f"the stack (log {log})", stack.tree)
-        if not stack.redis_url:
-            stack.redis_url = read_local_redis_url(workdir) or ""
-            if not stack.redis_url:
-                raise RuntimeError(f"no Redis connection file under {workdir / 'redis'}")
-    except BaseException:
-        stop_stack(stack, timeout=10)
-        raise
-    return stack
+    return Stack(f"http://127.0.0.1:{port}", redis_url or "", proc, env, log, workdir)
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "", each_poll: Any = None) -> None:

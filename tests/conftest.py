@@ -10,6 +10,14 @@ from pathlib import Path
 import pytest
 import redis
 
+# torch's OpenMP threads sleep while they wait instead of spinning, in this process (engines and kernels under test)
+# and in every process the tests start (stacks' workers, benchmarks, the lm-eval reference): a suite runs a dozen
+# stacks and runs on 2 cores, and a spinning thread takes the core from the work beside it (spinning in this process
+# alone cost ~60 CPU-s a run, 476 against 335 in all; the schema fuzzer's run took 56 s against 46 with the stacks'
+# workers spinning). Serving, spinning is faster (docs/bench-log.md: 25% more tokens at 32 streams). Set before
+# anything here loads torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import harness.stack
 from harness.models import make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
@@ -18,7 +26,7 @@ from shared.settings import Settings
 from tests.background import ALONE_LANES, BESIDE_LANES, Background
 from workers.tokenizer.grammar import GrammarCompiler
 
-__all__ = ["ROOT", "Stack", "own_redis", "start_stack", "stop_stack"]
+__all__ = ["ROOT", "Stack", "launch_stack", "own_redis", "start_stack", "stop_stack"]
 GRAMMAR_TTL_S = 600  # compiled grammars' TTL in the grammar_compiler fixture
 
 
@@ -121,10 +129,6 @@ TEST_ENV = {
     "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
     "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING",
     "WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on 127.0.0.1
-    # an inference worker's OpenMP threads sleep between steps instead of spinning: with tiny models a step is
-    # short, and spinning threads take the cores from the API, Redis and the test itself (the schema fuzzer's
-    # run: 56 -> 46 s); serving, spinning is faster (docs/bench-log.md: 25% more tokens at 32 streams)
-    "OMP_WAIT_POLICY": "PASSIVE",
     # the end-to-end tests compare texts across runs (resumes, redeliveries): float32 greedy decoding
     # gives the same tokens whatever else shares a batch; bfloat16 (DTYPE=auto on such CPUs) need not
     "DTYPE": "float32",
@@ -137,22 +141,77 @@ def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | N
     return harness.stack.start_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args, ready_path, autoscale)
 
 
+def launch_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
+                 args: list[str] | None = None) -> Stack:
+    """`start_stack`, not waited for (`Stack.wait_ready`)."""
+    return harness.stack.launch_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args)
+
+
+def _launch_stack(request: pytest.FixtureRequest) -> Stack:
+    tmp, server = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("redis_server")
+    return launch_stack(tmp.mktemp("stack"), server.url, request.getfixturevalue("model_path"),
+                        {"SPECULATIVE": "ngram"})
+
+
+def _launch_tiny_stack(request: pytest.FixtureRequest) -> Stack:
+    tmp, server = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("redis_server")
+    url = server.url.rsplit("/", 1)[0] + "/1"
+    redis.Redis.from_url(url).flushdb()
+    return launch_stack(tmp.mktemp("tiny-stack"), url, request.getfixturevalue("tiny_model_dir"))
+
+
+def _launch_cluster_stack(request: pytest.FixtureRequest) -> Stack:
+    tmp = request.getfixturevalue("tmp_path_factory")
+    return launch_stack(tmp.mktemp("cluster-stack"), "", request.getfixturevalue("tiny_model_dir"),
+                        args=["--redis-cluster", "3"])
+
+
+# the session's shared stacks, by fixture: launched together before the first test (`launched`), each waited for
+# where a test first uses it
+SESSION_STACKS = {"stack": _launch_stack, "tiny_stack": _launch_tiny_stack, "cluster_stack": _launch_cluster_stack}
+
+
+def _stacks_used(items: list[pytest.Item]) -> set[str]:
+    used: set[str] = set()
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        used |= names & SESSION_STACKS.keys()
+        if "plumbing_stack" in names:  # parametrized: tiny_stack or cluster_stack (`plumbing_stack`)
+            callspec = getattr(item, "callspec", None)
+            used.add("cluster_stack" if callspec and callspec.params.get("plumbing_stack") == "cluster"
+                     else "tiny_stack")
+    return used
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launched(request: pytest.FixtureRequest) -> Iterator[dict[str, Stack]]:
+    """The shared stacks the selected tests use, launched at once before the first test: each takes 3-9 s to
+    become ready, time the tests before its first use now cover (its fixture waits for it)."""
+    stacks = {name: SESSION_STACKS[name](request) for name in sorted(_stacks_used(request.session.items))}
+    yield stacks
+    for s in stacks.values():  # one never used (its tests failed to set up) is still stopped
+        if s.proc.poll() is None:
+            stop_stack(s)
+
+
+def _session_stack(request: pytest.FixtureRequest, launched: dict[str, Stack], name: str) -> Iterator[Stack]:
+    s = (launched.get(name) or SESSION_STACKS[name](request)).wait_ready()
+    yield s
+    stop_stack(s)
+
+
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, model_path: str) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest, launched: dict[str, Stack]) -> Iterator[Stack]:
     """The real default model behind the full stack (db 0 of the session's Redis): for what only a real
     model shows (a right answer, a stop string it writes). It decodes speculatively (SPECULATIVE=ngram), which
     changes no output: every test on it, lm-eval's scores against transformers' among them, checks that too."""
-    s = start_stack(tmp_path_factory.mktemp("stack"), redis_server.url, model_path, {"SPECULATIVE": "ngram"})
-    yield s
-    stop_stack(s)
+    yield from _session_stack(request, launched, "stack")
 
 
 @pytest.fixture(scope="session")
-def cluster_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iterator[Stack]:
+def cluster_stack(request: pytest.FixtureRequest, launched: dict[str, Stack]) -> Iterator[Stack]:
     """`tiny_stack` on a local Redis Cluster (3 masters, 3 replicas: `conveyor up --redis-cluster 3`)."""
-    s = start_stack(tmp_path_factory.mktemp("cluster-stack"), "", tiny_model_dir, args=["--redis-cluster", "3"])
-    yield s
-    stop_stack(s)
+    yield from _session_stack(request, launched, "cluster_stack")
 
 
 @pytest.fixture(scope="session", params=["single", "cluster"])
@@ -162,12 +221,7 @@ def plumbing_stack(request: pytest.FixtureRequest) -> Stack:
 
 
 @pytest.fixture(scope="session")
-def tiny_stack(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, tiny_model_dir: str
-               ) -> Iterator[Stack]:
+def tiny_stack(request: pytest.FixtureRequest, launched: dict[str, Stack]) -> Iterator[Stack]:
     """The tiny model behind the full stack (db 1 of the session's Redis): the same processes and path as
     `stack`, many times faster per token, for behaviour that holds whatever the weights."""
-    url = redis_server.url.rsplit("/", 1)[0] + "/1"
-    redis.Redis.from_url(url).flushdb()
-    s = start_stack(tmp_path_factory.mktemp("tiny-stack"), url, tiny_model_dir)
-    yield s
-    stop_stack(s)
+    yield from _session_stack(request, launched, "tiny_stack")

@@ -22,11 +22,9 @@ from tests.background import Background, background_run
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.background
-# torch's OpenMP threads then share the cores with other runs: waiting threads sleep rather than spin (the
-# default), which takes the cores' time from the others; what the runs report is unchanged
-ENV = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-       # inductor compiles in this process rather than first starting a pool of compile workers (~1 s of CPU)
-       "TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1")}
+# (their OpenMP threads sleep while they wait, as the suite's every process: tests/conftest.py) inductor compiles in
+# this process rather than first starting a pool of compile workers (~1 s of CPU)
+ENV = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1")}
 
 
 class QuickRuns:

@@ -1,11 +1,12 @@
 """Hostile jobs against the whole stack (the tiny model): a few hundred requests that the schema
 accepts, pushed to its edges (tiny and huge numbers, every kind of Unicode, empty and long stop
-strings, token ids at the vocabulary's edge, cancels racing the start). Every one is accepted or
-refused with a 4xx; afterwards every accepted job has ended (succeeded, cancelled, or failed with
+strings, token ids at the vocabulary's edge, cancels racing the start), sent 8 at a time. Every one is
+accepted or refused with a 4xx; afterwards every accepted job has ended (succeeded, cancelled, or failed with
 a message), no worker process was restarted, and a plain greedy job still answers as it did before."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -71,33 +72,46 @@ def test_hostile_jobs_fail_only_themselves(tiny_stack: Any) -> None:
     assert INT32_MAX > VOCAB
 
     plain = {"messages": chat("What is the capital of France?"), "temperature": 0, "max_tokens": 20}
-    with httpx.Client(base_url=stack.url, timeout=60) as client:
-        reference = wait(client, submit(client, **plain)["id"])
+    examples: list[tuple[dict[str, Any], str]] = []
 
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(body=jobs, action=actions)
-        def submit_hostile(body: dict[str, Any], action: str) -> None:
-            r = client.post("/v1/jobs", json=body)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(body=jobs, action=actions)
+    def hostile(body: dict[str, Any], action: str) -> None:
+        examples.append((body, action))
+
+    hostile()  # drawn first, then sent 8 at a time: the stack takes them concurrently, as from many clients
+
+    async def send(client: httpx.AsyncClient, body: dict[str, Any], action: str, slots: asyncio.Semaphore) -> None:
+        async with slots:
+            r = await client.post("/v1/jobs", json=body)
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-            assert r.status_code < 500, r.text
+            assert r.status_code < 500, (body, r.text)
             if r.status_code != 202:
-                assert r.status_code in (413, 422) and r.json()["error"]["message"], r.text
+                assert r.status_code in (413, 422) and r.json()["error"]["message"], (body, r.text)
                 return
             job_id = r.json()["id"]
             accepted.append(job_id)
             if action == "cancel_now":
-                assert client.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 409)
+                assert (await client.post(f"/v1/jobs/{job_id}/cancel")).status_code in (200, 409)
             elif action == "cancel_later":
                 later.append(job_id)
             if len(later) >= 5:  # cancel a few that may be running by now
-                for j in later:
-                    assert client.post(f"/v1/jobs/{j}/cancel").status_code in (200, 409)
+                batch = later[:]
                 later.clear()
+                for j in batch:
+                    assert (await client.post(f"/v1/jobs/{j}/cancel")).status_code in (200, 409)
 
-        submit_hostile()
+    async def send_all() -> None:
+        slots = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+            await asyncio.gather(*(send(client, body, action, slots) for body, action in examples))
+
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        reference = wait(client, submit(client, **plain)["id"])
+        asyncio.run(send_all())
         print(f"hostile jobs: {sum(statuses.values())} requests, statuses {statuses}, {len(accepted)} accepted")
-        assert len(accepted) > EXAMPLES // 2
+        assert len(examples) == EXAMPLES and len(accepted) > EXAMPLES // 2
 
         ends: dict[str, int] = {}
         reasons: dict[str, int] = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from concurrent.futures import Future
@@ -59,7 +58,7 @@ def start(request: pytest.FixtureRequest, background: Background) -> Future[subp
     code = ("import json, sys; from tests.e2e.test_lm_eval import hf_reference; "
             "print(json.dumps(hf_reference(sys.argv[1])))")
     return background.submit(subprocess.run, [sys.executable, "-c", code, request.getfixturevalue("model_path")],
-                             cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True,
+                             cwd=ROOT, capture_output=True,
                              text=True, timeout=600)
 
 

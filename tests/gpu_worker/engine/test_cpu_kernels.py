@@ -181,6 +181,42 @@ def test_causal_softmax_of_a_prefill_block_is_torch_softmax_over_what_each_row_s
     assert not got.float()[~mask].any()
 
 
+def test_kernels_give_the_same_bits_on_two_threads(kernel: pa.PagedDecode, ops: pa.LayerOps) -> None:
+    """Each row (decode), query tile (prefill) or row of scores is one thread's: the split across threads changes no
+    bit, two threads against one."""
+    g = torch.Generator().manual_seed(5)
+    H, KV, D, bs = 9, 3, 64, 16
+    kc, vc = torch.randn(KV, 64 * bs, D, generator=g).bfloat16(), torch.randn(KV, 64 * bs, D, generator=g).bfloat16()
+    tables = (torch.randperm(63, generator=g) + 1).view(3, 21).to(torch.int32)
+    lens = torch.tensor([300, 17, 250], dtype=torch.int32)
+    q = torch.randn(3, H, D, generator=g).bfloat16()
+    scores = torch.randn(3 * KV, 3 * 64, 300, generator=g)
+    starts = torch.tensor([0, 40, 200])
+    prefill = pa.load_paged_prefill()
+    qkv = torch.randn(330, H + 2 * KV, D, generator=g).bfloat16()
+
+    def compute() -> list[torch.Tensor]:
+        out = [kernel(q, kc, vc, tables, lens, bs), ops.causal_softmax_(scores.clone(), starts, 8, KV, 3),
+               ops.rms_norm(scores.view(-1, 600), torch.ones(600), 1e-5)]
+        if prefill is not None:  # chunks of 300 (from token 0) and 30 (after 200 cached)
+            i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+            st, ln = i32([0, 200]), i32([300, 30])
+            spec = pa.PrefillChunks(tables[[0, 2]], st, ln, i32([0, 300]),
+                                    torch.empty(prefill.workspace(st, ln, KV, D), dtype=torch.int32))
+            out.append(prefill(qkv[:, :H], kc, vc, spec, bs, torch.empty(330, H, D, dtype=torch.bfloat16)))
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = compute()
+        torch.set_num_threads(1)
+        one = compute()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(two, one))
+
+
 def test_engine_tokens_equal_torch_ops_alone(tiny_model_dir: str) -> None:
     """Staggered greedy and seeded requests (rows of many lengths, block boundaries crossed, preemption in a small
     pool) give token for token what torch's ops alone give (K/V gathered for SDPA, unfused steps)."""
