@@ -112,7 +112,7 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
         paths["batched"] = lambda: model._prefill_batch(q, kf, vf, pre, pblocks)
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.inference_mode():
-        for name, fn in paths.items():
+        for fn in paths.values():
             fn()
         for _ in range(iters):
             for name, fn in paths.items():
