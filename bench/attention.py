@@ -6,12 +6,12 @@ batched matmuls per (row, KV head) with a float32 softmax; both `Llama.attend_de
 Where `matmul` starts to win is `MATMUL_ATTENTION_MIN_READ` in gpu_worker/engine/models/llama.py (rows x tokens).
 
 Prefill (`--prefill CHUNKSxROWS`: a step of that many first chunks of that many tokens, as a burst of new prompts):
-`paged`, the bfloat16 kernel reading the cache in place (`Llama.paged_prefill`, where the CPU has AVX512-BF16),
-against `batched`, the chunks padded into one batch of matmuls over K/V gathered from the cache
-(`Llama._prefill_batch`), alternating.
+`paged`, the kernel reading the cache in place (`Llama.paged_prefill`, where the CPU has AVX512), alternating with
+the path it replaces: in bfloat16 `batched`, the chunks padded into one batch of matmuls over K/V gathered from
+the cache (`Llama._prefill_batch`); in float32 `sdpa`, chunk by chunk (`Llama._prefill`).
 
     .venv/bin/python -m bench.attention                      # rows 1-32 at 100 and 400 tokens
-    .venv/bin/python -m bench.attention --prefill 32x452 --iters 20
+    .venv/bin/python -m bench.attention --prefill 32x452 --iters 20            # and --dtype float32
     .venv/bin/python -m bench.attention --quick
 """
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
-    runner = ModelRunner(EngineConfig(model="unused", device="cpu", dtype=args.dtype, kv_cache_mb=16),
+    runner = ModelRunner(EngineConfig(model="unused", device="cpu", dtype=args.dtype, kv_cache_mb=64),
                          LlamaForCausalLM(cfg).eval())
     model = runner.model
     dt, H, KV, D = model.dtype, model.num_heads, model.kv_heads, model.head_dim
@@ -96,7 +96,8 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
     kc, vc = cache.k[0], cache.v[0]
     kc.normal_(), vc.normal_()
     H, D = model.num_heads, model.head_dim
-    q = torch.randn(chunks * rows, H + 2 * model.kv_heads, D, dtype=model.dtype)[:, :H]
+    qkv = torch.randn(chunks * rows, H + 2 * model.kv_heads, D, dtype=model.dtype)
+    q, k, v = qkv[:, :H], qkv[:, H : H + model.kv_heads], qkv[:, H + model.kv_heads :]
     kernel = model.paged_prefill
     paths = {}
     if kernel is not None:
@@ -104,12 +105,15 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
         out = torch.empty(chunks * rows, H, D, dtype=model.dtype)
         paths["paged"] = lambda: kernel(q, kc, vc, spec, cache.block_size, out)
     model.paged_prefill = None
-    pre = runner.prepare(batch).attn.prefill
+    attn = runner.prepare(batch).attn
     model.paged_prefill = kernel
     kf, vf = kc.view(-1, D), vc.view(-1, D)
-    if pre is not None:
+    pre = attn.prefill
+    if pre is not None:  # bfloat16
         pblocks = model._prefill_blocks(pre)
         paths["batched"] = lambda: model._prefill_batch(q, kf, vf, pre, pblocks)
+    else:  # float32: chunk by chunk through SDPA
+        paths["sdpa"] = lambda: [model._prefill(q, k, v, kf, vf, c) for c in attn.chunks]
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.inference_mode():
         for fn in paths.values():
@@ -123,7 +127,8 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
     print(f"prefill attention per layer, ms, {chunks} chunks x {rows} tokens, {model.dtype}, "
           f"{torch.get_num_threads()} torch threads, median of {iters}, alternating: "
           + ", ".join(f"{name} {v:.2f}" for name, v in ms.items())
-          + (f"; batched / paged {ms['batched'] / ms['paged']:.2f}x" if len(ms) == 2 else ""))
+          + "".join(f"; {name} / paged {ms[name] / ms['paged']:.2f}x" for name in ms
+                    if "paged" in ms and name != "paged"))
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
 - `PagedDecode` (csrc/paged_attention.cpp): decode attention over the paged KV cache in place, each decode row
   reading its own blocks up to its own length, where the portable path gathers every row's K/V into a padded copy
   first and runs SDPA over it (three passes over memory against one).
-- `PagedPrefill` (csrc/prefill_attention.cpp): bfloat16 prefill attention over the paged cache in place, every
-  chunk of a step at once, flash style (AVX512-BF16 dot products, online softmax: no scores written, no padded
-  batch, no gathered copy), where the portable path pads the chunks into one batch of matmuls over K/V gathered
-  from the cache. Where the CPU lacks AVX512-BF16 it declines to load.
+- `PagedPrefill` (csrc/prefill_attention.cpp): prefill attention over the paged cache in place, every chunk of a
+  step at once, flash style (online softmax: no scores written, no padded batch, no gathered copy), float32 on
+  AVX512F, bfloat16 on AVX512-BF16 dot products; where the other paths attend chunk by chunk through SDPA
+  (float32) or pad the chunks into one batch of matmuls over K/V gathered from the cache (bfloat16). Where the CPU
+  lacks AVX512 it declines to load.
 - `LayerOps` (csrc/layer_ops.cpp): a layer's elementwise steps in one pass each (RMSNorm; SiLU(gate) * up; RoPE on
   q and k with the new K/V written to its cache slots; batched prefill's causal softmax), where torch takes several
   ops, each with its overhead.
@@ -122,35 +123,39 @@ class PagedDecode:
 
 
 class PagedPrefill:
-    """bfloat16 prefill attention read in place: `__call__` attends every chunk's queries causally to its sequence's
-    cached tokens and its own."""
+    """Prefill attention read in place: `__call__` attends every chunk's queries causally to its sequence's cached
+    tokens and its own. `dtypes`: what this CPU's build takes (float32 with AVX512F, bfloat16 with AVX512-BF16)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        if not _function(lib, "conveyor_paged_prefill_supported", (), _i)():
-            raise RuntimeError("this CPU has no AVX512-BF16")
-        self._workspace = _function(lib, "conveyor_paged_prefill_workspace", (_p, _p, _i, _i, _i), _i64)
-        self._fn = _function(lib, "conveyor_paged_prefill", (_p, _i64, _p, _p, _p, _i, _p, _p, _p, _i, _i, _i, _i,
-                                                             _i64, _i, _f, _p, _p, _i), _i)
+        bits = _function(lib, "conveyor_paged_prefill_dtypes", (), _i)()
+        self.dtypes = frozenset(dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if bits & bit)
+        if not self.dtypes:
+            raise RuntimeError("this CPU has no AVX512")
+        self._workspace = _function(lib, "conveyor_paged_prefill_workspace", (_p, _p, _i, _i, _i, _i), _i64)
+        self._fn = _function(lib, "conveyor_paged_prefill", (_p, _i64, _p, _p, _i, _p, _i, _p, _p, _p, _i, _i, _i,
+                                                             _i, _i64, _i, _f, _p, _p, _i), _i)
 
-    def workspace(self, starts: torch.Tensor, lengths: torch.Tensor, kv_heads: int, head_dim: int) -> int:
+    def workspace(self, starts: torch.Tensor, lengths: torch.Tensor, kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> int:
         """int32 elements of workspace a call over these chunks needs (their K/V packed for the dot products)."""
-        return self._workspace(starts.data_ptr(), lengths.data_ptr(), starts.numel(), kv_heads, head_dim)
+        return self._workspace(starts.data_ptr(), lengths.data_ptr(), starts.numel(), kv_heads, head_dim,
+                               int(dtype == torch.bfloat16))
 
     def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: PrefillChunks,
                  block_size: int, out: torch.Tensor) -> torch.Tensor:
-        """q [rows, H, D] bfloat16 (each row's heads contiguous; a view into qkv is fine); kc, vc a layer's
-        [KV, slots, D]; `chunks` the step's prefill chunks, their rows in order; out [rows, H, D] contiguous.
+        """q [rows, H, D] (each row's heads contiguous; a view into qkv is fine); kc, vc a layer's [KV, slots, D]
+        in q's dtype; `chunks` the step's prefill chunks, their rows in order; out [rows, H, D] contiguous.
         Returns out."""
         rows, H, D = q.shape
         KV, slots, _ = kc.shape
-        assert q.stride(2) == 1 and q.stride(1) == D and out.is_contiguous()
-        rc = self._fn(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), chunks.tables.data_ptr(),
-                      chunks.tables.shape[1], chunks.starts.data_ptr(), chunks.lengths.data_ptr(),
-                      chunks.offsets.data_ptr(), chunks.starts.numel(), H, KV, D, slots, block_size, D**-0.5,
-                      out.data_ptr(), chunks.work.data_ptr(), torch.get_num_threads())
+        assert q.stride(2) == 1 and q.stride(1) == D and out.is_contiguous() and kc.dtype == q.dtype == out.dtype
+        rc = self._fn(q.data_ptr(), q.stride(0), kc.data_ptr(), vc.data_ptr(), int(q.dtype == torch.bfloat16),
+                      chunks.tables.data_ptr(), chunks.tables.shape[1], chunks.starts.data_ptr(),
+                      chunks.lengths.data_ptr(), chunks.offsets.data_ptr(), chunks.starts.numel(), H, KV, D, slots,
+                      block_size, D**-0.5, out.data_ptr(), chunks.work.data_ptr(), torch.get_num_threads())
         if rc:
-            raise ValueError(f"no paged prefill kernel for {H} heads over {KV} KV heads of {D}")
+            raise ValueError(f"no paged prefill kernel for {q.dtype}, {H} heads over {KV} KV heads of {D}")
         return out
 
 
@@ -223,7 +228,8 @@ def supports_paged_decode(device: torch.device, dtype: torch.dtype, num_heads: i
 
 def supports_paged_prefill(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int,
                            head_dim: int) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS
+    """The shapes the kernel takes; whether this CPU takes `dtype` is the loaded kernel's (`PagedPrefill.dtypes`)."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim in PREFILL_HEAD_DIMS
             and num_heads % kv_heads == 0)
 
 
@@ -247,9 +253,9 @@ def load_paged_decode() -> PagedDecode | None:
 
 @cache
 def load_paged_prefill() -> PagedPrefill | None:
-    """The bfloat16 paged prefill kernel, built if need be; None (logged once) where it cannot be had (no compiler,
-    no AVX512-BF16)."""
-    return _load(PagedPrefill, "prefill_attention", "batched matmuls over gathered K/V")
+    """The paged prefill kernel, built if need be; None (logged once) where it cannot be had (no compiler, no
+    AVX512)."""
+    return _load(PagedPrefill, "prefill_attention", "SDPA per chunk, or batched matmuls over gathered K/V")
 
 
 @cache

@@ -243,7 +243,7 @@ class ModelRunner:
         starts_t, lengths_t = (torch.tensor(x, dtype=torch.int32) for x in (starts, lengths))
         kernel = self.model.paged_prefill
         assert kernel is not None
-        need = kernel.workspace(starts_t, lengths_t, self.model.kv_heads, self.model.head_dim)
+        need = kernel.workspace(starts_t, lengths_t, self.model.kv_heads, self.model.head_dim, self.dtype)
         if self._prefill_work.numel() < need:
             self._prefill_work = torch.empty(need, dtype=torch.int32)
         return PrefillChunks(torch.tensor(tables, dtype=torch.int32), starts_t, lengths_t,

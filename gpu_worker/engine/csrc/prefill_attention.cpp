@@ -1,9 +1,10 @@
-// Prefill attention in bfloat16 that reads the paged KV cache in place: every prefill chunk of a step at once,
-// each query attending causally to its sequence's tokens up to its own position (the cached ones before the chunk
-// and the chunk's own), flash style: scores never leave registers, softmax online, no padded batch, no gathered
-// copy of K/V. Dot products on AVX512-BF16 (vdpbf16ps: bf16 pairs summed into float32); softmax and the output in
-// float32, rounded to bfloat16 once. Built and loaded by gpu_worker/engine/cpu_kernels.py (plain C ABI through
-// ctypes; OpenMP shares torch's runtime). Without AVX512-BF16 it builds to a stub that declines (returns 1).
+// Prefill attention that reads the paged KV cache in place: every prefill chunk of a step at once, each query
+// attending causally to its sequence's tokens up to its own position (the cached ones before the chunk and the
+// chunk's own), flash style: scores never leave registers, softmax online, no padded batch, no gathered copy of K/V.
+// bfloat16 on AVX512-BF16 (vdpbf16ps: bf16 pairs summed into float32; the output rounded once), float32 on AVX512F
+// (FMA). Built and loaded by gpu_worker/engine/cpu_kernels.py (plain C ABI through ctypes; OpenMP shares torch's
+// runtime). Where the CPU lacks them it builds to a stub that declines (returns 1; `conveyor_paged_prefill_dtypes`
+// says which it takes).
 //
 // Layout (gpu_worker/engine/kv_cache.py): a layer's K and V are [KV, slots, D]; token t of chunk b's sequence sits
 // at slot tables[b][t / block_size] * block_size + t % block_size.
@@ -12,7 +13,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 namespace {
@@ -36,14 +37,31 @@ inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
+// The element type's 32-bit unit: a pair of bfloat16 (dot products over pairs, vdpbf16ps) or one float32 (FMA).
+// K, V and the probabilities are handled in these units: `per` elements each.
+template <typename T>
+struct Unit;
+template <>
+struct Unit<float> {
+    static constexpr int per = 1;
+    static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+        return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+    }
+};
+#ifdef __AVX512BF16__
+template <>
+struct Unit<uint16_t> {
+    static constexpr int per = 2;
+    static __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+#endif
 
-inline uint16_t to_bf16(float x) {  // round to nearest even, as torch does
+inline void store_out(float* p, float x) { *p = x; }
+
+inline void store_out(uint16_t* p, float x) {  // to bfloat16, round to nearest even, as torch does
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    *p = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 struct Chunks {
@@ -55,50 +73,53 @@ struct Chunks {
     std::vector<int64_t> packed;  // where each (chunk, KV head)'s K/V are packed in the workspace, int32 units
 };
 
-// Chunk b's keys 0..nkeys-1 for KV head h, packed for vdpbf16ps, KB keys a block:
-//   K: [block][D/2][KB] int32, the pair (d, d+1) of each key: the block's scores are dot products across lanes;
-//   V: [block][KB/2][D] int32, the pair (key, key+1) at each d: a pair of probabilities times it adds to out[d].
+// Chunk b's keys 0..nkeys-1 for KV head h, packed in 32-bit units (`Unit<T>`), KB keys a block:
+//   K: [block][D/per][KB], unit j of each key (dimensions j*per..): the block's scores are dot products across lanes;
+//   V: [block][KB/per][D], at each d the unit of keys per*i..: a unit of probabilities times it adds to out[d].
 // Keys past nkeys are zeros (their scores are masked; their probabilities zero).
-void pack(const uint32_t* kc, const uint32_t* vc, const int32_t* table, int nkeys, int bs, int D,
-          int block, uint32_t* kp, uint32_t* vp) {
-    const int P = D / 2;
-    uint32_t* kb = kp + static_cast<int64_t>(block) * P * KB;
-    uint32_t* vb = vp + static_cast<int64_t>(block) * P * KB;
+template <typename T>
+void pack(const T* kc, const T* vc, const int32_t* table, int nkeys, int bs, int D, int block, uint32_t* kp,
+          uint32_t* vp) {
+    constexpr int per = Unit<T>::per;
+    const int U = D / per;
+    uint32_t* kb = kp + static_cast<int64_t>(block) * U * KB;
+    uint32_t* vb = vp + static_cast<int64_t>(block) * U * KB;
+    auto row = [&](int t) -> int64_t { return (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * D; };
     for (int i = 0; i < KB; ++i) {
         const int t = block * KB + i;
-        if (t < nkeys) {
-            const int64_t slot = static_cast<int64_t>(table[t / bs]) * bs + t % bs;
-            const uint32_t* k = kc + slot * P;
-            for (int j = 0; j < P; ++j) kb[j * KB + i] = k[j];
-        } else {
-            for (int j = 0; j < P; ++j) kb[j * KB + i] = 0;
-        }
+        const uint32_t* k = t < nkeys ? reinterpret_cast<const uint32_t*>(kc + row(t)) : nullptr;
+        for (int j = 0; j < U; ++j) kb[j * KB + i] = k ? k[j] : 0u;
     }
-    const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vc);
-    for (int i = 0; i < KB; i += 2) {
-        const int t = block * KB + i;
-        const uint16_t* v0 = nullptr;
-        const uint16_t* v1 = nullptr;
-        if (t < nkeys) v0 = v16 + (static_cast<int64_t>(table[t / bs]) * bs + t % bs) * D;
-        if (t + 1 < nkeys) v1 = v16 + (static_cast<int64_t>(table[(t + 1) / bs]) * bs + (t + 1) % bs) * D;
-        uint32_t* row = vb + (i / 2) * D;
-        for (int d = 0; d < D; ++d)
-            row[d] = (v0 ? v0[d] : 0u) | (static_cast<uint32_t>(v1 ? v1[d] : 0u) << 16);
+    for (int i = 0; i < KB; i += per) {
+        uint32_t* out = vb + (i / per) * D;
+        if constexpr (per == 1) {
+            const int t = block * KB + i;
+            if (t < nkeys)
+                std::memcpy(out, vc + row(t), sizeof(float) * D);
+            else
+                std::memset(out, 0, sizeof(float) * D);
+        } else {
+            const int t = block * KB + i;
+            const T* v0 = t < nkeys ? vc + row(t) : nullptr;
+            const T* v1 = t + 1 < nkeys ? vc + row(t + 1) : nullptr;
+            for (int d = 0; d < D; ++d)
+                out[d] = (v0 ? v0[d] : 0u) | (static_cast<uint32_t>(v1 ? v1[d] : 0u) << 16);
+        }
     }
 }
 
 // MR query vectors (rows `qs` of q, positions `pos`) against keys 0 .. max(pos), out rows `os`. NV = D / 16.
-template <int NV>
-void attend_tile(const uint32_t* const* qs, const int* pos, uint16_t* const* os, int nq, const uint32_t* kp,
+template <typename T, int NV>
+void attend_tile(const uint32_t* const* qs, const int* pos, T* const* os, int nq, const uint32_t* kp,
                  const uint32_t* vp, float scale_log2) {
-    constexpr int D = NV * 16, P = D / 2, NK = KB / 16;
+    constexpr int D = NV * 16, per = Unit<T>::per, P = D / per, NK = KB / 16;
     int maxpos = pos[0], minpos = pos[0];
     for (int q = 1; q < nq; ++q) {
         maxpos = pos[q] > maxpos ? pos[q] : maxpos;
         minpos = pos[q] < minpos ? pos[q] : minpos;
     }
     alignas(64) float o[MR][D];
-    alignas(64) uint16_t pb[MR][KB];
+    alignas(64) uint32_t pb[MR][KB / per];  // a block's probabilities, in units
     std::memset(o, 0, sizeof o);
     float m[MR];
     __m512 l[MR];
@@ -120,7 +141,7 @@ void attend_tile(const uint32_t* const* qs, const int* pos, uint16_t* const* os,
             for (int q = 0; q < MR; ++q) a[q] = _mm512_set1_epi32(static_cast<int>(qs[q][j]));
             for (int n = 0; n < NK; ++n) {
                 const __m512i k = _mm512_load_si512(kb + j * KB + n * 16);
-                for (int q = 0; q < MR; ++q) s[q][n] = dp(s[q][n], k, a[q]);
+                for (int q = 0; q < MR; ++q) s[q][n] = Unit<T>::dot(s[q][n], k, a[q]);
             }
         }
         const bool masked = (b + 1) * KB - 1 > minpos;
@@ -151,7 +172,14 @@ void attend_tile(const uint32_t* const* qs, const int* pos, uint16_t* const* os,
                 const __m512 p0 = _mm512_maskz_mov_ps(valid[q][n], exp2_ps(_mm512_sub_ps(s[q][n], vm)));
                 const __m512 p1 = _mm512_maskz_mov_ps(valid[q][n + 1], exp2_ps(_mm512_sub_ps(s[q][n + 1], vm)));
                 sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-                _mm512_store_si512(pb[q] + n * 16, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+#ifdef __AVX512BF16__
+                if constexpr (per == 2) {
+                    _mm512_store_si512(pb[q] + n * 8, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+                    continue;
+                }
+#endif
+                _mm512_store_ps(reinterpret_cast<float*>(pb[q] + n * 16), p0);
+                _mm512_store_ps(reinterpret_cast<float*>(pb[q] + n * 16 + 16), p1);
             }
             l[q] = _mm512_fmadd_ps(l[q], _mm512_set1_ps(alpha[q]), sum);
         }
@@ -164,14 +192,12 @@ void attend_tile(const uint32_t* const* qs, const int* pos, uint16_t* const* os,
                 const __m512 a = _mm512_set1_ps(alpha[q]);
                 for (int w = 0; w < W; ++w) ov[q][w] = _mm512_mul_ps(_mm512_load_ps(o[q] + (g + w) * 16), a);
             }
-            for (int p = 0; p < KB / 2; ++p) {
+            for (int p = 0; p < KB / per; ++p) {
                 __m512i v[W];
                 for (int w = 0; w < W; ++w) v[w] = _mm512_load_si512(vb + p * D + (g + w) * 16);
                 for (int q = 0; q < MR; ++q) {
-                    int32_t pair;
-                    std::memcpy(&pair, pb[q] + 2 * p, sizeof pair);
-                    const __m512i c = _mm512_set1_epi32(pair);
-                    for (int w = 0; w < W; ++w) ov[q][w] = dp(ov[q][w], v[w], c);
+                    const __m512i c = _mm512_set1_epi32(static_cast<int>(pb[q][p]));
+                    for (int w = 0; w < W; ++w) ov[q][w] = Unit<T>::dot(ov[q][w], v[w], c);
                 }
             }
             for (int q = 0; q < MR; ++q)
@@ -180,14 +206,14 @@ void attend_tile(const uint32_t* const* qs, const int* pos, uint16_t* const* os,
     }
     for (int q = 0; q < nq; ++q) {
         const float inv = 1.f / _mm512_reduce_add_ps(l[q]);
-        for (int d = 0; d < D; ++d) os[q][d] = to_bf16(o[q][d] * inv);
+        for (int d = 0; d < D; ++d) store_out(os[q] + d, o[q][d] * inv);
     }
 }
 
-template <int NV>
-void prefill(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint16_t* vc, const Chunks& c, int chunks,
-             int H, int KV, int64_t slots, int bs, float scale, uint16_t* out, uint32_t* work, int threads) {
-    constexpr int D = NV * 16, P = D / 2;
+template <typename T, int NV>
+void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunks& c, int chunks, int H, int KV,
+             int64_t slots, int bs, float scale, T* out, uint32_t* work, int threads) {
+    constexpr int D = NV * 16, U = D / Unit<T>::per;
     const int G = H / KV;
     // pack every chunk's K/V, a block of KB keys per item
     int64_t items = 0;
@@ -204,9 +230,8 @@ void prefill(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint
         const int nblk = (c.starts[b] + c.lengths[b] + KB - 1) / KB;
         const int h = static_cast<int>(rest / nblk), blk = static_cast<int>(rest % nblk);
         const int64_t base = c.packed[b * KV + h];
-        pack(reinterpret_cast<const uint32_t*>(kc + h * slots * D), reinterpret_cast<const uint32_t*>(vc + h * slots * D),
-             c.tables + static_cast<int64_t>(b) * c.max_blocks, c.starts[b] + c.lengths[b], bs, D, blk,
-             work + base, work + base + static_cast<int64_t>(nblk) * P * KB);
+        pack<T>(kc + h * slots * D, vc + h * slots * D, c.tables + static_cast<int64_t>(b) * c.max_blocks,
+                c.starts[b] + c.lengths[b], bs, D, blk, work + base, work + base + static_cast<int64_t>(nblk) * U * KB);
     }
     // attend: an item is (chunk, KV head, RT query rows), its rows' G query heads each
     int64_t tiles = 0;
@@ -226,11 +251,11 @@ void prefill(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint
         const int r1 = r0 + RT < c.lengths[b] ? r0 + RT : c.lengths[b];
         const int nblk = (c.starts[b] + c.lengths[b] + KB - 1) / KB;
         const uint32_t* kp = work + c.packed[b * KV + h];
-        const uint32_t* vp = kp + static_cast<int64_t>(nblk) * P * KB;
+        const uint32_t* vp = kp + static_cast<int64_t>(nblk) * U * KB;
         const int nvec = (r1 - r0) * G;
         for (int v0 = 0; v0 < nvec; v0 += MR) {
             const uint32_t* qs[MR];
-            uint16_t* os[MR];
+            T* os[MR];
             int pos[MR];
             const int nq = nvec - v0 < MR ? nvec - v0 : MR;
             for (int i = 0; i < MR; ++i) {
@@ -241,8 +266,26 @@ void prefill(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint
                 os[i] = out + (row * H + head) * D;
                 pos[i] = c.starts[b] + r;
             }
-            attend_tile<NV>(qs, pos, os, nq, kp, vp, scale_log2);
+            attend_tile<T, NV>(qs, pos, os, nq, kp, vp, scale_log2);
         }
+    }
+}
+
+template <typename T>
+int prefill_as(const void* q, int64_t q_stride, const void* kc, const void* vc, const Chunks& c, int chunks, int H,
+               int KV, int D, int64_t slots, int bs, float scale, void* out, void* work, int threads) {
+    const auto* qq = static_cast<const T*>(q);
+    const auto* k = static_cast<const T*>(kc);
+    const auto* v = static_cast<const T*>(vc);
+    auto* o = static_cast<T*>(out);
+    auto* w = static_cast<uint32_t*>(work);
+    switch (D) {
+        case 16: prefill<T, 1>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 32: prefill<T, 2>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 64: prefill<T, 4>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 128: prefill<T, 8>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 256: prefill<T, 16>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        default: return 1;
     }
 }
 
@@ -250,55 +293,58 @@ void prefill(const uint16_t* q, int64_t q_stride, const uint16_t* kc, const uint
 
 extern "C" {
 
-// Workspace int32 units the call needs (64-byte aligned): every (chunk, KV head)'s packed K and V.
-int64_t conveyor_paged_prefill_workspace(const int32_t* starts, const int32_t* lengths, int chunks, int KV, int D) {
+// Workspace int32 units a call needs (64-byte aligned): every (chunk, KV head)'s packed K and V; `bf16` 1 or 0.
+int64_t conveyor_paged_prefill_workspace(const int32_t* starts, const int32_t* lengths, int chunks, int KV, int D,
+                                         int bf16) {
     int64_t n = 0;
     for (int b = 0; b < chunks; ++b) n += static_cast<int64_t>(KV) * ((starts[b] + lengths[b] + KB - 1) / KB) * KB * D;
-    return n;
+    return bf16 ? n : 2 * n;
 }
 
-// q: the prefill rows' queries, row r's head hh at q + r * q_stride + hh * D (bfloat16); kc, vc: a layer's cache;
-// tables [chunks, max_blocks] int32; starts, lengths, offsets [chunks] int32; out [rows, H, D] bfloat16; work:
-// conveyor_paged_prefill_workspace's int32 units. Returns 1 (nothing done) for a head_dim
-// other than 16, 32, 64, 128 or 256, or heads that do not group.
-int conveyor_paged_prefill(const void* q, int64_t q_stride, const void* kc, const void* vc, const int32_t* tables,
-                           int max_blocks, const int32_t* starts, const int32_t* lengths, const int32_t* offsets,
-                           int chunks, int H, int KV, int D, int64_t slots, int bs, float scale, void* out, void* work,
-                           int threads) {
+// q: the prefill rows' queries, row r's head hh at q + r * q_stride + hh * D (float32, or bfloat16 where bf16 = 1);
+// kc, vc: a layer's cache; tables [chunks, max_blocks] int32; starts, lengths, offsets [chunks] int32; out
+// [rows, H, D]; work: conveyor_paged_prefill_workspace's int32 units. Returns 1 (nothing done) for a dtype this
+// build lacks, a head_dim other than 16, 32, 64, 128 or 256, or heads that do not group.
+int conveyor_paged_prefill(const void* q, int64_t q_stride, const void* kc, const void* vc, int bf16,
+                           const int32_t* tables, int max_blocks, const int32_t* starts, const int32_t* lengths,
+                           const int32_t* offsets, int chunks, int H, int KV, int D, int64_t slots, int bs, float scale,
+                           void* out, void* work, int threads) {
     if (KV <= 0 || H % KV || chunks <= 0) return 1;
     Chunks c{tables, max_blocks, starts, lengths, offsets, std::vector<int64_t>(static_cast<size_t>(chunks) * KV)};
+    const int64_t per_key = bf16 ? D : 2 * D;  // K's and V's units
     int64_t at = 0;
     for (int b = 0; b < chunks; ++b)
-        for (int h = 0; h < KV; ++h, at += static_cast<int64_t>((starts[b] + lengths[b] + KB - 1) / KB) * KB * D)
+        for (int h = 0; h < KV; ++h, at += static_cast<int64_t>((starts[b] + lengths[b] + KB - 1) / KB) * KB * per_key)
             c.packed[b * KV + h] = at;
-    const auto* qq = static_cast<const uint16_t*>(q);
-    const auto* k = static_cast<const uint16_t*>(kc);
-    const auto* v = static_cast<const uint16_t*>(vc);
-    auto* o = static_cast<uint16_t*>(out);
-    auto* w = static_cast<uint32_t*>(work);
-    switch (D) {
-        case 16: prefill<1>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 32: prefill<2>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 64: prefill<4>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 128: prefill<8>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 256: prefill<16>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        default: return 1;
-    }
+    if (!bf16) return prefill_as<float>(q, q_stride, kc, vc, c, chunks, H, KV, D, slots, bs, scale, out, work, threads);
+#ifdef __AVX512BF16__
+    return prefill_as<uint16_t>(q, q_stride, kc, vc, c, chunks, H, KV, D, slots, bs, scale, out, work, threads);
+#else
+    return 1;
+#endif
 }
 
-int conveyor_paged_prefill_supported() { return 1; }
+// The dtypes this build takes: 1 float32, 2 bfloat16 (a bit each).
+int conveyor_paged_prefill_dtypes() {
+#ifdef __AVX512BF16__
+    return 3;
+#else
+    return 1;
+#endif
+}
 
 }
 
-#else  // no AVX512-BF16 on this CPU: the model keeps its batched-matmul path
+#else  // no AVX512 on this CPU: the model keeps its other paths
 
 extern "C" {
-int64_t conveyor_paged_prefill_workspace(const int32_t*, const int32_t*, int, int, int) { return 0; }
-int conveyor_paged_prefill(const void*, int64_t, const void*, const void*, const int32_t*, int, const int32_t*,
-                           const int32_t*, const int32_t*, int, int, int, int, int64_t, int, float, void*, void*, int) {
+int64_t conveyor_paged_prefill_workspace(const int32_t*, const int32_t*, int, int, int, int) { return 0; }
+int conveyor_paged_prefill(const void*, int64_t, const void*, const void*, int, const int32_t*, int, const int32_t*,
+                           const int32_t*, const int32_t*, int, int, int, int, int64_t, int, float, void*, void*,
+                           int) {
     return 1;
 }
-int conveyor_paged_prefill_supported() { return 0; }
+int conveyor_paged_prefill_dtypes() { return 0; }
 }
 
 #endif

@@ -187,6 +187,8 @@ class Llama:
             self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim) else None)
         self.paged_prefill = (load_paged_prefill() if cpu_kernels and supports_paged_prefill(
             self.device, self.dtype, self.num_heads, self.kv_heads, self.head_dim) else None)
+        if self.paged_prefill is not None and self.dtype not in self.paged_prefill.dtypes:
+            self.paged_prefill = None  # bfloat16 on a CPU without AVX512-BF16
         self.ops = (load_layer_ops() if cpu_kernels and supports_layer_ops(self.device, self.dtype, self.head_dim)
                     else None)
         # some layer applies RoPE through torch ops (no fused kernel, or q/k norms first): per-token cos/sin a step
