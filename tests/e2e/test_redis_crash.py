@@ -66,7 +66,8 @@ def _follow(url: str, job_id: str, out: list[dict[str, Any]]) -> None:
     deadline = time.monotonic() + 180
     with httpx.Client(base_url=url, timeout=30) as client:
         while time.monotonic() < deadline and not (out and out[-1].get("event") == "done"):
-            headers = {"Last-Event-ID": out[-1]["id"]} if out else None
+            last = next((e["id"] for e in reversed(out) if "id" in e), None)  # as EventSource keeps lastEventId
+            headers = {"Last-Event-ID": last} if last else None
             try:
                 out += read_events(client, job_id, headers=headers)
             except (httpx.TransportError, AssertionError):  # Redis down: 503, or the stream cut off
