@@ -11,6 +11,8 @@
 
 namespace {
 
+constexpr int64_t kSerialBelow = 1 << 15;
+
 inline float load(float x) { return x; }
 inline float load(uint16_t x) {  // bfloat16: the high half of a float32
     uint32_t u = static_cast<uint32_t>(x) << 16;
@@ -76,9 +78,15 @@ void run(const float* q, const T* kc, const T* vc, const int32_t* tables, int ma
          int rows, int H, int KV, int64_t slots, int bs, float scale, float* out, int threads) {
     const int G = H / KV;
     int longest = 1;
-    for (int r = 0; r < rows; ++r) longest = lens[r] > longest ? lens[r] : longest;
+    int64_t read = 0;  // tokens read by all rows
+    for (int r = 0; r < rows; ++r) {
+        longest = lens[r] > longest ? lens[r] : longest;
+        read += lens[r];
+    }
     const int64_t stride = (longest + 15) / 16 * 16;
-#pragma omp parallel num_threads(threads)
+    // below kSerialBelow multiply-adds a step's attention runs on this thread alone: waking the others (and, on a
+    // busy machine, waiting for them to get a core) costs more than the work
+#pragma omp parallel num_threads(threads) if (read * H * D >= kSerialBelow)
     {
         float* scores = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * G * stride));
 #pragma omp for schedule(dynamic, 1)

@@ -21,6 +21,7 @@ namespace {
 constexpr int KB = 64;  // keys a step of the online softmax takes: four vectors of 16 scores
 constexpr int MR = 4;   // query vectors computed together (their dot products share each K/V load); <= 16
 constexpr int RT = 32;  // query rows a work item takes (times the query heads sharing its KV head)
+constexpr int64_t kSerialBelow = 1 << 16;  // (query, key) pairs a call must have to run on more than one thread
 
 // 2^x for x <= 0: 2^round(x) * p(x - round(x)), p degree 6 on [-0.5, 0.5] (relative error ~2e-7)
 inline __m512 exp2_ps(__m512 x) {
@@ -215,10 +216,15 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
              int64_t slots, int bs, float scale, T* out, uint32_t* work, int threads) {
     constexpr int D = NV * 16, U = D / Unit<T>::per;
     const int G = H / KV;
+    // (query, key) pairs: below kSerialBelow the call runs on this thread alone, since waking the others (and, on a
+    // busy machine, waiting for them to get a core) costs more than the work
+    int64_t pairs = 0;
+    for (int b = 0; b < chunks; ++b) pairs += static_cast<int64_t>(H) * c.lengths[b] * (c.starts[b] + c.lengths[b]);
+    const bool parallel = pairs >= kSerialBelow;
     // pack every chunk's K/V, a block of KB keys per item
     int64_t items = 0;
     for (int b = 0; b < chunks; ++b) items += static_cast<int64_t>(KV) * ((c.starts[b] + c.lengths[b] + KB - 1) / KB);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
     for (int64_t it = 0; it < items; ++it) {
         int64_t rest = it;
         int b = 0;
@@ -237,7 +243,7 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
     int64_t tiles = 0;
     for (int b = 0; b < chunks; ++b) tiles += static_cast<int64_t>(KV) * ((c.lengths[b] + RT - 1) / RT);
     const float scale_log2 = scale * 1.4426950408889634f;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
     for (int64_t it = 0; it < tiles; ++it) {
         int64_t rest = it;
         int b = 0;
