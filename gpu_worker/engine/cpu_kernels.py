@@ -12,8 +12,8 @@
   q and k with the new K/V written to its cache slots; batched prefill's causal softmax), where torch takes several
   ops, each with its overhead.
 
-Each source is plain C++ behind a C ABI, compiled on first use for this CPU (`g++ -O3 -march=native`, about a
-second) into a cache keyed by its source, the flags and the CPU's feature flags, and loaded through ctypes (a call
+Each source is plain C++ behind a C ABI, compiled on first use for this CPU (`g++ -O3 -march=native`, 0.4-3 s
+each) into a cache keyed by its source, the flags and the CPU's feature flags, and loaded through ctypes (a call
 releases the GIL). Kernels run on torch's OpenMP runtime with torch's thread count. Where no compiler is found or
 a build fails, `load_*` returns None (logged once) and the model keeps its torch path (CPU_KERNELS=false: always)."""
 
