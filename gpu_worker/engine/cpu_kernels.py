@@ -20,6 +20,7 @@ a build fails, `load_*` returns None (logged once) and the model keeps its torch
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -77,7 +78,16 @@ def build(name: str, compiler: str | None = None) -> Path:
     if shutil.which(cxx) is None:
         raise FileNotFoundError(f"no C++ compiler ({cxx})")
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # built aside, then renamed: workers may race
+    # workers starting together on a fresh host build it once: the first holds the lock, the others then find it
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            _compile(cxx, source, out)
+    return out
+
+
+def _compile(cxx: str, source: Path, out: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # built aside, then renamed: a reader sees it whole
     os.close(fd)
     obj = tmp[:-3] + ".o"
     try:
@@ -90,7 +100,6 @@ def build(name: str, compiler: str | None = None) -> Path:
         for path in (tmp, obj):
             if os.path.exists(path):
                 os.unlink(path)
-    return out
 
 
 def _function(lib: ctypes.CDLL, name: str, args: tuple, restype: object = None):  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ is)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,21 @@ def test_no_compiler_means_torch_ops_and_a_built_kernel_needs_none(monkeypatch: 
     built = pa.build("layer_ops")
     monkeypatch.setenv("CXX", "no-such-c++-compiler")  # a worker without a compiler, sharing the cache
     assert pa.build("layer_ops") == built and pa._load(pa.LayerOps, "layer_ops", "torch's ops") is not None
+
+
+def test_workers_starting_together_build_a_kernel_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Three builders at once on an empty cache (workers starting together on a fresh host): the compiler runs once
+    (a compile and a link), and all three get the one library."""
+    log = tmp_path / "cxx.log"
+    cxx = tmp_path / "logging-g++"
+    cxx.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec g++ "$@"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CONVEYOR_KERNEL_CACHE", str(tmp_path / "kernels"))
+    monkeypatch.setenv("CXX", str(cxx))
+    with ThreadPoolExecutor(3) as pool:
+        built = list(pool.map(lambda _: pa.build("layer_ops"), range(3)))
+    assert len(set(built)) == 1 and built[0].exists()
+    assert len(log.read_text().splitlines()) == 2  # one compile, one link
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
