@@ -37,17 +37,17 @@ class Stack:
     proc: subprocess.Popen[bytes]
     env: dict[str, str]
     log: Path
-    workdir: Path | None = None
     seen: set[int] = field(default_factory=set)  # every pid of the tree ever seen, for the check at stop
 
     def wait_ready(self, ready_path: str = "/readyz", timeout: float = 180.0) -> Stack:
         """Wait until `ready_path` answers 200 (and an embedded Redis's URL is known); stopped if it never does."""
         try:
             wait_http(self.url + ready_path, self.proc, timeout, f"the stack (log {self.log})", self.tree)
-            if not self.redis_url and self.workdir is not None:
-                self.redis_url = read_local_redis_url(self.workdir) or ""
+            if not self.redis_url:  # the supervisor's own: its connection file is under the stack's workdir
+                workdir = Path(self.env["CONVEYOR_CACHE"])
+                self.redis_url = read_local_redis_url(workdir) or ""
                 if not self.redis_url:
-                    raise RuntimeError(f"no Redis connection file under {self.workdir / 'redis'}")
+                    raise RuntimeError(f"no Redis connection file under {workdir / 'redis'}")
         except BaseException:
             stop_stack(self, timeout=10)
             raise
@@ -124,7 +124,7 @@ def launch_stack(workdir: Path, redis_url: str | None = None, model: str = "", e
         proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])], env=env, cwd=ROOT,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=preexec_die_with_parent())  # a killed run leaves no stack behind
-    return Stack(f"http://127.0.0.1:{port}", redis_url or "", proc, env, log, workdir)
+    return Stack(f"http://127.0.0.1:{port}", redis_url or "", proc, env, log)
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "", each_poll: Any = None) -> None:

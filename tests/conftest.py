@@ -137,14 +137,14 @@ TEST_ENV = {
 
 def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
                 args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False) -> Stack:
-    """The whole stack under the real supervisor (`conveyor up`) on `redis_url` ("": its own Redis)."""
-    return harness.stack.start_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args, ready_path, autoscale)
+    """The whole stack under the real supervisor (`conveyor up`) on `redis_url` ("": its own Redis), ready."""
+    return launch_stack(tmp, redis_url, model, extra, args, autoscale).wait_ready(ready_path)
 
 
 def launch_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> Stack:
+                 args: list[str] | None = None, autoscale: bool = False) -> Stack:
     """`start_stack`, not waited for (`Stack.wait_ready`)."""
-    return harness.stack.launch_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args)
+    return harness.stack.launch_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args, autoscale)
 
 
 def _launch_stack(request: pytest.FixtureRequest) -> Stack:

@@ -3,6 +3,7 @@ metadata), runs the model over them, then samples a token for each sequence that
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -149,7 +150,8 @@ class ModelRunner:
         ids, pos = _ids_and_positions(batch, rows)
         ids_t, pos_t = self._to_device(ids), self._to_device(pos)
         slots = self._to_device(self._slots(batch, rows))  # where each token's K/V is written
-        chunks = self._prefill_chunks(batch.chunks, len(rows.seqs))
+        at_once = self.model.paged_prefill is not None or self.model.batch_prefill  # else chunk by chunk
+        chunks = self._prefill_chunks(batch.chunks, len(rows.seqs), gather=not at_once)
         attn = AttentionMetadata(slots, len(rows.seqs), chunks=chunks)
         if rows.seqs and self.model.paged_decode is not None:
             attn.decode_tables, attn.decode_lens = self._decode_tables(rows)
@@ -206,8 +208,7 @@ class ModelRunner:
         """What the decode rows read in place: each its sequence's block table (padded with the null block) and its
         own length, its position + 1 (a draft token's row reads the draft's earlier tokens, written this step)."""
         nblk = -(-(max(rows.pos) + 1) // self.block_size)
-        tables = [s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s in rows.seqs]
-        return (torch.tensor(tables, dtype=torch.int32, device=self.device),
+        return (torch.tensor(_padded([s.block_table for s in rows.seqs], nblk), dtype=torch.int32, device=self.device),
                 torch.tensor([p + 1 for p in rows.pos], dtype=torch.int32, device=self.device))
 
     def _decode_reads(self, decode: list[Sequence], positions: torch.Tensor) -> tuple[int, torch.Tensor,
@@ -219,14 +220,14 @@ class ModelRunner:
         index, mask = self._gather_index([s.block_table for s in decode], positions[: len(decode)] + 1, width)
         return width, index, mask
 
-    def _prefill_chunks(self, chunks: list[tuple[Sequence, int]], offset: int) -> list[PrefillChunk]:
-        """Each chunk's place in the batch, from row `offset` on, and the gather index of what it reads
-        from the cache when tokens before it are cached."""
+    def _prefill_chunks(self, chunks: list[tuple[Sequence, int]], offset: int, gather: bool) -> list[PrefillChunk]:
+        """Each chunk's place in the batch, from row `offset` on, and (`gather`: for the chunk-by-chunk path) the
+        gather index of what it reads from the cache when tokens before it are cached."""
         out = []
         for s, n in chunks:
             p = s.num_computed
             idx = None
-            if p:
+            if p and gather:
                 idx, _ = self._gather_index([s.block_table], torch.tensor([p + n], device=self.device), p + n)
             out.append(PrefillChunk(p, n, offset, idx))
             offset += n
@@ -238,8 +239,8 @@ class ModelRunner:
         bs, lengths = self.block_size, [n for _, n in chunks]
         starts = [s.num_computed for s, _ in chunks]
         nblk = max(-(-(p + n) // bs) for p, n in zip(starts, lengths))
-        tables = [s.block_table[:nblk] + [0] * (nblk - len(s.block_table[:nblk])) for s, _ in chunks]
-        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        tables = _padded([s.block_table for s, _ in chunks], nblk)
+        offsets = [0, *itertools.accumulate(lengths[:-1])]
         starts_t, lengths_t = (torch.tensor(x, dtype=torch.int32) for x in (starts, lengths))
         kernel = self.model.paged_prefill
         assert kernel is not None
@@ -268,9 +269,14 @@ class ModelRunner:
         as a contiguous [rows, KV, width, D]. And the [rows, 1, 1, width] mask of the row's own positions."""
         bs = self.block_size
         nblk = -(-width // bs)
-        table = torch.tensor([t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables], dtype=torch.long)
+        table = torch.tensor(_padded(tables, nblk), dtype=torch.long)
         table = table.to(self.device)
         idx = (table[:, :, None] * bs + self._block_offsets[None, None, :]).view(len(tables), -1)[:, :width]
         mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         idx = torch.where(mask, idx, 0)
         return (idx[:, None, :] + self._head_offsets).reshape(-1), mask.view(len(tables), 1, 1, width)
+
+
+def _padded(tables: list[list[int]], nblk: int) -> list[list[int]]:
+    """Block tables cut or padded to `nblk` blocks, the null block (0) past each one's end."""
+    return [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables]

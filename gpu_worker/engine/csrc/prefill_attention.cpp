@@ -211,6 +211,15 @@ void attend_tile(const uint32_t* const* qs, const int* pos, T* const* os, int nq
     }
 }
 
+// The chunk a flat work item belongs to, items numbered chunk after chunk (`count(b)` of chunk b); `rest` becomes
+// the item's index within its chunk.
+template <typename F>
+int chunk_of(int64_t& rest, F count) {
+    int b = 0;
+    for (int64_t n = count(0); rest >= n; n = count(++b)) rest -= n;
+    return b;
+}
+
 template <typename T, int NV>
 void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunks& c, int chunks, int H, int KV,
              int64_t slots, int bs, float scale, T* out, uint32_t* work, int threads) {
@@ -221,18 +230,16 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
     int64_t pairs = 0;
     for (int b = 0; b < chunks; ++b) pairs += static_cast<int64_t>(H) * c.lengths[b] * (c.starts[b] + c.lengths[b]);
     const bool parallel = pairs >= kSerialBelow;
+    // work items per chunk: its KV heads' blocks of KB keys (packing), its KV heads' tiles of RT rows (attending)
+    auto key_blocks = [&](int b) { return static_cast<int64_t>(KV) * ((c.starts[b] + c.lengths[b] + KB - 1) / KB); };
+    auto row_tiles = [&](int b) { return static_cast<int64_t>(KV) * ((c.lengths[b] + RT - 1) / RT); };
     // pack every chunk's K/V, a block of KB keys per item
     int64_t items = 0;
-    for (int b = 0; b < chunks; ++b) items += static_cast<int64_t>(KV) * ((c.starts[b] + c.lengths[b] + KB - 1) / KB);
+    for (int b = 0; b < chunks; ++b) items += key_blocks(b);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
     for (int64_t it = 0; it < items; ++it) {
         int64_t rest = it;
-        int b = 0;
-        for (;; ++b) {
-            const int64_t n = static_cast<int64_t>(KV) * ((c.starts[b] + c.lengths[b] + KB - 1) / KB);
-            if (rest < n) break;
-            rest -= n;
-        }
+        const int b = chunk_of(rest, key_blocks);
         const int nblk = (c.starts[b] + c.lengths[b] + KB - 1) / KB;
         const int h = static_cast<int>(rest / nblk), blk = static_cast<int>(rest % nblk);
         const int64_t base = c.packed[b * KV + h];
@@ -241,17 +248,12 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
     }
     // attend: an item is (chunk, KV head, RT query rows), its rows' G query heads each
     int64_t tiles = 0;
-    for (int b = 0; b < chunks; ++b) tiles += static_cast<int64_t>(KV) * ((c.lengths[b] + RT - 1) / RT);
+    for (int b = 0; b < chunks; ++b) tiles += row_tiles(b);
     const float scale_log2 = scale * 1.4426950408889634f;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
     for (int64_t it = 0; it < tiles; ++it) {
         int64_t rest = it;
-        int b = 0;
-        for (;; ++b) {
-            const int64_t n = static_cast<int64_t>(KV) * ((c.lengths[b] + RT - 1) / RT);
-            if (rest < n) break;
-            rest -= n;
-        }
+        const int b = chunk_of(rest, row_tiles);
         const int ntile = (c.lengths[b] + RT - 1) / RT;
         const int h = static_cast<int>(rest / ntile), r0 = static_cast<int>(rest % ntile) * RT;
         const int r1 = r0 + RT < c.lengths[b] ? r0 + RT : c.lengths[b];
