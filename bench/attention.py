@@ -6,9 +6,10 @@ batched matmuls per (row, KV head) with a float32 softmax; both `Llama.attend_de
 Where `matmul` starts to win is `MATMUL_ATTENTION_MIN_READ` in gpu_worker/engine/models/llama.py (rows x tokens).
 
 Prefill (`--prefill CHUNKSxROWS`: a step of that many first chunks of that many tokens, as a burst of new prompts):
-`paged`, the kernel reading the cache in place (`Llama.paged_prefill`, where the CPU has AVX512), alternating with
-the path it replaces: in bfloat16 `batched`, the chunks padded into one batch of matmuls over K/V gathered from
-the cache (`Llama._prefill_batch`); in float32 `sdpa`, chunk by chunk (`Llama._prefill`).
+`paged`, the kernel reading the cache in place (`Llama.paged_prefill`, where the CPU has AVX512 or AVX2),
+alternating with the path it replaces: in bfloat16 `batched`, the chunks padded into one batch of matmuls over K/V
+gathered from the cache (`Llama._prefill_batch`); in float32 `sdpa`, chunk by chunk (`Llama._prefill`), and, on a
+CPU with AVX512, `paged-avx2`: the kernel as an AVX2-only CPU builds it (8 lanes).
 
     .venv/bin/python -m bench.attention                      # rows 1-32 at 100 and 400 tokens
     .venv/bin/python -m bench.attention --prefill 32x452 --iters 20            # and --dtype float32
@@ -83,7 +84,7 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
     """The `--prefill` mode: one step of `shape` first chunks, each path's attention over layer 0, per layer."""
     import torch
 
-    from gpu_worker.engine import Request, StepBatch
+    from gpu_worker.engine import Request, StepBatch, cpu_kernels
     from gpu_worker.engine.block_manager import BlockManager
     from gpu_worker.engine.sequence import Sequence
 
@@ -104,6 +105,11 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
         spec = runner.prepare(batch).attn.prefill_tables
         out = torch.empty(chunks * rows, H, D, dtype=model.dtype)
         paths["paged"] = lambda: kernel(q, kc, vc, spec, cache.block_size, out)
+        if kernel.lanes == 16 and model.dtype == torch.float32:
+            avx2 = cpu_kernels.PagedPrefill(cpu_kernels.build("prefill_attention", extra=cpu_kernels.AVX2_ONLY))
+            spec2 = spec._replace(work=torch.empty(avx2.workspace(spec.starts, spec.lengths, model.kv_heads, D,
+                                                                  model.dtype), dtype=torch.int32))
+            paths["paged-avx2"] = lambda: avx2(q, kc, vc, spec2, cache.block_size, out)
     model.paged_prefill = None
     attn = runner.prepare(batch).attn
     model.paged_prefill = kernel
@@ -127,8 +133,8 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
     print(f"prefill attention per layer, ms, {chunks} chunks x {rows} tokens, {model.dtype}, "
           f"{torch.get_num_threads()} torch threads, median of {iters}, alternating: "
           + ", ".join(f"{name} {v:.2f}" for name, v in ms.items())
-          + "".join(f"; {name} / paged {ms[name] / ms['paged']:.2f}x" for name in ms
-                    if "paged" in ms and name != "paged"))
+          + "".join(f"; {name} / {kern} {ms[name] / ms[kern]:.2f}x" for kern in ms if kern.startswith("paged")
+                    for name in ms if not name.startswith("paged")))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@
   first and runs SDPA over it (three passes over memory against one).
 - `PagedPrefill` (csrc/prefill_attention.cpp): prefill attention over the paged cache in place, every chunk of a
   step at once, flash style (online softmax: no scores written, no padded batch, no gathered copy), float32 on
-  AVX512F, bfloat16 on AVX512-BF16 dot products; where the other paths attend chunk by chunk through SDPA
-  (float32) or pad the chunks into one batch of matmuls over K/V gathered from the cache (bfloat16). Where the CPU
-  lacks AVX512 it declines to load.
+  AVX512F (16 lanes) or AVX2 + FMA (8), bfloat16 on AVX512-BF16 dot products; where the other paths attend chunk
+  by chunk through SDPA (float32) or pad the chunks into one batch of matmuls over K/V gathered from the cache
+  (bfloat16). Where the CPU has neither AVX512 nor AVX2 it declines to load.
 - `LayerOps` (csrc/layer_ops.cpp): a layer's elementwise steps in one pass each (RMSNorm; SiLU(gate) * up; RoPE on
   q and k with the new K/V written to its cache slots; batched prefill's causal softmax), where torch takes several
   ops, each with its overhead.
@@ -40,6 +40,8 @@ CSRC = Path(__file__).with_name("csrc")
 # sets flush-to-zero for the whole process on load: torch's and numpy's subnormals would vanish
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC")
 LINK = ("-shared", "-fopenmp")
+# added to FLAGS: the build an AVX2-only CPU gets, made on a CPU with AVX512 too (tests and benchmarks run it there)
+AVX2_ONLY = ("-mno-avx512f",)
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged decode kernel's
 PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged prefill kernel's
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -67,10 +69,12 @@ def _cpu_flags() -> bytes:
     return b""
 
 
-def build(name: str, compiler: str | None = None) -> Path:
-    """csrc/<name>.cpp as a shared library for this CPU, compiled unless already in the cache. Raises on failure."""
+def build(name: str, compiler: str | None = None, extra: tuple[str, ...] = ()) -> Path:
+    """csrc/<name>.cpp as a shared library for this CPU (`extra` flags after FLAGS), compiled unless already in the
+    cache. Raises on failure."""
     source = CSRC / f"{name}.cpp"
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS + LINK).encode() + _cpu_flags()).hexdigest()[:16]
+    flags = FLAGS + extra
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags + LINK).encode() + _cpu_flags()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():  # built before, here or by another worker sharing the cache: no compiler needed
         return out
@@ -82,16 +86,16 @@ def build(name: str, compiler: str | None = None) -> Path:
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.exists():
-            _compile(cxx, source, out)
+            _compile(cxx, flags, source, out)
     return out
 
 
-def _compile(cxx: str, source: Path, out: Path) -> None:
+def _compile(cxx: str, flags: tuple[str, ...], source: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # built aside, then renamed: a reader sees it whole
     os.close(fd)
     obj = tmp[:-3] + ".o"
     try:
-        for argv in ([cxx, *FLAGS, "-c", str(source), "-o", obj], [cxx, *LINK, obj, "-o", tmp]):
+        for argv in ([cxx, *flags, "-c", str(source), "-o", obj], [cxx, *LINK, obj, "-o", tmp]):
             subprocess.run(argv, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
@@ -133,14 +137,16 @@ class PagedDecode:
 
 class PagedPrefill:
     """Prefill attention read in place: `__call__` attends every chunk's queries causally to its sequence's cached
-    tokens and its own. `dtypes`: what this CPU's build takes (float32 with AVX512F, bfloat16 with AVX512-BF16)."""
+    tokens and its own. `dtypes`: what this CPU's build takes (float32 with AVX512F or AVX2 + FMA, bfloat16 with
+    AVX512-BF16); `lanes`: its vectors' float lanes (16 AVX512, 8 AVX2)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         bits = _function(lib, "conveyor_paged_prefill_dtypes", (), _i)()
         self.dtypes = frozenset(dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if bits & bit)
+        self.lanes: int = _function(lib, "conveyor_paged_prefill_lanes", (), _i)()
         if not self.dtypes:
-            raise RuntimeError("this CPU has no AVX512")
+            raise RuntimeError("this CPU has neither AVX512 nor AVX2 + FMA")
         self._workspace = _function(lib, "conveyor_paged_prefill_workspace", (_p, _p, _i, _i, _i, _i), _i64)
         self._fn = _function(lib, "conveyor_paged_prefill", (_p, _i64, _p, _p, _i, _p, _i, _p, _p, _p, _i, _i, _i,
                                                              _i, _i64, _i, _f, _p, _p, _i), _i)
@@ -262,8 +268,8 @@ def load_paged_decode() -> PagedDecode | None:
 
 @cache
 def load_paged_prefill() -> PagedPrefill | None:
-    """The paged prefill kernel, built if need be; None (logged once) where it cannot be had (no compiler, no
-    AVX512)."""
+    """The paged prefill kernel, built if need be; None (logged once) where it cannot be had (no compiler, neither
+    AVX512 nor AVX2)."""
     return _load(PagedPrefill, "prefill_attention", "SDPA per chunk, or batched matmuls over gathered K/V")
 
 

@@ -2,9 +2,9 @@
 // attending causally to its sequence's tokens up to its own position (the cached ones before the chunk and the
 // chunk's own), flash style: scores never leave registers, softmax online, no padded batch, no gathered copy of K/V.
 // bfloat16 on AVX512-BF16 (vdpbf16ps: bf16 pairs summed into float32; the output rounded once), float32 on AVX512F
-// (FMA). Built and loaded by gpu_worker/engine/cpu_kernels.py (plain C ABI through ctypes; OpenMP shares torch's
-// runtime). Where the CPU lacks them it builds to a stub that declines (returns 1; `conveyor_paged_prefill_dtypes`
-// says which it takes).
+// (16 lanes) or AVX2 + FMA (8 lanes; `Vec` is the only difference). Built and loaded by
+// gpu_worker/engine/cpu_kernels.py (plain C ABI through ctypes; OpenMP shares torch's runtime). Where the CPU has
+// neither it builds to a stub that declines (returns 1; `conveyor_paged_prefill_dtypes` says which it takes).
 //
 // Layout (gpu_worker/engine/kv_cache.py): a layer's K and V are [KV, slots, D]; token t of chunk b's sequence sits
 // at slot tables[b][t / block_size] * block_size + t % block_size.
@@ -14,28 +14,112 @@
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#define CONVEYOR_LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CONVEYOR_LANES 8
+#endif
+
+#ifdef CONVEYOR_LANES
 #include <immintrin.h>
 
 namespace {
 
-constexpr int KB = 64;  // keys a step of the online softmax takes: four vectors of 16 scores
-constexpr int MR = 4;   // query vectors computed together (their dot products share each K/V load); <= 16
-constexpr int RT = 32;  // query rows a work item takes (times the query heads sharing its KV head)
 constexpr int64_t kSerialBelow = 1 << 16;  // (query, key) pairs a call must have to run on more than one thread
+constexpr int RT = 32;                     // query rows a work item takes (times the query heads sharing its KV head)
+
+#if CONVEYOR_LANES == 16
+// AVX512: 16 float lanes, lane masks in mask registers. A step of the online softmax takes KB = 64 keys (four
+// vectors of scores) for MR = 4 query vectors at once: 16 score accumulators of the 32 registers.
+struct Vec {
+    using F = __m512;
+    using I = __m512i;
+    using M = __mmask16;
+    static constexpr int L = 16, KB = 64, MR = 4;
+    static F zero() { return _mm512_setzero_ps(); }
+    static F set1(float x) { return _mm512_set1_ps(x); }
+    static I bcast(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+    static I loadi(const uint32_t* p) { return _mm512_load_si512(p); }
+    static F load(const float* p) { return _mm512_load_ps(p); }
+    static void store(float* p, F x) { _mm512_store_ps(p, x); }
+    static F bits(I x) { return _mm512_castsi512_ps(x); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    static F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static float hmax(F x) { return _mm512_reduce_max_ps(x); }
+    static float hsum(F x) { return _mm512_reduce_add_ps(x); }
+    static M all() { return 0xFFFF; }
+    static M upto(int last) {  // lanes 0..last
+        const I iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        return _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(last), _MM_CMPINT_LE);
+    }
+    static F select(M k, F a, F other) { return _mm512_mask_mov_ps(other, k, a); }
+    static F keep(M k, F a) { return _mm512_maskz_mov_ps(k, a); }
+    static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static F times_pow2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n integral
+};
+#else
+// AVX2 + FMA: 8 float lanes, lane masks as all-ones vectors. 16 registers: KB = 32 keys (four vectors) for MR = 2
+// query vectors, 8 score accumulators.
+struct Vec {
+    using F = __m256;
+    using I = __m256i;
+    using M = __m256;
+    static constexpr int L = 8, KB = 32, MR = 2;
+    static F zero() { return _mm256_setzero_ps(); }
+    static F set1(float x) { return _mm256_set1_ps(x); }
+    static I bcast(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+    static I loadi(const uint32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
+    static F load(const float* p) { return _mm256_load_ps(p); }
+    static void store(float* p, F x) { _mm256_store_ps(p, x); }
+    static F bits(I x) { return _mm256_castsi256_ps(x); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static float hmax(F x) {
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    }
+    static float hsum(F x) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+    static M all() { return _mm256_castsi256_ps(_mm256_set1_epi32(-1)); }
+    static M upto(int last) {  // lanes 0..last (last + 1 > lane)
+        const I iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(last + 1), iota));
+    }
+    static F select(M k, F a, F other) { return _mm256_blendv_ps(other, a, k); }
+    static F keep(M k, F a) { return _mm256_and_ps(k, a); }
+    static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static F times_pow2(F p, F n) {  // p * 2^n, n integral in [-126, 0]: the exponent field built directly
+        const I e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    }
+};
+#endif
+
+constexpr int KB = Vec::KB;  // keys a step of the online softmax takes (NK = KB / L vectors of scores)
+constexpr int MR = Vec::MR;  // query vectors computed together (their dot products share each K/V load); <= L
 
 // 2^x for x <= 0: 2^round(x) * p(x - round(x)), p degree 6 on [-0.5, 0.5] (relative error ~2e-7)
-inline __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+inline Vec::F exp2_ps(Vec::F x) {
+    x = Vec::max(x, Vec::set1(-126.f));
+    const Vec::F n = Vec::round(x);
+    const Vec::F f = Vec::sub(x, n);
+    Vec::F p = Vec::set1(1.5403530e-4f);
+    p = Vec::fmadd(p, f, Vec::set1(1.3333558e-3f));
+    p = Vec::fmadd(p, f, Vec::set1(9.6181291e-3f));
+    p = Vec::fmadd(p, f, Vec::set1(5.5504109e-2f));
+    p = Vec::fmadd(p, f, Vec::set1(2.4022651e-1f));
+    p = Vec::fmadd(p, f, Vec::set1(6.9314718e-1f));
+    p = Vec::fmadd(p, f, Vec::set1(1.f));
+    return Vec::times_pow2(p, n);
 }
 
 // The element type's 32-bit unit: a pair of bfloat16 (dot products over pairs, vdpbf16ps) or one float32 (FMA).
@@ -45,11 +129,10 @@ struct Unit;
 template <>
 struct Unit<float> {
     static constexpr int per = 1;
-    static __m512 dot(__m512 acc, __m512i a, __m512i b) {
-        return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
-    }
+    static Vec::F dot(Vec::F acc, Vec::I a, Vec::I b) { return Vec::fmadd(Vec::bits(a), Vec::bits(b), acc); }
 };
-#ifdef __AVX512BF16__
+#if CONVEYOR_LANES == 16 && defined(__AVX512BF16__)
+#define CONVEYOR_BF16 1
 template <>
 struct Unit<uint16_t> {
     static constexpr int per = 2;
@@ -109,11 +192,12 @@ void pack(const T* kc, const T* vc, const int32_t* table, int nkeys, int bs, int
     }
 }
 
-// MR query vectors (rows `qs` of q, positions `pos`) against keys 0 .. max(pos), out rows `os`. NV = D / 16.
-template <typename T, int NV>
+// MR query vectors (rows `qs` of q, positions `pos`) against keys 0 .. max(pos), out rows `os`; head dim D.
+template <typename T, int D>
 void attend_tile(const uint32_t* const* qs, const int* pos, T* const* os, int nq, const uint32_t* kp,
                  const uint32_t* vp, float scale_log2) {
-    constexpr int D = NV * 16, per = Unit<T>::per, P = D / per, NK = KB / 16;
+    constexpr int L = Vec::L, NV = D / L, per = Unit<T>::per, P = D / per, NK = KB / L;
+    static_assert(NV >= 1 && NK % 2 == 0 && MR <= L, "tile shape");
     int maxpos = pos[0], minpos = pos[0];
     for (int q = 1; q < nq; ++q) {
         maxpos = pos[q] > maxpos ? pos[q] : maxpos;
@@ -123,90 +207,88 @@ void attend_tile(const uint32_t* const* qs, const int* pos, T* const* os, int nq
     alignas(64) uint32_t pb[MR][KB / per];  // a block's probabilities, in units
     std::memset(o, 0, sizeof o);
     float m[MR];
-    __m512 l[MR];
+    Vec::F l[MR];
     for (int q = 0; q < MR; ++q) {
         m[q] = -INFINITY;
-        l[q] = _mm512_setzero_ps();
+        l[q] = Vec::zero();
     }
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512 vscale = _mm512_set1_ps(scale_log2), ninf = _mm512_set1_ps(-INFINITY);
+    const Vec::F vscale = Vec::set1(scale_log2), ninf = Vec::set1(-INFINITY);
     const int blocks = maxpos / KB + 1;
     for (int b = 0; b < blocks; ++b) {
         // scores: each K load serves MR queries, each query's broadcast NK vectors of keys
         const uint32_t* kb = kp + static_cast<int64_t>(b) * P * KB;
-        __m512 s[MR][NK];
+        Vec::F s[MR][NK];
         for (int q = 0; q < MR; ++q)
-            for (int n = 0; n < NK; ++n) s[q][n] = _mm512_setzero_ps();
+            for (int n = 0; n < NK; ++n) s[q][n] = Vec::zero();
         for (int j = 0; j < P; ++j) {
-            __m512i a[MR];
-            for (int q = 0; q < MR; ++q) a[q] = _mm512_set1_epi32(static_cast<int>(qs[q][j]));
+            Vec::I a[MR];
+            for (int q = 0; q < MR; ++q) a[q] = Vec::bcast(qs[q][j]);
             for (int n = 0; n < NK; ++n) {
-                const __m512i k = _mm512_load_si512(kb + j * KB + n * 16);
+                const Vec::I k = Vec::loadi(kb + j * KB + n * L);
                 for (int q = 0; q < MR; ++q) s[q][n] = Unit<T>::dot(s[q][n], k, a[q]);
             }
         }
         const bool masked = (b + 1) * KB - 1 > minpos;
-        __mmask16 valid[MR][NK];
-        alignas(64) float alpha[16] = {};
+        Vec::M valid[MR][NK];
+        alignas(64) float alpha[L] = {};
         for (int q = 0; q < MR; ++q) {
-            __m512 mx = ninf;
+            Vec::F mx = ninf;
             for (int n = 0; n < NK; ++n) {
-                s[q][n] = _mm512_mul_ps(s[q][n], vscale);
-                valid[q][n] = 0xFFFF;
+                s[q][n] = Vec::mul(s[q][n], vscale);
+                valid[q][n] = Vec::all();
                 if (masked) {  // keys past the query's position
-                    const __m512i lim = _mm512_set1_epi32(pos[q] - b * KB - n * 16);
-                    valid[q][n] = _mm512_cmp_epi32_mask(iota, lim, _MM_CMPINT_LE);
-                    s[q][n] = _mm512_mask_mov_ps(ninf, valid[q][n], s[q][n]);
+                    valid[q][n] = Vec::upto(pos[q] - b * KB - n * L);
+                    s[q][n] = Vec::select(valid[q][n], s[q][n], ninf);
                 }
-                mx = _mm512_max_ps(mx, s[q][n]);
+                mx = Vec::max(mx, s[q][n]);
             }
-            const float bmax = _mm512_reduce_max_ps(mx);
+            const float bmax = Vec::hmax(mx);
             const float mn = bmax > m[q] ? bmax : m[q];  // finite: key 0 is every query's, in block 0
             alpha[q] = m[q] - mn;  // -inf in block 0: its factor scales nothing yet
             m[q] = mn;
         }
-        _mm512_store_ps(alpha, exp2_ps(_mm512_load_ps(alpha)));
+        Vec::store(alpha, exp2_ps(Vec::load(alpha)));
         for (int q = 0; q < MR; ++q) {
-            const __m512 vm = _mm512_set1_ps(m[q]);
-            __m512 sum = _mm512_setzero_ps();
+            const Vec::F vm = Vec::set1(m[q]);
+            Vec::F sum = Vec::zero();
             for (int n = 0; n < NK; n += 2) {
-                const __m512 p0 = _mm512_maskz_mov_ps(valid[q][n], exp2_ps(_mm512_sub_ps(s[q][n], vm)));
-                const __m512 p1 = _mm512_maskz_mov_ps(valid[q][n + 1], exp2_ps(_mm512_sub_ps(s[q][n + 1], vm)));
-                sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-#ifdef __AVX512BF16__
+                const Vec::F p0 = Vec::keep(valid[q][n], exp2_ps(Vec::sub(s[q][n], vm)));
+                const Vec::F p1 = Vec::keep(valid[q][n + 1], exp2_ps(Vec::sub(s[q][n + 1], vm)));
+                sum = Vec::add(sum, Vec::add(p0, p1));
+#ifdef CONVEYOR_BF16
                 if constexpr (per == 2) {
                     _mm512_store_si512(pb[q] + n * 8, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
                     continue;
                 }
 #endif
-                _mm512_store_ps(reinterpret_cast<float*>(pb[q] + n * 16), p0);
-                _mm512_store_ps(reinterpret_cast<float*>(pb[q] + n * 16 + 16), p1);
+                Vec::store(reinterpret_cast<float*>(pb[q] + n * L), p0);
+                Vec::store(reinterpret_cast<float*>(pb[q] + n * L + L), p1);
             }
-            l[q] = _mm512_fmadd_ps(l[q], _mm512_set1_ps(alpha[q]), sum);
+            l[q] = Vec::fmadd(l[q], Vec::set1(alpha[q]), sum);
         }
         // out += probabilities x V: each V load serves MR queries, 4 vectors of out at a time
         const uint32_t* vb = vp + static_cast<int64_t>(b) * P * KB;
         for (int g = 0; g < NV; g += 4) {
             constexpr int W = NV < 4 ? NV : 4;
-            __m512 ov[MR][W];
+            Vec::F ov[MR][W];
             for (int q = 0; q < MR; ++q) {
-                const __m512 a = _mm512_set1_ps(alpha[q]);
-                for (int w = 0; w < W; ++w) ov[q][w] = _mm512_mul_ps(_mm512_load_ps(o[q] + (g + w) * 16), a);
+                const Vec::F a = Vec::set1(alpha[q]);
+                for (int w = 0; w < W; ++w) ov[q][w] = Vec::mul(Vec::load(o[q] + (g + w) * L), a);
             }
             for (int p = 0; p < KB / per; ++p) {
-                __m512i v[W];
-                for (int w = 0; w < W; ++w) v[w] = _mm512_load_si512(vb + p * D + (g + w) * 16);
+                Vec::I v[W];
+                for (int w = 0; w < W; ++w) v[w] = Vec::loadi(vb + p * D + (g + w) * L);
                 for (int q = 0; q < MR; ++q) {
-                    const __m512i c = _mm512_set1_epi32(static_cast<int>(pb[q][p]));
+                    const Vec::I c = Vec::bcast(pb[q][p]);
                     for (int w = 0; w < W; ++w) ov[q][w] = Unit<T>::dot(ov[q][w], v[w], c);
                 }
             }
             for (int q = 0; q < MR; ++q)
-                for (int w = 0; w < W; ++w) _mm512_store_ps(o[q] + (g + w) * 16, ov[q][w]);
+                for (int w = 0; w < W; ++w) Vec::store(o[q] + (g + w) * L, ov[q][w]);
         }
     }
     for (int q = 0; q < nq; ++q) {
-        const float inv = 1.f / _mm512_reduce_add_ps(l[q]);
+        const float inv = 1.f / Vec::hsum(l[q]);
         for (int d = 0; d < D; ++d) store_out(os[q] + d, o[q][d] * inv);
     }
 }
@@ -220,10 +302,10 @@ int chunk_of(int64_t& rest, F count) {
     return b;
 }
 
-template <typename T, int NV>
+template <typename T, int D>
 void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunks& c, int chunks, int H, int KV,
              int64_t slots, int bs, float scale, T* out, uint32_t* work, int threads) {
-    constexpr int D = NV * 16, U = D / Unit<T>::per;
+    constexpr int U = D / Unit<T>::per;
     const int G = H / KV;
     // (query, key) pairs: below kSerialBelow the call runs on this thread alone, since waking the others (and, on a
     // busy machine, waiting for them to get a core) costs more than the work
@@ -274,7 +356,7 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
                 os[i] = out + (row * H + head) * D;
                 pos[i] = c.starts[b] + r;
             }
-            attend_tile<T, NV>(qs, pos, os, nq, kp, vp, scale_log2);
+            attend_tile<T, D>(qs, pos, os, nq, kp, vp, scale_log2);
         }
     }
 }
@@ -288,11 +370,11 @@ int prefill_as(const void* q, int64_t q_stride, const void* kc, const void* vc, 
     auto* o = static_cast<T*>(out);
     auto* w = static_cast<uint32_t*>(work);
     switch (D) {
-        case 16: prefill<T, 1>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 32: prefill<T, 2>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 64: prefill<T, 4>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 128: prefill<T, 8>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
-        case 256: prefill<T, 16>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 16: prefill<T, 16>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 32: prefill<T, 32>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 64: prefill<T, 64>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 128: prefill<T, 128>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
+        case 256: prefill<T, 256>(qq, q_stride, k, v, c, chunks, H, KV, slots, bs, scale, o, w, threads); return 0;
         default: return 1;
     }
 }
@@ -325,7 +407,7 @@ int conveyor_paged_prefill(const void* q, int64_t q_stride, const void* kc, cons
         for (int h = 0; h < KV; ++h, at += static_cast<int64_t>((starts[b] + lengths[b] + KB - 1) / KB) * KB * per_key)
             c.packed[b * KV + h] = at;
     if (!bf16) return prefill_as<float>(q, q_stride, kc, vc, c, chunks, H, KV, D, slots, bs, scale, out, work, threads);
-#ifdef __AVX512BF16__
+#ifdef CONVEYOR_BF16
     return prefill_as<uint16_t>(q, q_stride, kc, vc, c, chunks, H, KV, D, slots, bs, scale, out, work, threads);
 #else
     return 1;
@@ -334,16 +416,19 @@ int conveyor_paged_prefill(const void* q, int64_t q_stride, const void* kc, cons
 
 // The dtypes this build takes: 1 float32, 2 bfloat16 (a bit each).
 int conveyor_paged_prefill_dtypes() {
-#ifdef __AVX512BF16__
+#ifdef CONVEYOR_BF16
     return 3;
 #else
     return 1;
 #endif
 }
 
+// Float lanes of a vector in this build: 16 (AVX512), 8 (AVX2).
+int conveyor_paged_prefill_lanes() { return CONVEYOR_LANES; }
+
 }
 
-#else  // no AVX512 on this CPU: the model keeps its other paths
+#else  // neither AVX512 nor AVX2 on this CPU: the model keeps its other paths
 
 extern "C" {
 int64_t conveyor_paged_prefill_workspace(const int32_t*, const int32_t*, int, int, int, int) { return 0; }
@@ -353,6 +438,7 @@ int conveyor_paged_prefill(const void*, int64_t, const void*, const void*, int, 
     return 1;
 }
 int conveyor_paged_prefill_dtypes() { return 0; }
+int conveyor_paged_prefill_lanes() { return 0; }
 }
 
 #endif

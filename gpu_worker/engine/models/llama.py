@@ -152,7 +152,7 @@ class Llama:
     once (decode rows and prefill chunks together, no padding). Every new token's K/V is written to
     its slot of the paged cache in one call per layer; decode rows then read their blocks (gathered to
     a common length, the null block as padding) in one batched attention call, or on CPU read them in place
-    (cpu_kernels.py) where its kernel builds. Prefill chunks, on CPU with AVX512, attend all at once in one
+    (cpu_kernels.py) where its kernel builds. Prefill chunks, on CPU with AVX512 or AVX2, attend all at once in one
     kernel call reading the cache in place (`paged_prefill`); else on CPU in half precision as one padded batch
     of matmuls over the cache (`_prefill_batch`); elsewhere one by one through SDPA, over the cache when tokens
     before them are cached, over themselves when they start the sequence.

@@ -1,7 +1,8 @@
 """The compiled CPU kernels (cpu_kernels.py): decode attention read in place attends each row to its own blocks up to
 its own length as SDPA does over the same tokens gathered, for every head shape it takes, both dtypes, any block
-size; bfloat16 prefill attention read in place attends every chunk's queries causally over its cached tokens and its
-own as SDPA does (where the CPU has AVX512-BF16); the fused layer steps compute what torch's ops compute; and the
+size; prefill attention read in place attends every chunk's queries causally over its cached tokens and its own as
+SDPA does (float32 with AVX512 or AVX2, bfloat16 with AVX512-BF16; on a CPU with AVX512 the AVX2-only CPUs' build
+too); the fused layer steps compute what torch's ops compute; and the
 engine gives token for token what it gives on torch's ops alone (CPU_KERNELS=false, also what runs where no compiler
 is)."""
 
@@ -34,6 +35,25 @@ def ops() -> pa.LayerOps:
     o = pa.load_layer_ops()
     assert o is not None, "the layer ops did not build (g++ is part of the test machine)"
     return o
+
+
+def _has_avx2() -> bool:
+    flags = pa._cpu_flags().split()
+    return b"avx2" in flags and b"fma" in flags
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def prefill(request: pytest.FixtureRequest) -> pa.PagedPrefill | None:
+    """The paged prefill kernel as this CPU builds it (None without AVX512 or AVX2), and as an AVX2-only CPU does
+    (built here with AVX512 off)."""
+    native = pa.load_paged_prefill()
+    if request.param == "native":
+        return native
+    if native is None or native.lanes != 16 or not _has_avx2():
+        pytest.skip("the AVX2 build is this CPU's own (or it has no AVX2)")
+    avx2 = pa.PagedPrefill(pa.build("prefill_attention", extra=pa.AVX2_ONLY))
+    assert avx2.lanes == 8 and avx2.dtypes == {torch.float32}
+    return avx2
 
 
 def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
@@ -72,16 +92,18 @@ def test_kernel_attends_each_row_to_its_own_tokens(kernel: pa.PagedDecode, lens:
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 150), st.integers(1, 140)), min_size=1, max_size=5), st.sampled_from([1, 16]),
-       st.sampled_from([(4, 2), (9, 3), (8, 8), (4, 1)]), st.sampled_from([16, 64, 128]),
-       st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 2**16))
-def test_prefill_kernel_attends_each_chunk_causally_over_its_cache(chunks: list[tuple[int, int]], bs: int,
-                                                                   heads: tuple[int, int], d: int, dtype: torch.dtype,
+       st.sampled_from([(4, 2), (9, 3), (8, 8), (4, 1)]), st.sampled_from([16, 64, 128]), st.data(),
+       st.integers(0, 2**16))
+def test_prefill_kernel_attends_each_chunk_causally_over_its_cache(prefill: pa.PagedPrefill | None,
+                                                                   chunks: list[tuple[int, int]], bs: int,
+                                                                   heads: tuple[int, int], d: int, data: st.DataObject,
                                                                    seed: int) -> None:
     """Chunks (tokens cached before them, their own count) of scattered block tables, every row of a chunk against
-    SDPA over its sequence's tokens up to its own position, float32; q read from a wider row (as from qkv)."""
-    prefill = pa.load_paged_prefill()
-    if prefill is None or dtype not in prefill.dtypes:
-        pytest.skip("the paged prefill kernel needs AVX512 (AVX512-BF16 for bfloat16)")
+    SDPA over its sequence's tokens up to its own position, float32; q read from a wider row (as from qkv). Each
+    dtype the build takes (bfloat16 needs AVX512-BF16)."""
+    if prefill is None:
+        pytest.skip("the paged prefill kernel needs AVX512 or AVX2 + FMA")
+    dtype = data.draw(st.sampled_from(sorted(prefill.dtypes, key=str)))
     H, KV = heads
     g = torch.Generator().manual_seed(seed)
     nblks = [-(-(p + n) // bs) for p, n in chunks]
@@ -200,7 +222,8 @@ def test_causal_softmax_of_a_prefill_block_is_torch_softmax_over_what_each_row_s
     assert not got.float()[~mask].any()
 
 
-def test_kernels_give_the_same_bits_on_two_threads(kernel: pa.PagedDecode, ops: pa.LayerOps) -> None:
+def test_kernels_give_the_same_bits_on_two_threads(kernel: pa.PagedDecode, ops: pa.LayerOps,
+                                                   prefill: pa.PagedPrefill | None) -> None:
     """Each row (decode), query tile (prefill) or row of scores is one thread's: the split across threads changes no
     bit, two threads against one."""
     g = torch.Generator().manual_seed(5)
@@ -211,7 +234,6 @@ def test_kernels_give_the_same_bits_on_two_threads(kernel: pa.PagedDecode, ops: 
     q = torch.randn(3, H, D, generator=g).bfloat16()
     scores = torch.randn(3 * KV, 3 * 64, 300, generator=g)
     starts = torch.tensor([0, 40, 200])
-    prefill = pa.load_paged_prefill()
     qkv = torch.randn(330, H + 2 * KV, D, generator=g)
 
     def compute() -> list[torch.Tensor]:
