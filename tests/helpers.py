@@ -3,9 +3,14 @@ condition with a deadline instead of sleeping."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+from unittest import mock
 
 import httpx
 import redis
@@ -14,7 +19,7 @@ from harness.sse import iter_sse, read_events, tokens_text
 from shared.grammar import GrammarSpec, from_openai
 from shared.jobs import TERMINAL
 
-__all__ = ["blocked_on", "chat", "iter_sse", "read_events", "submit", "tokens_text", "until", "wait"]
+__all__ = ["blocked_on", "chat", "conveyor", "iter_sse", "read_events", "submit", "tokens_text", "until", "wait"]
 
 
 def submit(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -71,3 +76,25 @@ def grammar_spec(**params: object) -> GrammarSpec:
     spec = from_openai(**params)  # type: ignore[arg-type]
     assert spec is not None
     return spec
+
+
+def conveyor(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The `conveyor` CLI's answer to `argv`, as its process would give it (exit code, stdout, stderr), run through
+    its own `main` in this process with `env` set (a subprocess would import the stack's modules again, ~1 s each)."""
+    from infra.cli import main
+    from shared.settings import get_settings
+
+    out, err = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        get_settings.cache_clear()  # the settings are read from `env`, as a new process would read them
+        try:
+            main(list(argv))
+        except SystemExit as exc:
+            code = exc.code
+        finally:
+            get_settings.cache_clear()
+    if isinstance(code, str):  # sys.exit("message"): the interpreter prints it and exits 1
+        err.write(code + "\n")
+        code = 1
+    return subprocess.CompletedProcess(["conveyor", *argv], code or 0, out.getvalue(), err.getvalue())

@@ -13,8 +13,6 @@ import asyncio
 import io
 import json
 import math
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -30,7 +28,8 @@ import redis
 from api.main import create_app
 from shared import names, tenants
 from shared.settings import Settings
-from tests.conftest import ROOT, Stack
+from tests.conftest import Stack
+from tests.helpers import conveyor
 from tests.webhook_server import webhook_server
 from workers.webhook import sign
 
@@ -158,10 +157,9 @@ async def test_lines_and_open_batches_per_key_are_capped(quiet: tuple[str, redis
 
 def test_keys_create_sets_the_batch_limits(quiet: tuple[str, redis.Redis], tmp_path: Path) -> None:
     url, r = quiet
-    env = {"PATH": "/usr/bin:/bin", "REDIS_URL": url, "CONVEYOR_CACHE": str(tmp_path)}
-    made = subprocess.run([sys.executable, "-m", "infra.cli", "keys", "create", "team-b", "--batch-tpm", "7",
-                           "--max-file-bytes", "5000", "--max-open-batches", "2", "--max-batch-lines", "9"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    made = conveyor("keys", "create", "team-b", "--batch-tpm", "7", "--max-file-bytes", "5000",
+                    "--max-open-batches", "2", "--max-batch-lines", "9",
+                    env={"REDIS_URL": url, "CONVEYOR_CACHE": str(tmp_path)})
     assert made.returncode == 0, made.stderr
     rec = r.hgetall(names.tenant_key("team-b"))
     assert {k: rec[k] for k in ("batch_tpm", "max_file_bytes", "max_open_batches", "max_batch_lines")} == \

@@ -26,7 +26,7 @@ from infra.redis_server import free_port
 from shared import names, tenants
 from shared.settings import Settings
 from tests.conftest import ROOT, Stack, start_stack, stop_stack
-from tests.helpers import iter_sse
+from tests.helpers import conveyor, iter_sse
 
 DB = 10
 
@@ -178,11 +178,10 @@ async def test_service_wide_admission_answers_429_at_depth(redis_server, model_p
 
 
 def test_conveyor_keys_create_list_revoke(redis_server, r: redis.Redis, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    env = {"PATH": "/usr/bin:/bin", "REDIS_URL": _url(redis_server, DB), "CONVEYOR_CACHE": str(tmp_path)}
+    env = {"REDIS_URL": _url(redis_server, DB), "CONVEYOR_CACHE": str(tmp_path)}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "infra.cli", "keys", *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
+        return conveyor("keys", *args, env=env)
 
     made = run("create", "team-a", "--rpm", "7", "--max-streams", "2", "--weight", "2.5")
     assert made.returncode == 0, made.stderr
