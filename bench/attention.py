@@ -105,8 +105,8 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
         spec = runner.prepare(batch).attn.prefill_tables
         out = torch.empty(chunks * rows, H, D, dtype=model.dtype)
         paths["paged"] = lambda: kernel(q, kc, vc, spec, cache.block_size, out)
-        if kernel.lanes == 16 and model.dtype == torch.float32:
-            avx2 = cpu_kernels.PagedPrefill(cpu_kernels.build("prefill_attention", extra=cpu_kernels.AVX2_ONLY))
+        avx2 = cpu_kernels.build_paged_prefill_avx2() if model.dtype == torch.float32 else None
+        if avx2 is not None:
             spec2 = spec._replace(work=torch.empty(avx2.workspace(spec.starts, spec.lengths, model.kv_heads, D,
                                                                   model.dtype), dtype=torch.int32))
             paths["paged-avx2"] = lambda: avx2(q, kc, vc, spec2, cache.block_size, out)

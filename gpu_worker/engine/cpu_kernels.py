@@ -273,6 +273,16 @@ def load_paged_prefill() -> PagedPrefill | None:
     return _load(PagedPrefill, "prefill_attention", "SDPA per chunk, or batched matmuls over gathered K/V")
 
 
+def build_paged_prefill_avx2() -> PagedPrefill | None:
+    """The paged prefill kernel as an AVX2-only CPU builds it (8 lanes, float32), built here with AVX512 off, for
+    tests and benchmarks; None where this CPU's own build already is that one (no AVX512) or it lacks AVX2 + FMA."""
+    native = load_paged_prefill()
+    flags = _cpu_flags().split()
+    if native is None or native.lanes != 16 or b"avx2" not in flags or b"fma" not in flags:
+        return None
+    return PagedPrefill(build("prefill_attention", extra=AVX2_ONLY))
+
+
 @cache
 def load_layer_ops() -> LayerOps | None:
     """The layer ops, built if need be; None (logged once) where they cannot be had."""
