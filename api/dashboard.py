@@ -229,7 +229,7 @@ class JobFollower:
     async def read(self) -> None:
         """Wait up to a second for new entries. On a cluster (an XREAD stays in one slot), one round of
         non-blocking reads, a partition's streams each, then a short wait when all were empty."""
-        if not self.cluster or names.PARTITIONS == 1:
+        if not self.cluster or names.partition_count() == 1:
             replies = [await self.client.xread(self.last, count=512, block=1000)]
         else:
             pipe = self.client.pipeline(transaction=False)

@@ -139,13 +139,13 @@ def queue_full(reply: SubmitReply, cap: int, throughput: Throughput) -> tuple[Su
     before a job fits. submit.lua refuses on the job's partition: its depth reached `cap` (its share of the
     service-wide cap). With one partition that is the whole queue. With several, the jobs waiting are the
     latest sample's total (at least the partition's), and the partition's excess leaves at its share of the
-    service's rate (its part of the total depth, between all of it and 1/PARTITIONS): counted as that many
+    service's rate (its part of the total depth, between all of it and 1/partitions): counted as that many
     times more jobs at the whole rate."""
     over = reply.depth - cap + 1
-    if names.PARTITIONS == 1:
+    if names.partition_count() == 1:
         return reply, over
     total = max(reply.depth, throughput.depth)
-    share = max(reply.depth / total if total else 1.0, 1 / names.PARTITIONS)
+    share = max(reply.depth / total if total else 1.0, 1 / names.partition_count())
     return dataclasses.replace(reply, depth=total), math.ceil(over / share)
 
 

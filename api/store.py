@@ -140,7 +140,7 @@ class JobStore:
         with several partitions, min(depth, jobs ahead in its own) of every other partition's depth (as
         read within DEPTHS_MAX_AGE_S; when they cannot be read, its partition's place alone)."""
         own = max(1, ahead_in_partition)
-        if names.PARTITIONS == 1:
+        if names.partition_count() == 1:
             return own
         try:
             depths = await self.partition_depths()
@@ -169,4 +169,4 @@ class JobStore:
 def partition_cap(max_waiting: int) -> int:
     """A partition's share of the service-wide cap on waiting jobs (0: no cap): submit.lua compares its
     partition's depth with it, so with one partition the cap holds exactly, with several per partition."""
-    return math.ceil(max_waiting / names.PARTITIONS)
+    return math.ceil(max_waiting / names.partition_count())

@@ -354,28 +354,27 @@ def run_accept_cluster(args: argparse.Namespace, workdir: Path) -> dict[str, lis
             order = list(stacks) if rnd % 2 == 0 else list(stacks)[::-1]
             for name in order:
                 stack = stacks[name]
-                names.PARTITIONS = partitions[name]  # this process builds keys for that stack
-                stack.pause("tokenizer", "inference")
-                cpu0 = redis_cpu_s(stack)
-                try:
-                    r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s,
-                                      lead=3.0 * args.pauses)
-                finally:
-                    r_cpu = redis_cpu_s(stack) - cpu0
-                    drop_queued(stack)
-                    stack.resume("tokenizer", "inference")
-                jobs = max(1.0, r["accepted_per_s"] * args.accept_s)
-                r.update(mode=name, round=rnd, redis_cpu_ms_per_job=r_cpu * 1e3 / jobs)
-                accept.append(r)
-                print(f"[accept-cluster] round {rnd}, {name}: {r['accepted_per_s']:.0f} jobs/s, p50 "
-                      f"{r['lat_p50_ms']:.1f} ms, Redis {r['redis_cpu_ms_per_job']:.3f} CPU-ms/job, statuses "
-                      f"{r['statuses']}", file=sys.stderr, flush=True)
-                for row in run_relay(stack, args):
-                    row.update(mode=name, round=rnd)
-                    relay.append(row)
+                with names.partitions_as(partitions[name]):  # this process names keys for that stack
+                    stack.pause("tokenizer", "inference")
+                    cpu0 = redis_cpu_s(stack)
+                    try:
+                        r = accept_python(stack, args.accept_procs, args.accept_conns, args.accept_s,
+                                          lead=3.0 * args.pauses)
+                    finally:
+                        r_cpu = redis_cpu_s(stack) - cpu0
+                        drop_queued(stack)
+                        stack.resume("tokenizer", "inference")
+                    jobs = max(1.0, r["accepted_per_s"] * args.accept_s)
+                    r.update(mode=name, round=rnd, redis_cpu_ms_per_job=r_cpu * 1e3 / jobs)
+                    accept.append(r)
+                    print(f"[accept-cluster] round {rnd}, {name}: {r['accepted_per_s']:.0f} jobs/s, p50 "
+                          f"{r['lat_p50_ms']:.1f} ms, Redis {r['redis_cpu_ms_per_job']:.3f} CPU-ms/job, statuses "
+                          f"{r['statuses']}", file=sys.stderr, flush=True)
+                    for row in run_relay(stack, args):
+                        row.update(mode=name, round=rnd)
+                        relay.append(row)
                 time.sleep(2 * args.pauses)
     finally:
-        names.PARTITIONS = 1
         for stack in stacks.values():
             stop_stack(stack)
 

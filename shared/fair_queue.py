@@ -112,8 +112,9 @@ class FairQueue:
         entries = self._pop_all(count, skip)
         if entries or not block_ms:
             return entries
-        if self.cluster or names.PARTITIONS == 1:
-            bell = names.fair_key(self._turn % names.PARTITIONS, "bell")
+        parts = names.partition_count()
+        if self.cluster or parts == 1:
+            bell = names.fair_key(self._turn % parts, "bell")
             timeout = block_ms if not self.cluster else min(block_ms, CLUSTER_BLOCK_MS)
             rung = self.client.blpop([bell], timeout=timeout / 1000)
         else:
@@ -123,11 +124,12 @@ class FairQueue:
     def _pop_all(self, count: int, skip: Mapping[str, int] | None) -> list[Entry]:
         """One pop per partition, starting at the next in turn, until `count` are taken."""
         entries: list[Entry] = []
-        self._turn = (self._turn + 1) % names.PARTITIONS
-        for i in range(names.PARTITIONS):
+        parts = names.partition_count()
+        self._turn = (self._turn + 1) % parts
+        for i in range(parts):
             if len(entries) >= count:
                 break
-            p = (self._turn + i) % names.PARTITIONS
+            p = (self._turn + i) % parts
             entries += parse_entries(scripts.FAIR_POP(self.client, *pop_write(p, self.consumer, count - len(entries),
                                                                               skip)))
         return entries

@@ -16,6 +16,9 @@ import os
 import random
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 PREFIX = "conveyor"
 
@@ -29,7 +32,25 @@ def _partitions() -> int:
 
 # how many partitions the queue has (REDIS_PARTITIONS, 1 by default; every process of a deployment
 # must agree, and it may grow but not shrink while jobs live: a job id names its partition)
-PARTITIONS = _partitions()
+_FROM_ENV = _partitions()
+_COUNT: ContextVar[int] = ContextVar("conveyor_partitions", default=_FROM_ENV)
+
+
+def partition_count() -> int:
+    """How many partitions the queue has: REDIS_PARTITIONS, unless `partitions_as` says otherwise here."""
+    return _COUNT.get()
+
+
+@contextmanager
+def partitions_as(n: int) -> Iterator[None]:
+    """Name keys for a deployment of `n` partitions inside the block, in this thread (or asyncio task) only:
+    for a process that addresses a deployment other than its own (tests, benchmarks), while its other threads
+    keep their own count."""
+    token = _COUNT.set(n)
+    try:
+        yield
+    finally:
+        _COUNT.reset(token)
 
 
 def partition_prefix(partition: int) -> str:
@@ -38,20 +59,20 @@ def partition_prefix(partition: int) -> str:
 
 
 def partitions() -> range:
-    return range(PARTITIONS)
+    return range(partition_count())
 
 
 def job_partition(job_id: str) -> int:
     """The partition a job id names: its last two hex digits (ids that do not end so: partition 0)."""
     try:
-        return int(job_id[-2:], 16) % PARTITIONS
+        return int(job_id[-2:], 16) % partition_count()
     except ValueError:
         return 0
 
 
 def tenant_partition(owner: str) -> int:
     """A tenant's home partition, where its limits, its idempotency keys and its jobs live."""
-    return zlib.crc32(owner.encode()) % PARTITIONS
+    return zlib.crc32(owner.encode()) % partition_count()
 
 
 def new_job_partition(owner: str, idempotency_key: str = "") -> int:
@@ -60,8 +81,8 @@ def new_job_partition(owner: str, idempotency_key: str = "") -> int:
     if owner:
         return tenant_partition(owner)
     if idempotency_key:
-        return zlib.crc32(idempotency_key.encode()) % PARTITIONS
-    return random.randrange(PARTITIONS)
+        return zlib.crc32(idempotency_key.encode()) % partition_count()
+    return random.randrange(partition_count())
 
 
 def job_id_in(partition: int, hex_id: str) -> str:

@@ -12,6 +12,10 @@ from shared import fair_queue, job_ops, names
 from shared.jobs import FinishReason
 from tests.helpers import until, wait
 
+# the cluster stack's partitions (`--redis-cluster 3` sets 4 per master), for the keys this process names: in
+# this thread only (`names.partitions_as`), never the process-wide count the suite's background checks read
+STACK_PARTITIONS = 12
+
 
 def _writes(job_id: str, owner: str) -> dict[str, tuple[list[str], list[object]]]:
     step = job_ops.step_write(job_id, job_ops.FRESH, 0, b"", 0, b"x", 1, b"{}", 1)
@@ -34,9 +38,12 @@ def _writes(job_id: str, owner: str) -> dict[str, tuple[list[str], list[object]]
 
 
 @pytest.mark.parametrize("partitions", [1, 12])
-def test_every_script_touches_one_slot(cluster_stack: Stack, monkeypatch: pytest.MonkeyPatch,
-                                       partitions: int) -> None:
-    monkeypatch.setattr(names, "PARTITIONS", partitions)
+def test_every_script_touches_one_slot(cluster_stack: Stack, partitions: int) -> None:
+    with names.partitions_as(partitions):
+        every_script_touches_one_slot(cluster_stack)
+
+
+def every_script_touches_one_slot(cluster_stack: Stack) -> None:
     r = cluster_stack.redis()
     for owner in ("", "acme", "tenant-7"):
         p = names.new_job_partition(owner, "k1")  # a job with an idempotency key goes where its key lives
@@ -51,9 +58,12 @@ def test_every_script_touches_one_slot(cluster_stack: Stack, monkeypatch: pytest
             assert len(slots) == 1, (script, owner, keys)
 
 
-def test_jobs_spread_over_every_master_and_chunks_go_by_sharded_pubsub(cluster_stack: Stack,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(names, "PARTITIONS", 12)  # the stack's: `--redis-cluster 3` sets 4 per master
+def test_jobs_spread_over_every_master_and_chunks_go_by_sharded_pubsub(cluster_stack: Stack) -> None:
+    with names.partitions_as(STACK_PARTITIONS):
+        jobs_spread_over_every_master_and_chunks_go_by_sharded_pubsub(cluster_stack)
+
+
+def jobs_spread_over_every_master_and_chunks_go_by_sharded_pubsub(cluster_stack: Stack) -> None:
     r = cluster_stack.redis()
     masters = r.get_primaries()
 
@@ -75,16 +85,20 @@ def test_jobs_spread_over_every_master_and_chunks_go_by_sharded_pubsub(cluster_s
     assert all(after[m.name] > before[m.name] for m in masters), (before, after)
 
 
-async def test_tenant_limits_stay_exact_on_the_cluster(cluster_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_tenant_limits_stay_exact_on_the_cluster(cluster_stack: Stack) -> None:
     """Admission is one atomic call in the tenant's partition: on a cluster a tenant's requests per
     minute and unfinished jobs are counted exactly, and a refusal stores nothing."""
+    with names.partitions_as(STACK_PARTITIONS):
+        await tenant_limits_stay_exact_on_the_cluster(cluster_stack)
+
+
+async def tenant_limits_stay_exact_on_the_cluster(cluster_stack: Stack) -> None:
     from shared import tenants
     from shared.job_ops import AsyncJobOps
     from shared.jobs import new_record
     from shared.redis_client import async_client
     from shared.scripts.codes import SubmitCode
 
-    monkeypatch.setattr(names, "PARTITIONS", 12)
     r = cluster_stack.redis()
     tenants.create(r, "cluster-tenant", rpm=3, tpm=0, max_queued=0, max_streams=0)
     client = async_client(cluster_stack.redis_url)
