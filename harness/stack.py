@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -24,6 +25,9 @@ from shared.lifecycle import preexec_die_with_parent
 from shared.redis_client import sync_client
 
 ROOT = Path(__file__).resolve().parent.parent
+# held while this process's environment is copied for a child (`launch_stack`) or changed for a while (the tests'
+# in-process CLI runs): a thread of it (the test suite's background checks) never sees it half changed
+ENV_LOCK = threading.Lock()
 ROLES = ("supervisor", "redis-server", "api", "tokenizer", "inference", "output-lane", "celery", "celery-beat",
          "mp-helper", "other")
 
@@ -85,12 +89,17 @@ class Stack:
                 p.send_signal(signal.SIGCONT)
 
 
-def kernel_cache() -> str:
-    """The compiled-kernel cache a worker started from here would use (gpu_worker/engine/cpu_kernels.py)."""
-    if os.environ.get("CONVEYOR_KERNEL_CACHE"):
-        return os.environ["CONVEYOR_KERNEL_CACHE"]
-    root = os.environ.get("CONVEYOR_CACHE") or str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                                                   / "conveyor")
+def environ() -> dict[str, str]:
+    """A copy of this process's environment, for a child (under ENV_LOCK)."""
+    with ENV_LOCK:
+        return dict(os.environ)
+
+
+def kernel_cache(env: dict[str, str]) -> str:
+    """The compiled-kernel cache a worker started with `env` would use (gpu_worker/engine/cpu_kernels.py)."""
+    if env.get("CONVEYOR_KERNEL_CACHE"):
+        return env["CONVEYOR_KERNEL_CACHE"]
+    root = env.get("CONVEYOR_CACHE") or str(Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "conveyor")
     return str(Path(root) / "kernels")
 
 
@@ -108,13 +117,13 @@ def launch_stack(workdir: Path, redis_url: str | None = None, model: str = "", e
     redis-server and `Stack.redis_url` is read from its connection file once ready (`Stack.wait_ready`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = dict(os.environ)
+    env = environ()
     # the internal port (/metrics, /scaling) too is one the system handed out: its default, PORT + 1, was never
     # checked and may be another process's
     env.update({"REDIS_URL": redis_url or "", "PORT": str(port), "INTERNAL_PORT": str(free_port()),
                 "HOST": "127.0.0.1", "CONVEYOR_CACHE": str(workdir), "LOG_LEVEL": "WARNING",
                 # the compiled decode attention kernel stays where it was built once, not rebuilt in every workdir
-                "CONVEYOR_KERNEL_CACHE": kernel_cache()})
+                "CONVEYOR_KERNEL_CACHE": kernel_cache(env)})
     if model:
         env["MODEL"] = model
     env.update(extra or {})

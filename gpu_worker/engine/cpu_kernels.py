@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -69,13 +69,13 @@ def _cpu_flags() -> bytes:
     return b""
 
 
-def build(name: str, compiler: str | None = None, extra: tuple[str, ...] = ()) -> Path:
+def build(name: str, compiler: str | None = None, extra: tuple[str, ...] = (), cache: Path | None = None) -> Path:
     """csrc/<name>.cpp as a shared library for this CPU (`extra` flags after FLAGS), compiled unless already in the
-    cache. Raises on failure."""
+    cache (`cache`, else `cache_dir()`) with `compiler` (else $CXX, else g++). Raises on failure."""
     source = CSRC / f"{name}.cpp"
     flags = FLAGS + extra
     key = hashlib.sha256(source.read_bytes() + " ".join(flags + LINK).encode() + _cpu_flags()).hexdigest()[:16]
-    out = cache_dir() / f"{name}-{key}.so"
+    out = (cache or cache_dir()) / f"{name}-{key}.so"
     if out.exists():  # built before, here or by another worker sharing the cache: no compiler needed
         return out
     cxx = compiler or os.environ.get("CXX") or "g++"
@@ -252,9 +252,10 @@ def supports_layer_ops(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim <= 512 and head_dim % 2 == 0
 
 
-def _load(kind: type[K], source: str, instead: str) -> K | None:
+def _load(kind: type[K], source: str, instead: str, **how: Any) -> K | None:
+    """`kind` over the library `build(source, **how)` gives; None (logged) where it cannot be had."""
     try:
-        return kind(build(source))
+        return kind(build(source, **how))
     except Exception as e:  # noqa: BLE001 - any failure means torch's path
         log.warning("CPU kernels %s unavailable, using %s: %s", source, instead, e)
         return None

@@ -5,7 +5,6 @@ torch with the synthetic engine, and a whole worker (synthetic engine) on a real
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
 import signal
 import subprocess
@@ -42,6 +41,7 @@ from gpu_worker.messages import (
 )
 from gpu_worker.output_lane import OutputLane
 from gpu_worker.stats import WorkerStats
+from harness.stack import environ
 from shared import names
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.schemas import DELTA_SCHEMA, from_ipc, requests_batch, to_ipc
@@ -222,7 +222,7 @@ def on_whole_workers(tmp: Path, redis_url: str, model_path: str) -> dict[str, Ex
     def check(fn: Callable[[dict[str, str], Path], None]) -> None:
         redis.Redis.from_url(url).flushdb()
         (tmp / fn.__name__).mkdir()
-        fn(dict(os.environ) | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic",
+        fn(environ() | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic",
                                "CLAIM_IDLE_MS": str(CLAIM_IDLE_MS), "REFRESH_S": "0.5", "HEARTBEAT_S": "1",
                                "DRAIN_GRACE_S": str(DRAIN_GRACE_S), "LOG_LEVEL": "INFO",
                                "CONVEYOR_CACHE": str(tmp / fn.__name__)}, tmp / fn.__name__)

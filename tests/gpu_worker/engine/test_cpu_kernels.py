@@ -142,30 +142,27 @@ def test_loading_the_kernels_leaves_subnormals_alone(kernel: pa.PagedDecode, ops
     assert torch.tensor([1e-40]).mul(1.0).item() != 0.0
 
 
-def test_no_compiler_means_torch_ops_and_a_built_kernel_needs_none(monkeypatch: pytest.MonkeyPatch,
-                                                                   tmp_path: Path) -> None:
-    monkeypatch.setenv("CONVEYOR_KERNEL_CACHE", str(tmp_path))  # nothing built here yet
-    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+def test_no_compiler_means_torch_ops_and_a_built_kernel_needs_none(tmp_path: Path) -> None:
+    # compiler and cache given, not set in the environment: a stack that a background check starts meanwhile
+    # would inherit them
+    none = {"compiler": "no-such-c++-compiler", "cache": tmp_path}  # nothing built here yet
     with pytest.raises(FileNotFoundError):
-        pa.build("layer_ops")
-    assert pa._load(pa.LayerOps, "layer_ops", "torch's ops") is None  # the model then keeps torch's path
-    monkeypatch.setenv("CXX", "g++")
-    built = pa.build("layer_ops")
-    monkeypatch.setenv("CXX", "no-such-c++-compiler")  # a worker without a compiler, sharing the cache
-    assert pa.build("layer_ops") == built and pa._load(pa.LayerOps, "layer_ops", "torch's ops") is not None
+        pa.build("layer_ops", **none)
+    assert pa._load(pa.LayerOps, "layer_ops", "torch's ops", **none) is None  # the model then keeps torch's path
+    built = pa.build("layer_ops", compiler="g++", cache=tmp_path)
+    # a worker without a compiler, sharing the cache
+    assert pa.build("layer_ops", **none) == built and pa._load(pa.LayerOps, "layer_ops", "torch's ops", **none)
 
 
-def test_workers_starting_together_build_a_kernel_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_workers_starting_together_build_a_kernel_once(tmp_path: Path) -> None:
     """Three builders at once on an empty cache (workers starting together on a fresh host): the compiler runs once
     (a compile and a link), and all three get the one library."""
     log = tmp_path / "cxx.log"
     cxx = tmp_path / "logging-g++"
     cxx.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec g++ "$@"\n')
     cxx.chmod(0o755)
-    monkeypatch.setenv("CONVEYOR_KERNEL_CACHE", str(tmp_path / "kernels"))
-    monkeypatch.setenv("CXX", str(cxx))
     with ThreadPoolExecutor(3) as pool:
-        built = list(pool.map(lambda _: pa.build("layer_ops"), range(3)))
+        built = list(pool.map(lambda _: pa.build("layer_ops", compiler=str(cxx), cache=tmp_path / "kernels"), range(3)))
     assert len(set(built)) == 1 and built[0].exists()
     assert len(log.read_text().splitlines()) == 2  # one compile, one link
 
