@@ -6,7 +6,8 @@ compiled here only when the stored copy is gone (expired, or written by another 
 passed the door's checks and compiled in time once already; xgrammar releases the GIL while it compiles, so
 the engine loop keeps stepping meanwhile.
 
-xgrammar (and the tokenizer's description it needs, ~1.3 s to build) loads when the first grammar arrives.
+xgrammar (and the tokenizer's description it needs, ~1.3 s to build) loads when the first grammar arrives, or with
+GRAMMAR_WARM in a thread at the worker's start.
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ class GrammarLoader:
             raise GrammarError(f"the grammar does not compile: {str(exc).strip().splitlines()[0]}") from None
         self.compiled += 1
         return compiled
+
+    def warm(self) -> None:
+        """Load xgrammar and build the tokenizer's description now (GRAMMAR_WARM: a thread at the worker's start); a
+        grammar arriving meanwhile waits for it here, as it would have built them itself."""
+        with self._lock:
+            try:
+                import xgrammar  # noqa: F401
+
+                self.info()
+            except Exception:  # a grammar arriving later tries again, and fails its own job if it must
+                log.exception("the grammar loader could not warm up")
 
     def info(self) -> Any:
         """xgrammar's TokenizerInfo for this model (built once, as the tokenizer pool builds it)."""

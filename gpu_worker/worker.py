@@ -102,16 +102,25 @@ class InferenceWorker:
                              self.stopping)
         self.control = ControlLane(self.client, self.inbox, self.closed)
         self.feedback = Feedback(self.from_lane, self.inbox, self.ledger)
+        self._loader: GrammarLoader | None = None
+        self._loader_lock = threading.Lock()
 
     def _grammar_loader(self) -> GrammarLoader:
-        from gpu_worker.grammar import GrammarLoader  # xgrammar loads only once a grammar arrives
+        """The worker's grammar loader, made when the first grammar arrives (or at start with GRAMMAR_WARM)."""
+        with self._loader_lock:
+            if self._loader is None:
+                from gpu_worker.grammar import GrammarLoader  # xgrammar loads only once a grammar arrives
 
-        path = self.settings.model_path
-        return GrammarLoader(path, self.client, vocab_size(path) or 0)
+                path = self.settings.model_path
+                self._loader = GrammarLoader(path, self.client, vocab_size(path) or 0)
+            return self._loader
 
     def run(self) -> int:
         self.consumer.ensure_group()
         self.lane.start()
+        if self.settings.grammar_warm:  # beside the engine's build
+            threading.Thread(target=named("grammar-warm", lambda: self._grammar_loader().warm()), name="grammar-warm",
+                             daemon=True).start()
         loop = EngineLoop(build_engine(self.settings), self.inbox, self.send_to_lane, self.stats, self.stopping,
                           self.ledger.idle, self.lane.is_alive)
         for name, target in (("control", self.control.run), ("feedback", self.feedback.run),

@@ -99,6 +99,10 @@ class Settings(BaseSettings):
                               "attention read from the KV cache in place, fused layer steps; off, or without a "
                               "compiler: torch ops only (K/V gathered for SDPA)")
     torch_threads: int = 0
+    grammar_warm: bool = Field(False, description="load xgrammar and the tokenizer's description for it when a "
+                               "worker starts (the tokenizer's compiler child, the inference worker's loader) rather "
+                               "than when the first structured-output request arrives, which otherwise waits for "
+                               "them (~5 s on 2 cores); costs each worker that memory whether grammars come or not")
     cpu_bind_threads: bool = Field(False, description="on a CPU host that runs one inference worker: its compute "
                                    "threads bound one to a core (OMP_PROC_BIND=true, OMP_PLACES=cores; an operator's "
                                    "own OMP_* win); off: the OS places them, as several workers on one host need")

@@ -3,13 +3,15 @@ pool stored, keeps a bounded LRU, and compiles a grammar itself when the stored 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import redis
 import xgrammar as xgr
 
 from gpu_worker.grammar import GrammarLoader
 from shared import names
-from shared.grammar import GrammarError, GrammarSpec
+from shared.grammar import GrammarError, GrammarSpec, tokenizer_info
 from shared.model_config import vocab_size
 from tests.helpers import grammar_spec
 from workers.tokenizer.grammar import GrammarCompiler
@@ -40,6 +42,31 @@ def test_it_loads_what_the_tokenizer_pool_stored(grammar_compiler: GrammarCompil
     assert _matches(compiled, "123-abc") and not _matches(compiled, "12-abc")
     redis_db.delete(names.grammar_key(spec.key))
     assert loader.load(spec.key, spec) is compiled  # held: Redis is not read again
+
+
+def test_warming_beside_a_first_grammar_builds_the_description_once(model_path: str, bytes_db: redis.Redis,
+                                                                    grammar_compiler: GrammarCompiler,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """GRAMMAR_WARM's thread and the first grammar at once: the grammar waits for the warm-up and loads whole, and
+    the tokenizer's description is built once."""
+    import gpu_worker.grammar as loader_module
+
+    built: list[int] = []
+
+    def counted(*args: object) -> object:
+        built.append(1)
+        return tokenizer_info(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader_module, "tokenizer_info", counted)
+    made = GrammarLoader(model_path, bytes_db, vocab_size(model_path) or 0)
+    spec = grammar_spec(guided_regex=CODE)
+    grammar_compiler.prepare(spec)
+    warm = threading.Thread(target=made.warm)
+    warm.start()
+    compiled = made.load(spec.key, spec)
+    warm.join()
+    assert built == [1] and (made.loaded, made.compiled) == (1, 0)
+    assert _matches(compiled, "123-abc") and not _matches(compiled, "12-abc")
 
 
 def test_a_missing_or_unreadable_copy_is_compiled_here(loader: GrammarLoader, redis_db: redis.Redis) -> None:

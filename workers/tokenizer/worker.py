@@ -57,6 +57,8 @@ class TokenizerWorker:
         hb = Heartbeat(self.client, names.TOKENIZER_POOL, self.worker_id, self.settings.heartbeat_s,
                        lambda: dict(self.counters))
         hb.start()
+        if self.settings.grammar_warm:  # its child starts (~2 s until it is forked) beside this loop
+            threading.Thread(target=self._grammars().warm, name="grammar-warm", daemon=True).start()
         log.info("tokenizer worker %s ready (context %d tokens)", self.worker_id, self.context)
         try:
             run_loop(self.step, self.stop_event, log, "tokenizer", on_outage=self.consumer.note_outage)
