@@ -13,6 +13,8 @@ the runs get `ALONE_LANES` lanes; beside other tests, `BESIDE_LANES`.
 
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -41,9 +43,20 @@ class Background:
         self.lanes = lanes
         self.pool = ThreadPoolExecutor(lanes, thread_name_prefix="background")
         self.handles: dict[str, object] = {}
+        self.began = time.monotonic()
+        self.spans: list[tuple[str, float, float]] = []  # (run, start, end), seconds into the session
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-        return self.pool.submit(fn, *args, **kwargs)
+        """Run `fn` in the next free lane; when it ran is kept (`spans`: the summary at the session's end)."""
+        label = " ".join(str(a) for a in args[0][1:3]) if fn is subprocess.run else getattr(fn, "__name__", str(fn))
+
+        def timed() -> T:
+            start = time.monotonic() - self.began
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spans.append((label[:60], start, time.monotonic() - self.began))
+        return self.pool.submit(timed)
 
     def start(self, request: pytest.FixtureRequest, modules: set[str]) -> None:
         for name, (module, starter) in STARTERS.items():

@@ -44,6 +44,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 ALONE = pytest.StashKey[bool]()
+BACKGROUND = pytest.StashKey[Background]()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """When each background run went, in seconds from the session's start: what a lane's order would change."""
+    bg = config.stash.get(BACKGROUND, None)
+    if bg is not None and bg.spans:
+        terminalreporter.section(f"background runs ({bg.lanes} lanes)")
+        for label, start, end in sorted(bg.spans, key=lambda s: s[1]):
+            terminalreporter.write_line(f"{start:7.1f} - {end:7.1f} s  {end - start:6.1f} s  {label}")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,6 +61,7 @@ def background(request: pytest.FixtureRequest) -> Iterator[Background]:
     """The session's background runs, started before the first test by the modules that have a selected test."""
     modules = request.config.stash.get(BACKGROUND_MODULES, set())
     bg = Background(ALONE_LANES if request.config.stash.get(ALONE, False) else BESIDE_LANES)
+    request.config.stash[BACKGROUND] = bg
     if modules:
         bg.start(request, modules)
     yield bg
