@@ -143,15 +143,19 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _draw_nucleus(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Top-p: among the most likely tokens, the smallest prefix whose mass reaches top_p, then an
     inverse-CDF draw inside it. The candidates come from top-k, widened until every row's cutoff
-    falls inside them (a full sort of the vocabulary costs ~50x more)."""
+    falls inside them (a full sort of the vocabulary costs ~50x more): each widening to at least what
+    the mass still missing needs at the k-th token's probability (no later token is likelier), at least
+    8x, and past half the vocabulary to all of it."""
     vocab = probs.shape[1]
     k = min(vocab, 512)
     while True:
-        vals, idx = torch.topk(probs, k, dim=-1)  # sorted, most likely first
+        vals, idx = torch.topk(probs, k, dim=-1) if k < vocab else torch.sort(probs, dim=-1, descending=True)
         cum = vals.cumsum(dim=-1, dtype=torch.float64)
         if k == vocab or bool((cum[:, -1:] > top_p).all()):
             break
-        k = min(vocab, k * 8)
+        missing = (top_p - cum[:, -1:]).clamp(min=0) / vals[:, -1:].double().clamp(min=1e-30)
+        k = max(k * 8, k + int(missing.max().ceil().clamp(max=vocab).item()))
+        k = vocab if k > vocab // 2 else k
     kept = vals.masked_fill(cum - vals > top_p, 0.0).cumsum(dim=-1, dtype=torch.float64)
     return idx.gather(1, _pick(kept, u * kept[:, -1:]))
 
