@@ -35,12 +35,17 @@ BACKGROUND_MODULES = pytest.StashKey[set[str]]()  # modules of the selected test
 
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `background` (tests/background.py) go last: what they check runs beside the others."""
+    """Tests marked `background` (tests/background.py) go last: what they check runs beside the others; before
+    them, the modules on the shared stacks, which start meanwhile."""
     later = [item for item in items if item.get_closest_marker("background")]
     config.stash[BACKGROUND_MODULES] = {item.module.__name__ for item in later}  # type: ignore[attr-defined]
     config.stash[ALONE] = len(later) == len(items)
-    if later:
-        items[:] = [item for item in items if not item.get_closest_marker("background")] + later
+    main = [item for item in items if not item.get_closest_marker("background")]
+    # the modules that use none of the shared stacks first, while the stacks start (launched before the first
+    # test), each module kept whole and in its place among its kind
+    on_stacks = {item.module.__name__ for item in main if _stacks_used([item])}  # type: ignore[attr-defined]
+    items[:] = ([item for item in main if item.module.__name__ not in on_stacks]  # type: ignore[attr-defined]
+                + [item for item in main if item.module.__name__ in on_stacks] + later)  # type: ignore[attr-defined]
 
 
 ALONE = pytest.StashKey[bool]()
