@@ -314,6 +314,14 @@ class LocalCluster:
         for proc in running:
             _kill_group(proc)
             proc.wait()
+        # a node's forked child (a save for a replica's sync, a rewrite) can outlive it by a moment: its process
+        # group goes too, and is waited for
+        groups = [n.proc for n in self.nodes if n.proc is not None]
+        for proc in groups:
+            _kill_group(proc)
+        deadline = time.monotonic() + timeout
+        while any(_group_alive(proc.pid) for proc in groups) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     # ---- roles, live from CLUSTER NODES
 
@@ -383,6 +391,14 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def _bus_port(entries: list[NodeEntry]) -> int:
