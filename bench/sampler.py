@@ -6,6 +6,7 @@ warm-up. What serving pays per step on top of the model when clients leave tempe
 default of 1 (guidellm, most OpenAI clients), or set top_p / top_k.
 
     .venv/bin/python -m bench.sampler                  # rows 1, 8, 32, 64
+    .venv/bin/python -m bench.sampler --scale 0.05     # nearly flat, as a model of random weights gives
     .venv/bin/python -m bench.sampler --quick          # seconds
 """
 
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--scale", type=float, default=3.0, help="the logits' standard deviation (3: neither flat nor "
+                   "one-hot; 0.05: nearly flat, so top_p 0.9 keeps most of the vocabulary)")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
@@ -40,14 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"sampler: ms per step, every row sampled; vocabulary {args.vocab}, {args.threads} torch threads, "
-          f"median of {args.iters}\n")
+    print(f"sampler: ms per step, every row sampled; vocabulary {args.vocab}, logits' scale {args.scale}, "
+          f"{args.threads} torch threads, median of {args.iters}\n")
     print("| setting | " + " | ".join(f"{r} rows" for r in rows) + " |")
     print("|---|" + "---:|" * len(rows))
     for name, kw in SETTINGS.items():
         cells = []
         for n in rows:
-            logits = torch.randn(n, args.vocab) * 3
+            logits = torch.randn(n, args.vocab) * args.scale
             seqs = [Sequence(Request(f"r{i}", [1], seed=i, **kw)) for i in range(n)]
             sampler = Sampler()
             sampler(logits, seqs)
