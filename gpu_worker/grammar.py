@@ -86,9 +86,7 @@ class GrammarLoader:
         grammar arriving meanwhile waits for it here, as it would have built them itself."""
         with self._lock:
             try:
-                import xgrammar  # noqa: F401
-
-                self.info()
+                self.info()  # imports xgrammar (and transformers) on the way
             except Exception:  # a grammar arriving later tries again, and fails its own job if it must
                 log.exception("the grammar loader could not warm up")
 
