@@ -235,9 +235,13 @@ async def test_a_batch_past_its_window_expires(tiny_stack: Stack, tiny_model_dir
                 return int(r.get(names.tenant_active_key(name)) or 0) == 0
 
             await until("the expired batch's jobs to end", idle, timeout=30)
-        [(headers, event, raw)] = hooks.wait_for(1, timeout=60)
-    assert event["type"] == "batch.expired" and event["data"] == {"id": batch.id}
-    assert headers["x-conveyor-signature"] == sign(raw, secret, headers["x-conveyor-timestamp"])
+        received = hooks.wait_for(1, timeout=60)
+    # at least once (README, "Batch"): two drivers (the stack's API and this one) may both announce the end; a repeat
+    # is the same event, signed alike
+    assert received and len({event["id"] for _, event, _ in received}) == 1
+    for headers, event, raw in received:
+        assert event["type"] == "batch.expired" and event["data"] == {"id": batch.id}
+        assert headers["x-conveyor-signature"] == sign(raw, secret, headers["x-conveyor-timestamp"])
 
 
 async def test_an_ended_batch_calls_its_webhook_signed(tiny_stack: Stack, tiny_model_dir: str) -> None:
