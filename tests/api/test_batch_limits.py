@@ -236,8 +236,8 @@ async def test_a_batch_past_its_window_expires(tiny_stack: Stack, tiny_model_dir
 
             await until("the expired batch's jobs to end", idle, timeout=30)
         received = hooks.wait_for(1, timeout=60)
-    # at least once (README, "Batch"): two drivers (the stack's API and this one) may both announce the end; a repeat
-    # is the same event, signed alike
+    # at least once (README, the Batch API): two drivers (the stack's API and this one) may both announce the end;
+    # a repeat is the same event, signed alike
     assert received and len({event["id"] for _, event, _ in received}) == 1
     for headers, event, raw in received:
         assert event["type"] == "batch.expired" and event["data"] == {"id": batch.id}
