@@ -29,7 +29,7 @@ from shared import names
 from shared.policy import PoolSignals
 from shared.settings import Settings
 from tests.conftest import ROOT, Stack
-from tests.helpers import iter_sse, submit, wait
+from tests.helpers import iter_sse, submit, until, wait
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -161,10 +161,17 @@ def test_dashboard_in_a_browser(tiny_stack: Stack, tmp_path: Path) -> None:
         finally:
             tiny_stack.resume("inference")
 
-        # the live view: the long job's text grows while it runs
+        # the live view: the long job's text grows while it runs. The worker is held again once the job has its first
+        # tokens, so that the page's first look finds it running (on a busy machine the tiny model could otherwise
+        # end it before the browser looks)
         live_text = lambda: js("return document.getElementById('live-text').textContent")  # noqa: E731
-        first = _until("the first tokens in the live view, the job running",
-                       lambda: text("#live-status").startswith("running") and len(live_text()), 15)
+        until("the long job's first tokens", lambda: http.get(f"/v1/jobs/{long_job}").json().get("text"), timeout=30)
+        tiny_stack.pause("inference")
+        try:
+            first = _until("the first tokens in the live view, the job running",
+                           lambda: text("#live-status").startswith("running") and len(live_text()), 15)
+        finally:
+            tiny_stack.resume("inference")
         _until("the live text to grow", lambda: len(live_text()) > first, 10)
         driver.save_screenshot(str(out / "dashboard-1280x800-live.png"))
         _until("tokens/s above 0", lambda: _number(text("#stat-tokens-rate")) > 0, 15)
