@@ -37,6 +37,7 @@ from api.responses import ResponseRequest, response_object
 from api.store import JobStore
 from api.validation import check_request
 from shared import names, scripts
+from shared.job_ops import NotCopied, execute_copied
 from shared.jobs import BATCH_ENDS, TERMINAL, Job, JobStatus
 from shared.limits import PRIORITY_MAX
 from shared.schemas import GenerationRequest
@@ -163,7 +164,12 @@ class Batches:
         pipe.zadd(names.batches_index(owner), {batch_id: now})
         pipe.expire(names.batches_index(owner), ttl)
         pipe.sadd(names.BATCHES_ACTIVE, batch_id)
-        await pipe.execute()
+        written = [names.batch_key(batch_id), names.batches_index(owner), names.BATCHES_ACTIVE]
+        if not (await execute_copied(self.r, pipe, written))[1]:
+            # not promised, so not kept: a retry makes the batch anew, and this one must not run beside it
+            await self.r.srem(names.BATCHES_ACTIVE, batch_id)
+            await self.r.delete(names.batch_key(batch_id), lines_key, err_key)
+            raise NotCopied(f"batch {batch_id}")
         return batch_object({k: str(v) for k, v in rec.items()})
 
     async def _open(self, tenant: Tenant, batch_id: str, ttl: int) -> None:

@@ -45,7 +45,7 @@ from shared.fair_queue import read_tenants, tenant_rows
 from shared.job_ops import tail
 from shared.jobs import ACTIVE
 from shared.policy import pool_load
-from shared.redis_client import CLUSTER_TYPES
+from shared.redis_client import CLUSTER_TYPES, aheal
 from shared.retry import arun_loop
 from shared.settings import Settings
 from shared.signals import POOL_GROUPS, WorkerBeat, lag_per_replica, read_snapshot
@@ -309,7 +309,8 @@ class SnapshotHub:
 
     async def _follow(self) -> None:
         self.follower.seeded = False
-        await arun_loop(self.follower.step, self.idle, log, "dashboard: following jobs")
+        await arun_loop(self.follower.step, self.idle, log, "dashboard: following jobs",
+                        on_outage=lambda: aheal(self.follower.client))
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()

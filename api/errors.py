@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shared.job_ops import NotCopied
+from shared.jobs import DamagedRecord
 from shared.redis_client import UNAVAILABLE
 
 log = logging.getLogger("conveyor.api")
@@ -93,6 +95,13 @@ def install(app: FastAPI) -> None:
         body = error_body(exc.status, exc.message, exc.type, exc.param, exc.code)
         return JSONResponse(body, exc.status, headers=exc.headers)
 
+    @app.exception_handler(DamagedRecord)
+    async def _damaged(_: Request, exc: DamagedRecord) -> JSONResponse:
+        # a record a failover left half written can never complete: answered as a job that is gone
+        log.warning("%s", exc)
+        msg = f"{exc}: part of it was lost (as a Redis failover can do) and it cannot complete; submit it again"
+        return JSONResponse(error_body(404, msg, code="incomplete_record"), 404)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         msg, param = _validation_message(exc)
@@ -109,7 +118,8 @@ def install(app: FastAPI) -> None:
 
     async def _redis(_: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable: %s", exc)
-        return JSONResponse(error_body(503, "the job store is unavailable; retry shortly"), 503,
+        msg = str(exc) if isinstance(exc, NotCopied) else "the job store is unavailable; retry shortly"
+        return JSONResponse(error_body(503, msg), 503,
                             headers={"Retry-After": "2"})
 
     for kind in UNAVAILABLE:

@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from shared import names, scripts
+from shared.job_ops import NotCopied, execute_copied
 
 MAX_FILE_BYTES = 64 * 2**20  # an upload larger answers 413
 PURPOSES = ("batch", "batch_output")
@@ -105,7 +106,9 @@ class FileStore:
         pipe.zadd(names.files_index(owner), {file_id: now})
         pipe.zremrangebyscore(names.files_index(owner), 0, now - self.ttl_s)  # expired files leave the index
         pipe.expire(names.files_index(owner), self.ttl_s)
-        await pipe.execute()
+        if not (await execute_copied(self.r, pipe, [names.file_key(file_id, "meta"), names.files_index(owner)]))[1]:
+            await self.r.delete(names.file_key(file_id, "meta"))  # not promised, so not kept: the retry uploads anew
+            raise NotCopied(f"file {file_id}")
         return file_object(meta)
 
     async def meta(self, file_id: str, owner: str) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ import re
 import uuid
 from contextvars import ContextVar
 
+import anyio
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -16,6 +17,17 @@ from api.files import MAX_FILE_BYTES as FILE_BYTES
 
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+# A refused body (over the cap, or an upload without a Content-Length) is read and thrown away before the
+# answer goes out, up to DRAIN_BYTES of body in all and for DRAIN_S at most. The answer says `Connection:
+# close` and uvicorn (httptools and h11 alike) closes the socket as soon as it is sent; a close with unread
+# bytes in the socket is a TCP reset, which destroys the 413 before a client that sends its whole body
+# before it reads (urllib, http.client, most scripts) can read it. Past either bound the answer goes out at
+# once and the connection closes, so a client that sends gigabytes costs a bounded read, not the body:
+# nginx's lingering close (reading for up to 30 s) and Go's net/http (up to 256 KiB) bound it the same way.
+# A client that waits for `100 Continue` has sent no body yet: it is answered at once.
+DRAIN_BYTES = 16 * 2**20
+DRAIN_S = 5.0
 
 
 # served only on the internal port when auth is required (Prometheus, KEDA and operators reach them there)
@@ -54,12 +66,16 @@ class RequestGuard:
             return
         length = headers.get(b"content-length")
         cap = FILE_BYTES if path == "/v1/files" else self.max_body  # an upload is streamed to Redis, not held
+        sending = headers.get(b"expect", b"").lower() != b"100-continue"  # the body is on its way
         if length is None and path == "/v1/files" and headers.get(b"transfer-encoding") is not None:
-            await self._reply(send_with_id, 411, "an upload needs a Content-Length")
+            if not sending or await _drain(receive, 0):
+                await self._reply(send_with_id, 411, "an upload needs a Content-Length")
             return
         if length is not None:
             if not length.isdigit() or int(length) > cap:
-                await self._too_large(send_with_id, length.isdigit(), cap)
+                drain = sending and length.isdigit() and int(length) <= DRAIN_BYTES
+                if not drain or await _drain(receive, 0):
+                    await self._too_large(send_with_id, length.isdigit(), cap)
                 return
             await self.app(scope, receive, send_with_id)
             return
@@ -75,7 +91,8 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body:
-                await self._too_large(send_with_id, True)
+                if not message.get("more_body", False) or await _drain(receive, size):
+                    await self._too_large(send_with_id, True)
                 return
             if not message.get("more_body", False):
                 break
@@ -100,3 +117,17 @@ class RequestGuard:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive: Receive, read: int) -> bool:
+    """Read and drop the rest of a refused body (`read` bytes of it read already) within DRAIN_BYTES and
+    DRAIN_S; False when the client went away meanwhile (nobody to answer)."""
+    with anyio.move_on_after(DRAIN_S):
+        while read <= DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return False
+            read += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+    return True

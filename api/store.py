@@ -12,7 +12,7 @@ import redis.asyncio as aredis
 
 from shared import names
 from shared.job_ops import AsyncJobOps
-from shared.jobs import FinishReason, Job, JobStatus, new_record
+from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus, new_record
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
 from shared.settings import Settings
@@ -85,13 +85,15 @@ class JobStore:
         return (owner or "") if exists else None
 
     async def get(self, job_id: str) -> Job | None:
+        """The job, or None when there is no such job; DamagedRecord (shared/jobs.py) when its record is only
+        part of one (api/errors.py answers it 404, streams end as for an expired job)."""
         rec = await self.jobs.read(job_id)
-        return Job.from_record(rec) if rec is not None else None
+        return Job.from_record(rec, job_id) if rec is not None else None
 
     async def get_with(self, job_id: str, field: str) -> tuple[Job, str] | tuple[None, None]:
-        """The job and one more field of its record ('' when absent), or (None, None)."""
+        """The job and one more field of its record ('' when absent), or (None, None); DamagedRecord as `get`."""
         rec = await self.jobs.read(job_id)
-        return (Job.from_record(rec), rec.get(field) or "") if rec is not None else (None, None)
+        return (Job.from_record(rec, job_id), rec.get(field) or "") if rec is not None else (None, None)
 
     async def delete(self, job_id: str) -> None:
         """Every key of an ended job (one partition: one slot)."""
@@ -99,21 +101,28 @@ class JobStore:
                             names.text_key(job_id), names.logprobs_key(job_id), names.prompt_logprobs_key(job_id))
 
     async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
-        """Returns (job, changed). changed is False when the job had already ended."""
+        """Returns (job, changed). changed is False when the job had already ended. A damaged record reads as
+        no job (None) here: cancels run in cleanups (a stream's end), which must not raise."""
         ended = await self.jobs.finish(job_id, FinishReason.cancelled, required_status=JobStatus.queued.value)
         if ended.code is FinishCode.finished:
-            return await self.get(job_id), True
+            return await self._get_or_none(job_id), True
         asked = await self.jobs.request_cancel(job_id)
         if not asked.found:
             return None, False
         if asked.before != JobStatus.running.value:
-            return await self.get(job_id), False
+            return await self._get_or_none(job_id), False
         deadline = time.monotonic() + wait_s  # the engine frees the slot at its next step
-        job = await self.get(job_id)
+        job = await self._get_or_none(job_id)
         while job is not None and not job.ended and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-            job = await self.get(job_id)
+            job = await self._get_or_none(job_id)
         return job, True
+
+    async def _get_or_none(self, job_id: str) -> Job | None:
+        try:
+            return await self.get(job_id)
+        except DamagedRecord:
+            return None
 
     async def read_events(self, job_id: str, after: int, count: int = 1000) -> list[tuple[int, str, str, str]]:
         """Events with seq > after, in order: (seq, type, text, logprob entries as lines of JSON, '' none)."""
@@ -131,8 +140,8 @@ class JobStore:
         pipe.hget(names.job_key(job_id), "ordinal")
         pipe.get(names.dequeued_counter(p))
         ordinal, dequeued = await pipe.execute()
-        if ordinal is None:
-            return None
+        if ordinal is None or not ordinal.isdigit() or not (dequeued or "0").isdigit():
+            return None  # none, or not a number (a damaged record): no position to tell
         return await self._position(job_id, int(ordinal) - int(dequeued or 0))
 
     async def _position(self, job_id: str, ahead_in_partition: int) -> int:

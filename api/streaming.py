@@ -5,6 +5,7 @@ back to replaying from the event stream."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ from api import sse
 from api.errors import error_body
 from api.relay import Relay
 from api.store import JobStore
-from shared.jobs import Job
+from shared.jobs import DamagedRecord, Job
 from shared.logprobs import Entry, chat_item, parse_lines
 from shared.retry import Backoff
+
+log = logging.getLogger("conveyor.api")
 
 CATCH_UP_S = 5.0  # silence this long: re-read the event stream (a lost message, a Redis restart)
 QUEUED_POLL_S = 2.0  # while queued: how often the status and position are re-read for `status` events
@@ -48,7 +51,8 @@ Event = TokenEvent | DoneEvent | StatusEvent
 
 
 async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0) -> AsyncIterator[Event]:
-    """Events after `after`; a Redis error mid-stream is retried (with backoff) from the last seq sent."""
+    """Events after `after`; a Redis error mid-stream is retried (with backoff) from the last seq sent. A job
+    whose record turns out damaged (shared/jobs.py: `DamagedRecord`) ends its events as one that expired."""
     last = after
     backoff = Backoff(0.1, 2.0)
     while backoff.failures < 8:
@@ -60,6 +64,9 @@ async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0)
             return
         except RedisError:
             await asyncio.sleep(backoff.next())
+        except DamagedRecord as exc:
+            log.warning("%s: its events end here", exc)
+            return
     raise RedisError("the job store stayed unavailable")
 
 

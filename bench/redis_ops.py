@@ -80,9 +80,11 @@ def _ops(r: redis.Redis) -> JobOps:
     return _OPS.setdefault(id(r), JobOps(r, 86400))
 
 
-def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None) -> None:
+def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, finish: JobOps | None = None,
+               worker: str = "") -> None:
     """One output-lane step (gpu_worker/output_lane.py): in one MULTI/EXEC, one STEP_SCRIPT call
-    with every job's chunk `seq` of `per_chunk` tokens; with `finish`, each job then ends in it."""
+    with every job's chunk `seq` of `per_chunk` tokens, as `worker` (the one the jobs' records name);
+    with `finish`, each job then ends in it."""
     ops = finish or _ops(r)
     pipe = r.pipeline(transaction=True)
     n = seq * per_chunk
@@ -92,19 +94,25 @@ def chunk_step(r: redis.Redis, jobs: list[str], seq: int, per_chunk: int = 1, fi
     for job_id in jobs:
         job_keys, job_args = step_write(job_id, 3 if seq == 1 else 0, (n - per_chunk) * 4,
                                         b"\x01\x02\x03\x04" * per_chunk, (seq - 1) * len(piece), piece, seq,
-                                        b'{"seq":%d,"type":"token","text":"%s"}' % (seq, piece), n)
+                                        b'{"seq":%d,"type":"token","text":"%s"}' % (seq, piece), n, worker=worker)
         keys += job_keys
         args += job_args
     ops.step(keys, args, pipe)
     if finish is not None:
         for job_id in jobs:
-            finish.finish(job_id, FinishReason.length, "", {"completion_tokens": n}, pipe=pipe)
+            finish.finish(job_id, FinishReason.length, "", {"completion_tokens": n}, pipe=pipe, worker=worker)
     pipe.execute()
 
 
 def chunk(r: redis.Redis, i: int) -> int:
     """Steps of BATCH jobs of 256 tokens each; returns the chunks written."""
-    chunk_step(r, [f"{os.getpid()}-{i // 256}-{k}" for k in range(BATCH)], i % 256 + 1)
+    jobs = [f"{os.getpid()}-{i // 256}-{k}" for k in range(BATCH)]
+    if i % 256 == 0:  # running records to write into (step.lua writes nothing into a job that does not exist)
+        pipe = r.pipeline(transaction=False)
+        for job_id in jobs:
+            pipe.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}") | {"status": "running"})
+        pipe.execute()
+    chunk_step(r, jobs, i % 256 + 1)
     return BATCH
 
 
@@ -141,7 +149,7 @@ def job(tokens: int, every: int) -> Step:
             jobs.start(job_id, consumer)
         chunks = -(-tokens // every)
         for seq in range(1, chunks + 1):
-            chunk_step(r, ids, seq, every, jobs if seq == chunks else None)
+            chunk_step(r, ids, seq, every, jobs if seq == chunks else None, consumer)
         pipe = r.pipeline(transaction=False)
         for entry in taken:
             pipe.xack(entry.stream, names.INFERENCE_GROUP, entry.id)

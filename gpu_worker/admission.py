@@ -80,7 +80,7 @@ class Admission:
         return Register(
             job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
             started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
-            tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes)
+            tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes, worker=self.worker_id)
 
     def _attach_grammar(self, req: Request) -> bool:
         """The request's compiled grammar (the tokenizer pool compiled it; gpu_worker/grammar.py loads it), here
@@ -97,7 +97,7 @@ class Admission:
             return True
         except Exception as exc:  # noqa: BLE001 - this job fails alone
             log.exception("job %s: its grammar could not be loaded", req.id)
-            self.jobs.fail(req.id, f"the grammar could not be loaded: {exc}")
+            self.jobs.fail(req.id, f"the grammar could not be loaded: {exc}", self.worker_id)
             return False
 
     def progress(self, job_id: str) -> tuple[list[int], str, int, int]:

@@ -13,6 +13,7 @@ import redis
 from gpu_worker.messages import Abort, EngineCommand
 from shared import names
 from shared.jobs import FinishReason
+from shared.redis_client import heal
 from shared.retry import run_loop
 
 log = logging.getLogger("conveyor.inference")
@@ -23,7 +24,7 @@ class ControlLane:
         self.client, self.inbox, self.stop = client, inbox, stop
 
     def run(self) -> None:
-        run_loop(self.listen, self.stop, log, "control lane", base=0.5)
+        run_loop(self.listen, self.stop, log, "control lane", base=0.5, on_outage=lambda: heal(self.client))
 
     def listen(self) -> None:
         """One subscription, until the connection drops (then run_loop subscribes again)."""

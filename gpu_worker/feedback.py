@@ -1,6 +1,7 @@
 """The feedback lane: what the output lane reports back. An abort (a stop string hit, a job the
 lane failed) goes to the engine; a recorded end closes the job in the ledger, which acknowledges
-its entry once every job of the entry has ended."""
+its entry once every job of the entry has ended; a job dropped (no longer this worker's) is forgotten
+there, its entry never acknowledged."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from multiprocessing.queues import Queue
 from queue import SimpleQueue
 
 from gpu_worker.ledger import EntryLedger
-from gpu_worker.messages import Abort, Done, EngineCommand, LaneReport
+from gpu_worker.messages import Abort, Done, Dropped, EngineCommand, LaneReport
 
 
 class Feedback:
@@ -22,3 +23,5 @@ class Feedback:
                     self.inbox.put(abort)
                 case Done(job_id):
                     self.ledger.close(job_id)
+                case Dropped(job_id):
+                    self.ledger.forget(job_id)

@@ -5,6 +5,12 @@ every one of them has a recorded end, so a worker that dies leaves each unfinish
 ledger also bounds the jobs in flight, so the reader takes no more jobs than the engine can start soon, and
 knows each one's tenant and priority: with every slot taken, the reader still takes a job the engine would
 make room for (gpu_worker/reader.py).
+
+A job the output lane drops (its record is gone, or another worker runs it now) is forgotten: its entry is
+never acknowledged here. XACK by the group takes an entry out of the pending list whoever holds it, so
+acknowledging an entry another worker claimed would strip that worker's redelivery guarantee. An entry
+still this worker's stays pending, no longer refreshed, until `Reader.readmit_forgotten` admits it again
+and start.lua says what is left to run (then it is acknowledged like any).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class EntryLedger:
         self._entry_jobs: dict[Ref, set[str]] = {}
         self._job_entry: dict[str, Ref] = {}
         self._job_class: dict[str, tuple[str, int]] = {}  # jobs holding a slot -> (fair-queue tenant, priority)
+        self._forgotten: set[Ref] = set()  # open entries a job of which was dropped: never acknowledged here
         self._max_jobs, self._spare, self._held = max_jobs, spare, 0
 
     def has_room(self, timeout: float) -> bool:
@@ -73,21 +80,32 @@ class EntryLedger:
 
     def close(self, job_id: str) -> None:
         """The job's end is recorded: free its slot, and acknowledge its entry if it was the last."""
+        self._leave(job_id, forget=False)
+
+    def forget(self, job_id: str) -> None:
+        """The job is no longer this worker's: free its slot, and let its entry go unacknowledged."""
+        self._leave(job_id, forget=True)
+
+    def _leave(self, job_id: str, forget: bool) -> None:
         with self._lock:
             entry_id = self._job_entry.pop(job_id, None)
             jobs = self._entry_jobs.get(entry_id) if entry_id is not None else None
             if entry_id is None or jobs is None:
                 return
             jobs.discard(job_id)
-            complete = not jobs
-            if complete:
+            if forget:
+                self._forgotten.add(entry_id)
+            ack = not jobs and entry_id not in self._forgotten
+            if not jobs:
                 del self._entry_jobs[entry_id]
+                self._forgotten.discard(entry_id)
             if self._job_class.pop(job_id, None) is not None:
                 self._held -= 1
                 self._room.notify_all()
-        if complete:
+        if ack:
             try:
-                call(lambda: self.consumer.ack([entry_id]), attempts=ACK_ATTEMPTS, log=log, name="ack")
+                call(lambda: self.consumer.ack([entry_id]), attempts=ACK_ATTEMPTS, log=log, name="ack",
+                     on_outage=self.consumer.note_outage)
             except RETRYABLE as exc:
                 log.warning("entry %s not acknowledged (%s); it stays pending", entry_id, exc)
 

@@ -2,7 +2,7 @@
 
 - engine loop inbox (a thread queue): `Add`, `Abort`, `GraceOver`
 - output lane inbox (a process queue): `Register`, `Deltas`, `Stop`
-- output lane reports (a process queue): `Abort`, `Done`
+- output lane reports (a process queue): `Abort`, `Done`, `Dropped`
 
 Those crossing the process boundary pickle; only token-id deltas (Arrow) and job metadata cross it.
 """
@@ -50,6 +50,7 @@ class Register:
     tenant: str = ""  # the fair-queue tenant its tokens are charged to ('' none)
     weight: float = 1.0  # that tenant's weight
     logprob_bytes: int = 0  # bytes of logprob entries already recorded (a resumed job that asked for them)
+    worker: str = ""  # the worker that took it (start.lua records it): its steps and end are written as that one's
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,13 @@ class Done:
     job_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """The job is no longer this worker's (its record is gone, or another worker runs it now): forget it and
+    never acknowledge its entry, which may be another consumer's by now."""
+    job_id: str
+
+
 EngineCommand = Add | Abort | GraceOver
 LaneCommand = Register | Deltas | Stop
-LaneReport = Abort | Done
+LaneReport = Abort | Done | Dropped

@@ -2,7 +2,8 @@
 into text (incrementally, with stop strings held back) and, per step, in one MULTI/EXEC holding
 one STEP_SCRIPT call for all jobs: appends each chunk to the job's event stream, publishes it,
 updates the job record and the saved token ids. Finished jobs get their terminal state; the engine
-process hears back (`Done` to acknowledge the stream entry, `Abort` when a stop string ended a sequence).
+process hears back (`Done` to acknowledge the stream entry, `Abort` when a stop string ended a sequence,
+`Dropped` for a job its step or finish found no longer this worker's: `settle`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
+from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 import orjson
@@ -25,7 +27,7 @@ from tokenizers import Tokenizer
 
 from gpu_worker.cpu_affinity import release as release_cpus
 from gpu_worker.detokenizer import Detokenizer
-from gpu_worker.messages import Abort, Deltas, Done, LaneCommand, LaneReport, Register, Stop
+from gpu_worker.messages import Abort, Deltas, Done, Dropped, LaneCommand, LaneReport, Register, Stop
 from gpu_worker.token_text import TokenText
 from shared import names
 from shared.fair_queue import OUTPUT_COST
@@ -42,12 +44,17 @@ from shared.metrics import (
     TTFT,
     Histograms,
 )
-from shared.redis_client import CLUSTER_TYPES, UNAVAILABLE, sync_client
+from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, sync_client
 from shared.retry import call
 from shared.schemas import DELTA_SCHEMA, from_ipc
+from shared.scripts.codes import FinishCode, FinishReply, StepCode, StepReply
 from shared.settings import Settings
 
 log = logging.getLogger("conveyor.output_lane")
+
+# replies after which a job is no longer this worker's to write: nothing of it was written
+REFUSED = frozenset({StepCode.no_such_job, StepCode.not_owner, StepCode.ended})
+NOT_ENDED_HERE = frozenset({FinishCode.no_such_job, FinishCode.not_owner})
 
 
 @dataclass
@@ -67,11 +74,26 @@ class JobState:
     held_text: str = ""  # text released by the detokenizer, not written yet
     logprob_bytes: int = 0  # length of the job's logprob entries written: where the next go
     held_logprobs: list[list[Any]] = field(default_factory=list)  # entries of tokens not written yet
+    worker: str = ""  # the worker that took it: its writes are refused once the record names another
+
+
+@dataclass
+class Sent:
+    """Where a built step's replies are among its pipeline's results (`OutputLane.settle` reads them)."""
+
+    first_step: int  # results before the step calls' (the prompts' logprob documents)
+    steps: list[list[str]]  # per step call, its jobs in their order
+    finishes: list[str]  # the jobs whose finish follows the step calls, in order
+    done: list[str]  # build's list of ending jobs, which commit reports as Done: settle takes dropped ones out
 
 
 class OutputLane:
-    def __init__(self, settings: Settings, feedback: Queue[LaneReport], client: redis.Redis | None = None) -> None:
+    _sent: Sent | None = None  # what the last `build` queued, until `settle` reads its replies
+
+    def __init__(self, settings: Settings, feedback: Queue[LaneReport], client: redis.Redis | None = None,
+                 outage: Synchronized[float] | None = None) -> None:
         self.client = client or sync_client(settings.redis_url, decode=False)
+        self.outage = outage  # since when (unix s) this lane's writes fail; 0: they do not
         self.ttl = settings.job_ttl_s
         self.jobs = JobOps(self.client, self.ttl)
         # one transaction per step on a single Redis; on a cluster a pipeline whose ends wait for a
@@ -91,9 +113,10 @@ class OutputLane:
             self._register(job)
         except Exception as exc:  # noqa: BLE001 - the job fails alone; the lane goes on
             log.exception("job %s could not be registered", job.job_id)
-            self.jobs.fail(job.job_id, f"the output lane could not take the job: {exc}")
+            failed = self.jobs.fail(job.job_id, f"the output lane could not take the job: {exc}", job.worker)
             self.feedback.put(Abort(job.job_id, FinishReason.error))
-            self.feedback.put(Done(job.job_id))
+            mine = failed is None or failed.code not in NOT_ENDED_HERE
+            self.feedback.put(Done(job.job_id) if mine else Dropped(job.job_id))
 
     def _register(self, job: Register) -> None:
         detok = Detokenizer(self.tokenizer, list(job.stop))
@@ -101,7 +124,7 @@ class OutputLane:
             detok.resume(list(job.resume_ids), job.emitted)
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
                       job.prompt_tokens, job.tenant, job.weight, written=len(job.resume_ids),
-                      logprob_bytes=job.logprob_bytes)
+                      logprob_bytes=job.logprob_bytes, worker=job.worker)
         self.states[job.job_id] = st
         if job.started:
             self.metrics.observe(QUEUE, time.time() - st.created_at)
@@ -114,7 +137,7 @@ class OutputLane:
             self.metrics.flush(pipe)
             try:
                 pipe.execute()
-            except redis.RedisError as exc:
+            except (redis.RedisError, *RETRYABLE) as exc:
                 log.warning("metrics flush failed: %s", exc)
 
     def handle_deltas(self, data: bytes) -> None:
@@ -122,12 +145,14 @@ class OutputLane:
         self.commit(pipe, done)
 
     def build(self, data: bytes) -> tuple[Any, list[str]]:
-        """The step's writes: one STEP_SCRIPT call for every job's chunk and ids, then the finishes."""
+        """The step's writes: one STEP_SCRIPT call for every job's chunk and ids, then the finishes; where
+        their replies will be is kept for `settle`."""
         rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
         pipe = self.client.pipeline(transaction=not self.cluster)
         steps: dict[int, tuple[list[str], list[Any]]] = {}  # one step call per partition (one slot each)
+        step_jobs: dict[int, list[str]] = defaultdict(list)  # per partition, its step call's jobs in order
         charges: dict[int, Charges] = defaultdict(dict)  # per partition, the new tokens per fair-queue tenant
-        finishes: list[tuple[str, str, str, int]] = []
+        finishes: list[tuple[str, str, str, int, str]] = []
         done: list[str] = []
         prompts: list[tuple[str, bytes]] = []  # (job, its prompt's logprobs document): written once
         wall = time.time()
@@ -144,7 +169,8 @@ class OutputLane:
                 log.exception("job %s: detokenizing failed", job_id)
                 if reason is None:
                     self.feedback.put(Abort(job_id, FinishReason.error))
-                finishes.append((job_id, FinishReason.error.value, f"detokenizing failed: {exc}", st.n_tokens))
+                finishes.append((job_id, FinishReason.error.value, f"detokenizing failed: {exc}", st.n_tokens,
+                                 st.worker))
                 done.append(job_id)
                 continue
             if ids:
@@ -183,11 +209,12 @@ class OutputLane:
                     message = orjson.dumps(event)
                 if flags or packed or chunk or lp:
                     job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
-                                                    st.n_tokens, lp_off, lp)
+                                                    st.n_tokens, lp_off, lp, st.worker)
                     p = names.job_partition(job_id)
                     keys, args = steps.setdefault(p, ([], []))
                     keys += job_keys
                     args += job_args
+                    step_jobs[p].append(job_id)
                     new = st.n_tokens - st.written
                     if st.tenant and new:
                         cost, served = charges[p].get(st.tenant, (0.0, 0))
@@ -195,7 +222,7 @@ class OutputLane:
                 st.written, st.held_ids, st.held_text, st.held_logprobs = st.n_tokens, bytearray(), "", []
                 st.fresh = st.fresh and not chunk and not packed and not lp
             if reason is not None:
-                finishes.append((job_id, reason, row.get("error") or "", st.n_tokens))
+                finishes.append((job_id, reason, row.get("error") or "", st.n_tokens, st.worker))
                 done.append(job_id)
                 self.metrics.observe(E2E, wall - st.created_at)
                 self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
@@ -205,13 +232,42 @@ class OutputLane:
             pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
         for p, (keys, args) in steps.items():
             self.jobs.step(keys, args, pipe, charges.get(p))
-        for job_id, reason, error, n_tokens in finishes:  # after the step: a job's last chunk precedes its end
-            self.jobs.finish(job_id, FinishReason(reason), error, {"completion_tokens": n_tokens}, pipe=pipe)
-        if finishes and self.cluster:  # a job's end survives the loss of its master
-            nodes = [self.client.get_node_from_key(names.job_key(job_id)) for job_id, *_ in finishes]
-            for node in {n.name: n for n in nodes}.values():
-                queue_replica_wait(pipe, node)
+        for job_id, reason, error, n_tokens, worker in finishes:  # after the step: a job's last chunk precedes its end
+            self.jobs.finish(job_id, FinishReason(reason), error, {"completion_tokens": n_tokens}, pipe=pipe,
+                             worker=worker)
+        self._sent = Sent(len(prompts), [step_jobs[p] for p in steps], [f[0] for f in finishes], done)
         return pipe, done
+
+    def settle(self, results: list[Any]) -> None:
+        """Read the replies of the step `build` made, once its pipeline ran. A job no longer this worker's (its
+        record gone, another worker's now, or not running) had nothing written, and is dropped: the engine aborts
+        it, the lane forgets it, and the ledger lets it go without acknowledging its entry (`Dropped`). A job
+        ending in this step is judged by its finish instead (its step, sent again after its finish went
+        through, finds it ended): dropped if refused, else left in `done`, which commit reports as Done."""
+        sent, self._sent = self._sent, None
+        if sent is None:
+            return
+        ending = set(sent.finishes)
+        refused: dict[str, str] = {}
+        at = sent.first_step
+        for job_ids in sent.steps:
+            raw, at = results[at], at + 1
+            if isinstance(raw, Exception):
+                continue  # commit logs it
+            for job_id, code in zip(job_ids, StepReply.parse(raw).codes):
+                if code in REFUSED and not (code is StepCode.ended and job_id in ending):
+                    refused[job_id] = code.name
+        for job_id, raw in zip(sent.finishes, results[at:]):
+            if not isinstance(raw, Exception) and (end := FinishReply.parse(raw).code) in NOT_ENDED_HERE:
+                refused.setdefault(job_id, end.name)
+        for job_id, why in refused.items():
+            log.warning("job %s dropped: %s", job_id, why)
+            self.states.pop(job_id, None)
+            if job_id in ending:
+                sent.done.remove(job_id)  # the engine has ended it (or was told to)
+            else:
+                self.feedback.put(Abort(job_id, FinishReason.error))
+            self.feedback.put(Dropped(job_id))
 
     def _entries(self, ids: list[int], chosen: list[float], top_ids: list[list[int]],
                  top_lps: list[list[float]]) -> list[list[Any]]:
@@ -229,53 +285,70 @@ class OutputLane:
         return orjson.dumps({"text": self.tokenizer.decode(ids, skip_special_tokens=False), "tokens": entries})
 
     def commit(self, pipe: Any, done: list[str]) -> None:
-        results = call(self._replayable(pipe), log=log, name="output lane write")
+        results = call(self._replayable(pipe, done), log=log, name="output lane write", on_outage=self._outage)
+        if self.outage is not None:
+            self.outage.value = 0.0
         for i, res in enumerate(results):
             if isinstance(res, Exception):
                 log.warning("output write %d failed: %s", i, res)
+        self.settle(results)
         for job_id in done:
             del self.states[job_id]
             self.feedback.put(Done(job_id))
 
-    def _replayable(self, pipe: Any) -> Callable[[], list[Any]]:
-        """`pipe.execute`, retryable: a failed execute() empties the pipeline, so a retry replays
-        the step's commands on a new one."""
+    def _outage(self) -> None:
+        """A write failed: note since when (the worker's heartbeat is withheld past WRITE_OUTAGE_S), and let
+        a cluster client rebuild its slot map before the next try."""
+        if self.outage is not None and not self.outage.value:
+            self.outage.value = time.time()
+        heal(self.client)
+
+    def _replayable(self, pipe: Any, done: list[str]) -> Callable[[], list[Any]]:
+        """`pipe.execute`, retryable. A failed execute() empties the pipeline, so a retry sends the step's
+        commands again on a new one, routed by the slot map as it is then. On a cluster the ending jobs'
+        masters are asked, after the writes, to WAIT for a replica (a job's end survives the loss of its
+        master): the nodes are looked up at each try, never kept from one that failed."""
         calls = _queued(pipe)
         first = [pipe]
+        ended = [names.job_key(job_id) for job_id in done] if self.cluster else []
 
         def execute() -> list[Any]:
-            if first:
-                results = first.pop().execute(raise_on_error=False)
-            else:
-                again = self.client.pipeline(transaction=not self.cluster)
-                for args, options in calls:
-                    again.pipeline_execute_command(*args, **options)
-                results = again.execute(raise_on_error=False)
+            step = first.pop() if first else self._rebuilt(calls)
+            nodes = [self.client.get_node_from_key(key) for key in ended]
+            for node in {n.name: n for n in nodes}.values():
+                queue_replica_wait(step, node)
+            results = step.execute(raise_on_error=False)
             for res in results:  # a cluster's pipeline answers an outage per command: try the whole step again
-                if isinstance(res, UNAVAILABLE):
+                if isinstance(res, RETRYABLE):
                     raise res
             return results  # type: ignore[no-any-return]
 
         return execute
 
+    def _rebuilt(self, calls: list[tuple[Any, dict[str, Any]]]) -> Any:
+        again = self.client.pipeline(transaction=not self.cluster)
+        for args, options in calls:
+            again.pipeline_execute_command(*args, **options)
+        return again
+
 
 def _queued(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
-    """The commands queued on a pipeline, as (args, options): a plain one keeps them in its
-    command_stack, a cluster's in its execution strategy's queue."""
+    """The commands queued on a pipeline, as (args, copies of their options: a cluster's pipeline pops
+    what it routed by): a plain one keeps them in its command_stack, a cluster's in its execution
+    strategy's queue."""
     strategy = getattr(pipe, "_execution_strategy", None)
-    if strategy is not None:
-        return [(c.args, c.options) for c in strategy.command_queue]
-    return list(pipe.command_stack)
+    commands = [(c.args, c.options) for c in strategy.command_queue] if strategy is not None else pipe.command_stack
+    return [(args, dict(options)) for args, options in commands]
 
 
 def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneReport],
-         parent_pid: int | None = None) -> None:
+         parent_pid: int | None = None, outage: Synchronized[float] | None = None) -> None:
     release_cpus()  # not confined to the engine's first core (gpu_worker/cpu_affinity.py)
     die_with_parent(signal.SIGTERM, parent_pid)  # an engine process killed outright takes its lane along
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process decides when the lane stops
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
-    lane = OutputLane(settings, feedback)
+    lane = OutputLane(settings, feedback, outage=outage)
     while True:
         try:
             msg = inbox.get(timeout=1.0)

@@ -88,7 +88,9 @@ class InferenceWorker:
         ctx = mp.get_context("spawn")
         self.to_lane: Queue[LaneCommand] = ctx.Queue(maxsize=LANE_BEHIND_MAX)
         self.from_lane: Queue[LaneReport] = ctx.Queue()
-        self.lane = ctx.Process(target=output_lane.main, args=(settings, self.to_lane, self.from_lane, os.getpid()),
+        self.lane_outage = ctx.Value("d", 0.0, lock=False)  # since when the lane's writes fail (0: they do not)
+        self.lane = ctx.Process(target=output_lane.main, args=(settings, self.to_lane, self.from_lane, os.getpid(),
+                                                               self.lane_outage),
                                 name="output-lane", daemon=True)
         # the engine's slots and a few more, ready when a slot frees (jobs taken beyond that would wait here,
         # out of the fair queue's reach), and as many again for jobs the engine makes room for at once: of a
@@ -127,7 +129,7 @@ class InferenceWorker:
                              ("reader", self.reader.run), ("drain-timer", self._drain_timer)):
             threading.Thread(target=named(name, target), name=name, daemon=True).start()
         hb = Heartbeat(self.client, names.INFERENCE_POOL, self.worker_id, self.settings.heartbeat_s,
-                       self.stats.as_dict)
+                       self.stats.as_dict, self.lane_writes)
         hb.start()
         signal.signal(signal.SIGTERM, self._drain)
         signal.signal(signal.SIGINT, self._drain)
@@ -149,6 +151,11 @@ class InferenceWorker:
             hb.stop()
         log.info("inference worker %s stopped", self.worker_id)
         return 0
+
+    def lane_writes(self) -> bool:
+        """Whether the output lane gets its writes through: none has failed for WRITE_OUTAGE_S."""
+        since = self.lane_outage.value
+        return not since or time.time() - since < self.settings.write_outage_s
 
     def send_to_lane(self, cmd: LaneCommand) -> None:
         """The engine's output, in order; while the lane is LANE_BEHIND_MAX messages behind, the engine

@@ -39,7 +39,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return self.cluster.url if self.cluster is not None else self.servers[0].url
+        return self.cluster.seed_url if self.cluster is not None else self.servers[0].url
 
     def start(self) -> dict[str, str]:
         env = {}

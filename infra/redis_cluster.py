@@ -173,8 +173,14 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        """The seed URL: the first node's (a cluster client finds the rest from it)."""
+        """The first node's URL (a cluster client finds the rest from it, while it lives)."""
         return f"redis://:{quote(self.password, safe='')}@127.0.0.1:{self.nodes[0].port}/0"
+
+    @property
+    def seed_url(self) -> str:
+        """Every node, comma-separated (shared.redis_client.seeds): a client that starts while some of
+        them are down still finds the cluster."""
+        return ",".join([self.url, *(f"127.0.0.1:{n.port}" for n in self.nodes[1:])])
 
     # ---- lifecycle
 

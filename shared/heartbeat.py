@@ -18,7 +18,7 @@ import redis
 
 from shared import names
 from shared.lifecycle import name_thread
-from shared.redis_client import sync_client
+from shared.redis_client import RETRYABLE, heal, sync_client
 from shared.settings import Settings
 from shared.signals import read_snapshot
 
@@ -30,14 +30,16 @@ def new_worker_id(pool: str) -> str:
 
 
 class Heartbeat(threading.Thread):
-    """Writes `hb:{pool}:{worker}` every `interval` seconds with whatever `counters()` returns."""
+    """Writes `hb:{pool}:{worker}` every `interval` seconds with whatever `counters()` returns, while
+    `healthy()` says the worker can do its work (a worker whose writes have failed for too long is not
+    called live: its heartbeat runs out, and readiness and the autoscaler see it gone)."""
 
     def __init__(self, client: redis.Redis, pool: str, worker_id: str, interval: float,
-                 counters: Callable[[], dict[str, Any]]) -> None:
+                 counters: Callable[[], dict[str, Any]], healthy: Callable[[], bool] = lambda: True) -> None:
         super().__init__(name=f"heartbeat-{pool}", daemon=True)
         self.client, self.key, self.interval = client, names.heartbeat_key(pool, worker_id), interval
         self.pool, self.worker_id = pool, worker_id
-        self.counters = counters
+        self.counters, self.healthy = counters, healthy
         self.stop_event = threading.Event()
 
     def beat(self) -> None:
@@ -46,18 +48,28 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         name_thread("heartbeat")
+        sick = False
         while not self.stop_event.is_set():
-            try:
-                self.beat()
-            except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
+            if not self.healthy():
+                if not sick:
+                    log.warning("heartbeat withheld: this worker cannot write its work to redis")
+                sick = True
+            else:
+                if sick:
+                    log.info("heartbeat resumed")
+                sick = False
+                try:
+                    self.beat()
+                except RETRYABLE as exc:
+                    log.warning("heartbeat failed: %s", exc)
+                    heal(self.client)
             self.stop_event.wait(self.interval)
 
     def stop(self) -> None:
         self.stop_event.set()
         try:
             forget(self.client, self.pool, self.worker_id)
-        except redis.RedisError:
+        except RETRYABLE:
             pass
 
 

@@ -19,11 +19,13 @@ from typing import Any
 
 import redis
 import redis.asyncio as aredis
+from redis.exceptions import ConnectionError
 
 from shared import names, scripts
 from shared.jobs import FinishReason, JobStatus
 from shared.redis_client import CLUSTER_TYPES, text
 from shared.scripts.codes import (
+    FinishCode,
     FinishReply,
     RequestCancelReply,
     StartReply,
@@ -67,13 +69,15 @@ def start_write(job_id: str, worker_id: str) -> Write:
 
 
 def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text_offset: int, chunk: bytes,
-               seq: int, message: bytes, n_tokens: int, logprobs_offset: int = 0, logprobs: bytes = b"") -> Write:
-    """One job's part of a step call (step.lua): its 5 keys and 11 arguments. `flags`: FRESH | FIRST_TOKEN;
-    `logprobs`: the chunk's tokens' logprob entries (lines of JSON) for a job that asked, at that offset."""
+               seq: int, message: bytes, n_tokens: int, logprobs_offset: int = 0, logprobs: bytes = b"",
+               worker: str = "") -> Write:
+    """One job's part of a step call (step.lua): its 5 keys and 12 arguments. `flags`: FRESH | FIRST_TOKEN;
+    `logprobs`: the chunk's tokens' logprob entries (lines of JSON) for a job that asked, at that offset;
+    `worker`: the writing worker's id (the part is written only while the job's record names it)."""
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id),
             names.logprobs_key(job_id)]
     return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id),
-                  logprobs_offset, logprobs]
+                  logprobs_offset, logprobs, worker]
 
 
 Charges = dict[str, tuple[float, int]]  # fair-queue tenant -> (charge on its virtual counter, tokens served)
@@ -114,14 +118,16 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
 
 
 def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, required_status: str = "",
-                 fields: dict[str, Any] | None = None, publish: str = "PUBLISH") -> Write:
-    """A finish call (finish.lua): the terminal status follows from `reason`."""
+                 fields: dict[str, Any] | None = None, publish: str = "PUBLISH", worker: str = "") -> Write:
+    """A finish call (finish.lua): the terminal status follows from `reason`. `worker`: the ending worker's
+    id, which ends only a job whose record names it; '' any (the API's cancel, a failure outside a run)."""
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
             names.dequeued_counter(names.job_partition(job_id)), names.text_key(job_id),
             names.stream(names.ENDED, names.job_partition(job_id))]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
                        names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN,
-                       names.partition_prefix(names.job_partition(job_id)), publish]  # the job's, so its tenant's
+                       names.partition_prefix(names.job_partition(job_id)), publish,  # the job's, so its tenant's
+                       worker]
     for k, v in (fields or {}).items():
         args += [k, v]
     return keys, args
@@ -137,6 +143,30 @@ def queue_replica_wait(pipe: Any, node: Any) -> None:
     """Queue WAIT 1 on a cluster pipeline, to the node (so on the connection) of the writes before it:
     its reply is how many replicas have them, after at most REPLICA_WAIT_MS."""
     pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS, target_nodes=node)
+
+
+class NotCopied(ConnectionError):
+    """A cluster write that an answer would promise reached no replica within REPLICA_WAIT_MS, so a failover
+    could undo it: the answer is a retryable 503 (an outage, as far as the client can tell), never the
+    promise. The write itself may stand; a retry finds it (the same Idempotency-Key, the same job)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}: no replica confirmed the write within {REPLICA_WAIT_MS} ms; retry")
+
+
+async def execute_copied(client: Any, pipe: Any, keys: list[str]) -> tuple[list[Any], bool]:
+    """Run `pipe` and say whether its writes reached a replica: on a cluster, after them, WAIT on each node
+    that holds one of `keys` (on the writes' connection, in the same round trip); (its results without the
+    WAITs', whether every node had a replica confirm). A single Redis fsyncs before it answers: True."""
+    if not isinstance(client, CLUSTER_TYPES):
+        return await pipe.execute(), True
+    await client.initialize()  # the slot map (once; then a no-op)
+    nodes = {n.name: n for n in (client.get_node_from_key(k) for k in keys)}
+    for node in nodes.values():
+        queue_replica_wait(pipe, node)
+    results = await pipe.execute()
+    n = len(results) - len(nodes)
+    return results[:n], all(int(c) >= 1 for c in results[n:])
 
 
 def request_cancel_write(job_id: str) -> Write:
@@ -193,22 +223,22 @@ class JobOps:
 
     def step(self, keys: list[str], args: list[Any], pipe: Any, charges: Charges | None = None) -> None:
         """Queue one engine step's writes for many jobs of one partition (`step_write` parts joined) on
-        `pipe`, with their tenants' `charges`. Its reply there is a StepReply's (`StepReply.parse`): a
-        replayed step is no error."""
+        `pipe`, with their tenants' `charges`. Its reply there is a StepReply's (`StepReply.parse`), a code per
+        job: a replayed step is no error, a refused job (gone, another worker's, ended) had nothing written."""
         self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish, charges))
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
-               pipe: Any = None, required_status: str = "") -> FinishReply | None:
-        """End an active job exactly once (see finish.lua). With `pipe`, queues it there and returns None:
-        its reply is the pipeline's to `FinishReply.parse`."""
-        write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields, self.publish)
+               pipe: Any = None, required_status: str = "", worker: str = "") -> FinishReply | None:
+        """End an active job exactly once (see finish.lua); `worker`: only if the job is that worker's. With
+        `pipe`, queues it there and returns None: its reply is the pipeline's to `FinishReply.parse`."""
+        write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields, self.publish, worker)
         if pipe is not None:
             self._queue(scripts.FINISH, pipe, write)
             return None
         return FinishReply.parse(scripts.FINISH(self.client, *write))
 
-    def fail(self, job_id: str, error: str) -> FinishReply | None:
-        return self.finish(job_id, FinishReason.error, error)
+    def fail(self, job_id: str, error: str, worker: str = "") -> FinishReply | None:
+        return self.finish(job_id, FinishReason.error, error, worker=worker)
 
     def resume_state(self, job_id: str) -> tuple[bytes, str, int, int]:
         """What a job's earlier worker recorded: (packed token ids, text, seq of the last event, bytes of
@@ -230,29 +260,42 @@ class AsyncJobOps:
     async def submit(self, job_id: str, record: dict[str, Any], request_json: str, **admission: Any) -> SubmitReply:
         """Admit and enqueue (see SubmitCode for the outcomes); `admission` as `submit_write` takes it.
         On a cluster the reply waits until a replica has the job too (WAIT 1 on the same connection), so
-        a 202 survives kill -9 of the master: its replica, promoted, has the job."""
+        a 202 survives kill -9 of the master: its replica, promoted, has the job. When none confirms it in
+        time, NotCopied (a 503): the job may stand on the master, and a retry with the same idempotency key
+        finds it, and is answered once a replica has it."""
         write = submit_write(job_id, record, request_json, self.ttl_s, **admission)
-        if not isinstance(self.client, CLUSTER_TYPES):
-            return SubmitReply.parse(await scripts.SUBMIT.acall(self.client, *write))
-        await self.client.initialize()  # type: ignore[attr-defined]  # the slot map (once; then a no-op)
-        pipe = self.client.pipeline(transaction=False)
-        scripts.SUBMIT.queue(pipe, *write)
-        queue_replica_wait(pipe, self.client.get_node_from_key(write[0][0]))  # type: ignore[attr-defined]
-        raw, copies = await pipe.execute()
-        reply = SubmitReply.parse(raw)
-        if reply.code is SubmitCode.accepted and int(copies) < 1:
-            log.warning("job %s: no replica confirmed it within %d ms; it is on the master only", job_id,
-                        REPLICA_WAIT_MS)
-        return reply
+        reply, copied = await self._promise(scripts.SUBMIT, write)
+        parsed = SubmitReply.parse(reply)
+        if not copied and parsed.code in (SubmitCode.accepted, SubmitCode.replay):
+            raise NotCopied(f"job {parsed.job_id or job_id}")
+        return parsed
 
     async def finish(self, job_id: str, reason: FinishReason, error: str = "",
                      required_status: str = "") -> FinishReply:
+        """End the job (the API's cancel of a queued job); NotCopied on a cluster when no replica has the end."""
         write = finish_write(job_id, reason, error, self.ttl_s, required_status, publish=self.publish)
-        return FinishReply.parse(await scripts.FINISH.acall(self.client, *write))
+        reply, copied = await self._promise(scripts.FINISH, write)
+        parsed = FinishReply.parse(reply)
+        if not copied and parsed.code is FinishCode.finished:
+            raise NotCopied(f"the end of job {job_id}")
+        return parsed
 
     async def request_cancel(self, job_id: str) -> RequestCancelReply:
         """Ask the engine running the job to stop it; the reply holds its status before (see request_cancel.lua)."""
-        return RequestCancelReply.parse(await scripts.REQUEST_CANCEL.acall(self.client, *request_cancel_write(job_id)))
+        reply, copied = await self._promise(scripts.REQUEST_CANCEL, request_cancel_write(job_id))
+        parsed = RequestCancelReply.parse(reply)
+        if not copied and parsed.found:
+            raise NotCopied(f"the cancel of job {job_id}")
+        return parsed
+
+    async def _promise(self, script: scripts.Script, write: Write) -> tuple[Any, bool]:
+        """A script call an answer promises: its reply, and whether a replica has its writes (execute_copied)."""
+        if not isinstance(self.client, CLUSTER_TYPES):
+            return await script.acall(self.client, *write), True
+        pipe = self.client.pipeline(transaction=False)
+        script.queue(pipe, *write)
+        (reply,), copied = await execute_copied(self.client, pipe, write[0][:1])
+        return reply, copied
 
     async def read(self, job_id: str) -> dict[str, str] | None:
         """The job's record with its text so far (and its logprobs, when it asked), or None when there is no
@@ -274,7 +317,7 @@ def queue_account(pipe: Any, job_id: str, usage_ttl_s: int) -> None:
 
 
 def queue_note_failure(pipe: Any, job_id: str, why: str) -> None:
-    """Queue a note_failure call on `pipe` (run by `scripts.execute`); it replies nothing."""
+    """Queue a note_failure call on `pipe` (run by `scripts.execute`); its reply there is a NoteFailureCode."""
     scripts.NOTE_FAILURE.queue(pipe, *note_failure_write(job_id, why))
 
 

@@ -37,6 +37,17 @@ class FinishReason(str, Enum):
     error = "error"
 
 
+class DamagedRecord(ValueError):
+    """A job record that lacks what every record has from its submission (`id`, `status`, `created_at`) or
+    holds a value that cannot be read (a number, a status, a finish reason). A Redis failover can leave one:
+    a later write landing in a hash the failover had emptied. Its job can never complete; the API answers it
+    as a job that is gone (404), streams end as for an expired job."""
+
+    def __init__(self, job_id: str, problem: str) -> None:
+        super().__init__(f"job {job_id!r} has an incomplete record ({problem})")
+        self.job_id, self.problem = job_id, problem
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -69,7 +80,21 @@ class Job(BaseModel):
     prompt: tuple[str, list[Any]] | None = Field(None, exclude=True)
 
     @classmethod
-    def from_record(cls, rec: dict[str, str]) -> Job:
+    def from_record(cls, rec: dict[str, str], job_id: str = "") -> Job:
+        """The job a record holds; DamagedRecord (naming `job_id`, else the record's own id) when it cannot
+        be read."""
+        missing = [name for name in ("id", "status", "created_at") if not rec.get(name)]
+        if missing:
+            raise DamagedRecord(job_id or rec.get("id") or "", "missing " + ", ".join(missing))
+        try:
+            return cls._read(rec)
+        except (ValueError, TypeError, KeyError) as exc:  # a number, status or finish reason that is not one,
+            # logprobs cut short (pydantic's errors are ValueErrors too)
+            problem = f"no {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+            raise DamagedRecord(job_id or rec["id"], f"unreadable: {problem}") from None
+
+    @classmethod
+    def _read(cls, rec: dict[str, str]) -> Job:
         def num(name: str) -> float | None:
             v = rec.get(name)
             return float(v) if v else None

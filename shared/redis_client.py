@@ -1,24 +1,35 @@
 """Redis clients with the same reconnect policy everywhere: exponential backoff with jitter. Their
 pipelines replay script calls that met a Redis without the scripts (see shared.scripts).
 
-`REDIS_URL` may name one node of a Redis Cluster: the first client made for a URL asks that node
-(`INFO cluster`), and from then on every client for it is a `RedisCluster` (redis-py follows
+`REDIS_URL` may name one node of a Redis Cluster, or several, comma-separated (`seeds`): the first
+client made for a URL asks its nodes in turn (`INFO cluster`), and from then on every client for it is
+a `RedisCluster` that starts from all of them and keeps every node it has discovered (redis-py follows
 MOVED/ASK and failovers). A single node stays a plain client, the fast path.
+
+After an outage a cluster client's slot map may still name a node that is gone: a loop that retries
+through one calls `heal` (`aheal`), which rebuilds the map from any node the client knows, so that the
+retry goes to the promoted replica, never again to the dead node.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
 import time
+from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.connection import parse_url
 from redis.exceptions import (
     ClusterError,
     ConnectionError,
     ReadOnlyError,
+    RedisClusterException,
     SlotNotCoveredError,
     TimeoutError,
     TryAgainError,
@@ -30,31 +41,102 @@ from shared import scripts
 # Redis cannot answer now, but will: down or unreachable, or a cluster in a failover (no master for
 # a slot yet, a write that met a demoted master, a slot in migration)
 UNAVAILABLE = (ConnectionError, TimeoutError, ClusterError, TryAgainError, SlotNotCoveredError, ReadOnlyError)
-RETRYABLE = (*UNAVAILABLE, ConnectionResetError, OSError)
+# and a cluster client that found no node to ask at all (every one it knows is down or cut off)
+RETRYABLE = (*UNAVAILABLE, RedisClusterException, ConnectionResetError, OSError)
 CLUSTER_TYPES = (redis.cluster.RedisCluster, acluster.RedisCluster)
 
 
+log = logging.getLogger(__name__)
+
 _KINDS: dict[str, bool] = {}
+# a connection whose peer stopped answering (a partition: no reset, no FIN) is found dead within ~10 s,
+# not after the kernel's two hours
+KEEPALIVE = {socket.TCP_KEEPIDLE: 5, socket.TCP_KEEPINTVL: 2, socket.TCP_KEEPCNT: 3}
+CONNECT_TIMEOUT_S = 2.0
+
+
+def seeds(url: str) -> list[str]:
+    """The node URLs a `REDIS_URL` lists (comma-separated). An item without a scheme (`host:port`) takes
+    the first URL's scheme, credentials and database."""
+    items = [u.strip() for u in url.split(",") if u.strip()]
+    if not items:
+        raise ValueError("REDIS_URL names no node")
+    first = urlsplit(items[0])
+    out = [items[0]]
+    for item in items[1:]:
+        if "://" in item:
+            out.append(item)
+        else:
+            auth = first.netloc.rpartition("@")[0]
+            out.append(f"{first.scheme}://{auth + '@' if auth else ''}{item}{first.path}")
+    return out
 
 
 def is_cluster(url: str, wait_s: float = 10.0) -> bool:
-    """Whether the Redis at `url` is a node of a cluster (`cluster_enabled:1`). Asked once per URL;
-    while Redis does not answer (a stack that is starting), asked again for up to wait_s, and then
-    taken for a single node until it answers."""
+    """Whether the Redis at `url` (any of its seeds) is a node of a cluster (`cluster_enabled:1`). Asked
+    once per URL; while no seed answers (a stack that is starting), asked again for up to wait_s, and
+    then taken for a single node until one answers."""
     if url in _KINDS:
         return _KINDS[url]
     deadline = time.monotonic() + wait_s
     while True:
-        probe = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
-        try:
-            kind = _KINDS[url] = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
-            return kind
-        except (ConnectionError, TimeoutError):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.2)
-        finally:
-            probe.close()
+        for seed in seeds(url):
+            probe = redis.Redis.from_url(seed, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=5)
+            try:
+                kind = _KINDS[url] = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+                return kind
+            except (ConnectionError, TimeoutError):
+                continue
+            finally:
+                probe.close()
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _cluster_options(url: str) -> dict[str, Any]:
+    """A cluster client's startup nodes (every seed) and connection options (the first seed's)."""
+    urls = seeds(url)
+    options = parse_url(urls[0])
+    options.pop("host", None)
+    options.pop("port", None)
+    options.pop("db", None)  # a cluster has only database 0
+    nodes = [(parse_url(u).get("host", "127.0.0.1"), int(parse_url(u).get("port", 6379))) for u in urls]
+    return {"nodes": nodes, **options}
+
+
+def _sync_cluster(url: str, **kwargs: Any) -> redis.cluster.RedisCluster:
+    options = _cluster_options(url)
+    nodes = [redis.cluster.ClusterNode(h, p) for h, p in options.pop("nodes")]
+    return redis.cluster.RedisCluster(startup_nodes=nodes, **options, **kwargs)
+
+
+def _async_cluster(url: str, **kwargs: Any) -> acluster.RedisCluster:
+    options = _cluster_options(url)
+    nodes = [acluster.ClusterNode(h, p) for h, p in options.pop("nodes")]
+    return acluster.RedisCluster(startup_nodes=nodes, **options, **kwargs)
+
+
+def heal(client: Any) -> None:
+    """After a failed call: a cluster client rebuilds its slot map from any node it knows (the dead node
+    is asked last), so the next try reaches whoever holds each slot now. Nothing for a single node,
+    whose client reconnects by itself. Never raises: while no node answers, the next try fails again."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return
+    try:
+        client.nodes_manager.initialize()
+    except Exception as exc:  # noqa: BLE001 - the map is rebuilt on the next outage instead
+        log.debug("slot map not rebuilt: %s", exc)
+
+
+async def aheal(client: Any) -> None:
+    """`heal` for an asyncio client."""
+    if not isinstance(client, acluster.RedisCluster):
+        return
+    try:
+        await client.nodes_manager.initialize()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("slot map not rebuilt: %s", exc)
 
 
 class Redis(redis.Redis):
@@ -66,10 +148,12 @@ def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
     retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries)
     if is_cluster(url):
         # a failover takes the cluster a few seconds: redirections and reconnects are retried for that long
-        return redis.cluster.RedisCluster.from_url(  # type: ignore[return-value]
-            url, decode_responses=decode, socket_keepalive=True, retry=retry, health_check_interval=15)
+        return _sync_cluster(  # type: ignore[return-value]
+            url, decode_responses=decode, socket_keepalive=True, socket_keepalive_options=KEEPALIVE,
+            socket_connect_timeout=CONNECT_TIMEOUT_S, retry=retry, health_check_interval=15)
     return Redis.from_url(
-        url, decode_responses=decode, health_check_interval=15, socket_keepalive=True,
+        seeds(url)[0], decode_responses=decode, health_check_interval=15, socket_keepalive=True,
+        socket_keepalive_options=KEEPALIVE, socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=retry, retry_on_error=[ConnectionError, TimeoutError],
     )
 
@@ -78,12 +162,12 @@ def async_client(url: str, max_connections: int = 256) -> aredis.Redis:
     # The API fails fast (one short retry) so a Redis outage becomes a 503, not a hung request.
     # A blocking pool makes a burst of requests wait briefly for a connection instead of failing.
     if is_cluster(url):
-        return acluster.RedisCluster.from_url(  # type: ignore[return-value]
-            url, decode_responses=True, max_connections=max_connections, socket_connect_timeout=2,
-            socket_timeout=10, health_check_interval=15,
+        return _async_cluster(  # type: ignore[return-value]
+            url, decode_responses=True, max_connections=max_connections, socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=10, health_check_interval=15, socket_keepalive=True, socket_keepalive_options=KEEPALIVE,
             retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
     pool = aredis.BlockingConnectionPool.from_url(
-        url, decode_responses=True, max_connections=max_connections, timeout=10, socket_connect_timeout=2,
+        seeds(url)[0], decode_responses=True, max_connections=max_connections, timeout=10, socket_connect_timeout=2,
         socket_timeout=10, health_check_interval=15,
         retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.2), 1),
         retry_on_error=[ConnectionError, TimeoutError],

@@ -4,6 +4,9 @@
 event is set: a Redis outage backs off (and is logged once per outage, not per try), any other
 error is logged with its traceback and the loop pauses briefly, so one bad message never ends a
 worker's loop. `call` retries one call through outages. `arun_loop` is the asyncio face.
+
+Each takes `on_outage`, called after every failed try: a loop over a cluster client passes
+`shared.redis_client.heal` of it there, so that each retry is sent against a fresh slot map.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ def run_loop(step: Callable[[], object], stop: threading.Event, log: logging.Log
 
 
 def call(fn: Callable[[], T], stop: threading.Event | None = None, *, attempts: int = 0,
-         base: float = 0.1, cap: float = 5.0, log: logging.Logger | None = None, name: str = "") -> T:
+         base: float = 0.1, cap: float = 5.0, log: logging.Logger | None = None, name: str = "",
+         on_outage: Callable[[], None] | None = None) -> T:
     """`fn()`, retried through Redis outages: `attempts` tries (0: until it succeeds or `stop` is set;
     then the last error is raised). With `log`, an outage is logged once, and its end."""
     backoff = Backoff(base, cap)
@@ -75,6 +79,8 @@ def call(fn: Callable[[], T], stop: threading.Event | None = None, *, attempts: 
                 raise
             if log is not None and not backoff.failures:
                 log.warning("%s: redis unavailable (%s); retrying with backoff", name, exc)
+            if on_outage is not None:
+                on_outage()
             wait = backoff.next()
             if stop is not None:
                 stop.wait(wait)
@@ -87,18 +93,23 @@ def call(fn: Callable[[], T], stop: threading.Event | None = None, *, attempts: 
 
 
 async def arun_loop(step: Callable[[], Awaitable[object]], stop: asyncio.Event, log: logging.Logger, name: str, *,
-                    base: float = 0.1, cap: float = 5.0) -> None:
+                    base: float = 0.1, cap: float = 5.0,
+                    on_outage: Callable[[], Awaitable[None]] | None = None) -> None:
     """`run_loop` for asyncio: await `step()` until `stop` is set."""
     backoff = Backoff(base, cap)
     while not stop.is_set():
         try:
             await step()
+            if backoff.failures:
+                log.info("%s: redis reachable again", name)
             backoff.reset()
         except asyncio.CancelledError:
             raise
         except RETRYABLE as exc:
             if not backoff.failures:
                 log.warning("%s: redis unavailable (%s); retrying with backoff", name, exc)
+            if on_outage is not None:
+                await on_outage()
             await _wait(stop, backoff.next())
         except Exception:  # noqa: BLE001
             log.exception("%s: unexpected error", name)

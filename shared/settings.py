@@ -118,6 +118,9 @@ class Settings(BaseSettings):
                                         "(local development only)")
     delivery_limit: int = Field(3, description="deliveries before an entry goes to the dead-letter stream")
     heartbeat_s: float = 5.0
+    write_outage_s: float = Field(30.0, gt=0, description="an inference worker whose output lane has failed to "
+                                  "write for this long withholds its heartbeat (readiness and the autoscaler see "
+                                  "it gone) until a write goes through")
     drain_grace_s: float = 30.0
 
     # local autoscaler (infra/autoscale.py); the pools' bounds come from `conveyor up`

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import redis
 
 from shared import names
-from shared.redis_client import CLUSTER_TYPES, text
+from shared.redis_client import CLUSTER_TYPES, heal, text
 from shared.signals import read_live
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,10 @@ class StreamConsumer:
 
     def note_outage(self) -> None:
         """After losing Redis, live owners need time to refresh their entries and heartbeats
-        before anything idle can be taken for a dead consumer's."""
+        before anything idle can be taken for a dead consumer's. A cluster client's next try goes by a
+        fresh slot map."""
         self._quiet_until = time.monotonic() + self.claim_idle_ms / 1000
+        heal(self.client)
 
     def claim_stale(self, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take over entries idle past the deadline whose consumer is not a live worker of the pool.

@@ -73,6 +73,7 @@ async def cancel(job_id: str, store: StoreDep, caller: CallerDep) -> Job:
         raise not_found(job_id)
     job, changed = await store.cancel(job_id)
     if job is None:
+        await store.get(job_id)  # a damaged record is answered as one (DamagedRecord, api/errors.py)
         raise not_found(job_id)
     if not changed:
         raise ApiError(409, f"job {job_id} has already ended ({job.status.value})")

@@ -26,7 +26,7 @@ from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import TokenEvent
 from api.validation import check_request
-from shared.jobs import Job, JobStatus
+from shared.jobs import DamagedRecord, Job, JobStatus
 from shared.logprobs import chat_item, completion_logprobs
 from shared.model_config import model_context
 from shared.settings import Settings
@@ -209,7 +209,10 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
 
 
 async def _echo_chunk(store: JobStore, job_id: str, shape: Shape, i: int) -> dict[str, Any] | None:
-    job = await store.get(job_id)
+    try:
+        job = await store.get(job_id)
+    except DamagedRecord:  # mid-stream: its events end as an expired job's (api/streaming.py)
+        return None
     if job is None:
         return None
     text = shape._head(i, job)

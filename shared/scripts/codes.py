@@ -3,8 +3,12 @@ reply has structure, a dataclass whose `parse` turns the raw reply (a list of in
 from a client that does not decode) into named fields once. Each mirrors the `Returns` of its `.lua`
 header; the scripts' keys and arguments are built in shared/job_ops.py.
 
-note_failure.lua returns nothing, count_after.lua and fair_push.lua a plain count, and fair_pop.lua a stream
-read (shared/fair_queue.py parses it): none has a type here.
+count_after.lua and fair_push.lua return a plain count, and fair_pop.lua a stream read (shared/fair_queue.py
+parses it): none has a type here.
+
+Every script that updates an existing record writes nothing when the record is gone (expired, or lost to a
+failover before a replica had it), and says so: a `no_such_job` code (`no_such_record`, `no_such_batch`;
+request_cancel.lua's empty status).
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ class FinishCode(IntEnum):
 
     finished = 1  # this call ended the job (the reply, > 0, is the done event's seq)
     already_ended = 0  # the job had already ended (or was not in the required status)
-    no_such_job = -1
+    no_such_job = -1  # nothing written
+    not_owner = -2  # the ending worker is not the one the job's record names: nothing written
 
 
 @dataclass(frozen=True)
@@ -167,35 +172,84 @@ class StreamOpenCode(IntEnum):
 # step.lua
 
 
+class StepCode(IntEnum):
+    """step.lua's code for one job of the call: whether its part was written."""
+
+    written = 1
+    replayed = 2  # already recorded (the step sent again): nothing written
+    ended = 0  # not running (it ended): nothing written
+    no_such_job = -1  # nothing written
+    not_owner = -2  # its record names another worker (or none: queued again after a failover lost its start)
+
+
 @dataclass(frozen=True)
 class StepReply:
-    """step.lua's {chunks written, chunks skipped as replays}."""
+    """step.lua's reply: a StepCode per job, in the order of the call's jobs."""
 
-    written: int
-    replayed: int
+    codes: tuple[StepCode, ...]
+
+    @property
+    def written(self) -> int:
+        return self.codes.count(StepCode.written)
+
+    @property
+    def replayed(self) -> int:
+        return self.codes.count(StepCode.replayed)
 
     @classmethod
     def parse(cls, raw: list[Any]) -> StepReply:
-        written, replayed = raw
-        return cls(int(written), int(replayed))
+        return cls(tuple(StepCode(int(code)) for code in raw))
 
 
 # account.lua
 
 
+class AccountCode(IntEnum):
+    """account.lua's first reply element."""
+
+    accounted = 1  # {1, webhook URL, owner}: its usage is counted (by this call or an earlier one)
+    no_such_job = -1  # {-1}: its record has expired; nothing written
+
+
 @dataclass(frozen=True)
 class AccountReply:
-    """account.lua's {webhook URL, owner} ('' for none), or `expired` when the job's record has expired."""
+    """account.lua's reply: the job's webhook URL and owner ('' for none)."""
 
-    expired: bool
+    code: AccountCode
     webhook_url: str = ""
     owner: str = ""
 
+    @property
+    def expired(self) -> bool:
+        return self.code is AccountCode.no_such_job
+
     @classmethod
-    def parse(cls, raw: list[Any] | None) -> AccountReply:
-        if not raw:  # Lua's false arrives as nil
-            return cls(True)
-        return cls(False, _text(raw[0]), _text(raw[1]))
+    def parse(cls, raw: list[Any]) -> AccountReply:
+        code = AccountCode(int(raw[0]))
+        if code is AccountCode.no_such_job:
+            return cls(code)
+        return cls(code, _text(raw[1]), _text(raw[2]))
+
+
+# note_failure.lua
+
+
+class NoteFailureCode(IntEnum):
+    """note_failure.lua's reply."""
+
+    noted = 1
+    no_such_record = -1  # the job's (or batch's) record has expired: nothing written
+
+
+# batch_result.lua
+
+
+class BatchResultCode(IntEnum):
+    """batch_result.lua's reply."""
+
+    recorded = 1  # by this call
+    already_recorded = 0
+    no_such_batch = -1  # the batch's record is gone: nothing written
 
 
 # tail.lua

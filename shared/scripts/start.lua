@@ -2,8 +2,8 @@
 -- KEYS: 1 job hash, 2 dequeued counter
 -- ARGV: 1 now (unix s), 2 worker id
 -- Returns {code, seq, created_at, tenant, weight}: code 1 started, 2 already running (a redelivery: resume
---   from seq), 0 ended or cancel requested, -1 no such job; tenant: the fair-queue tenant its generated
---   tokens are charged to ('' none), weight: that tenant's.
+--   from seq), 0 ended or cancel requested, -1 no such job (nothing written); tenant: the fair-queue
+--   tenant its generated tokens are charged to ('' none), weight: that tenant's.
 local job, dequeued = KEYS[1], KEYS[2]
 local now, worker = ARGV[1], ARGV[2]
 local st = redis.call('HGET', job, 'status')

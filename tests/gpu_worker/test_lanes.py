@@ -156,6 +156,9 @@ class FakeConsumer:
             raise redis.ConnectionError("down")
         self.acked += ids
 
+    def note_outage(self) -> None:
+        pass  # StreamConsumer's: a cluster client rebuilds its slot map (none here)
+
 
 def test_ledger_acks_an_entry_when_its_last_job_ends() -> None:
     consumer = FakeConsumer(fail=2)  # the ack is retried through an outage

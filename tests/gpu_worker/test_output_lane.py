@@ -1,5 +1,6 @@
 """The output lane on a real Redis with the real tokenizer: what a job's stream and record hold
-after each engine step, with every token streamed and with STREAM_INTERVAL > 1."""
+after each engine step, with every token streamed and with STREAM_INTERVAL > 1; a job whose record is
+gone, or that another worker took over, is dropped with nothing written."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import pytest
 import redis
 from tokenizers import Tokenizer
 
-from gpu_worker.messages import Abort, LaneReport, Register
+from gpu_worker.messages import Abort, Done, Dropped, LaneReport, Register
 from gpu_worker.output_lane import OutputLane
 from shared import names
-from shared.job_ops import unpack_ids
+from shared.job_ops import JobOps, unpack_ids
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.schemas import DELTA_SCHEMA, to_ipc
 from shared.settings import Settings
@@ -24,15 +25,17 @@ TEXT = "The capital of France is Paris. It is known for the Eiffel Tower and fin
 class Lane:
     """One OutputLane and one running job, fed token ids a step at a time."""
 
-    def __init__(self, redis_url: str, model_path: str, interval: int, job_id: str, stop: list[str]) -> None:
+    def __init__(self, redis_url: str, model_path: str, interval: int, job_id: str, stop: list[str],
+                 worker: str = "") -> None:
         settings = Settings(redis_url=redis_url, model=model_path, stream_interval=interval)
         self.feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
         self.lane = OutputLane(settings, self.feedback)  # type: ignore[arg-type]
         self.r = redis.Redis.from_url(redis_url, decode_responses=False)
         self.job_id = job_id
-        record = new_record(job_id, "m", "{}") | {"status": JobStatus.running.value}
+        record = new_record(job_id, "m", "{}") | {"status": JobStatus.running.value, "worker": worker}
         self.r.hset(names.job_key(job_id), mapping=record)
-        self.lane.register(Register(job_id, tuple(stop), float(record["created_at"]), prompt_tokens=3, started=True))
+        self.lane.register(Register(job_id, tuple(stop), float(record["created_at"]), prompt_tokens=3, started=True,
+                                    worker=worker))
 
     def step(self, ids: list[int], reason: str | None = None) -> None:
         row = {"job_id": self.job_id, "token_ids": ids, "finish_reason": reason, "error": None}
@@ -50,6 +53,20 @@ class Lane:
 
     def status(self) -> str:
         return self.r.hget(names.job_key(self.job_id), "status").decode()  # type: ignore[union-attr]
+
+    def reports(self) -> list[LaneReport]:
+        out = []
+        while not self.feedback.empty():
+            out.append(self.feedback.get_nowait())
+        return out
+
+    def keys(self) -> list[str]:
+        j = self.job_id
+        return [names.job_key(j), names.events_key(j), names.tokens_key(j), names.text_key(j), names.logprobs_key(j)]
+
+    def everything(self) -> list[object]:
+        """Every key of the job, dumped: what a write would change."""
+        return [self.r.dump(k) for k in self.keys()]
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +109,54 @@ def test_stop_string_is_caught_at_its_step_when_tokens_are_held(redis_url: str, 
     assert lane.feedback.get_nowait() == Abort("job_lane_stop", FinishReason.stop)  # at the step that completed it
     assert "".join(lane.token_events()) == TEXT[:TEXT.index("Eiffel")]
     assert lane.status() == JobStatus.succeeded.value
+
+
+def test_a_job_another_worker_took_over_is_aborted_and_forgotten(redis_url: str, model_path: str,
+                                                                 tokenizer: Tokenizer) -> None:
+    """This worker was cut off past the claim deadline and another took its job over: the lane's next step
+    (the one it retried through the outage) writes nothing, the engine aborts the job and the ledger lets it
+    go without acknowledging the entry the other worker holds now (Dropped, never Done)."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    lane = Lane(redis_url, model_path, 1, "job_lane_taken", [], worker="w1")
+    lane.step(ids[:1])
+    assert JobOps(lane.r, 60).start(lane.job_id, "w2").code.name == "resumed"
+    before = lane.everything()
+    lane.step(ids[1:2])
+    assert lane.reports() == [Abort(lane.job_id, FinishReason.error), Dropped(lane.job_id)]
+    assert lane.job_id not in lane.lane.states
+    lane.step(ids[2:3], "error")  # the engine's output before the abort reached it, then its end: ignored
+    assert lane.reports() == [] and lane.everything() == before and lane.status() == JobStatus.running.value
+
+
+def test_a_job_ending_in_the_step_that_finds_it_taken_is_dropped_not_done(redis_url: str, model_path: str,
+                                                                          tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    lane = Lane(redis_url, model_path, 1, "job_lane_taken_end", [], worker="w1")
+    lane.step(ids[:1])
+    JobOps(lane.r, 60).start(lane.job_id, "w2")
+    before = lane.everything()
+    lane.step(ids[1:2], "length")
+    assert lane.reports() == [Dropped(lane.job_id)]  # the engine has ended it: nothing to abort
+    assert lane.everything() == before and lane.job_id not in lane.lane.states
+
+
+def test_a_job_whose_record_is_gone_is_aborted_and_forgotten(redis_url: str, model_path: str,
+                                                             tokenizer: Tokenizer) -> None:
+    """A failover lost the job's record (the replica never had it): no step or finish brings back a half
+    record."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    lane = Lane(redis_url, model_path, 1, "job_lane_gone", [], worker="w1")
+    lane.step(ids[:1])
+    lane.r.delete(*lane.keys())
+    lane.step(ids[1:2])
+    assert lane.reports() == [Abort(lane.job_id, FinishReason.error), Dropped(lane.job_id)]
+    lane.step(ids[2:3], "length")
+    assert lane.reports() == [] and lane.r.exists(*lane.keys()) == 0
+
+
+def test_a_job_the_lane_still_owns_ends_done(redis_url: str, model_path: str, tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    lane = Lane(redis_url, model_path, 1, "job_lane_owned", [], worker="w1")
+    lane.step(ids[:2])
+    lane.step(ids[2:3], "length")
+    assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value

@@ -100,7 +100,7 @@ class Sim:
             cost, tokens = charges.get(tenant, (0.0, 0))
             charges[tenant] = (cost + OUTPUT_COST / weight, tokens + 1)
             k, a = step_write(job_id, FRESH if self.running[job_id] == 1 else 0, 0, b"", 0, b"", 0, b"",
-                              self.running[job_id])
+                              self.running[job_id], worker="engine-1")
             keys += k
             args += a
         if keys:

@@ -24,10 +24,13 @@ from shared.job_ops import (
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.redis_client import async_client, sync_client
 from shared.scripts.codes import (
+    AccountCode,
     AccountReply,
     FinishCode,
     FinishReply,
+    NoteFailureCode,
     StartCode,
+    StepCode,
     StepReply,
     StreamOpenCode,
     SubmitCode,
@@ -159,6 +162,7 @@ async def test_finish_returns_every_code(raw: redis.Redis, api_client: aredis.Re
     ops, aops = JobOps(raw, 60), AsyncJobOps(api_client, 60)
     _queued(raw, "j1")
     assert ops.start("j1", "w").code is StartCode.started
+    assert ops.finish("j1", FinishReason.stop, worker="w2") == FinishReply(FinishCode.not_owner)
     got = await aops.finish("j1", FinishReason.cancelled, required_status=JobStatus.queued.value)
     assert got == FinishReply(FinishCode.already_ended)  # not in the required status
     assert await aops.finish("j1", FinishReason.cancelled) == FinishReply(FinishCode.finished, 1)
@@ -192,15 +196,30 @@ async def test_stream_open_returns_every_code(raw: redis.Redis, api_client: ared
     assert raw.zcard(names.tenant_streams_key("acme")) == 2
 
 
-def test_step_reports_written_and_replayed(raw: redis.Redis) -> None:
-    ops = JobOps(raw, 60)
+def test_step_returns_every_code(raw: redis.Redis) -> None:
+    ops, seen = JobOps(raw, 60), set()
     _queued(raw, "j1")
     ops.start("j1", "w")
-    keys, args = step_write("j1", 1, 0, b"\x01\x00\x00\x00", 0, b"Hi", 1, b'{"seq":1}', 1)
-    for expected in (StepReply(1, 0), StepReply(0, 1)):
+    keys, args = step_write("j1", 1, 0, b"\x01\x00\x00\x00", 0, b"Hi", 1, b'{"seq":1}', 1, worker="w")
+    for expected in (StepCode.written, StepCode.replayed):
         pipe = raw.pipeline(transaction=True)
         ops.step(keys, args, pipe)
-        assert [StepReply.parse(r) for r in pipe.execute()] == [expected]
+        got = [StepReply.parse(r) for r in pipe.execute()]
+        assert got == [StepReply((expected,))] and got[0].written + got[0].replayed == 1
+        seen.add(expected)
+    for job_id, worker, expected in (("j1", "w2", StepCode.not_owner), ("nope", "w", StepCode.no_such_job)):
+        keys, args = step_write(job_id, 1, 0, b"", 0, b"Hi", 2, b"{}", 1, worker=worker)
+        pipe = raw.pipeline(transaction=True)
+        ops.step(keys, args, pipe)
+        assert [StepReply.parse(r) for r in pipe.execute()] == [StepReply((expected,))]
+        seen.add(expected)
+    ops.finish("j1", FinishReason.stop, worker="w")
+    keys, args = step_write("j1", 0, 4, b"", 2, b"!", 3, b"{}", 1, worker="w")
+    pipe = raw.pipeline(transaction=True)
+    ops.step(keys, args, pipe)
+    assert [StepReply.parse(r) for r in pipe.execute()] == [StepReply((StepCode.ended,))]
+    seen.add(StepCode.ended)
+    assert seen == set(StepCode)
 
 
 def test_account_and_note_failure(raw: redis.Redis) -> None:
@@ -214,8 +233,10 @@ def test_account_and_note_failure(raw: redis.Redis) -> None:
     queue_note_failure(pipe, "gone", "timed out")
     *accounted, noted, not_noted = scripts.execute(pipe)
     assert [AccountReply.parse(r) for r in accounted] == [
-        AccountReply(False, "http://h/x", "acme"), AccountReply(False, "", ""), AccountReply(True)]
-    assert noted is None and not_noted is None
+        AccountReply(AccountCode.accounted, "http://h/x", "acme"), AccountReply(AccountCode.accounted, "", ""),
+        AccountReply(AccountCode.no_such_job)]
+    assert AccountReply.parse(accounted[2]).expired
+    assert (noted, not_noted) == (NoteFailureCode.noted, NoteFailureCode.no_such_record)
     assert raw.hget(names.job_key("j1"), "webhook_error") == b"timed out"
     assert not raw.exists(names.job_key("gone"))  # an expired record is not brought back
     assert raw.hget(names.usage_key(), "m:jobs") == b"2"

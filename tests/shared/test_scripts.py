@@ -1,21 +1,43 @@
 """The Redis protocol's scripts: one documented file each, called by SHA with a NOSCRIPT fallback
-(pipelines included, never SCRIPT EXISTS), and a step that tolerates being replayed."""
+(pipelines included, never SCRIPT EXISTS), a step that tolerates being replayed, nothing written into a
+record that is gone, and a job written only by the worker that runs it."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from infra.redis_server import RedisServer
 from shared import names, scripts
-from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, step_write
+from shared.job_ops import (
+    FIRST_TOKEN,
+    FRESH,
+    JobOps,
+    pack_ids,
+    queue_account,
+    queue_note_failure,
+    request_cancel_write,
+    step_write,
+)
 from shared.jobs import FinishReason, new_record
 from shared.redis_client import sync_client
-from shared.scripts.codes import StartCode
+from shared.scripts.codes import (
+    AccountCode,
+    AccountReply,
+    BatchResultCode,
+    FinishCode,
+    FinishReply,
+    NoteFailureCode,
+    RequestCancelReply,
+    StartCode,
+    StepCode,
+    StepReply,
+)
 from tests.conftest import own_redis
 
 
@@ -93,13 +115,19 @@ def _running_job(r: redis.Redis, job_id: str) -> None:
 def test_a_replayed_step_is_reported_not_raised(raw: redis.Redis) -> None:
     ops = JobOps(raw, 60)
     _running_job(raw, "j1")
-    keys, args = step_write("j1", FRESH | FIRST_TOKEN, 0, b"\x01\x00\x00\x00", 0, b"Hi", 1, b'{"seq":1}', 1)
-    for expected in ([1, 0], [0, 1]):  # the second is the same step again, as after a reconnect
+    keys, args = step_write("j1", FRESH | FIRST_TOKEN, 0, b"\x01\x00\x00\x00", 0, b"Hi", 1, b'{"seq":1}', 1,
+                            worker="w")
+    pipe = raw.pipeline(transaction=True)
+    ops.step(keys, args, pipe)
+    ops.step(keys, args, pipe)  # the same step again, as after a reconnect
+    assert pipe.execute() == [[StepCode.written], [StepCode.replayed]]
+    # the step and the finish sent again after both went through: the job has ended, by this worker
+    for expected in ([[StepCode.replayed], 2], [[StepCode.ended], FinishCode.already_ended]):
         raw.script_flush()
         pipe = raw.pipeline(transaction=True)
         ops.step(keys, args, pipe)
-        ops.finish("j1", FinishReason.stop, fields={"completion_tokens": 1}, pipe=pipe)
-        assert pipe.execute(raise_on_error=False) == [expected, 2 if expected == [1, 0] else 0]
+        ops.finish("j1", FinishReason.stop, fields={"completion_tokens": 1}, pipe=pipe, worker="w")
+        assert pipe.execute(raise_on_error=False) == expected
     assert [e for e, _ in raw.xrange(names.events_key("j1"))] == [b"0-1", b"0-2"]
     assert raw.hget(names.job_key("j1"), "seq") == b"2"  # the replay did not wind it back
     assert raw.get(names.text_key("j1")) == b"Hi"
@@ -111,12 +139,156 @@ def test_step_flags_fresh_and_first_token(raw: redis.Redis) -> None:
     ops = JobOps(raw, 60)
     _running_job(raw, "j2")
     pipe = raw.pipeline(transaction=True)
-    keys, args = step_write("j2", FRESH, 0, b"", 0, b"", 0, b"", 0)
+    keys, args = step_write("j2", FRESH, 0, b"", 0, b"", 0, b"", 0, worker="w")
     ops.step(keys, args, pipe)
     pipe.execute()
     assert raw.hget(names.job_key("j2"), "first_token_at") is None
-    keys, args = step_write("j2", FIRST_TOKEN, 0, b"\x02\x00\x00\x00", 0, b"", 0, b"", 1)
+    keys, args = step_write("j2", FIRST_TOKEN, 0, b"\x02\x00\x00\x00", 0, b"", 0, b"", 1, worker="w")
     ops.step(keys, args, pipe)
-    pipe.execute()
+    ops.step(keys, args, pipe)  # ids without a chunk, sent again: not past the recorded completion_tokens
+    assert pipe.execute() == [[StepCode.written], [StepCode.replayed]]
     assert raw.hget(names.job_key("j2"), "first_token_at") is not None
     assert raw.hget(names.job_key("j2"), "completion_tokens") == b"1"
+
+
+MARKER = b"marker: nothing was published before this"
+
+
+def published(r: redis.Redis, channels: list[str], act: Callable[[], object]) -> list[bytes]:
+    """What `act` published on `channels`: a marker published after it is the last message to wait for (one
+    connection's messages arrive in their order), so nothing waits on a fixed sleep."""
+    sub = r.pubsub()
+    sub.subscribe(*channels)
+    for _ in channels:
+        assert (sub.get_message(timeout=5) or {}).get("type") == "subscribe"
+    act()
+    r.publish(channels[-1], MARKER)
+    got = []
+    while (msg := sub.get_message(timeout=5)) is not None and msg["data"] != MARKER:
+        got.append(msg["data"])
+    sub.close()
+    assert msg is not None, "the marker never came"
+    return got
+
+
+def job_keys(job_id: str) -> list[str]:
+    return [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id),
+            names.logprobs_key(job_id), names.prompt_logprobs_key(job_id)]
+
+
+def _step(ops: JobOps, job_id: str, worker: str, seq: int, text: str, chunk: str,
+          charges: dict[str, tuple[float, int]] | None = None) -> list[StepCode]:
+    """One step call of one job: its `seq`th token (an id 7) with its chunk, after `text`."""
+    flags = FRESH | FIRST_TOKEN if seq == 1 else 0
+    keys, args = step_write(job_id, flags, (seq - 1) * 4, pack_ids([7]), len(text.encode()), chunk.encode(), seq,
+                            b'{"seq": %d}' % seq, seq, 0, b"", worker)
+    pipe = ops.client.pipeline(transaction=True)
+    ops.step(keys, args, pipe, charges)
+    [raw] = pipe.execute()
+    return list(StepReply.parse(raw).codes)
+
+
+def test_no_script_writes_into_a_record_that_is_gone(raw: redis.Redis) -> None:
+    """A record lost (to a failover, before a replica had it) is not brought back as a half record by the
+    scripts that update a job: each says so and writes nothing, publishes nothing."""
+    ops, job_id = JobOps(raw, 60), "job_gone_0001"
+    p = names.job_partition(job_id)
+
+    def every_script() -> None:
+        assert ops.start(job_id, "w").code is StartCode.no_such_job
+        assert _step(ops, job_id, "w", 1, "", "Hi") == [StepCode.no_such_job]
+        assert _step(ops, job_id, "", 1, "", "Hi") == [StepCode.no_such_job]
+        for worker in ("w", ""):
+            got = ops.finish(job_id, FinishReason.stop, fields={"completion_tokens": 1}, worker=worker)
+            assert got == FinishReply(FinishCode.no_such_job)
+        got = ops.finish(job_id, FinishReason.cancelled, required_status="queued")  # the API's cancel
+        assert got == FinishReply(FinishCode.no_such_job)
+        got = RequestCancelReply.parse(scripts.REQUEST_CANCEL(raw, *request_cancel_write(job_id)))
+        assert not got.found
+        pipe = raw.pipeline(transaction=False)
+        queue_account(pipe, job_id, 60)
+        queue_note_failure(pipe, job_id, "timed out")
+        accounted, noted = scripts.execute(pipe)
+        assert AccountReply.parse(accounted) == AccountReply(AccountCode.no_such_job)
+        assert noted == NoteFailureCode.no_such_record
+
+    assert published(raw, [names.job_channel(job_id), names.CONTROL_CHANNEL], every_script) == []
+    assert raw.exists(*job_keys(job_id)) == 0
+    assert raw.exists(names.dequeued_counter(p), names.stream(names.ENDED, p), names.usage_key(partition=p)) == 0
+
+
+def test_a_batch_result_for_a_batch_that_is_gone_writes_nothing(raw: redis.Redis) -> None:
+    batch = "batch_gone_0001"
+    keys = [names.batch_key(batch), names.batch_key(batch, "out"), names.batch_key(batch, "inflight")]
+    raw.hset(keys[2], "0", "job_x")  # its own TTL outlived the record's
+    assert scripts.BATCH_RESULT(raw, keys, ["0", b"{}", "completed"]) == BatchResultCode.no_such_batch
+    assert raw.exists(keys[0], keys[1]) == 0 and raw.hget(keys[2], "0") == b"job_x"
+    raw.hset(keys[0], "status", "in_progress")
+    assert scripts.BATCH_RESULT(raw, keys, ["0", b"{}", "completed"]) == BatchResultCode.recorded
+    assert scripts.BATCH_RESULT(raw, keys, ["0", b"{}", "completed"]) == BatchResultCode.already_recorded
+    assert raw.hget(keys[0], "completed") == b"1" and not raw.exists(keys[2])
+
+
+def _state(r: redis.Redis, job_id: str) -> tuple[Any, ...]:
+    """Everything a step writes of a job: its record, text, ids, logprobs and events."""
+    return (r.hgetall(names.job_key(job_id)), r.get(names.text_key(job_id)), r.get(names.tokens_key(job_id)),
+            r.get(names.logprobs_key(job_id)), r.xrange(names.events_key(job_id)))
+
+
+def test_a_worker_that_lost_its_job_writes_nothing_into_it(raw: redis.Redis) -> None:
+    """A worker cut off past the claim deadline comes back after another took its job over: its step (the one
+    it retried through the outage, and any later) and its finish write nothing, publish nothing, charge no
+    tenant; the job goes on with its new worker."""
+    ops, job_id = JobOps(raw, 60), "job_taken_0001"
+    _running_job(raw, job_id)  # started by "w"
+    vtc = names.partition_prefix(names.job_partition(job_id)) + ":fair:vtc"
+    assert _step(ops, job_id, "w", 1, "", "Hi", {"acme": (2.0, 1)}) == [StepCode.written]
+    assert ops.start(job_id, "w2").code is StartCode.resumed  # claimed: the record names w2 now
+    before, charged = _state(raw, job_id), raw.hget(vtc, "acme")
+
+    def stale() -> None:
+        assert _step(ops, job_id, "w", 2, "Hi", " there", {"acme": (2.0, 1)}) == [StepCode.not_owner]
+        assert _step(ops, job_id, "w", 1, "", "Hi") == [StepCode.not_owner]  # not even a replay
+        got = ops.finish(job_id, FinishReason.length, fields={"completion_tokens": 2}, worker="w")
+        assert got == FinishReply(FinishCode.not_owner)
+
+    assert published(raw, [names.job_channel(job_id)], stale) == []
+    assert _state(raw, job_id) == before and raw.hget(vtc, "acme") == charged
+    assert _step(ops, job_id, "w2", 2, "Hi", " there") == [StepCode.written]
+    assert ops.finish(job_id, FinishReason.length, worker="w2") == FinishReply(FinishCode.finished, 3)
+    # the job ended by w2: a late finish of w's is still not w's, so it cannot pass for one of its own sent again
+    assert ops.finish(job_id, FinishReason.length, worker="w") == FinishReply(FinishCode.not_owner)
+    assert raw.get(names.text_key(job_id)) == b"Hi there"
+
+
+def test_a_step_on_an_ended_job_writes_nothing(raw: redis.Redis) -> None:
+    ops, job_id = JobOps(raw, 60), "job_ended_0001"
+    _running_job(raw, job_id)
+    assert _step(ops, job_id, "w", 1, "", "Hi") == [StepCode.written]
+    assert ops.finish(job_id, FinishReason.cancelled, worker="w") == FinishReply(FinishCode.finished, 2)
+    before = _state(raw, job_id)
+
+    def late() -> None:  # a step the engine made before it heard of the cancel
+        assert _step(ops, job_id, "w", 3, "Hi", " more") == [StepCode.ended]
+
+    assert published(raw, [names.job_channel(job_id)], late) == []
+    assert _state(raw, job_id) == before
+
+
+def test_one_step_call_writes_each_job_it_may(raw: redis.Redis) -> None:
+    """A call of many jobs answers for each: the jobs refused have nothing written, the others are written."""
+    ops = JobOps(raw, 60)
+    for job_id in ("job_mix_0001", "job_mix_0002"):
+        _running_job(raw, job_id)
+    keys: list[str] = []
+    args: list[Any] = []
+    for job_id in ("job_mix_0001", "job_mix_gone", "job_mix_0002"):
+        k, a = step_write(job_id, FRESH | FIRST_TOKEN, 0, pack_ids([7]), 0, b"Hi", 1, b"{}", 1, worker="w")
+        keys, args = keys + k, args + a
+    raw.hset(names.job_key("job_mix_0002"), "worker", "w2")
+    pipe = raw.pipeline(transaction=True)
+    ops.step(keys, args, pipe)
+    [reply] = pipe.execute()
+    assert StepReply.parse(reply) == StepReply((StepCode.written, StepCode.no_such_job, StepCode.not_owner))
+    assert raw.get(names.text_key("job_mix_0001")) == b"Hi"
+    assert raw.exists(*job_keys("job_mix_gone"), names.text_key("job_mix_0002")) == 0

@@ -1,0 +1,47 @@
+"""The entry ledger forgets a job the output lane dropped (its record gone, or another worker's now): its
+slot frees, and its entry, which another consumer may hold by now, is never acknowledged here."""
+
+from __future__ import annotations
+
+from gpu_worker.ledger import EntryLedger
+
+
+class Consumer:
+    def __init__(self) -> None:
+        self.acked: list[str] = []
+
+    def ack(self, refs: list[str]) -> None:
+        self.acked += refs
+
+    def note_outage(self) -> None:
+        pass
+
+
+def test_a_forgotten_job_frees_its_slot_and_its_entry_is_never_acknowledged() -> None:
+    consumer = Consumer()
+    ledger = EntryLedger(consumer, max_jobs=2)  # type: ignore[arg-type]
+    ledger.open("e1", ["j1"])
+    ledger.take_slot("j1")
+    ledger.forget("j1")
+    assert consumer.acked == [] and ledger.entries() == [] and ledger.idle() and ledger.free() == 2
+    ledger.close("j1")  # a late report changes nothing
+    assert consumer.acked == []
+
+
+def test_an_entry_with_a_forgotten_job_stays_unacknowledged_when_the_rest_end() -> None:
+    """A batch-mate ending here does not acknowledge the entry for the dropped job: the entry, if still this
+    worker's, is admitted again later (Reader.readmit_forgotten) and start.lua says what is left to run."""
+    consumer = Consumer()
+    ledger = EntryLedger(consumer, max_jobs=2)  # type: ignore[arg-type]
+    ledger.open("e1", ["j1", "j2"])
+    ledger.open("e2", ["j3"])
+    for job_id in ("j1", "j2"):
+        ledger.take_slot(job_id)
+    ledger.forget("j1")
+    assert ledger.entries() == ["e1", "e2"]  # still refreshed: j2 runs here
+    ledger.close("j2")
+    ledger.close("j3")
+    assert consumer.acked == ["e2"] and ledger.entries() == [] and ledger.idle()
+    ledger.open("e1", ["j4"])  # the same entry admitted again: acknowledged like any
+    ledger.close("j4")
+    assert consumer.acked == ["e2", "e1"]

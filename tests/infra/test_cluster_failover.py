@@ -1,0 +1,125 @@
+"""The output lane writes through a master's failover: kill -9 of a master (not the seed the lane was
+given first) while the lane streams jobs spread over every master; the write that met the dead node is
+sent again against a fresh slot map, the lane gets every job's text and end through, and no chunk is lost
+or repeated. Twice in a row, on two masters. Needs Debian's redis-server 7.0 (skips without it); the
+cluster is the test's own, so it runs beside the other tests (tests/background.py). bench.chaos
+--failover runs the same kill against a whole stack, 20 times in a row."""
+
+from __future__ import annotations
+
+import contextvars
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from tokenizers import Tokenizer
+
+from gpu_worker.messages import Done, LaneReport, Register
+from gpu_worker.output_lane import OutputLane
+from infra.redis_cluster import LocalCluster, cluster_binary
+from shared import names
+from shared.jobs import JobStatus, new_record
+from shared.redis_client import sync_client
+from shared.schemas import DELTA_SCHEMA, to_ipc
+from shared.settings import Settings
+from tests.background import Background, background_run
+
+pytestmark = pytest.mark.background
+
+PARTITIONS = 12
+JOBS = 24
+TEXT = "The capital of France is Paris. It is known for the Eiffel Tower, for its museums and for fine food."
+WORKER = "inference-test-1"
+
+
+@background_run("cluster_failover")
+def start(request: pytest.FixtureRequest, background: Background) -> Future[None] | str:
+    try:
+        cluster_binary()
+    except SystemExit as e:
+        return str(e)
+    tmp = request.getfixturevalue("tmp_path_factory").mktemp("failover")
+    return background.submit(lane_through_failovers, tmp, request.getfixturevalue("model_path"))
+
+
+def test_the_output_lane_writes_through_a_masters_failover(background: Background) -> None:
+    run = background.handle("cluster_failover")
+    if isinstance(run, str):
+        pytest.skip(run)
+    run.result()
+
+
+def lane_through_failovers(tmp: Path, model_path: str) -> None:
+    cluster = LocalCluster(tmp / "cluster", masters=3, replicas=1)
+    try:
+        cluster.start(timeout=30)
+        with names.partitions_as(PARTITIONS):
+            for round_ in range(2):
+                stream_through_a_kill(cluster, model_path, round_)
+    finally:
+        cluster.stop()
+
+
+def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -> None:
+    ids = Tokenizer.from_file(f"{model_path}/tokenizer.json").encode(TEXT, add_special_tokens=False).ids
+    client = sync_client(cluster.seed_url, decode=False)
+    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
+    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
+                      client=client)
+    jobs = [names.job_id_in(i % PARTITIONS, uuid.uuid4().hex) for i in range(JOBS)]
+    for job_id in jobs:
+        record = new_record(job_id, "m", "{}") | {"status": JobStatus.running.value, "worker": WORKER}
+        pipe = client.pipeline(transaction=False)  # the record, and a WAIT on its connection: a replica has it
+        pipe.hset(names.job_key(job_id), mapping=record)
+        pipe.execute_command("WAIT", 1, 5000, target_nodes=client.get_node_from_key(names.job_key(job_id)))
+        assert pipe.execute()[1] == 1
+        lane.register(Register(job_id, (), float(record["created_at"]), prompt_tokens=3, started=True, worker=WORKER))
+    seed_port = int(cluster.url.rsplit(":", 1)[1].split("/")[0])
+    victim = next(p for p in cluster.master_ports() if p != seed_port)
+    steps_done = [0]
+
+    def feed() -> None:
+        for t, token in enumerate(ids):
+            reason = "length" if t == len(ids) - 1 else None
+            rows = [{"job_id": j, "token_ids": [token], "finish_reason": reason, "error": None} for j in jobs]
+            lane.handle_deltas(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)))
+            steps_done[0] = t + 1
+
+    feeder = threading.Thread(target=contextvars.copy_context().run, args=(feed,), daemon=True)  # 12 partitions
+    feeder.start()
+    deadline = time.monotonic() + 30
+    while steps_done[0] < len(ids) // 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cluster.kill(victim)  # a third of the way through: the lane's next writes to it meet a dead node
+    feeder.join(90)
+    assert not feeder.is_alive(), f"round {round_}: the lane stalled at step {steps_done[0]} of {len(ids)}"
+    ended = {r.job_id for r in _drain(feedback) if isinstance(r, Done)}
+    assert ended == set(jobs)
+    for job_id in jobs:
+        rec = client.hgetall(names.job_key(job_id))
+        assert rec[b"status"] == b"succeeded", (job_id, rec)
+        assert client.get(names.text_key(job_id)).decode() == TEXT
+        events = client.xrange(names.events_key(job_id))
+        tokens = [f for _, f in events if f[b"type"] == b"token"]
+        seqs = [int(eid.decode().split("-")[1]) for eid, f in events if f[b"type"] == b"token"]
+        assert seqs == list(range(1, len(seqs) + 1)), (job_id, seqs)  # no gap, no repeat
+        assert b"".join(f[b"text"] for f in tokens).decode() == TEXT
+    cluster.wait_ok(timeout=30)
+    cluster.restart_node(victim)  # back as a replica: the next round has three masters with replicas again
+    cluster.wait_ok(timeout=30)
+    until = time.monotonic() + 30
+    while victim not in cluster.replica_ports() and time.monotonic() < until:
+        time.sleep(0.1)
+    client.close()
+
+
+def _drain(feedback: queue.SimpleQueue[LaneReport]) -> list[LaneReport]:
+    out = []
+    while not feedback.empty():
+        out.append(feedback.get_nowait())
+    return out
