@@ -2,37 +2,42 @@
 
     .venv/bin/python -m bench.failover                      # 20 rounds, 30 greedy jobs each, default model
     .venv/bin/python -m bench.failover --rounds 3 --tiny    # a short one on a tiny random model
+    .venv/bin/python -m bench.failover --seeds all          # REDIS_URL lists every node
 
-Starts `conveyor up --redis-cluster 3` with REDIS_PARTITIONS=12 (the README's cluster settings: keys on every
-master, Celery's broker on its own node) and fast redelivery. Each round submits --jobs greedy jobs (each
-with an Idempotency-Key; a 503 is retried with the same key), and right after the last 202 kills -9 one
-master: in even rounds one that is not the node REDIS_URL names first, in odd rounds that seed node itself
-(when it is a master); a third as many jobs again are submitted through the failover. The supervisor
-starts the dead node again, as a replica. A round passes when every accepted job ends succeeded with the
-text of a clean run and an event stream of seqs 1..n that joins to it; a round in which some job has not
-ended 180 s after the kill is a stall. The cluster is healthy again (every master with a replica) before
-the next round. Exit status 1 if any round failed.
+The README's cluster settings on a cluster of its own, as an operator runs one (not the supervisor's, which
+would start a killed node again at once): a LocalCluster of 3 masters and 3 replicas, a single-node Redis as
+Celery's broker, and `conveyor up` with REDIS_URL naming one node (`--seeds one`, the default) or every node
+(`--seeds all`), REDIS_PARTITIONS=12 and fast redelivery. Each round submits --jobs greedy jobs (each with an
+Idempotency-Key; a 503 is retried with the same key), and right after the last 202 kills -9 one master: in
+even rounds one that is not the node REDIS_URL names first, in odd rounds that node itself (when it is a
+master); a third as many jobs again are submitted through the failover. Once its replica has taken over,
+the node starts again and rejoins as a replica, as an operator's restart would. A round passes when
+every accepted job ends succeeded with the text of a clean run and an event stream of seqs 1..n that joins
+to it; a round in which some job has not ended DRAIN_S after the kill is a stall. Exit status 1 if any round
+failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import queue
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from bench.common import PROMPTS, default_model, make_tiny_model, md_table
 from harness.sse import check_events, read_events
 from harness.stack import Stack, start_stack, stop_stack
+from infra.redis_cluster import LocalCluster
+from infra.redis_server import RedisServer
 from shared.jobs import TERMINAL
-from shared.redis_client import seeds
 
 ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "LOG_LEVEL": "WARNING",
        "REDIS_PARTITIONS": "12", "DTYPE": "float32"}  # float32: greedy texts compare exactly across batches
@@ -62,56 +67,46 @@ def submit(client: httpx.Client, payload: dict[str, Any], counts: dict[str, int]
     return None
 
 
-def masters(stack: Stack) -> list[int]:
-    """The ports of the cluster's live masters, as a live node sees them."""
-    r = stack.redis()
-    try:
-        nodes = r.cluster_nodes()  # type: ignore[attr-defined]
-    finally:
-        r.close()
-    return sorted(int(addr.split(":")[1].split("@")[0]) for addr, n in nodes.items()
-                  if "master" in n["flags"] and "fail" not in n["flags"] and n["connected"])
+class Reviver(threading.Thread):
+    """As an operator's restart would: once a killed master's replica has taken over, the node starts again
+    and rejoins as a replica (until then its new master has none, and the writes it is to promise are
+    refused: 503). One thread for the whole run: a node dies with the thread that started it."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        super().__init__(name="reviver", daemon=True)
+        self.cluster = cluster
+        self.asked: queue.SimpleQueue[tuple[int, threading.Event]] = queue.SimpleQueue()
+
+    def revive(self, port: int) -> threading.Event:
+        done = threading.Event()
+        self.asked.put((port, done))
+        return done
+
+    def run(self) -> None:
+        while True:
+            port, done = self.asked.get()
+            deadline = time.monotonic() + 60
+            while len(self.cluster.master_ports()) < self.cluster.masters and time.monotonic() < deadline:
+                time.sleep(0.2)  # (the dead node is not counted): until its replica is promoted
+            self.cluster.restart_node(port)
+            done.set()
 
 
-def healthy(stack: Stack, nodes: int) -> bool:
-    """Every node up and every master with a connected replica."""
-    try:
-        r = stack.redis()
-        try:
-            view = r.cluster_nodes()  # type: ignore[attr-defined]
-        finally:
-            r.close()
-    except Exception:  # noqa: BLE001 - not yet
-        return False
-    up = [n for n in view.values() if n["connected"] and "fail" not in n["flags"]]
-    primaries = {n["node_id"] for n in up if "master" in n["flags"]}
-    served = {n["master_id"] for n in up if "slave" in n["flags"]}
-    return len(up) == nodes and len(primaries) == 3 and primaries <= served
-
-
-def pid_on(stack: Stack, port: int) -> int:
-    for _, p in stack.tree():
-        try:
-            if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in p.net_connections("tcp")):
-                return p.pid
-        except psutil.Error:
-            continue
-    raise RuntimeError(f"no process listens on {port}")
-
-
-def one_round(stack: Stack, rnd: int, args: argparse.Namespace, clean: dict[int, str]) -> dict[str, Any]:
+def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, args: argparse.Namespace,
+              clean: dict[int, str]) -> dict[str, Any]:
     counts = {"503": 0, "transport": 0}
-    seed = int(seeds(stack.redis_url)[0].rsplit(":", 1)[1].split("/")[0])
+    seed = cluster.nodes[0].port
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         accepted = {}
         for i in range(args.jobs):
             job_id = submit(client, body(i, args.max_tokens), counts)
             if job_id:
                 accepted[job_id] = i
-        live = masters(stack)
+        live = cluster.master_ports()
         target = seed if rnd % 2 == 1 and seed in live else next(p for p in live if p != seed)
-        psutil.Process(pid_on(stack, target)).kill()
+        cluster.kill(target)
         killed_at = time.monotonic()
+        revived = reviver.revive(target)
         for i in range(args.jobs, args.jobs + args.jobs // 3):  # and more through the failover: 503s, then 202s
             job_id = submit(client, body(i, args.max_tokens), counts)
             if job_id:
@@ -132,13 +127,16 @@ def one_round(stack: Stack, rnd: int, args: argparse.Namespace, clean: dict[int,
             if (job["status"] != "succeeded" or job["text"] != clean[accepted[job_id] % 5]
                     or check_events(read_events(client, job_id), job["text"]) is not None):
                 wrong += 1
-    deadline = time.monotonic() + 120
-    while not healthy(stack, 6) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    revived.wait(90)
+    healed = True
+    try:
+        cluster.wait_ok(timeout=60)
+    except Exception:  # noqa: BLE001 - reported in the row
+        healed = False
     lost = len(accepted) - len(ended)
     return {"round": rnd + 1, "killed": "seed" if target == seed else "other", "accepted": len(accepted),
             "lost": lost, "wrong": wrong, "stalled": lost > 0, "drained_s": round(drained_s, 1),
-            "503s": counts["503"], "healed": healthy(stack, 6)}
+            "503s": counts["503"], "healed": healed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,12 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the default one")
+    ap.add_argument("--seeds", choices=["one", "all"], default="one", help="the nodes REDIS_URL names")
     ap.add_argument("--workdir", default="")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="conveyor-failover-"))
     model = make_tiny_model(work / "tiny", default_model()) if args.tiny else default_model()
-    stack = start_stack(work / "stack", "", model, ENV, args=["--redis-cluster", "3"])
+    cluster, broker = LocalCluster(work / "cluster"), RedisServer(work / "broker")
     rows = []
+    reviver = Reviver(cluster)
+    reviver.start()
+    try:
+        cluster.start()
+        env = {**ENV, "CELERY_BROKER_URL": broker.start()}
+        stack = start_stack(work / "stack", cluster.url if args.seeds == "one" else cluster.seed_url, model, env)
+    except BaseException:
+        cluster.stop()
+        broker.stop()
+        raise
     try:
         with httpx.Client(base_url=stack.url, timeout=120) as client:
             clean = {}
@@ -165,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.2)
                 clean[i] = job["text"]
         for rnd in range(args.rounds):
-            row = one_round(stack, rnd, args, clean)
+            row = one_round(stack, cluster, reviver, rnd, args, clean)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
         stop_stack(stack)
+        cluster.stop()
+        broker.stop()
     keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))
     passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"])

@@ -15,6 +15,11 @@ clean run's), and every failed check in words (`problems`; none: the run passed)
   finished jobs has changed, and it wrote nothing into them (Redis's MONITOR, attributed by client address).
 - `tokenizer`: the same for a tokenizer worker cut off with entries of `jobs` delivered to it (Redis answered its
   blocked XREADGROUP into the cut): claimed and tokenized exactly once (the fair queue's arrivals counter).
+- `cluster`: no stack; a local Redis Cluster (3 masters, 3 replicas) whose one master runs in a namespace beside a
+  client of its own, the rest in the root namespace with another client, both writing SET then WAIT 1 (a write is
+  acknowledged once a replica has it, as conveyor's promises are); the master is cut off until the majority has
+  failed it over, then healed. No acknowledged write of either side is lost, and the minority's writes are refused
+  once they can no longer be copied (min-replicas-to-write / min-replicas-max-lag, cluster-node-timeout).
 
 Greedy float32 decoding on a model of the caller's (the tiny model in the tests) gives every job with the same
 prompt the same text, whichever worker runs or resumes it, which is what "the clean run's text" relies on.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,10 +46,14 @@ from urllib.parse import quote
 
 import httpx
 import redis
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
 
 from harness import netns
 from harness.sse import check_events, read_events, tokens_text
 from harness.stack import ROOT, Stack, start_stack, stop_stack, wait_http
+from infra.redis_cluster import ClusterNode, LocalCluster, _parse_nodes
 from infra.redis_server import RedisServer, free_port
 from shared import names
 from shared.jobs import TERMINAL
@@ -51,7 +61,8 @@ from shared.lifecycle import preexec_die_with_parent
 
 # fast redelivery and heartbeats, float32 greedy (the suite's TEST_ENV, for callers that bring none)
 ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
-       "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING", "DTYPE": "float32"}
+       "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING", "DTYPE": "float32",
+       "OMP_WAIT_POLICY": "PASSIVE"}  # (OpenMP threads that sleep while they wait: 2 cores, several stacks)
 # the longest a request to the cut-off API may take: one Redis call's read timeout (socket_timeout 10 s), its one
 # retry on a new connection (connect timeout 2 s) and the pool's wait (10 s) are the API's own bounds (shared/
 # redis_client.py, async_client); a little over twice one call's, for a handler that makes two before it fails
@@ -87,8 +98,11 @@ class PartitionRedis(RedisServer):
         super().__init__(data_dir)
         self.also_bind = also_bind
 
-    def config(self) -> dict[str, str]:
-        return {**super().config(), "bind": f"127.0.0.1 {self.also_bind}"}
+    def write_config(self) -> Path:
+        path = super().write_config()
+        with open(path, "a") as f:  # a later `bind` wins; two addresses are two arguments, not one quoted string
+            f.write(f"bind 127.0.0.1 {self.also_bind}\n")
+        return path
 
     def url_at(self, host: str) -> str:
         return f"redis://:{quote(self.password, safe='')}@{host}:{self.port}/0"
@@ -289,10 +303,10 @@ class Monitor:
                 out.append(f"{shown} (via {via})" if via != "direct" else shown)
         return out
 
-    def counts(self) -> dict[str, int]:
-        """The watched clients' write commands by name (scripts' under their call's name)."""
+    def counts(self, writes_only: bool = False) -> dict[str, int]:
+        """The watched clients' commands (or their writes alone) by name, scripts' under their call's name."""
         return dict(Counter(f"{args[0].lower()}" + (f" in {via}" if via != "direct" else "")
-                            for _, via, args in self.lines if args[0].lower() in self.WRITES))
+                            for _, via, args in self.lines if not writes_only or args[0].lower() in self.WRITES))
 
 
 class Scene:
@@ -363,6 +377,13 @@ class Scene:
                 raise RuntimeError(f"the clean run of {p!r} did not succeed: {ended[job_id]}")
         return {p: str(client.get(f"/v1/jobs/{job_id}").json()["text"]) for p, job_id in ids.items()}
 
+    def orphans(self) -> list[str]:
+        """The namespace's connections to Redis that their process has closed and the kernel still holds (their data
+        or FIN not yet through): `ss` states FIN-WAIT-1, CLOSING, LAST-ACK."""
+        done = self.ns.run(["ss", "-Htan", "dst", f"{self.link.host_ip}:{self.server.port}"], check=False)
+        return [line for line in done.stdout.splitlines()
+                if line.split() and line.split()[0] in ("FIN-WAIT-1", "CLOSING", "LAST-ACK")]
+
     def settled(self, pool: str, worker_id: str, healed_at: float, timeout: float) -> dict[str, Any]:
         """Wait until the worker cut off is back: a heartbeat written after the heal, its engine (if any) idle, and
         two heartbeats more (each HEARTBEAT_S apart), time for what it held to reach Redis."""
@@ -384,8 +405,8 @@ class Scene:
 
 def _finished_and_unchanged(scene: Scene, job_ids: list[str], pool: str, worker_id: str, healed_at: float,
                             before: dict[str, dict[str, Any]], monitor: Monitor, outcome: Outcome) -> None:
-    """After the heal, once the cut-off worker is back: nothing of the finished jobs changed, and it wrote nothing
-    into them."""
+    """After the heal, once the cut-off worker is back: nothing of the finished jobs changed after their end, and it
+    wrote nothing into them since the heal (MONITOR from just before it)."""
     try:
         outcome.notes.update(scene.settled(pool, worker_id, healed_at, timeout=180))
     except TimeoutError as e:
@@ -398,11 +419,12 @@ def _finished_and_unchanged(scene: Scene, job_ids: list[str], pool: str, worker_
             outcome.problem(f"{job_id} changed after it ended: {'; '.join(changes)[:600]}")
     keys = {k for job_id in job_ids for k in job_keys(job_id)}
     writes = monitor.writes(keys)
-    outcome.notes["returning worker's writes into finished jobs"] = len(writes)
-    outcome.notes["returning worker's writes"] = monitor.counts()
+    outcome.notes["returning worker's writes into its lost jobs"] = len(writes)
+    outcome.notes["returning worker's commands"] = monitor.counts()
     if writes:
         shown = Counter(re.sub(r"job_[0-9a-f]+", "job_…", w) for w in writes)
-        outcome.problem(f"the returning {pool} worker wrote {len(writes)} times into finished jobs: "
+        outcome.problem(f"the returning {pool} worker wrote {len(writes)} times into jobs no longer its own "
+                        "(another worker's, or ended): "
                         + "; ".join(f"{n}x {w}" for w, n in shown.most_common(12)))
 
 
@@ -477,6 +499,15 @@ def api_cut(workdir: Path, model: str, env: dict[str, str] | None = None, jobs: 
             if check_events(live, tokens_text(live)) or tokens_text(live) != clean[PROMPTS[1]]:
                 outcome.problem(f"the live stream of {live_id} after the heal: {check_events(live, tokens_text(live))}"
                                 f" / {tokens_text(live)[:60]!r}")
+            # a request the cut held and the API gave up on may still reach Redis: its connection, closed, retransmits
+            # what it had not got through, and the heal lets that through: wait until no such connection is left
+            t0 = time.monotonic()
+            try:
+                until("the API's given-up connections to Redis to be gone", lambda: not scene.orphans(), timeout=180,
+                      every=0.5)
+            except TimeoutError as e:
+                outcome.problem(f"{e}: {scene.orphans()}")
+            outcome.notes["given-up connections gone after the heal (s)"] = round(time.monotonic() - t0, 1)
             everything = {**before, **new_ids, **keyed_ids}
             ended = wait_ended(scene.r, list(everything), timeout=180)
             for job_id, prompt in everything.items():
@@ -531,10 +562,11 @@ def _check_cut_answers(answers: list[dict[str, Any]], outcome: Outcome) -> None:
 
 
 def inference_cut(workdir: Path, model: str, env: dict[str, str] | None = None, jobs: int = 4,
-                  max_tokens: int = 600) -> Outcome:
+                  max_tokens: int = 600, overlap: bool = False) -> Outcome:
     """An inference worker cut off from Redis while it runs jobs, for longer than CLAIM_IDLE_MS; another worker in
-    the root namespace takes them over."""
-    outcome = Outcome("inference")
+    the root namespace takes them over. The heal comes once they have ended or, with `overlap`, while the other
+    worker still runs them (the cut-off one comes back to jobs another owns now, mid-run)."""
+    outcome = Outcome("inference-overlap" if overlap else "inference")
     body = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
     with Scene(workdir, model, env, ["--inference", "0"], "/healthz", "inference") as scene:
         cut_off = scene.start("inference", True, "inference-ns.log")
@@ -548,30 +580,59 @@ def inference_cut(workdir: Path, model: str, env: dict[str, str] | None = None, 
             def running_there() -> bool:
                 recs = [record(scene.r, j) for j in ids]
                 return all(rec.get("worker") == cut_id and int(rec.get("completion_tokens") or 0) >= 5 for rec in recs)
-            until("every job running on the worker to be cut off", running_there, timeout=120)
-            other = scene.start("inference", False, "inference-root.log")
-            other_id = scene.wait_worker(names.INFERENCE_POOL, other)
+            until("every job running on the worker to be cut off", running_there, timeout=120, every=0.01)
+            scene.link.cut()  # at once: the tiny model writes hundreds of tokens a second
             tokens_at_cut = {j: int(record(scene.r, j).get("completion_tokens") or 0) for j in ids}
             outcome.notes["tokens at the cut"] = sorted(tokens_at_cut.values())
             if any(r_.get("status") != "running" for r_ in (record(scene.r, j) for j in ids)):
                 outcome.problem("a job ended before the cut: longer jobs are needed for this scenario")
-            scene.link.cut()
+            # the other worker starts after the cut: it takes nothing from the fair queue before, and claims the
+            # cut-off worker's entries once they are idle past CLAIM_IDLE_MS and its heartbeat has run out
+            other = scene.start("inference", False, "inference-root.log")
+            other_id = scene.wait_worker(names.INFERENCE_POOL, other)
+            monitor: Monitor | None = None
+            if overlap:
+                def taken_over() -> bool:
+                    recs = [record(scene.r, j) for j in ids]
+                    return all(rec.get("worker") == other_id and int(rec.get("completion_tokens") or 0)
+                               > tokens_at_cut[j] + 5 for j, rec in zip(ids, recs))
+                until("the other worker to run every job", taken_over, timeout=120, every=0.01)
+                left = [max_tokens - int(record(scene.r, j).get("completion_tokens") or 0) for j in ids]
+                outcome.notes["tokens left at the heal"] = sorted(left)
+                if min(left) <= 0 or any(record(scene.r, j).get("status") != "running" for j in ids):
+                    outcome.problem("a job ended before the heal: longer jobs are needed for this scenario")
+                monitor = Monitor(scene.server.url, scene.link.ns_ip)
+                scene.link.heal()
             ended = wait_ended(scene.r, list(ids), timeout=240)
-            outcome.notes["ended_after_cut_s"] = round(time.time() - scene.link.history[-1][1], 1)
+            outcome.notes["ended_after_cut_s"] = round(time.time() - scene.link.history[-1 - overlap][1], 1)
             for job_id, prompt in ids.items():
                 check_job(client, job_id, ended[job_id], clean[prompt], outcome, max_tokens)
                 if ended[job_id].get("worker") != other_id:
                     outcome.problem(f"{job_id} was finished by {ended[job_id].get('worker')}, not the other worker")
             before = {j: snapshot(scene.r, j) for j in ids}
-            monitor = Monitor(scene.server.url, scene.link.ns_ip)
-            scene.link.heal()
+            if not overlap:
+                monitor = Monitor(scene.server.url, scene.link.ns_ip)
+                scene.link.heal()
+            assert monitor is not None
             healed_at = scene.link.history[-1][1]
             outcome.notes["cut_s"] = round(healed_at - scene.link.history[-2][1], 1)
             _finished_and_unchanged(scene, list(ids), names.INFERENCE_POOL, cut_id, healed_at, before, monitor,
                                     outcome)
+            def pending() -> int:
+                return sum(scene.r.xpending(s_, names.INFERENCE_GROUP)["pending"]
+                           for s_ in names.streams(names.TOKENIZED))
+            try:  # the entries of ended jobs do not stay pending: each is acknowledged, by whoever holds it last
+                until("every tokenized entry to be acknowledged", lambda: pending() == 0, timeout=60, every=0.2)
+            except TimeoutError:
+                outcome.problem(f"{pending()} tokenized entries still pending a minute after every job ended")
             if cut_off.poll() is not None:
                 outcome.problem(f"the cut-off worker exited with {cut_off.returncode}")
     return outcome
+
+
+def inference_overlap(workdir: Path, model: str, env: dict[str, str] | None = None) -> Outcome:
+    """`inference_cut`, healed while the other worker still runs the jobs it took over."""
+    return inference_cut(workdir, model, env, max_tokens=1000, overlap=True)
 
 
 def tokenizer_cut(workdir: Path, model: str, env: dict[str, str] | None = None, jobs: int = 6, max_tokens: int = 40,
@@ -636,9 +697,6 @@ def tokenizer_cut(workdir: Path, model: str, env: dict[str, str] | None = None, 
                 outcome.duplicated += max(0, queued_after - len(ids))
                 outcome.problem(f"{len(ids)} jobs were queued for inference {queued} times by their end and "
                                 f"{queued_after} times once the cut-off worker was back")
-            fair = {k: v for k, v in monitor.counts().items() if "fair_push" in k or k.startswith("zadd")}
-            if fair:
-                outcome.notes["returning tokenizer's fair-queue writes"] = fair
             if cut_off.poll() is not None:
                 outcome.problem(f"the cut-off worker exited with {cut_off.returncode}")
     return outcome
@@ -649,5 +707,321 @@ def _blocked_reading(r: redis.Redis, address: str) -> bool:
                and "b" in c.get("flags", "") for c in r.client_list())
 
 
-SCENARIOS: dict[str, Callable[..., Outcome]] = {"api": api_cut, "inference": inference_cut, "tokenizer": tokenizer_cut}
+# ---- a Redis Cluster's master cut off from the majority -----------------------------------------------------------
+
+# the minority side's client, run inside the cut-off master's namespace: SET then WAIT 1 in one round trip on its own
+# connection to that master (as conveyor's promises: shared/job_ops.py, execute_copied), one write every 20 ms, each
+# outcome a JSON line, until the stop file appears
+MINORITY_WRITER = """
+import json, sys, time, os
+import redis
+host, port, password, prefix, out, stop = sys.argv[1:7]
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+c = redis.Redis(host=host, port=int(port), password=password, socket_timeout=1, socket_connect_timeout=1,
+                retry=Retry(NoBackoff(), 0))  # one try per write: redis-py's default retries with backoff for 10s
+i = 0
+with open(out, "a") as f:
+    while not os.path.exists(stop):
+        key = f"{prefix}:{i}"
+        t = time.time()
+        try:
+            p = c.pipeline(transaction=False)
+            p.set(key, str(i))
+            p.execute_command("WAIT", 1, 200)
+            got = p.execute(raise_on_error=False)
+            row = {"i": i, "key": key, "t": t, "set": got[0] is True, "copies": got[1] if isinstance(got[1], int)
+                   else None, "error": next((f"{type(g).__name__}: {g}"[:120] for g in got if isinstance(g, Exception)),
+                                            None)}
+        except redis.RedisError as e:
+            row = {"i": i, "key": key, "t": t, "set": False, "copies": None, "error": f"{type(e).__name__}: {e}"[:120]}
+        row["end"] = time.time()
+        f.write(json.dumps(row) + "\\n")
+        f.flush()
+        i += 1
+        time.sleep(0.02)
+"""
+
+
+class NsClusterNode(ClusterNode):
+    """A LocalCluster node bound to and announcing `host` (not 127.0.0.1), run inside `ns` when given."""
+
+    def __init__(self, *args: Any, host: str, ns: netns.Namespace | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.host, self.ns = host, ns
+
+    def write_config(self) -> Path:
+        path = super().write_config()
+        with open(path, "a") as f:  # (later lines win)
+            binds = self.host if self.ns is not None else f"127.0.0.1 {self.host}"
+            f.write(f"bind {binds}\ncluster-announce-ip {self.host}\n")
+        return path
+
+    def command(self) -> list[str]:
+        return self.ns.command(super().command()) if self.ns is not None else super().command()
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+
+    def client(self, timeout: float = 2.0) -> redis.Redis:
+        return redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=timeout,
+                           socket_connect_timeout=timeout, decode_responses=True)
+
+
+class NsCluster(LocalCluster):
+    """A LocalCluster whose first node runs inside `ns` on the link's namespace side (listed first to
+    `--cluster create`, which makes it a master), the others in the root namespace on the link's root side: cutting
+    the link cuts that one node off from all the others."""
+
+    def __init__(self, data_dir: Path, link: netns.Link, ns: netns.Namespace, node_timeout_ms: int = 2000) -> None:
+        self.link, self.ns, self._made = link, ns, 0
+        super().__init__(data_dir, masters=3, replicas=1, node_timeout_ms=node_timeout_ms)
+
+    def _node(self, port: int, cluster_port: int) -> ClusterNode:
+        inside = self._made == 0
+        self._made += 1
+        return NsClusterNode(self.data_dir / str(port), port, cluster_port, self.password, self.appendfsync,
+                             self.maxmemory_mb, self.node_timeout_ms, self.die_with_parent,
+                             host=self.link.ns_ip if inside else self.link.host_ip, ns=self.ns if inside else None)
+
+    @property
+    def cut_node(self) -> NsClusterNode:
+        return self.nodes[0]  # type: ignore[return-value]
+
+    @property
+    def url(self) -> str:
+        n = self.nodes[1]
+        return f"redis://:{quote(self.password, safe='')}@{n.host}:{n.port}/0"  # type: ignore[attr-defined]
+
+    def _create(self, cli: str, deadline: float) -> None:
+        args = [cli, "--no-auth-warning", "--cluster", "create",
+                *(f"{n.host}:{n.port}" for n in self.nodes),  # type: ignore[attr-defined]
+                "--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        done = subprocess.run(args, env={**os.environ, "REDISCLI_AUTH": self.password}, capture_output=True,
+                              text=True, timeout=max(1.0, deadline - time.monotonic()))
+        if done.returncode != 0 or "[OK] All 16384 slots covered" not in done.stdout:
+            raise RuntimeError(f"redis-cli --cluster create failed ({done.returncode}):\n{done.stdout[-2000:]}"
+                               f"{done.stderr[-2000:]}")
+
+    def view(self, port: int) -> list[Any]:
+        """CLUSTER NODES as node `port` sees it."""
+        with self.node(port).client() as c:
+            return _parse_nodes(c.execute_command("CLUSTER", "NODES"))
+
+    def slot_owner(self, slot: int, asking: int) -> NsClusterNode | None:
+        """The master serving `slot`, as node `asking` sees it."""
+        for e in self.view(asking):
+            if "master" in e.flags and not e.failing() and any(_in_range(slot, r) for r in e.slots):
+                return self.node(e.port)  # type: ignore[return-value]
+        return None
+
+
+def _in_range(slot: int, spec: str) -> bool:
+    if spec.startswith("["):
+        return False  # a slot being migrated
+    lo, _, hi = spec.partition("-")
+    return int(lo) <= slot <= int(hi or lo)
+
+
+def _tag_in(cluster: NsCluster, port: int, asking: int) -> str:
+    """A hash tag whose slot node `port` serves."""
+    for i in range(100_000):
+        tag = f"{{p{i}}}"
+        owner = cluster.slot_owner(key_slot(tag.encode()), asking)
+        if owner is not None and owner.port == port:
+            return tag
+    raise RuntimeError(f"no hash tag found on node {port}")
+
+
+class MajorityWriter(threading.Thread):
+    """The majority side's client, in the root namespace: for each hash tag, SET then WAIT 1 on the slot's master as
+    a root-namespace node sees it (found again after any error), one write per tag every 20 ms."""
+
+    def __init__(self, cluster: NsCluster, tags: dict[str, str], asking: int) -> None:
+        super().__init__(name="majority-writer", daemon=True)
+        self.cluster, self.tags, self.asking = cluster, tags, asking
+        self.rows: list[dict[str, Any]] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        owners: dict[str, NsClusterNode | None] = {}
+        i = 0
+        while not self.stopping.is_set():
+            for label, tag in self.tags.items():
+                key, t = f"{tag}:majority:{label}:{i}", time.time()
+                row: dict[str, Any] = {"i": i, "key": key, "tag": label, "t": t, "set": False, "copies": None,
+                                       "error": None}
+                try:
+                    if owners.get(tag) is None:
+                        owners[tag] = self.cluster.slot_owner(key_slot(tag.encode()), self.asking)
+                    node = owners[tag]
+                    if node is None:
+                        raise redis.ConnectionError("no master serves the slot")
+                    with redis.Redis(host=node.host, port=node.port, password=node.password, socket_timeout=1,
+                                     socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)) as c:
+                        pipe = c.pipeline(transaction=False)
+                        pipe.set(key, str(i))
+                        pipe.execute_command("WAIT", 1, 200)
+                        got = pipe.execute(raise_on_error=False)
+                    row.update({"set": got[0] is True, "copies": got[1] if isinstance(got[1], int) else None,
+                                "error": next((_error(g) for g in got if isinstance(g, Exception)), None)})
+                    if row["error"]:
+                        owners[tag] = None
+                except (redis.RedisError, OSError) as e:
+                    row["error"] = _error(e)
+                    owners[tag] = None
+                row["end"] = time.time()
+                self.rows.append(row)
+            i += 1
+            self.stopping.wait(0.02)
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:120]
+
+
+def cluster_cut(workdir: Path, model: str = "", env: dict[str, str] | None = None, min_replicas: int = 1,
+                max_lag_s: int = 1, node_timeout_ms: int = 2000) -> Outcome:
+    """A master of a local Redis Cluster (3 masters, 3 replicas), alone in its namespace with a client of its own,
+    cut off from the majority (the other nodes and a client in the root namespace) until the majority has failed
+    it over, then healed. `min_replicas` and `max_lag_s`: every node's min-replicas-to-write and
+    min-replicas-max-lag. (`model` and `env` are unused: no stack runs here.)"""
+    outcome = Outcome("cluster")
+    workdir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as exits:
+        lab = exits.enter_context(netns.NetLab())
+        ns = lab.namespace("cluster-m")
+        link = ns.link()
+        cluster = NsCluster(workdir / "cluster", link, ns, node_timeout_ms)
+        cluster.start()
+        exits.callback(cluster.stop)
+        exits.callback(lambda: link.heal() if link.is_cut else None)
+        for n in cluster.nodes:
+            with n.client() as c:
+                c.config_set("min-replicas-to-write", min_replicas)
+                c.config_set("min-replicas-max-lag", max_lag_s)
+        cut, asking = cluster.cut_node, cluster.nodes[1].port
+        masters = cluster.master_ports()
+        if cut.port not in masters:
+            raise RuntimeError(f"the node in the namespace ({cut.port}) is not a master: {masters}")
+        def replica_of_cut() -> int | None:
+            view = cluster.view(asking)
+            ids = [e.id for e in view if e.port == cut.port]
+            return next((e.port for e in view if ids and e.master_id == ids[0] and not e.failing()), None)
+        try:
+            replica = until("the cut-off master's replica", replica_of_cut, timeout=30, every=0.1)
+        except TimeoutError as e:
+            raise RuntimeError(f"{e}: {[(x.port, x.flags, x.master_id) for x in cluster.view(asking)]}") from None
+        other_master = next(p for p in masters if p != cut.port)
+        tags = {"cut": _tag_in(cluster, cut.port, asking), "other": _tag_in(cluster, other_master, asking)}
+        out, stop_file = workdir / "minority.jsonl", workdir / "minority.stop"
+        minority = spawn([sys.executable, "-c", MINORITY_WRITER, cut.host, str(cut.port), cut.password,
+                          f"{tags['cut']}:minority", str(out), str(stop_file)], os.environ.copy(),
+                         workdir / "minority.log", ns)
+        exits.callback(stop, minority)
+        exits.callback(stop_file.touch)
+        majority = MajorityWriter(cluster, tags, asking)
+        majority.start()
+        exits.callback(majority.stopping.set)
+
+        def rows() -> list[dict[str, Any]]:
+            try:
+                return [json.loads(line) for line in out.read_text().splitlines() if line.endswith("}")]
+            except OSError:
+                return []
+        acked = lambda rs: [r for r in rs if r["set"] and (r["copies"] or 0) >= 1]  # noqa: E731
+        until("both sides' writes to be acknowledged", lambda: len(acked(rows())) >= 20
+              and len(acked(majority.rows)) >= 20, timeout=60)
+        link.cut()
+        cut_at = link.history[-1][1]
+
+        def failed_over() -> bool:
+            view = cluster.view(asking)
+            return any(e.port == replica and "master" in e.flags for e in view) and \
+                any(e.port == cut.port and e.failing() for e in view)
+        until("the majority to fail the cut-off master over", failed_over, timeout=60, every=0.1)
+        failover_s = time.time() - cut_at
+        until("the minority's client to be refused", lambda: any(r["t"] > cut_at and not r["set"] for r in rows()),
+              timeout=30, every=0.1)
+        during = lambda: [r for r in majority.rows if r["t"] > cut_at + failover_s]  # noqa: E731
+        until("the majority's client to try the failed-over slots", lambda: len(during()) >= 40, timeout=30)
+        link.heal()
+        healed_at = link.history[-1][1]
+
+        def rejoined() -> bool:
+            try:
+                with cut.client() as c:
+                    info = c.info("replication")
+                return info.get("role") == "slave" and info.get("master_link_status") == "up"
+            except redis.RedisError:
+                return False
+        until("the cut-off master to rejoin as a replica", rejoined, timeout=90, every=0.2)
+        cluster.wait_ok(timeout=60)
+        until("the majority's writes to the cut-off master's slots to be acknowledged again",
+              lambda: len([r for r in acked(majority.rows) if r["tag"] == "cut" and r["t"] > healed_at]) >= 10,
+              timeout=60)
+        majority.stopping.set()
+        majority.join(10)
+        stop_file.touch()
+        minority.wait(10)
+        minority_rows, majority_rows = rows(), list(majority.rows)
+        (workdir / "majority.jsonl").write_text("".join(json.dumps(r) + "\n" for r in majority_rows))
+        (workdir / "timeline.json").write_text(json.dumps({"cut": cut_at, "failed_over": cut_at + failover_s,
+                                                           "healed": healed_at}))
+
+        # every write acknowledged (its SET done and a replica's copy confirmed), on either side, is still there
+        def value(key: str) -> str | None:
+            owner = cluster.slot_owner(key_slot(key.encode()), asking)
+            assert owner is not None
+            with owner.client() as c:
+                return c.get(key)  # type: ignore[return-value]
+        both = minority_rows + majority_rows
+        outcome.accepted = len(acked(both))
+        for r in acked(both):
+            got = value(r["key"])
+            if got != str(r["i"]):
+                outcome.lost += 1
+                outcome.problem(f"acknowledged write {r['key']} (at {r['t'] - cut_at:+.2f} s from the cut) reads "
+                                f"{got!r} after the heal")
+        # the minority side: refused once its writes can no longer be copied; what it accepted meanwhile, uncopied,
+        # is what a failover may drop (and did: the rejoined master took its replica's data)
+        # (answered while cut: a write sent just before the heal may be copied just after it)
+        after_cut = [r for r in minority_rows if cut_at < r["t"] and r["end"] < healed_at]
+        refused = [r for r in after_cut if not r["set"]]
+        first_refusal = min(r["t"] for r in refused) - cut_at if refused else None
+        uncopied = [r for r in after_cut if r["set"] and not (r["copies"] or 0)]
+        late = [r for r in uncopied if first_refusal is not None and r["t"] - cut_at > first_refusal]
+        bound = max(max_lag_s if min_replicas else 0, node_timeout_ms / 1000) + 2.5
+        if any(r["set"] and (r["copies"] or 0) >= 1 for r in after_cut):
+            outcome.problem("the cut-off master's client had a write copied while cut")
+        if first_refusal is None or first_refusal > bound:
+            outcome.problem(f"the minority side's writes were first refused {first_refusal} s after the cut, "
+                            f"past {bound:g} s")
+        if late:
+            outcome.problem(f"the minority side accepted {len(late)} writes after its first refusal")
+        survived = sum(value(r["key"]) == str(r["i"]) for r in uncopied)
+        maj_cut = [r for r in majority_rows if r["tag"] == "cut" and cut_at < r["t"] and r["end"] < healed_at]
+        maj_other = [r for r in majority_rows if r["tag"] == "other" and cut_at < r["t"] and r["end"] < healed_at]
+        outcome.notes.update({
+            "cut_s": round(healed_at - cut_at, 1), "failover_after_cut_s": round(failover_s, 1),
+            "minority: first refusal after the cut (s)": None if first_refusal is None else round(first_refusal, 2),
+            "minority: refusals": dict(Counter(re.sub(r"\d+", "N", r["error"] or "")[:60] for r in refused)),
+            "minority: accepted but never copied (may be lost)": len(uncopied),
+            "minority: of those, still there after the heal": survived,
+            "majority: cut-off master's slots while cut, acknowledged / tried":
+                f"{len(acked(maj_cut))} / {len(maj_cut)}",
+            "majority: refusals there": dict(Counter(re.sub(r"\d+", "N", r["error"] or "no copy")[:60]
+                                                     for r in maj_cut if r not in acked(maj_cut))),
+            "majority: other slots while cut, acknowledged / tried": f"{len(acked(maj_other))} / {len(maj_other)}",
+            "majority: refusals on other slots": dict(Counter(re.sub(r"\d+", "N", r["error"] or "no copy")[:60]
+                                                          for r in maj_other if r not in acked(maj_other))),
+            "min-replicas-to-write / max-lag / node timeout": f"{min_replicas} / {max_lag_s} s / {node_timeout_ms} ms",
+        })
+    return outcome
+
+
+SCENARIOS: dict[str, Callable[..., Outcome]] = {"api": api_cut, "inference": inference_cut,
+                                              "inference-overlap": inference_overlap, "tokenizer": tokenizer_cut,
+                                              "cluster": cluster_cut}
 
