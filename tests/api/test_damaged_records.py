@@ -141,8 +141,8 @@ async def test_an_openai_stream_whose_record_is_damaged_under_it_ends_with_an_er
     """The stream ends with an error object (no [DONE]) and its cleanup (cancelling the job) raises nothing."""
     with caplog.at_level(logging.ERROR):
         damaged = asyncio.create_task(_damage_later(redis_db))
-        r = await api.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "hi",
-                                                    "max_tokens": 4, "stream": True})
+        r = await asyncio.wait_for(api.post("/v1/completions", json={  # it once waited forever
+            "model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 4, "stream": True}), 30)
         job_id = await damaged
     assert r.status_code == 200, r.text
     events = _events(r.text)
