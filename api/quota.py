@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import time
@@ -79,13 +80,19 @@ class Throughput:
         self.rate: float | None = None
         self.depth = 0  # jobs waiting service-wide at the latest sample
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """End the sampler, as Batches.stop ends its driver: a cancellation that lands inside the Redis call can
+        come out as that call's error, which the loop survives; the flag ends it then."""
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
     async def counters(self) -> tuple[int, int]:
         """Jobs submitted and jobs dequeued since the service began, over all partitions: one GET a key
@@ -99,7 +106,7 @@ class Throughput:
 
     async def _run(self) -> None:
         last: tuple[float, int] | None = None
-        while True:
+        while not self._stopping.is_set():
             try:
                 submitted, d = await self.counters()
                 now = time.monotonic()
@@ -112,7 +119,8 @@ class Throughput:
                 last = (now, d)
             except Exception:  # noqa: BLE001 - a missed sample changes nothing
                 pass
-            await asyncio.sleep(self.period_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.period_s)
 
     def queue_cap(self, max_queued: int, max_wait_s: float, floor: int = 32) -> int:
         """Jobs that may wait: MAX_QUEUED, and no more than MAX_QUEUE_WAIT_S at the measured rate. A rate
