@@ -1,7 +1,8 @@
 """The output lane writes through a master's failover: kill -9 of a master (not the seed the lane was
 given first) while the lane streams jobs spread over every master; the write that met the dead node is
 sent again against a fresh slot map, the lane gets every job's text and end through, and no chunk is lost
-or repeated. Twice in a row, on two masters. Needs Debian's redis-server 7.0 (skips without it); the
+or repeated. Twice in a row, on two masters. And a REDIS_URL that lists a dead node first still finds the
+cluster through the next. Needs Debian's redis-server 7.0 (skips without it); the
 cluster is the test's own, so it runs beside the other tests (tests/background.py). bench.chaos
 --failover runs the same kill against a whole stack, 20 times in a row."""
 
@@ -22,9 +23,10 @@ from tokenizers import Tokenizer
 from gpu_worker.messages import Done, LaneReport, Register
 from gpu_worker.output_lane import OutputLane
 from infra.redis_cluster import LocalCluster, cluster_binary
+from infra.redis_server import free_port
 from shared import names
 from shared.jobs import JobStatus, new_record
-from shared.redis_client import sync_client
+from shared.redis_client import is_cluster, sync_client
 from shared.schemas import DELTA_SCHEMA, to_ipc
 from shared.settings import Settings
 from tests.background import Background, background_run
@@ -61,6 +63,7 @@ def lane_through_failovers(tmp: Path, model_path: str) -> None:
         with names.partitions_as(PARTITIONS):
             for round_ in range(2):
                 stream_through_a_kill(cluster, model_path, round_)
+        a_seed_list_finds_the_cluster_past_a_dead_node(cluster)
     finally:
         cluster.stop()
 
@@ -121,6 +124,20 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
     while victim not in cluster.replica_ports() and time.monotonic() < until:
         time.sleep(0.1)
     client.close()
+
+
+def a_seed_list_finds_the_cluster_past_a_dead_node(cluster: LocalCluster) -> None:
+    """A process that starts while the first node REDIS_URL lists is down still finds the cluster through the
+    next one (the first here is a port nothing listens on), and takes it for a cluster."""
+    url = cluster.url.replace(f":{cluster.nodes[0].port}/", f":{free_port()}/") + f",127.0.0.1:{cluster.nodes[1].port}"
+    assert is_cluster(url)
+    client = sync_client(url)
+    try:
+        client.set("{seed}:k", "v")
+        assert client.get("{seed}:k") == "v"
+        assert len(client.get_primaries()) == 3  # every node discovered from the one that answered
+    finally:
+        client.close()
 
 
 def _drain(feedback: queue.SimpleQueue[LaneReport]) -> list[LaneReport]:

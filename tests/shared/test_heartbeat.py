@@ -38,6 +38,23 @@ def test_a_worker_is_live_while_its_heartbeat_lasts(redis_db: redis.Redis) -> No
     assert live(redis_db, "tokenizer") == () and not redis_db.exists(names.heartbeat_key("tokenizer", "w1"))
 
 
+def test_a_worker_that_cannot_do_its_work_is_not_called_live(redis_db: redis.Redis) -> None:
+    """A worker whose output lane has not written for WRITE_OUTAGE_S withholds its heartbeat: it drops out of its
+    pool once the last one runs out, and is live again with its next write."""
+    healthy = [True]
+    hb = Heartbeat(redis_db, "inference", "w1", 0.05, lambda: {}, lambda: healthy[0])
+    hb.start()
+    try:
+        until("the worker to be live", lambda: live(redis_db, "inference") == ("w1",), timeout=5)
+        healthy[0] = False
+        until("its heartbeat to run out", lambda: live(redis_db, "inference") == (), timeout=5)
+        healthy[0] = True
+        until("the worker to be live again", lambda: live(redis_db, "inference") == ("w1",), timeout=5)
+    finally:
+        hb.stop()
+        hb.join(5)
+
+
 def test_forget_removes_a_worker_at_once(redis_db: redis.Redis) -> None:
     beat(redis_db, "inference", "w", '{"running": 1}', 60_000)
     forget(redis_db, "inference", "w")
