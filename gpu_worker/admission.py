@@ -19,6 +19,7 @@ from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
 from shared.job_ops import JobOps, unpack_ids
+from shared.jobs import FinishReason
 from shared.schemas import TOKENIZED_SCHEMA, batch_requests, from_ipc
 from shared.scripts.codes import StartCode, StartReply
 from shared.stream_consumer import Entry, StreamConsumer
@@ -54,7 +55,9 @@ class Admission:
         started: list[tuple[Request, StartReply]] = []
         for req in batch_requests(batch):
             took = self.jobs.start(req.id, self.worker_id)
-            if took.code in (STARTED, RESUMED) and self._attach_grammar(req):
+            if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
+                self.jobs.finish(req.id, FinishReason.cancelled)
+            elif took.code in (STARTED, RESUMED) and self._attach_grammar(req):
                 started.append((req, took))
         if not started:  # every job already ended (or was cancelled) elsewhere
             self.consumer.ack([entry.ref])

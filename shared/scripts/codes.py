@@ -94,7 +94,8 @@ class StartCode(IntEnum):
 
     started = 1  # it was queued: it is running here now
     resumed = 2  # already running (a redelivery): resume it from seq
-    ended_or_cancelled = 0  # ended, or its cancel was requested: not to be run
+    ended = 0  # ended: not to be run
+    cancel_requested = 3  # not ended, but its cancel was requested: not to be run, and to be ended cancelled
     no_such_job = -1
 
 

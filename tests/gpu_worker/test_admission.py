@@ -63,3 +63,27 @@ def test_a_failure_partway_through_an_entry_holds_nothing_and_the_entry_comes_in
     assert ledger.entries() == [entry.ref] and ledger.free() == 2
     added = [inbox.get_nowait() for _ in range(2)]
     assert all(isinstance(a, Add) for a in added) and {a.request.id for a in added} == {"job_fresh", "job_resumed"}
+
+
+def test_a_job_whose_cancel_was_asked_while_its_worker_died_ends_cancelled_on_redelivery(
+        bytes_db: redis.Redis, redis_db: redis.Redis) -> None:
+    """The API asked the engine running the job to stop it (request_cancel.lua: cancel_requested), and that worker
+    died before it did: the worker the entry is redelivered to runs nothing and ends the job cancelled, rather
+    than leaving it running for ever."""
+    consumer, entry = _entry(bytes_db)
+    bytes_db.hset(names.job_key("job_resumed"), "cancel_requested", "1")
+    ledger = EntryLedger(consumer, max_jobs=4)
+    inbox: SimpleQueue[Any] = SimpleQueue()
+    Admission(consumer, JobOps(bytes_db, 60), ledger, "worker-here", inbox, queue.Queue(),  # type: ignore[arg-type]
+              WorkerStats()).admit(entry)
+    assert redis_db.hget(names.job_key("job_resumed"), "status") == "cancelled"
+    assert redis_db.hget(names.job_key("job_resumed"), "finish_reason") == "cancelled"
+    adds = [cmd.request.id for cmd in _drain(inbox) if isinstance(cmd, Add)]
+    assert adds == ["job_fresh"]  # only the other job runs here
+
+
+def _drain(q: SimpleQueue[Any]) -> list[Any]:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out

@@ -150,10 +150,12 @@ def test_start_returns_every_code(raw: redis.Redis) -> None:
     assert got.code is StartCode.resumed and raw.hget(names.job_key("j1"), "worker") == b"w2"
     assert ops.finish("j1", FinishReason.stop) == FinishReply(FinishCode.finished, 1)
     got = ops.start("j1", "w3")
-    assert (got.code, got.seq) == (StartCode.ended_or_cancelled, 1)
+    assert (got.code, got.seq) == (StartCode.ended, 1)
     _queued(raw, "j2")
     raw.hset(names.job_key("j2"), "cancel_requested", "1")
-    assert ops.start("j2", "w1").code is StartCode.ended_or_cancelled
+    assert ops.start("j2", "w1").code is StartCode.cancel_requested
+    assert ops.finish("j2", FinishReason.cancelled).code is FinishCode.finished
+    assert ops.start("j2", "w1").code is StartCode.ended  # a cancel asked of a job that ended since: nothing to do
     got = ops.start("nope", "w1")
     assert (got.code, got.seq, got.created_at) == (StartCode.no_such_job, 0, 0.0)
 
