@@ -38,7 +38,7 @@ from api.store import JobStore
 from api.validation import check_request
 from shared import names, scripts
 from shared.job_ops import NotCopied, execute_copied
-from shared.jobs import BATCH_ENDS, TERMINAL, Job, JobStatus
+from shared.jobs import BATCH_ENDS, TERMINAL, DamagedRecord, Job, JobStatus
 from shared.limits import PRIORITY_MAX
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
@@ -300,7 +300,10 @@ class Batches:
             if status is not None and status not in TERMINAL:
                 running[idx] = job_id
                 continue
-            job = await self.store.get(job_id) if status else None  # ended: its whole record, text and all
+            try:
+                job = await self.store.get(job_id) if status else None  # ended: its whole record, text and all
+            except DamagedRecord:  # part of it lost (a failover): the line fails as for a job that is gone
+                job = None
             line = orjson.loads(await self.r.hget(names.batch_key(batch_id, "lines"), idx) or "{}")
             await self._record(batch_id, idx, line, job, "batch_expired" if expired else "batch_cancelled")
         nxt, lines = int(rec["next"]), int(rec["lines"])
