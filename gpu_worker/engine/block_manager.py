@@ -9,6 +9,11 @@ matching prefix of its tokens instead of computing them (a shared system prompt,
 of a chat). Blocks are reference-counted; a block nobody holds stays cached until its space is
 needed, and then the least recently released one is reused first (LRU). Token ids are kept with
 each cached block and compared on a hit, so a hash collision can never serve the wrong K/V.
+
+`by_kind`: where the model computes a generated position's K/V in other bits than a prompt position's
+(model_runner.py, `generated_by_decode`), a block past its sequence's prompt is cached under a hash that
+also holds where that prompt ended: a later prompt made of the same tokens (the next turn of a chat)
+computes them as prompt, as it would with nothing cached.
 """
 
 from __future__ import annotations
@@ -20,15 +25,17 @@ from gpu_worker.engine.sequence import Sequence
 NULL_BLOCK = 0
 
 
-def chain_hash(prev: int, tokens: tuple[int, ...]) -> int:
-    return hash((prev, tokens))
+def chain_hash(prev: int, tokens: tuple[int, ...], prompt: int = -1) -> int:
+    """`prompt`: of the block's positions, how many are its sequence's prompt, where not all (`by_kind`)."""
+    return hash((prev, tokens)) if prompt < 0 else hash((prev, tokens, prompt))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, by_kind: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.by_kind = by_kind
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -65,7 +72,7 @@ class BlockManager:
         h = 0
         for i in range((len(ids) - 1) // bs):
             tokens = tuple(ids[i * bs : (i + 1) * bs])
-            h = chain_hash(h, tokens)
+            h = chain_hash(h, tokens, self._prompt_part(seq, i))
             block = self.by_hash.get(h)
             if block is None or self.block_tokens[block] != tokens:
                 break
@@ -132,13 +139,18 @@ class BlockManager:
         h = seq.last_block_hash if seq.num_hashed_blocks else 0
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = chain_hash(h, tokens)
+            h = chain_hash(h, tokens, self._prompt_part(seq, i))
             block = seq.block_table[i]
             if h not in self.by_hash and self.block_hash[block] is None:
                 self.by_hash[h] = block
                 self.block_hash[block], self.block_tokens[block] = h, tokens
             seq.last_block_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def _prompt_part(self, seq: Sequence, block: int) -> int:
+        """`chain_hash`'s `prompt` for the sequence's block: -1 for a block of its prompt alone (or not `by_kind`)."""
+        part = seq.num_prompt - block * self.block_size
+        return -1 if not self.by_kind or part >= self.block_size else max(part, 0)
 
     def _take(self) -> int:
         if self.clean:

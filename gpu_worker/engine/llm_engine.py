@@ -35,7 +35,8 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config, model)
         cache = self.runner.cache
-        self.blocks = BlockManager(cache.num_blocks, cache.block_size, config.prefix_caching)
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, config.prefix_caching,
+                                   self.runner.generated_by_decode)
         device = self.runner.device.type
         # tokens per step while some sequence decodes, and while none does: one budget when configured
         batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device, 512)

@@ -3,7 +3,6 @@ metadata), runs the model over them, then samples a token for each sequence that
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -89,6 +88,19 @@ def _sampled(batch: StepBatch, decode: DecodeRows, chunks: list[PrefillChunk],
     return rows, seqs, ahead
 
 
+def _generated_rows(chunks: list[tuple[Sequence, int]], placed: list[PrefillChunk]) -> tuple[DecodeRows, list[int]]:
+    """The chunks' rows at generated positions (a preempted or resumed sequence's output computed again), as decode
+    rows, and their rows in the step."""
+    seqs, ids, pos, at = [], [], [], []
+    for (s, n), c in zip(chunks, placed):
+        for p in range(max(s.num_computed, s.num_prompt), s.num_computed + n):
+            seqs.append(s)
+            ids.append(s.token_ids[p])
+            pos.append(p)
+            at.append(c.offset + p - s.num_computed)
+    return DecodeRows(seqs, ids, pos), at
+
+
 class ModelRunner:
     """Owns the model (given, or loaded from `config.model`: read from its files by models/checkpoint.py where it
     can, else through transformers) and the KV cache sized for it."""
@@ -122,6 +134,10 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self._prefill_work = torch.empty(0, dtype=torch.int32)  # the paged prefill kernel's (`_prefill_tables`)
         self.sampler = Sampler(self.eos_token_ids)
+        # a generated position's attention is the decode kernel's however it is scheduled (decoded, or a preempted or
+        # resumed sequence's output computed again in a prefill chunk), a prompt position's the prefill kernel's: the
+        # two sum in other orders, and a position's K/V must not depend on how it was scheduled
+        self.generated_by_decode = self.model.paged_decode is not None and self.model.paged_prefill is not None
 
     def _allocate_cache(self, config: EngineConfig) -> KVCache:
         """The KV pool: the budget's worth of blocks, at most enough for `max_num_seqs` contexts of
@@ -153,12 +169,21 @@ class ModelRunner:
         at_once = self.model.paged_prefill is not None or self.model.batch_prefill  # else chunk by chunk
         chunks = self._prefill_chunks(batch.chunks, len(rows.seqs), gather=not at_once)
         attn = AttentionMetadata(slots, len(rows.seqs), chunks=chunks)
-        if rows.seqs and self.model.paged_decode is not None:
-            attn.decode_tables, attn.decode_lens = self._decode_tables(rows)
+        prompt = [(s, n, c.offset - len(rows.seqs)) for (s, n), c in zip(batch.chunks, chunks)]
+        again = DecodeRows([], [], [])
+        if self.generated_by_decode:
+            again, at = _generated_rows(batch.chunks, chunks)
+            if again.seqs:
+                attn.decode_rows = self._to_device([*range(len(rows.seqs)), *at])
+                prompt = [(s, min(n, s.num_prompt - s.num_computed), off) for s, n, off in prompt
+                          if s.num_computed < s.num_prompt]
+        if (rows.seqs or again.seqs) and self.model.paged_decode is not None:
+            attn.decode_tables, attn.decode_lens = self._decode_tables(
+                DecodeRows(rows.seqs + again.seqs, rows.ids + again.ids, rows.pos + again.pos))
         elif rows.seqs:
             attn.decode_len, attn.decode_index, attn.decode_mask = self._decode_reads(rows.seqs, pos_t)
-        if chunks and self.model.paged_prefill is not None:
-            attn.prefill_tables = self._prefill_tables(batch.chunks)
+        if prompt and self.model.paged_prefill is not None:
+            attn.prefill_tables = self._prefill_tables(prompt)
         elif chunks and self.model.batch_prefill:
             attn.prefill = self._prefill_batch(batch.chunks)
         return StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
@@ -233,14 +258,14 @@ class ModelRunner:
             offset += n
         return out
 
-    def _prefill_tables(self, chunks: list[tuple[Sequence, int]]) -> PrefillChunks:
-        """The step's chunks as the paged prefill kernel reads them in place, and its workspace (kept, grown as
-        steps need more: a step's worth of packed K/V)."""
-        bs, lengths = self.block_size, [n for _, n in chunks]
-        starts = [s.num_computed for s, _ in chunks]
+    def _prefill_tables(self, chunks: list[tuple[Sequence, int, int]]) -> PrefillChunks:
+        """The step's chunks (sequence, tokens, first row among the prefill rows) as the paged prefill kernel reads
+        them in place, and its workspace (kept, grown as steps need more: a step's worth of packed K/V)."""
+        bs, lengths = self.block_size, [n for _, n, _ in chunks]
+        starts = [s.num_computed for s, _, _ in chunks]
         nblk = max(-(-(p + n) // bs) for p, n in zip(starts, lengths))
-        tables = _padded([s.block_table for s, _ in chunks], nblk)
-        offsets = [0, *itertools.accumulate(lengths[:-1])]
+        tables = _padded([s.block_table for s, _, _ in chunks], nblk)
+        offsets = [off for _, _, off in chunks]
         starts_t, lengths_t = (torch.tensor(x, dtype=torch.int32) for x in (starts, lengths))
         kernel = self.model.paged_prefill
         assert kernel is not None

@@ -141,15 +141,18 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_nucleus(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Top-p: among the most likely tokens, the smallest prefix whose mass reaches top_p, then an
-    inverse-CDF draw inside it. The candidates come from top-k, widened until every row's cutoff
-    falls inside them (a full sort of the vocabulary costs ~50x more): each widening to at least what
-    the mass still missing needs at the k-th token's probability (no later token is likelier), at least
-    8x, and past half the vocabulary to all of it."""
+    """Top-p: among the most likely tokens (equal probabilities in token order), the smallest prefix whose mass
+    reaches top_p, then an inverse-CDF draw inside it. The candidates come from top-k over `_rank_keys`, widened
+    until every row's cutoff falls inside them (a full sort of the vocabulary costs ~50x more): each widening to at
+    least what the mass still missing needs at the k-th token's probability (no later token is likelier), at least
+    8x, and past half the vocabulary to all of it. The keys order tokens totally, so the candidates and their order
+    do not depend on k (nor on the rows beside, which widen k for all)."""
     vocab = probs.shape[1]
+    keys = _rank_keys(probs)
     k = min(vocab, 512)
     while True:
-        vals, idx = torch.topk(probs, k, dim=-1) if k < vocab else torch.sort(probs, dim=-1, descending=True)
+        idx = torch.topk(keys, k, dim=-1).indices if k < vocab else keys.argsort(dim=-1, descending=True)
+        vals = probs.gather(1, idx)
         cum = vals.cumsum(dim=-1, dtype=torch.float64)
         if k == vocab or bool((cum[:, -1:] > top_p).all()):
             break
@@ -158,6 +161,13 @@ def _draw_nucleus(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> 
         k = vocab if k > vocab // 2 else k
     kept = vals.masked_fill(cum - vals > top_p, 0.0).cumsum(dim=-1, dtype=torch.float64)
     return idx.gather(1, _pick(kept, u * kept[:, -1:]))
+
+
+def _rank_keys(probs: torch.Tensor) -> torch.Tensor:
+    """int64 per token of float32 probabilities [rows, vocab]: its probability's bits (ordered as the values are, for
+    values >= 0), then its token id reversed: larger for a likelier token, and for the lower id of equal ones."""
+    ids = torch.arange(probs.shape[1], device=probs.device)
+    return (probs.contiguous().view(torch.int32).long() << 32) | (0xFFFF_FFFF - ids)
 
 
 def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -80,6 +80,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [rows, 1, 1, decode_len]: the row's own positions
     decode_tables: torch.Tensor | None = None  # [rows, blocks] int32, read in place (`Llama.paged_decode`)
     decode_lens: torch.Tensor | None = None  # [rows] int32: the tokens each row reads, in place
+    # the rows the decode kernel reads, where besides the decode rows it reads prefill rows at generated positions
+    # (a preempted or resumed sequence's output, computed again as it was first): the decode rows, then those
+    decode_rows: torch.Tensor | None = None
     chunks: list[PrefillChunk] = field(default_factory=list)
     prefill: PrefillBatch | None = None  # the chunks batched, where the model attends them at once
     prefill_tables: PrefillChunks | None = None  # the chunks as read in place (`Llama.paged_prefill`)
@@ -281,17 +284,23 @@ class Llama:
             kc.index_copy_(1, attn.slots, k.transpose(0, 1))
             vc.index_copy_(1, attn.slots, v.transpose(0, 1))
         kf, vf = kc.view(-1, D), vc.view(-1, D)  # [KV * slots, D]: what the gather indices address
-        n_tok, nd = q.shape[0], attn.num_decode
-        if nd:
+        n_tok, nd, rows = q.shape[0], attn.num_decode, attn.decode_rows
+        if rows is not None:
+            o = self.paged_decode(q.index_select(0, rows), kc, vc, attn.decode_tables, attn.decode_lens,
+                                  self.block_size)
+        elif nd:
             o = (self.paged_decode(q[:nd], kc, vc, attn.decode_tables, attn.decode_lens, self.block_size)
                  if attn.decode_tables is not None else self._decode(q[:nd], kf, vf, attn, bias))
             if not attn.chunks:
                 return o.reshape(n_tok, H * D)
-        if attn.prefill_tables is not None:  # every chunk at once, read in place
+        if attn.prefill_tables is not None or rows is not None:  # every chunk at once, read in place
             out = q.new_empty(n_tok, H, D)
-            if nd:
+            if attn.prefill_tables is not None:
+                self.paged_prefill(q[nd:], kc, vc, attn.prefill_tables, self.block_size, out[nd:])
+            if rows is not None:
+                out.index_copy_(0, rows, o)
+            elif nd:
                 out[:nd] = o
-            self.paged_prefill(q[nd:], kc, vc, attn.prefill_tables, self.block_size, out[nd:])
             return out.view(n_tok, H * D)
         if attn.prefill is not None:
             o_pre = self._prefill_batch(q[nd:], kf, vf, attn.prefill, blocks)
