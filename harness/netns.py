@@ -11,7 +11,7 @@ will, and everything removed on exit, even when the test fails.
 
 Addresses. Each link is a /30 of 10.77.0.0/16 (host side .1, namespace side .2): its index i gives
 10.77.(i // 64).(4 * (i % 64)). A link is claimed by creating its root-side device `cvp<i>h`: the kernel
-refuses a second device of that name, so concurrent labs (tests beside each other, other sessions on the
+refuses a second device of that name, so concurrent labs (tests beside each other, other runs on the
 machine) never share a subnet. The namespace side is created inside the namespace (`peer ... netns`), so
 the pair lives and dies with the namespace.
 
