@@ -46,6 +46,7 @@ class QuickRuns:
                 "attention": ["bench.attention", "--quick"],
                 "gemm_shapes": ["bench.gemm_shapes", "--quick"],
                 "sampler": ["bench.sampler", "--quick"],
+                "invariance": ["bench.invariance", "--quick"],
                 "tokenizer": ["bench.tokenizer", "--quick"],
                 "per_token": ["bench.per_token", "--quick", "--model", tiny],
                 "speculative": ["bench.speculative", "--quick", "--model", tiny],
@@ -189,6 +190,11 @@ def test_compile_layers(runs: QuickRuns) -> None:
 def test_sampler(runs: QuickRuns) -> None:
     out = runs.out("sampler")
     assert "| temperature 1 |" in out and "| temperature 0.7, top_p 0.9 |" in out and "8 rows" in out
+
+
+def test_invariance(runs: QuickRuns) -> None:
+    out = runs.out("invariance")
+    assert "| bfloat16 | decode step, 4 rows, seeded top-p 0.9, ms |" in out and "| bfloat16 | prefill burst" in out
 
 
 def test_attention(runs: QuickRuns) -> None:
