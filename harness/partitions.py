@@ -41,7 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -52,7 +52,7 @@ from redis.retry import Retry
 
 from harness import netns
 from harness.sse import check_events, read_events, tokens_text
-from harness.stack import ROOT, Stack, start_stack, stop_stack, wait_http
+from harness.stack import ROOT, Stack, start_stack, stop_stack, until, wait_http
 from infra.redis_cluster import ClusterNode, LocalCluster, _parse_nodes
 from infra.redis_server import RedisServer, free_port
 from shared import names
@@ -68,7 +68,6 @@ ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MOD
 # redis_client.py, async_client); a little over twice one call's, for a handler that makes two before it fails
 API_ANSWER_LIMIT_S = 25.0
 PROMPTS = [f"Story number {i}:" for i in range(4)]
-T = TypeVar("T")
 
 
 @dataclass
@@ -109,18 +108,6 @@ class PartitionRedis(RedisServer):
 
 
 # ---- the pieces each scenario uses -------------------------------------------------------------------------------
-
-
-def until(what: str, condition: Callable[[], T], timeout: float, every: float = 0.05) -> T:
-    """The first truthy value of `condition()`; TimeoutError naming `what` once `timeout` has passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
 
 
 def spawn(argv: list[str], env: dict[str, str], log: Path,

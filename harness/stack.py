@@ -13,9 +13,10 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import redis
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # held while this process's environment is copied for a child (`launch_stack`) or changed for a while (the tests'
 # in-process CLI runs): a thread of it (the test suite's background checks) never sees it half changed
 ENV_LOCK = threading.Lock()
+T = TypeVar("T")
 ROLES = ("supervisor", "redis-server", "api", "tokenizer", "inference", "output-lane", "celery", "celery-beat",
          "mp-helper", "other")
 
@@ -134,6 +136,19 @@ def launch_stack(workdir: Path, redis_url: str | None = None, model: str = "", e
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=preexec_die_with_parent())  # a killed run leaves no stack behind
     return Stack(f"http://127.0.0.1:{port}", redis_url or "", proc, env, log)
+
+
+def until(what: str, condition: Callable[[], T], timeout: float, every: float = 0.05,
+          error: type[Exception] = TimeoutError) -> T:
+    """The first truthy value of `condition()`; `error` naming `what` once `timeout` has passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise error(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "", each_poll: Any = None) -> None:

@@ -101,7 +101,7 @@ def _cluster_options(url: str) -> dict[str, Any]:
     options.pop("host", None)
     options.pop("port", None)
     options.pop("db", None)  # a cluster has only database 0
-    nodes = [(parse_url(u).get("host", "127.0.0.1"), int(parse_url(u).get("port", 6379))) for u in urls]
+    nodes = [(p.get("host", "127.0.0.1"), int(p.get("port", 6379))) for p in map(parse_url, urls)]
     return {"nodes": nodes, **options}
 
 

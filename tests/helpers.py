@@ -17,6 +17,7 @@ from unittest import mock
 import httpx
 import redis
 
+import harness.stack
 from harness.sse import iter_sse, read_events, tokens_text
 from harness.stack import ENV_LOCK
 from shared.grammar import GrammarSpec, from_openai
@@ -57,14 +58,7 @@ T = TypeVar("T")
 
 def until(what: str, condition: Callable[[], T], timeout: float = 5.0, every: float = 0.01) -> T:
     """The first truthy value of `condition()`; fails the test naming `what` once `timeout` has passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
+    return harness.stack.until(what, condition, timeout, every, error=AssertionError)
 
 
 def blocked_on(r: redis.Redis, command: str) -> list[dict[str, str]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -83,28 +85,30 @@ def _avx2_too() -> bool:
     return all(f in flags for f in (b"avx512f", b"avx2", b"fma"))
 
 
+K = TypeVar("K")
+
+
+def _kernel(build: str, param: str, wrap: Callable[[Any], K], load: Callable[[], K | None]) -> K:
+    """A kernel as this CPU builds it ("native"), or as an AVX2-only CPU does ("avx2")."""
+    if param == "avx2":
+        if not _avx2_too():
+            pytest.skip("this CPU's build is the AVX2 one (or it has no AVX2)")
+        return wrap(ck.build(build, extra=ck.AVX2_ONLY))
+    kernel = load()
+    assert kernel is not None, f"{build} did not build (g++ is part of the test machine)"
+    return kernel
+
+
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def ops(request: pytest.FixtureRequest) -> ck.LayerOps:
     """The layer ops as this CPU builds them, and as an AVX2-only CPU does."""
-    if request.param == "avx2":
-        if not _avx2_too():
-            pytest.skip("this CPU's build is the AVX2 one (or it has no AVX2)")
-        return ck.LayerOps(ck.build("layer_ops", extra=ck.AVX2_ONLY))
-    o = ck.load_layer_ops()
-    assert o is not None, "the layer ops did not build (g++ is part of the test machine)"
-    return o
+    return _kernel("layer_ops", request.param, ck.LayerOps, ck.load_layer_ops)
 
 
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def decode(request: pytest.FixtureRequest) -> ck.PagedDecode:
     """The decode attention kernel as this CPU builds it, and as an AVX2-only CPU does."""
-    if request.param == "avx2":
-        if not _avx2_too():
-            pytest.skip("this CPU's build is the AVX2 one (or it has no AVX2)")
-        return ck.PagedDecode(ck.build("paged_attention", extra=ck.AVX2_ONLY))
-    k = ck.load_paged_decode()
-    assert k is not None, "the kernel did not build (g++ is part of the test machine)"
-    return k
+    return _kernel("paged_attention", request.param, ck.PagedDecode, ck.load_paged_decode)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
