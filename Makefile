@@ -43,16 +43,16 @@ redis7:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
 test: model browser redis7
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 4
 
 test-fast: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -n 4 -m "not slow"
 
 bench-engine: model
-	$(PY) -m bench.engine
+	$(PY) -m bench engine generate
 
 bench-serve: model
-	$(PY) -m bench.serve --start
+	$(PY) -m bench serve load --start
 
 lint: setup
 	$(VENV)/bin/ruff check api workers gpu_worker shared infra tests bench

@@ -36,7 +36,7 @@ from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest, response_object
 from api.store import JobStore
 from api.validation import check_request
-from shared import names, scripts
+from shared import batch_ops, names, scripts
 from shared.job_ops import NotCopied, execute_copied
 from shared.jobs import BATCH_ENDS, TERMINAL, DamagedRecord, Job, JobStatus
 from shared.limits import PRIORITY_MAX
@@ -351,8 +351,7 @@ class Batches:
             why = "the job expired" if job is None else (job.error or job.status.value)
             code = cancelled_code if job is not None and job.status is JobStatus.cancelled else "generation_failed"
             result = _error(custom, code, why)
-        await scripts.BATCH_RESULT.acall(self.r, _result_keys(batch_id, ok), [idx, orjson.dumps(result),
-                                                                              "completed" if ok else "failed"])
+        await batch_ops.record_result(self.r, batch_id, idx, orjson.dumps(result), ok)
 
     async def _expire(self, batch_id: str, rec: dict[str, Any], running: list[str]) -> None:
         """Past its window: the lines still running (their jobs cancelled just now) and those never submitted
@@ -367,7 +366,7 @@ class Batches:
             for idx, raw in zip(part, lines):
                 custom = orjson.loads(raw).get("custom_id") if raw else None
                 result = _error(custom, "batch_expired", "the batch expired before this line ended")
-                scripts.BATCH_RESULT.queue(pipe, _result_keys(batch_id, False), [idx, orjson.dumps(result), "failed"])
+                batch_ops.queue_result(pipe, batch_id, idx, orjson.dumps(result), False)
             await pipe.execute()
         await self._finish(batch_id, rec, "expired")
 
@@ -407,12 +406,6 @@ def _max_lines(tenant: Tenant | None) -> tuple[int, str]:
     if tenant is not None and 0 < tenant.max_batch_lines < MAX_LINES:
         return tenant.max_batch_lines, "this key's max_batch_lines"
     return MAX_LINES, "the service's limit"
-
-
-def _result_keys(batch_id: str, ok: bool) -> list[str]:
-    """batch_result.lua's keys: the batch's record, its `out` or `err` hash, its `inflight` hash."""
-    return [names.batch_key(batch_id), names.batch_key(batch_id, "out" if ok else "err"),
-            names.batch_key(batch_id, "inflight")]
 
 
 def _error(custom_id: str | None, code: str, message: str) -> dict[str, Any]:

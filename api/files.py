@@ -16,7 +16,8 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from shared import names, scripts
+from shared import names
+from shared.file_ops import count_bytes
 from shared.job_ops import NotCopied, execute_copied
 
 MAX_FILE_BYTES = 64 * 2**20  # an upload larger answers 413
@@ -69,10 +70,7 @@ class FileStore:
 
     async def _count(self, owner: str, file_id: str, size: int, cap: int = 0) -> tuple[bool, int]:
         """Note a file's size against its owner (file_bytes.lua): (added, the owner's total)."""
-        now = int(time.time())
-        got = await scripts.FILE_BYTES.acall(self.r, [names.file_bytes_key(owner)],
-                                             [now, file_id, size, now + self.ttl_s, cap])
-        return bool(int(got[0])), int(got[1])
+        return await count_bytes(self.r, owner, file_id, size, self.ttl_s, cap)
 
     async def _push(self, key: str, lines: list[bytes]) -> None:
         if not lines:

@@ -18,6 +18,7 @@ from api.errors import ApiError, too_many
 from api.store import JobStore, partition_cap
 from shared import names
 from shared.jobs import Job
+from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import SubmitCode, SubmitReply
 from shared.settings import Settings
@@ -95,14 +96,9 @@ class Throughput:
                 await self._task
 
     async def counters(self) -> tuple[int, int]:
-        """Jobs submitted and jobs dequeued since the service began, over all partitions: one GET a key
-        in one pipeline (on a cluster each key is in its partition's slot, so no MGET across them)."""
-        pipe = self.r.pipeline(transaction=False)
-        for p in names.partitions():
-            pipe.get(names.submitted_counter(p))
-            pipe.get(names.dequeued_counter(p))
-        got = await pipe.execute()
-        return sum(int(v or 0) for v in got[::2]), sum(int(v or 0) for v in got[1::2])
+        """Jobs submitted and jobs dequeued since the service began, over all partitions (read_counters)."""
+        parts = await read_counters(self.r)
+        return sum(c.submitted for c in parts), sum(c.dequeued for c in parts)
 
     async def _run(self) -> None:
         last: tuple[float, int] | None = None

@@ -4,10 +4,11 @@ fanned out to per-stream bounded queues.
 Streams subscribe and unsubscribe per job channel on the shared connection. On a Redis Cluster a
 job's channel lives in its partition's slot and is sharded (SSUBSCRIBE): there is one connection
 per node that owns such slots, never one per stream; when a slot moves or a master fails over, the
-relay reconnects to the nodes that own the slots now. A connection is opened by redis-py (URL,
-password, TLS) and then read here directly: each socket read is parsed by hiredis into all the
-messages it holds, so a burst of N messages costs one read, not N round trips through a
-general-purpose client.
+relay reconnects to the nodes that own the slots now. A connection is redis-py's own (URL, password,
+TLS, the handshake), used through its public `Connection` API: commands go out through one writer
+task per connection (`send_packed_command`, in the order sent), and messages are read one by one
+(`read_response`; its hiredis parser keeps every message a socket read holds, so a burst of N
+messages costs one read).
 
 A subscriber's queue carries message bytes, or None for "re-read the job's event stream": sent
 after a reconnect (messages published meanwhile are lost to pub/sub, never to the event stream)
@@ -25,8 +26,8 @@ import random
 from collections import deque
 from typing import Any
 
-import hiredis
 import redis.asyncio as aredis
+from redis.exceptions import ResponseError
 
 from api import sse
 from shared import names
@@ -90,42 +91,51 @@ class Link:
         self.last_rx = asyncio.get_running_loop().time()
         self.pinged = 0.0
         self.task: asyncio.Task[None] | None = None
+        self._outbox: list[tuple[Any, ...]] = []
+        self._ready = asyncio.Event()
 
     def send(self, *args: Any) -> None:
-        self.conn._writer.write(b"".join(self.conn.pack_command(*args)))
+        """Queue a command for the writer (`write`); commands go out in the order sent."""
+        self._outbox.append(args)
+        self._ready.set()
 
-    def abort(self) -> None:
-        self.conn._writer.transport.abort()  # its reader sees it and the relay reconnects
+    async def write(self) -> None:
+        """Send what is queued, as it comes, everything queued meanwhile in one write. A connection that
+        went away is never opened again here (redis-py would): the session reconnects and resubscribes."""
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            commands, self._outbox = self._outbox, []
+            if not self.conn.is_connected:
+                raise ConnectionError("closed")
+            await self.conn.send_packed_command(self.conn.pack_commands(commands), check_health=False)
 
     async def read(self) -> None:
-        parser = hiredis.Reader()
-        stream = self.conn._reader
+        conn = self.conn
         loop = asyncio.get_running_loop()
         relay = self.relay
         subs = relay.subs
         while True:
-            data = await stream.read(1 << 16)
-            if not data:
-                raise ConnectionError("closed by the server")
+            try:
+                msg = await conn.read_response(disable_decoding=True, timeout=math.inf, push_request=True)
+            except ResponseError as exc:
+                log.warning("pub/sub error reply: %s", exc)
+                continue
             self.last_rx = loop.time()
-            parser.feed(data)
-            while (msg := parser.gets()) is not False:
-                if not isinstance(msg, list):  # (RESP3 pushes are a list subclass)
-                    if isinstance(msg, hiredis.ReplyError):
-                        log.warning("pub/sub error reply: %s", msg)
-                    continue  # +PONG outside subscribed mode
-                kind = msg[0]
-                if kind == b"message" or kind == b"smessage":
-                    for sub in subs.get(names.channel_job_id(msg[1]), ()):
-                        if sub.put(msg[2]):
-                            relay.delivered += 1
-                elif kind == b"subscribe" or kind == b"ssubscribe":
-                    fut = relay._pending.pop(msg[1], None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
-                elif kind == b"sunsubscribe" and names.channel_job_id(msg[1]) in subs:
-                    # the server dropped a channel we still want: its slot moved to another node
-                    raise ConnectionError(f"slot of {msg[1]!r} moved")
+            if not isinstance(msg, list):  # (RESP3 pushes are a list subclass)
+                continue  # +PONG outside subscribed mode
+            kind = msg[0]
+            if kind == b"message" or kind == b"smessage":
+                for sub in subs.get(names.channel_job_id(msg[1]), ()):
+                    if sub.put(msg[2]):
+                        relay.delivered += 1
+            elif kind == b"subscribe" or kind == b"ssubscribe":
+                fut = relay._pending.pop(msg[1], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif kind == b"sunsubscribe" and names.channel_job_id(msg[1]) in subs:
+                # the server dropped a channel we still want: its slot moved to another node
+                raise ConnectionError(f"slot of {msg[1]!r} moved")
 
 
 class Relay:
@@ -265,12 +275,22 @@ class Relay:
                     sub.wake()
             if not self.cluster:
                 self._connected.set()
-            await link.read()
+            writer = asyncio.create_task(link.write(), name=f"relay-write-{node}")
+            writer.add_done_callback(lambda t: t.cancelled() or self._lose(lost, t.exception()))
+            try:
+                await link.read()
+            finally:
+                writer.cancel()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # lost, reset, closed by the server, moved, or a protocol error
-            if lost is not None and not lost.done():
-                lost.set_exception(exc)
+            self._lose(lost, exc)
+
+    @staticmethod
+    def _lose(lost: asyncio.Future[None] | None, exc: BaseException | None) -> None:
+        """End the session `lost` belongs to (the loop connects again), if it is still on."""
+        if lost is not None and not lost.done():
+            lost.set_exception(exc or ConnectionError("lost"))
 
     async def _run(self) -> None:
         await arun_loop(self._session, self._stopped, log, "pub/sub")
@@ -334,7 +354,7 @@ class Relay:
                 silent = now - link.last_rx
                 if silent > 3 * PING_S:
                     log.warning("pub/sub connection silent for %.0fs; reconnecting", silent)
-                    link.abort()
+                    self._lose(self._lost, ConnectionError(f"silent for {silent:.0f}s"))
                 elif silent > PING_S and now - link.pinged > PING_S:
                     link.pinged = now
                     link.send("PING")

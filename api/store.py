@@ -13,6 +13,7 @@ import redis.asyncio as aredis
 from shared import names
 from shared.job_ops import AsyncJobOps
 from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus, new_record
+from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
 from shared.settings import Settings
@@ -161,16 +162,10 @@ class JobStore:
         return own + sum(min(d, own - 1) for p, d in enumerate(depths) if p != mine)
 
     async def partition_depths(self) -> list[int]:
-        """Each partition's queue depth (submitted - dequeued), reused for DEPTHS_MAX_AGE_S: one GET per key
-        in one pipeline (each its own slot on a cluster)."""
+        """Each partition's queue depth (submitted - dequeued: read_counters), reused for DEPTHS_MAX_AGE_S."""
         async with self._depths_lock:
             if time.monotonic() - self._depths_at > DEPTHS_MAX_AGE_S:
-                pipe = self.r.pipeline(transaction=False)
-                for p in names.partitions():
-                    pipe.get(names.submitted_counter(p))
-                    pipe.get(names.dequeued_counter(p))
-                got = await pipe.execute()
-                self._depths = [max(0, int(s or 0) - int(d or 0)) for s, d in zip(got[::2], got[1::2])]
+                self._depths = [c.depth for c in await read_counters(self.r)]
                 self._depths_at = time.monotonic()
             return self._depths
 

@@ -1,6 +1,12 @@
 """A job's events, gap-free and without duplicates, from any point, and the same as server-sent events
 (`sse_job_events`, written by a `Framing`). Silence, a full queue, a relay reconnect or a gap all fall
-back to replaying from the event stream."""
+back to replaying from the event stream.
+
+A chunk's message on the job's channel is its seq, a newline, then its `token` event's data exactly as the job
+API streams it (shared/events.py's `token_message`): the job API's framing forwards those bytes, and only a
+framing that reshapes the event (OpenAI's, Responses') parses them. Any other message is a JSON object with
+`seq` and `type` (finish.lua's `done`). A replayed chunk is read from the event stream's fields, and its data
+written by `token_data`, byte for byte what the lane writes."""
 
 from __future__ import annotations
 
@@ -19,8 +25,9 @@ from api import sse
 from api.errors import error_body
 from api.relay import Relay
 from api.store import JobStore
+from shared.events import token_data
 from shared.jobs import DamagedRecord, Job
-from shared.logprobs import Entry, chat_item, parse_lines
+from shared.logprobs import Entry, parse_lines
 from shared.retry import Backoff
 
 log = logging.getLogger("conveyor.api")
@@ -29,11 +36,48 @@ CATCH_UP_S = 5.0  # silence this long: re-read the event stream (a lost message,
 QUEUED_POLL_S = 2.0  # while queued: how often the status and position are re-read for `status` events
 
 
-@dataclass
 class TokenEvent:
-    seq: int
-    text: str
-    logprobs: list[Entry] | None = None  # its tokens' entries (shared/logprobs.py), when the job asked
+    """A chunk of the job's text: its seq, text and tokens' logprob entries (shared/logprobs.py; None when the
+    job did not ask), and `data`, the job API's `token` event data. A live one comes as that data (nothing
+    parses it unless its text is asked for), a replayed one as its fields (its data is written when asked)."""
+
+    __slots__ = ("_data", "_logprobs", "_text", "seq")
+
+    def __init__(self, seq: int, text: str | None = None, logprobs: list[Entry] | None = None,
+                 data: bytes | None = None) -> None:
+        self.seq, self._text, self._logprobs, self._data = seq, text, logprobs, data
+
+    @property
+    def data(self) -> bytes:
+        if self._data is None:
+            self._data = token_data(self.seq, self.text, self.logprobs)
+        return self._data
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._parse()
+        return self._text or ""
+
+    @property
+    def logprobs(self) -> list[Entry] | None:
+        if self._text is None:
+            self._parse()
+        return self._logprobs
+
+    def _parse(self) -> None:
+        event = orjson.loads(self.data)
+        self._text = event["text"]
+        items = event.get("logprobs")  # in the chat form: the entries back (their token ids are not needed)
+        self._logprobs = None if items is None else [
+            [None, i["token"], i["logprob"], [[None, t["token"], t["logprob"]] for t in i["top_logprobs"]]]
+            for i in items]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenEvent) and (self.seq, self.data) == (other.seq, other.data)
+
+    def __repr__(self) -> str:
+        return f"TokenEvent({self.seq}, {self.text!r})"
 
 
 @dataclass
@@ -116,21 +160,31 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                     sub.wake_at = math.inf
                 if data is None or sub.overflowed:
                     break
-                msg = orjson.loads(data)
-                seq = int(msg["seq"])
+                seq, token = _message(data)
                 if seq <= last:
                     continue
                 if seq != last + 1:
                     break
-                if msg["type"] == "done":
+                if token is None:  # done
                     job = await store.get(job_id)
                     if job is not None:
                         yield DoneEvent(seq, job)
                     return
                 last = seq
-                yield TokenEvent(seq, msg["text"], msg.get("logprobs"))
+                yield token
     finally:
         await relay.unsubscribe(sub)
+
+
+def _message(data: bytes) -> tuple[int, TokenEvent | None]:
+    """A message of the job's channel: (its seq, the chunk), or (seq, None) for its `done`."""
+    if data[:1] != b"{":
+        nl = data.index(b"\n")
+        seq = int(data[:nl])
+        return seq, TokenEvent(seq, data=data[nl + 1:])
+    msg = orjson.loads(data)  # finish.lua's done; a chunk of this JSON form is published by older workers
+    seq = int(msg["seq"])
+    return seq, (None if msg["type"] == "done" else TokenEvent(seq, msg["text"], msg.get("logprobs")))
 
 
 class Cut(Enum):
@@ -167,10 +221,7 @@ class JobFraming:
         return None
 
     def token(self, ev: TokenEvent) -> bytes:
-        data: dict[str, object] = {"seq": ev.seq, "text": ev.text}
-        if ev.logprobs is not None:
-            data["logprobs"] = [chat_item(e) for e in ev.logprobs]
-        return sse.encode(orjson.dumps(data), "token", ev.seq)
+        return sse.encode(ev.data, "token", ev.seq)
 
     def status(self, ev: StatusEvent) -> bytes:
         return sse.encode(ev.job.model_dump_json(), "status")

@@ -1,9 +1,9 @@
-"""The door: what a generation request must keep beyond its schema (shared.limits), for every
-route that accepts one (`/v1/jobs`, `/v1/chat/completions`, `/v1/completions`).
+"""The door: what a generation request must keep beyond its schema, for every route that accepts one
+(`/v1/jobs`, `/v1/chat/completions`, `/v1/completions`).
 
-The schema holds the fixed bounds; this module adds the ones that depend on the deployment: the
-model's vocabulary (read from its config.json: the API never loads a tokenizer), MAX_TOKENS_CAP
-and MAX_PROMPT_CHARS."""
+The rules are the request's own (`GenerationRequest.bounded`, shared/schemas.py); this module states the
+deployment's bounds (shared.limits.Deployment): MAX_TOKENS_CAP, MAX_PROMPT_CHARS and the model's
+vocabulary, read from its config.json (the API never loads a tokenizer)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from api.errors import ApiError
+from shared.limits import Deployment, LimitError
 from shared.model_config import vocab_size
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
@@ -18,27 +19,17 @@ from shared.settings import Settings
 log = logging.getLogger("conveyor.api")
 
 
+def deployment(settings: Settings) -> Deployment:
+    return Deployment(default_max_tokens=settings.default_max_tokens, max_tokens_cap=settings.max_tokens_cap,
+                      max_prompt_chars=settings.max_prompt_chars, vocab_size=vocab_size(settings.model_path))
+
+
 def check_request(req: GenerationRequest, settings: Settings) -> GenerationRequest:
     """Apply server defaults and the deployment's bounds; 413/422 with the offending field."""
-    if "max_tokens" not in req.model_fields_set:
-        req.max_tokens = settings.default_max_tokens
-    if req.max_tokens > settings.max_tokens_cap:
-        raise ApiError(422, f"max_tokens must be at most {settings.max_tokens_cap}", param="max_tokens")
-    size = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
-    if size > settings.max_prompt_chars:
-        raise ApiError(413, f"the prompt has {size} characters; the limit is {settings.max_prompt_chars}",
-                       param="messages" if req.messages else "prompt")
-    vocab = vocab_size(settings.model_path)
-    if vocab is not None:
-        if req.top_k > vocab:
-            raise ApiError(422, f"top_k must be 0 (off) or at most the vocabulary size, {vocab}", param="top_k")
-        for field, ids in (("stop_token_ids", req.stop_token_ids), ("logit_bias", list(req.logit_bias)),
-                           ("prompt", req.prompt_token_ids or [])):
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise ApiError(422, f"{field}: token ids must be below the vocabulary size {vocab}; got {bad}",
-                               param=field)
-    return req
+    try:
+        return req.bounded(deployment(settings))
+    except LimitError as exc:
+        raise ApiError(exc.status, exc.message, param=exc.param) from None
 
 
 def _vocab_bound(schema: dict[str, Any], vocab: int) -> None:

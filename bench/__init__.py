@@ -1,15 +1,16 @@
-"""Benchmarks, run as modules from the repository root (`.venv/bin/python -m bench.engine --help`); each
-has a `--quick` mode that tests/bench/test_bench_quick.py runs. BENCHMARKS.md holds the current figures.
+"""Benchmarks, one command from the repository root: `.venv/bin/python -m bench NAME [MODE] [options]`
+(bench/__main__.py lists them; `python -m bench` prints the list). Every mode has a `--quick` run of
+seconds, which tests/bench/test_bench_quick.py runs. BENCHMARKS.md holds the current figures.
 
-- engine:      in-process generation, named contenders interleaved (and decode-step timing)
-- gemm_shapes: CPU GEMM backends per weight shape
-- serve:       HTTP load against the full stack (and TTFT by hop, and an idle stack's CPU)
-- plumbing:    jobs/s, concurrent streams and relay delay on the synthetic engine
-- redis_ops:   what each stage's Redis traffic costs Redis
-- soak:        memory of every process over many jobs
-- chaos:       nothing lost or corrupted while processes die and Redis restarts
+- engine:     the engine in process (generate, step, gemm, attention, kv-cache, sampler, compile,
+              speculative, per-token, invariance)
+- vllm:       our engine and server against vLLM-CPU (offline, serving)
+- serve:      the stack over HTTP and its parts (load, plumbing, redis, tokenizer)
+- faults:     what is lost or costs under faults (chaos, failover, partitions, copies)
+- soak, fairness, batch, cold-start
 - gpu_check.sh: the engine on one NVIDIA GPU against transformers' continuous batching
 
 Shared parts: harness/stack.py (start and stop a stack, find its processes), harness/sse.py (read event
-streams), common.py (prompts, models, percentiles, the wait for a quiet machine), plot.py (charts).
+streams), common.py (each mode's parser and model, prompts, percentiles, the wait for a quiet machine),
+plot.py (charts), quick.py (several `--quick` runs in one process).
 """

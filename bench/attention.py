@@ -11,27 +11,27 @@ alternating with the path it replaces: in bfloat16 `batched`, the chunks padded 
 gathered from the cache (`Llama._prefill_batch`); in float32 `sdpa`, chunk by chunk (`Llama._prefill`), and, on a
 CPU with AVX512, `paged-avx2`: the kernel as an AVX2-only CPU builds it (8 lanes).
 
-    .venv/bin/python -m bench.attention                      # rows 1-32 at 100 and 400 tokens
-    .venv/bin/python -m bench.attention --prefill 32x452 --iters 20            # and --dtype float32
-    .venv/bin/python -m bench.attention --quick
+    .venv/bin/python -m bench engine attention                      # rows 1-32 at 100 and 400 tokens
+    .venv/bin/python -m bench engine attention --prefill 32x452 --iters 20            # and --dtype float32
+    .venv/bin/python -m bench engine attention --quick
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
+from bench.common import parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, model=False)
     p.add_argument("--rows", default="1,2,4,8,16,32")
     p.add_argument("--tokens", default="100,400")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefill", default="", help="prefill mode: CHUNKSxROWS (e.g. 32x452)")
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.tokens, args.iters = "1,8", "64", 5
@@ -84,9 +84,10 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
     """The `--prefill` mode: one step of `shape` first chunks, each path's attention over layer 0, per layer."""
     import torch
 
-    from gpu_worker.engine import Request, StepBatch, cpu_kernels
+    from gpu_worker.engine import StepBatch, cpu_kernels
     from gpu_worker.engine.block_manager import BlockManager
     from gpu_worker.engine.sequence import Sequence
+    from shared.schemas import Request
 
     chunks, rows = (int(x) for x in shape.split("x"))
     model, cache = runner.model, runner.cache
@@ -135,9 +136,3 @@ def prefill(runner, shape: str, iters: int) -> None:  # type: ignore[no-untyped-
           + ", ".join(f"{name} {v:.2f}" for name, v in ms.items())
           + "".join(f"; {name} / {kern} {ms[name] / ms[kern]:.2f}x" for kern in ms if kern.startswith("paged")
                     for name in ms if not name.startswith("paged")))
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

@@ -6,14 +6,13 @@ streams; and an interactive stream's TTFT with no batch running against during o
 a batch line (priority 1000) of 32 tokens, all started together, and an interactive request (priority 0)
 arrives k decode steps into them; the steps until its first token, for k = 0, 4, ..., 28.
 
-    .venv/bin/python -m bench.batch                  # the default model, 1,000 lines x 32 tokens, 2 rounds
-    .venv/bin/python -m bench.batch --quick          # seconds: the tiny model, 40 lines x 8 tokens, 1 round
-    .venv/bin/python -m bench.batch --waves          # the default model in process, 64 slots
+    .venv/bin/python -m bench batch                  # the default model, 1,000 lines x 32 tokens, 2 rounds
+    .venv/bin/python -m bench batch --quick          # seconds: the tiny model, 40 lines x 8 tokens, 1 round
+    .venv/bin/python -m bench batch --waves          # the default model in process, 64 slots
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import statistics
@@ -25,7 +24,7 @@ from typing import Any
 
 import openai
 
-from bench.common import PROMPTS, default_model, quick_model
+from bench.common import PROMPTS, chosen_model, parser
 from harness.stack import start_stack, stop_stack
 
 
@@ -77,9 +76,10 @@ def ttft(oai: openai.OpenAI, model: str, probes: int) -> list[float]:
 def waves(model: str, slots: int, tokens: int) -> list[tuple[int, int, float]]:
     """(k, engine steps, seconds) from an interactive request's arrival k decode steps into a wave of batch
     lines filling every slot to its first token (`--waves`)."""
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from gpu_worker.engine import EngineConfig, LLMEngine
     from shared.limits import PRIORITY_MAX
     from shared.model_config import checkpoint_dtype
+    from shared.schemas import Request
 
     engine = LLMEngine(EngineConfig(model=model, max_num_seqs=slots, checkpoint_dtype=checkpoint_dtype(model)))
 
@@ -112,18 +112,16 @@ def waves(model: str, slots: int, tokens: int) -> list[tuple[int, int, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None)
+    p = parser(__doc__)
     p.add_argument("--lines", type=int, default=1000)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--probes", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--waves", action="store_true", help="the engine in process: TTFT in steps during a batch wave")
     p.add_argument("--slots", type=int, default=64, help="--waves: the engine's slots (MAX_NUM_SEQS)")
     args = p.parse_args(argv)
-    model = quick_model(args.model) if args.quick else (args.model or default_model())
+    model = chosen_model(args)
     if args.waves:
         rows = waves(model, args.slots, args.tokens)
         print(f"interactive first token during a wave of {args.slots} batch lines x {args.tokens} tokens, "
@@ -173,9 +171,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"interactive TTFT p50/p95: no batch {pct(res['ttft_idle'], 0.5):.2f}/{pct(res['ttft_idle'], 0.95):.2f} s, "
           f"during a batch {pct(res['ttft_batch'], 0.5):.2f}/{pct(res['ttft_batch'], 0.95):.2f} s")
     return 0
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

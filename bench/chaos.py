@@ -1,8 +1,8 @@
 """Chaos run: nothing lost, nothing duplicated, while processes die and Redis restarts.
 
-    .venv/bin/python -m bench.chaos                        # 500 jobs, 3 rounds, real model
-    .venv/bin/python -m bench.chaos --jobs 60 --rounds 1   # a short one
-    .venv/bin/python -m bench.chaos --quick                # 20 jobs, 1 round, synthetic engine, no Redis restart
+    .venv/bin/python -m bench faults chaos                        # 500 jobs, 3 rounds, real model
+    .venv/bin/python -m bench faults chaos --jobs 60 --rounds 1   # a short one
+    .venv/bin/python -m bench faults chaos --quick                # 20 jobs, 1 round, synthetic engine, no Redis restart
 
 Starts a redis-server of its own (append-only, its port and data dir kept, so this script can
 restart it) and `conveyor up --no-autoscale --tokenizers 2 --inference 2` on it (harness/stack.py), with fast
@@ -30,7 +30,6 @@ import json
 import random
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -402,7 +401,3 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             print(f"processes that outlived the stack and were killed: {left}")
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,13 +3,12 @@ from its process start until its heartbeat is live, and, in a fresh process of i
 (imports, the model's load and weight preparation) and what its first request costs against the same request
 again (first-call work of the kernels, memory faulted in).
 
-    .venv/bin/python -m bench.cold_start                 # default model, float32 and bfloat16, 3 starts each
-    .venv/bin/python -m bench.cold_start --quick         # tiny model, one start
+    .venv/bin/python -m bench cold-start                 # default model, float32 and bfloat16, 3 starts each
+    .venv/bin/python -m bench cold-start --quick         # tiny model, one start
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -19,12 +18,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import chosen_model, parser
+
 # run in a fresh interpreter: every figure is from that process's own start
 PHASES = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import torch
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
+from shared.schemas import Request
 t_import = time.perf_counter()
 engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype=sys.argv[2], max_num_seqs=8))
 t_load = time.perf_counter()
@@ -66,16 +68,14 @@ def worker_live(model: str, dtype: str, redis_url: str, timeout: float = 300.0) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None)
+    p = parser(__doc__)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--starts", type=int, default=3)
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    from bench.common import ROOT, cpu_name, default_model, quick_model
+    from bench.common import ROOT, cpu_name
     from infra.redis_server import RedisServer
 
-    model = quick_model(args.model) if args.quick else (args.model or default_model())
+    model = chosen_model(args)
     dtypes = args.dtypes.split(",")
     if args.quick:
         args.starts, dtypes = 1, dtypes[:1]
@@ -105,9 +105,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(rows))
     print("\nA request: 40 prompt tokens, 16 new, greedy, alone.")
     return 0
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

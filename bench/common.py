@@ -1,15 +1,22 @@
-"""What the benchmarks share: the prompt list, the default and the tiny model, the percentile they all
-report, the wait for a quiet machine before a timed run, and the report helpers."""
+"""What the benchmarks share: every mode's argument parser and model choice, the prompt list, the percentile they
+all report, the wait for a quiet machine before a timed run, and the report helpers."""
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import contextlib
 import hashlib
+import logging
+import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,31 @@ PROMPTS = [
     "Recommend a book for someone who likes science fiction.",
     "How do I boil an egg?",
 ]
+
+
+def parser(doc: str, model: bool = True) -> argparse.ArgumentParser:
+    """A mode's parser: its docstring as the help, `--quick` and (`model`) `--model`, which `chosen_model` reads."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="seconds: small and short (a tiny random model unless --model)")
+    if model:
+        p.add_argument("--model", default=None, help="model directory (default: the service's default model)")
+    return p
+
+
+def chosen_model(args: argparse.Namespace) -> str:
+    """--model; else, under --quick, a tiny random model; else the service's default."""
+    return quick_model(args.model) if args.quick else args.model or default_model()
+
+
+def quiet() -> None:
+    """transformers' warnings, logs and progress bars off: a report holds what was measured."""
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
 def messages_for(i: int) -> list[dict[str, str]]:
@@ -126,6 +158,22 @@ def wait_for_quiet(max_share: float, timeout: float, sample_s: float = 1.0,
         share = cpu.others()
         if share is None or share <= max_share or time.monotonic() >= deadline:
             return share
+
+
+# a neighbour keeping about half a core busy, in 6 ms bursts: what `--hog` runs beside a measurement
+HOG = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < 0.006: pass\n    time.sleep(0.006)\n"
+
+
+@contextlib.contextmanager
+def busy_neighbour(on: bool = True) -> Iterator[bool]:
+    """While inside (when `on`), another process keeping about half a core busy; yields `on`."""
+    hog = subprocess.Popen([sys.executable, "-c", HOG]) if on else None
+    try:
+        yield on
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
 
 
 def fmt(x: float, digits: int = 0) -> str:

@@ -5,21 +5,18 @@ A standalone decode step over the model's own modules with plain weights (induct
 K/V in a flat cache gathered per row and attention in float32, as the engine's model does: eager, then compiled
 with dynamic shapes (the warm-up is the compile). `--hog` runs a process that keeps about half a core busy
 (6 ms spin, 6 ms sleep) during the timed steps: how much each loses to a busy machine. Our runner's own step
-time for comparison: `python -m bench.engine --step-time 32 --dtypes D`.
+time for comparison: `python -m bench engine step --batches 32 --dtypes D`.
 
-    .venv/bin/python -m bench.compile_layers --dtype bfloat16
-    .venv/bin/python -m bench.compile_layers --dtype bfloat16 --hog
-    .venv/bin/python -m bench.compile_layers --quick     # seconds: a tiny model, its first layer, 4 rows x 20 tokens
+    .venv/bin/python -m bench engine compile --dtype bfloat16
+    .venv/bin/python -m bench engine compile --dtype bfloat16 --hog
+    .venv/bin/python -m bench engine compile --quick     # seconds: a tiny model, its first layer, 4 rows x 20 tokens
 """
 
 from __future__ import annotations
 
-import argparse
-import subprocess
-import sys
 import time
 
-HOG = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < 0.006: pass\n    time.sleep(0.006)\n"
+from bench.common import busy_neighbour, chosen_model, parser
 
 
 def layers_ms(model_dir: str, dtype_name: str, compiled: bool, rows: int, tokens: int,
@@ -86,36 +83,22 @@ def layers_ms(model_dir: str, dtype_name: str, compiled: bool, rows: int, tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None)
+    p = parser(__doc__)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--tokens", type=int, default=100, help="tokens each row attends to")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--layers", type=int, default=0, help="only the model's first N decoder layers (default: all)")
     p.add_argument("--hog", action="store_true", help="time beside a process that keeps half a core busy")
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    from bench.common import default_model, quick_model
-
     if args.quick:
-        args.model, args.rows, args.tokens, args.steps, args.layers = quick_model(args.model), 4, 20, 3, 1
-    model = args.model or default_model()
-    hog = subprocess.Popen([sys.executable, "-c", HOG]) if args.hog else None
-    try:
+        args.rows, args.tokens, args.steps, args.layers = 4, 20, 3, 1
+    model = chosen_model(args)
+    with busy_neighbour(args.hog) as hog:
         for compiled in (False, True):
             warm, ms = layers_ms(model, args.dtype, compiled, args.rows, args.tokens, args.steps, args.layers)
             print(f"{'compiled' if compiled else 'eager'} {args.dtype}: layers of a decode step at {args.rows} rows "
                   f"x {args.tokens} tokens {ms:.2f} ms (median of {args.steps}; warm-up {warm:.1f} s)"
                   + (f"  [first {args.layers} layer(s) only]" if args.layers else "")
                   + ("  [beside a half-core hog]" if hog else ""), flush=True)
-    finally:
-        if hog is not None:
-            hog.kill()
     return 0
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

@@ -1,7 +1,7 @@
 """What the durability mechanism costs in accepted jobs/s on a Redis Cluster.
 
-    .venv/bin/python -m bench.copies                              # 3 masters + 3 replicas, ~25 s
-    .venv/bin/python -m bench.copies --concurrency 32 --seconds 5 --runs 5
+    .venv/bin/python -m bench faults copies                              # 3 masters + 3 replicas, ~25 s
+    .venv/bin/python -m bench faults copies --concurrency 32 --seconds 5 --runs 5
 
 On a cluster the API's submit (`AsyncJobOps.submit`) sends submit.lua and `WAIT 1 1000` in one pipeline
 to the job's master, on the same connection, and answers only once a replica has the job (else
@@ -35,7 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import fmt, md_table, percentile, tree_state
+from bench.common import fmt, md_table, parser, percentile, tree_state
 from infra.redis_cluster import LocalCluster
 from shared import names, scripts
 from shared.job_ops import AsyncJobOps, NotCopied, submit_write
@@ -159,12 +159,14 @@ async def bench(cluster: LocalCluster, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, default=16, help="concurrent submit tasks")
-    parser.add_argument("--seconds", type=float, default=3.0, help="seconds per run")
-    parser.add_argument("--runs", type=int, default=3, help="interleaved (copied, plain) pairs")
-    parser.add_argument("--warmup", type=float, default=0.5, help="seconds of each mode before the timed runs")
-    args = parser.parse_args(argv)
+    p = parser(__doc__, model=False)
+    p.add_argument("--concurrency", type=int, default=16, help="concurrent submit tasks")
+    p.add_argument("--seconds", type=float, default=3.0, help="seconds per run")
+    p.add_argument("--runs", type=int, default=3, help="interleaved (copied, plain) pairs")
+    p.add_argument("--warmup", type=float, default=0.5, help="seconds of each mode before the timed runs")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seconds, args.runs, args.warmup = 0.5, 1, 0.1
     with tempfile.TemporaryDirectory(prefix="conveyor-copies-") as tmp, names.partitions_as(PARTITIONS):
         cluster = LocalCluster(Path(tmp) / "cluster", masters=3, replicas=1)
         try:
@@ -172,7 +174,3 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(bench(cluster, args))
         finally:
             cluster.stop()
-
-
-if __name__ == "__main__":
-    main()

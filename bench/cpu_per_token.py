@@ -10,8 +10,8 @@ seconds from /proc/<pid>/stat, plus every thread of the model process (/proc/<pi
 conveyor's inference worker, vLLM's `VLLM::Worker`), divided by the tokens the run generated; and the
 CPU of guidellm itself, which shares the cores.
 
-    .venv/bin/python -m bench.cpu_per_token --levels 1,8,32 --repeats 3
-    .venv/bin/python -m bench.cpu_per_token --quick      # seconds: a tiny model, conveyor only, one run of
+    .venv/bin/python -m bench vllm serving --levels 1,8,32 --repeats 3
+    .venv/bin/python -m bench vllm serving --quick      # seconds: a tiny model, conveyor only, one run of
                                                          # 1 stream for 4 s or 8 requests, 4 tokens per request,
                                                          # no warm-up, guidellm making 8 prompts ahead (not 4,096)
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.common import default_model, quick_model
+from bench.common import chosen_model
 from harness.stack import start_stack, stop_stack
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -209,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.servers, args.levels, args.repeats, args.seconds = (
-            quick_model(args.model), "conveyor", "1", 1, 4)  # 4 s: a request completes even on a busy machine
+        # 4 s: a request completes even on a busy machine
+        args.servers, args.levels, args.repeats, args.seconds = "conveyor", "1", 1, 4
         args.prompt_tokens, args.output_tokens, args.no_warmup = 16, 4, True
         args.requests, args.prefetch = args.requests or 8, args.prefetch or 8
-    args.model = args.model or default_model()
+    args.model = chosen_model(args)
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))
     env = dict(kv.split("=", 1) for kv in args.env)
     servers = []
@@ -254,7 +254,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

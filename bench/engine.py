@@ -1,10 +1,8 @@
-"""In-process generation benchmark: named contenders on the same workload, interleaved, one Markdown table.
+"""In-process generation: named contenders on the same workload, interleaved, one Markdown table.
 
-    .venv/bin/python -m bench.engine             # full default run: 15-20 minutes on 2 idle cores
-    .venv/bin/python -m bench.engine --quick     # seconds: a tiny random model, 2 requests x 3 tokens, no warm-up
-    .venv/bin/python -m bench.engine --profile   # also break down a decode step at 32 running, per --dtypes
-    .venv/bin/python -m bench.engine --step-time 1,8,32 --dtypes float32,bfloat16   # decode-step time only
-    .venv/bin/python -m bench.engine --after-idle 8 --dtypes bfloat16   # a prefill step warm and after idling
+    .venv/bin/python -m bench engine generate             # full default run: 15-20 minutes on 2 idle cores
+    .venv/bin/python -m bench engine generate --quick     # seconds: a tiny random model, 2 requests x 3 tokens
+    .venv/bin/python -m bench engine generate --profile   # also break down a decode step, per --dtypes
 
 Workload: N requests drawn round-robin from 16 short chat prompts (rendered with the model's chat
 template, about 30-45 tokens), each generating exactly --max-new tokens (greedy, EOS ignored).
@@ -28,14 +26,6 @@ processes used meanwhile. Every figure is the median over --repeats; contenders 
 each repeat so that the machine's drift hits them alike, and a run disturbed by other processes (more
 than --max-noise of the CPU) is redone, up to --retries times, after waiting for a quiet machine.
 Finally the fp32 engine's tokens are compared with batch-1 `generate` (--check requests).
-
-`--step-time B1,B2,..` instead loads the engine per --dtypes and batch size, prefills B identical-length
-prompts, takes 3 untimed decode steps, then reports the median (and min) of --steps timed decode steps:
-the number to compare when changing the model runner (alternate two trees; single runs minutes apart
-are not comparable). `--kernels on,off` times each step both ways, alternating: with the compiled CPU kernels (the
-default: decode attention read in place, fused layer steps) and with torch's ops only (CPU_KERNELS=false).
-`--after-idle S` times a --prompt-len prefill step warm (right after another request) and after the process has
-slept S seconds, alternately, 3 times each.
 """
 
 from __future__ import annotations
@@ -44,15 +34,13 @@ import argparse
 import contextlib
 import heapq
 import json
-import logging
 import os
 import random
 import statistics
 import sys
 import time
-import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -61,8 +49,7 @@ from typing import TypeVar
 
 import torch
 
-from bench.common import PROMPTS, CpuShare, default_model, fmt, percentile, quick_model, wait_for_quiet
-from shared.lifecycle import exit_quickly
+from bench.common import PROMPTS, CpuShare, chosen_model, fmt, parser, percentile, quiet, wait_for_quiet
 
 T = TypeVar("T")
 MODES = ("all", "poisson")
@@ -309,7 +296,7 @@ def run_hf_cb(s: Setup, client: Client) -> list[Record]:
 
 def run_ours(s: Setup, client: Client, dtype: str) -> list[Record]:
     """Our engine: add what has arrived, step while there is work, otherwise sleep to the next arrival."""
-    from gpu_worker.engine import Request
+    from shared.schemas import Request
 
     wl, engine, clock = s.workload, s.engines[dtype], Clock()
     while not client.all_done():
@@ -401,16 +388,6 @@ def measured(args: argparse.Namespace, label: str, fn: Callable[[], T]) -> tuple
 # ----------------------------------------------------------------------------- setup, guard, profile
 
 
-def quiet() -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
 def make_engine(model: str, dtype: str, args: argparse.Namespace):
     from gpu_worker.engine import EngineConfig, LLMEngine
 
@@ -464,10 +441,39 @@ def batch1_reference(s: Setup, k: int) -> list[list[int]]:
     return out
 
 
+@contextlib.contextmanager
+def timed_parts(runner, parts: dict[str, list[float]]) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """While inside: the seconds of each call `ModelRunner.run` makes to the model's forward, the logits
+    (lm_head) and the sampler, appended to parts["forward"], ["logits"] and ["sample"]."""
+    targets = {"forward": (runner.model, "forward"), "logits": (runner, "_logits"), "sample": (runner, "sampler")}
+    own = {name: vars(obj).get(attr) for name, (obj, attr) in targets.items()}  # instance attributes to put back
+
+    def timed(fn: Callable, times: list[float]) -> Callable:
+        def call(*a, **kw):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times.append(time.perf_counter() - t)
+        return call
+
+    for name, (obj, attr) in targets.items():
+        setattr(obj, attr, timed(getattr(obj, attr), parts[name]))
+    try:
+        yield
+    finally:
+        for name, (obj, attr) in targets.items():
+            if own[name] is None:
+                delattr(obj, attr)  # the class's method again
+            else:
+                setattr(obj, attr, own[name])
+
+
 def profile_step(s: Setup, dtype: str = "float32", concurrency: int = 32, steps: int = 5) -> None:
-    """Time decode steps at `concurrency` running sequences: whole step vs model forward vs the rest,
-    then the top operators of one step under torch.profiler."""
-    from gpu_worker.engine import Request
+    """Time decode steps at `concurrency` running sequences: the whole step (median) against what `ModelRunner.run`
+    spends in the model's forward, the lm_head and the sampler (means), then the top operators of one step under
+    torch.profiler."""
+    from shared.schemas import Request
 
     engine = s.engines.get(dtype) or make_engine(s.args.model, dtype, s.args)
     wl = s.workload
@@ -478,28 +484,18 @@ def profile_step(s: Setup, dtype: str = "float32", concurrency: int = 32, steps:
         engine.step()  # prefill everything first
     for _ in range(3):
         engine.step()
-    runner = engine.runner
-    inner_times: list[float] = []
-    real_run = runner.run_model
-
-    def timed_run(inputs):
-        t = time.perf_counter()
-        out = real_run(inputs)
-        inner_times.append(time.perf_counter() - t)
-        return out
-
-    runner.run_model = timed_run
+    parts: dict[str, list[float]] = {"forward": [], "logits": [], "sample": []}
     step_times = []
-    try:
+    with timed_parts(engine.runner, parts):
         for _ in range(steps):
             t = time.perf_counter()
             engine.step()
             step_times.append(time.perf_counter() - t)
-    finally:
-        runner.run_model = real_run
-    step, fwd = statistics.median(step_times) * 1e3, statistics.median(inner_times) * 1e3
+    step = statistics.median(step_times) * 1e3
+    ms = {name: sum(times) / steps * 1e3 for name, times in parts.items()}
     print(f"\nprofile: {dtype} decode step at {concurrency} running: step {step:.1f} ms median of {steps}; "
-          f"model forward {fwd:.1f} ms; inputs + schedule + sample + bookkeeping {step - fwd:.1f} ms "
+          f"model forward {ms['forward']:.1f} ms, lm_head {ms['logits']:.1f} ms, sampler {ms['sample']:.1f} ms; "
+          f"inputs + schedule + bookkeeping {step - sum(ms.values()):.1f} ms "
           f"({concurrency / step * 1e3:.0f} tok/s if every step were like this)")
     from torch.profiler import ProfilerActivity, profile
 
@@ -510,70 +506,6 @@ def profile_step(s: Setup, dtype: str = "float32", concurrency: int = 32, steps:
         engine.abort_request(f"p{i}")
     while engine.has_unfinished():
         engine.step()
-
-
-def step_time(model: str, dtype: str, batch: int, steps: int, prompt_len: int,
-              kernels: bool = True) -> tuple[float, float]:
-    """Median and min decode-step time (ms) at `batch` running sequences, after a prefill of all of them."""
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
-
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, max_num_seqs=max(64, batch),
-                                    max_num_batched_tokens=0, cpu_kernels=kernels))
-    prompt = list(range(100, 100 + prompt_len))
-    for i in range(batch):
-        engine.add_request(Request(f"r{i}", prompt, max_tokens=10_000, temperature=0.0, ignore_eos=True))
-    while engine.num_waiting or any(q.num_uncomputed > 1 for q in engine.scheduler.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3, min(times) * 1e3
-
-
-def after_idle(model: str, dtype: str, idle_s: float, prompt_len: int) -> tuple[list[float], list[float]]:
-    """A prefill step's time (ms) right after another request and after `idle_s` of sleep, 3 times each."""
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
-
-    engine = LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype))
-    prompt = list(range(100, 100 + prompt_len))
-
-    def prefill_ms(tag: str) -> float:
-        engine.add_request(Request(tag, prompt, max_tokens=2, temperature=0.0, ignore_eos=True))
-        t = time.perf_counter()
-        engine.step()
-        took = (time.perf_counter() - t) * 1e3
-        while engine.has_unfinished():
-            engine.step()
-        return took
-
-    for i in range(3):
-        prefill_ms(f"w{i}")
-    warm, idle = [], []
-    for i in range(3):
-        warm.append(prefill_ms(f"a{i}"))
-        time.sleep(idle_s)
-        idle.append(prefill_ms(f"b{i}"))
-    return warm, idle
-
-
-def step_times(args: argparse.Namespace) -> int:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, GOMP_SPINCOUNT="
-          f"{os.environ.get('GOMP_SPINCOUNT', 'unset')}")
-    for dtype in args.dtypes.split(","):
-        for batch in (int(b) for b in args.step_time.split(",") if b):
-            for kernels in args.kernels.split(","):
-                med, low = step_time(args.model, dtype, batch, args.steps, args.prompt_len, kernels == "on")
-                print(f"{dtype:9s} batch {batch:3d} kernels {kernels:3s}: decode step {med:6.1f} ms median "
-                      f"(min {low:.1f}), {batch / med * 1e3:6.0f} tok/s if every step were like this", flush=True)
-        if args.after_idle:
-            warm, idle = after_idle(args.model, dtype, args.after_idle, args.prompt_len)
-            print(f"{dtype:9s} {args.prompt_len}-token prefill step: warm {' / '.join(f'{x:.0f}' for x in warm)} ms, "
-                  f"after {args.after_idle:g} s idle {' / '.join(f'{x:.0f}' for x in idle)} ms", flush=True)
-    return 0
 
 
 # ----------------------------------------------------------------------------- main
@@ -597,10 +529,7 @@ def print_table(results: dict[tuple[str, str], list[Result]], only: list[str], m
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="model directory (default: the service's default model)")
-    p.add_argument("--quick", action="store_true",
-                   help="seconds: a tiny random model (unless --model), 2 requests x 3 tokens, 2 in flight, no warm-up")
+    p = parser(__doc__)
     p.add_argument("--n", type=int, default=64, help="requests per run")
     p.add_argument("--max-new", type=int, default=64, help="tokens generated per request")
     p.add_argument("--concurrency", type=int, default=32,
@@ -622,21 +551,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet-wait", type=float, default=30.0,
                    help="seconds to wait, before each run, for other processes to fall under --max-noise")
     p.add_argument("--check", type=int, default=4, help="requests compared with batch-1 generate (0: skip)")
-    p.add_argument("--profile", action="store_true", help="also profile a decode step at 32 running, per --dtypes")
+    p.add_argument("--profile", action="store_true", help="also profile a decode step at --concurrency running")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="--profile: the engine dtypes to profile")
     p.add_argument("--json", dest="json_out", help="also write the medians here, and a chart beside it (.png)")
-    p.add_argument("--step-time", default="", help="decode-step time only, at these batch sizes (e.g. 1,8,32)")
-    p.add_argument("--kernels", default="on", help="decode-step mode: compiled CPU kernels on, off, or on,off")
-    p.add_argument("--after-idle", type=float, default=0.0,
-                   help="decode-step mode: also time a prefill step after this many seconds idle")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="decode-step and --profile modes: engine dtypes")
-    p.add_argument("--steps", type=int, default=15, help="decode-step mode: timed steps per batch size")
-    p.add_argument("--prompt-len", type=int, default=40, help="decode-step mode: prompt tokens per request")
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.max_new, args.concurrency, args.rate, args.repeats = 2, 3, 2, 50.0, 1
-        args.naive_subset, args.retries, args.quiet_wait, args.check, args.steps = 2, 0, 0.0, 2, 3
-        args.after_idle = min(args.after_idle, 0.1)
-    args.model = quick_model(args.model) if args.quick else args.model or default_model()
+        args.naive_subset, args.retries, args.quiet_wait, args.check = 2, 0, 0.0, 2
+    args.model = chosen_model(args)
     args.only = [c for c in args.only.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
     unknown = [c for c in args.only if c not in BY_NAME] + [m for m in modes if m not in MODES]
@@ -646,8 +568,6 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     torch.manual_seed(0)
-    if args.step_time or args.after_idle:
-        return step_times(args)
     started = datetime.now(UTC)
     print(f"# engine benchmark, {started:%Y-%m-%d %H:%M} UTC\n")
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()} of {os.cpu_count()} cores, "
@@ -720,11 +640,8 @@ def main(argv: list[str] | None = None) -> int:
                   x_label="arrivals")
     if args.profile:
         for dtype in args.dtypes.split(","):
-            profile_step(s, dtype)
+            profile_step(s, dtype, args.concurrency)
     print(f"\nfinished in {(datetime.now(UTC) - started).total_seconds() / 60:.1f} min")
     return 0
 
 
-if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        exit_quickly(main())

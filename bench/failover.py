@@ -1,8 +1,8 @@
 """Failover chaos: kill -9 of a Redis Cluster master under load, many rounds in a row on one stack.
 
-    .venv/bin/python -m bench.failover                      # 20 rounds, 30 greedy jobs each, default model
-    .venv/bin/python -m bench.failover --rounds 3 --tiny    # a short one on a tiny random model
-    .venv/bin/python -m bench.failover --seeds all          # REDIS_URL lists every node
+    .venv/bin/python -m bench faults failover                      # 20 rounds, 30 greedy jobs each, default model
+    .venv/bin/python -m bench faults failover --rounds 3 --tiny    # a short one on a tiny random model
+    .venv/bin/python -m bench faults failover --seeds all          # REDIS_URL lists every node
 
 The README's cluster settings on a cluster of its own, as an operator runs one (not the supervisor's, which
 would start a killed node again at once): a LocalCluster of 3 masters and 3 replicas, a single-node Redis as
@@ -20,9 +20,9 @@ failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
-import sys
 import tempfile
 import threading
 import time
@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-from bench.common import PROMPTS, default_model, make_tiny_model, md_table
+from bench.common import PROMPTS, default_model, make_tiny_model, md_table, parser
 from harness.sse import check_events, read_events
-from harness.stack import Stack, start_stack, stop_stack
+from harness.stack import Stack, start_stack, stop_stack, until
 from infra.redis_cluster import LocalCluster
 from infra.redis_server import RedisServer
 from shared.jobs import TERMINAL
@@ -85,9 +85,9 @@ class Reviver(threading.Thread):
     def run(self) -> None:
         while True:
             port, done = self.asked.get()
-            deadline = time.monotonic() + 60
-            while len(self.cluster.master_ports()) < self.cluster.masters and time.monotonic() < deadline:
-                time.sleep(0.2)  # (the dead node is not counted): until its replica is promoted
+            with contextlib.suppress(TimeoutError):  # (the dead node is not counted): until its replica is promoted
+                until("a replica promoted", lambda: len(self.cluster.master_ports()) >= self.cluster.masters, 60,
+                      every=0.2)
             self.cluster.restart_node(port)
             done.set()
 
@@ -140,7 +140,7 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, model=False)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", choices=["one", "all"], default="one", help="the nodes REDIS_URL names")
     ap.add_argument("--workdir", default="")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.jobs, args.max_tokens, args.tiny = 1, 4, 8, True
     work = Path(args.workdir or tempfile.mkdtemp(prefix="conveyor-failover-"))
     model = make_tiny_model(work / "tiny", default_model()) if args.tiny else default_model()
     cluster, broker = LocalCluster(work / "cluster"), RedisServer(work / "broker")
@@ -186,7 +188,3 @@ def main(argv: list[str] | None = None) -> int:
     passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"])
     print(f"\n{passed} of {len(rows)} rounds passed: every accepted job ended with its clean text")
     return 0 if passed == len(rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

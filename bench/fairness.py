@@ -9,8 +9,8 @@ FIFO's: fairness costs no throughput), and Redis commands per job (INFO commands
 scripts count their inner calls; this benchmark's own reads left out). Times come from the job records
 (created_at, first_token_at, finished_at), as the service stamped them.
 
-    .venv/bin/python -m bench.fairness                  # the default model, 200 x 64 against 10 x 8, 2 rounds
-    .venv/bin/python -m bench.fairness --quick          # seconds: the tiny model, 16 x 8 against 2 x 4, 1 round
+    .venv/bin/python -m bench fairness                  # the default model, 200 x 64 against 10 x 8, 2 rounds
+    .venv/bin/python -m bench fairness --quick          # seconds: the tiny model, 16 x 8 against 2 x 4, 1 round
 """
 
 from __future__ import annotations
@@ -26,16 +26,10 @@ from typing import Any
 
 import httpx
 
-from bench.common import default_model, quick_model
-from harness.stack import Stack, start_stack, stop_stack
+from bench.common import chosen_model, parser, percentile
+from harness.stack import Stack, start_stack, stop_stack, until
 from shared import names, tenants
-
-TERMINAL = ("succeeded", "failed", "cancelled")
-
-
-def _p(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+from shared.jobs import TERMINAL
 
 
 def _submit(c: httpx.Client, tokens: int, i: int) -> str:
@@ -50,18 +44,16 @@ SENT = {"commands": 0}  # what this benchmark sends Redis itself (its reads of t
 def _records(stack: Stack, ids: list[str], timeout: float) -> list[dict[str, str]]:
     """The jobs' records once every one has ended (one read a second)."""
     r = stack.redis()
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def ended() -> list[dict[str, str]] | None:
         pipe = r.pipeline(transaction=False)
         for job_id in ids:
             pipe.hgetall(names.job_key(job_id))
         recs = pipe.execute()
         SENT["commands"] += len(ids)
-        if all(rec.get("status") in TERMINAL for rec in recs):
-            return recs
-        if time.monotonic() > deadline:
-            raise SystemExit(f"jobs did not end within {timeout:.0f} s")
-        time.sleep(1.0)
+        return recs if all(rec.get("status") in TERMINAL for rec in recs) else None
+
+    return until(f"{len(ids)} jobs to end", ended, timeout, every=1.0)
 
 
 def _light(c: httpx.Client, args: argparse.Namespace, offset: int) -> list[str]:
@@ -99,8 +91,8 @@ def run_mode(fair: bool, args: argparse.Namespace, workdir: Path) -> dict[str, A
     drain = max(float(x["finished_at"]) for x in heavy_recs) - min(float(x["created_at"]) for x in heavy_recs)
     return {
         "mode": "fair" if fair else "fifo",
-        "light_ttft_alone_p50": _p(ttft(alone), 0.5), "light_ttft_alone_p95": _p(ttft(alone), 0.95),
-        "light_ttft_p50": _p(ttft(under), 0.5), "light_ttft_p95": _p(ttft(under), 0.95),
+        "light_ttft_alone_p50": percentile(ttft(alone), 50), "light_ttft_alone_p95": percentile(ttft(alone), 95),
+        "light_ttft_p50": percentile(ttft(under), 50), "light_ttft_p95": percentile(ttft(under), 95),
         "light_done_p50": statistics.median(float(x["finished_at"]) - float(x["created_at"]) for x in under),
         "drain_s": drain,
         "heavy_tok_s": sum(int(x.get("completion_tokens") or 0) for x in heavy_recs) / drain,
@@ -110,8 +102,7 @@ def run_mode(fair: bool, args: argparse.Namespace, workdir: Path) -> dict[str, A
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="")
+    p = parser(__doc__)
     p.add_argument("--heavy", type=int, default=200)
     p.add_argument("--heavy-tokens", type=int, default=64)
     p.add_argument("--light", type=int, default=10)
@@ -122,12 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default="fifo,fair", help="which to run: fifo, fair or both (the default)")
     p.add_argument("--json", dest="json_out")
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.rounds, args.heavy, args.heavy_tokens = quick_model(args.model), 1, 16, 8
+        args.rounds, args.heavy, args.heavy_tokens = 1, 16, 8
         args.light, args.light_tokens, args.light_every, args.max_num_seqs = 2, 4, 0.1, 4
-    args.model = args.model or default_model()
+    args.model = chosen_model(args)
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-fairness-"))
     modes = [m for m in ("fifo", "fair") if m in args.modes.split(",")]
     runs = []
@@ -155,7 +145,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"runs": runs, "medians": med}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,9 +3,9 @@ reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`)
 MKL on a weight packed once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`), at several
 row counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/gemm.py.
 
-    .venv/bin/python -m bench.gemm_shapes                      # SmolLM2-135M's shapes, float32
-    .venv/bin/python -m bench.gemm_shapes --dtype bfloat16
-    .venv/bin/python -m bench.gemm_shapes --quick              # seconds: 8 rows only, one call per figure
+    .venv/bin/python -m bench engine gemm                      # SmolLM2-135M's shapes, float32
+    .venv/bin/python -m bench engine gemm --dtype bfloat16
+    .venv/bin/python -m bench engine gemm --quick              # seconds: 8 rows only, one call per figure
 
 Shapes (in -> out): fused q/k/v, o, fused gate/up, down, LM head. Each figure is the smaller of two
 medians of --n calls after --warmup calls, in microseconds; "layer" sums the four layer matrices.
@@ -17,13 +17,14 @@ every layer's weights once, from memory: `--copies 30` cycles through 30 copies 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+
+from bench.common import parser
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
@@ -43,15 +44,13 @@ def timed(fn, n: int, warmup: int = 10) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__, model=False)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rows", default="1,4,8,16,32,64")
     p.add_argument("--n", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="untimed calls before each figure")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--copies", type=int, default=1, help="distinct copies of each weight to cycle through")
-    p.add_argument("--quick", action="store_true",
-                   help="seconds: 8 rows only, one untimed and one timed call per figure")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.n, args.warmup = "8", 1, 1
@@ -91,9 +90,3 @@ def main(argv: list[str] | None = None) -> None:
                     layer[j] += t
         print(f"| {m} | " + " | ".join(cells) + " | " + " / ".join(f"{t:.0f}" for t in layer[: len(times)])
               + " |", flush=True)
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

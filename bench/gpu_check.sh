@@ -114,7 +114,8 @@ def build(model_dir):
 
 
 def run_ours(model_dir):
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from gpu_worker.engine import EngineConfig, LLMEngine
+    from shared.schemas import Request
 
     engine = LLMEngine(EngineConfig(model=model_dir, device=DEVICE, dtype="bfloat16", max_num_seqs=256,
                                     max_num_batched_tokens=8192, kv_cache_mb=int(os.environ["KV_CACHE_MB"])))

@@ -2,8 +2,8 @@
 process so that a shared machine's drift hits both alike.
 
     git archive <commit before> | tar -x -C /tmp/before     # the sampler before (its top-p candidates in topk's order)
-    .venv/bin/python -m bench.invariance --against /tmp/before --dtypes bfloat16,float32
-    .venv/bin/python -m bench.invariance --quick            # seconds: a tiny random model
+    .venv/bin/python -m bench engine invariance --against /tmp/before --dtypes bfloat16,float32
+    .venv/bin/python -m bench engine invariance --quick            # seconds: a tiny random model
 
 "before" is this engine with a single row over a long K not split in two (gemm.ONE_ROW_MAX_K), the other tree's top-p
 draw (`_draw_nucleus` of its gpu_worker/engine/sampler.py; without --against, this tree's) and generated positions
@@ -17,12 +17,13 @@ computed again by the prefill kernel (`generated_by_decode` off). Per dtype:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from bench.common import chosen_model, parser
 
 
 def _nucleus_of(tree: Path) -> Callable:
@@ -51,7 +52,8 @@ class Switch:
 
 def decode(model: str, dtype: str, rows: int, steps: int, prompt_len: int, seeded: bool,
            before_nucleus: Callable) -> dict[str, float]:
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from gpu_worker.engine import EngineConfig, LLMEngine
+    from shared.schemas import Request
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(64, rows)))
     switch = Switch(engine, before_nucleus)
@@ -76,7 +78,8 @@ def decode(model: str, dtype: str, rows: int, steps: int, prompt_len: int, seede
 def burst(model: str, dtype: str, n: int, length: int, repeats: int, before_nucleus: Callable) -> dict[str, float]:
     import torch
 
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from gpu_worker.engine import EngineConfig, LLMEngine
+    from shared.schemas import Request
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=32, prefix_caching=False))
     switch = Switch(engine, before_nucleus)
@@ -98,9 +101,8 @@ def burst(model: str, dtype: str, n: int, length: int, repeats: int, before_nucl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__)
     p.add_argument("--against", help="the tree whose top-p draw is 'before' (default: this one)")
-    p.add_argument("--model", default=None, help="model directory (default: the service's default model)")
     p.add_argument("--dtypes", default="bfloat16")
     p.add_argument("--rows", default="1,32")
     p.add_argument("--steps", type=int, default=40)
@@ -108,14 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=32)
     p.add_argument("--burst-len", type=int, default=452)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    from bench.common import default_model, quick_model
-
     if args.quick:
-        args.model, args.rows, args.steps, args.burst, args.burst_len, args.repeats = (
-            quick_model(args.model), "1,4", 3, 4, 40, 1)
-    model = args.model or default_model()
+        args.rows, args.steps, args.burst, args.burst_len, args.repeats = "1,4", 3, 4, 40, 1
+    model = chosen_model(args)
     root = Path(args.against) if args.against else Path(__file__).resolve().parent.parent
     before_nucleus = _nucleus_of(root)
     print(f"| dtype | measure | invariant | before | invariant / before |  ({args.steps} steps a side, "
@@ -131,9 +129,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {dtype} | prefill burst, {args.burst} x {args.burst_len} tokens, s | {m['now']:.2f} "
               f"| {m['before']:.2f} | {m['now'] / m['before']:.3f} |", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

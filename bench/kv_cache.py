@@ -8,17 +8,15 @@ paged = blocks held x block size; dense = the old layout, rows rounded up to 8 t
 rounded up to 128 (capped at the model's context). Waste = allocated but unused slots / allocated,
 over all steps. It also reports how many sequences ran at once.
 
-    .venv/bin/python -m bench.kv_cache                 # the default model, float32
-    .venv/bin/python -m bench.kv_cache --quick         # a tiny random model, seconds
+    .venv/bin/python -m bench engine kv-cache                 # the default model, float32
+    .venv/bin/python -m bench engine kv-cache --quick         # a tiny random model, seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 
-from bench.common import default_model, quick_model
-from shared.lifecycle import exit_quickly
+from bench.common import chosen_model, parser
 
 
 def round_up(x: int, step: int) -> int:
@@ -26,20 +24,19 @@ def round_up(x: int, step: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None)
+    p = parser(__doc__)
     p.add_argument("--long", type=int, default=3000)
     p.add_argument("--short", type=int, default=30)
     p.add_argument("--short-len", type=int, default=50)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.long, args.short, args.max_new = quick_model(args.model), 600, 8, 4
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+        args.long, args.short, args.max_new = 600, 8, 4
+    from gpu_worker.engine import EngineConfig, LLMEngine
+    from shared.schemas import Request
 
-    engine = LLMEngine(EngineConfig(model=args.model or default_model(), dtype="float32", max_num_seqs=64,
+    engine = LLMEngine(EngineConfig(model=chosen_model(args), dtype="float32", max_num_seqs=64,
                                     max_model_len=4096, block_size=args.block_size, max_num_batched_tokens=4096))
     reqs = [Request("long", [100 + i % 5000 for i in range(args.long)], max_tokens=args.max_new, temperature=0,
                     ignore_eos=True)]
@@ -68,7 +65,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| paged, blocks of {args.block_size} | {paged / used:.3f} | {res['paged_waste']:.1%} |")
     print(f"| dense slots (before) | {dense / used:.2f} | {res['dense_waste']:.1%} |")
     return 0
-
-
-if __name__ == "__main__":
-    exit_quickly(main())

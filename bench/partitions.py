@@ -1,10 +1,10 @@
 """Network partitions, repeated: each scenario of harness/partitions.py run N times in a row, each run on a stack,
 a Redis and network namespaces of its own (harness/netns.py), counting what the partition cost.
 
-    .venv/bin/python -m bench.partitions                                  # 20 runs of each scenario, tiny model
-    .venv/bin/python -m bench.partitions --runs 3 --scenarios inference,tokenizer
-    .venv/bin/python -m bench.partitions --quick                          # 1 run of each
-    .venv/bin/python -m bench.partitions --runs 5 --model ~/.cache/conveyor/models/SmolLM2-135M-Instruct
+    .venv/bin/python -m bench faults partitions                                  # 20 runs of each scenario, tiny model
+    .venv/bin/python -m bench faults partitions --runs 3 --scenarios inference,tokenizer
+    .venv/bin/python -m bench faults partitions --quick                          # 1 run of each
+    .venv/bin/python -m bench faults partitions --runs 5 --model ~/.cache/conveyor/models/SmolLM2-135M-Instruct
 
 Needs root and `ip` (iproute2): it makes namespaces and veth pairs; where it cannot, it says why and exits 2.
 The scenarios (see harness/partitions.py for each check):
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     reason = netns.unavailable()
     if reason:
-        print(f"bench.partitions cannot run here: {reason}", file=sys.stderr)
+        print(f"bench faults partitions cannot run here: {reason}", file=sys.stderr)
         return 2
     if args.quick:
         args.runs = 1
@@ -121,7 +121,3 @@ def main(argv: list[str] | None = None) -> int:
         dump: dict[str, Any] = {name: [o.__dict__ for o in outcomes] for name, outcomes in results.items()}
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": dump}, indent=1, default=str))
     return 0 if all(o.passed for outcomes in results.values() for o in outcomes) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,17 +2,18 @@
 and with logprobs + top_logprobs 5 on every row, each against the same batch with neither, in one process,
 interleaved, median over rounds. And the time to compile a typical schema, first and cached.
 
-    .venv/bin/python -m bench.per_token                  # default model, 32 x 64 tokens, 3 rounds
-    .venv/bin/python -m bench.per_token --quick          # tiny model, seconds
+    .venv/bin/python -m bench engine per-token                  # default model, 32 x 64 tokens, 3 rounds
+    .venv/bin/python -m bench engine per-token --quick          # tiny model, seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
+
+from bench.common import chosen_model, parser
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string"}, "year": {"type": "integer"},
@@ -22,27 +23,25 @@ SCHEMA = {"type": "object", "properties": {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None)
+    p = parser(__doc__)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    from bench.common import PROMPTS, default_model, quick_model
+    from bench.common import PROMPTS
 
-    model = quick_model(args.model) if args.quick else (args.model or default_model())
+    model = chosen_model(args)
     if args.quick:
         args.streams, args.tokens, args.rounds = 4, 8, 1
     import torch
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from gpu_worker.engine import EngineConfig, LLMEngine
     from shared.model_config import vocab_size
-    from shared.schemas import GenerationRequest
+    from shared.schemas import GenerationRequest, Request
     from workers.tokenizer.prompt import PromptBuilder
 
     engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, max_num_seqs=args.streams,
@@ -103,9 +102,3 @@ def main(argv: list[str] | None = None) -> int:
           f"cached {t_cached * 1000:.2f} ms; serialized {len(serialized) / 1024:.0f} KiB, "
           f"loaded by a worker in {t_load * 1000:.1f} ms")
     return 0
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

@@ -1,9 +1,9 @@
 """Plumbing benchmark: what one API process carries when generation costs nothing.
 
-    .venv/bin/python -m bench.plumbing                    # everything (about 5 minutes)
-    .venv/bin/python -m bench.plumbing --quick            # seconds: every part once, small and short
-    .venv/bin/python -m bench.plumbing --only relay --relay-n 1,100,1000
-    .venv/bin/python -m bench.plumbing --only accept-cluster   # one Redis node against a 3-master cluster
+    .venv/bin/python -m bench serve plumbing                    # everything (about 5 minutes)
+    .venv/bin/python -m bench serve plumbing --quick            # seconds: every part once, small and short
+    .venv/bin/python -m bench serve plumbing --only relay --relay-n 1,100,1000
+    .venv/bin/python -m bench serve plumbing --only accept-cluster   # one Redis node against a 3-master cluster
 
 It starts its own stack (harness/stack.py: `conveyor up --no-autoscale`, its own redis-server) with
 ENGINE=synthetic: the zero-cost synthetic engine, a benchmark instrument that emits one fixed token
@@ -587,9 +587,8 @@ def publish(stack: Stack, ids: list[str], ticks: int, interval: float, batch: in
     batch 0: all streams in one step per tick, the worst case (one burst of N events). batch B:
     groups of B streams, one step each, spread evenly over the interval, like N/B inference workers
     each stepping B sequences. Returns how far behind schedule the publisher fell at worst (s)."""
-    import orjson
-
     from shared import names
+    from shared.events import token_message
     from shared.job_ops import JobOps, step_write
     from shared.redis_client import CLUSTER_TYPES
 
@@ -617,7 +616,7 @@ def publish(stack: Stack, ids: list[str], ticks: int, interval: float, batch: in
                 keys, args = steps.setdefault(names.job_partition(job_id), ([], []))
                 seqs[job_id] += 1
                 seq = seqs[job_id]
-                message = orjson.dumps({"seq": seq, "type": "token", "text": stamp})
+                message = token_message(seq, stamp, [])
                 job_keys, job_args = step_write(job_id, 3 if seq == 1 else 0, (seq - 1) * 4, token,
                                                 text_bytes[job_id], chunk, seq, message, seq)
                 text_bytes[job_id] += len(chunk)
@@ -789,7 +788,3 @@ def main(argv: list[str] | None = None) -> int:
                                                    "accept": accept, "streams": streams, "relay": relay},
                                                   indent=2, default=str))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,30 +2,31 @@
 (tests/bench/test_bench_quick.py) uses for those that need no stack, so that they share one interpreter and
 one import of torch instead of paying for one each.
 
-    .venv/bin/python -m bench.quick OUTDIR '{"NAME": ["bench.MODULE", "ARG", ...], ...}'
+    .venv/bin/python -m bench.quick OUTDIR '{"NAME": ["BENCHMARK", "MODE", "ARG", ...], ...}'
 
-Each run is `main(ARGS)` of its module, its standard output in OUTDIR/NAME.out and its exit status in
-OUTDIR/NAME.rc (then the traceback, if it raised). Every run is attempted, in the order given; the exit
-status is 1 if any failed. A run that changes process-wide settings (bench.compile_layers: inductor's) goes last.
+Each run is `python -m bench BENCHMARK MODE ARG ...` in this process (bench/__main__.py), its standard output
+in OUTDIR/NAME.out and its exit status in OUTDIR/NAME.rc (then the traceback, if it raised). Every run is
+attempted, in the order given; the exit status is 1 if any failed. A run that changes process-wide settings
+(`engine compile`: inductor's) goes last.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import sys
 import traceback
 from pathlib import Path
 
+from bench.__main__ import run
 from shared.lifecycle import exit_quickly
 
 
-def run_one(module: str, args: list[str], out: Path) -> tuple[int, str]:
-    """(exit status, traceback or message) of `module.main(args)`, its standard output written to `out`."""
+def run_one(argv: list[str], out: Path) -> tuple[int, str]:
+    """(exit status, traceback or message) of the benchmark `argv` names, its standard output written to `out`."""
     with out.open("w") as f, contextlib.redirect_stdout(f):
         try:
-            code = importlib.import_module(module).main(args)
+            code = run(argv)
         except SystemExit as exc:
             code = exc.code
         except Exception:  # noqa: BLE001 - reported, and the next run still runs
@@ -44,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     outdir, runs = Path(argv[0]), json.loads(argv[1])
     outdir.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for name, (module, *args) in runs.items():
-        print(f"[quick] {name}: {module} {' '.join(args)}", file=sys.stderr, flush=True)
-        code, why = run_one(module, args, outdir / f"{name}.out")
+    for name, argv in runs.items():
+        print(f"[quick] {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
+        code, why = run_one(argv, outdir / f"{name}.out")
         (outdir / f"{name}.rc").write_text(f"{code}\n{why}")
         if code:
             print(f"[quick] {name} failed (exit {code})\n{why}", file=sys.stderr, flush=True)

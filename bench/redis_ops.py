@@ -1,8 +1,8 @@
 """What conveyor's Redis traffic costs Redis, measured on a real redis-server started here.
 
-    .venv/bin/python -m bench.redis_ops                          # embedded redis-server 6.2, ~1.5 min
-    .venv/bin/python -m bench.redis_ops --server /usr/bin/redis-server --seconds 5
-    .venv/bin/python -m bench.redis_ops --quick                  # seconds: every scenario, briefly
+    .venv/bin/python -m bench serve redis                          # embedded redis-server 6.2, ~1.5 min
+    .venv/bin/python -m bench serve redis --server /usr/bin/redis-server --seconds 5
+    .venv/bin/python -m bench serve redis --quick                  # seconds: every scenario, briefly
 
 Every scenario replays the commands the code sends (key names from shared.names, the Lua scripts
 from shared.jobs and shared.job_ops) with append-only persistence on (everysec), as `conveyor up`
@@ -288,7 +288,3 @@ def main(argv: list[str] | None = None) -> None:
                           flush=True)
         finally:
             server.stop()
-
-
-if __name__ == "__main__":
-    main()

@@ -5,16 +5,17 @@ nor one-hot), the rows all sampled (no greedy rows), two torch threads, median o
 warm-up. What serving pays per step on top of the model when clients leave temperature at its
 default of 1 (guidellm, most OpenAI clients), or set top_p / top_k.
 
-    .venv/bin/python -m bench.sampler                  # rows 1, 8, 32, 64
-    .venv/bin/python -m bench.sampler --scale 0.05     # nearly flat, as a model of random weights gives
-    .venv/bin/python -m bench.sampler --quick          # seconds
+    .venv/bin/python -m bench engine sampler                  # rows 1, 8, 32, 64
+    .venv/bin/python -m bench engine sampler --scale 0.05     # nearly flat, as a model of random weights gives
+    .venv/bin/python -m bench engine sampler --quick          # seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
+
+from bench.common import parser
 
 SETTINGS = {  # name -> Request keyword arguments
     "temperature 1": {"temperature": 1.0},
@@ -24,21 +25,21 @@ SETTINGS = {  # name -> Request keyword arguments
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser(__doc__, model=False)
     p.add_argument("--rows", default="1,8,32,64")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--scale", type=float, default=3.0, help="the logits' standard deviation (3: neither flat nor "
                    "one-hot; 0.05: nearly flat, so top_p 0.9 keeps most of the vocabulary)")
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.rows, args.vocab, args.iters = "1,8", 4096, 3
     import torch
 
     from gpu_worker.engine.sampler import Sampler
-    from gpu_worker.engine.sequence import Request, Sequence
+    from gpu_worker.engine.sequence import Sequence
+    from shared.schemas import Request
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -62,9 +63,3 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{statistics.median(times) * 1000:.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

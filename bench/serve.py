@@ -1,13 +1,13 @@
 """Serving benchmark over HTTP: streaming OpenAI chat clients against conveyor's full path, side by
 side with the in-process engine and, optionally, vLLM-CPU on the same model, in one run.
 
-    .venv/bin/python -m bench.serve --start                          # conveyor: levels 1, 8, 32
-    .venv/bin/python -m bench.serve --start --inprocess --vllm       # + in-process engine + vLLM
-    .venv/bin/python -m bench.serve --url http://127.0.0.1:8000      # a server already running
-    .venv/bin/python -m bench.serve --start --rate 4 --n 64          # open loop, Poisson arrivals
-    .venv/bin/python -m bench.serve --start --levels '' --hops 20 --max-tokens 16   # TTFT by hop
-    .venv/bin/python -m bench.serve --start --levels '' --idle 30    # what an idle stack costs
-    .venv/bin/python -m bench.serve --quick                          # seconds: a tiny model, all of it
+    .venv/bin/python -m bench serve load --start                          # conveyor: levels 1, 8, 32
+    .venv/bin/python -m bench serve load --start --inprocess --vllm       # + in-process engine + vLLM
+    .venv/bin/python -m bench serve load --url http://127.0.0.1:8000      # a server already running
+    .venv/bin/python -m bench serve load --start --rate 4 --n 64          # open loop, Poisson arrivals
+    .venv/bin/python -m bench serve load --start --levels '' --hops 20 --max-tokens 16   # TTFT by hop
+    .venv/bin/python -m bench serve load --start --levels '' --idle 30    # what an idle stack costs
+    .venv/bin/python -m bench serve load --quick                          # seconds: a tiny model, all of it
 
 Workload: requests drawn round-robin from 16 short chat prompts (bench/common.py's list),
 `max_tokens` 64, `temperature` 0, `ignore_eos` true, streamed (`stream: true`,
@@ -71,17 +71,15 @@ import orjson
 from bench.common import (
     PROMPTS,
     ROOT,
-    default_model,
+    chosen_model,
     fmt,
     md_table,
     messages_for,
     percentile,
-    quick_model,
     wait_for_quiet,
 )
 from harness.sse import HttpStatusError, post_sse_data
 from harness.stack import Stack, cpu_seconds, cpu_share, start_stack, stop_stack, wait_http
-from shared.lifecycle import exit_quickly
 
 VLLM_VENV = ROOT / ".cache" / "vllm-venv"
 
@@ -232,7 +230,7 @@ class InProcess:
         self.serial = 0
 
     def run(self, n: int, max_tokens: int, concurrency: int | None, rate: float | None, seed: int) -> list[Record]:
-        from gpu_worker.engine import Request
+        from shared.schemas import Request
 
         records = [Record() for _ in range(n)]
         arrivals: list[float] = []
@@ -510,7 +508,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("give --url URL or --start")
     if args.idle and not args.start:
         p.error("--idle needs --start")
-    args.model = quick_model(args.model) if args.quick else args.model or default_model()
+    args.model = chosen_model(args)
     return args
 
 
@@ -627,7 +625,3 @@ def main(argv: list[str] | None = None) -> int:
             plot_rows(rows, Path(args.json_out).with_suffix(".png"), f"streaming chat, {args.max_tokens} tokens "
                       f"per request, dtype {args.dtype}, {os.cpu_count()} CPUs")
     return 1 if any(r.errors for r in results) else 0
-
-
-if __name__ == "__main__":
-    exit_quickly(main())

@@ -1,8 +1,8 @@
 """Soak: does any process of the stack, or Redis, grow over many jobs?
 
-    .venv/bin/python -m bench.soak --jobs 10000 --csv /tmp/soak.csv        # synthetic engine
-    .venv/bin/python -m bench.soak --jobs 2000 --engine torch --rate 3      # the real model
-    .venv/bin/python -m bench.soak --quick                                  # seconds: 30 jobs, 5 s TTL
+    .venv/bin/python -m bench soak --jobs 10000 --csv /tmp/soak.csv        # synthetic engine
+    .venv/bin/python -m bench soak --jobs 2000 --engine torch --rate 3      # the real model
+    .venv/bin/python -m bench soak --quick                                  # seconds: 30 jobs, 5 s TTL
 
 Starts `conveyor up --no-autoscale` (harness/stack.py; its own redis-server, under --workdir) with
 ENGINE=synthetic by default: the synthetic engine is a zero-cost benchmark instrument (one fixed
@@ -32,7 +32,6 @@ import json
 import random
 import shutil
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -334,7 +333,3 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             print(f"processes that outlived the stack and were killed: {left}")
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,16 +3,17 @@ text) and costs where it does not (open questions): output tok/s of the same req
 one engine, one process, interleaved, median over rounds; the engine steps, the draft tokens kept, and whether
 every run gave the same tokens (float32 always does; bfloat16 results shift with a batch's shape, on or off).
 
-    .venv/bin/python -m bench.speculative                    # default model, 1 and 8 streams, 3 rounds
-    .venv/bin/python -m bench.speculative --quick            # tiny model, seconds
+    .venv/bin/python -m bench engine speculative                    # default model, 1 and 8 streams, 3 rounds
+    .venv/bin/python -m bench engine speculative --quick            # tiny model, seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
+
+from bench.common import chosen_model, parser
 
 # an edit keeps most of its text: the model's answer copies long runs of the prompt
 PASSAGE = ("The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
@@ -24,27 +25,25 @@ EDIT = "Rewrite the following text in the past perfect tense, changing nothing e
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None)
+    p = parser(__doc__)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--streams", default="1,8", help="concurrent requests per run, comma-separated")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--draft", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--lookup", default="2,4", help="prompt_lookup_min,max")
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    from bench.common import PROMPTS, cpu_name, default_model, quick_model
+    from bench.common import PROMPTS, cpu_name
 
-    model = quick_model(args.model) if args.quick else (args.model or default_model())
+    model = chosen_model(args)
     streams = [int(s) for s in args.streams.split(",")]
     if args.quick:
         streams, args.tokens, args.rounds = [2], 8, 1
     import torch
 
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from gpu_worker.engine import EngineConfig, LLMEngine
     from gpu_worker.engine.ngram import NgramConfig
-    from shared.schemas import GenerationRequest
+    from shared.schemas import GenerationRequest, Request
     from workers.tokenizer.prompt import PromptBuilder
 
     lo, hi = (int(x) for x in args.lookup.split(","))
@@ -100,9 +99,3 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---:|---|---:|---|---|")
     print("\n".join(rows))
     return 0
-
-
-if __name__ == "__main__":
-    from shared.lifecycle import exit_quickly
-
-    exit_quickly(main())

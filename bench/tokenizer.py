@@ -2,28 +2,25 @@
 tokenizer worker does them (workers/tokenizer/prompt.py), on the default model's tokenizer. What a flood of
 long prompts costs the jobs behind it in that first-in, first-out stage (README, "Fair share").
 
-    .venv/bin/python -m bench.tokenizer                 # 64 prompts of ~3,250 tokens, 3 repeats
-    .venv/bin/python -m bench.tokenizer --quick         # seconds
+    .venv/bin/python -m bench serve tokenizer                 # 64 prompts of ~3,250 tokens, 3 repeats
+    .venv/bin/python -m bench serve tokenizer --quick         # seconds
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from bench.common import default_model
+from bench.common import default_model, parser
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the riverbank. "  # 14 tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="")
+    p = parser(__doc__)
     p.add_argument("--batch", type=int, default=64, help="prompts per batch (TOKENIZER_BATCH)")
     p.add_argument("--sentences", type=int, default=230, help="sentences per prompt (~14 tokens each)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.sentences, args.repeats = 4, 10, 1
@@ -43,7 +40,3 @@ def main(argv: list[str] | None = None) -> int:
     print("| prompts | tokens each | ms per batch | M prompt tokens/s |\n|---:|---:|---:|---:|")
     print(f"| {args.batch} | {tokens // args.batch:,} | {dt * 1000:.0f} | {tokens / dt / 1e6:.2f} |")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

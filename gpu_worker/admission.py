@@ -1,4 +1,4 @@
-"""Admission: each job of a `tokenized` entry is started, or resumed where another worker left it.
+"""Admission: the job of a `tokenized` entry is started, or resumed where another worker left it.
 
 The output lane learns a job (its stop strings, where its stream stands) before the engine gets
 it, so the lane knows every job whose tokens it receives.
@@ -12,15 +12,12 @@ from multiprocessing.queues import Queue
 from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
-from gpu_worker.engine import Request
 from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
 from shared.job_ops import JobOps, unpack_ids
 from shared.jobs import FinishReason
-from shared.schemas import TOKENIZED_SCHEMA, batch_requests, from_ipc
+from shared.schemas import Request, decode_request
 from shared.scripts.codes import StartCode, StartReply
 from shared.stream_consumer import Entry, StreamConsumer
 
@@ -32,10 +29,12 @@ log = logging.getLogger("conveyor.inference")
 STARTED, RESUMED = StartCode.started, StartCode.resumed  # start.lua: a job to run here
 
 
-def entry_batch(entry: Entry) -> pa.RecordBatch:
+def entry_request(entry: Entry) -> Request:
+    """The request a `tokenized` entry carries (one job an entry); ValueError when it holds none."""
     raw = entry.fields.get(b"batch", entry.fields.get("batch"))
-    return from_ipc(raw if isinstance(raw, bytes) else str(raw).encode(), TOKENIZED_SCHEMA)
-
+    if raw is None:
+        raise ValueError("the entry has no tokenized record")
+    return decode_request(raw if isinstance(raw, bytes) else str(raw).encode())
 
 
 class Admission:
@@ -44,32 +43,28 @@ class Admission:
                  grammars: Callable[[], GrammarLoader] | None = None) -> None:
         self.consumer, self.jobs, self.ledger = consumer, jobs, ledger
         self.worker_id, self.inbox, self.to_lane, self.stats = worker_id, inbox, to_lane, stats
-        self._new_loader, self._loader = grammars, None  # made when the first grammar arrives
+        self._new_loader = grammars
+        self._loader: GrammarLoader | None = None  # made when the first grammar arrives
 
     def admit(self, entry: Entry) -> None:
         try:
-            batch = entry_batch(entry)
-        except Exception as exc:
-            self.consumer.dead_letter(entry, f"unreadable batch: {exc}")
+            req = entry_request(entry)
+        except Exception as exc:  # noqa: BLE001 - whatever the entry holds, it goes to the dead letters alone
+            self.consumer.dead_letter(entry, f"unreadable tokenized record: {exc}")
             return
-        started: list[tuple[Request, StartReply]] = []
-        for req in batch_requests(batch):
-            took = self.jobs.start(req.id, self.worker_id)
-            if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
-                self.jobs.finish(req.id, FinishReason.cancelled)
-            elif took.code in (STARTED, RESUMED) and self._attach_grammar(req):
-                started.append((req, took))
-        if not started:  # every job already ended (or was cancelled) elsewhere
-            self.consumer.ack([entry.ref])
+        took = self.jobs.start(req.id, self.worker_id)
+        if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
+            self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)
+        if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req):
+            self.consumer.ack([entry.ref])  # the job already ended (or was cancelled) elsewhere, or failed here
             return
         # everything read from Redis before the ledger holds the entry: a failure here (Redis gone) leaves nothing
-        # held, and the reader admits the entry whole again once Redis answers (Reader.readmit_forgotten)
-        registers = [self._register(req, took) for req, took in started]
-        self.ledger.open(entry.ref, [req.id for req, _ in started])
-        for (req, took), register in zip(started, registers, strict=True):
-            self.ledger.take_slot(req.id, took.tenant, req.priority)
-            self.to_lane.put(register)
-            self.inbox.put(Add(req))
+        # held, and the reader admits the entry again once Redis answers (Reader.readmit_forgotten)
+        register = self._register(req, took)
+        self.ledger.open(entry.ref, req.id)
+        self.ledger.take_slot(req.id, took.tenant, req.priority)
+        self.to_lane.put(register)
+        self.inbox.put(Add(req))
 
     def _register(self, req: Request, took: StartReply) -> Register:
         """What the output lane learns of the job before the engine gets it; a resumed job continues from what
@@ -83,7 +78,8 @@ class Admission:
         return Register(
             job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
             started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
-            tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes, worker=self.worker_id)
+            tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes, worker=self.worker_id,
+            owner=took.owner)
 
     def _attach_grammar(self, req: Request) -> bool:
         """The request's compiled grammar (the tokenizer pool compiled it; gpu_worker/grammar.py loads it), here

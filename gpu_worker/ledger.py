@@ -1,7 +1,7 @@
-"""Which stream entries this worker holds and which of their jobs are still running.
+"""Which stream entries this worker holds, each for the one job it carries.
 
-A `tokenized` entry carries one job (or, from before the fair queue, several); it is acknowledged once
-every one of them has a recorded end, so a worker that dies leaves each unfinished job claimable. The
+A `tokenized` entry carries one job (fair_pop.lua hands out one per entry); it is acknowledged once the
+job has a recorded end, so a worker that dies leaves each unfinished job claimable. The
 ledger also bounds the jobs in flight, so the reader takes no more jobs than the engine can start soon, and
 knows each one's tenant and priority: with every slot taken, the reader still takes a job the engine would
 make room for (gpu_worker/reader.py).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection
 
 from shared.redis_client import RETRYABLE
 from shared.retry import call
@@ -36,10 +35,8 @@ class EntryLedger:
         self.consumer = consumer
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
-        self._entry_jobs: dict[Ref, set[str]] = {}
-        self._job_entry: dict[str, Ref] = {}
+        self._job_entry: dict[str, Ref] = {}  # jobs of open entries -> their entry
         self._job_class: dict[str, tuple[str, int]] = {}  # jobs holding a slot -> (fair-queue tenant, priority)
-        self._forgotten: set[Ref] = set()  # open entries a job of which was dropped: never acknowledged here
         self._max_jobs, self._spare, self._held = max_jobs, spare, 0
 
     def has_room(self, timeout: float) -> bool:
@@ -65,56 +62,47 @@ class EntryLedger:
                 worst[tenant] = max(priority, worst.get(tenant, priority))
             return worst
 
-    def open(self, entry_id: Ref, job_ids: Collection[str]) -> None:
+    def open(self, entry_id: Ref, job_id: str) -> None:
         with self._lock:
-            self._entry_jobs[entry_id] = set(job_ids)
-            for job_id in job_ids:
-                self._job_entry[job_id] = entry_id
+            self._job_entry[job_id] = entry_id
 
     def take_slot(self, job_id: str, tenant: str = "", priority: int = 0) -> None:
-        """Before a job of an open entry goes to the engine; blocks while the spare room is full too."""
+        """Before the job of an open entry goes to the engine; blocks while the spare room is full too."""
         with self._room:
             self._room.wait_for(lambda: self._held < self._max_jobs + self._spare)
             self._held += 1
             self._job_class[job_id] = (tenant, priority)
 
     def close(self, job_id: str) -> None:
-        """The job's end is recorded: free its slot, and acknowledge its entry if it was the last."""
-        self._leave(job_id, forget=False)
+        """The job's end is recorded: free its slot, and acknowledge its entry."""
+        entry_id = self._leave(job_id)
+        if entry_id is None:
+            return
+        try:
+            call(lambda: self.consumer.ack([entry_id]), attempts=ACK_ATTEMPTS, log=log, name="ack",
+                 on_outage=self.consumer.note_outage)
+        except RETRYABLE as exc:
+            log.warning("entry %s not acknowledged (%s); it stays pending", entry_id, exc)
 
     def forget(self, job_id: str) -> None:
         """The job is no longer this worker's: free its slot, and let its entry go unacknowledged."""
-        self._leave(job_id, forget=True)
+        self._leave(job_id)
 
-    def _leave(self, job_id: str, forget: bool) -> None:
+    def _leave(self, job_id: str) -> Ref | None:
+        """Drop the job and its entry; the entry, None when the job was not held."""
         with self._lock:
             entry_id = self._job_entry.pop(job_id, None)
-            jobs = self._entry_jobs.get(entry_id) if entry_id is not None else None
-            if entry_id is None or jobs is None:
-                return
-            jobs.discard(job_id)
-            if forget:
-                self._forgotten.add(entry_id)
-            ack = not jobs and entry_id not in self._forgotten
-            if not jobs:
-                del self._entry_jobs[entry_id]
-                self._forgotten.discard(entry_id)
             if self._job_class.pop(job_id, None) is not None:
                 self._held -= 1
                 self._room.notify_all()
-        if ack:
-            try:
-                call(lambda: self.consumer.ack([entry_id]), attempts=ACK_ATTEMPTS, log=log, name="ack",
-                     on_outage=self.consumer.note_outage)
-            except RETRYABLE as exc:
-                log.warning("entry %s not acknowledged (%s); it stays pending", entry_id, exc)
+            return entry_id
 
     def entries(self) -> list[Ref]:
         with self._lock:
-            return list(self._entry_jobs)
+            return list(self._job_entry.values())
 
     def idle(self) -> bool:
-        """No job of any entry is running here."""
+        """No job is running here."""
         with self._lock:
             return not self._job_entry
 

@@ -4,18 +4,19 @@
 - output lane inbox (a process queue): `Register`, `Deltas`, `Stop`
 - output lane reports (a process queue): `Abort`, `Done`, `Dropped`
 
-Those crossing the process boundary pickle; only token-id deltas (Arrow) and job metadata cross it.
+Those crossing the process boundary pickle; only token-id deltas (Arrow, DELTA_SCHEMA) and job metadata cross it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
-from gpu_worker.engine import Request, StepOutput
+from gpu_worker.engine import StepOutput
 from shared.jobs import FinishReason
-from shared.schemas import DELTA_SCHEMA, to_ipc
+from shared.schemas import Request, from_ipc, to_ipc
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,28 @@ class Register:
     weight: float = 1.0  # that tenant's weight
     logprob_bytes: int = 0  # bytes of logprob entries already recorded (a resumed job that asked for them)
     worker: str = ""  # the worker that took it (start.lua records it): its steps and end are written as that one's
+    owner: str = ""  # the tenant that submitted it (start.lua's reply): its finish names that tenant's keys
+
+
+# One engine step, per job: its new token ids, its end (finish_reason, error), and, for jobs that ask, per token
+# the chosen token's and its top alternatives' logprobs (ids and logprobs, most likely first); the prompt's once,
+# with the step that completes the prompt (its first token has none: not included).
+_TOP_IDS, _TOP_LPS = pa.list_(pa.list_(pa.int32())), pa.list_(pa.list_(pa.float32()))
+DELTA_SCHEMA = pa.schema(
+    [
+        pa.field("job_id", pa.string(), nullable=False),
+        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=True),
+        pa.field("error", pa.string(), nullable=True),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=True),
+        pa.field("top_ids", _TOP_IDS, nullable=True),
+        pa.field("top_logprobs", _TOP_LPS, nullable=True),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=True),
+        pa.field("prompt_logprobs", pa.list_(pa.float32()), nullable=True),
+        pa.field("prompt_top_ids", _TOP_IDS, nullable=True),
+        pa.field("prompt_top_logprobs", _TOP_LPS, nullable=True),
+    ]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +86,14 @@ class Deltas:
         batch = pa.RecordBatch.from_pylist([_row(o) for o in outs], schema=DELTA_SCHEMA)
         return cls(to_ipc(batch))
 
+    def rows(self) -> list[dict[str, Any]]:
+        """The step's rows, one per job, as dicts of DELTA_SCHEMA's fields."""
+        return from_ipc(self.data, DELTA_SCHEMA).to_pylist()  # type: ignore[no-any-return]
+
 
 def _row(o: StepOutput) -> dict[str, object]:
-    row: dict[str, object] = {"job_id": o.id, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                              "error": o.error}
+    reason = None if o.finish_reason is None else FinishReason(o.finish_reason).value
+    row: dict[str, object] = {"job_id": o.id, "token_ids": o.token_ids, "finish_reason": reason, "error": o.error}
     if o.logprobs is not None:
         row.update(logprobs=o.logprobs.chosen, top_ids=o.logprobs.top_ids, top_logprobs=o.logprobs.top_lps)
     if o.prompt_logprobs is not None:

@@ -1,7 +1,8 @@
 """The output lane: a process of its own beside the engine. It turns per-step token-id deltas
 into text (incrementally, with stop strings held back) and, per step, in one MULTI/EXEC holding
-one STEP_SCRIPT call for all jobs: appends each chunk to the job's event stream, publishes it,
-updates the job record and the saved token ids. Finished jobs get their terminal state; the engine
+one STEP_SCRIPT call for all jobs: appends each chunk to the job's event stream, publishes it (its
+`token` event in the very bytes the job API streams: `token_message`), updates the job record and
+the saved token ids. Finished jobs get their terminal state; the engine
 process hears back (`Done` to acknowledge the stream entry, `Abort` when a stop string ended a sequence,
 `Dropped` for a job its step or finish found no longer this worker's: `settle`).
 """
@@ -30,8 +31,9 @@ from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.messages import Abort, Deltas, Done, Dropped, LaneCommand, LaneReport, Register, Stop
 from gpu_worker.token_text import TokenText
 from shared import names
+from shared.events import token_message
 from shared.fair_queue import OUTPUT_COST
-from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, pack_ids, queue_replica_wait, step_write
+from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, Write, pack_ids, queue_replica_wait, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
 from shared.metrics import (
@@ -46,7 +48,6 @@ from shared.metrics import (
 )
 from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, sync_client
 from shared.retry import call
-from shared.schemas import DELTA_SCHEMA, from_ipc
 from shared.scripts.codes import FinishCode, FinishReply, StepCode, StepReply
 from shared.settings import Settings
 
@@ -75,6 +76,7 @@ class JobState:
     logprob_bytes: int = 0  # length of the job's logprob entries written: where the next go
     held_logprobs: list[list[Any]] = field(default_factory=list)  # entries of tokens not written yet
     worker: str = ""  # the worker that took it: its writes are refused once the record names another
+    owner: str = ""  # the tenant that submitted it: its finish names that tenant's keys
 
 
 @dataclass
@@ -85,6 +87,33 @@ class Sent:
     steps: list[list[str]]  # per step call, its jobs in their order
     finishes: list[str]  # the jobs whose finish follows the step calls, in order
     done: list[str]  # build's list of ending jobs, which commit reports as Done: settle takes dropped ones out
+
+
+@dataclass
+class StepWrites:
+    """One step's writes, gathered job by job before any is queued (`OutputLane.build`)."""
+
+    calls: dict[int, Write] = field(default_factory=dict)  # per partition (one slot each), its step call's keys, args
+    jobs: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # per partition, its call's jobs
+    charges: dict[int, Charges] = field(default_factory=lambda: defaultdict(dict))  # per partition, per tenant
+    finishes: list[tuple[str, FinishReason, str, int, str, str]] = field(default_factory=list)
+    done: list[str] = field(default_factory=list)  # the jobs ending in this step
+    prompts: list[tuple[str, bytes]] = field(default_factory=list)  # (job, its prompt's logprobs document): once
+
+    def add(self, job_id: str, write: Write, st: JobState, new_tokens: int) -> None:
+        """The job's part of its partition's step call; its new tokens charged to its tenant."""
+        p = names.job_partition(job_id)
+        keys, args = self.calls.setdefault(p, ([], []))
+        keys += write[0]
+        args += write[1]
+        self.jobs[p].append(job_id)
+        if st.tenant and new_tokens:
+            cost, served = self.charges[p].get(st.tenant, (0.0, 0))
+            self.charges[p][st.tenant] = (cost + new_tokens * OUTPUT_COST / st.weight, served + new_tokens)
+
+    def end(self, job_id: str, reason: FinishReason, error: str, st: JobState) -> None:
+        self.finishes.append((job_id, reason, error, st.n_tokens, st.worker, st.owner))
+        self.done.append(job_id)
 
 
 class OutputLane:
@@ -113,7 +142,8 @@ class OutputLane:
             self._register(job)
         except Exception as exc:  # noqa: BLE001 - the job fails alone; the lane goes on
             log.exception("job %s could not be registered", job.job_id)
-            failed = self.jobs.fail(job.job_id, f"the output lane could not take the job: {exc}", job.worker)
+            failed = self.jobs.fail(job.job_id, f"the output lane could not take the job: {exc}", job.worker,
+                                    owner=job.owner)
             self.feedback.put(Abort(job.job_id, FinishReason.error))
             mine = failed is None or failed.code not in NOT_ENDED_HERE
             self.feedback.put(Done(job.job_id) if mine else Dropped(job.job_id))
@@ -124,7 +154,7 @@ class OutputLane:
             detok.resume(list(job.resume_ids), job.emitted)
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
                       job.prompt_tokens, job.tenant, job.weight, written=len(job.resume_ids),
-                      logprob_bytes=job.logprob_bytes, worker=job.worker)
+                      logprob_bytes=job.logprob_bytes, worker=job.worker, owner=job.owner)
         self.states[job.job_id] = st
         if job.started:
             self.metrics.observe(QUEUE, time.time() - st.created_at)
@@ -145,98 +175,95 @@ class OutputLane:
         self.commit(pipe, done)
 
     def build(self, data: bytes) -> tuple[Any, list[str]]:
-        """The step's writes: one STEP_SCRIPT call for every job's chunk and ids, then the finishes; where
-        their replies will be is kept for `settle`."""
-        rows = from_ipc(data, DELTA_SCHEMA).to_pylist()
-        pipe = self.client.pipeline(transaction=not self.cluster)
-        steps: dict[int, tuple[list[str], list[Any]]] = {}  # one step call per partition (one slot each)
-        step_jobs: dict[int, list[str]] = defaultdict(list)  # per partition, its step call's jobs in order
-        charges: dict[int, Charges] = defaultdict(dict)  # per partition, the new tokens per fair-queue tenant
-        finishes: list[tuple[str, str, str, int, str]] = []
-        done: list[str] = []
-        prompts: list[tuple[str, bytes]] = []  # (job, its prompt's logprobs document): written once
+        """The step's writes (a `Deltas` batch): one STEP_SCRIPT call per partition for its jobs' chunks and ids,
+        then the finishes; where their replies will be is kept for `settle`."""
+        step = StepWrites()
         wall = time.time()
-        for row in rows:
-            job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
-            st = self.states.get(job_id)
-            if st is None:
-                continue  # already finished here (a stop string ended it before the engine heard)
-            flags = FRESH if st.fresh else 0
-            hit = False
-            try:
-                emit, hit = st.detok.push(ids) if ids else ("", False)
-            except Exception as exc:  # noqa: BLE001 - this job ends with an error, the step goes on
-                log.exception("job %s: detokenizing failed", job_id)
-                if reason is None:
-                    self.feedback.put(Abort(job_id, FinishReason.error))
-                finishes.append((job_id, FinishReason.error.value, f"detokenizing failed: {exc}", st.n_tokens,
-                                 st.worker))
-                done.append(job_id)
-                continue
-            if ids:
-                if st.n_tokens == 0:
-                    flags |= FIRST_TOKEN
-                    self.metrics.observe(TTFT, wall - st.created_at)
-                elif st.last_token_at:
-                    self.metrics.observe(ITL, (wall - st.last_token_at) / len(ids))
-                st.last_token_at = wall
-                st.held_ids += pack_ids(ids)
-                st.n_tokens += len(ids)
-                st.held_text += emit
-                if row["logprobs"] is not None:
-                    st.held_logprobs += self._entries(ids, row["logprobs"], row["top_ids"], row["top_logprobs"])
-            if row["prompt_logprobs"] is not None:
-                prompts.append((job_id, self._prompt_document(row)))
-            if hit:
-                if reason is None:
-                    self.feedback.put(Abort(job_id, FinishReason.stop))
-                reason = FinishReason.stop.value
-            elif reason is not None:
-                st.held_text += st.detok.matcher.flush()
-            # Written now: the first token, the end, a fresh job's keys, else every `interval` tokens.
-            if flags or reason is not None or st.n_tokens - st.written >= self.interval:
-                packed, tok_off = bytes(st.held_ids), st.written * 4
-                chunk, message, text_off, lp, lp_off = b"", b"", st.text_bytes, b"", st.logprob_bytes
-                if st.held_text or st.held_logprobs:
-                    st.seq += 1
-                    chunk = st.held_text.encode()
-                    st.text_bytes += len(chunk)
-                    event: dict[str, Any] = {"seq": st.seq, "type": "token", "text": st.held_text}
-                    if st.held_logprobs:
-                        event["logprobs"] = st.held_logprobs
-                        lp = b"".join(orjson.dumps(e) + b"\n" for e in st.held_logprobs)
-                        st.logprob_bytes += len(lp)
-                    message = orjson.dumps(event)
-                if flags or packed or chunk or lp:
-                    job_keys, job_args = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message,
-                                                    st.n_tokens, lp_off, lp, st.worker)
-                    p = names.job_partition(job_id)
-                    keys, args = steps.setdefault(p, ([], []))
-                    keys += job_keys
-                    args += job_args
-                    step_jobs[p].append(job_id)
-                    new = st.n_tokens - st.written
-                    if st.tenant and new:
-                        cost, served = charges[p].get(st.tenant, (0.0, 0))
-                        charges[p][st.tenant] = (cost + new * OUTPUT_COST / st.weight, served + new)
-                st.written, st.held_ids, st.held_text, st.held_logprobs = st.n_tokens, bytearray(), "", []
-                st.fresh = st.fresh and not chunk and not packed and not lp
-            if reason is not None:
-                finishes.append((job_id, reason, row.get("error") or "", st.n_tokens, st.worker))
-                done.append(job_id)
-                self.metrics.observe(E2E, wall - st.created_at)
-                self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
-                self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
-                self.metrics.inc(f"{REQUEST_SUCCESS}:{reason}")
-        for job_id, document in prompts:  # before the step that carries the job's first token
+        for row in Deltas(data).rows():
+            st = self.states.get(row["job_id"])
+            if st is not None:  # else already finished here (a stop string ended it before the engine heard)
+                self._take(row, st, step, wall)
+        return self._queue(step), step.done
+
+    def _take(self, row: dict[str, Any], st: JobState, step: StepWrites, wall: float) -> None:
+        """One job's part of the step: its new text (stop strings held back), written when due, and its end."""
+        job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
+        flags = FRESH if st.fresh else 0
+        try:
+            emit, hit = st.detok.push(ids) if ids else ("", False)
+        except Exception as exc:  # noqa: BLE001 - this job ends with an error, the step goes on
+            log.exception("job %s: detokenizing failed", job_id)
+            if reason is None:
+                self.feedback.put(Abort(job_id, FinishReason.error))
+            step.end(job_id, FinishReason.error, f"detokenizing failed: {exc}", st)
+            return
+        if ids:
+            flags |= self._hold(row, st, emit, wall)
+        if row["prompt_logprobs"] is not None:
+            step.prompts.append((job_id, self._prompt_document(row)))
+        if hit:
+            if reason is None:
+                self.feedback.put(Abort(job_id, FinishReason.stop))
+            reason = FinishReason.stop.value
+        elif reason is not None:
+            st.held_text += st.detok.matcher.flush()
+        # Written now: the first token, the end, a fresh job's keys, else every `interval` tokens.
+        if flags or reason is not None or st.n_tokens - st.written >= self.interval:
+            self._write(job_id, st, flags, step)
+        if reason is not None:
+            step.end(job_id, FinishReason(reason), row.get("error") or "", st)
+            self.metrics.observe(E2E, wall - st.created_at)
+            self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
+            self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
+            self.metrics.inc(f"{REQUEST_SUCCESS}:{FinishReason(reason).value}")
+
+    def _hold(self, row: dict[str, Any], st: JobState, emit: str, wall: float) -> int:
+        """Keep the job's new tokens, their text and logprob entries until written; FIRST_TOKEN for its first."""
+        ids = row["token_ids"]
+        first = st.n_tokens == 0
+        if first:
+            self.metrics.observe(TTFT, wall - st.created_at)
+        elif st.last_token_at:
+            self.metrics.observe(ITL, (wall - st.last_token_at) / len(ids))
+        st.last_token_at = wall
+        st.held_ids += pack_ids(ids)
+        st.n_tokens += len(ids)
+        st.held_text += emit
+        if row["logprobs"] is not None:
+            st.held_logprobs += self._entries(ids, row["logprobs"], row["top_ids"], row["top_logprobs"])
+        return FIRST_TOKEN if first else 0
+
+    def _write(self, job_id: str, st: JobState, flags: int, step: StepWrites) -> None:
+        """What the job holds, as its part of the step call: its ids, and its chunk as one `token` event."""
+        packed, tok_off = bytes(st.held_ids), st.written * 4
+        chunk, message, text_off, lp, lp_off = b"", b"", st.text_bytes, b"", st.logprob_bytes
+        if st.held_text or st.held_logprobs:
+            st.seq += 1
+            chunk = st.held_text.encode()
+            st.text_bytes += len(chunk)
+            message = token_message(st.seq, st.held_text, st.held_logprobs)
+            lp = b"".join(orjson.dumps(e) + b"\n" for e in st.held_logprobs)
+            st.logprob_bytes += len(lp)
+        if flags or packed or chunk or lp:
+            step.add(job_id, step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message, st.n_tokens,
+                                        lp_off, lp, st.worker), st, st.n_tokens - st.written)
+        st.written, st.held_ids, st.held_text, st.held_logprobs = st.n_tokens, bytearray(), "", []
+        st.fresh = st.fresh and not chunk and not packed and not lp
+
+    def _queue(self, step: StepWrites) -> Any:
+        """The step's pipeline: the prompts' logprob documents, the step calls, then the finishes (a job's last
+        chunk precedes its end); what `settle` will read is noted."""
+        pipe = self.client.pipeline(transaction=not self.cluster)
+        for job_id, document in step.prompts:  # before the step that carries the job's first token
             pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
-        for p, (keys, args) in steps.items():
-            self.jobs.step(keys, args, pipe, charges.get(p))
-        for job_id, reason, error, n_tokens, worker in finishes:  # after the step: a job's last chunk precedes its end
-            self.jobs.finish(job_id, FinishReason(reason), error, {"completion_tokens": n_tokens}, pipe=pipe,
-                             worker=worker)
-        self._sent = Sent(len(prompts), [step_jobs[p] for p in steps], [f[0] for f in finishes], done)
-        return pipe, done
+        for p, (keys, args) in step.calls.items():
+            self.jobs.step(keys, args, pipe, step.charges.get(p))
+        for job_id, reason, error, n_tokens, worker, owner in step.finishes:
+            self.jobs.finish(job_id, reason, error, {"completion_tokens": n_tokens}, pipe=pipe, worker=worker,
+                             owner=owner)
+        self._sent = Sent(len(step.prompts), [step.jobs[p] for p in step.calls], [f[0] for f in step.finishes],
+                          step.done)
+        return pipe
 
     def settle(self, results: list[Any]) -> None:
         """Read the replies of the step `build` made, once its pipeline ran. A job no longer this worker's (its

@@ -10,13 +10,11 @@ import time
 
 import redis
 
-from gpu_worker.admission import Admission, entry_batch
+from gpu_worker.admission import Admission, entry_request
 from gpu_worker.ledger import EntryLedger
-from shared import names
 from shared.fair_queue import FairQueue
 from shared.job_ops import JobOps
 from shared.retry import run_loop
-from shared.schemas import to_ipc
 from shared.stream_consumer import Entry, StreamConsumer
 
 log = logging.getLogger("conveyor.inference")
@@ -60,8 +58,7 @@ class Reader:
         self.fail_dead(dead)
         for entry in keep:
             log.info("claimed %s (delivery %d) from a worker that stopped", entry.id, entry.deliveries)
-            if not self.split(entry):
-                self.admission.admit(entry)
+            self.admission.admit(entry)
         self.readmit_forgotten()
 
     def readmit_forgotten(self) -> None:
@@ -75,23 +72,6 @@ class Reader:
                 log.warning("admitting %s again: its first admission was cut off", entry.id)
                 self.admission.admit(entry)
 
-    def split(self, entry: Entry) -> bool:
-        """A redelivered entry of several jobs goes back as one entry per job, so that a job that
-        kills its worker again reaches the dead-letter stream alone and its batch-mates go on."""
-        try:
-            batch = entry_batch(entry)
-        except Exception:  # noqa: BLE001 - admit() dead-letters it
-            return False
-        if batch.num_rows < 2:
-            return False
-        pipe = self.client.pipeline(transaction=True)
-        for i in range(batch.num_rows):
-            pipe.xadd(entry.stream, {"batch": to_ipc(batch.slice(i, 1)), "jobs": 1})
-        pipe.xack(entry.stream, names.INFERENCE_GROUP, entry.id)
-        pipe.execute()
-        log.warning("split redelivered entry %s into %d entries of one job", entry.id, batch.num_rows)
-        return True
-
     def fail_dead(self, dead: list[Entry]) -> None:
         for entry in dead:
             self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
@@ -99,8 +79,7 @@ class Reader:
 
     def fail_entry(self, entry: Entry, reason: str) -> None:
         try:
-            job_ids = entry_batch(entry).column("id").to_pylist()
+            job_id = entry_request(entry).id
         except Exception:  # noqa: BLE001 - nothing to fail: the entry is already dead-lettered
             return
-        for job_id in job_ids:
-            self.jobs.fail(job_id, reason)
+        self.jobs.fail(job_id, reason)

@@ -3,7 +3,8 @@
 - reader lane (thread, reader.py): XREADGROUP `tokenized`, start or resume each job (admission.py),
   keep this worker's entries fresh, take over a dead worker's.
 - control lane (thread, control.py): cancellations from the API, as aborts into the inbox.
-- engine loop (main thread, engine_loop.py): drains the inbox, steps, sends deltas. No Redis, no JSON.
+- engine loop (main thread, engine_loop.py): drains the inbox, steps, hands each step's outputs to its
+  sender (thread), which encodes them (Arrow) and puts them on the output lane's queue. No Redis, no JSON.
 - output lane (process, output_lane.py): text, events, job records; reports `Done` and `Abort`
   back to the feedback lane (thread, feedback.py).
 - ledger (ledger.py): a stream entry (several jobs) is acknowledged once all its jobs have a recorded end.

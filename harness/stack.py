@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -26,9 +25,6 @@ from shared.lifecycle import preexec_die_with_parent
 from shared.redis_client import sync_client
 
 ROOT = Path(__file__).resolve().parent.parent
-# held while this process's environment is copied for a child (`launch_stack`) or changed for a while (the tests'
-# in-process CLI runs): a thread of it (the test suite's background checks) never sees it half changed
-ENV_LOCK = threading.Lock()
 T = TypeVar("T")
 ROLES = ("supervisor", "redis-server", "api", "tokenizer", "inference", "output-lane", "celery", "celery-beat",
          "mp-helper", "other")
@@ -91,12 +87,6 @@ class Stack:
                 p.send_signal(signal.SIGCONT)
 
 
-def environ() -> dict[str, str]:
-    """A copy of this process's environment, for a child (under ENV_LOCK)."""
-    with ENV_LOCK:
-        return dict(os.environ)
-
-
 def kernel_cache(env: dict[str, str]) -> str:
     """The compiled-kernel cache a worker started with `env` would use (gpu_worker/engine/cpu_kernels.py)."""
     if env.get("CONVEYOR_KERNEL_CACHE"):
@@ -119,7 +109,7 @@ def launch_stack(workdir: Path, redis_url: str | None = None, model: str = "", e
     redis-server and `Stack.redis_url` is read from its connection file once ready (`Stack.wait_ready`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = environ()
+    env = dict(os.environ)
     # the internal port (/metrics, /scaling) too is one the system handed out: its default, PORT + 1, was never
     # checked and may be another process's
     env.update({"REDIS_URL": redis_url or "", "PORT": str(port), "INTERNAL_PORT": str(free_port()),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
 
 from infra.redis_cluster import LocalCluster
 from infra.redis_server import CONNECTION_FILE, RedisServer, _write_private
@@ -99,12 +98,3 @@ class EmbeddedRedis:
             server.stop()
         self.connection_file.unlink(missing_ok=True)
 
-
-def connection_pids(path: Path) -> list[int]:
-    """The pids a connection file names (its "pids", else its "pid")."""
-    try:
-        info = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    pids = info.get("pids") or ([info["pid"]] if info.get("pid") else [])
-    return [int(p) for p in pids if isinstance(p, int) and p > 1]

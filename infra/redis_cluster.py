@@ -168,10 +168,6 @@ class LocalCluster:
         return [n.port for n in self.nodes]
 
     @property
-    def urls(self) -> list[str]:
-        return [n.url for n in self.nodes]
-
-    @property
     def url(self) -> str:
         """The first node's URL (a cluster client finds the rest from it, while it lives)."""
         return f"redis://:{quote(self.password, safe='')}@127.0.0.1:{self.nodes[0].port}/0"

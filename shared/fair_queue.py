@@ -1,8 +1,11 @@
 """The fair queue: where tokenized jobs wait for an inference worker, one queue per tenant, served by
 the Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
 
-Each partition (shared/names.py) keeps, in its own slot:
-- per tenant, a sorted set of its waiting job ids, scored by priority (lower first), then arrival;
+Each partition (shared/names.py) keeps, in its own slot and a fixed set of keys (so every script names each
+key it touches up front, whichever tenant it picks):
+- every waiting job in one sorted set of equal scores, members `<tenant>:<order>:<job id>` in lexical order:
+  a tenant's members together, by priority (lower first), then arrival; and the same by submit time, for
+  the oldest wait; and each waiting job's place in both (fair_push.lua names them);
 - the backlogged tenants, a sorted set scored by each one's virtual counter;
 - the counters: a tenant is charged INPUT_COST per prompt token when its job is taken and OUTPUT_COST
   per generated token as the output lane records them (step.lua), each over the tenant's weight
@@ -59,25 +62,36 @@ OTHERS = "_other"  # the row of the rest (no tenant name starts with '_')
 Write = tuple[list[str], list[Any]]
 
 
+WAITING = ("queue", "age", "waiting")  # the fair_key parts of the waiting jobs (fair_push.lua's KEYS 7-9)
+
+
 def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
                by_tenant: bool = True) -> Write:
     """A fair_push call: `jobs` are (job id, priority, prompt tokens, one-row tokenized batch); `ack_ids`
     the partition's `jobs` entries they came from. `by_tenant` False (FAIR_SHARE=false): one queue."""
     keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "arrivals", "bell")]
-    args: list[Any] = [names.TOKENIZER_GROUP, names.partition_prefix(partition), int(by_tenant), len(ack_ids),
-                       *ack_ids]
+    keys += [names.stream(names.JOBS, partition), *(names.fair_key(partition, part) for part in WAITING)]
+    args: list[Any] = [names.TOKENIZER_GROUP, int(by_tenant), len(ack_ids), *ack_ids]
     for job in jobs:
+        keys.append(names.job_key(job[0]))
         args += job
-    return [*keys, names.stream(names.JOBS, partition)], args
+    return keys, args
 
 
 def pop_write(partition: int, consumer: str, count: int, skip: Mapping[str, int] | None = None) -> Write:
     """A fair_pop call: up to `count` jobs for `consumer`, as `tokenized` entries; a tenant in `skip` is
     passed over unless its next job's priority is lower than the one given (PRIORITY_MIN: always)."""
     keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "bell")]
+    keys += [names.stream(names.TOKENIZED, partition), names.fair_key(partition, "served"),
+             *(names.fair_key(partition, part) for part in WAITING)]
     below = [x for tenant, priority in sorted((skip or {}).items()) for x in (tenant, priority)]
-    return ([*keys, names.stream(names.TOKENIZED, partition), names.fair_key(partition, "served")],
-            [names.INFERENCE_GROUP, consumer, count, names.partition_prefix(partition), STREAM_CAP, *below])
+    return keys, [names.INFERENCE_GROUP, consumer, count, STREAM_CAP, *below]
+
+
+def pop(client: redis.Redis | Any, partition: int, consumer: str, count: int,
+        skip: Mapping[str, int] | None = None) -> list[Entry]:
+    """One fair_pop call on one partition: its entries (see `pop_write`)."""
+    return parse_entries(scripts.FAIR_POP(client, *pop_write(partition, consumer, count, skip)))
 
 
 def push(client: redis.Redis | Any, partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
@@ -130,8 +144,7 @@ class FairQueue:
             if len(entries) >= count:
                 break
             p = (self._turn + i) % parts
-            entries += parse_entries(scripts.FAIR_POP(self.client, *pop_write(p, self.consumer, count - len(entries),
-                                                                              skip)))
+            entries += pop(self.client, p, self.consumer, count - len(entries), skip)
         return entries
 
 
@@ -164,15 +177,15 @@ def read_tenants(client: redis.Redis, top: int = TOP_TENANTS) -> list[TenantLoad
             served[text(t)] += int(n)
     pipe = client.pipeline(transaction=False)
     for p, t in backlogged:
-        pipe.zcard(names.fair_queue_key(p, t))
-        pipe.zrange(names.fair_age_key(p, t), 0, 0, withscores=True)
+        pipe.zlexcount(names.fair_key(p, "queue"), *tenant_range(t))
+        pipe.zrangebylex(names.fair_key(p, "age"), *tenant_range(t), start=0, num=1)
     second = pipe.execute() if backlogged else []
     waiting: dict[str, int] = defaultdict(int)
     oldest: dict[str, float] = defaultdict(float)
     for (_, t), n, head in zip(backlogged, second[::2], second[1::2]):
         waiting[t] += int(n)
-        if head:
-            oldest[t] = max(oldest[t], now - float(head[0][1]))
+        if head:  # '<tenant>:<submitted at, ms>:<job id>'
+            oldest[t] = max(oldest[t], now - int(text(head[0]).split(":")[1]) / 1000)
     rows = sorted((TenantLoad(t, waiting[t], round(oldest[t], 3), served[t]) for t in set(served) | set(waiting)),
                   key=lambda r: (-r.waiting, -r.served_tokens, r.tenant))
     rest = rows[top:]
@@ -180,6 +193,17 @@ def read_tenants(client: redis.Redis, top: int = TOP_TENANTS) -> list[TenantLoad
         rows = rows[:top] + [TenantLoad(OTHERS, sum(r.waiting for r in rest), max(r.oldest_wait_s for r in rest),
                                         sum(r.served_tokens for r in rest))]
     return rows
+
+
+def tenant_range(tenant: str) -> tuple[str, str]:
+    """The lexical range of a tenant's members in the waiting jobs' sets (`<tenant>:...`; names hold no ':')."""
+    return f"[{tenant}:", f"({tenant};"
+
+
+def waiting_jobs(client: redis.Redis | Any, partition: int, tenant: str) -> list[str]:
+    """A tenant's waiting job ids in a partition, next first."""
+    members = client.zrangebylex(names.fair_key(partition, "queue"), *tenant_range(tenant))
+    return [text(m).rsplit(":", 1)[1] for m in members]
 
 
 def tenant_rows(rows: list[TenantLoad]) -> list[dict[str, Any]]:

@@ -2,7 +2,9 @@
 the typed calls of the protocol's other scripts.
 
 The `*_write` functions build a script's keys and arguments, in its order (shared/scripts/*.lua name
-them), every script's here; callers never touch KEYS or ARGV positions. `JobOps` is the synchronous
+them): every job script's here (the fair queue's in shared/fair_queue.py, a batch's in shared/batch_ops.py,
+a tenant's file bytes in shared/file_ops.py); callers never touch KEYS or ARGV positions. Every key a script
+touches is in its KEYS, named here from shared/names.py. `JobOps` is the synchronous
 face (the tokenizer pool, the inference worker and its output lane), `AsyncJobOps` the asyncio face (the
 API); both send what the same builders make. The functions after them call the scripts that are not a
 job's lifecycle (the after-job work's, a tenant's stream slots, the streams' tails and lags). Replies come
@@ -19,11 +21,13 @@ from typing import Any
 
 import redis
 import redis.asyncio as aredis
+import redis.asyncio.cluster as acluster
 from redis.exceptions import ConnectionError
 
 from shared import names, scripts
 from shared.jobs import FinishReason, JobStatus
-from shared.redis_client import CLUSTER_TYPES, text
+from shared.redis_client import CLUSTER_TYPES, heal, text
+from shared.retry import call
 from shared.scripts.codes import (
     FinishCode,
     FinishReply,
@@ -45,6 +49,7 @@ STATUS_FOR = {
 }
 
 REPLICA_WAIT_MS = 1000  # how long a cluster write that promises something waits for a replica
+OWNER_READS = 3  # how many times a finish names its job's owner before it gives up (owner_changed each time)
 
 # step flags (added together): the lane's first write for the job (set its keys' TTLs); its first token
 FRESH = 1
@@ -85,12 +90,14 @@ Charges = dict[str, tuple[float, int]]  # fair-queue tenant -> (charge on its vi
 
 def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH",
               charges: Charges | None = None) -> Write:
-    """A whole step call: the jobs' `step_write` parts joined (jobs of one partition), after the arguments
-    they share. `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`); `charges`: the step's
-    new tokens per tenant (shared/fair_queue.py)."""
-    prefix = keys[0][:keys[0].index(":job:")]  # the partition's, where its tenants' fair-queue counters are
+    """A whole step call: the jobs' `step_write` parts joined (jobs of one partition), after the keys and
+    arguments they share (the partition's fair-queue counters, which `charges` go on). `publish`: PUBLISH,
+    or SPUBLISH on a cluster (`publish_command`); `charges`: the step's new tokens per tenant
+    (shared/fair_queue.py)."""
+    p = names.stream_partition(keys[0])  # the jobs' partition, where their tenants' fair-queue counters are
+    shared = [names.fair_key(p, part) for part in ("vtc", "tenants", "served")]
     charged = [v for tenant, (cost, tokens) in (charges or {}).items() for v in (tenant, repr(cost), tokens)]
-    return keys, [ttl_s, repr(time.time()), publish, prefix, len(charged) // 3, *charged, *args]
+    return [*shared, *keys], [ttl_s, repr(time.time()), publish, len(charged) // 3, *charged, *args]
 
 
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",
@@ -101,11 +108,7 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
     'batch' (a batch line: its batch_tpm bucket only)."""
     p = names.job_partition(job_id)
     idem = names.idempotency_key(owner, idempotency_key) if idempotency_key else names.job_key(job_id)
-    # a job without a tenant touches no tenant key: its own key stands in, in its slot
-    tokens = "batch_tokens" if budget == "batch" else "tokens"
-    tenant = ([names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"),
-               names.tenant_bucket_key(owner, tokens), names.tenant_active_key(owner)] if owner
-              else [names.job_key(job_id)] * 4)
+    tenant = tenant_keys(owner, names.job_key(job_id), "batch_tokens" if budget == "batch" else "tokens")
     keys = [names.job_key(job_id), names.stream(names.JOBS, p), names.submitted_counter(p), names.dequeued_counter(p),
             *tenant, idem]
     args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
@@ -117,16 +120,31 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
     return keys, args
 
 
+def tenant_keys(owner: str, stand_in: str, tokens: str = "tokens") -> list[str]:
+    """A tenant's keys a job's admission and end touch: its hash, its requests and `tokens` buckets (or
+    `batch_tokens`, for a batch line), its unfinished jobs; a job without a tenant touches none, and
+    `stand_in` (its own key, in its slot) takes their places."""
+    if not owner:
+        return [stand_in] * 4
+    return [names.tenant_key(owner), names.tenant_bucket_key(owner, "requests"), names.tenant_bucket_key(owner, tokens),
+            names.tenant_active_key(owner)]
+
+
 def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, required_status: str = "",
-                 fields: dict[str, Any] | None = None, publish: str = "PUBLISH", worker: str = "") -> Write:
+                 fields: dict[str, Any] | None = None, publish: str = "PUBLISH", worker: str = "",
+                 owner: str = "") -> Write:
     """A finish call (finish.lua): the terminal status follows from `reason`. `worker`: the ending worker's
-    id, which ends only a job whose record names it; '' any (the API's cancel, a failure outside a run)."""
-    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
-            names.dequeued_counter(names.job_partition(job_id)), names.text_key(job_id),
-            names.stream(names.ENDED, names.job_partition(job_id))]
+    id, which ends only a job whose record names it; '' any (the API's cancel, a failure outside a run).
+    `owner`: the job's record's ('' none), whose keys it names; a record naming another answers owner_changed."""
+    p = names.job_partition(job_id)
+    fair = [names.fair_key(p, part) for part in ("tenants", "payload", "queue", "age", "waiting")]
+    tenant, _, _, active = tenant_keys(owner, names.job_key(job_id))
+    buckets = ([names.tenant_bucket_key(owner, "tokens"), names.tenant_bucket_key(owner, "batch_tokens")] if owner
+               else [names.job_key(job_id)] * 2)
+    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.dequeued_counter(p),
+            names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
-                       names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN,
-                       names.partition_prefix(names.job_partition(job_id)), publish,  # the job's, so its tenant's
+                       names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN, owner, publish,
                        worker]
     for k, v in (fields or {}).items():
         args += [k, v]
@@ -154,14 +172,15 @@ class NotCopied(ConnectionError):
         super().__init__(f"{what}: no replica confirmed the write within {REPLICA_WAIT_MS} ms; retry")
 
 
-async def execute_copied(client: Any, pipe: Any, keys: list[str]) -> tuple[list[Any], bool]:
+async def execute_copied(client: aredis.Redis | acluster.RedisCluster, pipe: Any,
+                         keys: list[str]) -> tuple[list[Any], bool]:
     """Run `pipe` and say whether its writes reached a replica: on a cluster, after them, WAIT on each node
     that holds one of `keys` (on the writes' connection, in the same round trip); (its results without the
     WAITs', whether every node had a replica confirm). A single Redis fsyncs before it answers: True."""
     if not isinstance(client, CLUSTER_TYPES):
         return await pipe.execute(), True
     await client.initialize()  # the slot map (once; then a no-op)
-    nodes = {n.name: n for n in (client.get_node_from_key(k) for k in keys)}
+    nodes = {n.name: n for n in (client.get_node_from_key(k) for k in keys) if n is not None}
     for node in nodes.values():
         queue_replica_wait(pipe, node)
     results = await pipe.execute()
@@ -180,7 +199,13 @@ def account_write(job_id: str, usage_ttl_s: int) -> Write:
 
 def note_failure_write(job_id: str, why: str) -> Write:
     """A note_failure call (note_failure.lua): why the job's last webhook delivery failed."""
-    return [names.job_key(job_id)], [why]
+    return note_failure_on(names.job_key(job_id), why)
+
+
+def note_failure_on(record: str, why: str) -> Write:
+    """A note_failure call on any record's key: a job's (`note_failure_write`) or a batch's
+    (shared/batch_ops.py)."""
+    return [record], [why]
 
 
 def stream_open_write(tenant: str, stream_id: str, lease_s: int, limit: int) -> Write:
@@ -228,17 +253,35 @@ class JobOps:
         self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish, charges))
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
-               pipe: Any = None, required_status: str = "", worker: str = "") -> FinishReply | None:
+               pipe: Any = None, required_status: str = "", worker: str = "",
+               owner: str | None = None) -> FinishReply | None:
         """End an active job exactly once (see finish.lua); `worker`: only if the job is that worker's. With
-        `pipe`, queues it there and returns None: its reply is the pipeline's to `FinishReply.parse`."""
-        write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields, self.publish, worker)
-        if pipe is not None:
-            self._queue(scripts.FINISH, pipe, write)
-            return None
-        return FinishReply.parse(scripts.FINISH(self.client, *write))
+        `pipe`, queues it there and returns None: its reply is the pipeline's to `FinishReply.parse`.
+        `owner`: the job's (StartReply.owner), whose keys the call names; None reads it from the record
+        first (one more round trip: with `pipe`, retried through an outage, as the pipeline's caller retries
+        its run), and a record that names another (owner_changed) is read again."""
+        for _ in range(OWNER_READS):
+            if owner is None:
+                owner = self.owner_of(job_id) if pipe is None else call(
+                    lambda: self.owner_of(job_id), log=log, name=f"the owner of job {job_id}",
+                    on_outage=lambda: heal(self.client))
+            write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields, self.publish, worker,
+                                 owner)
+            if pipe is not None:
+                self._queue(scripts.FINISH, pipe, write)
+                return None
+            reply = FinishReply.parse(scripts.FINISH(self.client, *write))
+            if reply.code is not FinishCode.owner_changed:
+                break
+            owner = None
+        return reply
 
-    def fail(self, job_id: str, error: str, worker: str = "") -> FinishReply | None:
-        return self.finish(job_id, FinishReason.error, error, worker=worker)
+    def owner_of(self, job_id: str) -> str:
+        """The job's record's owner ('' none, or no such job)."""
+        return text(self.client.hget(names.job_key(job_id), "owner"))
+
+    def fail(self, job_id: str, error: str, worker: str = "", owner: str | None = None) -> FinishReply | None:
+        return self.finish(job_id, FinishReason.error, error, worker=worker, owner=owner)
 
     def resume_state(self, job_id: str) -> tuple[bytes, str, int, int]:
         """What a job's earlier worker recorded: (packed token ids, text, seq of the last event, bytes of
@@ -270,12 +313,19 @@ class AsyncJobOps:
             raise NotCopied(f"job {parsed.job_id or job_id}")
         return parsed
 
-    async def finish(self, job_id: str, reason: FinishReason, error: str = "",
-                     required_status: str = "") -> FinishReply:
-        """End the job (the API's cancel of a queued job); NotCopied on a cluster when no replica has the end."""
-        write = finish_write(job_id, reason, error, self.ttl_s, required_status, publish=self.publish)
-        reply, copied = await self._promise(scripts.FINISH, write)
-        parsed = FinishReply.parse(reply)
+    async def finish(self, job_id: str, reason: FinishReason, error: str = "", required_status: str = "",
+                     owner: str | None = None) -> FinishReply:
+        """End the job (the API's cancel of a queued job); NotCopied on a cluster when no replica has the end.
+        `owner` as JobOps.finish takes it."""
+        for _ in range(OWNER_READS):
+            named = text(await self.client.hget(names.job_key(job_id), "owner")) if owner is None else owner
+            write = finish_write(job_id, reason, error, self.ttl_s, required_status, publish=self.publish,
+                                 owner=named)
+            reply, copied = await self._promise(scripts.FINISH, write)
+            parsed = FinishReply.parse(reply)
+            if parsed.code is not FinishCode.owner_changed:
+                break
+            owner = None
         if not copied and parsed.code is FinishCode.finished:
             raise NotCopied(f"the end of job {job_id}")
         return parsed

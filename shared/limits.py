@@ -2,8 +2,9 @@
 
 The API's request models (`shared.schemas.GenerationRequest`, `api.openai_schemas`) are built from
 these types, so the bounds are enforced at the door and appear in the OpenAPI schema. Bounds that
-depend on the deployment (the vocabulary, MAX_TOKENS_CAP, MAX_PROMPT_CHARS) are checked by
-`api.validation.check_request` on top.
+depend on the deployment (the vocabulary, MAX_TOKENS_CAP, MAX_PROMPT_CHARS) are a `Deployment`,
+which `GenerationRequest.bounded` applies at the door too. The one rule that needs token counts
+(the prompt and max_tokens within the model's context, `context_problem`) is the tokenizer's.
 
 Rules that change a value rather than refuse it:
 - temperature below TEMPERATURE_FLOOR (0.01) is greedy (0): dividing logits by a tiny temperature
@@ -14,6 +15,7 @@ Rules that change a value rather than refuse it:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 from urllib.parse import urlsplit
 
@@ -103,3 +105,31 @@ def effective_temperature(t: float) -> float:
 
 def effective_top_p(p: float) -> float:
     return max(p, TOP_P_FLOOR)
+
+
+class LimitError(ValueError):
+    """A request past one of the deployment's bounds: the HTTP status it answers and the field it names."""
+
+    def __init__(self, message: str, param: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The bounds a deployment sets on top of the fixed ones (from its settings and its model's config.json)."""
+
+    default_max_tokens: int = 256  # max_tokens of a request that gives none
+    max_tokens_cap: int = 4096
+    max_prompt_chars: int = 200_000  # a prompt of more text answers 413
+    vocab_size: int | None = None  # token ids a request may name are below it (None: unknown, unchecked)
+
+
+def context_problem(prompt_tokens: int, max_tokens: int, context: int) -> str | None:
+    """Why a tokenized prompt cannot run in a context of `context` tokens (None: it can)."""
+    if prompt_tokens == 0:
+        return "the prompt is empty after tokenization"
+    if prompt_tokens + max_tokens > context:
+        return (f"the prompt is {prompt_tokens} tokens; with max_tokens {max_tokens} it exceeds "
+                f"the model's context of {context} tokens")
+    return None

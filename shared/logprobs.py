@@ -45,7 +45,10 @@ def chat_item(entry: Entry) -> dict[str, Any]:
 def completion_logprobs(entries: list[Entry], offset: int = 0) -> dict[str, Any]:
     """Legacy completions logprobs: tokens, token_logprobs, top_logprobs (token -> logprob, the chosen
     token's included, as OpenAI's), text_offset (each token's start in the choice's text, from `offset`)."""
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     at = offset
     for _, text, lp, top in entries:
         tokens.append(text)

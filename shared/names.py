@@ -18,7 +18,6 @@ import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 PREFIX = "conveyor"
 
@@ -32,25 +31,24 @@ def _partitions() -> int:
 
 # how many partitions the queue has (REDIS_PARTITIONS, 1 by default; every process of a deployment
 # must agree, and it may grow but not shrink while jobs live: a job id names its partition)
-_FROM_ENV = _partitions()
-_COUNT: ContextVar[int] = ContextVar("conveyor_partitions", default=_FROM_ENV)
+_count = _partitions()
 
 
 def partition_count() -> int:
-    """How many partitions the queue has: REDIS_PARTITIONS, unless `partitions_as` says otherwise here."""
-    return _COUNT.get()
+    """How many partitions the queue has: REDIS_PARTITIONS, unless `partitions_as` says otherwise."""
+    return _count
 
 
 @contextmanager
 def partitions_as(n: int) -> Iterator[None]:
-    """Name keys for a deployment of `n` partitions inside the block, in this thread (or asyncio task) only:
-    for a process that addresses a deployment other than its own (tests, benchmarks), while its other threads
-    keep their own count."""
-    token = _COUNT.set(n)
+    """Name keys for a deployment of `n` partitions inside the block, in the whole process: for one that addresses
+    a deployment other than its own, one at a time (the benchmarks that drive a single node and a cluster)."""
+    global _count
+    before, _count = _count, n
     try:
         yield
     finally:
-        _COUNT.reset(token)
+        _count = before
 
 
 def partition_prefix(partition: int) -> str:
@@ -122,10 +120,11 @@ def stream_partition(name: bytes | str) -> int:
 
 STREAM_GROUPS = {stream(kind, p): group for kind, group in GROUPS.items() for p in partitions()}
 
-# the fair queue in front of each partition's `tokenized` stream (shared/fair_queue.py): per tenant a
-# queue of job ids (and the same by submit time); the backlogged tenants scored by virtual counter; the
-# counters; the queued jobs' tokenized rows; an arrival counter; a doorbell; tokens served per tenant
-FAIR_PARTS = ("tenants", "vtc", "payload", "arrivals", "bell", "served")
+# the fair queue in front of each partition's `tokenized` stream (shared/fair_queue.py), a fixed set of keys
+# per partition: the backlogged tenants scored by virtual counter; the counters; the queued jobs' tokenized
+# rows; an arrival counter; a doorbell; tokens served per tenant; every waiting job in one sorted set by
+# (tenant, priority, arrival) and in one by (tenant, submit time); and each waiting job's place in both
+FAIR_PARTS = ("tenants", "vtc", "payload", "arrivals", "bell", "served", "queue", "age", "waiting")
 ANONYMOUS_TENANT = "_"  # the fair queue's tenant for jobs without one (no tenant name starts so)
 
 
@@ -135,12 +134,13 @@ def fair_key(partition: int, part: str) -> str:
 
 
 def fair_queue_key(partition: int, tenant: str) -> str:
-    """A tenant's queued jobs in a partition: job ids scored by priority, then arrival."""
+    """A tenant's queued jobs in a partition as the fair queue kept them before its fixed keys (`fair_key`
+    "queue" and "age"): no script writes it now."""
     return f"{partition_prefix(partition)}:fair:q:{tenant}"
 
 
 def fair_age_key(partition: int, tenant: str) -> str:
-    """The same jobs scored by when they were submitted (unix s): the oldest wait."""
+    """As `fair_queue_key`, by submit time: no script writes it now."""
     return f"{partition_prefix(partition)}:fair:age:{tenant}"
 
 

@@ -147,7 +147,8 @@ class Redis(redis.Redis):
 def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
     retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries)
     if is_cluster(url):
-        # a failover takes the cluster a few seconds: redirections and reconnects are retried for that long
+        # a failover takes the cluster a few seconds: redirections and reconnects are retried for that long;
+        # the cluster client stands in for a Redis one (the same commands), which its class does not derive from
         return _sync_cluster(  # type: ignore[return-value]
             url, decode_responses=decode, socket_keepalive=True, socket_keepalive_options=KEEPALIVE,
             socket_connect_timeout=CONNECT_TIMEOUT_S, retry=retry, health_check_interval=15)
@@ -161,7 +162,7 @@ def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
 def async_client(url: str, max_connections: int = 256) -> aredis.Redis:
     # The API fails fast (one short retry) so a Redis outage becomes a 503, not a hung request.
     # A blocking pool makes a burst of requests wait briefly for a connection instead of failing.
-    if is_cluster(url):
+    if is_cluster(url):  # the cluster client stands in for a Redis one, as in sync_client
         return _async_cluster(  # type: ignore[return-value]
             url, decode_responses=True, max_connections=max_connections, socket_connect_timeout=CONNECT_TIMEOUT_S,
             socket_timeout=10, health_check_interval=15, socket_keepalive=True, socket_keepalive_options=KEEPALIVE,

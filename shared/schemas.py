@@ -1,20 +1,35 @@
-"""Messages between stages, defined once: the generation request the API validates (api -> tokenizer),
+"""The request's records, defined once: the generation request the API validates (api -> tokenizer), and
 the `Request` it becomes once tokenized (tokenizer -> inference -> engine, its Arrow schema derived from
-its fields), and the engine's token deltas (engine -> output lane)."""
+its fields). The engine's token deltas to the output lane are the inference worker's own
+(gpu_worker/messages.py)."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field, fields
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.grammar import GrammarSpec, check, from_openai
 from shared.limits import (
+    BIAS_MAX,
+    BIAS_MIN,
+    MAX_LOGPROBS,
     MAX_MESSAGES,
+    PENALTY_MAX,
+    PENALTY_MIN,
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    TEMPERATURE_FLOOR,
+    TEMPERATURE_MAX,
+    TOP_P_FLOOR,
     Content,
+    Deployment,
+    LimitError,
     LogitBias,
     Logprobs,
     MaxTokens,
@@ -140,13 +155,64 @@ class GenerationRequest(SamplingParams):
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
-        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
-            raise ValueError("give exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
+        _one_of(self.prompt, self.messages, self.prompt_token_ids)
         return self
+
+    def bounded(self, deployment: Deployment) -> GenerationRequest:
+        """This request within the deployment's bounds, its max_tokens defaulted when it gave none; LimitError
+        (a 413 for too much prompt text, a 422 otherwise, naming the field) when it is not."""
+        if "max_tokens" not in self.model_fields_set:
+            self.max_tokens = deployment.default_max_tokens
+        if self.max_tokens > deployment.max_tokens_cap:
+            raise LimitError(f"max_tokens must be at most {deployment.max_tokens_cap}", "max_tokens")
+        size = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        if size > deployment.max_prompt_chars:
+            raise LimitError(f"the prompt has {size} characters; the limit is {deployment.max_prompt_chars}",
+                             "messages" if self.messages else "prompt", status=413)
+        vocab = deployment.vocab_size
+        if vocab is None:
+            return self
+        if self.top_k > vocab:
+            raise LimitError(f"top_k must be 0 (off) or at most the vocabulary size, {vocab}", "top_k")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias)),
+                          ("prompt", self.prompt_token_ids or [])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise LimitError(f"{name}: token ids must be below the vocabulary size {vocab}; got {bad}", name)
+        return self
+
+    @classmethod
+    def from_wire(cls, raw: str | bytes) -> GenerationRequest:
+        """A request as the API puts it on the `jobs` stream (`model_dump_json(exclude_defaults=True)` of one the
+        door validated), read without validating it again: only its shape is checked (a JSON object of this
+        model's fields, one input), ValueError otherwise. A value of the wrong type fails its job further on
+        (tokenizing it, encoding its `Request`), and the engine asserts the bounds (`Request.out_of_bounds`)."""
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("the request is not a JSON object")
+        unknown = data.keys() - cls.model_fields.keys()
+        if unknown:
+            raise ValueError(f"unknown fields: {', '.join(sorted(unknown))}")
+        mistyped = [name for name, value in data.items() if not isinstance(value, _WIRE_TYPES[name])]
+        if mistyped:
+            raise ValueError(f"{', '.join(mistyped)}: not of the field's type")
+        try:
+            _one_of(data.get("prompt"), data.get("messages"), data.get("prompt_token_ids"))
+            if data.get("messages") is not None:
+                data["messages"] = [Message.model_construct(role=m["role"], content=m["content"])
+                                    for m in data["messages"]]
+            if data.get("grammar") is not None:
+                g = data["grammar"]
+                data["grammar"] = Grammar.model_construct(kind=g["kind"], source=g.get("source", ""))
+            if data.get("logit_bias"):
+                data["logit_bias"] = {int(k): v for k, v in data["logit_bias"].items()}
+        except (TypeError, LookupError, AttributeError) as exc:
+            raise ValueError(f"the request has an unexpected shape ({type(exc).__name__}: {exc})") from None
+        return cls.model_construct(**data)
 
     def tokenized(self, job_id: str, prompt_ids: list[int]) -> Request:
         """This request as the engine receives it; a missing seed is drawn here, once."""
-        sampling = self.model_dump(include=_SAMPLING)
+        sampling = self.model_dump(include=_SAMPLING, warnings=False)  # (a wire request is not validated again)
         seed = self.seed % (1 << 63) if self.seed is not None else random.getrandbits(63)
         bias = sampling.pop("logit_bias")
         wants = sampling.pop("logprobs") or self.top_logprobs > 0
@@ -158,6 +224,28 @@ class GenerationRequest(SamplingParams):
                        prompt_logprobs=-1 if prompt_lp is None else prompt_lp,
                        bias_ids=list(bias), bias_values=[float(v) for v in bias.values()],
                        grammar_kind=g.kind if g else "", grammar=g.source if g else "", priority=self.priority)
+
+
+def _json_types(annotation: Any) -> tuple[type, ...]:
+    """The Python types a field's JSON value may have (bounds aside): the wire request's cheap shape check."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _json_types(get_args(annotation)[0])
+    if origin in (Union, UnionType):
+        return tuple(t for arg in get_args(annotation) for t in _json_types(arg))
+    if annotation is float:
+        return (int, float)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return (dict,)
+    return (origin or annotation,)
+
+
+_WIRE_TYPES = {name: _json_types(f.annotation) for name, f in GenerationRequest.model_fields.items()}
+
+
+def _one_of(*inputs: object) -> None:
+    if sum(x is not None for x in inputs) != 1:
+        raise ValueError("give exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
 
 
 _SAMPLING = set(SamplingParams.model_fields)
@@ -216,8 +304,30 @@ class Request:
     def grammar_spec(self) -> GrammarSpec | None:
         return GrammarSpec(self.grammar_kind, self.grammar) if self.grammar_kind else None
 
+    def out_of_bounds(self) -> str | None:
+        """Which bound the door guarantees (shared.limits, the floors applied) this request breaks, None when
+        it keeps them all: a cheap assertion for a record that crossed processes. NaN fails every comparison."""
+        t, bias = self.temperature, zip(self.bias_ids, self.bias_values, strict=False)
+        holds = {
+            "max_tokens": self.max_tokens >= 1,
+            "temperature": t == 0 or TEMPERATURE_FLOOR <= t <= TEMPERATURE_MAX,
+            "top_p": TOP_P_FLOOR <= self.top_p <= 1.0,
+            "top_k": self.top_k >= 0,
+            "min_tokens": self.min_tokens >= 0,
+            "presence_penalty": PENALTY_MIN <= self.presence_penalty <= PENALTY_MAX,
+            "frequency_penalty": PENALTY_MIN <= self.frequency_penalty <= PENALTY_MAX,
+            "repetition_penalty": REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX,
+            "logit_bias": len(self.bias_ids) == len(self.bias_values)
+                          and all(i >= 0 and BIAS_MIN <= v <= BIAS_MAX for i, v in bias),
+            "logprobs": -1 <= self.logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs": -1 <= self.prompt_logprobs <= MAX_LOGPROBS,
+        }
+        bad = next((name for name, ok in holds.items() if not ok), None)
+        return None if bad is None else f"{bad} is out of its bounds"
 
-_ARROW_TYPES = {str: pa.string(), int: pa.int32(), float: pa.float32(), bool: pa.bool_()}
+
+# Arrow widths of the fields' types: every float a client sends travels as float64, so 0.7 arrives as 0.7
+_ARROW_TYPES = {str: pa.string(), int: pa.int32(), float: pa.float64(), bool: pa.bool_()}
 
 
 def _arrow_type(hint: Any) -> pa.DataType:
@@ -235,46 +345,35 @@ def arrow_schema(record: type) -> pa.Schema:
                       for f in fields(record) if f.metadata.get("arrow", True)])
 
 
-# tokenizer -> inference: one row per job, many jobs per record batch.
+# tokenizer -> inference: one job per record, a one-row Arrow IPC stream.
 TOKENIZED_SCHEMA = arrow_schema(Request)
 
 
-def requests_batch(requests: list[Request]) -> pa.RecordBatch:
-    """Requests as one `tokenized` record batch; raises if a value does not fit its Arrow type."""
-    names = TOKENIZED_SCHEMA.names
-    return pa.RecordBatch.from_pylist([{n: getattr(r, n) for n in names} for r in requests],
-                                      schema=TOKENIZED_SCHEMA)
+def encode_request(req: Request) -> bytes:
+    """The request as its `tokenized` record; ValueError naming the field whose value its Arrow type cannot hold."""
+    columns = []
+    for f in TOKENIZED_SCHEMA:
+        try:
+            columns.append(pa.array([getattr(req, f.name)], type=f.type))
+        except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+            raise ValueError(f"{f.name} does not fit its type ({exc})") from None
+    return to_ipc(pa.RecordBatch.from_arrays(columns, schema=TOKENIZED_SCHEMA))
 
 
-def batch_requests(batch: pa.RecordBatch) -> list[Request]:
-    return [Request(**row) for row in batch.to_pylist()]
-
-# engine -> output lane: one row per sequence that produced tokens or finished in a step. Logprobs, for the
-# jobs that ask: per token the chosen token's and its top alternatives' (ids and logprobs, most likely first);
-# the prompt's once, with the step that completes the prompt (its first token has none: not included).
-_TOP_IDS, _TOP_LPS = pa.list_(pa.list_(pa.int32())), pa.list_(pa.list_(pa.float32()))
-DELTA_SCHEMA = pa.schema(
-    [
-        pa.field("job_id", pa.string(), nullable=False),
-        pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("finish_reason", pa.string(), nullable=True),
-        pa.field("error", pa.string(), nullable=True),
-        pa.field("logprobs", pa.list_(pa.float32()), nullable=True),
-        pa.field("top_ids", _TOP_IDS, nullable=True),
-        pa.field("top_logprobs", _TOP_LPS, nullable=True),
-        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=True),
-        pa.field("prompt_logprobs", pa.list_(pa.float32()), nullable=True),
-        pa.field("prompt_top_ids", _TOP_IDS, nullable=True),
-        pa.field("prompt_top_logprobs", _TOP_LPS, nullable=True),
-    ]
-)
+def decode_request(data: bytes) -> Request:
+    """The request a `tokenized` record holds; ValueError when it is not one such record."""
+    batch = from_ipc(data, TOKENIZED_SCHEMA)
+    if batch.num_rows != 1:
+        raise ValueError(f"a tokenized record holds one request, this one {batch.num_rows}")
+    return Request(**batch.to_pylist()[0])
 
 
 def to_ipc(batch: pa.RecordBatch) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as writer:
         writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
 
 
 def from_ipc(data: bytes, schema: pa.Schema) -> pa.RecordBatch:

@@ -21,6 +21,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import redis
 
@@ -28,10 +29,16 @@ from shared import names
 from shared.redis_client import CLUSTER_TYPES, heal, text
 from shared.signals import read_live
 
+if TYPE_CHECKING:
+    from redis.typing import EncodableT, FieldT, StreamIdT, XReadGroupResponse
+
 log = logging.getLogger(__name__)
 
 Fields = dict[bytes | str, bytes | str]
 Ref = tuple[str, str]  # (stream, entry id): what acknowledgements and claims name
+# Replies as the clients here read them: RESP2, redis-py's default (its types cover RESP3's forms too)
+ReadReply = list[tuple[bytes | str, list[tuple[bytes | str, Fields | None]]]]  # XREADGROUP: per stream, its entries
+ClaimReply = list[tuple[bytes | str, Fields | None]]  # XCLAIM without JUSTID: fields None for an entry trimmed since
 CLUSTER_BLOCK_MS = 50  # on a cluster, how long one idle read blocks on one stream before the next turn
 
 
@@ -45,6 +52,14 @@ class Entry:
     @property
     def ref(self) -> Ref:
         return self.stream, self.id
+
+
+class Pending(TypedDict):
+    """A row of XPENDING's extended form, as redis-py parses it."""
+    message_id: bytes | str
+    consumer: bytes | str
+    time_since_delivered: int
+    times_delivered: int
 
 
 class StreamConsumer:
@@ -89,9 +104,15 @@ class StreamConsumer:
             return []
 
     @staticmethod
-    def _entries(reply: Iterable[tuple[bytes | str, list[tuple[bytes | str, Fields | None]]]] | None) -> list[Entry]:
-        return [Entry(text(eid), fields, 1, text(stream)) for stream, items in reply or []
+    def _entries(reply: XReadGroupResponse | None) -> list[Entry]:
+        return [Entry(text(eid), fields, 1, text(stream)) for stream, items in cast(ReadReply, reply or [])
                 for eid, fields in items if fields is not None]
+
+    def _pending(self, stream: str, count: int, idle_ms: int, consumer: str | None = None) -> list[Pending]:
+        """The group's entries of `stream` pending for idle_ms or more (of `consumer` only, where given)."""
+        rows = self.client.xpending_range(stream, self.group, min="-", max="+", count=count, consumername=consumer,
+                                          idle=idle_ms)
+        return cast(list[Pending], rows)
 
     def note_outage(self) -> None:
         """After losing Redis, live owners need time to refresh their entries and heartbeats
@@ -105,11 +126,10 @@ class StreamConsumer:
         Returns (to process, dead-lettered)."""
         if time.monotonic() < self._quiet_until:
             return [], []
-        rows: list[tuple[str, dict]] = []  # type: ignore[type-arg]
+        rows: list[tuple[str, Pending]] = []
         for stream in self.streams:
             try:
-                rows += [(stream, r) for r in self.client.xpending_range(stream, self.group, min="-", max="+",
-                                                                         count=count * 4, idle=self.claim_idle_ms)]
+                rows += [(stream, r) for r in self._pending(stream, count * 4, self.claim_idle_ms)]
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -132,18 +152,17 @@ class StreamConsumer:
     def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)
         for idle_ms or more, for another try. Returns (to process, dead-lettered)."""
-        rows = [(stream, r) for stream in self.streams
-                for r in self.client.xpending_range(stream, self.group, min="-", max="+", count=count,
-                                                    consumername=self.consumer, idle=idle_ms)]
+        rows = [(stream, r) for stream in self.streams for r in self._pending(stream, count, idle_ms, self.consumer)]
         return self._claim(rows[:count], idle_ms) if rows else ([], [])
 
-    def _claim(self, rows: list[tuple[str, dict]], idle_ms: int) -> tuple[list[Entry], list[Entry]]:  # type: ignore[type-arg]
+    def _claim(self, rows: list[tuple[str, Pending]], idle_ms: int) -> tuple[list[Entry], list[Entry]]:
         """XCLAIM the pending `rows` (stream, row) still idle for idle_ms; acknowledge entries trimmed
         meanwhile and dead-letter those past the delivery limit. Returns (to process, dead-lettered)."""
-        keep, dead = [], []
+        keep: list[Entry] = []
+        dead: list[Entry] = []
         for stream, ids in _by_stream((s, text(r["message_id"])) for s, r in rows).items():
             deliveries = {text(r["message_id"]): int(r["times_delivered"]) + 1 for s, r in rows if s == stream}
-            claimed = self.client.xclaim(stream, self.group, self.consumer, idle_ms, ids)
+            claimed = cast(ClaimReply, self.client.xclaim(stream, self.group, self.consumer, idle_ms, ids))
             self.ack([(stream, text(eid)) for eid, fields in claimed if fields is None])
             for eid, fields in claimed:
                 if fields is not None:
@@ -170,17 +189,17 @@ class StreamConsumer:
     def dead_letter(self, entry: Entry, reason: str) -> None:
         """Move the entry to its partition's dead-letter stream (one transaction: one slot)."""
         stream = entry.stream or self.streams[0]
+        record: dict[FieldT, EncodableT] = {k: v for k, v in entry.fields.items()}
+        record.update({"source_stream": stream, "source_id": entry.id, "reason": reason, "at": repr(time.time())})
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(names.stream(names.DEAD, names.stream_partition(stream)),
-                  {**entry.fields, "source_stream": stream, "source_id": entry.id, "reason": reason,
-                   "at": repr(time.time())}, maxlen=10_000)
+        pipe.xadd(names.stream(names.DEAD, names.stream_partition(stream)), record, maxlen=10_000)
         pipe.xack(stream, self.group, entry.id)
         pipe.execute()
         log.error("dead-lettered %s %s: %s", stream, entry.id, reason)
 
 
-def _by_stream(refs: Iterable[Ref]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = defaultdict(list)
+def _by_stream(refs: Iterable[Ref]) -> dict[str, list[StreamIdT]]:
+    out: dict[str, list[StreamIdT]] = defaultdict(list)
     for stream, eid in refs:
         out[stream].append(eid)
     return out

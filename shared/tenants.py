@@ -29,6 +29,7 @@ import redis
 
 from shared import names
 from shared.limits import WEIGHT_MAX, WEIGHT_MIN
+from shared.redis_client import text
 
 KEY_PREFIX = "cvk_"
 LIMITS = ("rpm", "tpm", "max_queued", "max_streams", "batch_tpm", "max_file_bytes", "max_open_batches",
@@ -59,7 +60,7 @@ class Tenant:
 
     @classmethod
     def from_record(cls, name: str, rec: dict[str, str]) -> Tenant:
-        return cls(name, *(int(rec.get(k) or 0) for k in LIMITS), disabled=rec.get("disabled") == "1",
+        return cls(name, **{k: int(rec.get(k) or 0) for k in LIMITS}, disabled=rec.get("disabled") == "1",
                    weight=float(rec.get("weight") or 1))
 
 
@@ -82,7 +83,7 @@ def create(client: redis.Redis, name: str, weight: float = 1.0, **limits: int | 
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     secret = "whsec_" + secrets.token_urlsafe(32)
     digest = hash_key(key)
-    old = rec.get("key_sha256")
+    old = text(rec.get("key_sha256"))
     values = {**DEFAULT_LIMITS, **{k: v for k, v in limits.items() if v is not None}}
     # two steps, each in one slot: the tenant's own keys (its partition), then the index that makes
     # the key valid, so a key never names a tenant that is not there yet
@@ -114,7 +115,7 @@ def revoke(client: redis.Redis, name: str) -> None:
 def list_all(client: redis.Redis) -> list[dict[str, Any]]:
     """Every tenant with its limits and state (never the key or the secret)."""
     out = []
-    for name in sorted(client.smembers(names.TENANTS_SET)):
+    for name in sorted(map(text, client.smembers(names.TENANTS_SET))):
         rec = client.hgetall(names.tenant_key(name))
         if rec:
             out.append({"name": name, "created_at": float(rec.get("created_at") or 0),

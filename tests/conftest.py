@@ -4,11 +4,13 @@ the whole stack (started by harness/stack.py, the launcher the benchmarks use to
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
+from _pytest.nodeid import NodeId
 
 # torch's OpenMP threads sleep while they wait instead of spinning, in this process (engines and kernels under test)
 # and in every process the tests start (stacks' workers, benchmarks, the lm-eval reference): a suite runs a dozen
@@ -23,54 +25,35 @@ from harness.models import make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
-from tests.background import ALONE_LANES, BESIDE_LANES, Background
 from workers.tokenizer.grammar import GrammarCompiler
 
 __all__ = ["ROOT", "Stack", "launch_stack", "own_redis", "start_stack", "stop_stack"]
 GRAMMAR_TTL_S = 600  # compiled grammars' TTL in the grammar_compiler fixture
 
 
-BACKGROUND_MODULES = pytest.StashKey[set[str]]()  # modules of the selected tests marked `background`
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    """A test on one of the session's shared stacks joins that stack's group (`--dist loadgroup`): the group
+    runs in one worker, which starts the stack once."""
+    for item in items:
+        used = _stacks_used(item)
+        if used:
+            item.add_marker(pytest.mark.xdist_group("+".join(sorted(used))))
+    yield
+    if getattr(config.option, "loadgroup", False):  # in a worker of --dist loadgroup
+        for item in items:
+            _name_group(item)
 
 
-@pytest.hookimpl(trylast=True)  # after -k / -m have deselected
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `background` (tests/background.py) go last: what they check runs beside the others; before
-    them, the modules on the shared stacks, which start meanwhile."""
-    later = [item for item in items if item.get_closest_marker("background")]
-    config.stash[BACKGROUND_MODULES] = {item.module.__name__ for item in later}  # type: ignore[attr-defined]
-    config.stash[ALONE] = len(later) == len(items)
-    main = [item for item in items if not item.get_closest_marker("background")]
-    # the modules that use none of the shared stacks first, while the stacks start (launched before the first
-    # test), each module kept whole and in its place among its kind
-    on_stacks = {item.module.__name__ for item in main if _stacks_used([item])}  # type: ignore[attr-defined]
-    items[:] = ([item for item in main if item.module.__name__ not in on_stacks]  # type: ignore[attr-defined]
-                + [item for item in main if item.module.__name__ in on_stacks] + later)  # type: ignore[attr-defined]
-
-
-ALONE = pytest.StashKey[bool]()
-BACKGROUND = pytest.StashKey[Background]()
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """When each background run went, in seconds from the session's start: what a lane's order would change."""
-    bg = config.stash.get(BACKGROUND, None)
-    if bg is not None and bg.spans:
-        terminalreporter.section(f"background runs ({bg.lanes} lanes)")
-        for label, start, end in sorted(bg.spans, key=lambda s: s[1]):
-            terminalreporter.write_line(f"{start:7.1f} - {end:7.1f} s  {end - start:6.1f} s  {label}")
-
-
-@pytest.fixture(scope="session", autouse=True)
-def background(request: pytest.FixtureRequest) -> Iterator[Background]:
-    """The session's background runs, started before the first test by the modules that have a selected test."""
-    modules = request.config.stash.get(BACKGROUND_MODULES, set())
-    bg = Background(ALONE_LANES if request.config.stash.get(ALONE, False) else BESIDE_LANES)
-    request.config.stash[BACKGROUND] = bg
-    if modules:
-        bg.start(request, modules)
-    yield bg
-    bg.close()
+def _name_group(item: pytest.Item) -> None:
+    """The test's group as the suffix of its id (`test_x@stack`), which is how a worker tells the scheduler: pytest
+    9.2 builds the id from its structured form, so the suffix pytest-xdist 3.8 writes is lost (pytest-dev/pytest-xdist
+    issue 1386); written here where it is missing."""
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    suffix = "@" + "_".join(groups)
+    if groups and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+        item._id = NodeId.parse(item.nodeid + suffix)
 
 
 def own_redis(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[RedisServer]:
@@ -99,6 +82,24 @@ def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+async def app_client(redis_server: RedisServer, model_path: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The API in this process on db 13 of the session's Redis (emptied after), the tests' limits, no workers: for
+    what a response's shape shows (status codes, error bodies, headers) without a stack (tests/api/test_door.py)."""
+    from api.main import create_app
+
+    url = redis_server.url.rsplit("/", 1)[0] + "/13"
+    app = create_app(Settings(redis_url=url, model=model_path, max_tokens_cap=int(TEST_ENV["MAX_TOKENS_CAP"]),
+                              max_model_len=int(TEST_ENV["MAX_MODEL_LEN"]), webhook_allow_private=True))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    r.close()
 
 
 @pytest.fixture(scope="session")
@@ -163,8 +164,8 @@ def launch_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | 
     return harness.stack.launch_stack(tmp, redis_url, model, {**TEST_ENV, **(extra or {})}, args, autoscale)
 
 
-# the session's shared stacks load the grammar machinery at start, beside the other tests, rather than in the
-# first structured-output test that reaches each (~7 s of the main lane per stack)
+# the session's shared stacks load the grammar machinery at start rather than in the first structured-output test
+# that reaches each (~7 s per stack)
 SHARED_STACK_ENV = {"GRAMMAR_WARM": "true"}
 
 
@@ -187,52 +188,39 @@ def _launch_cluster_stack(request: pytest.FixtureRequest) -> Stack:
                         args=["--redis-cluster", "3"])
 
 
-# the session's shared stacks, by fixture: launched together before the first test (`launched`), each waited for
-# where a test first uses it
+# the session's shared stacks, by fixture; the tests on each form one group (`pytest_collection_modifyitems`)
 SESSION_STACKS = {"stack": _launch_stack, "tiny_stack": _launch_tiny_stack, "cluster_stack": _launch_cluster_stack}
 
 
-def _stacks_used(items: list[pytest.Item]) -> set[str]:
-    used: set[str] = set()
-    for item in items:
-        names = set(getattr(item, "fixturenames", ()))
-        used |= names & SESSION_STACKS.keys()
-        if "plumbing_stack" in names:  # parametrized: tiny_stack or cluster_stack (`plumbing_stack`)
-            callspec = getattr(item, "callspec", None)
-            used.add("cluster_stack" if callspec and callspec.params.get("plumbing_stack") == "cluster"
-                     else "tiny_stack")
+def _stacks_used(item: pytest.Item) -> set[str]:
+    names = set(getattr(item, "fixturenames", ()))
+    used = names & SESSION_STACKS.keys()
+    if "plumbing_stack" in names:  # parametrized: tiny_stack or cluster_stack (`plumbing_stack`)
+        callspec = getattr(item, "callspec", None)
+        used.add("cluster_stack" if callspec and callspec.params.get("plumbing_stack") == "cluster" else "tiny_stack")
     return used
 
 
-@pytest.fixture(scope="session", autouse=True)
-def launched(request: pytest.FixtureRequest) -> Iterator[dict[str, Stack]]:
-    """The shared stacks the selected tests use, launched at once before the first test: each takes 3-9 s to
-    become ready, time the tests before its first use now cover (its fixture waits for it)."""
-    stacks = {name: SESSION_STACKS[name](request) for name in sorted(_stacks_used(request.session.items))}
-    yield stacks
-    for s in stacks.values():  # one never used (its tests failed to set up) is still stopped
-        if s.proc.poll() is None:
-            stop_stack(s)
-
-
-def _session_stack(request: pytest.FixtureRequest, launched: dict[str, Stack], name: str) -> Iterator[Stack]:
-    s = (launched.get(name) or SESSION_STACKS[name](request)).wait_ready()
-    yield s
-    stop_stack(s)
+def _session_stack(request: pytest.FixtureRequest, name: str) -> Iterator[Stack]:
+    s = SESSION_STACKS[name](request)
+    try:
+        yield s.wait_ready()
+    finally:
+        stop_stack(s)
 
 
 @pytest.fixture(scope="session")
-def stack(request: pytest.FixtureRequest, launched: dict[str, Stack]) -> Iterator[Stack]:
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     """The real default model behind the full stack (db 0 of the session's Redis): for what only a real
     model shows (a right answer, a stop string it writes). It decodes speculatively (SPECULATIVE=ngram), which
     changes no output: every test on it, lm-eval's scores against transformers' among them, checks that too."""
-    yield from _session_stack(request, launched, "stack")
+    yield from _session_stack(request, "stack")
 
 
 @pytest.fixture(scope="session")
-def cluster_stack(request: pytest.FixtureRequest, launched: dict[str, Stack]) -> Iterator[Stack]:
+def cluster_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     """`tiny_stack` on a local Redis Cluster (3 masters, 3 replicas: `conveyor up --redis-cluster 3`)."""
-    yield from _session_stack(request, launched, "cluster_stack")
+    yield from _session_stack(request, "cluster_stack")
 
 
 @pytest.fixture(scope="session", params=["single", "cluster"])
@@ -242,7 +230,7 @@ def plumbing_stack(request: pytest.FixtureRequest) -> Stack:
 
 
 @pytest.fixture(scope="session")
-def tiny_stack(request: pytest.FixtureRequest, launched: dict[str, Stack]) -> Iterator[Stack]:
+def tiny_stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     """The tiny model behind the full stack (db 1 of the session's Redis): the same processes and path as
     `stack`, many times faster per token, for behaviour that holds whatever the weights."""
-    yield from _session_stack(request, launched, "tiny_stack")
+    yield from _session_stack(request, "tiny_stack")

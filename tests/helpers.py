@@ -7,8 +7,6 @@ import contextlib
 import io
 import os
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,7 +17,6 @@ import redis
 
 import harness.stack
 from harness.sse import iter_sse, read_events, tokens_text
-from harness.stack import ENV_LOCK
 from shared.grammar import GrammarSpec, from_openai
 from shared.jobs import TERMINAL
 
@@ -75,31 +72,15 @@ def grammar_spec(**params: object) -> GrammarSpec:
     return spec
 
 
-class _ThisThread(io.TextIOBase):
-    """A stand-in for sys.stdout or sys.stderr: what the thread that made it writes goes to `mine`, what the others
-    write (the suite's background checks) where it went before."""
-
-    def __init__(self, mine: io.StringIO, others: Any) -> None:
-        self.mine, self.others, self.thread = mine, others, threading.get_ident()
-
-    def write(self, s: str) -> int:
-        return (self.mine if threading.get_ident() == self.thread else self.others).write(s)
-
-    def flush(self) -> None:
-        self.others.flush()
-
-
 def conveyor(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """The `conveyor` CLI's answer to `argv`, as its process would give it (exit code, stdout, stderr), run through
-    its own `main` in this process with `env` set (a subprocess would import the stack's modules again, ~1 s each).
-    The process's other threads see neither the environment half set (`ENV_LOCK`) nor their output captured."""
+    its own `main` in this process with `env` set (a subprocess would import the stack's modules again, ~1 s each)."""
     from infra.cli import main
     from shared.settings import get_settings
 
     out, err = io.StringIO(), io.StringIO()
     code: int | str | None = 0
-    with (ENV_LOCK, mock.patch.dict(os.environ, env), contextlib.redirect_stdout(_ThisThread(out, sys.stdout)),
-          contextlib.redirect_stderr(_ThisThread(err, sys.stderr))):
+    with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         get_settings.cache_clear()  # the settings are read from `env`, as a new process would read them
         try:
             main(list(argv))

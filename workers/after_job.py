@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import redis
 
-from shared import names, scripts
+from shared import batch_ops, names, scripts
 from shared.heartbeat import beat, forget
 from shared.job_ops import queue_account, queue_note_failure
 from shared.redis_client import text
@@ -180,7 +180,7 @@ class AfterJob:
             pipe = self.client.pipeline(transaction=False)
             for entry, why in failures.values():
                 if batch_id := _batch_id(entry):
-                    scripts.NOTE_FAILURE.queue(pipe, [names.batch_key(batch_id)], [why])  # the same note, on its record
+                    batch_ops.queue_note_failure(pipe, batch_id, why)  # the same note, on its record
                 else:
                     queue_note_failure(pipe, _job_id(entry), why)
             scripts.execute(pipe, raise_on_error=False)

@@ -41,7 +41,7 @@ class BlockManager:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.by_hash: dict[int, int] = {}
         self.clean = list(range(num_blocks - 1, NULL_BLOCK, -1))  # never-cached free blocks; pop() gives the lowest
-        self.cached_free: OrderedDict[int, None] = OrderedDict()  # cached, held by nobody; oldest first
+        self.cached_free: OrderedDict[int, int] = OrderedDict()  # cached, held by nobody, to its hash; oldest first
         self.hits = 0  # prompt tokens served from the cache (cumulative)
         self.queried = 0  # prompt tokens looked up (cumulative)
 
@@ -62,14 +62,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # --- prefix lookup ------------------------------------------------------------------------
-    def _matches(self, seq: Sequence) -> list[int]:
-        """Registered blocks holding the longest prefix of the sequence's tokens. The block with the
-        last token is never taken: that token is computed, to get the logits to sample from."""
+    def _matches(self, seq: Sequence) -> tuple[list[int], int]:
+        """Registered blocks holding the longest prefix of the sequence's tokens, and the last one's hash (0 for
+        none). The block with the last token is never taken: that token is computed, to get the logits to sample
+        from."""
         if not self.prefix_caching or (seq.prompt_lp is not None and len(seq.prompt_lp) < seq.num_prompt - 1):
-            return []  # its prompt's logprobs are wanted (echo): every prompt position is computed
+            return [], 0  # its prompt's logprobs are wanted (echo): every prompt position is computed
         bs, ids = self.block_size, seq.token_ids
         found: list[int] = []
-        h = 0
+        h = last = 0
         for i in range((len(ids) - 1) // bs):
             tokens = tuple(ids[i * bs : (i + 1) * bs])
             h = chain_hash(h, tokens, self._prompt_part(seq, i))
@@ -77,14 +78,15 @@ class BlockManager:
             if block is None or self.block_tokens[block] != tokens:
                 break
             found.append(block)
-        return found
+            last = h
+        return found, last
 
     # --- allocation ---------------------------------------------------------------------------
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting sequence blocks for all its tokens, cached ones first; False (and nothing
         taken) when the free blocks do not suffice."""
         assert not seq.block_table
-        hits = self._matches(seq)
+        hits, last_hash = self._matches(seq)
         need = self.blocks_for(seq.num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.ref[b] == 0)  # cached blocks that leave the free pool
         if need + revived > self.num_free:
@@ -95,7 +97,7 @@ class BlockManager:
             self.ref[b] += 1
         seq.block_table = hits + [self._take() for _ in range(need)]
         seq.num_hashed_blocks = len(hits)
-        seq.last_block_hash = self.block_hash[hits[-1]] if hits else 0
+        seq.last_block_hash = last_hash
         seq.num_computed = len(hits) * self.block_size
         self.queried += seq.num_tokens
         self.hits += seq.num_computed
@@ -123,8 +125,9 @@ class BlockManager:
         for b in reversed(seq.block_table):  # the prefix's head is released last: evicted last
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                if self.block_hash[b] is not None:
-                    self.cached_free[b] = None
+                h = self.block_hash[b]
+                if h is not None:
+                    self.cached_free[b] = h
                 else:
                     self.clean.append(b)
         seq.block_table = []
@@ -156,8 +159,8 @@ class BlockManager:
         if self.clean:
             block = self.clean.pop()
         else:
-            block, _ = self.cached_free.popitem(last=False)  # the least recently released cached block
-            del self.by_hash[self.block_hash[block]]
+            block, h = self.cached_free.popitem(last=False)  # the least recently released cached block
+            del self.by_hash[h]
             self.block_hash[block] = self.block_tokens[block] = None
         self.ref[block] = 1
         return block

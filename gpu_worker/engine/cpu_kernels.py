@@ -29,9 +29,12 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +109,9 @@ def _compile(cxx: str, flags: tuple[str, ...], source: Path, out: Path) -> None:
                 os.unlink(path)
 
 
-def _function(lib: ctypes.CDLL, name: str, args: tuple, restype: object = None):  # type: ignore[no-untyped-def]
-    fn = getattr(lib, name)
+def _function(lib: ctypes.CDLL, name: str, args: tuple[type[ctypes._SimpleCData[Any]], ...],
+              restype: type[ctypes._SimpleCData[Any]] | None = None) -> CFuncPtr:
+    fn: CFuncPtr = getattr(lib, name)
     fn.argtypes, fn.restype = args, restype
     return fn
 
@@ -154,8 +158,9 @@ class PagedPrefill:
     def workspace(self, starts: torch.Tensor, lengths: torch.Tensor, kv_heads: int, head_dim: int,
                   dtype: torch.dtype) -> int:
         """int32 elements of workspace a call over these chunks needs (their K/V packed for the dot products)."""
-        return self._workspace(starts.data_ptr(), lengths.data_ptr(), starts.numel(), kv_heads, head_dim,
-                               int(dtype == torch.bfloat16))
+        elements: int = self._workspace(starts.data_ptr(), lengths.data_ptr(), starts.numel(), kv_heads, head_dim,
+                                        int(dtype == torch.bfloat16))
+        return elements
 
     def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: PrefillChunks,
                  block_size: int, out: torch.Tensor) -> torch.Tensor:

@@ -47,19 +47,27 @@ class OneDnnGemm(Gemm):
     def __init__(self, batch_hint: int) -> None:
         self.batch_hint = batch_hint
 
+    # torch.ops resolves its operators at run time: their results are typed Any, named Tensor here
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), self.batch_hint)
+        out: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), self.batch_hint)
+        return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor
         if x.shape[0] == 1 and x.shape[1] > ONE_ROW_MAX_K:
-            return torch.ops.mkldnn._linear_pointwise(torch.cat((x, x)), w, b, "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(torch.cat((x, x)), w, b, "none", [], "")[:1]
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return out
 
     def linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor
         if x.shape[0] == 1 and x.shape[1] > ONE_ROW_MAX_K:
-            return torch.ops.mkldnn._linear_pointwise.binary(torch.cat((x, x)), torch.cat((residual, residual)), w,
-                                                              None, "add")[:1]
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
+            out = torch.ops.mkldnn._linear_pointwise.binary(torch.cat((x, x)), torch.cat((residual, residual)), w,
+                                                             None, "add")[:1]
+        else:
+            out = torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, None, "add")
+        return out
 
 
 def _onednn_ok(device: torch.device) -> bool:

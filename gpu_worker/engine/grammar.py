@@ -15,7 +15,7 @@ bfloat16 (torch ops here; on CUDA, xgrammar's Triton kernel).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import xgrammar as xgr
@@ -98,7 +98,7 @@ class _Bitmask:
         out.copy_(mask, non_blocking=True)
         return out
 
-    def fill(self, states: list[GrammarState], rows: list[int], mask: torch.Tensor) -> None:
+    def fill(self, states: Mapping[int, GrammarState], rows: list[int], mask: torch.Tensor) -> None:
         """Fill mask[r] for each row r from states[r]: several at once on xgrammar's threads."""
         live = [r for r in rows if not states[r].matcher.is_terminated()]
         rest = rows
@@ -118,20 +118,21 @@ def mask_logits(logits: torch.Tensor, states: list[GrammarState | None]) -> None
     """Bar, in place (-inf), every token each row's grammar does not allow next, for the rows with a state
     (logits [rows, width], float32, bfloat16 or float16, on any device). Tokens past the grammar's vocabulary
     (a model whose logits are wider than its tokenizer) are barred too."""
-    rows = [i for i, s in enumerate(states) if s is not None]
+    held = {i: s for i, s in enumerate(states) if s is not None}
+    rows = list(held)
     if not rows:
         return
     n, width = logits.shape
-    vocab = states[rows[0]].vocab_size  # type: ignore[union-attr]
+    vocab = held[rows[0]].vocab_size
     mask = _BITMASK.rows(n, vocab)
-    _BITMASK.fill(states, rows, mask)  # type: ignore[arg-type]
+    _BITMASK.fill(held, rows, mask)
     cols = min(vocab, width)
     if logits.device.type == "cpu":
         _apply_on_cpu(logits, mask, rows, cols)
     else:
-        kernel = "triton" if logits.device.type == "cuda" and _TRITON else "torch_native"
+        triton = logits.device.type == "cuda" and _TRITON
         xgr.apply_token_bitmask_inplace(logits, _BITMASK.on(mask, logits.device), vocab_size=cols, indices=rows,
-                                        backend=kernel)
+                                        backend="triton" if triton else "torch_native")
     if width > vocab:
         logits[rows, vocab:] = float("-inf")
 

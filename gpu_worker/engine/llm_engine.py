@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.model_runner import ModelRunner
+from gpu_worker.engine.models.layout import CausalLM
 from gpu_worker.engine.ngram import NgramIndex
 from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.scheduler import Scheduler
-from gpu_worker.engine.sequence import Request, Sequence
+from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.step import Sampled, StepBatch, StepOutput
+from shared.jobs import FinishReason
+from shared.schemas import Request
 
 log = logging.getLogger("conveyor.engine")
 
@@ -29,7 +31,7 @@ DEFAULT_PREFILL_TOKENS = {"cpu": 4096, "cuda": 2048}
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         self.config = config
@@ -61,20 +63,21 @@ class LLMEngine:
             raise ValueError(f"request {req.id!r} is already in the engine")
         problem = self._check(req)
         if problem:
-            self._pending.append(StepOutput(req.id, finish_reason="error", error=problem))
+            self._pending.append(StepOutput(req.id, finish_reason=FinishReason.error, error=problem))
             return
         seq = Sequence(req)
         if req.grammar_kind:
             try:
                 seq.grammar = self._grammar(req)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._pending.append(StepOutput(req.id, finish_reason="error", error=f"the grammar failed: {exc}"))
+                self._pending.append(StepOutput(req.id, finish_reason=FinishReason.error,
+                                                error=f"the grammar failed: {exc}"))
                 return
-        if req.resume_ids and self._finish_reason(seq, req.resume_ids[-1]) == "stop":
-            self._pending.append(StepOutput(req.id, finish_reason="stop"))
+        if req.resume_ids and self._finish_reason(seq, req.resume_ids[-1]) is FinishReason.stop:
+            self._pending.append(StepOutput(req.id, finish_reason=FinishReason.stop))
             return
         if seq.num_generated >= req.max_tokens:
-            self._pending.append(StepOutput(req.id, finish_reason="length"))
+            self._pending.append(StepOutput(req.id, finish_reason=FinishReason.length))
             return
         if self.config.speculative is not None and not req.shapes_logits:
             seq.ngrams = NgramIndex(self.config.speculative)  # (a draft cannot follow penalties or a grammar)
@@ -93,32 +96,22 @@ class LLMEngine:
         return state
 
     def _check(self, req: Request) -> str | None:
-        """What would make this request fail a whole step, caught before it joins one."""
+        """What would make this request fail a whole step, caught before it joins one: what only the engine
+        knows (its vocabulary), and the bounds the door guarantees, asserted (Request.out_of_bounds)."""
         if not req.prompt_ids:
             return "empty prompt"
         vocab = self.runner.vocab_size
-        for name, ids in (("prompt", req.prompt_ids), ("resumed", req.resume_ids)):
+        for name, ids in (("prompt", req.prompt_ids), ("resumed", req.resume_ids), ("logit_bias", req.bias_ids)):
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 return f"{name} token ids must be in [0, {vocab})"
-        if not (math.isfinite(req.temperature) and req.temperature >= 0):
-            return "temperature must be a finite number >= 0"
-        if not (math.isfinite(req.top_p) and 0 < req.top_p <= 1):
-            return "top_p must be in (0, 1]"
-        if req.top_k < 0 or req.max_tokens < 1:
-            return "top_k must be >= 0 and max_tokens >= 1"
-        if any(t < 0 for t in req.bias_ids) or len(req.bias_ids) != len(req.bias_values):
-            return "logit_bias must map token ids to values"
-        if not all(math.isfinite(v) for v in (req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
-                                              *req.bias_values)) or req.repetition_penalty <= 0:
-            return "penalties and logit_bias values must be finite, repetition_penalty > 0"
-        return None
+        return req.out_of_bounds()
 
-    def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
+    def abort_request(self, req_id: str, reason: FinishReason = FinishReason.cancelled) -> bool:
         seq = self.seqs.pop(req_id, None)
         if seq is None:
             return False
         self.scheduler.remove(seq)
-        self._pending.append(StepOutput(req_id, finish_reason=reason))
+        self._pending.append(StepOutput(req_id, finish_reason=FinishReason(reason)))
         return True
 
     def has_unfinished(self) -> bool:
@@ -249,14 +242,14 @@ class LLMEngine:
     def _fail(self, seq: Sequence, error: str) -> StepOutput:
         self.seqs.pop(seq.id, None)
         self.scheduler.remove(seq)
-        return StepOutput(seq.id, finish_reason="error", error=error)
+        return StepOutput(seq.id, finish_reason=FinishReason.error, error=error)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         req = seq.req
         if token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids):
-            return "stop"
+            return FinishReason.stop
         if seq.grammar is not None and seq.grammar.is_terminated():  # the output is complete: nothing may follow
-            return "stop"
+            return FinishReason.stop
         if seq.num_generated >= req.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.length
         return None

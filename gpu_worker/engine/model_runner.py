@@ -13,9 +13,10 @@ from gpu_worker.engine.device import DTYPES, resolve_device, resolve_dtype
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
 from gpu_worker.engine.models import AttentionMetadata, Llama, PrefillChunk
 from gpu_worker.engine.models.checkpoint import load_checkpoint
+from gpu_worker.engine.models.layout import CausalLM
 from gpu_worker.engine.models.llama import PrefillBatch
 from gpu_worker.engine.protocol import EngineConfig
-from gpu_worker.engine.sampler import Sampler, token_logprobs
+from gpu_worker.engine.sampler import Sampler, padded, token_logprobs
 from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.step import Sampled, StepBatch
 
@@ -31,7 +32,7 @@ class StepInputs:
     ahead: list[int] | None = None  # per sampled row, its place after its sequence's next token (None: all 0)
 
 
-def _eos_ids(hf_model: torch.nn.Module) -> tuple[int, ...]:
+def _eos_ids(hf_model: CausalLM) -> tuple[int, ...]:
     ids: set[int] = set()
     for src in (getattr(hf_model, "generation_config", None), hf_model.config):
         eos = getattr(src, "eos_token_id", None) if src is not None else None
@@ -105,7 +106,7 @@ class ModelRunner:
     """Owns the model (given, or loaded from `config.model`: read from its files by models/checkpoint.py where it
     can, else through transformers) and the KV cache sized for it."""
 
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None) -> None:
         self.device = resolve_device(config.device)
         own = model.dtype if model is not None else DTYPES.get(config.checkpoint_dtype or "")
         self.dtype = resolve_dtype(config.dtype, self.device, own)
@@ -116,7 +117,8 @@ class ModelRunner:
 
             model = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
         if isinstance(model, torch.nn.Module):
-            model = model.to(device=self.device, dtype=self.dtype).eval()
+            module: torch.nn.Module = model  # (transformers wraps `to` in a type mypy cannot call)
+            module.to(device=self.device, dtype=self.dtype).eval()  # in place: a module's `to` returns itself
         # the model taken over (transformers' or the checkpoint's tensors): its layer matrices are now views of
         # the fused ones, or emptied
         self.hf_model = model
@@ -188,11 +190,6 @@ class ModelRunner:
             attn.prefill = self._prefill_batch(batch.chunks)
         return StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
 
-    def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits (in the model's dtype) of the rows to sample. Call under torch.inference_mode (`run` does)."""
-        return self._logits(self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache),
-                            inputs.sample_rows)
-
     def _logits(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if not rows:
             return torch.empty(0, self.vocab_size)
@@ -233,7 +230,7 @@ class ModelRunner:
         """What the decode rows read in place: each its sequence's block table (padded with the null block) and its
         own length, its position + 1 (a draft token's row reads the draft's earlier tokens, written this step)."""
         nblk = -(-(max(rows.pos) + 1) // self.block_size)
-        return (torch.tensor(_padded([s.block_table for s in rows.seqs], nblk), dtype=torch.int32, device=self.device),
+        return (padded([s.block_table for s in rows.seqs], 0, self.device, nblk, torch.int32),
                 torch.tensor([p + 1 for p in rows.pos], dtype=torch.int32, device=self.device))
 
     def _decode_reads(self, decode: list[Sequence], positions: torch.Tensor) -> tuple[int, torch.Tensor,
@@ -264,7 +261,7 @@ class ModelRunner:
         bs, lengths = self.block_size, [n for _, n, _ in chunks]
         starts = [s.num_computed for s, _, _ in chunks]
         nblk = max(-(-(p + n) // bs) for p, n in zip(starts, lengths))
-        tables = _padded([s.block_table for s, _, _ in chunks], nblk)
+        tables = padded([s.block_table for s, _, _ in chunks], 0, torch.device("cpu"), nblk, torch.int32)
         offsets = [off for _, _, off in chunks]
         starts_t, lengths_t = (torch.tensor(x, dtype=torch.int32) for x in (starts, lengths))
         kernel = self.model.paged_prefill
@@ -272,7 +269,7 @@ class ModelRunner:
         need = kernel.workspace(starts_t, lengths_t, self.model.kv_heads, self.model.head_dim, self.dtype)
         if self._prefill_work.numel() < need:
             self._prefill_work = torch.empty(need, dtype=torch.int32)
-        return PrefillChunks(torch.tensor(tables, dtype=torch.int32), starts_t, lengths_t,
+        return PrefillChunks(tables, starts_t, lengths_t,
                              torch.tensor(offsets, dtype=torch.int32), self._prefill_work)
 
     def _prefill_batch(self, chunks: list[tuple[Sequence, int]]) -> PrefillBatch:
@@ -294,14 +291,8 @@ class ModelRunner:
         as a contiguous [rows, KV, width, D]. And the [rows, 1, 1, width] mask of the row's own positions."""
         bs = self.block_size
         nblk = -(-width // bs)
-        table = torch.tensor(_padded(tables, nblk), dtype=torch.long)
-        table = table.to(self.device)
+        table = padded(tables, 0, torch.device("cpu"), nblk).to(self.device)
         idx = (table[:, :, None] * bs + self._block_offsets[None, None, :]).view(len(tables), -1)[:, :width]
         mask = torch.arange(width, device=self.device)[None, :] < lengths[:, None]
         idx = torch.where(mask, idx, 0)
         return (idx[:, None, :] + self._head_offsets).reshape(-1), mask.view(len(tables), 1, 1, width)
-
-
-def _padded(tables: list[list[int]], nblk: int) -> list[list[int]]:
-    """Block tables cut or padded to `nblk` blocks, the null block (0) past each one's end."""
-    return [t[:nblk] + [0] * (nblk - len(t[:nblk])) for t in tables]

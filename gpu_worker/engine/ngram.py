@@ -49,7 +49,7 @@ class NgramIndex:
         if most < 1:
             return []
         for n in range(min(c.prompt_lookup_max, length), c.prompt_lookup_min - 1, -1):
-            j = self.ends[n].get(tuple(tokens[length - n :]))
-            if j is not None:
-                return tokens[j : j + min(most, c.num_speculative_tokens)]
+            end = self.ends[n].get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tokens[end : end + min(most, c.num_speculative_tokens)]
         return []

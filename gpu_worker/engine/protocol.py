@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gpu_worker.engine.ngram import NgramConfig
-from gpu_worker.engine.sequence import Request
 from gpu_worker.engine.step import StepOutput
+from shared.jobs import FinishReason
+from shared.schemas import Request
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Engine(Protocol):
     def add_request(self, req: Request) -> None:
         """Queue a request; a request that cannot run ends in the next step's outputs."""
 
-    def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
+    def abort_request(self, req_id: str, reason: FinishReason = FinishReason.cancelled) -> bool:
         """End a request; its end appears in the next step's outputs. False if unknown."""
 
     def has_unfinished(self) -> bool: ...

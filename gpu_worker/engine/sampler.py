@@ -170,9 +170,13 @@ def _rank_keys(probs: torch.Tensor) -> torch.Tensor:
     return (probs.contiguous().view(torch.int32).long() << 32) | (0xFFFF_FFFF - ids)
 
 
-def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(x) for x in lists))
-    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+def padded(lists: list[list[int]], pad: int, device: torch.device, width: int | None = None,
+           dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """The lists as one [len(lists), width] tensor: each cut or padded with `pad` to `width` items (None: the
+    longest one's length, at least 1)."""
+    if width is None:
+        width = max(1, max(len(x) for x in lists))
+    return torch.tensor([x[:width] + [pad] * (width - len(x[:width])) for x in lists], dtype=dtype, device=device)
 
 
 def shape_logits(x: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
@@ -197,14 +201,14 @@ def shape_logits(x: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]
     rep = [j for j, s in enumerate(seqs) if s.req.repetition_penalty != 1.0]
     if rep:
         seen = torch.zeros(len(rep), vocab + 1, dtype=torch.bool, device=dev)
-        seen.scatter_(1, _padded([seqs[j].token_ids for j in rep], vocab, dev), True)
+        seen.scatter_(1, padded([seqs[j].token_ids for j in rep], vocab, dev), True)
         seen = seen[:, :vocab]
         penalty = torch.tensor([[seqs[j].req.repetition_penalty] for j in rep], dtype=x.dtype, device=dev)
         sub = x[rep]
         x[rep] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
     counted = [j for j, s in enumerate(seqs) if s.req.frequency_penalty or s.req.presence_penalty]
     if counted:
-        ids = _padded([seqs[j].token_ids[seqs[j].num_prompt:] for j in counted], vocab, dev)
+        ids = padded([seqs[j].token_ids[seqs[j].num_prompt:] for j in counted], vocab, dev)
         counts = torch.zeros(len(counted), vocab + 1, dtype=x.dtype, device=dev)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=x.dtype))
         counts = counts[:, :vocab]

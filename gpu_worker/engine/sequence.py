@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpu_worker.engine.logprobs import Logprobs
-from shared.schemas import Request
 
-__all__ = ["Request", "SeqStatus", "Sequence"]
+if TYPE_CHECKING:
+    from shared.schemas import Request
 
 
 class SeqStatus(Enum):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from gpu_worker.engine.logprobs import Logprobs
 from gpu_worker.engine.sequence import Sequence
+from shared.jobs import FinishReason
 
 
 @dataclass
@@ -42,7 +43,7 @@ class StepOutput:
     """One request's result of a step: the tokens it produced, and its end if it ended."""
     id: str
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # stop | length | cancelled | error
+    finish_reason: FinishReason | None = None
     error: str | None = None
     logprobs: Logprobs | None = None  # of token_ids, when the request asked
     prompt_ids: list[int] | None = None  # the prompt and its tokens' logprobs (from the second token on),

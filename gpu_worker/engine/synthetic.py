@@ -8,8 +8,9 @@ Selected with ENGINE=synthetic. Like the rest of the worker's lanes, it imports 
 
 from __future__ import annotations
 
-from gpu_worker.engine.sequence import Request
 from gpu_worker.engine.step import StepOutput
+from shared.jobs import FinishReason
+from shared.schemas import Request
 
 WORD_TOKEN = 2030  # " further" in the SmolLM2 vocabulary; any ordinary token works
 
@@ -27,12 +28,12 @@ class SyntheticEngine:
         self.remaining[req.id] = max(0, req.max_tokens - len(req.resume_ids))
         self.waiting.append(req.id)
 
-    def abort_request(self, req_id: str, reason: str = "cancelled") -> bool:
+    def abort_request(self, req_id: str, reason: FinishReason = FinishReason.cancelled) -> bool:
         if self.remaining.pop(req_id, None) is None:
             return False
         if req_id in self.waiting:
             self.waiting.remove(req_id)
-        self._pending.append(StepOutput(req_id, finish_reason=reason))
+        self._pending.append(StepOutput(req_id, finish_reason=FinishReason(reason)))
         return True
 
     def has_unfinished(self) -> bool:
@@ -63,7 +64,7 @@ class SyntheticEngine:
         for rid in running:
             left = self.remaining[rid] - 1
             done = left <= 0
-            outs.append(StepOutput(rid, [WORD_TOKEN], "length" if done else None))
+            outs.append(StepOutput(rid, [WORD_TOKEN], FinishReason.length if done else None))
             if done:
                 del self.remaining[rid]
             else:

@@ -1,6 +1,8 @@
 """The Lua scripts of the Redis protocol, one `.lua` file each beside this module (each opens with its
 KEYS, ARGV and reply), and how they are called. Their replies' types (codes and parsed fields) are in
-`shared.scripts.codes`; their keys and arguments are built, and the calls made, by shared/job_ops.py.
+`shared.scripts.codes`; each script's keys and arguments are built, and its calls made, by one function of
+the module of its noun: shared/job_ops.py (a job's), shared/fair_queue.py, shared/batch_ops.py and
+shared/file_ops.py. Every key a script touches is one of its KEYS (docs/redis-keys.md).
 
 A call sends EVALSHA; a NOSCRIPT answer (a Redis that restarted or flushed its script cache) loads
 every script and sends the call again. In a pipeline a call is queued as EVALSHA too, and `execute`
@@ -46,12 +48,12 @@ class Script:
 
     async def acall(self, client: aredis.Redis, keys: list[Any], args: list[Any]) -> Any:
         if isinstance(client, _CLUSTER):
-            return await client.eval(self.source, len(keys), *keys, *args)  # type: ignore[misc]
+            return await client.eval(self.source, len(keys), *keys, *args)
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             await aload(client)
-            return await client.evalsha(self.sha, len(keys), *keys, *args)  # type: ignore[misc]
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
 
     def queue(self, pipe: redis.client.Pipeline, keys: list[Any], args: list[Any]) -> Any:
         """Queue the call on `pipe`, to be run by `execute` (or a pipeline of a shared.redis_client client)."""
@@ -102,7 +104,7 @@ def execute(pipe: redis.client.Pipeline, raise_on_error: bool = True) -> list[An
     """Run `pipe`. Commands that answered NOSCRIPT ran nothing: once every script is loaded they run
     again, in their order, in one more round trip (a transaction's again as one transaction)."""
     if isinstance(pipe, _CLUSTER):  # its calls carry their source: nothing to replay
-        return pipe.execute(raise_on_error=raise_on_error)  # type: ignore[no-any-return]
+        return pipe.execute(raise_on_error=raise_on_error)
     stack = list(pipe.command_stack)
     results = redis.client.Pipeline.execute(pipe, raise_on_error=False)
     missing = [i for i, res in enumerate(results) if isinstance(res, NoScriptError)]

@@ -1,7 +1,8 @@
 """The scripts' replies, typed: per script the codes it returns (an `IntEnum` named after it) and, where its
 reply has structure, a dataclass whose `parse` turns the raw reply (a list of integers and strings, bytes
 from a client that does not decode) into named fields once. Each mirrors the `Returns` of its `.lua`
-header; the scripts' keys and arguments are built in shared/job_ops.py.
+header; the scripts' keys and arguments are built in shared/job_ops.py, shared/fair_queue.py,
+shared/batch_ops.py and shared/file_ops.py.
 
 count_after.lua and fair_push.lua return a plain count, and fair_pop.lua a stream read (shared/fair_queue.py
 parses it): none has a type here.
@@ -69,7 +70,8 @@ class SubmitReply:
     def parse(cls, raw: list[Any]) -> SubmitReply:
         code = SubmitCode(int(raw[0]))
         if code is SubmitCode.accepted:
-            return cls(code, *(_int(raw, i) for i in range(1, 9)))
+            return cls(code, _int(raw, 1), _int(raw, 2), _int(raw, 3), _int(raw, 4), _int(raw, 5), _int(raw, 6),
+                       _int(raw, 7), _int(raw, 8))
         if code is SubmitCode.replay:
             return cls(code, job_id=_text(raw[1]))
         if code is SubmitCode.over_rpm:
@@ -101,21 +103,22 @@ class StartCode(IntEnum):
 
 @dataclass(frozen=True)
 class StartReply:
-    """start.lua's {code, seq, created_at, tenant, weight}: the job's last event seq, when it was submitted
-    (unix s, 0 when unknown), and the fair-queue tenant its generated tokens are charged to ('' none) with
-    that tenant's weight."""
+    """start.lua's {code, seq, created_at, tenant, weight, owner}: the job's last event seq, when it was
+    submitted (unix s, 0 when unknown), the fair-queue tenant its generated tokens are charged to ('' none)
+    with that tenant's weight, and the record's owner ('' none: the owner a finish names, JobOps.finish)."""
 
     code: StartCode
     seq: int
     created_at: float
     tenant: str = ""
     weight: float = 1.0
+    owner: str = ""
 
     @classmethod
     def parse(cls, raw: list[Any]) -> StartReply:
-        code, seq, created, tenant, weight = raw
+        code, seq, created, tenant, weight, owner = raw
         return cls(StartCode(int(code)), int(seq), float(_text(created) or 0.0), _text(tenant),
-                   float(_text(weight) or 1.0))
+                   float(_text(weight) or 1.0), _text(owner))
 
 
 # finish.lua
@@ -128,6 +131,7 @@ class FinishCode(IntEnum):
     already_ended = 0  # the job had already ended (or was not in the required status)
     no_such_job = -1  # nothing written
     not_owner = -2  # the ending worker is not the one the job's record names: nothing written
+    owner_changed = -3  # the record names another owner than the one its keys were named for: nothing written
 
 
 @dataclass(frozen=True)

@@ -1,36 +1,50 @@
 -- finish: end an active job exactly once.
--- KEYS: 1 job hash, 2 event stream, 3 token ids, 4 dequeued counter, 5 text, 6 the ended stream
+-- KEYS: 1 job hash, 2 event stream, 3 token ids, 4 dequeued counter, 5 text, 6 the ended stream, 7-11 the
+--       partition's fair queue: backlogged tenants, payloads, waiting jobs, the same by submit time, each
+--       waiting job's place (fair_push.lua), 12-15 the owner's unfinished jobs, tenant hash, `tokens` and
+--       `batch_tokens` buckets (for a job without an owner, its own key stands in for each)
 -- ARGV: 1 status, 2 finish reason, 3 error, 4 now (unix s), 5 ttl (s), 6 the job's channel,
 --       7 required current status ('' any active one), 8 job id, 9 the ended stream's approximate cap,
---       10 the job's partition prefix, 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
+--       10 the owner KEYS 12-15 are named for ('' none), 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
 --       12 the ending worker ('' any: the API, a failure outside a worker's run): a worker ends only a job
 --       whose record names it (start.lua's `worker`), 13.. field/value pairs to set on the record
--- A job still waiting in the fair queue (shared/fair_queue.py) leaves it. Sets the terminal state, appends `done` to the event stream and publishes it, starts the retention
--- clock of the job's keys and appends the job to the ended stream (the after-job work). A tenant's job
--- leaves its unfinished count and gives back the tokens it reserved and did not use (to the bucket it
--- reserved from: `tokens`, or `batch_tokens` for a batch line, whose record says budget=batch); the tenant's keys
--- are named from the partition prefix (a tenant's jobs live in its partition) as shared/names.py names them (tenant_active_key, tenant_bucket_key, tenant_key).
+-- A job still waiting in the fair queue (shared/fair_queue.py) leaves it. Sets the terminal state, appends
+-- `done` to the event stream and publishes it, starts the retention clock of the job's keys and appends the
+-- job to the ended stream (the after-job work). A tenant's job leaves its unfinished count and gives back the
+-- tokens it reserved and did not use (to the bucket it reserved from: `tokens`, or `batch_tokens` for a batch
+-- line, whose record says budget=batch). The owner's keys come from the caller, who reads the record's owner
+-- first (or knows it): a record that names another owner has nothing written, and the caller reads it again.
 -- A job that does not exist, or is another worker's, has nothing written.
 -- Returns the done event's seq; 0 if the job had already ended (or was not in the required status);
---   -1 if it does not exist; -2 if the ending worker is not the job's.
+--   -1 if it does not exist; -2 if the ending worker is not the job's; -3 if the record's owner is not the
+--   one the keys were named for (nothing written: name them again).
 local job, events, ids, dequeued, text, ended = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local status, reason, err, now, ttl, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
-local required, job_id, ended_cap, prefix, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+local backlog, payloads, queue, ages, places = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local active, tenant_key, tokens_bucket, batch_bucket = KEYS[12], KEYS[13], KEYS[14], KEYS[15]
+local required, job_id, ended_cap, named_owner, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local worker = ARGV[12]
-local rec = redis.call('HMGET', job, 'status', 'worker')
+local rec = redis.call('HMGET', job, 'status', 'worker', 'owner')
 local st = rec[1]
 if not st then return -1 end
 -- before the status: a worker cut off while another took its job over hears so even once that one ended it
 if worker ~= '' and (rec[2] or '') ~= worker then return -2 end
 if st ~= 'queued' and st ~= 'running' then return 0 end
 if required ~= '' and st ~= required then return 0 end
+local owner = rec[3] or ''
+if owner ~= named_owner then return -3 end
 if st == 'queued' then
   redis.call('INCR', dequeued)
-  if redis.call('HDEL', prefix .. ':fair:payload', job_id) == 1 then -- waiting in the fair queue: leave it
-    local tenant = redis.call('HGET', job, 'fair_queued')
-    redis.call('ZREM', prefix .. ':fair:q:' .. tenant, job_id)
-    redis.call('ZREM', prefix .. ':fair:age:' .. tenant, job_id)
-    if redis.call('ZCARD', prefix .. ':fair:q:' .. tenant) == 0 then redis.call('ZREM', prefix .. ':fair:tenants', tenant) end
+  if redis.call('HDEL', payloads, job_id) == 1 then -- waiting in the fair queue: leave it
+    local tenant = redis.call('HGET', job, 'fair_queued') or ''
+    local _, _, order, created = string.find(redis.call('HGET', places, job_id) or '', '^(%x+):(%d+):')
+    redis.call('HDEL', places, job_id)
+    if order then
+      redis.call('ZREM', queue, tenant .. ':' .. order .. ':' .. job_id)
+      redis.call('ZREM', ages, tenant .. ':' .. created .. ':' .. job_id)
+    end
+    local left = redis.call('ZRANGEBYLEX', queue, '[' .. tenant .. ':', '(' .. tenant .. ';', 'LIMIT', 0, 1)
+    if not left[1] then redis.call('ZREM', backlog, tenant) end
   end
 end
 redis.call('HSET', job, 'status', status, 'finish_reason', reason, 'error', err, 'finished_at', now)
@@ -43,15 +57,13 @@ redis.call('EXPIRE', ids, ttl)
 redis.call('EXPIRE', text, ttl)
 redis.call(publish, channel, cjson.encode({seq = seq, type = 'done'}))
 redis.call('XADD', ended, 'MAXLEN', '~', ended_cap, '*', 'job_id', job_id)
-local owner = redis.call('HGET', job, 'owner')
-if owner and owner ~= '' then
-  redis.call('DECR', prefix .. ':active:' .. owner)
+if owner ~= '' then
+  redis.call('DECR', active)
   local rec = redis.call('HMGET', job, 'reserved_tokens', 'prompt_tokens', 'completion_tokens', 'budget')
   local refund = (tonumber(rec[1]) or 0) - (tonumber(rec[2]) or 0) - (tonumber(rec[3]) or 0)
-  local cap, kind = 'tpm', 'tokens'
-  if rec[4] == 'batch' then cap, kind = 'batch_tpm', 'batch_tokens' end -- a batch line's own bucket (submit.lua)
-  local tpm = tonumber(redis.call('HGET', prefix .. ':tenant:' .. owner, cap) or '0') or 0
-  local bucket = prefix .. ':bucket:' .. owner .. ':' .. kind
+  local cap, bucket = 'tpm', tokens_bucket
+  if rec[4] == 'batch' then cap, bucket = 'batch_tpm', batch_bucket end -- a batch line's own bucket (submit.lua)
+  local tpm = tonumber(redis.call('HGET', tenant_key, cap) or '0') or 0
   local left = tonumber(redis.call('HGET', bucket, 't') or '')
   if refund > 0 and tpm > 0 and left then redis.call('HSET', bucket, 't', math.min(tpm, left + refund)) end
 end

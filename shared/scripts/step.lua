@@ -1,9 +1,9 @@
 -- step: one engine step's output for many jobs in one call (the output lane's per-step write).
--- KEYS, 5 per job: job hash, event stream, token ids, text, logprob entries
--- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), 4 the jobs'
---   partition's key prefix (one call per partition), 5 how many tenants are charged, then 3 per tenant:
---   its fair-queue name, the charge on its virtual counter, the tokens served to it; then 12 per job, in
---   the order of its keys:
+-- KEYS: 1-3 the jobs' partition's fair-queue virtual counters (hash), backlogged tenants (zset) and tokens
+--   served (hash) (one call per partition), then 5 per job: job hash, event stream, token ids, text, logprob entries
+-- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), 4 how many tenants
+--   are charged, then 3 per tenant: its fair-queue name, the charge on its virtual counter, the tokens served to
+--   it; then 12 per job, in the order of its keys:
 --   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys) and
 --             FIRST_TOKEN (2: the job's first token: set first_token_at); shared/job_ops.py names them
 --   ids_at    byte offset of `ids` in the token ids
@@ -29,10 +29,11 @@
 -- tenants' counters in the fair queue when some job of the call was written.
 -- Returns a code per job, in the order of the call's jobs: 1 written, 2 a replay, 0 not running (ended),
 --   -1 no such job, -2 not this worker's (another's, or none's: queued again after a failover lost its start).
-local ttl, now, publish, prefix, n_charged = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local vtc, backlog, served = KEYS[1], KEYS[2], KEYS[3]
+local ttl, now, publish, n_charged = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
 local codes, written = {}, false
-local a = 6 + 3 * n_charged
-for k = 1, #KEYS, 5 do
+local a = 5 + 3 * n_charged
+for k = 4, #KEYS, 5 do
   local job, events, ids_key, text_key, lp_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
   local flags, ids_at, ids, text_at, chunk, seq, message, n_tokens, channel, lp_at, lp, worker = unpack(ARGV, a, a + 11)
   flags = tonumber(flags)
@@ -81,11 +82,11 @@ for k = 1, #KEYS, 5 do
   a = a + 12
 end
 if written then
-  for c = 6, 5 + 3 * n_charged, 3 do
+  for c = 5, 4 + 3 * n_charged, 3 do
     local tenant, cost, tokens = ARGV[c], ARGV[c + 1], ARGV[c + 2]
-    redis.call('HINCRBYFLOAT', prefix .. ':fair:vtc', tenant, cost)
-    redis.call('ZADD', prefix .. ':fair:tenants', 'XX', 'INCR', cost, tenant)
-    redis.call('HINCRBY', prefix .. ':fair:served', tenant, tokens)
+    redis.call('HINCRBYFLOAT', vtc, tenant, cost)
+    redis.call('ZADD', backlog, 'XX', 'INCR', cost, tenant)
+    redis.call('HINCRBY', served, tenant, tokens)
   end
 end
 return codes

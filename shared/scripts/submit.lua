@@ -10,6 +10,11 @@
 --       12 budget: 'interactive' (rpm and tpm) or 'batch' (no rpm; tokens from KEYS[7] at the tenant's
 --       batch_tpm, a line costlier than a whole minute's waits for a full bucket; recorded as the job's
 --       `budget`, so finish.lua refunds to that bucket), 13.. record field/value pairs
+-- One key is not in KEYS: the job an idempotency key names (KEYS[9]'s value), checked for existence, so that a
+-- key outliving its job admits the request anew. Its id is known only from that value: naming it up front
+-- would cost every keyed submit a read first (one more round trip), and making ids follow from keys would
+-- change which job a key outliving its job names. It is in the job's partition, so in KEYS[1]'s slot:
+-- shared/names.py's idempotency_key and new_job_partition place both by the same owner and key.
 -- Returns {1, ordinal, dequeued, rpm, requests left, requests reset ms, tpm, tokens left, tokens reset ms};
 --   {2, job id} an idempotent replay, or this very call sent again; {-1} unknown or disabled tenant;
 --   {-2, retry ms, rpm, reset ms} over

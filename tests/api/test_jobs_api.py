@@ -1,5 +1,6 @@
 """The job path end to end: real Redis, real workers; the real default model where the answer matters
-(`real`), the tiny model of the same architecture for the rest (`client`)."""
+(`real`), the tiny model of the same architecture for the rest (`client`); what the door refuses, in process
+(`app_client`: no workers)."""
 
 from __future__ import annotations
 
@@ -164,19 +165,19 @@ def test_webhook_gets_the_job_when_it_ends(client: httpx.Client) -> None:
     ({"prompt": "x", "webhook_url": "ftp://example.com/hook"}, 422),
     ({"prompt": "x", "webhook_url": "not a url"}, 422),
 ])
-def test_bad_input(client: httpx.Client, body: dict, status: int) -> None:  # type: ignore[type-arg]
-    r = client.post("/v1/jobs", json=body)
+async def test_bad_input(app_client: httpx.AsyncClient, body: dict, status: int) -> None:  # type: ignore[type-arg]
+    r = await app_client.post("/v1/jobs", json=body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["type"] and err["message"]
 
 
-def test_malformed_json_and_unknown_id(client: httpx.Client) -> None:
-    r = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+async def test_malformed_json_and_unknown_id(app_client: httpx.AsyncClient) -> None:
+    r = await app_client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
-    r = client.get("/v1/jobs/job_doesnotexist")
+    r = await app_client.get("/v1/jobs/job_doesnotexist")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    assert client.get("/v1/jobs/job_doesnotexist/events").status_code == 404
+    assert (await app_client.get("/v1/jobs/job_doesnotexist/events")).status_code == 404
 
 
 def test_prompt_longer_than_context_fails_clearly(client: httpx.Client) -> None:

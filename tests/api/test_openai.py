@@ -21,6 +21,12 @@ def oai(stack) -> openai.OpenAI:  # type: ignore[no-untyped-def]
     return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture
+def door(app_client: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    """The client against the API in process (no workers): for what the door refuses."""
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0, http_client=app_client)
+
+
 def test_models(oai: openai.OpenAI) -> None:
     assert [m.id for m in oai.models.list().data] == [MODEL]
 
@@ -66,17 +72,17 @@ def test_max_completion_tokens_and_length(oai: openai.OpenAI) -> None:
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
     {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "[0-9]+"}},
     {"top_logprobs": 3}])
-def test_unsupported_options_are_refused(oai: openai.OpenAI, extra: dict) -> None:  # type: ignore[type-arg]
+async def test_unsupported_options_are_refused(door: openai.AsyncOpenAI, extra: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, **extra)
+        await door.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, **extra)
     assert err.value.status_code == 400
 
 
-def test_unknown_model_and_bad_body(oai: openai.OpenAI) -> None:
+async def test_unknown_model_and_bad_body(door: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
-        oai.chat.completions.create(model="gpt-9", messages=MSG, max_tokens=3)
+        await door.chat.completions.create(model="gpt-9", messages=MSG, max_tokens=3)
     with pytest.raises(openai.UnprocessableEntityError):
-        oai.chat.completions.create(model=MODEL, messages=[], max_tokens=3)
+        await door.chat.completions.create(model=MODEL, messages=[], max_tokens=3)
 
 
 def test_async_client(stack) -> None:  # type: ignore[no-untyped-def]

@@ -1,11 +1,8 @@
 """Every benchmark's `--quick` run ends well: a benchmark that drifts from the code it measures fails here.
 Speed is never asserted; only that each script runs through and reports what it measures.
 
-The runs that start what they need (their own stack, Redis, guidellm, a GPU check's phases) are processes of
-their own; the others need torch and nothing else for a few seconds, and run one after another in one more
-(bench.quick: one import of torch for all of them, instead of ~2 s of CPU each). They start with the session and
-run beside the other tests (tests/background.py: one at a time then, four at a time when only these are
-selected); these tests run last and each checks its own run's output."""
+Each test runs its benchmark's command, a process of its own, and checks what it wrote. Those that need torch and
+nothing else for a few seconds run through bench.quick (the runner that can take several in one process)."""
 
 from __future__ import annotations
 
@@ -13,88 +10,78 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from tests.background import Background, background_run
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.background
 # (their OpenMP threads sleep while they wait, as the suite's every process: tests/conftest.py) inductor compiles in
 # this process rather than first starting a pool of compile workers (~1 s of CPU)
 ENV = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1")}
 
 
 class QuickRuns:
-    """Each benchmark's `--quick` command, started in the background; `out(name)` waits for one."""
+    """Each benchmark's `--quick` command; `out(name)` runs one and answers its output."""
 
-    def __init__(self, tiny: str, tmp: Path, background: Background) -> None:
+    def __init__(self, tiny: str, tmp: Path) -> None:
         self.tmp = tmp
-        py = [sys.executable, "-m"]
-        # torch only and seconds each: run by bench.quick one after another in one process, in this order
-        # (compile_layers last: it sets inductor's configuration for the whole process)
+        self.py = py = [sys.executable, "-m"]
+        # torch only and seconds each: run by bench.quick
         self.groups: dict[str, dict[str, list[str]]] = {
             "torch": {
-                "engine": ["bench.engine", "--quick", "--model", tiny, "--json", str(tmp / "engine.json")],
-                "engine_step_time": ["bench.engine", "--quick", "--model", tiny, "--step-time", "1,4",
+                "engine": ["engine", "generate", "--quick", "--model", tiny, "--json", str(tmp / "engine.json")],
+                "engine_step_time": ["engine", "step", "--quick", "--model", tiny, "--batches", "1,4",
                                      "--kernels", "on,off", "--after-idle", "0.1", "--dtypes", "float32"],
-                "offline_batch": ["bench.vllm_offline", "--quick", "--model", tiny, "--system-words", "60",
+                "offline_batch": ["vllm", "offline", "--quick", "--model", tiny, "--system-words", "60",
                                   "--prefix-caching"],
-                "kv_cache": ["bench.kv_cache", "--quick", "--model", tiny],
-                "attention": ["bench.attention", "--quick"],
-                "gemm_shapes": ["bench.gemm_shapes", "--quick"],
-                "sampler": ["bench.sampler", "--quick"],
-                "invariance": ["bench.invariance", "--quick"],
-                "tokenizer": ["bench.tokenizer", "--quick"],
-                "per_token": ["bench.per_token", "--quick", "--model", tiny],
-                "speculative": ["bench.speculative", "--quick", "--model", tiny],
-                "compile_layers": ["bench.compile_layers", "--quick", "--model", tiny],
+                "kv_cache": ["engine", "kv-cache", "--quick", "--model", tiny],
+                "attention": ["engine", "attention", "--quick"],
+                "gemm_shapes": ["engine", "gemm", "--quick"],
+                "sampler": ["engine", "sampler", "--quick"],
+                "invariance": ["engine", "invariance", "--quick"],
+                "tokenizer": ["serve", "tokenizer", "--quick"],
+                "per_token": ["engine", "per-token", "--quick", "--model", tiny],
+                "speculative": ["engine", "speculative", "--quick", "--model", tiny],
+                "compile_layers": ["engine", "compile", "--quick", "--model", tiny],
             },
         }
-        runs = {  # the longest first, so the lanes end together
-            **{group: py + ["bench.quick", str(tmp / group), json.dumps(spec)] for group, spec in self.groups.items()},
-            "cpu_per_token": py + ["bench.cpu_per_token", "--quick", "--model", tiny, "--json", str(tmp / "cpt.json")],
-            "serve": py + ["bench.serve", "--quick", "--model", tiny, "--json", str(tmp / "serve.json")],
-            "chaos": py + ["bench.chaos", "--quick", "--workdir", str(tmp / "chaos")],
+        self.runs = {
+            "cpu_per_token": py + ["bench", "vllm", "serving", "--quick", "--model", tiny, "--json",
+                                   str(tmp / "cpt.json")],
+            "serve": py + ["bench", "serve", "load", "--quick", "--model", tiny, "--json", str(tmp / "serve.json")],
+            "chaos": py + ["bench", "faults", "chaos", "--quick", "--workdir", str(tmp / "chaos")],
             "gpu_check": ["bash", "bench/gpu_check.sh", "--smoke"],
-            "plumbing": py + ["bench.plumbing", "--quick", "--json", str(tmp / "plumbing.json")],
-            "soak": py + ["bench.soak", "--quick", "--workdir", str(tmp / "soak"), "--csv", str(tmp / "soak.csv")],
-            "redis_ops": py + ["bench.redis_ops", "--quick"],
-            "cold_start": py + ["bench.cold_start", "--quick", "--model", tiny],
-            "batch": py + ["bench.batch", "--quick", "--model", tiny],
-            "fairness": py + ["bench.fairness", "--quick", "--model", tiny, "--modes", "fair", "--json",
+            "plumbing": py + ["bench", "serve", "plumbing", "--quick", "--json", str(tmp / "plumbing.json")],
+            "soak": py + ["bench", "soak", "--quick", "--workdir", str(tmp / "soak"), "--csv", str(tmp / "soak.csv")],
+            "redis_ops": py + ["bench", "serve", "redis", "--quick"],
+            "cold_start": py + ["bench", "cold-start", "--quick", "--model", tiny],
+            "batch": py + ["bench", "batch", "--quick", "--model", tiny],
+            "fairness": py + ["bench", "fairness", "--quick", "--model", tiny, "--modes", "fair", "--json",
                               str(tmp / "fairness.json")],
         }
-        self.futures: dict[str, Future[subprocess.CompletedProcess[str]]] = {
-            name: background.submit(subprocess.run, argv, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                                    timeout=600)
-            for name, argv in runs.items()}
 
     def out(self, name: str) -> str:
         group = next((g for g, names in self.groups.items() if name in names), None)
         if group is not None:
-            proc = self.futures[group].result()
-            rc = self.tmp / group / f"{name}.rc"
+            proc = run(self.py + ["bench.quick", str(self.tmp / name), json.dumps({name: self.groups[group][name]})])
+            rc = self.tmp / name / f"{name}.rc"
             assert rc.exists(), f"{name}: not run (bench.quick: exit {proc.returncode})\n{proc.stderr[-4000:]}"
             code, _, why = rc.read_text().partition("\n")
             assert code == "0", f"{name}: exit {code}\n{why}\n{proc.stderr[-4000:]}"
-            return (self.tmp / group / f"{name}.out").read_text()
-        proc = self.futures[name].result()
+            return (self.tmp / name / f"{name}.out").read_text()
+        proc = run(self.runs[name])
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         return proc.stdout
 
 
-@background_run("bench_quick")
-def start(request: pytest.FixtureRequest, background: Background) -> QuickRuns:
-    return QuickRuns(request.getfixturevalue("tiny_model_dir"),
-                     request.getfixturevalue("tmp_path_factory").mktemp("bench-quick"), background)
+def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture
-def runs(background: Background) -> QuickRuns:
-    return background.handle("bench_quick")  # type: ignore[no-any-return]
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> QuickRuns:
+    return QuickRuns(tiny_model_dir, tmp_path_factory.mktemp("bench-quick"))
 
 
 def test_engine_contenders(runs: QuickRuns) -> None:

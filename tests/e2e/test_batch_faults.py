@@ -1,6 +1,6 @@
 """A batch survives kill -9 of the API process driving it and of the inference worker running its lines: the
 supervisor restarts them, a driver takes the batch's lease over, and every line's result is recorded exactly
-once. The stack is its own: both runs go on beside the other tests (tests/background.py)."""
+once. The stack is its own: both runs go on in turn, in one worker (the module's group)."""
 
 from __future__ import annotations
 
@@ -8,44 +8,32 @@ import io
 import json
 import os
 import signal
-from concurrent.futures import Future
-from functools import partial
-from pathlib import Path
+from collections.abc import Iterator
 
 import openai
 import pytest
 
-from tests.background import Background, background_run, in_turn
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.helpers import until
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("batch_stack")]  # its tests share the module's `bstack`
 LINES = 40
 VICTIMS = ("api", "inference")
 
 
-def kill_9_runs(tmp: Path, redis_url: str, tiny_model_dir: str) -> dict[str, Exception | None]:
-    """On a stack of its own (db 12 of the session's Redis), a batch through a kill -9 of each victim in turn."""
+@pytest.fixture(scope="module")
+def bstack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model_dir: str) -> Iterator[Stack]:
+    """The stack a batch runs on through a kill -9 of each victim in turn (db 12 of the session's Redis)."""
     url = redis_url.rsplit("/", 1)[0] + "/12"
-    bstack = start_stack(tmp, url, tiny_model_dir, extra={"CLAIM_IDLE_MS": "2000"})
+    s = start_stack(tmp_path_factory.mktemp("batch-stack"), url, tiny_model_dir, extra={"CLAIM_IDLE_MS": "2000"})
     try:
-        return in_turn({victim: partial(batch_through_kill_9, bstack, victim) for victim in VICTIMS})
+        yield s
     finally:
-        stop_stack(bstack)
-
-
-@background_run("batch_faults")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[dict[str, Exception | None]]:
-    return background.submit(kill_9_runs, request.getfixturevalue("tmp_path_factory").mktemp("batch-stack"),
-                             request.getfixturevalue("redis_server").url, request.getfixturevalue("tiny_model_dir"))
+        stop_stack(s)
 
 
 @pytest.mark.parametrize("victim", VICTIMS)
-def test_a_batch_completes_through_a_kill_9(background: Background, victim: str) -> None:
-    background.outcome("batch_faults", victim)
-
-
-def batch_through_kill_9(bstack: Stack, victim: str) -> None:
+def test_a_batch_completes_through_a_kill_9(bstack: Stack, victim: str) -> None:
     oai = openai.OpenAI(base_url=bstack.url + "/v1", api_key="unused", max_retries=5)
     model = oai.models.list().data[0].id
     lines = [{"custom_id": f"{victim}-{i}", "method": "POST", "url": "/v1/completions",

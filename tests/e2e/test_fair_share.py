@@ -1,7 +1,7 @@
 """Fair share end to end: the whole stack with keys required and the tiny model behind an engine of 32
 slots, so that a backlog forms. One tenant's flood does not become another tenant's wait; a tenant
 revoked with jobs queued loses none of them; priority orders a tenant's own jobs. The stack is the module's
-own: its checks run in turn beside the other tests (tests/background.py).
+own: its checks run in turn, in one worker (the module's group).
 
 (bench/fairness.py measures the same flood with the default model, FIFO against fair, and reports
 the light tenant's TTFT alone and under the flood.)"""
@@ -10,49 +10,34 @@ from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
-from pathlib import Path
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import redis
 
-from shared import names, tenants
-from tests.background import Background, background_run, in_turn
+from shared import fair_queue, names, tenants
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.helpers import until, wait
 
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.xdist_group("fair_stack")  # its tests share the module's `fair_stack`
 SLOTS = 8
 
 
-def on_fair_stack(tmp: Path, redis_url: str, tiny_model_dir: str) -> dict[str, Exception | None]:
+@pytest.fixture(scope="module")
+def fair_stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str, tiny_model_dir: str) -> Iterator[Stack]:
+    """Keys required, an engine of SLOTS slots (db 3 of the session's Redis)."""
     url = redis_url.rsplit("/", 1)[0] + "/3"
     redis.Redis.from_url(url).flushdb()
-    s = start_stack(tmp, url, tiny_model_dir,
+    s = start_stack(tmp_path_factory.mktemp("fair-stack"), url, tiny_model_dir,
                     # the flood is the point: no admission cap from the estimated wait (MAX_QUEUE_WAIT_S), which
                     # a slow machine's first measured rate can put under 200 jobs
                     extra={"AUTH": "required", "MAX_NUM_SEQS": str(SLOTS), "MAX_QUEUE_WAIT_S": "86400"})
     try:
-        return in_turn({check.__name__: partial(check, s) for check in (
-            a_light_tenant_is_not_held_behind_a_heavy_backlog, priority_zero_starts_before_a_backlog_of_priority_one)})
+        yield s
     finally:
         stop_stack(s)
-
-
-@background_run("fair_share")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[dict[str, Exception | None]]:
-    return background.submit(on_fair_stack, request.getfixturevalue("tmp_path_factory").mktemp("fair-stack"),
-                             request.getfixturevalue("redis_server").url, request.getfixturevalue("tiny_model_dir"))
-
-
-def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(background: Background) -> None:
-    background.outcome("fair_share", "a_light_tenant_is_not_held_behind_a_heavy_backlog")
-
-
-def test_priority_zero_starts_before_a_backlog_of_priority_one(background: Background) -> None:
-    background.outcome("fair_share", "priority_zero_starts_before_a_backlog_of_priority_one")
 
 
 def _client(stack: Stack, key: str) -> httpx.Client:
@@ -65,7 +50,7 @@ def _submit(c: httpx.Client, **body: object) -> str:
     return str(r.json()["id"])
 
 
-def a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None:
+def test_a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None:
     """200 jobs x 64 tokens from a heavy tenant at once; then a light tenant's 10 jobs x 8 tokens, one every
     half second (all while the backlog drains: ~6.6 s alone on 2 cores). The light tenant's median completion
     time is under a quarter of the heavy backlog's drain time (first in, first out, its first jobs would wait for
@@ -109,18 +94,18 @@ def a_light_tenant_is_not_held_behind_a_heavy_backlog(fair_stack: Stack) -> None
     assert statistics.median(waits) < heavy_run, (waits, heavy_run)
 
 
-def priority_zero_starts_before_a_backlog_of_priority_one(fair_stack: Stack) -> None:
+def test_priority_zero_starts_before_a_backlog_of_priority_one(fair_stack: Stack) -> None:
     """A tenant's priority-0 job submitted behind 100 of its priority-1 jobs starts before every one of them
     (the inference worker is paused while they queue, so all 101 wait in the fair queue together)."""
     r = fair_stack.redis()
     key, _ = tenants.create(r, "prio", rpm=0, tpm=0, max_queued=0)
-    queue = names.fair_queue_key(names.tenant_partition("prio"), "prio")
     with _client(fair_stack, key) as c:
         fair_stack.pause("inference")
         try:
             backlog = [_submit(c, prompt=f"Say {i}.", max_tokens=4, priority=1) for i in range(100)]
             urgent = _submit(c, prompt="Say now.", max_tokens=4, priority=0)
-            until("all 101 tokenized into the fair queue", lambda: r.zcard(queue) == 101, timeout=30)
+            waiting = lambda: len(fair_queue.waiting_jobs(r, names.tenant_partition("prio"), "prio"))  # noqa: E731
+            until("all 101 tokenized into the fair queue", lambda: waiting() == 101, timeout=30)
         finally:
             fair_stack.resume("inference")
         first = wait(c, urgent)

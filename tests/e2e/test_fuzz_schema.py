@@ -1,8 +1,7 @@
 """Schemathesis against the running stack's own OpenAPI schema: every operation, positive and
 negative inputs, and stateful sequences that follow the schema's links (submit, then poll, stream
 and cancel the job it made). No answer may be a 5xx, and every answer must match its declared
-schema. The stack runs a tiny model so the generated jobs end quickly; the run goes on beside the other tests
-(tests/background.py) and this test checks what it found."""
+schema. The stack runs a tiny model so the generated jobs end quickly."""
 
 from __future__ import annotations
 
@@ -10,15 +9,13 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from tests.background import Background, background_run
 from tests.conftest import ROOT, start_stack, stop_stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 
 
 def fuzz(tmp: Path, redis_url: str, tiny_model_dir: str, seed: str) -> subprocess.CompletedProcess[str]:
@@ -42,15 +39,9 @@ def fuzz(tmp: Path, redis_url: str, tiny_model_dir: str, seed: str) -> subproces
         stop_stack(stack)
 
 
-@background_run("fuzz_schema")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[subprocess.CompletedProcess[str]]:
-    return background.submit(fuzz, request.getfixturevalue("tmp_path_factory").mktemp("fuzz"),
-                             request.getfixturevalue("redis_server").url,
-                             request.getfixturevalue("tiny_model_dir"), os.environ.get("FUZZ_SEED", "1"))
-
-
-def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(background: Background) -> None:
-    proc = background.handle("fuzz_schema").result()
+def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(tmp_path: Path, redis_url: str,
+                                                                   tiny_model_dir: str) -> None:
+    proc = fuzz(tmp_path, redis_url, tiny_model_dir, os.environ.get("FUZZ_SEED", "1"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     tried = re.search(r"(\d+) generated", out)

@@ -2,8 +2,8 @@
 by lm-eval's own `hf` model in-process, then by its `local-completions` model against the stack's
 /v1/completions (token-id prompts, batched, `echo: true`, `logprobs: 1`, `max_tokens: 1`). Both run the
 default model in float32 (the test stack's DTYPE), so per-token logprobs agree to ~1e-4 and every pick,
-hence acc and acc_norm, must be the same. The reference run needs nothing the suite starts: it goes on in a
-process of its own beside the other tests (tests/background.py)."""
+hence acc and acc_norm, must be the same. The reference run goes on in a process of its own, once, in the worker
+that runs the shared stack's tests (the module joins their group)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,8 @@ import httpx
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
-pytestmark = pytest.mark.background
+pytestmark = pytest.mark.xdist_group("stack")  # `hf_run` once, beside the stack its other test uses
 
-from tests.background import Background, background_run  # noqa: E402
 from tests.conftest import ROOT, Stack  # noqa: E402
 
 TASK = "conveyor_tinymc"
@@ -53,18 +51,12 @@ def hf_reference(model_path: str) -> dict[str, Any]:
                         for d, s in out["samples"].items()}}
 
 
-@background_run("lm_eval_hf")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[subprocess.CompletedProcess[str]]:
+@pytest.fixture(scope="module")
+def hf_run(model_path: str) -> dict[str, Any]:
     code = ("import json, sys; from tests.e2e.test_lm_eval import hf_reference; "
             "print(json.dumps(hf_reference(sys.argv[1])))")
-    return background.submit(subprocess.run, [sys.executable, "-c", code, request.getfixturevalue("model_path")],
-                             cwd=ROOT, capture_output=True,
-                             text=True, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def hf_run(background: Background) -> dict[str, Any]:
-    proc = background.handle("lm_eval_hf").result()
+    proc = subprocess.run([sys.executable, "-c", code, model_path], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["samples"] = {int(d): s for d, s in out["samples"].items()}

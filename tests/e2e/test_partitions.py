@@ -15,22 +15,20 @@ cut off from Redis by a dropped link, not killed, so its connections hang rather
   lost after the heal, and the minority side's writes are refused once they can no longer be copied
   (min-replicas-to-write 1, min-replicas-max-lag 1 s, cluster-node-timeout 2 s). Needs Debian's redis-server 7.
 
-Each scenario starts a stack and a Redis of its own, so each runs beside the other tests (tests/background.py)
-and its test waits for its run's end. Skipped where namespaces cannot be made (not root, no `ip`, a kernel that
-refuses them). `.venv/bin/python -m bench.partitions` repeats them (20 runs each by default)."""
+Each scenario starts a stack and a Redis of its own. Skipped where namespaces cannot be made (not root, no `ip`,
+a kernel that refuses them). `.venv/bin/python -m bench faults partitions` repeats them (20 runs each by default)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
 from harness import netns, partitions
 from infra.redis_cluster import cluster_binary
-from tests.background import Background, background_run
 from tests.conftest import TEST_ENV
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 SCENARIOS = ("api", "inference", "inference-overlap", "tokenizer", "cluster")
 
 
@@ -46,22 +44,12 @@ def why_not(scenario: str) -> str | None:
     return None
 
 
-@background_run("partitions")
-def start(request: pytest.FixtureRequest, background: Background) -> dict[str, Future[partitions.Outcome]]:
-    runnable = [name for name in SCENARIOS if not why_not(name)]
-    if not runnable:
-        return {}
-    tmp, tiny = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("tiny_model_dir")
-    return {name: background.submit(partitions.SCENARIOS[name], tmp.mktemp(f"partition-{name}"), tiny, TEST_ENV)
-            for name in runnable}
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_a_partition_loses_nothing_and_duplicates_nothing(background: Background, scenario: str) -> None:
+def test_a_partition_loses_nothing_and_duplicates_nothing(tmp_path: Path, tiny_model_dir: str, scenario: str) -> None:
     reason = why_not(scenario)
     if reason:
         pytest.skip(reason)
-    outcome = background.handle("partitions")[scenario].result()
+    outcome = partitions.SCENARIOS[scenario](tmp_path, tiny_model_dir, TEST_ENV)
     assert outcome.accepted > 0, outcome
     assert outcome.passed, "\n".join([*outcome.problems, f"notes: {outcome.notes}"])
     assert outcome.lost == 0 and outcome.duplicated == 0, outcome

@@ -3,8 +3,7 @@ its append-only file, fsynced before every reply), or of the master of a local R
 holds the queue (its replica takes over; what was answered 202 had reached it). Every process
 reconnects by itself, and every job that was answered 202 ends succeeded with the text of a clean
 run and an event stream that joins to it without a gap or a repeat; a client that follows a job's
-live stream through the outage, resuming with Last-Event-ID, gets it whole. Each stack is its own, so both
-runs go on beside the other tests (tests/background.py) and the test waits for its run's end."""
+live stream through the outage, resuming with Last-Event-ID, gets it whole. Each stack is its own."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +20,10 @@ import psutil
 import pytest
 
 from shared import names
-from tests.background import Background, background_run
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.helpers import read_events, tokens_text, until, wait
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]
+pytestmark = pytest.mark.slow
 KINDS = ("single", "cluster")
 
 JOBS = 30
@@ -118,12 +115,6 @@ def kill_9_on(own_stack: Stack) -> None:
             assert tokens_text(events) == final["text"]
 
 
-@background_run("redis_crash")
-def start(request: pytest.FixtureRequest, background: Background) -> dict[str, Future[None]]:
-    tmp, tiny = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("tiny_model_dir")
-    return {kind: background.submit(kill_9_of_redis, tmp.mktemp(f"crash-{kind}"), tiny, kind) for kind in KINDS}
-
-
 @pytest.mark.parametrize("kind", KINDS)
-def test_kill_9_of_redis_loses_no_accepted_job(background: Background, kind: str) -> None:
-    background.handle("redis_crash")[kind].result()
+def test_kill_9_of_redis_loses_no_accepted_job(tmp_path: Path, tiny_model_dir: str, kind: str) -> None:
+    kill_9_of_redis(tmp_path, tiny_model_dir, kind)

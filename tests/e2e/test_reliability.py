@@ -1,7 +1,7 @@
 """Nothing lost: a killed worker's job resumes elsewhere, poison entries are dead-lettered,
 SIGTERM drains, Redis restarts are survived. Inference workers here are started by the tests
 themselves (a tiny model), so they can be killed and their exit codes read. Every stack here is the module's
-own: the checks run beside the other tests (tests/background.py), those on `rstack` in turn."""
+own; the checks on `rstack` run in turn, in one worker (`ON_RSTACK`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future
-from functools import partial
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,13 +18,12 @@ import pytest
 
 from infra.redis_server import RedisServer
 from shared import names
-from shared.schemas import Request, requests_batch, to_ipc
+from shared.schemas import Request, encode_request
 from shared.signals import read_snapshot
-from tests.background import Background, background_run, in_turn
 from tests.conftest import ROOT, Stack, start_stack, stop_stack
 from tests.helpers import read_events, submit, tokens_text, until, wait
 
-pytestmark = pytest.mark.background
+ON_RSTACK = pytest.mark.xdist_group("rstack")  # its tests share the module's `rstack`
 
 
 def spawn_inference(stack: Stack, log: Path) -> subprocess.Popen[bytes]:
@@ -40,24 +38,30 @@ def wait_worker(stack: Stack, pid: int, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
-def on_rstack(tmp: Path, tiny_model_dir: str) -> dict[str, Exception | None]:
-    """The checks that share `rstack`, in turn: a Redis of its own, the tiny model (float32 greedy: a resumed
+@pytest.fixture(scope="module")
+def rstack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> Iterator[Stack]:
+    """The stack its checks share, in turn: a Redis of its own, the tiny model (float32 greedy: a resumed
     job's text equals an uninterrupted run's), no inference worker of the supervisor's: the checks start and kill
     their own."""
+    tmp = tmp_path_factory.mktemp("reliability")
     server = RedisServer(tmp / "redis")
     server.start()
     try:
-        rstack = start_stack(tmp / "rstack", server.url, tiny_model_dir,
-                             extra={"DELIVERY_LIMIT": "2", "DRAIN_GRACE_S": "1"}, args=["--inference", "0"],
-                             ready_path="/healthz")
+        s = start_stack(tmp / "rstack", server.url, tiny_model_dir,
+                        extra={"DELIVERY_LIMIT": "2", "DRAIN_GRACE_S": "1"}, args=["--inference", "0"],
+                        ready_path="/healthz")
         try:
-            with httpx.Client(base_url=rstack.url, timeout=60) as client:
-                return in_turn({check.__name__: partial(check, rstack, client, mkdir(tmp / check.__name__))
-                                for check in RSTACK_CHECKS})
+            yield s
         finally:
-            stop_stack(rstack)
+            stop_stack(s)
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(rstack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=rstack.url, timeout=60) as c:
+        yield c
 
 
 BODY = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 300, "ignore_eos": True}
@@ -73,7 +77,8 @@ def running_on(stack: Stack) -> list[int]:
     return [pids[c] for c in held if pids.get(c)]
 
 
-def killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+@ON_RSTACK
+def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     # two workers, started together: the one that runs the job is killed, the other resumes it
     workers = {w.pid: w for w in (spawn_inference(rstack, tmp_path / f"w{i}.log") for i in (1, 2))}
     try:
@@ -106,10 +111,11 @@ def killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Client, tm
     assert tokens_text(events) == final["text"]
 
 
-def a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, client: httpx.Client,
-                                                                 tmp_path: Path) -> None:
-    """A row no request could make (the door refuses it; a corrupt producer could): NaN temperature.
-    Its job fails with the reason, its batch-mate succeeds, and the worker is never restarted."""
+@ON_RSTACK
+def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, client: httpx.Client,
+                                                                tmp_path: Path) -> None:
+    """A record no request could make (the door refuses it; a corrupt producer could): NaN temperature.
+    Its job fails with the reason, a job beside it succeeds, and the worker is never restarted."""
     r = rstack.redis()
     rows = []
     for job_id, temperature in (("job_poison", float("nan")), ("job_mate", 0.0)):
@@ -118,8 +124,9 @@ def a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, client
         rows.append(Request(job_id, [5, 6, 7], max_tokens=5, temperature=temperature, seed=1, ignore_eos=True))
     w = spawn_inference(rstack, tmp_path / "w.log")
     try:
-        # both ids name partition 0 (no hex ending): the batch goes to its tokenized stream
-        r.xadd(names.stream(names.TOKENIZED, 0), {"batch": to_ipc(requests_batch(rows)), "jobs": 2})
+        # both ids name partition 0 (no hex ending): each record goes to its tokenized stream
+        for row in rows:
+            r.xadd(names.stream(names.TOKENIZED, 0), {"batch": encode_request(row), "jobs": 1})
         poison, mate = (wait(client, j, timeout=120) for j in ("job_poison", "job_mate"))
         assert poison["status"] == "failed" and "temperature" in poison["error"], poison
         assert mate["status"] == "succeeded" and mate["usage"]["completion_tokens"] == 5, mate
@@ -129,7 +136,8 @@ def a_corrupt_row_fails_its_job_alone_and_the_worker_lives(rstack: Stack, client
         w.terminate()
         w.wait(30)
 
-def sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+@ON_RSTACK
+def test_sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     w = spawn_inference(rstack, tmp_path / "d.log")
     w2 = None
     try:
@@ -155,7 +163,8 @@ def sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_path:
                 proc.wait(30)
 
 
-def idempotency_key_returns_same_job(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+@ON_RSTACK
+def test_idempotency_key_returns_same_job(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     h = {"Idempotency-Key": "order-42-" + str(time.time())}
     a = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=h)
     b = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=h)
@@ -168,10 +177,10 @@ def idempotency_key_returns_same_job(rstack: Stack, client: httpx.Client, tmp_pa
     client.post(f"/v1/jobs/{c.json()['id']}/cancel")
 
 
-def redis_outage_503_then_recovery(tmp: Path, tiny_model_dir: str) -> None:
-    server = RedisServer(tmp / "redis-outage")
+def test_redis_outage_503_then_recovery(tmp_path: Path, tiny_model_dir: str) -> None:
+    server = RedisServer(tmp_path / "redis-outage")
     server.start()
-    stack = start_stack(tmp / "ostack", server.url, tiny_model_dir)
+    stack = start_stack(tmp_path / "ostack", server.url, tiny_model_dir)
     try:
         with httpx.Client(base_url=stack.url, timeout=30) as c:
             accepted = submit(c, prompt="Remember me", max_tokens=5)
@@ -196,45 +205,3 @@ def redis_outage_503_then_recovery(tmp: Path, tiny_model_dir: str) -> None:
     finally:
         stop_stack(stack)
         server.stop()
-
-
-RSTACK_CHECKS = (killed_worker_job_resumes_on_another, a_corrupt_row_fails_its_job_alone_and_the_worker_lives,
-                 sigterm_drains_and_exits_zero, idempotency_key_returns_same_job)
-
-
-def mkdir(path: Path) -> Path:
-    path.mkdir()
-    return path
-
-
-@background_run("reliability")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[dict[str, Exception | None]]:
-    return background.submit(on_rstack, request.getfixturevalue("tmp_path_factory").mktemp("reliability"),
-                             request.getfixturevalue("tiny_model_dir"))
-
-
-@background_run("redis_outage")
-def start_outage(request: pytest.FixtureRequest, background: Background) -> Future[None]:
-    return background.submit(redis_outage_503_then_recovery,
-                             request.getfixturevalue("tmp_path_factory").mktemp("outage"),
-                             request.getfixturevalue("tiny_model_dir"))
-
-
-def test_killed_worker_job_resumes_on_another(background: Background) -> None:
-    background.outcome("reliability", "killed_worker_job_resumes_on_another")
-
-
-def test_a_corrupt_row_fails_its_job_alone_and_the_worker_lives(background: Background) -> None:
-    background.outcome("reliability", "a_corrupt_row_fails_its_job_alone_and_the_worker_lives")
-
-
-def test_sigterm_drains_and_exits_zero(background: Background) -> None:
-    background.outcome("reliability", "sigterm_drains_and_exits_zero")
-
-
-def test_idempotency_key_returns_same_job(background: Background) -> None:
-    background.outcome("reliability", "idempotency_key_returns_same_job")
-
-
-def test_redis_outage_503_then_recovery(background: Background) -> None:
-    background.handle("redis_outage").result()

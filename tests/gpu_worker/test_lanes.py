@@ -5,15 +5,13 @@ torch with the synthetic engine, and a whole worker (synthetic engine) on a real
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 from queue import SimpleQueue
 from typing import Any
@@ -24,11 +22,12 @@ import pytest
 import redis
 
 from gpu_worker.control import ControlLane
-from gpu_worker.engine import Engine, Request
+from gpu_worker.engine import Engine
 from gpu_worker.engine.synthetic import WORD_TOKEN, SyntheticEngine
 from gpu_worker.engine_loop import EngineLoop
 from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import (
+    DELTA_SCHEMA,
     Abort,
     Add,
     Deltas,
@@ -41,12 +40,11 @@ from gpu_worker.messages import (
 )
 from gpu_worker.output_lane import OutputLane
 from gpu_worker.stats import WorkerStats
-from harness.stack import environ
+from infra.redis_server import RedisServer
 from shared import names
 from shared.jobs import FinishReason, JobStatus, new_record
-from shared.schemas import DELTA_SCHEMA, from_ipc, requests_batch, to_ipc
+from shared.schemas import Request, encode_request, from_ipc, to_ipc
 from shared.settings import Settings
-from tests.background import Background, background_run, in_turn
 from tests.conftest import ROOT
 from tests.helpers import until
 
@@ -93,6 +91,7 @@ class Loop:
                                lambda: not self.running, lambda: True)
 
     def rows(self) -> list[dict[str, Any]]:
+        assert self.loop.sender.drain()  # the sender thread has put every step handed to it
         return [row for msg in self.sent if isinstance(msg, Deltas)
                 for row in from_ipc(msg.data, DELTA_SCHEMA).to_pylist()]
 
@@ -160,23 +159,25 @@ class FakeConsumer:
         pass  # StreamConsumer's: a cluster client rebuilds its slot map (none here)
 
 
-def test_ledger_acks_an_entry_when_its_last_job_ends() -> None:
+def test_ledger_acks_a_jobs_entry_when_the_job_ends() -> None:
     consumer = FakeConsumer(fail=2)  # the ack is retried through an outage
     ledger = EntryLedger(consumer, max_jobs=2, spare=1)  # type: ignore[arg-type]
-    ledger.open("e1", ["j1", "j2"])
+    ledger.open("e1", "j1")
+    ledger.open("e2", "j2")
     ledger.take_slot("j1", "heavy", priority=1000)
     ledger.take_slot("j2", "heavy", priority=0)
-    assert not ledger.has_room(0.01) and ledger.entries() == ["e1"]
+    assert not ledger.has_room(0.01) and ledger.entries() == ["e1", "e2"]
     # full: only a tenant with nothing here, or a job better than the worst of its tenant here, may still come
     # in, into the spare room
     assert ledger.free() == 0 and ledger.spare() == 1 and ledger.worst_priorities() == {"heavy": 1000}
     ledger.close("j1")
-    assert consumer.acked == [] and ledger.has_room(0.01) and not ledger.idle()
-    assert ledger.worst_priorities() == {"heavy": 0}
+    assert consumer.acked == ["e1"] and ledger.has_room(0.01) and not ledger.idle()
+    assert ledger.worst_priorities() == {"heavy": 0} and ledger.entries() == ["e2"]
     ledger.close("j1")  # a second report of the same end changes nothing
-    assert ledger.free() == 1
+    assert ledger.free() == 1 and consumer.acked == ["e1"]
     ledger.close("j2")
-    assert consumer.acked == ["e1"] and ledger.idle() and ledger.entries() == [] and ledger.worst_priorities() == {}
+    assert consumer.acked == ["e1", "e2"] and ledger.idle() and ledger.entries() == []
+    assert ledger.worst_priorities() == {}
 
 
 def test_control_lane_turns_cancels_into_aborts() -> None:
@@ -217,46 +218,25 @@ CLAIM_IDLE_MS = 3000
 DRAIN_GRACE_S = 1
 
 
-def on_whole_workers(tmp: Path, redis_url: str, model_path: str) -> dict[str, Exception | None]:
-    """The whole-worker checks in turn (db 10 of the session's Redis, emptied before each), beside the other tests
-    (tests/background.py): each of them waits on a worker's start, a drain's grace or a dead worker's claim."""
-    url = redis_url.rsplit("/", 1)[0] + "/10"
-
-    def check(fn: Callable[[dict[str, str], Path], None]) -> None:
-        redis.Redis.from_url(url).flushdb()
-        (tmp / fn.__name__).mkdir()
-        fn(environ() | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic",
+@pytest.fixture
+def worker_env(tmp_path: Path, redis_server: RedisServer, model_path: str) -> dict[str, str]:
+    """A whole worker's environment: db 10 of the session's Redis (emptied first), the synthetic engine, fast
+    redelivery and a short drain, its cache in the test's directory."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/10"
+    redis.Redis.from_url(url).flushdb()
+    return dict(os.environ) | {"REDIS_URL": url, "MODEL": model_path, "ENGINE": "synthetic",
                                "CLAIM_IDLE_MS": str(CLAIM_IDLE_MS), "REFRESH_S": "0.5", "HEARTBEAT_S": "1",
                                "DRAIN_GRACE_S": str(DRAIN_GRACE_S), "LOG_LEVEL": "INFO",
-                               "CONVEYOR_CACHE": str(tmp / fn.__name__)}, tmp / fn.__name__)
-
-    return in_turn({fn.__name__: partial(check, fn) for fn in (
-        a_synthetic_worker_runs_cancels_acks_and_drains, a_killed_synthetic_workers_job_resumes_on_another)})
-
-
-@background_run("whole_workers")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[dict[str, Exception | None]]:
-    return background.submit(on_whole_workers, request.getfixturevalue("tmp_path_factory").mktemp("whole-workers"),
-                             request.getfixturevalue("redis_server").url, request.getfixturevalue("model_path"))
-
-
-@pytest.mark.background
-def test_a_synthetic_worker_runs_cancels_acks_and_drains(background: Background) -> None:
-    background.outcome("whole_workers", "a_synthetic_worker_runs_cancels_acks_and_drains")
-
-
-@pytest.mark.background
-def test_a_killed_synthetic_workers_job_resumes_on_another(background: Background) -> None:
-    background.outcome("whole_workers", "a_killed_synthetic_workers_job_resumes_on_another")
+                               "CONVEYOR_CACHE": str(tmp_path)}
 
 
 def enqueue(r: redis.Redis, jobs: dict[str, int]) -> None:
-    """One `tokenized` entry holding these jobs (id -> max_tokens), as the tokenizer pool writes it."""
-    for job_id in jobs:
+    """A `tokenized` entry per job (id -> max_tokens), as the fair queue hands them out."""
+    for job_id, max_tokens in jobs.items():
         r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
-    batch = requests_batch([Request(job_id, [1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=1,
-                                    ignore_eos=True) for job_id, max_tokens in jobs.items()])
-    r.xadd(names.stream(names.TOKENIZED, 0), {"batch": to_ipc(batch), "jobs": len(jobs)})
+        record = encode_request(Request(job_id, [1, 2, 3], max_tokens=max_tokens, temperature=0.0, seed=1,
+                                        ignore_eos=True))
+        r.xadd(names.stream(names.TOKENIZED, 0), {"batch": record, "jobs": 1})
 
 
 def status_of(r: redis.Redis, job_id: str, want: set[str], timeout: float = 60) -> dict[bytes, bytes]:
@@ -267,7 +247,7 @@ def status_of(r: redis.Redis, job_id: str, want: set[str], timeout: float = 60) 
     return until(f"{job_id} to be {' or '.join(sorted(want))}", record, timeout)
 
 
-def a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, str], tmp_path: Path) -> None:
+def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, str], tmp_path: Path) -> None:
     r = redis.Redis.from_url(worker_env["REDIS_URL"])
     log = open(tmp_path / "worker.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"], env=worker_env, cwd=ROOT,
@@ -306,7 +286,7 @@ def a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, str], 
         log.close()
 
 
-def a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str, str], tmp_path: Path) -> None:
+def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str, str], tmp_path: Path) -> None:
     r = redis.Redis.from_url(worker_env["REDIS_URL"])
     log = open(tmp_path / "worker.log", "ab")
     spawn = lambda: subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"],  # noqa: E731

@@ -20,7 +20,7 @@ class Consumer:
 def test_a_forgotten_job_frees_its_slot_and_its_entry_is_never_acknowledged() -> None:
     consumer = Consumer()
     ledger = EntryLedger(consumer, max_jobs=2)  # type: ignore[arg-type]
-    ledger.open("e1", ["j1"])
+    ledger.open("e1", "j1")
     ledger.take_slot("j1")
     ledger.forget("j1")
     assert consumer.acked == [] and ledger.entries() == [] and ledger.idle() and ledger.free() == 2
@@ -28,20 +28,19 @@ def test_a_forgotten_job_frees_its_slot_and_its_entry_is_never_acknowledged() ->
     assert consumer.acked == []
 
 
-def test_an_entry_with_a_forgotten_job_stays_unacknowledged_when_the_rest_end() -> None:
-    """A batch-mate ending here does not acknowledge the entry for the dropped job: the entry, if still this
-    worker's, is admitted again later (Reader.readmit_forgotten) and start.lua says what is left to run."""
+def test_a_forgotten_jobs_entry_stays_unacknowledged_while_the_others_are() -> None:
+    """Jobs ending here acknowledge their own entries, not the dropped job's: that entry, if still this worker's,
+    is admitted again later (Reader.readmit_forgotten) and start.lua says what is left to run."""
     consumer = Consumer()
     ledger = EntryLedger(consumer, max_jobs=2)  # type: ignore[arg-type]
-    ledger.open("e1", ["j1", "j2"])
-    ledger.open("e2", ["j3"])
-    for job_id in ("j1", "j2"):
+    for entry, job_id in (("e1", "j1"), ("e2", "j2")):
+        ledger.open(entry, job_id)
         ledger.take_slot(job_id)
     ledger.forget("j1")
-    assert ledger.entries() == ["e1", "e2"]  # still refreshed: j2 runs here
+    assert ledger.entries() == ["e2"] and ledger.free() == 1  # no longer refreshed; j2 runs here
     ledger.close("j2")
-    ledger.close("j3")
     assert consumer.acked == ["e2"] and ledger.entries() == [] and ledger.idle()
-    ledger.open("e1", ["j4"])  # the same entry admitted again: acknowledged like any
-    ledger.close("j4")
-    assert consumer.acked == ["e2", "e1"]
+    ledger.open("e1", "j1")  # the same entry admitted again: acknowledged like any
+    ledger.take_slot("j1")
+    ledger.close("j1")
+    assert consumer.acked == ["e2", "e1"] and ledger.free() == 2

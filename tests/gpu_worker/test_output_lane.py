@@ -11,12 +11,12 @@ import pytest
 import redis
 from tokenizers import Tokenizer
 
-from gpu_worker.messages import Abort, Done, Dropped, LaneReport, Register
+from gpu_worker.messages import DELTA_SCHEMA, Abort, Done, Dropped, LaneReport, Register
 from gpu_worker.output_lane import OutputLane
 from shared import names
 from shared.job_ops import JobOps, unpack_ids
 from shared.jobs import FinishReason, JobStatus, new_record
-from shared.schemas import DELTA_SCHEMA, to_ipc
+from shared.schemas import to_ipc
 from shared.settings import Settings
 
 TEXT = "The capital of France is Paris. It is known for the Eiffel Tower and fine food."

@@ -3,35 +3,30 @@ given first) while the lane streams jobs spread over every master; the write tha
 sent again against a fresh slot map, the lane gets every job's text and end through, and no chunk is lost
 or repeated. Twice in a row, on two masters. And a REDIS_URL that lists a dead node first still finds the
 cluster through the next. Needs Debian's redis-server 7.0 (skips without it); the
-cluster is the test's own, so it runs beside the other tests (tests/background.py). bench.chaos
+cluster is the test's own. bench.chaos
 --failover runs the same kill against a whole stack, 20 times in a row."""
 
 from __future__ import annotations
 
-import contextvars
 import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from tokenizers import Tokenizer
 
-from gpu_worker.messages import Done, LaneReport, Register
+from gpu_worker.messages import DELTA_SCHEMA, Done, LaneReport, Register
 from gpu_worker.output_lane import OutputLane
 from infra.redis_cluster import LocalCluster, cluster_binary
 from infra.redis_server import free_port
 from shared import names
 from shared.jobs import JobStatus, new_record
 from shared.redis_client import is_cluster, sync_client
-from shared.schemas import DELTA_SCHEMA, to_ipc
+from shared.schemas import to_ipc
 from shared.settings import Settings
-from tests.background import Background, background_run
-
-pytestmark = pytest.mark.background
 
 PARTITIONS = 12
 JOBS = 24
@@ -39,25 +34,12 @@ TEXT = "The capital of France is Paris. It is known for the Eiffel Tower, for it
 WORKER = "inference-test-1"
 
 
-@background_run("cluster_failover")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[None] | str:
+def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model_path: str) -> None:
     try:
         cluster_binary()
     except SystemExit as e:
-        return str(e)
-    tmp = request.getfixturevalue("tmp_path_factory").mktemp("failover")
-    return background.submit(lane_through_failovers, tmp, request.getfixturevalue("model_path"))
-
-
-def test_the_output_lane_writes_through_a_masters_failover(background: Background) -> None:
-    run = background.handle("cluster_failover")
-    if isinstance(run, str):
-        pytest.skip(run)
-    run.result()
-
-
-def lane_through_failovers(tmp: Path, model_path: str) -> None:
-    cluster = LocalCluster(tmp / "cluster", masters=3, replicas=1)
+        pytest.skip(str(e))  # no redis-server 7
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=1)
     try:
         cluster.start(timeout=30)
         with names.partitions_as(PARTITIONS):
@@ -97,7 +79,7 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
             lane.handle_deltas(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)))
             steps_done[0] = t + 1
 
-    feeder = threading.Thread(target=contextvars.copy_context().run, args=(feed,), daemon=True)  # 12 partitions
+    feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     deadline = time.monotonic() + 30
     while steps_done[0] < len(ids) // 3 and time.monotonic() < deadline:

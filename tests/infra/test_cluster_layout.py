@@ -12,8 +12,8 @@ from shared import fair_queue, job_ops, names
 from shared.jobs import FinishReason
 from tests.helpers import until, wait
 
-# the cluster stack's partitions (`--redis-cluster 3` sets 4 per master), for the keys this process names: in
-# this thread only (`names.partitions_as`), never the process-wide count the suite's background checks read
+# the cluster stack's partitions (`--redis-cluster 3` sets 4 per master), for the keys this process names inside
+# `names.partitions_as`
 STACK_PARTITIONS = 12
 
 

@@ -1,6 +1,6 @@
 """The local Redis Cluster spreads keys over its three masters, and survives kill -9 of a master:
 a replica takes over and a write acknowledged by WAIT is still there. Needs Debian's redis-server
-7.0 (skips without it). The cluster is the test's own: it runs beside the other tests (tests/background.py)."""
+7.0 (skips without it). The cluster is the test's own."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -16,29 +15,14 @@ import redis
 from redis.cluster import RedisCluster
 
 from infra.redis_cluster import LocalCluster, cluster_binary
-from tests.background import Background, background_run
-
-pytestmark = pytest.mark.background
 
 
-@background_run("redis_cluster")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[None] | str:
+def test_keys_spread_over_the_masters_and_survive_a_master_killed(tmp_path: Path) -> None:
     try:
         cluster_binary()
     except SystemExit as e:
-        return str(e)  # no redis-server 7: the test skips
-    return background.submit(on_a_cluster, request.getfixturevalue("tmp_path_factory").mktemp("cluster"))
-
-
-def test_keys_spread_over_the_masters_and_survive_a_master_killed(background: Background) -> None:
-    run = background.handle("redis_cluster")
-    if isinstance(run, str):
-        pytest.skip(run)
-    run.result()
-
-
-def on_a_cluster(tmp: Path) -> None:
-    cluster = LocalCluster(tmp / "cluster", masters=3, replicas=1)
+        pytest.skip(str(e))  # no redis-server 7
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=1)
     try:
         cluster.start(timeout=30)
         keys_spread_and_survive_a_master_killed(cluster)

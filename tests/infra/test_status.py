@@ -19,8 +19,8 @@ def test_status_shows_the_pools_and_the_tenants_share(redis_server, tmp_path: Pa
     try:
         c.hset(names.fair_key(0, "served"), mapping={"team-a": 1200, names.ANONYMOUS_TENANT: 300})
         c.zadd(names.fair_key(0, "tenants"), {"team-a": 10})
-        c.zadd(names.fair_queue_key(0, "team-a"), {"job_1": 1})
-        c.zadd(names.fair_age_key(0, "team-a"), {"job_1": time.time() - 3.2})
+        c.zadd(names.fair_key(0, "queue"), {"team-a:03e800000000001:job_1": 0})
+        c.zadd(names.fair_key(0, "age"), {f"team-a:{int((time.time() - 3.2) * 1000):013d}:job_1": 0})
         console = Console(width=120, record=True)
         console.print(status.render(status.snapshot(c, raw, 64, tmp_path)))
         out = console.export_text()

@@ -1,6 +1,6 @@
 """`conveyor up` leaves nothing behind, even when it is killed outright, and a second `conveyor up`
 on the same data directory refuses to start beside a live stack. The stack runs on its own
-embedded redis-server and a tiny model, and goes on beside the other tests (tests/background.py)."""
+embedded redis-server and a tiny model."""
 
 from __future__ import annotations
 
@@ -10,27 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import psutil
-import pytest
 
-from tests.background import Background, background_run
 from tests.conftest import ROOT, start_stack
-
-pytestmark = pytest.mark.background
-
-
-@background_run("supervisor_hygiene")
-def start(request: pytest.FixtureRequest, background: Background) -> Future[None]:
-    return background.submit(sigkill_of_the_supervisor_takes_every_child_along,
-                             request.getfixturevalue("tmp_path_factory").mktemp("hygiene"),
-                             request.getfixturevalue("tiny_model_dir"))
-
-
-def test_sigkill_of_the_supervisor_takes_every_child_along(background: Background) -> None:
-    background.handle("supervisor_hygiene").result()
 
 
 def _state(cache: Path) -> dict:  # type: ignore[type-arg]
@@ -55,7 +39,7 @@ def _alive(pids: set[int]) -> set[int]:
     return out
 
 
-def sigkill_of_the_supervisor_takes_every_child_along(tmp_path: Path, tiny_model_dir: str) -> None:
+def test_sigkill_of_the_supervisor_takes_every_child_along(tmp_path: Path, tiny_model_dir: str) -> None:
     stack = start_stack(tmp_path, "", tiny_model_dir, extra={"DRAIN_GRACE_S": "5"})
     everything: set[int] = set()
     try:

@@ -21,7 +21,7 @@ from shared.fair_queue import INPUT_COST, OUTPUT_COST, FairQueue
 from shared.job_ops import FRESH, JobOps, step_write
 from shared.jobs import FinishReason, new_record
 from shared.redis_client import sync_client
-from shared.schemas import TOKENIZED_SCHEMA, Request, from_ipc, requests_batch, to_ipc
+from shared.schemas import TOKENIZED_SCHEMA, Request, encode_request, from_ipc
 from shared.stream_consumer import Entry
 
 SLOTS = 4
@@ -70,7 +70,7 @@ class Sim:
             self.r.hset(names.job_key(job_id), mapping={**{k: v for k, v in rec.items() if k != "request"},
                                                        "owner": tenant, "weight": self.weights[tenant]})
             self.length[job_id] = 2 + self.n * 5 % (MAX_TOKENS - 1)
-            row = to_ipc(requests_batch([Request(job_id, [1] * PROMPT, max_tokens=self.length[job_id])]))
+            row = encode_request(Request(job_id, [1] * PROMPT, max_tokens=self.length[job_id]))
             assert fair_queue.push(self.r, 0, [], [(job_id, priority, PROMPT, row)]) == 1
             self.owner[job_id] = tenant
             ids.append(job_id)
@@ -112,7 +112,7 @@ class Sim:
                 del self.running[job_id]
 
     def waiting(self, tenant: str) -> int:
-        return int(self.r.zcard(names.fair_queue_key(0, tenant)))
+        return len(fair_queue.waiting_jobs(self.r, 0, tenant))
 
     def gap(self, a: str, b: str) -> float:
         return abs(self.served[a] / self.weights[a] - self.served[b] / self.weights[b])
@@ -250,7 +250,7 @@ def test_fair_share_off_is_one_queue_in_arrival_order(raw: redis.Redis) -> None:
         job_id = names.job_id_in(0, f"{sim.n:030x}")
         raw.hset(names.job_key(job_id), mapping={**{k: v for k, v in new_record(job_id, "m", "{}").items()
                                                     if k != "request"}, "owner": tenant})
-        row = to_ipc(requests_batch([Request(job_id, [1] * PROMPT, max_tokens=2)]))
+        row = encode_request(Request(job_id, [1] * PROMPT, max_tokens=2))
         assert fair_queue.push(raw, 0, [], [(job_id, 0, PROMPT, row)], by_tenant=False) == 1
         ids.append(job_id)
     assert sim.waiting(names.ANONYMOUS_TENANT) == 5 and not sim.waiting("light")

@@ -1,23 +1,18 @@
 """Workers fail a bad job alone: the tokenizer ends it with its reason and queues its batch-mates in the
-fair queue; an inference entry that comes back after a crash is split into one entry per job.
-Real Redis (a database of its own), the real tokenizer."""
+fair queue, each as its own `tokenized` record. Real Redis (a database of its own), the real tokenizer."""
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
 import redis
 
-from gpu_worker.worker import InferenceWorker
 from shared import names
 from shared.jobs import new_record
-from shared.schemas import TOKENIZED_SCHEMA, Request, batch_requests, from_ipc, requests_batch, to_ipc
+from shared.schemas import decode_request
 from shared.settings import Settings
-from shared.stream_consumer import Entry
-from tests.helpers import until
 from workers.tokenizer.worker import TokenizerWorker
 
 
@@ -38,12 +33,6 @@ def enqueue(r: redis.Redis, job_id: str, request_json: str) -> None:
     r.xadd(names.stream(names.JOBS, 0), {"job_id": job_id, "request": request_json})
 
 
-def idle_ms(r: redis.Redis, eid: str) -> int:
-    """How long the pending inference entry `eid` has gone undelivered, as Redis counts it."""
-    [row] = r.xpending_range(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, min=eid, max=eid, count=1)
-    return int(row["time_since_delivered"])
-
-
 def test_tokenizer_fails_bad_jobs_alone(settings: Settings) -> None:
     w = TokenizerWorker(settings)
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
@@ -61,44 +50,38 @@ def test_tokenizer_fails_bad_jobs_alone(settings: Settings) -> None:
         rec = r.hgetall(names.job_key(job_id))
         assert rec["status"] == "failed" and rec["error"], (job_id, rec)
     assert "top_k" in r.hget(names.job_key("job_topk"), "error")
-    # the good ones wait in the fair queue, in arrival order, each its own tokenized row
-    assert r.zrange(names.fair_queue_key(0, names.ANONYMOUS_TENANT), 0, -1) == ["job_a", "job_b"]
+    # the good ones wait in the fair queue, each its own tokenized record
     raw = redis.Redis.from_url(settings.redis_url).hgetall(names.fair_key(0, "payload"))
-    assert {job_id: from_ipc(row, TOKENIZED_SCHEMA).column("id").to_pylist() for job_id, row in raw.items()} == {
-        b"job_a": ["job_a"], b"job_b": ["job_b"]}
-    assert r.hget(names.job_key("job_b"), "prompt_tokens") == str(len(
-        from_ipc(raw[b"job_b"], TOKENIZED_SCHEMA).column("prompt_ids")[0]))
+    assert {job_id: decode_request(row).id for job_id, row in raw.items()} == {b"job_a": "job_a", b"job_b": "job_b"}
+    assert r.hget(names.job_key("job_b"), "prompt_tokens") == str(len(decode_request(raw[b"job_b"]).prompt_ids))
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
 
 
-def test_a_row_arrow_cannot_hold_fails_its_job_alone(settings: Settings) -> None:
+def test_an_entry_our_api_did_not_write_fails_its_job_alone_with_its_reason(settings: Settings) -> None:
+    """The tokenizer trusts the door and does not validate again; an entry of another shape still fails only its
+    own job, saying why, and a value past a bound the door keeps travels on to the engine, which refuses it
+    (Request.out_of_bounds)."""
     w = TokenizerWorker(settings)
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    for job_id in ("job_ok", "job_overflow"):
-        r.hset(names.job_key(job_id), mapping={"id": job_id, "status": "queued", "created_at": time.time()})
-    batch = w._record_batch([Request("job_ok", [1, 2], max_tokens=4, temperature=0.0, seed=1),
-                             Request("job_overflow", [1, 2], max_tokens=4, seed=1, top_k=3_000_000_000)])
-    assert batch is not None and batch.column("id").to_pylist() == ["job_ok"]
-    assert r.hget(names.job_key("job_overflow"), "status") == "failed"
-    assert r.hget(names.job_key("job_ok"), "status") == "queued"
+    w.consumer.ensure_group()
+    good = {"prompt": "Hello there", "max_tokens": 4}
+    bad = {"job_list": "[1, 2]", "job_unknown": json.dumps({**good, "nonsense": 1}),
+           "job_none": json.dumps({"max_tokens": 4}), "job_role": json.dumps({"messages": [{"role": "user"}]}),
+           "job_type": json.dumps({**good, "max_tokens": "many"}), "job_prompt": json.dumps({"prompt": 5}),
+           "job_seed": json.dumps({**good, "seed": "x"}), "job_ids": json.dumps({"prompt_token_ids": ["a"]})}
+    enqueue(r, "job_a", json.dumps(good))
+    for job_id, raw in bad.items():
+        enqueue(r, job_id, raw)
+    enqueue(r, "job_hot", json.dumps({**good, "temperature": 50.0}))
+    w.process(w.consumer.read(64, 100))
 
-
-def test_redelivered_inference_entry_is_split_one_job_each(settings: Settings) -> None:
-    r = redis.Redis.from_url(settings.redis_url)
-    batch = requests_batch([Request(f"job_{i}", [1, 2, i], max_tokens=4, temperature=0.0, seed=i) for i in range(3)])
-    worker = InferenceWorker(settings)
-    worker.consumer.ensure_group()
-    eid = r.xadd(names.stream(names.TOKENIZED, 0), {"batch": to_ipc(batch), "jobs": 3}).decode()
-    r.xreadgroup(names.INFERENCE_GROUP, "inference-dead", {names.stream(names.TOKENIZED, 0): ">"})  # its worker died
-    until("the entry to be idle past CLAIM_IDLE_MS", lambda: idle_ms(r, eid) > settings.claim_idle_ms)
-    keep, dead = worker.consumer.claim_stale()
-    assert [e.id for e in keep] == [eid] and keep[0].deliveries == 2 and not dead
-    assert worker.reader.split(keep[0])
-    assert r.xpending(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP)["pending"] == 0  # the original is acked
-    entries = r.xrange(names.stream(names.TOKENIZED, 0))
-    singles = [batch_requests(from_ipc(f[b"batch"], TOKENIZED_SCHEMA)) for e, f in entries if e.decode() != eid]
-    assert [s[0].id for s in singles] == ["job_0", "job_1", "job_2"] and all(len(s) == 1 for s in singles)
-    assert singles[1] == batch_requests(batch)[1:2]
-    # a single-job entry is not split again: it goes to the engine, and past the limit to the dead letters
-    one = r.xrange(names.stream(names.TOKENIZED, 0))[-1]
-    assert not worker.reader.split(Entry(one[0].decode(), one[1], 2))
+    for job_id in bad:
+        rec = r.hgetall(names.job_key(job_id))
+        assert rec["status"] == "failed" and rec["error"], (job_id, rec)
+    for job_id, field in (("job_unknown", "nonsense"), ("job_type", "max_tokens"), ("job_seed", "seed"),
+                          ("job_prompt", "prompt"), ("job_role", "content"), ("job_ids", "prompt_ids")):
+        assert field in r.hget(names.job_key(job_id), "error"), job_id
+    assert set(r.hkeys(names.fair_key(0, "payload"))) == {"job_a", "job_hot"}
+    hot = decode_request(redis.Redis.from_url(settings.redis_url).hget(names.fair_key(0, "payload"), "job_hot"))
+    assert hot.temperature == 50.0 and hot.out_of_bounds() == "temperature is out of its bounds"
+    assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0

@@ -1,6 +1,9 @@
-"""The tokenizer pool's worker: `jobs` stream -> chat template + tokenize + validate ->
-one Arrow row per job -> its tenant's queue in the fair queue (shared/fair_queue.py), whence the
-inference workers take jobs fairest first. No torch here.
+"""The tokenizer pool's worker: `jobs` stream -> chat template + tokenize + the context check ->
+one `tokenized` record per job (shared.schemas.encode_request) -> its tenant's queue in the fair queue
+(shared/fair_queue.py), whence the inference workers take jobs fairest first. No torch here.
+
+The request was validated at the door; it is read here as the API wrote it (`GenerationRequest.from_wire`),
+not validated again. An entry the API did not write fails its own job, with the reason, and nothing else.
 
 An entry is acknowledged only in the same script call that queues its job, so a worker that dies
 mid-batch leaves its entries pending for another worker to claim.
@@ -14,22 +17,21 @@ import threading
 import time
 from typing import Any
 
-import pyarrow as pa
 import redis
-from pydantic import ValidationError
 
 from shared import fair_queue, names
 from shared.grammar import GrammarError
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
+from shared.limits import context_problem
 from shared.model_config import model_context
 from shared.redis_client import sync_client, text
 from shared.retry import run_loop
-from shared.schemas import GenerationRequest, Request, requests_batch, to_ipc
+from shared.schemas import GenerationRequest, encode_request
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
 from workers.tokenizer.grammar import GrammarCompiler
-from workers.tokenizer.prompt import PromptBuilder, PromptError
+from workers.tokenizer.prompt import PromptBuilder
 
 log = logging.getLogger("conveyor.tokenizer")
 
@@ -108,52 +110,65 @@ class TokenizerWorker:
             self._process(stream, group)
 
     def _process(self, stream: str, entries: list[Entry]) -> None:
-        """Tokenize one partition's entries (one record batch, a row per job) and queue the jobs in the
+        """Tokenize one partition's entries (their texts in one call) and queue each job's record in the
         partition's fair queue. A job that cannot be tokenized fails alone, with its reason; nothing a
         request holds can stop this loop."""
-        accepted: list[tuple[str, GenerationRequest]] = []
-        prompts: list[str | None] = []  # None: given as token ids
         job_ids = [_field(e.fields, "job_id") for e in entries]
         pipe = self.client.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested")
         states = pipe.execute()
+        prepared: list[tuple[str, GenerationRequest, str | None]] = []  # (job, request, prompt text or None: ids)
         for entry, job_id, (status, cancel) in zip(entries, job_ids, states):
             if not job_id or status != b"queued" or cancel == b"1":
                 continue  # cancelled, expired or already taken further: nothing to do
-            try:
-                req = GenerationRequest.model_validate_json(_field(entry.fields, "request") or "")
-                prompt = None if req.prompt_token_ids is not None else self.prompts.render(req)
-                if req.grammar is not None:
-                    self._grammars().prepare(req.grammar.spec)
-            except (ValidationError, PromptError) as exc:
-                self._fail(job_id, f"invalid request: {exc}")
-                continue
-            except GrammarError as exc:
-                self._fail(job_id, f"invalid grammar: {exc}")
-                continue
-            except Exception as exc:  # noqa: BLE001 - one job's failure is that job's alone
-                log.exception("job %s could not be prepared", job_id)
-                self._fail(job_id, f"the request could not be tokenized ({type(exc).__name__})")
-                continue
-            accepted.append((job_id, req))
-            prompts.append(prompt)
-        texts = [(p, req.prompt is not None) for p, (_, req) in zip(prompts, accepted) if p is not None]
+            ready = self._prepare(job_id, entry)
+            if ready is not None:
+                prepared.append((job_id, *ready))
+        texts = [(p, req.prompt is not None) for _, req, p in prepared if p is not None]
         encoded = iter(self._encode([t for t, _ in texts], [raw for _, raw in texts]) if texts else [])
-        ids = [req.prompt_token_ids if p is None else next(encoded) for p, (_, req) in zip(prompts, accepted)]
-        requests = [req.tokenized(job_id, prompt_ids) for (job_id, req), prompt_ids in zip(accepted, ids)
-                    if self._fits(job_id, prompt_ids, req.max_tokens)]
-        batch = self._record_batch(requests)
-        queued: list[tuple[str, int, int, bytes]] = []
-        if batch is not None:
-            priority = {job_id: req.priority for job_id, req in accepted}
-            for i, (job_id, n) in enumerate(zip(batch.column("id").to_pylist(),
-                                                batch.column("prompt_ids").value_lengths().to_pylist())):
-                queued.append((job_id, priority[job_id], n, to_ipc(batch.slice(i, 1))))
+        ids = [req.prompt_token_ids if p is None else next(encoded) for _, req, p in prepared]
+        queued = [q for (job_id, req, _), prompt_ids in zip(prepared, ids)
+                  if (q := self._record(job_id, req, prompt_ids)) is not None]
         fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued,
                         self.settings.fair_share)
         self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
+
+    def _prepare(self, job_id: str, entry: Entry) -> tuple[GenerationRequest, str | None] | None:
+        """The job's request and its prompt text (None: given as token ids), its grammar compiled; None when
+        the job failed instead."""
+        try:
+            req = GenerationRequest.from_wire(_field(entry.fields, "request") or "")
+            prompt = None if req.prompt_token_ids is not None else self.prompts.render(req)
+            if req.grammar is not None:
+                self._grammars().prepare(req.grammar.spec)
+            return req, prompt
+        except GrammarError as exc:
+            self._fail(job_id, f"invalid grammar: {exc}")
+        except ValueError as exc:  # not a request the API writes (PromptError too: the template refused it)
+            self._fail(job_id, f"invalid request: {exc}")
+        except Exception as exc:  # noqa: BLE001 - one job's failure is that job's alone
+            log.exception("job %s could not be prepared", job_id)
+            self._fail(job_id, f"the request could not be tokenized ({type(exc).__name__})")
+        return None
+
+    def _record(self, job_id: str, req: GenerationRequest,
+                prompt_ids: list[int] | None) -> tuple[str, int, int, bytes] | None:
+        """What the fair queue takes for the job: (job id, priority, prompt tokens, its `tokenized` record);
+        None when its prompt cannot run in the context, or a value cannot travel (the job fails)."""
+        if prompt_ids is None:
+            self._fail(job_id, "the prompt could not be tokenized")
+            return None
+        try:
+            problem = context_problem(len(prompt_ids), req.max_tokens, self.context)
+            if problem is None:
+                request = req.tokenized(job_id, prompt_ids)
+                return job_id, int(request.priority), len(prompt_ids), encode_request(request)
+        except (ArithmeticError, TypeError, ValueError) as exc:  # a value of the wrong type or out of range
+            problem = f"invalid request: {exc}"
+        self._fail(job_id, problem)
+        return None
 
     def _grammars(self) -> GrammarCompiler:
         """The grammar compiler (workers/tokenizer/grammar.py), made when the first grammar arrives."""
@@ -174,37 +189,6 @@ class TokenizerWorker:
             except Exception:  # noqa: BLE001
                 out.append(None)
         return out
-
-    def _record_batch(self, requests: list[Request]) -> pa.RecordBatch | None:
-        """The requests as one Arrow batch; a request the schema cannot hold fails its job alone."""
-        if not requests:
-            return None
-        try:
-            return requests_batch(requests)
-        except (pa.ArrowException, OverflowError, TypeError, ValueError):
-            log.exception("record batch failed; building it request by request")
-        good = []
-        for req in requests:
-            try:
-                requests_batch([req])
-                good.append(req)
-            except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
-                self._fail(req.id, f"invalid request: a value is out of range ({exc})")
-        return requests_batch(good) if good else None
-
-    def _fits(self, job_id: str, prompt_ids: list[int] | None, max_tokens: int) -> bool:
-        if prompt_ids is None:
-            self._fail(job_id, "the prompt could not be tokenized")
-            return False
-        n = len(prompt_ids)
-        if n == 0:
-            self._fail(job_id, "the prompt is empty after tokenization")
-            return False
-        if n + max_tokens > self.context:
-            self._fail(job_id, f"the prompt is {n} tokens; with max_tokens {max_tokens} it exceeds "
-                               f"the model's context of {self.context} tokens")
-            return False
-        return True
 
     def _fail(self, job_id: str, error: str) -> None:
         self.counters["failed"] += 1

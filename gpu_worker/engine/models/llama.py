@@ -4,7 +4,7 @@ shape): its fused weights, and its forward over a flat token batch and the paged
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from gpu_worker.engine.cpu_kernels import (
 )
 from gpu_worker.engine.gemm import Gemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache
+from gpu_worker.engine.models.layout import Activation, CausalLM, DecoderLayer, Linear, RotaryEmbedding
 
 # Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
 # in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 21 us
@@ -39,7 +40,7 @@ class PrefillChunk(NamedTuple):
     start: int
     length: int
     offset: int
-    index: torch.Tensor | None
+    gather: torch.Tensor | None
 
 
 @dataclass
@@ -91,41 +92,42 @@ class AttentionMetadata:
 @dataclass
 class _Layer:
     """One decoder layer's weights, with q/k/v and gate/up fused into single matrices; the four
-    matrices are held as the GEMM backend prepared them (a tensor, or a backend-specific form)."""
+    matrices are held as the GEMM backend prepared them (a tensor in the backend's own layout)."""
     ln1: torch.Tensor
     ln2: torch.Tensor
     eps: float
-    qkv: object
+    qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
-    o: object
+    o: torch.Tensor
     o_bias: torch.Tensor | None
-    gate_up: object
-    down: object
-    act: object
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    act: Activation
     silu: bool  # the activation is SiLU (`LayerOps.silu_mul` computes act(gate) * up at once)
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the weights (and biases) of linears that read the same input, then point each
     linear's parameters at its slice of the result, so the model holds no second copy."""
     weight = torch.cat([m.weight.detach() for m in linears])
-    has_bias = [m.bias is not None for m in linears]
-    bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
-    if any(has_bias) and bias is None:
+    biases = [m.bias.detach() for m in linears if m.bias is not None]
+    if biases and len(biases) < len(linears):
         raise ValueError("cannot fuse linears where only some have a bias")
+    bias = torch.cat(biases) if biases else None
     at = 0
     for m in linears:
         n = m.weight.shape[0]
         m.weight.data = weight[at : at + n]
-        if bias is not None:
+        if bias is not None and m.bias is not None:  # every linear has one
             m.bias.data = bias[at : at + n]
         at += n
     return weight, bias
 
 
-def _eps(norm: torch.nn.Module) -> float:
+def _eps(norm: Any) -> float:
+    """The norm's epsilon: transformers' RMSNorm holds it as `variance_epsilon`, torch's as `eps`."""
     return float(getattr(norm, "variance_epsilon", None) or norm.eps)
 
 
@@ -133,7 +135,7 @@ def _is_silu(act: object) -> bool:
     return act is F.silu or isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def _layer_weights(layer: torch.nn.Module, gemm: Gemm) -> _Layer:
+def _layer_weights(layer: DecoderLayer, gemm: Gemm) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
     gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
@@ -165,12 +167,12 @@ class Llama:
     it), and where the GEMM backend keeps its own layout (oneDNN on CPU in bfloat16) that model's layer
     matrices are emptied."""
 
-    def __init__(self, hf_model: torch.nn.Module, max_len: int, block_size: int = 16,
+    def __init__(self, hf_model: CausalLM, max_len: int, block_size: int = 16,
                  cpu_kernels: bool = True) -> None:
         cfg, inner = hf_model.config, hf_model.model
         self.num_heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.kv_heads: int = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.vocab_size = cfg.vocab_size
         self.hidden_shape = (cfg.hidden_size,)
         self.embed_w = inner.embed_tokens.weight
@@ -197,7 +199,7 @@ class Llama:
         # some layer applies RoPE through torch ops (no fused kernel, or q/k norms first): per-token cos/sin a step
         self.torch_rope = self.ops is None or any(L.q_norm is not None for L in self.layers)
 
-    def _rope_tables(self, rotary_emb: torch.nn.Module, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(self, rotary_emb: RotaryEmbedding, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per position, [max_len, head_dim]: RoPE as x * cos + roll(x, D/2) * sin_signed,
         rotate_half(x) * sin with the sign moved onto sin."""
         with torch.inference_mode():
@@ -232,11 +234,12 @@ class Llama:
     def _decode_bias(self, attn: AttentionMetadata) -> torch.Tensor | None:
         """The matmul decode path's additive mask, one row per (row, KV head); None where decode rows
         read through SDPA (see MATMUL_ATTENTION_MIN_READ)."""
-        nd, t = attn.num_decode, attn.decode_len
+        nd, t, mask = attn.num_decode, attn.decode_len, attn.decode_mask
         if not (nd and attn.decode_index is not None and self.upcast_attention and nd * t >= MATMUL_ATTENTION_MIN_READ):
             return None
+        assert mask is not None  # set with decode_index
         return torch.zeros(nd, 1, t, dtype=self.dtype, device=self.device).masked_fill_(
-            ~attn.decode_mask.view(nd, 1, t), float("-inf")).expand(nd, self.kv_heads, t).reshape(
+            ~mask.view(nd, 1, t), float("-inf")).expand(nd, self.kv_heads, t).reshape(
             nd * self.kv_heads, 1, t)
 
     def _layer(self, L: _Layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
@@ -251,7 +254,8 @@ class Llama:
             out = self._attention(qkv[:, :H], qkv[:, H : H + KV], qkv[:, H + KV :], kc, vc, attn, bias, blocks,
                                   written=True)
         else:
-            q, k, v = self._qkv(L, x, cos, sin)  # type: ignore[arg-type]
+            assert cos is not None and sin is not None  # set wherever a layer has no fused RoPE (`torch_rope`)
+            q, k, v = self._qkv(L, x, cos, sin)
             out = self._attention(q, k, v, kc, vc, attn, bias, blocks)
         h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
         gate_up = self.gemm.linear(self._norm(h, L.ln2, L.eps), L.gate_up)
@@ -286,16 +290,16 @@ class Llama:
         kf, vf = kc.view(-1, D), vc.view(-1, D)  # [KV * slots, D]: what the gather indices address
         n_tok, nd, rows = q.shape[0], attn.num_decode, attn.decode_rows
         if rows is not None:
-            o = self.paged_decode(q.index_select(0, rows), kc, vc, attn.decode_tables, attn.decode_lens,
-                                  self.block_size)
+            o = self._paged_decode(q.index_select(0, rows), kc, vc, attn)
         elif nd:
-            o = (self.paged_decode(q[:nd], kc, vc, attn.decode_tables, attn.decode_lens, self.block_size)
-                 if attn.decode_tables is not None else self._decode(q[:nd], kf, vf, attn, bias))
+            o = (self._paged_decode(q[:nd], kc, vc, attn) if attn.decode_tables is not None
+                 else self._decode(q[:nd], kf, vf, attn, bias))
             if not attn.chunks:
                 return o.reshape(n_tok, H * D)
         if attn.prefill_tables is not None or rows is not None:  # every chunk at once, read in place
             out = q.new_empty(n_tok, H, D)
             if attn.prefill_tables is not None:
+                assert self.paged_prefill is not None  # the runner makes the tables only where the kernel loaded
                 self.paged_prefill(q[nd:], kc, vc, attn.prefill_tables, self.block_size, out[nd:])
             if rows is not None:
                 out.index_copy_(0, rows, o)
@@ -312,12 +316,21 @@ class Llama:
             out[chunk.offset : chunk.offset + chunk.length] = self._prefill(q, k, v, kf, vf, chunk)
         return out.view(n_tok, H * D)
 
+    def _paged_decode(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                      attn: AttentionMetadata) -> torch.Tensor:
+        """The decode rows' attention, [rows, H, D], read in place by the paged decode kernel."""
+        tables, lens = attn.decode_tables, attn.decode_lens
+        assert self.paged_decode is not None and tables is not None and lens is not None  # set where the kernel loaded
+        return self.paged_decode(q, kc, vc, tables, lens, self.block_size)
+
     def _decode(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, attn: AttentionMetadata,
                 bias: torch.Tensor | None) -> torch.Tensor:
         """The decode rows' attention, [rows, H, D], over K/V gathered from the cache."""
         nd, KV, T, D = attn.num_decode, self.kv_heads, attn.decode_len, self.head_dim
-        return self.attend_decode(q, kf.index_select(0, attn.decode_index).view(nd, KV, T, D),
-                                  vf.index_select(0, attn.decode_index).view(nd, KV, T, D), attn.decode_mask, bias)
+        index, mask = attn.decode_index, attn.decode_mask
+        assert index is not None and mask is not None  # set together where decode rows read a gathered copy
+        return self.attend_decode(q, kf.index_select(0, index).view(nd, KV, T, D),
+                                  vf.index_select(0, index).view(nd, KV, T, D), mask, bias)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
                  chunk: PrefillChunk) -> torch.Tensor:
@@ -383,14 +396,15 @@ class Llama:
             out[:, :, :, s:e] = torch.bmm(probs, vv[:, :keys]).view(B, KV, G, e - s, D)
         return out.permute(0, 3, 1, 2, 4).reshape(B * R, H, D).index_select(0, pre.pad_rows)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               is_causal: bool = False) -> torch.Tensor:
         """SDPA; on CPU in half precision, computed in float32: torch's CPU flash attention is ~4x
         slower in bfloat16 than in float32 at decode shapes (a decode step at 32 rows: 36 ms of
         attention against 9 ms), and the upcast of q, K and V costs less than the difference."""
         if self.upcast_attention:
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True,
-                                                  **kw).to(self.dtype)  # type: ignore[arg-type]
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)  # type: ignore[arg-type]
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask,
+                                                  is_causal=is_causal, enable_gqa=True).to(self.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
 
     def attend_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:

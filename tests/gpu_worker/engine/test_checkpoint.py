@@ -51,7 +51,7 @@ def test_rope_scaling_goes_through_transformers(tmp_path: Path) -> None:
 
 
 def test_an_inference_engine_imports_no_transformers(tiny_model_dir: str) -> None:
-    code = ("import sys; from gpu_worker.engine import EngineConfig, LLMEngine, Request; "
+    code = ("import sys; from gpu_worker.engine import EngineConfig, LLMEngine; from shared.schemas import Request; "
             f"e = LLMEngine(EngineConfig(model={tiny_model_dir!r})); "
             "e.add_request(Request('a', [5, 6, 7], max_tokens=2)); "
             "[e.step() for _ in range(3)]; print('transformers' in sys.modules)")

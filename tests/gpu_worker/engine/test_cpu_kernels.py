@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.engine import cpu_kernels as pa
 from gpu_worker.engine.block_manager import BlockManager
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import prompt_ids, run
 
 

@@ -11,10 +11,14 @@ from functools import cache
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request, StepBatch
+from gpu_worker.engine import EngineConfig, LLMEngine, StepBatch
 from gpu_worker.engine.block_manager import BlockManager
+from gpu_worker.engine.logprobs import Logprobs
+from gpu_worker.engine.sampler import Sampler
+from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.step import StepOutput
-from shared.schemas import GenerationRequest
+from shared.jobs import FinishReason
+from shared.schemas import GenerationRequest, Request
 from workers.tokenizer.prompt import PromptBuilder
 
 QUESTIONS = [
@@ -34,10 +38,21 @@ def prompt_ids(model_dir: str, question: str) -> list[int]:
     return pb.encode_batch([text], [False])[0]
 
 
+class SeenLogits(Sampler):
+    """The runner's sampler, keeping (float32) the logits `ModelRunner.run` hands it: what a step samples from."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None,
+                 ) -> tuple[list[int], dict[int, str], list[Logprobs | None]]:
+        self.logits = logits.float().clone()
+        return super().__call__(logits, seqs, ahead)
+
+
 def step_logits(engine: LLMEngine, batch: StepBatch) -> torch.Tensor:
-    """The logits the runner samples from for this batch (decode rows, then completed chunks)."""
-    with torch.inference_mode():
-        return engine.runner.run_model(engine.runner.prepare(batch))
+    """The logits `ModelRunner.run` samples from for this batch (decode rows, then completed chunks)."""
+    runner = engine.runner
+    seen = runner.sampler = SeenLogits(runner.eos_token_ids)
+    runner.run(batch)
+    return seen.logits
 
 
 def run(engine: LLMEngine, reqs: list[Request], arrivals: dict[str, int] | None = None,
@@ -189,7 +204,7 @@ def test_abort_frees_slot_next_step(engine: LLMEngine, prompts: list[list[int]])
     assert engine.num_running == 2
     assert engine.abort_request("a1")
     outs = engine.step()
-    assert any(o.id == "a1" and o.finish_reason == "cancelled" for o in outs)
+    assert any(o.id == "a1" and o.finish_reason is FinishReason.cancelled for o in outs)
     assert engine.num_running == 1
     engine.add_request(Request("a3", prompts[2], max_tokens=5, temperature=0, ignore_eos=True))
     engine.step()
@@ -210,7 +225,7 @@ def test_stop_token_ids_end_a_request_at_their_first_occurrence(engine: LLMEngin
     while engine.has_unfinished():
         outs += engine.step()
     assert [t for o in outs for t in o.token_ids] == free[: free.index(stop_at) + 1]
-    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].finish_reason is FinishReason.stop and outs[-1].finish_reason == "stop"
 
 
 def test_resume_continues_identically(engine: LLMEngine, prompts: list[list[int]], alone: list[list[int]]) -> None:
@@ -227,8 +242,6 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
     with torch.inference_mode():  # reference first: the runner takes the model over
         ref = model(torch.tensor([ids])).logits[0, -1]
     eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32"), model=model)
-    from gpu_worker.engine.sequence import Sequence
-
     seq = Sequence(Request("t", ids))
     assert eng.blocks.allocate(seq)
     logits = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids))]))
@@ -237,8 +250,6 @@ def test_runner_matches_transformers_logits(tiny_model_dir: str) -> None:
 
 def prefill_then_decode(eng: LLMEngine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of `ids` but the last prefilled as one chunk, then of the decode step for the last."""
-    from gpu_worker.engine.sequence import Sequence
-
     seq = Sequence(Request("t", ids[:-1]))
     assert eng.blocks.allocate(seq)
     prefill = step_logits(eng, StepBatch(decode=[], chunks=[(seq, len(ids) - 1)]))
@@ -296,7 +307,6 @@ def test_batched_decode_of_uneven_rows_matches_transformers(arch: str, dtype: st
     place, or gathered with padding masked, through matmuls in bf16 on CPU or SDPA) each get the logits the
     model's own forward gives."""
     from gpu_worker.engine.models import llama
-    from gpu_worker.engine.sequence import Sequence
 
     monkeypatch.setattr(llama, "MATMUL_ATTENTION_MIN_READ", 0 if path == "matmul-attention" else 10**9)
 

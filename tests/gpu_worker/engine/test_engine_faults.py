@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.sequence import Sequence
-from shared.schemas import GenerationRequest
+from shared.schemas import GenerationRequest, Request
 
 POISON_TOKEN = 40_000
 PROMPTS = [[1, 504, 3158, 314, 260, 1184, 30], [1, 2683, 253, 1345, 10425, 30], [1, 1978, 314, 260, 6568, 3930, 47]]
@@ -64,9 +64,13 @@ def _others_unharmed(out: dict, alone: list[list[int]]) -> None:  # type: ignore
 
 
 def test_out_of_vocabulary_ids_fail_only_their_request(engine: LLMEngine, alone: list[list[int]]) -> None:
-    bad = [Request("bad-prompt", [1, engine.runner.vocab_size + 5], max_tokens=4),
+    """And so does a request past a bound the door guarantees (a record that reached the engine another way)."""
+    vocab = engine.runner.vocab_size
+    bad = [Request("bad-prompt", [1, vocab + 5], max_tokens=4),
            Request("bad-resume", [1, 2, 3], max_tokens=4, resume_ids=[-1]),
+           Request("bad-bias", [1, 2, 3], max_tokens=4, bias_ids=[vocab], bias_values=[1.0]),
            Request("bad-top-p", [1, 2, 3], max_tokens=4, top_p=float("nan"), temperature=1.0),
+           Request("too-hot", [1, 2, 3], max_tokens=4, temperature=50.0),
            Request("empty", [], max_tokens=4)]
     out = drive(engine, [*bad, *(greedy(i, p) for i, p in enumerate(PROMPTS))])
     for r in bad:

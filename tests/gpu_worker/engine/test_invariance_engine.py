@@ -15,13 +15,14 @@ import sys
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.device import cpu_has_bf16
 from gpu_worker.engine.logprobs import Logprobs
 from gpu_worker.engine.ngram import NgramConfig
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.sequence import Sequence
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import QUESTIONS, prompt_ids, run
 
 DTYPES = ["float32", *(["bfloat16"] if cpu_has_bf16() else [])]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.block_manager import NULL_BLOCK, BlockManager
 from gpu_worker.engine.sequence import Sequence
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import reference_model
 
 

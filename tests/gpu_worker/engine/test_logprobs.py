@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.step import StepOutput
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import QUESTIONS, prompt_ids, reference_model
 
 

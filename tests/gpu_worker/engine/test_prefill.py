@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request, StepBatch
+from gpu_worker.engine import EngineConfig, LLMEngine, StepBatch
 from gpu_worker.engine.cpu_kernels import load_paged_prefill
 from gpu_worker.engine.models import llama
 from gpu_worker.engine.sequence import Sequence
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import _tiny
 
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_worker.engine.sampler import Sampler, token_uniform
-from gpu_worker.engine.sequence import Request, Sequence
-from shared.schemas import GenerationRequest
+from gpu_worker.engine.sequence import Sequence
+from shared.schemas import GenerationRequest, Request
 
 DRAWS = 4000
 

@@ -6,10 +6,11 @@ computed); the last runs the tiny random model: the preempted sequence finishes 
 
 from __future__ import annotations
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.scheduler import FREE_SOON_STEPS, Scheduler
 from gpu_worker.engine.sequence import SeqStatus, Sequence
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_scheduler_fair import SLOTS, _run_step, _scheduler
 
 BATCH, INTERACTIVE = 1000, 0  # api/batches.py submits its lines at PRIORITY_MAX

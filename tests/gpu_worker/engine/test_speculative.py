@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.ngram import NgramConfig, NgramIndex
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import prompt_ids, reference_model, run
 
 SPEC = NgramConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)

@@ -13,10 +13,11 @@ import pytest
 import redis
 from tokenizers import Tokenizer
 
-from gpu_worker.engine import EngineConfig, LLMEngine, Request
+from gpu_worker.engine import EngineConfig, LLMEngine
 from gpu_worker.grammar import GrammarLoader
 from shared.grammar import GrammarSpec
 from shared.model_config import vocab_size
+from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import QUESTIONS, prompt_ids
 from tests.gpu_worker.engine.test_logprobs import drive, tokens
 from workers.tokenizer.grammar import GrammarCompiler

@@ -1,0 +1,83 @@
+"""For the workers, which own xgrammar: how each kind of spec compiles, and the tokenizer's description every
+compile and load must share. This module imports xgrammar only inside `tokenizer_info` (the API never calls it),
+and takes the compiler as an argument."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from shared.grammar.spec import GrammarError, GrammarSpec
+
+
+def compile_with(compiler: Any, spec: GrammarSpec) -> Any:
+    """The spec compiled by an xgrammar GrammarCompiler (passed in: this module does not import xgrammar); the
+    one place that says how each kind compiles, for the tokenizer pool and the inference worker's fallback alike.
+    JSON comes out without free whitespace (a small model can otherwise spend its tokens on blank lines), with
+    ", " and ": " as separators; a json_schema allows no properties it does not name (OpenAI's strict mode),
+    a json_object any object."""
+    if spec.kind == "json_schema":
+        return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+    if spec.kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.source)
+    if spec.kind == "choice":  # EBNF string literals take JSON's escapes; non-ASCII stays as is (no surrogates)
+        alternatives = (json.dumps(c, ensure_ascii=False) for c in json.loads(spec.source))
+        return compiler.compile_grammar("root ::= " + " | ".join(alternatives))
+    if spec.kind == "grammar":
+        return compiler.compile_grammar(spec.source)
+    raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+
+@lru_cache(maxsize=4)
+def tokenizer_info(model_path: str, vocab_size: int | None = None) -> Any:
+    """xgrammar's TokenizerInfo for the model, the same wherever a grammar is compiled or loaded (a compiled
+    grammar's masks are only right for the vocabulary it was compiled with; loading checks just its size and
+    stop tokens). `vocab_size` is the model's (its logits' width; config.json's when None). Special tokens
+    (<|im_start|>, ...) are barred from constrained output: xgrammar would otherwise read them as their text,
+    which the detokenizer drops. The stop tokens are the model's EOS ids (config.json, generation_config.json).
+
+    Built once per process (~1.3 s; it does not change). Imports xgrammar and transformers (and so torch): only
+    the workers call it, never the API."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    config = _json_file(model_path, "config.json")
+    if vocab_size is None:
+        vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    stop = _eos_ids(config, _json_file(model_path, "generation_config.json"))
+    if not stop and tokenizer.eos_token_id is not None:
+        stop = [int(tokenizer.eos_token_id)]
+    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop or None)
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)}
+    size = detected.vocab_size
+    vocab = [""] * size  # an empty entry is a token xgrammar never allows (besides the stop tokens)
+    for text, i in tokenizer.get_vocab().items():
+        if i < size and i not in special:
+            vocab[i] = text
+    return xgr.TokenizerInfo(vocab, detected.vocab_type, vocab_size=size, stop_token_ids=detected.stop_token_ids,
+                             add_prefix_space=detected.add_prefix_space)
+
+
+def _json_file(model_path: str, name: str) -> dict[str, Any]:
+    try:
+        with open(f"{model_path}/{name}") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _eos_ids(*configs: dict[str, Any]) -> list[int]:
+    """The EOS ids the model's configs name (as the engine reads them: gpu_worker/engine/model_runner.py)."""
+    ids: set[int] = set()
+    for cfg in configs:
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return sorted(ids)

@@ -1,0 +1,15 @@
+"""Types: mypy, run as pyproject.toml's [tool.mypy] configures it (strict, on shared/ and gpu_worker/engine/),
+reports no error. Its cache (.mypy_cache/) keeps a run after the first to the files that changed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_mypy_reports_no_error() -> None:
+    run = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, run.stdout + run.stderr
