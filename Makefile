@@ -43,10 +43,10 @@ redis7:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
 test: model browser redis7
-	$(VENV)/bin/pytest -q -n 4
+	$(VENV)/bin/pytest -q -n 3
 
 test-fast: setup
-	$(VENV)/bin/pytest -q -n 4 -m "not slow"
+	$(VENV)/bin/pytest -q -n 3 -m "not slow"
 
 bench-engine: model
 	$(PY) -m bench engine generate

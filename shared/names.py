@@ -133,17 +133,6 @@ def fair_key(partition: int, part: str) -> str:
     return f"{partition_prefix(partition)}:fair:{part}"
 
 
-def fair_queue_key(partition: int, tenant: str) -> str:
-    """A tenant's queued jobs in a partition as the fair queue kept them before its fixed keys (`fair_key`
-    "queue" and "age"): no script writes it now."""
-    return f"{partition_prefix(partition)}:fair:q:{tenant}"
-
-
-def fair_age_key(partition: int, tenant: str) -> str:
-    """As `fair_queue_key`, by submit time: no script writes it now."""
-    return f"{partition_prefix(partition)}:fair:age:{tenant}"
-
-
 # pub/sub: a job's chunks on a channel in its partition (sharded pub/sub on a cluster); cancels
 # are rare and broadcast
 CONTROL_CHANNEL = f"{PREFIX}:control"

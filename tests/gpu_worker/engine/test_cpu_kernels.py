@@ -144,7 +144,7 @@ def test_loading_the_kernels_leaves_subnormals_alone(kernel: pa.PagedDecode, ops
 
 
 def test_no_compiler_means_torch_ops_and_a_built_kernel_needs_none(tmp_path: Path) -> None:
-    # compiler and cache given, not set in the environment: a stack that a background check starts meanwhile
+    # compiler and cache given, not set in the environment: a stack another test starts from this process
     # would inherit them
     no_compiler = {"compiler": "no-such-c++-compiler", "cache": tmp_path}  # nothing built here yet
     with pytest.raises(FileNotFoundError):
