@@ -1,6 +1,7 @@
 """What the stages read from a model's `config.json` without loading the model: its vocabulary
 size (the API's bounds on token ids), the context it serves (the tokenizer's length check,
-the API's `max_model_len`) and the dtype its weights were saved in (the engine's DTYPE=auto)."""
+the API's `max_model_len`), the dtype its weights were saved in (the engine's DTYPE=auto), and the ids that
+end a generation (`eos_ids`: the engine and the grammar compiler read them alike)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ def checkpoint_dtype(model_dir: str) -> str | None:
     cfg = model_config(model_dir)
     value = cfg.get("torch_dtype") or cfg.get("dtype")
     return str(value) if value else None
+
+
+def eos_ids(*values: Any) -> tuple[int, ...]:
+    """The EOS ids that `eos_token_id` values name (each an int, a list of ints or None), as one sorted tuple:
+    a model's config.json and generation_config.json may each name some."""
+    ids: set[int] = set()
+    for eos in values:
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return tuple(sorted(ids))

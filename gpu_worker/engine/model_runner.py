@@ -19,6 +19,7 @@ from gpu_worker.engine.protocol import EngineConfig
 from gpu_worker.engine.sampler import Sampler, padded, token_logprobs
 from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.step import Sampled, StepBatch
+from shared.model_config import eos_ids
 
 
 @dataclass
@@ -30,17 +31,6 @@ class StepInputs:
     sample_rows: list[int]  # the rows whose logits are sampled: every decode row, then each completed chunk's last
     sampled: list[Sequence]  # their sequences, in the same order (a speculating sequence once per decode row)
     ahead: list[int] | None = None  # per sampled row, its place after its sequence's next token (None: all 0)
-
-
-def _eos_ids(hf_model: CausalLM) -> tuple[int, ...]:
-    ids: set[int] = set()
-    for src in (getattr(hf_model, "generation_config", None), hf_model.config):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif eos:
-            ids.update(int(e) for e in eos)
-    return tuple(sorted(ids))
 
 
 class DecodeRows(NamedTuple):
@@ -124,7 +114,9 @@ class ModelRunner:
         self.hf_model = model
         own_max = getattr(self.hf_model.config, "max_position_embeddings", 4096)
         self.max_model_len = min(config.max_model_len, own_max) if config.max_model_len > 0 else own_max
-        self.eos_token_ids = _eos_ids(self.hf_model)
+        generation = getattr(self.hf_model, "generation_config", None)  # config.json's and generation_config.json's
+        self.eos_token_ids = eos_ids(getattr(generation, "eos_token_id", None),
+                                     getattr(self.hf_model.config, "eos_token_id", None))
         self.block_size = config.block_size
         self.model = Llama(self.hf_model, self.max_model_len, self.block_size, config.cpu_kernels)
         self.vocab_size = self.model.vocab_size

@@ -9,6 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from shared.grammar.spec import GrammarError, GrammarSpec
+from shared.model_config import eos_ids
 
 
 def compile_with(compiler: Any, spec: GrammarSpec) -> Any:
@@ -48,7 +49,8 @@ def tokenizer_info(model_path: str, vocab_size: int | None = None) -> Any:
     if vocab_size is None:
         vocab_size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    stop = _eos_ids(config, _json_file(model_path, "generation_config.json"))
+    generation = _json_file(model_path, "generation_config.json")
+    stop = list(eos_ids(config.get("eos_token_id"), generation.get("eos_token_id")))
     if not stop and tokenizer.eos_token_id is not None:
         stop = [int(tokenizer.eos_token_id)]
     detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop or None)
@@ -69,15 +71,3 @@ def _json_file(model_path: str, name: str) -> dict[str, Any]:
         return value if isinstance(value, dict) else {}
     except (OSError, ValueError):
         return {}
-
-
-def _eos_ids(*configs: dict[str, Any]) -> list[int]:
-    """The EOS ids the model's configs name (as the engine reads them: gpu_worker/engine/model_runner.py)."""
-    ids: set[int] = set()
-    for cfg in configs:
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list):
-            ids.update(int(e) for e in eos)
-    return sorted(ids)
