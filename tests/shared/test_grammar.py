@@ -209,6 +209,7 @@ def test_grammars_need_a_root_and_bounded_repetitions() -> None:
     assert from_openai(guided_grammar='root ::= item+\nitem ::= "(" [a-z]+ ")" | [0-9]{1,3}') is not None
     _refused("needs a rule named root", guided_grammar='start ::= "a"')
     _refused("repeats 5000 times", guided_grammar="root ::= [a-z]{1,5000}")
+    _refused("repeats 5000 times", guided_grammar="root ::= [a-z]{,5000}")  # xgrammar's {,n}: 0 to n
     _refused("too long to compile", guided_grammar="root ::= [^a]{1,40} [^b]{1,40} [^c]{1,40}")
 
 
