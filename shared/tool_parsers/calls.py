@@ -1,0 +1,46 @@
+"""What a tool call parser reads out of generated text: the calls whole (`Parsed`), or as a stream of events, in
+the order OpenAI streams them (a call's index and name first, then its arguments' JSON text in fragments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # the arguments' JSON text, as the model wrote it (a call cut short by max_tokens: a prefix)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    content: str | None  # the text outside the calls; None when there is none
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    index: int
+    fragment: str
+
+
+StreamEvent = ContentDelta | CallStart | ArgumentsDelta
+
+
+def collect(events: list[StreamEvent]) -> Parsed:
+    """The whole result a list of events adds up to."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    names = {e.index: e.name for e in events if isinstance(e, CallStart)}
+    args = {i: "".join(e.fragment for e in events if isinstance(e, ArgumentsDelta) and e.index == i) for i in names}
+    return Parsed(content or None, [ToolCall(names[i], args[i]) for i in sorted(names)])
