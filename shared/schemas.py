@@ -103,10 +103,10 @@ class SamplingParams(BaseModel):
 
 
 class Grammar(BaseModel):
-    """Structured output, in its one canonical form (shared/grammar.py): what the output must match."""
+    """Structured output, in its one canonical form (shared/grammar/): what the output must match."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar", "tool_calls"]
     source: str = ""
 
     @model_validator(mode="after")

@@ -12,9 +12,10 @@ from shared.grammar.limits import MAX_SOURCE_BYTES
 from shared.grammar.regex import check_regex
 from shared.grammar.schema import check_schema
 from shared.grammar.spec import KINDS, GrammarError, GrammarSpec
+from shared.grammar.tools import check_tool_calls
 
 _NOUN = {"json_schema": "JSON schema", "json_object": "json_object grammar", "regex": "regex",
-         "choice": "list of choices", "grammar": "grammar"}
+         "choice": "list of choices", "grammar": "grammar", "tool_calls": "tools"}
 
 
 def check(spec: GrammarSpec) -> None:
@@ -41,6 +42,8 @@ def _check(kind: str, source: str) -> None:
         check_regex(source, cost, "the regex")
     elif kind == "choice":
         check_choices(source, cost)
+    elif kind == "tool_calls":
+        check_tool_calls(source, cost)
     else:
         check_ebnf(source, cost)
     cost.settle()

@@ -9,6 +9,7 @@ from functools import lru_cache
 from typing import Any
 
 from shared.grammar.spec import GrammarError, GrammarSpec
+from shared.grammar.tools import structural_tag
 from shared.model_config import eos_ids
 
 
@@ -29,6 +30,8 @@ def compile_with(compiler: Any, spec: GrammarSpec) -> Any:
         return compiler.compile_grammar("root ::= " + " | ".join(alternatives))
     if spec.kind == "grammar":
         return compiler.compile_grammar(spec.source)
+    if spec.kind == "tool_calls":  # calls held to their tools' schemas (tools.py)
+        return compiler.compile_structural_tag(json.dumps(structural_tag(spec.source)))
     raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from shared.grammar.limits import MAX_DEPTH
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
 
 
 class GrammarError(ValueError):
