@@ -1,5 +1,6 @@
-"""Who is calling: the API key (`Authorization: Bearer <key>`) as a `Caller`, cached briefly, and the stream
-slots a tenant may hold. With AUTH off (the default on loopback) every caller is one tenant without per-key limits."""
+"""Who is calling: the API key (`Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`) as a `Caller`,
+cached briefly, and the stream slots a tenant may hold. With AUTH off (the default on loopback) every caller is one
+tenant without per-key limits."""
 
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ class KeyCache:
 def _bearer(request: Request) -> str | None:
     value = request.headers.get("authorization", "")
     scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None  # Anthropic's clients send it so
 
 
 async def get_caller(request: Request, settings: SettingsDep) -> Caller:
@@ -75,7 +78,8 @@ async def get_caller(request: Request, settings: SettingsDep) -> Caller:
     key = _bearer(request)
     challenge = {"WWW-Authenticate": 'Bearer realm="conveyor"'}
     if key is None:
-        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key",
+        raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                       code="missing_api_key",
                        headers=challenge)
     tenant = await request.app.state.keys.lookup(key)
     if tenant is None:

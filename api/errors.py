@@ -1,9 +1,11 @@
-"""Errors as values clients can act on: `{"error": {"type", "message"}}` with the right status."""
+"""Errors as values clients can act on: `{"error": {"type", "message"}}` with the right status; on the Anthropic
+Messages routes (`/v1/messages...`) in Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,6 +78,37 @@ def error_body(status: int, message: str, type_: str | None = None, param: str |
                       "param": _printable(param) if param is not None else None, "code": code}}
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+                   422: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+# routes whose malformed bodies answer 400 (as vLLM's and Anthropic's do) rather than 422
+BAD_REQUEST_PATHS = (ANTHROPIC_PREFIX, "/tokenize", "/detokenize")
+
+
+def anthropic_body(status: int, message: str) -> dict[str, object]:
+    """Anthropic's error object: `{"type": "error", "error": {"type", "message"}}`."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": _printable(message)}}
+
+
+def _answer(request: Request, status: int, message: str, type_: str | None = None, param: str | None = None,
+            code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The error response in the shape of the route the request was for."""
+    if request.url.path.startswith(ANTHROPIC_PREFIX):
+        status = 400 if status == 422 else status  # Anthropic's invalid requests are all 400s
+        if param and param not in message:
+            message = f"{param}: {message}"
+        return JSONResponse(anthropic_body(status, message), status, headers=headers)
+    return JSONResponse(error_body(status, message, type_, param, code), status, headers=headers)
+
+
+def _validation_status(request: Request) -> int:
+    return 400 if request.url.path.startswith(BAD_REQUEST_PATHS) else 422
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for e in exc.errors():
@@ -91,36 +124,36 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api(_: Request, exc: ApiError) -> JSONResponse:
-        body = error_body(exc.status, exc.message, exc.type, exc.param, exc.code)
-        return JSONResponse(body, exc.status, headers=exc.headers)
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return _answer(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(DamagedRecord)
-    async def _damaged(_: Request, exc: DamagedRecord) -> JSONResponse:
+    async def _damaged(request: Request, exc: DamagedRecord) -> JSONResponse:
         # a record a failover left half written can never complete: answered as a job that is gone
         log.warning("%s", exc)
         msg = f"{exc}: part of it was lost (as a Redis failover can do) and it cannot complete; submit it again"
-        return JSONResponse(error_body(404, msg, code="incomplete_record"), 404)
+        return _answer(request, 404, msg, code="incomplete_record")
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         msg, param = _validation_message(exc)
-        return JSONResponse(error_body(422, msg, param=param), 422)
+        status = _validation_status(request)
+        return _answer(request, status, msg, "invalid_request_error", param=param)
 
     @app.exception_handler(ValidationError)
-    async def _invalid_inner(_: Request, exc: ValidationError) -> JSONResponse:
+    async def _invalid_inner(request: Request, exc: ValidationError) -> JSONResponse:
         msg, param = _validation_message(RequestValidationError(exc.errors()))
-        return JSONResponse(error_body(422, msg, param=param), 422)
+        status = _validation_status(request)
+        return _answer(request, status, msg, "invalid_request_error", param=param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code, headers=exc.headers)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _answer(request, exc.status_code, str(exc.detail), headers=exc.headers)
 
-    async def _redis(_: Request, exc: Exception) -> JSONResponse:
+    async def _redis(request: Request, exc: Exception) -> JSONResponse:
         log.warning("redis unavailable: %s", exc)
         msg = str(exc) if isinstance(exc, NotCopied) else "the job store is unavailable; retry shortly"
-        return JSONResponse(error_body(503, msg), 503,
-                            headers={"Retry-After": "2"})
+        return _answer(request, 503, msg, headers={"Retry-After": "2"})
 
     for kind in UNAVAILABLE:
         app.add_exception_handler(kind, _redis)
@@ -130,5 +163,5 @@ def install(app: FastAPI) -> None:
         # runs outside the request guard's send: it sets the request id header itself
         rid = request.scope.get("state", {}).get("request_id", "-")
         log.error("unhandled error in request %s (%s %s)", rid, request.method, request.url.path, exc_info=exc)
-        return JSONResponse(error_body(500, f"internal error; quote request id {rid} when reporting it"), 500,
-                            headers={"X-Request-Id": rid})
+        return _answer(request, 500, f"internal error; quote request id {rid} when reporting it",
+                       headers={"X-Request-Id": rid})

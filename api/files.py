@@ -9,14 +9,13 @@ AUTH off, only MAX_FILE_BYTES per file applies)."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aredis
 
-from shared import names
+from shared import file_ops, names
 from shared.file_ops import count_bytes
 from shared.job_ops import NotCopied, execute_copied
 
@@ -94,16 +93,9 @@ class FileStore:
 
     async def _record(self, file_id: str, owner: str, purpose: str, filename: str, size: int, kind: str,
                       source: str = "", newline: bool = True) -> dict[str, Any]:
-        now = int(time.time())
-        meta = {"id": file_id, "owner": owner, "purpose": purpose, "filename": filename, "bytes": size,
-                "created_at": now, "kind": kind, "source": source or names.file_key(file_id, "data"),
-                "newline": int(newline)}
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(names.file_key(file_id, "meta"), mapping=meta)
-        pipe.expire(names.file_key(file_id, "meta"), self.ttl_s)
-        pipe.zadd(names.files_index(owner), {file_id: now})
-        pipe.zremrangebyscore(names.files_index(owner), 0, now - self.ttl_s)  # expired files leave the index
-        pipe.expire(names.files_index(owner), self.ttl_s)
+        meta = file_ops.queue_record(pipe, file_id, owner, purpose, filename, size, kind,
+                                     source or names.file_key(file_id, "data"), self.ttl_s, newline)
         if not (await execute_copied(self.r, pipe, [names.file_key(file_id, "meta"), names.files_index(owner)]))[1]:
             await self.r.delete(names.file_key(file_id, "meta"))  # not promised, so not kept: the retry uploads anew
             raise NotCopied(f"file {file_id}")

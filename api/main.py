@@ -16,7 +16,7 @@ from api.files import FileStore
 from api.guard import RequestGuard
 from api.quota import Throughput
 from api.relay import Relay
-from api.routes import batches, health, jobs, openai, responses
+from api.routes import batches, health, jobs, messages, openai, responses, tokenize
 from api.store import JobStore
 from api.validation import document_bounds
 from shared.limits import MAX_BODY_BYTES
@@ -37,14 +37,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.keys = KeyCache(client)
         app.state.throughput = Throughput(client)
         app.state.files = FileStore(client, settings.job_ttl_s + settings.batch_window_s)
-        app.state.batches = Batches(client, app.state.store, app.state.files, settings)
+        app.state.batches = Batches(client, app.state.files, settings)  # driven by the Celery worker
         await app.state.relay.start()
         app.state.throughput.start()
-        app.state.batches.start()
         try:
             yield
         finally:
-            await app.state.batches.stop()
             await app.state.throughput.stop()
             await app.state.relay.stop()
             await client.aclose()
@@ -57,6 +55,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(messages.router)
+    app.include_router(tokenize.router)
     app.include_router(responses.router)
     app.include_router(batches.router)
     app.include_router(metrics.router)

@@ -2,7 +2,8 @@
 needs (`response`: its input items, instructions, metadata, the conversation so far); it lives and expires with
 the job (JOB_TTL_S) and belongs to the key that made it. This module holds the request body, its mapping onto
 the generation request, the Response object a job shows as, and the streaming events with their sequence
-numbers, which derive from the job's own event seqs so any API process can resume a stream at any point."""
+numbers, which derive from the job's own event seqs so any API process can resume a stream at any point. The
+Response object itself is shared/openai_bodies.py's (a batch line's body is one too)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.errors import ApiError
-from shared.jobs import FinishReason, Job, JobStatus
+from shared.jobs import Job
 from shared.limits import MAX_MESSAGES, Content, MaxTokens, Name, Temperature, TopP
+from shared.openai_bodies import message, response_object, response_status
 from shared.schemas import GenerationRequest, Message
 
 HEAD = 4  # created, in_progress, output_item.added, content_part.added: sequence numbers 0-3; token k is 3 + k
@@ -102,47 +104,8 @@ class ResponseRequest(BaseModel):
             "text": self.text or {"format": {"type": "text"}}}).decode()
 
 
-def response_id(job_id: str) -> str:
-    return "resp_" + job_id.removeprefix("job_")
-
-
 def job_id_of(resp_id: str) -> str | None:
     return "job_" + resp_id.removeprefix("resp_") if resp_id.startswith("resp_") else None
-
-
-def status(job: Job) -> str:
-    if job.status is JobStatus.succeeded:
-        return "incomplete" if job.finish_reason is FinishReason.length else "completed"
-    return {JobStatus.queued: "queued", JobStatus.running: "in_progress"}.get(job.status, job.status.value)
-
-
-def message(job: Job, text: str, done: bool) -> dict[str, Any]:
-    return {"type": "message", "id": "msg_" + job.id.removeprefix("job_"), "role": "assistant",
-            "status": "completed" if done else "in_progress",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []}
-
-
-def response_object(job: Job, meta: dict[str, Any], state: str | None = None) -> dict[str, Any]:
-    """The Response a job shows as (`state` overrides its status, for a stream's opening events)."""
-    state = state or status(job)
-    ended = state in ("completed", "incomplete", "failed", "cancelled")
-    out: dict[str, Any] = {
-        "id": response_id(job.id), "object": "response", "created_at": int(job.created_at), "status": state,
-        "model": job.model, "output": [message(job, job.text, True)] if ended and job.text else [],
-        "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "error": None, "incomplete_details": None,
-        "usage": None, **{k: meta.get(k) for k in ("instructions", "previous_response_id", "background", "store",
-                                                   "temperature", "top_p", "max_output_tokens", "text")},
-        "metadata": meta.get("metadata") or {}}
-    if ended:
-        u = job.usage
-        out["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                        "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                        "total_tokens": u.total_tokens}
-    if state == "failed":
-        out["error"] = {"code": "server_error", "message": job.error or "generation failed"}
-    if state == "incomplete":
-        out["incomplete_details"] = {"reason": "max_output_tokens"}
-    return out
 
 
 def head_events(job: Job, meta: dict[str, Any]) -> Iterator[tuple[int, str, dict[str, Any]]]:
@@ -172,5 +135,5 @@ def tail_events(end: Job, meta: dict[str, Any], done_seq: int) -> Iterator[tuple
     yield n + 1, "response.content_part.done", {"item_id": item_id, "output_index": 0, "content_index": 0,
                                                 "part": part}
     yield n + 2, "response.output_item.done", {"output_index": 0, "item": message(end, end.text, True)}
-    state = status(end)
+    state = response_status(end)
     yield n + 3, f"response.{state}", {"response": response_object(end, meta)}

@@ -18,9 +18,6 @@ from shared.schemas import GenerationRequest
 from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
 from shared.settings import Settings
 
-# The API cannot tokenize: a prompt is reserved against a tenant's tokens per minute at this many
-# characters a token (most tokenizers give 3-4 for English), and the difference refunded when the job ends.
-CHARS_PER_TOKEN = 3
 # with several partitions, how long the other partitions' depths (for queue positions) are reused
 DEPTHS_MAX_AGE_S = 1.0
 
@@ -61,11 +58,9 @@ class JobStore:
         if req.webhook_url:
             record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
         record.update(fields or {})  # what another API stores with the job (a response's input, api/responses.py)
-        prompt_chars = len(req.prompt or "") + sum(len(m.content) for m in req.messages or [])
-        prompt_tokens = len(req.prompt_token_ids or []) + math.ceil(prompt_chars / CHARS_PER_TOKEN)
         reply = await self.jobs.submit(
             job_id, record, request_json, owner=owner,
-            reserve_tokens=prompt_tokens + req.max_tokens, max_waiting=max_waiting,
+            reserve_tokens=req.reserved_tokens(), max_waiting=max_waiting,
             idempotency_key=idempotency_key or "", idempotency_ttl_s=self.settings.idempotency_ttl_s,
             jobs_maxlen=self.jobs_maxlen, budget=budget)
         if reply.code is SubmitCode.replay:  # another request's job, or this one's (a call sent again)

@@ -242,6 +242,23 @@ class Run:
         return {i: set(t) for i, t in refs.items()}
 
 
+async def poll(run: Run, client: httpx.AsyncClient, job_id: str) -> dict[str, Any]:
+    """A job's poll as a client makes it: a 503 (Retry-After) or a dropped connection is asked again, for up to
+    60 s, and counted; any other answer is the job's."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            resp = await client.get(f"/v1/jobs/{job_id}", timeout=30)
+            if resp.status_code != 503 or time.monotonic() > deadline:
+                return dict(resp.json())
+            run.retries["poll 503"] += 1
+        except httpx.TransportError as exc:
+            if time.monotonic() > deadline:
+                raise
+            run.retries[f"poll {type(exc).__name__}"] += 1
+        await asyncio.sleep(0.5)
+
+
 async def verify(run: Run, client: httpx.AsyncClient, refs: dict[int, set[str]]) -> dict[str, Any]:
     sem = asyncio.Semaphore(8)
     res: dict[str, Any] = {"status": collections.Counter(), "failed": collections.Counter(), "corrupt": [],
@@ -249,11 +266,12 @@ async def verify(run: Run, client: httpx.AsyncClient, refs: dict[int, set[str]])
 
     async def one(job_id: str, idx: int) -> None:
         async with sem:
-            job = (await client.get(f"/v1/jobs/{job_id}", timeout=30)).json()
+            job = await poll(run, client, job_id)
             st = job.get("status")
             res["status"][st] += 1
             if st not in TERMINAL:
-                res["lost"].append({"id": job_id, "status": st, "tokens": job.get("usage", {})})
+                res["lost"].append({"id": job_id, "status": st, "tokens": job.get("usage", {}),
+                                    "answer": job.get("error")})  # a poll's error (not a job) names itself
                 return
             if st == "failed":
                 res["failed"][error_reason(job.get("error") or "")] += 1

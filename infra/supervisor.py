@@ -2,7 +2,7 @@
 
 Starts Redis (unless REDIS_URL is set: one redis-server, or a local cluster; infra/embedded_redis.py),
 the API, the worker pools and a Celery worker (with beat
-embedded: after-job work and upkeep) as child processes;
+embedded: after-job work, batch driving and upkeep) as child processes;
 restarts a crashed child with backoff; scales pools on queue lag when autoscaling is on;
 on Ctrl-C or SIGTERM stops everything it started (workers drain first), leaving nothing behind.
 
@@ -16,6 +16,7 @@ Its state (pools, pids, restarts) is in `<cache>/supervisor.json`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -44,6 +45,12 @@ class Child:
     proc: subprocess.Popen[bytes]
     started: float = field(default_factory=time.monotonic)
     stopping: bool = False
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL whatever is left in a reaped child's process group (it led one: start_new_session)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 class Pool:
@@ -75,6 +82,7 @@ class Pool:
             if code is None:
                 continue
             self.children.remove(c)
+            _kill_group(c.proc.pid)  # what it left in its group (Celery's beat, a killed worker's children)
             if not c.stopping:
                 log.warning("%s: pid %d exited with %s", self.name, c.proc.pid, code)
                 self.restarts += 1
@@ -160,7 +168,9 @@ def _wait_ready(url: str, stop: threading.Event, timeout: float = 300.0) -> bool
 
 
 def celery_argv(settings: Settings) -> list[str]:
-    """One Celery worker with beat embedded (a process of its own, in the worker's group)."""
+    """One Celery worker with beat embedded (a process of its own, in the worker's group): all the background
+    work, the after-job drain and the batch driver side by side in each run of its task (workers/celery_app.py)
+    and upkeep; `--pool solo` runs one task at a time."""
     home = settings.cache_dir / "celery"
     home.mkdir(parents=True, exist_ok=True)
     return [sys.executable, "-m", "celery", "--quiet", "--app", "workers.celery_app", "worker", "--beat",

@@ -1,4 +1,4 @@
-"""A batch's script calls (the Batch API's driver, api/batches.py; the after-job drain): each builds its
+"""A batch's script calls (the Batch API's driver, workers/batch_driver.py; the after-job drain): each builds its
 keys and arguments here, from shared/names.py, as shared/job_ops.py does a job's."""
 
 from __future__ import annotations

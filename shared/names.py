@@ -94,7 +94,7 @@ TOKENIZED = "tokenized"  # Arrow record batches, for the inference pool
 DEAD = "dead"  # entries delivered too often, with why
 # every job that ends is appended here (by shared/scripts/finish.lua, atomically with its end), for the
 # after-job work in workers/after_job.py (usage accounting, the client's webhook); so is every batch that
-# ends with a webhook to call (entries with `batch_id` instead of `job_id`, by api/batches.py)
+# ends with a webhook to call (entries with `batch_id` instead of `job_id`, by workers/batch_driver.py)
 ENDED = "ended"
 TOKENIZER_GROUP = "tokenizers"
 INFERENCE_GROUP = "inference"
@@ -307,3 +307,26 @@ def usage_key(day: str | None = None, partition: int = 0) -> str:
     """Tokens and jobs per model for one UTC day (YYYY-MM-DD; today when None), kept 35 days; one
     per partition (the accounting script adds a job's usage in its partition)."""
     return f"{partition_prefix(partition)}:usage:{day or time.strftime('%Y-%m-%d', time.gmtime())}"
+
+
+# tokenize calls (shared/tokenize_calls.py): `/tokenize`, `/detokenize` and the Messages API's token counts, answered
+# by the tokenizer pool. A call goes on its partition's `tokenize` stream (read with `jobs`, by the same group); its
+# reply is a key with a TTL and a message on the call's channel (`job_channel` of its id, so the API's relay
+# subscribes to it as to a job's), both in the call's partition.
+TOKENIZE = "tokenize"
+
+
+def stream_kind(name: bytes | str) -> str:
+    """A partitioned stream's kind (`jobs`, `tokenize`, ...): the part of its name after the hash tag."""
+    tagged = name.decode() if isinstance(name, bytes) else name
+    return tagged[tagged.index("}") + 2:]
+
+
+def tokenize_call_id(partition: int, hex_id: str) -> str:
+    """A tokenize call's id (`tok_<32 hex>`), whose last two hex digits name `partition`, as a job id's do."""
+    return f"tok_{hex_id[:30]}{partition:02x}"
+
+
+def tokenize_reply_key(call_id: str) -> str:
+    """A tokenize call's reply (JSON), with a short TTL: read when its channel's message was missed."""
+    return f"{_job_prefix(call_id)}:tokreply:{call_id}"

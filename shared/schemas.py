@@ -6,6 +6,7 @@ its fields). The engine's token deltas to the output lane are the inference work
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field, fields
 from types import UnionType
@@ -120,6 +121,9 @@ class Grammar(BaseModel):
 
 
 # the ways clients ask for structured output (OpenAI's and vLLM's), all mapped onto `grammar`
+# The API cannot tokenize: a prompt is reserved against a tenant's tokens per minute at this many characters a
+# token (most tokenizers give 3-4 for English), and the difference refunded when the job ends (`reserved_tokens`)
+CHARS_PER_TOKEN = 3
 GRAMMAR_PARAMS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                   "structured_outputs")
 
@@ -209,6 +213,12 @@ class GenerationRequest(SamplingParams):
         except (TypeError, LookupError, AttributeError) as exc:
             raise ValueError(f"the request has an unexpected shape ({type(exc).__name__}: {exc})") from None
         return cls.model_construct(**data)
+
+    def reserved_tokens(self) -> int:
+        """What the job reserves of its tenant's tokens per minute at submit, before it is tokenized: its prompt
+        at CHARS_PER_TOKEN characters a token (token ids as they are), plus max_tokens."""
+        chars = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        return len(self.prompt_token_ids or []) + math.ceil(chars / CHARS_PER_TOKEN) + self.max_tokens
 
     def tokenized(self, job_id: str, prompt_ids: list[int]) -> Request:
         """This request as the engine receives it; a missing seed is drawn here, once."""

@@ -25,6 +25,7 @@ from harness.models import make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
+from tests.helpers import in_process_api
 from workers.tokenizer.grammar import GrammarCompiler
 
 __all__ = ["ROOT", "Stack", "launch_stack", "own_redis", "start_stack", "stop_stack"]
@@ -33,24 +34,64 @@ GRAMMAR_TTL_S = 600  # compiled grammars' TTL in the grammar_compiler fixture
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
-    """A test on one of the session's shared stacks joins that stack's group (`--dist loadgroup`): the group
-    runs in one worker, which starts the stack once."""
-    for item in items:
-        used = _stacks_used(item)
-        if used:
-            item.add_marker(pytest.mark.xdist_group("+".join(sorted(used))))
+    """The tests that share what costs to start run in one worker (`--dist loadgroup`), which starts it once: a
+    test on one of the session's shared stacks joins that stack's group, a test on a fixture of its module's own
+    (module or class scope: a stack, an engine, a server) joins its module's group; groups that share a test
+    are one (`_joined_groups`)."""
+    for item, group in _joined_groups(items).items():
+        for name in group:
+            item.add_marker(pytest.mark.xdist_group(name))
     yield
     if getattr(config.option, "loadgroup", False):  # in a worker of --dist loadgroup
         for item in items:
             _name_group(item)
 
 
+def _joined_groups(items: list[pytest.Item]) -> dict[pytest.Item, list[str]]:
+    """Each grouped test's group, as the names it is made of: the groups a test is in (marked, its shared
+    stacks, else its module's own fixtures: a module's fixture does not join two shared stacks' groups into one),
+    joined wherever one test is in two."""
+    root: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        while root.setdefault(name, name) != name:
+            name = root[name]
+        return name
+
+    names = {item: _marked_groups(item) | (_stacks_used(item) or _module_fixtures_used(item)) for item in items}
+    for first, *rest in (sorted(n) for n in names.values() if n):
+        for name in rest:
+            root[find(name)] = find(first)
+        find(first)
+    members: dict[str, list[str]] = {}
+    for name in sorted(root):
+        members.setdefault(find(name), []).append(name)
+    return {item: members[find(next(iter(n)))] for item, n in names.items() if n}
+
+
+def _marked_groups(item: pytest.Item) -> set[str]:
+    return {str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")}
+
+
+def _module_fixtures_used(item: pytest.Item) -> set[str]:
+    """{the test's module} if it uses a fixture of module or class scope defined in the suite (each module gets its
+    own instance, which a second worker would build again); else empty."""
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(item, "module", None)
+    if info is None or module is None:
+        return set()
+    for name in item.fixturenames:  # type: ignore[attr-defined]
+        defs = info.name2fixturedefs.get(name) or ()
+        if defs and defs[-1].scope in ("module", "class") and defs[-1].baseid.startswith("tests"):
+            return {module.__name__.removeprefix("tests.")}
+    return set()
+
+
 def _name_group(item: pytest.Item) -> None:
     """The test's group as the suffix of its id (`test_x@stack`), which is how a worker tells the scheduler: pytest
     9.2 builds the id from its structured form, so the suffix pytest-xdist 3.8 writes is lost (pytest-dev/pytest-xdist
     issue 1386); written here where it is missing."""
-    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                     for m in item.iter_markers("xdist_group")})
+    groups = sorted(_marked_groups(item))
     suffix = "@" + "_".join(groups)
     if groups and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
         item._id = NodeId.parse(item.nodeid + suffix)
@@ -88,18 +129,11 @@ def redis_db(redis_server: RedisServer) -> Iterator[redis.Redis]:
 async def app_client(redis_server: RedisServer, model_path: str) -> AsyncIterator[httpx.AsyncClient]:
     """The API in this process on db 13 of the session's Redis (emptied after), the tests' limits, no workers: for
     what a response's shape shows (status codes, error bodies, headers) without a stack (tests/api/test_door.py)."""
-    from api.main import create_app
-
     url = redis_server.url.rsplit("/", 1)[0] + "/13"
-    app = create_app(Settings(redis_url=url, model=model_path, max_tokens_cap=int(TEST_ENV["MAX_TOKENS_CAP"]),
-                              max_model_len=int(TEST_ENV["MAX_MODEL_LEN"]), webhook_allow_private=True))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield client
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    r.close()
+    async with in_process_api(Settings(redis_url=url, model=model_path, webhook_allow_private=True,
+                                       max_tokens_cap=int(TEST_ENV["MAX_TOKENS_CAP"]),
+                                       max_model_len=int(TEST_ENV["MAX_MODEL_LEN"]))) as client:
+        yield client
 
 
 @pytest.fixture(scope="session")

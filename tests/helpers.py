@@ -1,5 +1,5 @@
-"""Small clients for the tests: submit, wait, read SSE streams (harness/sse.py's reader), and wait on any
-condition with a deadline instead of sleeping."""
+"""Small clients for the tests: submit, wait, read SSE streams (harness/sse.py's reader), wait on any
+condition with a deadline instead of sleeping, and the API in this process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import io
 import os
 import subprocess
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 from unittest import mock
 
 import httpx
@@ -19,8 +19,13 @@ import harness.stack
 from harness.sse import iter_sse, read_events, tokens_text
 from shared.grammar import GrammarSpec, from_openai
 from shared.jobs import TERMINAL
+from shared.settings import Settings
 
-__all__ = ["blocked_on", "chat", "conveyor", "iter_sse", "read_events", "submit", "tokens_text", "until", "wait"]
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = ["blocked_on", "chat", "conveyor", "in_process_api", "iter_sse", "read_events", "submit", "tokens_text",
+           "until", "wait"]
 
 
 def submit(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -92,3 +97,22 @@ def conveyor(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
         err.write(code + "\n")
         code = 1
     return subprocess.CompletedProcess(["conveyor", *argv], code or 0, out.getvalue(), err.getvalue())
+
+
+@contextlib.asynccontextmanager
+async def in_process_api(settings: Settings,
+                         extend: Callable[[FastAPI], None] | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the API run in this process on `settings` (no workers), its lifespan entered; `extend` adds to
+    the app first (a route of the test's own). The database of `settings.redis_url` is emptied after."""
+    from api.main import create_app
+
+    app = create_app(settings)
+    if extend is not None:
+        extend(app)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client
+    r = redis.Redis.from_url(settings.redis_url)
+    r.flushdb()
+    r.close()

@@ -4,7 +4,7 @@ ends, its webhook's event.
 Every end (success, failure, cancel) is appended to the `ended` stream by the finish script, in the
 same atomic step as the end itself, so none is missed. `drain` reads it through the `after-job`
 consumer group (a Celery task that beat starts every 30 s and that waits on Redis for ends for
-25 s, see workers/celery_app.py), in batches:
+28 s, with the batch driver running beside it: see workers/celery_app.py), in batches:
 
 - usage is added to the day's totals (`names.usage_key()`, the date of the drain, per model) once
   per job: one script call per job (shared/scripts/account.lua), pipelined per batch; a marker
@@ -16,7 +16,7 @@ consumer group (a Celery task that beat starts every 30 s and that waits on Redi
   last failure's reason (also noted on the job record as `webhook_error`). Delivery is at least
   once: receivers deduplicate on `X-Conveyor-Job`;
 - an entry with a `batch_id` instead of a `job_id` is a batch that ended with a webhook to call
-  (api/batches.py adds it): its event goes out the same way, retried and dead-lettered alike (the
+  (workers/batch_driver.py adds it): its event goes out the same way, retried and dead-lettered alike (the
   failure noted on the batch's record), nothing accounted.
 
 Entries of a Celery worker that died mid-drain are taken over once idle past CLAIM_IDLE_MS

@@ -1,13 +1,27 @@
-"""The Celery app: work that runs after a job ends (usage accounting, webhooks) and periodic
-upkeep (stream trimming, which nothing else does), both on beat's schedule. `conveyor up` runs one
-worker with beat embedded; on a cluster:
+"""The Celery app: the one mechanism for background work (the API only answers HTTP). Work that runs after a
+job ends (usage accounting, webhooks: workers/after_job.py), batch driving (OpenAI's Batch API:
+workers/batch_driver.py) and upkeep (stream trimming, which nothing else does), all on beat's schedule.
+`conveyor up` runs one worker (`--pool solo`) with beat embedded; on a cluster:
 
     celery -A workers.celery_app worker      # tasks
     celery -A workers.celery_app beat        # schedule
+
+How the drain and the driver share a worker: beat starts `after_jobs` every AFTER_JOBS_EVERY_S (and the worker
+once when it is ready), and each run lasts AFTER_JOBS_RUN_S with two lanes side by side: the after-job drain in
+the task's own thread, blocked on Redis while nothing ends, and the batch driver in a thread the run starts
+and joins, ticking every TICK_S. Two lanes, not one loop that alternates between them, because the drain
+waits on what it does not control: a webhook may take WEBHOOK_TIMEOUT_S to fail and is tried again later, and
+an alternating loop would hold every batch's next submit behind it. One task, not a task each on a pool of
+two, because a solo worker (and each prefork child) runs one task at a time, and runs of one task queued back
+to back could take both places of a pool of two. The lanes share the run's life: both start with it, both
+stop at its budget or at a warm shutdown (where the driver gives its leases up), and a worker that dies loses
+both (its batches' leases lapse within LEASE_MS for the next driver to take). Any number of workers may run
+it: the drain's consumer group and the driver's leases share the work out.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import redis
@@ -19,10 +33,11 @@ from shared.redis_client import is_cluster, sync_client
 from shared.settings import get_settings
 from workers import upkeep
 from workers.after_job import AfterJob
+from workers.batch_driver import BatchDriver
 
 settings = get_settings()
 AFTER_JOBS_EVERY_S = 30.0
-AFTER_JOBS_RUN_S = 25.0
+AFTER_JOBS_RUN_S = 28.0  # the next run starts as this one ends: at most a couple of seconds without either lane
 # Celery's broker is a single Redis (kombu has no cluster transport): CELERY_BROKER_URL, else REDIS_URL,
 # which must then be a single node; the tasks themselves reach conveyor's keys through REDIS_URL
 if not settings.celery_broker_url and settings.redis_url and is_cluster(settings.redis_url):
@@ -38,8 +53,8 @@ app.conf.update(
     result_backend=None,
     beat_schedule={
         "trim-consumed-streams": {"task": "conveyor.trim_streams", "schedule": 30.0},
-        # each run drains for AFTER_JOBS_RUN_S, blocked on Redis while nothing ends (webhooks go out as jobs
-        # end, and an idle worker and beat cost next to nothing); a run not started in time is dropped
+        # each run drains and drives batches for AFTER_JOBS_RUN_S, blocked on Redis while nothing ends (webhooks
+        # go out as jobs end, and an idle worker and beat cost next to nothing); a run not started in time is dropped
         "after-jobs": {"task": "conveyor.after_jobs", "schedule": AFTER_JOBS_EVERY_S,
                        "options": {"expires": AFTER_JOBS_EVERY_S}},
     },
@@ -62,6 +77,7 @@ def trim_streams() -> dict[str, int]:
 
 
 _after: AfterJob | None = None
+_driver: BatchDriver | None = None
 
 
 @worker_ready.connect
@@ -84,12 +100,36 @@ def _leave(**_: Any) -> None:
             _after.close()
         except redis.RedisError:
             pass  # Redis gone at shutdown: the consumer stays listed, its entries are claimed later
+    if _driver is not None:
+        try:
+            _driver.release()
+        except redis.RedisError:
+            pass  # its leases lapse by themselves within LEASE_MS
 
 
 @app.task(name="conveyor.after_jobs")
 def after_jobs() -> dict[str, int]:
-    """Usage accounting and webhooks for jobs that ended (see workers/after_job.py)."""
-    global _after
+    """Usage accounting and webhooks for jobs that ended (workers/after_job.py), and the batch driver beside
+    them (workers/batch_driver.py), for AFTER_JOBS_RUN_S."""
+    global _after, _driver
     if _after is None:
         _after = AfterJob(client(), settings)
-    return _after.drain(budget_s=AFTER_JOBS_RUN_S, wait_ms=2000)
+    if _driver is None:
+        _driver = BatchDriver(sync_client(settings.redis_url), settings)  # a client that decodes
+    return run_lanes(_after, _driver, AFTER_JOBS_RUN_S)
+
+
+def run_lanes(after: AfterJob, driver: BatchDriver, budget_s: float, wait_ms: int = 2000) -> dict[str, int]:
+    """One run: the drain here for `budget_s` (waiting `wait_ms` at a time for ends), the driver ticking in a
+    thread of its own until the drain returns (at its budget, at a warm shutdown, or raising). The drain's
+    counts, and the driver's ticks."""
+    done = threading.Event()
+    ticks: list[int] = []
+    lane = threading.Thread(target=lambda: ticks.append(driver.run(done)), name="batch-driver", daemon=True)
+    lane.start()
+    try:
+        counts = after.drain(budget_s=budget_s, wait_ms=wait_ms)
+    finally:
+        done.set()
+        lane.join()
+    return {**counts, "batch_ticks": sum(ticks)}

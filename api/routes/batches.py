@@ -1,5 +1,5 @@
-"""OpenAI's Files and Batch APIs (api/files.py, api/batches.py). Files and batches belong to the key that made
-them: every other key gets 404."""
+"""OpenAI's Files and Batch APIs (api/files.py, api/batches.py; the batches run in the Celery worker,
+workers/batch_driver.py). Files and batches belong to the key that made them: every other key gets 404."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def _no_batch(batch_id: str) -> ApiError:
 
 @router.post("/batches", response_model=None)
 async def create_batch(body: BatchRequest, request: Request, caller: CallerDep) -> Any:
-    """Check every line of the input file (a bad line goes to the error file) and start the rest."""
+    """Check every line of the input file (a bad line goes to the error file) and queue the rest. The Celery
+    worker's batch driver runs them: a stack without one (`conveyor up --celery 0`) leaves the batch in progress."""
     if body.completion_window != "24h":
         raise ApiError(400, "completion_window must be '24h'", param="completion_window")
     return await _batches(request).create(caller.tenant, body.input_file_id, body.endpoint, body.metadata,

@@ -1,5 +1,6 @@
 """OpenAI-compatible endpoints on the same job path: a job per choice per prompt (api/choices.py). These
-jobs belong to their request: a client that disconnects cancels its generations."""
+jobs belong to their request: a client that disconnects cancels its generations. The bodies an ended job
+makes are shared/openai_bodies.py's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -27,8 +27,9 @@ from api.store import JobStore
 from api.streaming import TokenEvent
 from api.validation import check_request
 from shared.jobs import DamagedRecord, Job, JobStatus
-from shared.logprobs import chat_item, completion_logprobs
+from shared.logprobs import completion_logprobs
 from shared.model_config import model_context
+from shared.openai_bodies import Shape, completion_id, completion_object, finish_reason, usage_of
 from shared.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -38,10 +39,6 @@ def _check_model(requested: str | None, settings: Settings) -> None:
     if requested and requested != settings.served_model_name:
         raise ApiError(404, f"the model '{requested}' does not exist; this server runs "
                             f"'{settings.served_model_name}'", type_="model_not_found", param="model")
-
-
-def _finish(job: Job) -> str | None:
-    return job.finish_reason.value if job.finish_reason else None
 
 
 def _failure(job: Job) -> ApiError:
@@ -58,52 +55,6 @@ async def models(settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
                              "root": settings.served_model_name}
     entry["max_model_len"] = model_context(settings.model_path, settings.max_model_len)  # as vLLM reports it
     return {"object": "list", "data": [entry]}
-
-
-@dataclass
-class Shape:
-    """How one endpoint writes its choices: chat (`message`/`delta`, logprobs as `content` items) or
-    completions (`text`, legacy logprobs; with `echo` the prompt first)."""
-
-    chat: bool
-    logprobs: bool  # the client asked for them
-    echo: bool
-    prompts: list[str | None]  # each job's prompt text when the client gave text (echo), else None
-
-    def choice(self, i: int, end: Job) -> dict[str, Any]:
-        if self.chat:
-            lp = {"content": [chat_item(e) for e in end.entries or []]} if self.logprobs else None
-            return {"index": i, "message": {"role": "assistant", "content": end.text}, "logprobs": lp,
-                    "finish_reason": _finish(end)}
-        head, entries = self._head(i, end), end.entries or []
-        if self.echo and self.logprobs and end.prompt is not None:
-            lp = completion_logprobs(end.prompt[1] + entries)
-        else:
-            lp = completion_logprobs(entries, len(head)) if self.logprobs else None
-        return {"index": i, "text": head + end.text, "logprobs": lp, "finish_reason": _finish(end)}
-
-    def _head(self, i: int, end: Job) -> str:
-        """The echoed prompt: as the client sent it, or decoded from its token ids."""
-        if not self.echo:
-            return ""
-        given = self.prompts[i]
-        if given is not None:
-            return given
-        return end.prompt[0] if end.prompt is not None else ""
-
-    def delta(self, i: int, text: str, entries: list[Any] | None, offset: int) -> dict[str, Any]:
-        if self.chat:
-            lp = {"content": [chat_item(e) for e in entries or []]} if self.logprobs else None
-            return {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
-        lp = completion_logprobs(entries or [], offset) if self.logprobs else None
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
-
-
-def usage_of(ends: list[Job], n: int) -> dict[str, int]:
-    """Each prompt's tokens once (its n choices share it), every choice's completion tokens."""
-    prompt = sum(e.usage.prompt_tokens for e in ends[::n])
-    completion = sum(e.usage.completion_tokens for e in ends)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
@@ -126,9 +77,9 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
             await release_stream_slot(redis, caller, slot)
         raise
     created = int(time.time())
-    cid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id.removeprefix("job_")
-    obj = "chat.completion" if chat else "text_completion"
-    head = {"id": cid, "object": f"{obj}.chunk" if chat else obj, "created": created, "model": jobs[0].model}
+    cid = completion_id(chat, jobs[0].id)
+    head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": jobs[0].model}
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
         frames = _stream(store, relay, jobs, shape, head, body.n, usage)
@@ -143,11 +94,7 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
     failed = next((e for e in ends if e.status is JobStatus.failed), None)
     if failed is not None:
         raise _failure(failed)
-    out = {"id": cid, "object": obj, "created": created, "model": ends[0].model,
-           "choices": [shape.choice(i, e) for i, e in enumerate(ends)], "usage": usage_of(ends, body.n)}
-    if chat:
-        out["system_fingerprint"] = None
-    return JSONResponse(out, headers=limits)
+    return JSONResponse(completion_object(cid, created, ends, shape, body.n), headers=limits)
 
 
 async def _closing(frames: AsyncIterator[tuple[bytes, str | None]], finished: set[str],
@@ -202,7 +149,7 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
             return
         ends[i] = end
         yield frame([{"index": i, **({"delta": {}} if shape.chat else {"text": ""}), "logprobs": None,
-                      "finish_reason": _finish(end)}]), end.id
+                      "finish_reason": finish_reason(end)}]), end.id
     if include_usage:
         yield frame([], usage=usage_of([e for e in ends if e is not None], n)), None
     yield sse.encode("[DONE]"), None
@@ -215,7 +162,7 @@ async def _echo_chunk(store: JobStore, job_id: str, shape: Shape, i: int) -> dic
         return None
     if job is None:
         return None
-    text = shape._head(i, job)
+    text = shape.head(i, job)
     lp = completion_logprobs(job.prompt[1]) if shape.logprobs and job.prompt is not None else None
     return {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
 

@@ -20,7 +20,7 @@ cache, rather than computing them twice side by side; the others behind it go on
 A waiting sequence that cannot start (every slot runs, or too few blocks are free) may take the place of one
 running (`_make_room`, one a step), its victim (`_victim`):
 - priority: of its own tenant, the running sequence of the worst priority (the newest among equals), if that
-  is strictly worse than its own. A batch's lines (priority 1000, api/batches.py) give their slots to the
+  is strictly worse than its own. A batch's lines (priority 1000, workers/batch_driver.py) give their slots to the
   same tenant's interactive requests (0). Equal priorities never preempt each other.
 - fair share: if its tenant runs nothing here, the same of the tenant running the most, if that runs two or
   more. A light tenant waits for a slot, not for a heavy tenant's running job to end.

@@ -1,4 +1,4 @@
--- batch_result: record one batch line's result exactly once (a batch's driver, api/batches.py).
+-- batch_result: record one batch line's result exactly once (a batch's driver, workers/batch_driver.py).
 -- KEYS: 1 the batch's record, 2 its `out` or `err` hash (index -> result line), 3 its `inflight` hash
 -- ARGV: 1 the line's index, 2 its result line (JSON), 3 the counter it adds to: completed or failed
 -- A result already recorded (a driver that died after this call and a new one doing it again) changes nothing;

@@ -1,7 +1,8 @@
-"""The Files and Batch APIs through the official openai SDK, against the running stack (tiny model): a batch
-with malformed lines runs the rest, its output and error files parse, counts and custom ids match, and read back
-as Parquet tables; a batch cancelled midway keeps its finished lines; bounds answer the right 4xx (another key:
-tests/api/test_tenants.py; per-key caps, expiry and webhooks: tests/api/test_batch_limits.py)."""
+"""The Files and Batch APIs through the official openai SDK, against the running stack (tiny model; its Celery
+worker drives the batches): a batch with malformed lines runs the rest, its output and error files parse, counts
+and custom ids match, and read back as Parquet tables; a batch cancelled midway keeps its finished lines; bounds
+answer the right 4xx (another key: tests/api/test_tenants.py; per-key caps, expiry and webhooks:
+tests/api/test_batch_limits.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.helpers import until
 
 @pytest.fixture
 def oai(tiny_stack) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    assert tiny_stack.by_role("celery"), "batches run in the Celery worker: the stack needs one"
     return openai.OpenAI(base_url=tiny_stack.url + "/v1", api_key="unused", max_retries=0)
 
 

@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 import redis
+from fastapi import FastAPI
 
 from api.main import create_app
 from shared import names
 from shared.limits import MAX_BODY_BYTES, TEMPERATURE_FLOOR
 from shared.settings import Settings
+from tests.helpers import in_process_api
 
 VOCAB = 49152  # SmolLM2's config.json
 
@@ -24,20 +26,14 @@ VOCAB = 49152  # SmolLM2's config.json
 @pytest.fixture
 async def api(redis_server, model_path: str) -> AsyncIterator[httpx.AsyncClient]:  # type: ignore[no-untyped-def]
     url = redis_server.url.rsplit("/", 1)[0] + "/13"
-    settings = Settings(redis_url=url, model=model_path, max_tokens_cap=1000)
-    app = create_app(settings)
+    async with in_process_api(Settings(redis_url=url, model=model_path, max_tokens_cap=1000), _boom) as client:
+        yield client
 
+
+def _boom(app: FastAPI) -> None:
     @app.get("/boom")
     async def boom() -> None:
         raise RuntimeError("secret internals: /etc/passwd")
-
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield client
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    r.close()
 
 
 def _is_error_object(r: httpx.Response) -> None:

@@ -1,6 +1,6 @@
-"""A batch survives kill -9 of the API process driving it and of the inference worker running its lines: the
-supervisor restarts them, a driver takes the batch's lease over, and every line's result is recorded exactly
-once. The stack is its own: both runs go on in turn, in one worker (the module's group)."""
+"""A batch survives kill -9 of the Celery worker driving it, of the API that made it and of the inference worker
+running its lines: the supervisor restarts them, a driver takes the batch's lease over, and every line's result
+is recorded exactly once. The stack is its own: the runs go on in turn, in one worker (the module's group)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.helpers import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("batch_stack")]  # its tests share the module's `bstack`
 LINES = 40
-VICTIMS = ("api", "inference")
+VICTIMS = ("celery", "api", "inference")
 
 
 @pytest.fixture(scope="module")

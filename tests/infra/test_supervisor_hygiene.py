@@ -76,3 +76,31 @@ def test_sigkill_of_the_supervisor_takes_every_child_along(tmp_path: Path, tiny_
         for pid in _alive(everything):  # only this stack's processes: the session's stacks live on
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
+
+
+def test_a_child_that_dies_takes_what_it_left_in_its_group_along() -> None:
+    """A pool's child killed -9 (a Celery worker: its beat is a child of its own) leaves nothing behind once
+    the pool reaps it."""
+    from infra.supervisor import Pool
+
+    leaves_a_child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; " \
+                     "time.sleep(300)']); time.sleep(300)"
+    pool = Pool("test", [sys.executable, "-c", leaves_a_child], {}, 1)
+    pool.reconcile()
+    first = pool.children[0].proc
+    try:
+        deadline = time.monotonic() + 30
+        while not _descendants(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _descendants(first.pid)
+        assert left
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        pool.reconcile()
+        deadline = time.monotonic() + 10
+        while _alive(left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(left)
+    finally:
+        pool.stop()
+        pool.wait(time.monotonic() + 10)

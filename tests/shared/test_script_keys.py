@@ -31,15 +31,8 @@ from shared.scripts.codes import (
     SubmitCode,
     SubmitReply,
 )
-from tests.conftest import own_redis
 
 USER, PASSWORD = "declared", "declared-only"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A redis-server of its own: its users are this module's alone."""
-    yield from own_redis(tmp_path_factory, "declared-keys")
 
 
 class Declared:
@@ -67,8 +60,9 @@ class Declared:
 
 
 @pytest.fixture
-def declared(server: RedisServer) -> Iterator[Declared]:
-    run = Declared(server.url)
+def declared(module_redis: RedisServer) -> Iterator[Declared]:
+    """Calls as a user of the module's own redis-server (its users are this module's alone)."""
+    run = Declared(module_redis.url)
     yield run
     run.close()
 

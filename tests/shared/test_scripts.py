@@ -38,7 +38,6 @@ from shared.scripts.codes import (
     StepCode,
     StepReply,
 )
-from tests.conftest import own_redis
 
 
 @pytest.fixture
@@ -75,15 +74,10 @@ def _commands(client: redis.Redis) -> dict[str, int]:
     return {k: int(v["calls"]) for k, v in client.info("commandstats").items()}
 
 
-@pytest.fixture(scope="module")
-def quiet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A redis-server of its own: its command counts are this module's alone (the session's serves live stacks)."""
-    yield from own_redis(tmp_path_factory, "quiet-redis")
-
-
-def test_a_pipeline_replays_what_answered_noscript_in_order(quiet_server: RedisServer) -> None:
-    raw = sync_client(quiet_server.url, decode=False)
-    plain = redis.Redis.from_url(quiet_server.url)
+def test_a_pipeline_replays_what_answered_noscript_in_order(module_redis: RedisServer) -> None:
+    """(On the module's own redis-server: its command counts are this test's alone.)"""
+    raw = sync_client(module_redis.url, decode=False)
+    plain = redis.Redis.from_url(module_redis.url)
     for transaction in (True, False):
         raw.flushdb()
         raw.script_flush()

@@ -12,7 +12,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from shared.schemas import GenerationRequest
+from shared.schemas import GenerationRequest, Message
 
 
 class PromptError(ValueError):
@@ -43,13 +43,35 @@ class PromptBuilder:
     def render(self, req: GenerationRequest) -> str:
         if req.prompt is not None:
             return req.prompt
+        return self.chat(req.messages or [], add_generation_prompt=True)
+
+    def chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        """The messages through the chat template; PromptError when there is none or it refuses them."""
         if self.template is None:
             raise PromptError("this model has no chat template: send 'prompt' instead of 'messages'")
-        messages = [m.model_dump() for m in req.messages or []]
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+            return self.template.render(messages=[m.model_dump() for m in messages],
+                                        add_generation_prompt=add_generation_prompt, **self.special)
         except TemplateError as exc:
             raise PromptError(f"chat template rejected the messages: {exc}") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The ids' text; PromptError naming the first id outside the vocabulary."""
+        vocab = self.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside the vocabulary (0 to {vocab - 1})")
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def encode_batch(self, texts: list[str], raw: list[bool]) -> list[list[int]]:
         """Chat-rendered prompts already hold their special tokens as text; raw prompts get the

@@ -2,6 +2,9 @@
 one `tokenized` record per job (shared.schemas.encode_request) -> its tenant's queue in the fair queue
 (shared/fair_queue.py), whence the inference workers take jobs fairest first. No torch here.
 
+The same read takes the `tokenize` streams' calls (shared/tokenize_calls.py: `/tokenize`, `/detokenize`, token
+counts), each answered at once with its reply key and message, then acknowledged and deleted.
+
 The request was validated at the door; it is read here as the API wrote it (`GenerationRequest.from_wire`),
 not validated again. An entry the API did not write fails its own job, with the reason, and nothing else.
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import struct
 import threading
 import time
 from typing import Any
@@ -22,7 +26,7 @@ import redis
 from shared import fair_queue, names
 from shared.grammar import GrammarError
 from shared.heartbeat import Heartbeat, new_worker_id
-from shared.job_ops import JobOps
+from shared.job_ops import JobOps, publish_command
 from shared.limits import context_problem
 from shared.model_config import model_context
 from shared.redis_client import sync_client, text
@@ -30,8 +34,9 @@ from shared.retry import run_loop
 from shared.schemas import GenerationRequest, encode_request
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
+from shared.tokenize_calls import REPLY_TTL_S, TokenizeCall, TokenizeReply
 from workers.tokenizer.grammar import GrammarCompiler
-from workers.tokenizer.prompt import PromptBuilder
+from workers.tokenizer.prompt import PromptBuilder, PromptError
 
 log = logging.getLogger("conveyor.tokenizer")
 
@@ -44,13 +49,14 @@ class TokenizerWorker:
         # nothing twice): unacknowledged entries come back (_recover)
         self.writer = sync_client(settings.redis_url, decode=False, retries=0)
         self.worker_id = new_worker_id(names.TOKENIZER_POOL)
-        self.consumer = StreamConsumer(self.client, names.streams(names.JOBS), names.TOKENIZER_GROUP, self.worker_id,
-                                       names.TOKENIZER_POOL, settings.claim_idle_ms, settings.delivery_limit)
+        self.consumer = StreamConsumer(self.client, names.streams(names.JOBS) + names.streams(names.TOKENIZE),
+                                       names.TOKENIZER_GROUP, self.worker_id, names.TOKENIZER_POOL,
+                                       settings.claim_idle_ms, settings.delivery_limit)
         self.jobs = JobOps(self.client, settings.job_ttl_s)
         self.prompts = PromptBuilder(settings.model_path)
         self.context = model_context(settings.model_path, settings.max_model_len)
         self.stop_event = threading.Event()
-        self.counters = {"processed": 0, "failed": 0, "batches": 0}
+        self.counters = {"processed": 0, "failed": 0, "batches": 0, "calls": 0}
         self._compiler: GrammarCompiler | None = None
         self.next_claim = 0.0
 
@@ -107,7 +113,65 @@ class TokenizerWorker:
         for entry in entries:
             by_partition.setdefault(entry.stream, []).append(entry)
         for stream, group in by_partition.items():
-            self._process(stream, group)
+            if names.stream_kind(stream) == names.TOKENIZE:
+                self._answer(stream, group)
+            else:
+                self._process(stream, group)
+
+    def _answer(self, stream: str, entries: list[Entry]) -> None:
+        """Answer one partition's tokenize calls (those whose caller still waits), then acknowledge and delete
+        them: a call is answered at most once more after a crash, which its caller reads the same."""
+        pipe = self.client.pipeline(transaction=False)
+        publish = publish_command(self.client)
+        for entry in entries:
+            call_id = _field(entry.fields, "call_id") or ""
+            if not call_id.startswith("tok_"):
+                continue
+            try:
+                call = TokenizeCall.from_wire(_field(entry.fields, "call") or "")
+            except ValueError as exc:
+                reply = TokenizeReply(error=str(exc))
+            else:
+                if call.expired:
+                    continue
+                reply = self._reply(call)
+            data = reply.to_wire()
+            pipe.set(names.tokenize_reply_key(call_id), data, ex=REPLY_TTL_S)
+            pipe.execute_command(publish, names.job_channel(call_id), data)
+        ids = [e.id for e in entries]
+        pipe.xack(stream, names.TOKENIZER_GROUP, *ids)
+        pipe.xdel(stream, *ids)
+        pipe.execute()
+        self.counters["calls"] += len(entries)
+
+    def _reply(self, call: TokenizeCall) -> TokenizeReply:
+        """A call's answer; what it holds that cannot be answered is an error reply, never raised."""
+        try:
+            if call.kind == "detokenize":
+                return TokenizeReply(prompt=self.prompts.decode(call.tokens or []))
+            if call.kind == "stop_sequence":
+                return TokenizeReply(stop_sequence=self._stop_of(call))
+            source = call.prompt or "" if call.messages is None else self.prompts.chat(call.messages,
+                                                                                        call.add_generation_prompt)
+            ids = self.prompts.encode(source, call.add_special_tokens)
+            strs = self.prompts.token_strs(ids) if call.return_token_strs else None
+            return TokenizeReply(tokens=ids, token_strs=strs)
+        except PromptError as exc:
+            return TokenizeReply(error=str(exc), param="tokens" if call.kind == "detokenize" else "messages")
+        except Exception as exc:  # noqa: BLE001 - one call's failure is that call's alone
+            log.exception("a tokenize call failed")
+            return TokenizeReply(error=f"the call could not be answered ({type(exc).__name__})")
+
+    def _stop_of(self, call: TokenizeCall) -> str | None:
+        """Which stop string followed the job's text in its generated ids (None: it ended otherwise)."""
+        raw = self.client.get(names.tokens_key(call.job_id or "?"))
+        if not raw or not call.stops:
+            return None
+        data = raw if isinstance(raw, bytes) else str(raw).encode("latin-1")
+        ids = list(struct.unpack(f"<{len(data) // 4}i", data[:len(data) // 4 * 4]))
+        full = self.prompts.decode(ids, skip_special_tokens=True)
+        at = len(call.text or "")
+        return next((s for s in call.stops if full.startswith(s, at)), None)
 
     def _process(self, stream: str, entries: list[Entry]) -> None:
         """Tokenize one partition's entries (their texts in one call) and queue each job's record in the

@@ -13,7 +13,7 @@ from gpu_worker.engine.sequence import SeqStatus, Sequence
 from shared.schemas import Request
 from tests.gpu_worker.engine.test_scheduler_fair import SLOTS, _run_step, _scheduler
 
-BATCH, INTERACTIVE = 1000, 0  # api/batches.py submits its lines at PRIORITY_MAX
+BATCH, INTERACTIVE = 1000, 0  # workers/batch_driver.py submits its lines at PRIORITY_MAX
 
 
 def _seq(name: str, priority: int, tenant: str = "t", max_tokens: int = 256, extra: int = 0) -> Sequence:

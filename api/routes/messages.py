@@ -1,0 +1,156 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) on the same job path:
+one job per request, admitted, limited and fairly shared as any job; it belongs to its request, so a client
+that disconnects cancels it. Errors on these routes are in Anthropic's shape (api/errors.py); the
+`anthropic-version` header is accepted and ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from api.anthropic import (
+    ERRORS,
+    CountTokensRequest,
+    MessagesRequest,
+    MessageStream,
+    StopOf,
+    error_event,
+    message_body,
+)
+from api.auth import CallerDep, release_stream_slot, require_stream_slot, stream_refused
+from api.choices import admit_all, cancel_all, wait_all
+from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
+from api.errors import ApiError
+from api.quota import ThroughputDep
+from api.relay import Relay
+from api.routes.tokenize import ask, check_model
+from api.sse import EventStream
+from api.store import JobStore
+from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
+from api.validation import check_request
+from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus
+from shared.tokenize_calls import TokenizeCall
+
+router = APIRouter(prefix="/v1", tags=["anthropic"], responses=ERRORS)
+
+
+def _failure(job: Job) -> ApiError:
+    if job.started_at is None:  # refused before generation: the request itself was the problem
+        return ApiError(400, job.error or "invalid request")
+    return ApiError(500, f"generation failed: {job.error or 'unknown error'}")
+
+
+def _stop_finder(client: Any, relay: Relay, stops: list[str]) -> StopOf:
+    """Which stop sequence ended a job, asked of the tokenizer pool (it reads the job's generated ids); None
+    when it ended otherwise, or when that cannot be known now."""
+    async def stop_of(job: Job) -> str | None:
+        if job.finish_reason is not FinishReason.stop or not stops:
+            return None
+        try:
+            call = TokenizeCall(kind="stop_sequence", job_id=job.id, text=job.text, stops=stops)
+            return (await ask(client, relay, call)).stop_sequence
+        except (ApiError, ValidationError, RedisError):
+            return None
+    return stop_of
+
+
+@router.post("/messages", response_model=None)
+async def create_message(body: MessagesRequest, request: Request, store: StoreDep, relay: RelayDep,
+                         settings: SettingsDep, caller: CallerDep, throughput: ThroughputDep) -> Any:
+    """Anthropic's Messages API, streaming or not."""
+    check_model(body.model, settings)
+    req = check_request(body.to_generation(), settings)
+    client = request.app.state.redis
+    slot = uuid.uuid4().hex
+    if body.stream and not await require_stream_slot(client, caller, slot):
+        raise stream_refused(caller)
+    try:
+        jobs, limits = await admit_all(store, throughput, settings, caller, [req])
+    except BaseException:
+        if body.stream:
+            await release_stream_slot(client, caller, slot)
+        raise
+    stop_of = _stop_finder(client, relay, list(req.stop))
+    if body.stream:
+        ended: list[bool] = []
+
+        async def close() -> None:
+            if not ended:
+                await cancel_all(store, jobs)
+            await release_stream_slot(client, caller, slot)
+
+        return EventStream(_closing(_stream(store, relay, jobs[0], stop_of), ended, close), settings.sse_ping_s,
+                           limits)
+    end = (await wait_all(store, relay, jobs, request))[0]
+    if end.status is JobStatus.failed:
+        raise _failure(end)
+    return JSONResponse(message_body(end, await stop_of(end)), headers=limits)
+
+
+@router.post("/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
+                       caller: CallerDep) -> dict[str, int]:
+    """The prompt's tokens as a Messages request with this body would count them (the chat template's)."""
+    check_model(body.model, settings)
+    body.refuse_unsupported()
+    call = TokenizeCall(kind="tokenize", messages=body.chat(), add_special_tokens=False, add_generation_prompt=True)
+    reply = await ask(client, relay, call)
+    return {"input_tokens": len(reply.tokens or [])}
+
+
+async def _closing(frames: AsyncIterator[tuple[bytes, bool]], ended: list[bool],
+                   close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The frames; `close` runs, shielded, however the stream ends (the client gone included): it cancels the
+    job unless it ended."""
+    try:
+        async for frame, done in frames:
+            if done and not ended:
+                ended.append(True)
+            yield frame
+    finally:
+        await asyncio.shield(close())
+
+
+async def _input_tokens(store: JobStore, job_id: str) -> int:
+    try:
+        job = await store.get(job_id)
+    except DamagedRecord:
+        return 0
+    return job.usage.prompt_tokens if job is not None else 0
+
+
+async def _stream(store: JobStore, relay: Relay, job: Job, stop_of: StopOf) -> AsyncIterator[tuple[bytes, bool]]:
+    """Anthropic's events for the job, opened at its first event (its prompt counted by then); an error event
+    when it fails or its stream is cut short. Yields (frame, whether the job has ended)."""
+    message = MessageStream(job)
+    opened = False
+    try:
+        async for ev in job_events(store, relay, job.id):
+            if isinstance(ev, StatusEvent):
+                continue
+            if isinstance(ev, DoneEvent) and ev.job.status is JobStatus.failed:
+                err = _failure(ev.job)
+                yield error_event(err.status, err.message), True
+                return
+            if not opened:
+                opened = True
+                for frame in message.start(await _input_tokens(store, job.id)):
+                    yield frame, False
+            if isinstance(ev, TokenEvent):
+                if ev.text:
+                    yield message.delta(ev.text), False
+                continue
+            for frame in message.end(ev.job, await stop_of(ev.job)):
+                yield frame, True
+            return
+    except RedisError:
+        pass
+    yield error_event(503, "the stream ended before the message did (the server stopping, or the job "
+                           "store out of reach); send the request again"), False

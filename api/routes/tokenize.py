@@ -1,0 +1,133 @@
+"""vLLM's `/tokenize` and `/detokenize`, answered by the tokenizer pool through a tokenize call
+(shared/tokenize_calls.py says the mechanism); `ask` is that call's API side, which the Messages API's
+`count_tokens` uses too."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from typing import Annotated, Any
+
+import redis.asyncio as aredis
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.auth import CallerDep
+from api.deps import RedisDep, RelayDep, SettingsDep
+from api.errors import ApiError
+from api.relay import Relay
+from shared import names
+from shared.limits import MAX_MESSAGES, Content, Name
+from shared.model_config import model_context
+from shared.schemas import Message
+from shared.settings import Settings
+from shared.tokenize_calls import (
+    CALL_TIMEOUT_S,
+    POLL_S,
+    STREAM_MAXLEN,
+    CallIds,
+    TokenizeCall,
+    TokenizeReply,
+)
+
+router = APIRouter(tags=["tokenize"])
+
+
+async def ask(client: aredis.Redis, relay: Relay, call: TokenizeCall,
+              timeout_s: float = CALL_TIMEOUT_S) -> TokenizeReply:
+    """The tokenizer pool's reply to `call`; 503 when none comes within `timeout_s`, 400 naming the field when
+    the call could not be answered."""
+    p = random.randrange(names.partition_count())
+    call_id = names.tokenize_call_id(p, uuid.uuid4().hex)
+    call = call.model_copy(update={"deadline": time.time() + timeout_s})
+    sub = await relay.subscribe(call_id)
+    try:
+        await client.xadd(names.stream(names.TOKENIZE, p), {"call_id": call_id, "call": call.to_wire()},
+                          maxlen=STREAM_MAXLEN, approximate=True)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (left := deadline - loop.time()) > 0:
+            raw: bytes | str | None = None
+            try:
+                async with asyncio.timeout(min(left, POLL_S)):
+                    raw = await sub.get()
+            except TimeoutError:
+                pass
+            raw = raw or await client.get(names.tokenize_reply_key(call_id))
+            if raw:
+                return _answered(TokenizeReply.from_wire(raw))
+    finally:
+        await relay.unsubscribe(sub)
+    raise ApiError(503, f"no tokenizer answered within {timeout_s:g} s; retry shortly", headers={"Retry-After": "1"})
+
+
+def _answered(reply: TokenizeReply) -> TokenizeReply:
+    if reply.error is not None:
+        raise ApiError(400, reply.error, param=reply.param)
+    return reply
+
+
+def check_model(requested: str | None, settings: Settings) -> None:
+    if requested and requested != settings.served_model_name:
+        raise ApiError(404, f"the model '{requested}' does not exist; this server runs "
+                            f"'{settings.served_model_name}'", type_="model_not_found", param="model")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's two forms: a `prompt`, or chat `messages` (through the chat template)."""
+
+    model_config = ConfigDict(extra="forbid",
+                              json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    model: Name | None = None
+    prompt: Content | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def call(self) -> TokenizeCall:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        special = self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
+        return TokenizeCall(kind="tokenize", prompt=self.prompt, messages=self.messages, add_special_tokens=special,
+                            add_generation_prompt=self.add_generation_prompt,
+                            return_token_strs=self.return_token_strs)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Name | None = None
+    tokens: CallIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
+async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
+                   caller: CallerDep) -> Any:
+    """The prompt's or the chat's token ids, as the model's tokenizer gives them."""
+    check_model(body.model, settings)
+    reply = await ask(client, relay, body.call())
+    tokens = reply.tokens or []
+    return TokenizeResponse(count=len(tokens), max_model_len=model_context(settings.model_path, settings.max_model_len),
+                            tokens=tokens, token_strs=reply.token_strs)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse)
+async def detokenize(body: DetokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
+                     caller: CallerDep) -> Any:
+    """The text of token ids."""
+    check_model(body.model, settings)
+    reply = await ask(client, relay, TokenizeCall(kind="detokenize", tokens=body.tokens))
+    return DetokenizeResponse(prompt=reply.prompt or "")

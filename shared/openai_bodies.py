@@ -1,0 +1,145 @@
+"""An ended job as the bodies of OpenAI's APIs: a chat.completion or text_completion (its choices, usage,
+streamed deltas), a Responses API Response object, and a Batch API result line (the output file's, with the
+body its endpoint would have answered, and the error file's). Pure formatting of `Job`s, for every place
+that answers one: the API's routes (api/routes/openai.py, api/responses.py), the batch API (api/batches.py)
+and the batch driver (workers/batch_driver.py)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from shared.jobs import FinishReason, Job, JobStatus
+from shared.logprobs import chat_item, completion_logprobs
+
+
+def finish_reason(job: Job) -> str | None:
+    return job.finish_reason.value if job.finish_reason else None
+
+
+@dataclass
+class Shape:
+    """How one endpoint writes its choices: chat (`message`/`delta`, logprobs as `content` items) or
+    completions (`text`, legacy logprobs; with `echo` the prompt first)."""
+
+    chat: bool
+    logprobs: bool  # the client asked for them
+    echo: bool
+    prompts: list[str | None]  # each job's prompt text when the client gave text (echo), else None
+
+    def choice(self, i: int, end: Job) -> dict[str, Any]:
+        if self.chat:
+            lp = {"content": [chat_item(e) for e in end.entries or []]} if self.logprobs else None
+            return {"index": i, "message": {"role": "assistant", "content": end.text}, "logprobs": lp,
+                    "finish_reason": finish_reason(end)}
+        head, entries = self.head(i, end), end.entries or []
+        if self.echo and self.logprobs and end.prompt is not None:
+            lp = completion_logprobs(end.prompt[1] + entries)
+        else:
+            lp = completion_logprobs(entries, len(head)) if self.logprobs else None
+        return {"index": i, "text": head + end.text, "logprobs": lp, "finish_reason": finish_reason(end)}
+
+    def head(self, i: int, end: Job) -> str:
+        """The echoed prompt: as the client sent it, or decoded from its token ids."""
+        if not self.echo:
+            return ""
+        given = self.prompts[i]
+        if given is not None:
+            return given
+        return end.prompt[0] if end.prompt is not None else ""
+
+    def delta(self, i: int, text: str, entries: list[Any] | None, offset: int) -> dict[str, Any]:
+        if self.chat:
+            lp = {"content": [chat_item(e) for e in entries or []]} if self.logprobs else None
+            return {"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}
+        lp = completion_logprobs(entries or [], offset) if self.logprobs else None
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": None}
+
+
+def usage_of(ends: list[Job], n: int) -> dict[str, int]:
+    """Each prompt's tokens once (its n choices share it), every choice's completion tokens."""
+    prompt = sum(e.usage.prompt_tokens for e in ends[::n])
+    completion = sum(e.usage.completion_tokens for e in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_id(chat: bool, job_id: str) -> str:
+    """A completion's id, from its first job's."""
+    return ("chatcmpl-" if chat else "cmpl-") + job_id.removeprefix("job_")
+
+
+def completion_object(cid: str, created: int, ends: list[Job], shape: Shape, n: int) -> dict[str, Any]:
+    """A whole chat.completion (`shape.chat`) or text_completion: every job's choice, in order, and the usage
+    of `n` choices per prompt."""
+    out: dict[str, Any] = {"id": cid, "object": "chat.completion" if shape.chat else "text_completion",
+                           "created": created, "model": ends[0].model,
+                           "choices": [shape.choice(i, e) for i, e in enumerate(ends)], "usage": usage_of(ends, n)}
+    if shape.chat:
+        out["system_fingerprint"] = None
+    return out
+
+
+def response_id(job_id: str) -> str:
+    return "resp_" + job_id.removeprefix("job_")
+
+
+def response_status(job: Job) -> str:
+    if job.status is JobStatus.succeeded:
+        return "incomplete" if job.finish_reason is FinishReason.length else "completed"
+    shown: dict[JobStatus, str] = {JobStatus.queued: "queued", JobStatus.running: "in_progress"}
+    return shown.get(job.status, str(job.status.value))
+
+
+def message(job: Job, text: str, done: bool) -> dict[str, Any]:
+    return {"type": "message", "id": "msg_" + job.id.removeprefix("job_"), "role": "assistant",
+            "status": "completed" if done else "in_progress",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []}
+
+
+def response_object(job: Job, meta: dict[str, Any], state: str | None = None) -> dict[str, Any]:
+    """The Response a job shows as (`state` overrides its status, for a stream's opening events); `meta` is
+    what the job's record keeps for the Responses API (api/responses.py `ResponseRequest.meta`)."""
+    state = state or response_status(job)
+    ended = state in ("completed", "incomplete", "failed", "cancelled")
+    out: dict[str, Any] = {
+        "id": response_id(job.id), "object": "response", "created_at": int(job.created_at), "status": state,
+        "model": job.model, "output": [message(job, job.text, True)] if ended and job.text else [],
+        "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "error": None, "incomplete_details": None,
+        "usage": None, **{k: meta.get(k) for k in ("instructions", "previous_response_id", "background", "store",
+                                                   "temperature", "top_p", "max_output_tokens", "text")},
+        "metadata": meta.get("metadata") or {}}
+    if ended:
+        u = job.usage
+        out["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": u.total_tokens}
+    if state == "failed":
+        out["error"] = {"code": "server_error", "message": job.error or "generation failed"}
+    if state == "incomplete":
+        out["incomplete_details"] = {"reason": "max_output_tokens"}
+    return out
+
+
+def line_body(line: dict[str, Any], end: Job) -> dict[str, Any]:
+    """The body a batch line's endpoint would have answered for its job (`line` as the batch stores it:
+    its `endpoint`, whether it asked for `logprobs`, a Responses line's `response` meta)."""
+    if line.get("endpoint") == "/v1/responses":
+        return response_object(end, orjson.loads(line["response"]))
+    chat = line.get("endpoint") == "/v1/chat/completions"
+    shape = Shape(chat, bool(line.get("logprobs")), False, [None])
+    return completion_object(completion_id(chat, end.id), int(end.created_at), [end], shape, 1)
+
+
+def line_result(custom_id: str | None, end: Job, body: dict[str, Any]) -> dict[str, Any]:
+    """A line of a batch's output file: its job succeeded with `body`."""
+    return {"id": f"batch_req_{end.id.removeprefix('job_')}", "custom_id": custom_id, "error": None,
+            "response": {"status_code": 200, "request_id": end.id, "body": body}}
+
+
+def line_error(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """A line of a batch's error file."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}

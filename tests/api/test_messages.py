@@ -1,0 +1,195 @@
+"""Anthropic's Messages API through the official anthropic client: against the running stack (the real default
+model) for generation, and against the API in process (no workers) for what the door answers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+
+import anthropic
+import httpx
+import httpx2
+import pytest
+import redis
+
+from api.main import create_app
+from shared import tenants
+from shared.settings import Settings
+from tests.helpers import iter_sse
+
+MODEL = "SmolLM2-135M-Instruct"
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}  # the client takes sampling controls as extra body fields (Anthropic's API has them)
+EVENTS = ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
+          "message_delta", "message_stop"]
+
+
+@pytest.fixture
+def claude(stack) -> anthropic.Anthropic:  # type: ignore[no-untyped-def]
+    return anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0)
+
+
+DB = 9  # the in-process APIs' database
+
+
+@pytest.fixture
+def r(redis_server) -> Iterator[redis.Redis]:  # type: ignore[no-untyped-def]
+    client = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + f"/{DB}", decode_responses=True)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()
+
+
+async def _in_process(redis_server, model_path: str, auth: str) -> AsyncIterator[httpx2.AsyncClient]:  # type: ignore[no-untyped-def]
+    """The API in process (no workers) under the anthropic client's own HTTP library (httpx2)."""
+    app = create_app(Settings(redis_url=redis_server.url.rsplit("/", 1)[0] + f"/{DB}", model=model_path, auth=auth,
+                              max_tokens_cap=1000))
+    async with app.router.lifespan_context(app):
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app), base_url="http://test") as client:
+            yield client
+
+
+@pytest.fixture
+async def door(redis_server, model_path: str, r: redis.Redis) -> AsyncIterator[anthropic.AsyncAnthropic]:  # type: ignore[no-untyped-def]
+    """The client against the API in process (no workers): for what the door refuses."""
+    async for http in _in_process(redis_server, model_path, "off"):
+        yield anthropic.AsyncAnthropic(base_url="http://test", api_key="unused", max_retries=0, http_client=http)
+
+
+@pytest.fixture
+async def keyed(redis_server, model_path: str, r: redis.Redis) -> AsyncIterator[httpx2.AsyncClient]:  # type: ignore[no-untyped-def]
+    async for http in _in_process(redis_server, model_path, "required"):
+        yield http
+
+
+def test_a_message_and_its_stream_say_the_same(claude: anthropic.Anthropic) -> None:
+    full = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=ASK)
+    assert full.id.startswith("msg_") and full.type == "message" and full.role == "assistant"
+    assert full.model == MODEL and len(full.content) == 1 and full.content[0].type == "text"
+    assert "Paris" in full.content[0].text
+    assert full.stop_reason == "end_turn" and full.stop_sequence is None
+    assert full.usage.input_tokens > 0 and full.usage.output_tokens > 0
+    with claude.messages.stream(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=ASK) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == full.content[0].text == final.content[0].text
+    assert final.stop_reason == "end_turn" and final.id.startswith("msg_")
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (full.usage.input_tokens, full.usage.output_tokens)
+
+
+def test_the_stream_is_anthropics_events_in_order(stack) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "messages": ASK, "stream": True}
+    seen: list[str] = []
+    with httpx.Client(base_url=stack.url, timeout=120) as client:
+        with client.stream("POST", "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            for ev in iter_sse(r):
+                assert json.loads(ev["data"])["type"] == ev["event"], ev  # each event's name is its data's type
+                seen.append(ev["event"])
+    deltas = seen.count("content_block_delta")
+    assert deltas >= 1 and seen == EVENTS[:3] + ["content_block_delta"] * deltas + EVENTS[4:]
+
+
+def test_system_prompt_counts_as_the_message_does(claude: anthropic.Anthropic) -> None:
+    system = "You are a geography teacher. Answer in one word."
+    counted = claude.messages.count_tokens(model=MODEL, system=system, messages=ASK)
+    bare = claude.messages.count_tokens(model=MODEL, messages=ASK)
+    msg = claude.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, system=system, messages=ASK)
+    assert counted.input_tokens == msg.usage.input_tokens
+    longer = claude.messages.count_tokens(model=MODEL, system=system + " Be precise, and polite.", messages=ASK)
+    # the model's template puts a system prompt of its own where none is given: the given one replaces it
+    assert counted.input_tokens != bare.input_tokens and longer.input_tokens > counted.input_tokens
+    blocks = claude.messages.count_tokens(model=MODEL, system=[{"type": "text", "text": system}],
+                                          messages=[{"role": "user", "content": [{"type": "text",
+                                                                                   "text": ASK[0]["content"]}]}])
+    assert blocks.input_tokens == counted.input_tokens
+
+
+def test_a_stop_sequence_ends_the_message_and_is_named(claude: anthropic.Anthropic) -> None:
+    msg = claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=ASK,
+                                 stop_sequences=["Paris", "never-written"])
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "Paris"
+    assert "Paris" not in msg.content[0].text
+    with claude.messages.stream(model=MODEL, max_tokens=30, extra_body=GREEDY, messages=ASK,
+                                stop_sequences=["Paris"]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == msg.content[0].text
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == "Paris"
+    short = claude.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=ASK)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
+
+
+async def test_refusals_are_anthropic_errors(door: anthropic.AsyncAnthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as e:
+        await door.messages.create(model="claude-unknown", max_tokens=8, messages=ASK)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    tool = {"name": "get_weather", "description": "weather", "input_schema": {"type": "object"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        await door.messages.create(model=MODEL, max_tokens=8, messages=ASK, tools=[tool])  # type: ignore[list-item]
+    assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "tools" in e.value.body["error"]["message"]  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        await door.messages.create(model=MODEL, max_tokens=5000, messages=ASK)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": ASK}, "max_tokens"),
+    ({"max_tokens": 8, "messages": ASK, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}, "messages.0.content.0"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]}, "messages.0"),
+    ({"max_tokens": 8, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"max_tokens": 8, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"max_tokens": 8, "messages": ASK, "temperature": "hot"}, "temperature"),
+    ({"max_tokens": 8, "messages": ASK, "stop_sequences": [""]}, "stop_sequences"),
+    ({"max_tokens": 8, "messages": []}, "messages"),
+])
+async def test_a_bad_body_is_a_400_in_anthropics_shape_naming_the_field(app_client: httpx.AsyncClient,
+                                                                        body: dict[str, object], param: str) -> None:
+    r = await app_client.post("/v1/messages", json={"model": MODEL, **body},
+                              headers={"anthropic-version": "2023-06-01"})
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert param in err["error"]["message"]
+
+
+async def test_tool_choice_auto_without_tools_is_accepted(app_client: httpx.AsyncClient) -> None:
+    """It asks for nothing tools do: it reaches the model check like any request."""
+    r = await app_client.post("/v1/messages", json={"model": "other", "max_tokens": 8, "messages": ASK,
+                                                    "tool_choice": {"type": "auto"}})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+async def test_the_key_is_read_from_x_api_key(keyed: httpx2.AsyncClient, r: redis.Redis) -> None:
+    key, _ = tenants.create(r, "acme")
+    good = anthropic.AsyncAnthropic(base_url="http://test", api_key=key, max_retries=0, http_client=keyed)
+    with pytest.raises(anthropic.NotFoundError):  # past the key: the model is what it refuses
+        await good.messages.create(model="claude-unknown", max_tokens=8, messages=ASK)
+    for wrong in ("cvk_wrong", key + "x"):
+        bad = anthropic.AsyncAnthropic(base_url="http://test", api_key=wrong, max_retries=0, http_client=keyed)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            await bad.messages.create(model=MODEL, max_tokens=8, messages=ASK)
+        assert e.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    resp = await keyed.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": ASK})
+    assert resp.status_code == 401 and resp.json()["type"] == "error"
+    assert (await keyed.get("/v1/models", headers={"x-api-key": key})).status_code == 200
+
+
+def test_a_request_the_pool_refuses_is_an_invalid_request_streamed_or_not(stack) -> None:  # type: ignore[no-untyped-def]
+    """A prompt longer than the context fails its job in the tokenizer pool: a 400, or in a stream Anthropic's
+    `error` event, never a message."""
+    long = [{"role": "user", "content": "word " * 3000}]
+    with httpx.Client(base_url=stack.url, timeout=120) as client:
+        r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": long})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        body = {"model": MODEL, "max_tokens": 8, "messages": long, "stream": True}
+        with client.stream("POST", "/v1/messages", json=body) as s:
+            events = list(iter_sse(s))
+    assert [e["event"] for e in events] == ["error"], events
+    error = json.loads(events[0]["data"])
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["message"] == r.json()["error"]["message"]

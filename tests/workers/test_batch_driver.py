@@ -1,0 +1,221 @@
+"""The batch driver (workers/batch_driver.py) on a real Redis, one tick at a time: batches are made through the
+API in process (its Files and Batch routes; it drives nothing), and the test plays the inference pool, ending
+the jobs the driver submits. A batch runs every line once, WINDOW at a time; a driver that stops midway (its
+lease unrenewed, its last submits unnoted) hands over and nothing runs twice, one that stops cleanly hands over at
+once; a damaged job record fails its line and the batch goes on; cancelling keeps the finished lines; a batch past
+its window expires."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from infra.redis_server import RedisServer
+from shared import names
+from shared.job_ops import JobOps
+from shared.jobs import FinishReason
+from shared.redis_client import sync_client
+from shared.settings import Settings
+from tests.helpers import in_process_api, until
+from workers.batch_driver import LEASE_MS, WINDOW, BatchDriver
+
+DB = 8  # this module's database, emptied around each test
+
+
+@pytest.fixture
+def settings(redis_server: RedisServer, model_path: str) -> Iterator[Settings]:
+    url = redis_server.url.rsplit("/", 1)[0] + f"/{DB}"
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    yield Settings(redis_url=url, model=model_path)
+    r.flushdb()
+    r.close()
+
+
+@pytest.fixture
+def r(settings: Settings) -> Iterator[redis.Redis]:
+    client = sync_client(settings.redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def api(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    async with in_process_api(settings) as client:
+        yield client
+
+
+def _lines(n: int, url: str = "/v1/chat/completions") -> bytes:
+    def body(i: int) -> dict[str, Any]:
+        if url == "/v1/completions":
+            return {"prompt": f"Count to {i}:", "max_tokens": 4}
+        return {"messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 4}
+
+    return "".join(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body(i)}) + "\n"
+                   for i in range(n)).encode()
+
+
+async def _batch(api: httpx.AsyncClient, n: int, url: str = "/v1/chat/completions", **extra: Any) -> str:
+    up = await api.post("/v1/files", files={"file": ("in.jsonl", _lines(n, url))}, data={"purpose": "batch"})
+    assert up.status_code == 200, up.text
+    made = await api.post("/v1/batches", json={"input_file_id": up.json()["id"], "endpoint": url,
+                                              "completion_window": "24h", **extra})
+    assert made.status_code == 200, made.text
+    return str(made.json()["id"])
+
+
+def _inflight(r: redis.Redis, batch_id: str) -> dict[str, str]:
+    return r.hgetall(names.batch_key(batch_id, "inflight"))  # type: ignore[return-value]
+
+
+def _end(r: redis.Redis, settings: Settings, job_ids: list[str], reason: FinishReason = FinishReason.stop) -> None:
+    """What an inference worker does at the end of each job: its text, then its end (finish.lua)."""
+    ops = JobOps(r, settings.job_ttl_s)
+    for job_id in job_ids:
+        r.set(names.text_key(job_id), f"text of {job_id}")
+        ops.finish(job_id, reason, fields={"prompt_tokens": 5, "completion_tokens": 2})
+
+
+def _jobs_submitted(r: redis.Redis) -> int:
+    return sum(int(r.xlen(s)) for s in names.streams(names.JOBS))
+
+
+def _run_out(driver: BatchDriver, r: redis.Redis, settings: Settings, batch_id: str, ticks: int = 50) -> dict[str, str]:
+    """Tick, ending every job in flight, until the batch ends; its record."""
+    for _ in range(ticks):
+        driver.tick()
+        rec: dict[str, str] = r.hgetall(names.batch_key(batch_id))  # type: ignore[assignment]
+        if rec["status"] in ("completed", "failed", "cancelled", "expired"):
+            return rec
+        assert len(_inflight(r, batch_id)) <= WINDOW
+        _end(r, settings, list(_inflight(r, batch_id).values()))
+    raise AssertionError(f"batch {batch_id} did not end in {ticks} ticks: {rec}")
+
+
+async def _file(api: httpx.AsyncClient, file_id: str) -> list[dict[str, Any]]:
+    got = await api.get(f"/v1/files/{file_id}/content")
+    assert got.status_code == 200, got.text
+    return [json.loads(x) for x in got.text.splitlines()]
+
+
+async def test_a_batch_runs_every_line_once_a_window_at_a_time(api: httpx.AsyncClient, r: redis.Redis,
+                                                               settings: Settings) -> None:
+    n = 2 * WINDOW + 10
+    batch_id = await _batch(api, n)
+    driver = BatchDriver(r, settings)
+    driver.tick()
+    inflight = _inflight(r, batch_id)
+    assert len(inflight) == WINDOW and _jobs_submitted(r) == WINDOW
+    job = r.hgetall(names.job_key(inflight["0"]))
+    assert job["batch"] == batch_id and job["status"] == "queued"
+    assert r.exists(names.idempotency_key("", f"{batch_id}:0"))  # the line's key names its job
+    rec = _run_out(driver, r, settings, batch_id)
+    assert (rec["status"], rec["completed"], rec["failed"]) == ("completed", str(n), "0")
+    assert _jobs_submitted(r) == n
+    out = await _file(api, rec["output_file_id"])
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(n))
+    body = out[0]["response"]["body"]
+    assert list(body) == ["id", "object", "created", "model", "choices", "usage", "system_fingerprint"]
+    assert body["object"] == "chat.completion" and body["id"] == "chatcmpl-" + out[0]["response"]["request_id"][4:]
+    assert body["choices"][0]["message"]["content"].startswith("text of job_")
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    polled = await api.get(f"/v1/batches/{batch_id}")
+    assert polled.json()["status"] == "completed" and not r.sismember(names.BATCHES_ACTIVE, batch_id)
+
+
+async def test_a_stopped_driver_hands_over_and_nothing_runs_twice(api: httpx.AsyncClient, r: redis.Redis,
+                                                                  settings: Settings) -> None:
+    n = WINDOW + 36
+    batch_id = await _batch(api, n, "/v1/completions")
+    first, second = BatchDriver(r, settings, "first"), BatchDriver(r, settings, "second")
+    assert first.tick() == 1
+    before = _inflight(r, batch_id)
+    # `first` is killed having submitted lines 60-63 but before it noted them: their jobs stand, the batch's
+    # record does not name them
+    r.hset(names.batch_key(batch_id), "next", WINDOW - 4)
+    r.hdel(names.batch_key(batch_id, "inflight"), *[str(i) for i in range(WINDOW - 4, WINDOW)])
+    assert second.tick() == 0  # the lease is still the first's
+    until("the first driver's lease to lapse", lambda: not r.exists(names.batch_key(batch_id, "lease")),
+          timeout=LEASE_MS / 1000 + 5, every=0.1)
+    assert second.tick() == 1
+    assert _inflight(r, batch_id) == before and _jobs_submitted(r) == WINDOW  # the same jobs: none twice
+    assert first.tick() == 0  # back from the dead, it finds the lease taken
+    rec = _run_out(second, r, settings, batch_id)
+    assert (rec["status"], rec["completed"], rec["failed"]) == ("completed", str(n), "0")
+    assert _jobs_submitted(r) == n
+    out = await _file(api, rec["output_file_id"])
+    assert len(out) == n and len({o["custom_id"] for o in out}) == n
+    assert all(o["response"]["body"]["object"] == "text_completion" for o in out)
+
+
+async def test_a_driver_that_stops_cleanly_hands_over_at_once(api: httpx.AsyncClient, r: redis.Redis,
+                                                               settings: Settings) -> None:
+    batch_id = await _batch(api, 3)
+    first, second = BatchDriver(r, settings, "first"), BatchDriver(r, settings, "second")
+    assert first.tick() == 1 and second.tick() == 0
+    second.release()  # holds nothing: takes nothing away
+    assert r.get(names.batch_key(batch_id, "lease")) == "first"
+    first.release()  # a warm shutdown
+    assert second.tick() == 1
+
+
+async def test_a_damaged_job_record_fails_its_line_and_the_batch_goes_on(api: httpx.AsyncClient, r: redis.Redis,
+                                                                         settings: Settings) -> None:
+    batch_id = await _batch(api, 4)
+    driver = BatchDriver(r, settings)
+    driver.tick()
+    inflight = _inflight(r, batch_id)
+    r.delete(names.job_key(inflight["1"]))  # what a finish wrote into a hash a failover had emptied
+    r.hset(names.job_key(inflight["1"]), mapping={"status": "succeeded", "finish_reason": "stop", "seq": "1"})
+    r.hset(names.job_key(inflight["2"]), "status", "zombie")  # a status no job has
+    _end(r, settings, [inflight["0"], inflight["3"]])
+    rec = _run_out(driver, r, settings, batch_id, ticks=3)
+    assert (rec["status"], rec["completed"], rec["failed"]) == ("completed", "2", "2")
+    errors = {e["custom_id"]: e["error"] for e in await _file(api, rec["error_file_id"])}
+    assert set(errors) == {"req-1", "req-2"}
+    assert all(e["code"] == "generation_failed" and "record is incomplete" in e["message"] for e in errors.values())
+
+
+async def test_a_cancelled_batch_keeps_its_finished_lines(api: httpx.AsyncClient, r: redis.Redis,
+                                                          settings: Settings) -> None:
+    n = WINDOW + 20
+    batch_id = await _batch(api, n)
+    driver = BatchDriver(r, settings)
+    driver.tick()
+    inflight = _inflight(r, batch_id)
+    _end(r, settings, [inflight[str(i)] for i in range(5)])
+    cancelled = await api.post(f"/v1/batches/{batch_id}/cancel")
+    assert cancelled.json()["status"] == "cancelling"
+    rec = _run_out(driver, r, settings, batch_id, ticks=3)
+    assert (rec["status"], rec["completed"], rec["failed"]) == ("cancelled", "5", str(WINDOW - 5))
+    assert all(r.hget(names.job_key(j), "status") == "cancelled" for j in list(inflight.values())[5:])
+    assert _jobs_submitted(r) == WINDOW  # nothing submitted once cancelling
+    assert len(await _file(api, rec["output_file_id"])) == 5
+    assert {e["error"]["code"] for e in await _file(api, rec["error_file_id"])} == {"batch_cancelled"}
+
+
+async def test_a_batch_past_its_window_expires_and_is_announced(r: redis.Redis, settings: Settings) -> None:
+    short = settings.model_copy(update={"batch_window_s": 2})
+    async with in_process_api(short) as api:
+        n = WINDOW + 6
+        batch_id = await _batch(api, n, webhook_url="https://example.com/hook")
+        driver = BatchDriver(r, short)
+        driver.tick()
+        _end(r, short, list(_inflight(r, batch_id).values())[:3])
+        expires_at = float(r.hget(names.batch_key(batch_id), "expires_at") or 0)
+        until("the batch's window to pass", lambda: time.time() >= expires_at, timeout=10, every=0.1)
+        rec = _run_out(driver, r, short, batch_id, ticks=2)
+        assert (rec["status"], rec["completed"], rec["failed"]) == ("expired", "3", str(n - 3))
+        errors = await _file(api, rec["error_file_id"])
+        assert len(errors) == n - 3 and {e["error"]["code"] for e in errors} == {"batch_expired"}
+        assert {e["custom_id"] for e in errors} | {o["custom_id"] for o in await _file(api, rec["output_file_id"])} \
+            == {f"req-{i}" for i in range(n)}
+        ended = [f for s in names.streams(names.ENDED) for _, f in r.xrange(s)]
+        assert {"batch_id": batch_id} in ended  # for the after-job drain, which calls the webhook
+        assert not r.zscore(names.batches_open(""), batch_id)
