@@ -12,7 +12,7 @@ import anyio
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_body
+from api.errors import ANTHROPIC_PREFIX, anthropic_body, error_body
 from api.files import MAX_FILE_BYTES as FILE_BYTES
 
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
@@ -62,20 +62,20 @@ class RequestGuard:
         path = scope.get("path", "")
         if self.internal_port is not None and path.startswith(INTERNAL_PATHS) and \
                 not on_internal_port(scope, self.internal_port):
-            await self._reply(send_with_id, 404, f"no route {path}")
+            await self._reply(send_with_id, 404, f"no route {path}", path)
             return
         length = headers.get(b"content-length")
         cap = FILE_BYTES if path == "/v1/files" else self.max_body  # an upload is streamed to Redis, not held
         sending = headers.get(b"expect", b"").lower() != b"100-continue"  # the body is on its way
         if length is None and path == "/v1/files" and headers.get(b"transfer-encoding") is not None:
             if not sending or await _drain(receive, 0):
-                await self._reply(send_with_id, 411, "an upload needs a Content-Length")
+                await self._reply(send_with_id, 411, "an upload needs a Content-Length", path)
             return
         if length is not None:
             if not length.isdigit() or int(length) > cap:
                 drain = sending and length.isdigit() and int(length) <= DRAIN_BYTES
                 if not drain or await _drain(receive, 0):
-                    await self._too_large(send_with_id, length.isdigit(), cap)
+                    await self._too_large(send_with_id, path, length.isdigit(), cap)
                 return
             await self.app(scope, receive, send_with_id)
             return
@@ -92,7 +92,7 @@ class RequestGuard:
             size += len(chunks[-1])
             if size > self.max_body:
                 if not message.get("more_body", False) or await _drain(receive, size):
-                    await self._too_large(send_with_id, True)
+                    await self._too_large(send_with_id, path, True)
                 return
             if not message.get("more_body", False):
                 break
@@ -107,12 +107,14 @@ class RequestGuard:
 
         await self.app(scope, replay, send_with_id)
 
-    async def _too_large(self, send: Send, valid: bool, cap: int | None = None) -> None:
+    async def _too_large(self, send: Send, path: str, valid: bool, cap: int | None = None) -> None:
         await self._reply(send, 413 if valid else 400, f"the request body is larger than {cap or self.max_body} bytes"
-                          if valid else "Content-Length must be a number")
+                          if valid else "Content-Length must be a number", path)
 
-    async def _reply(self, send: Send, status: int, msg: str) -> None:
-        body = orjson.dumps(error_body(status, msg))
+    async def _reply(self, send: Send, status: int, msg: str, path: str) -> None:
+        """The error in the shape of the route asked for: Anthropic's on the Messages API, else OpenAI's."""
+        shaped = anthropic_body(status, msg) if path.startswith(ANTHROPIC_PREFIX) else error_body(status, msg)
+        body = orjson.dumps(shaped)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -14,6 +14,7 @@ import redis
 
 from api.main import create_app
 from shared import tenants
+from shared.limits import MAX_BODY_BYTES
 from shared.settings import Settings
 from tests.helpers import iter_sse
 
@@ -155,6 +156,13 @@ async def test_a_bad_body_is_a_400_in_anthropics_shape_naming_the_field(app_clie
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert param in err["error"]["message"]
+
+
+async def test_a_body_over_the_cap_is_a_413_in_anthropics_shape(app_client: httpx.AsyncClient) -> None:
+    big = b'{"max_tokens": 8, "messages": [{"role": "user", "content": "' + b"a" * MAX_BODY_BYTES + b'"}]}'
+    r = await app_client.post("/v1/messages", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
 
 
 async def test_tool_choice_auto_without_tools_is_accepted(app_client: httpx.AsyncClient) -> None:
