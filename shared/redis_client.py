@@ -23,6 +23,7 @@ import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.connection import parse_url
 from redis.exceptions import (
@@ -160,17 +161,19 @@ def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
 
 
 def async_client(url: str, max_connections: int = 256) -> aredis.Redis:
-    # The API fails fast (one short retry) so a Redis outage becomes a 503, not a hung request.
+    # The API fails fast (one short retry) so a Redis outage becomes a 503, not a hung request. The retry must be
+    # asyncio's: redis-py's sync Retry never retries an asyncio call, and then each pooled connection a Redis
+    # restart left stale failed its next request.
     # A blocking pool makes a burst of requests wait briefly for a connection instead of failing.
     if is_cluster(url):  # the cluster client stands in for a Redis one, as in sync_client
         return _async_cluster(  # type: ignore[return-value]
             url, decode_responses=True, max_connections=max_connections, socket_connect_timeout=CONNECT_TIMEOUT_S,
             socket_timeout=10, health_check_interval=15, socket_keepalive=True, socket_keepalive_options=KEEPALIVE,
-            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
+            retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3))
     pool = aredis.BlockingConnectionPool.from_url(
         seeds(url)[0], decode_responses=True, max_connections=max_connections, timeout=10, socket_connect_timeout=2,
         socket_timeout=10, health_check_interval=15,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.02, cap=0.2), 1),
+        retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.02, cap=0.2), 1),
         retry_on_error=[ConnectionError, TimeoutError],
     )
     return aredis.Redis(connection_pool=pool)
