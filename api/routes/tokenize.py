@@ -42,25 +42,36 @@ async def ask(client: aredis.Redis, relay: Relay, call: TokenizeCall,
     p = random.randrange(names.partition_count())
     call_id = names.tokenize_call_id(p, uuid.uuid4().hex)
     call = call.model_copy(update={"deadline": time.time() + timeout_s})
-    sub = await relay.subscribe(call_id)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    try:  # the whole call within its timeout, a slow subscribe or Redis call included
+        async with asyncio.timeout(timeout_s):
+            sub = await relay.subscribe(call_id)
+    except TimeoutError:
+        raise _unanswered(timeout_s) from None
     try:
-        await client.xadd(names.stream(names.TOKENIZE, p), {"call_id": call_id, "call": call.to_wire()},
-                          maxlen=STREAM_MAXLEN, approximate=True)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while (left := deadline - loop.time()) > 0:
-            raw: bytes | str | None = None
-            try:
-                async with asyncio.timeout(min(left, POLL_S)):
-                    raw = await sub.get()
-            except TimeoutError:
-                pass
-            raw = raw or await client.get(names.tokenize_reply_key(call_id))
-            if raw:
-                return _answered(TokenizeReply.from_wire(raw))
+        async with asyncio.timeout_at(deadline):
+            await client.xadd(names.stream(names.TOKENIZE, p), {"call_id": call_id, "call": call.to_wire()},
+                              maxlen=STREAM_MAXLEN, approximate=True)
+            while (left := deadline - loop.time()) > 0:
+                raw: bytes | str | None = None
+                try:
+                    async with asyncio.timeout(min(left, POLL_S)):
+                        raw = await sub.get()
+                except TimeoutError:
+                    pass
+                raw = raw or await client.get(names.tokenize_reply_key(call_id))
+                if raw:
+                    return _answered(TokenizeReply.from_wire(raw))
+    except TimeoutError:
+        pass
     finally:
         await relay.unsubscribe(sub)
-    raise ApiError(503, f"no tokenizer answered within {timeout_s:g} s; retry shortly", headers={"Retry-After": "1"})
+    raise _unanswered(timeout_s)
+
+
+def _unanswered(timeout_s: float) -> ApiError:
+    return ApiError(503, f"no tokenizer answered within {timeout_s:g} s; retry shortly", headers={"Retry-After": "1"})
 
 
 def _answered(reply: TokenizeReply) -> TokenizeReply:
