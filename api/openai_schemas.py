@@ -6,12 +6,14 @@ than silently ignored."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError
 from shared.grammar import GrammarError
+from shared.grammar.tools import MAX_TOOLS
 from shared.limits import (
     MAX_CHOICES,
     MAX_MESSAGES,
@@ -117,13 +119,33 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content | Annotated[list[ContentPart], Field(max_length=64)] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: Name | None = None  # a tool message's: the call it answers
+
+    def to_message(self, i: int) -> Message:
+        """This message as the job's (text parts joined); 400 naming it when it holds what cannot be."""
+        if isinstance(self.content, list):
+            if any(p.type != "text" for p in self.content):
+                raise ApiError(400, "only text content parts are supported", param=f"messages.{i}.content")
+            text = "".join(p.text or "" for p in self.content)
+        else:
+            text = self.content or ""
+        role = "system" if self.role == "developer" else self.role
+        try:
+            return Message(role=role, content=text, tool_calls=self.tool_calls, tool_call_id=self.tool_call_id)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err.get("loc", ()))
+            raise ApiError(400, f"messages.{i}.{where}: {err.get('msg', 'invalid')}",
+                           param=f"messages.{i}.{where}") from None
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: MaxTokens | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
     logprobs: bool | None = None
@@ -132,24 +154,16 @@ class ChatCompletionRequest(_Common):
     def to_generation(self) -> list[GenerationRequest]:
         """The one generation request the chat asks for (each of its `n` choices runs it)."""
         self.refuse_unsupported()
-        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call:
-            raise ApiError(400, "tools and function calling are not supported", param="tools")
+        if self.functions or self.function_call:
+            raise ApiError(400, "functions and function_call are deprecated and not supported: send tools and "
+                                "tool_choice", param="functions" if self.functions else "function_call")
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        messages = []
-        for i, m in enumerate(self.messages):
-            if m.role == "tool":
-                raise ApiError(400, "tool messages are not supported", param=f"messages.{i}")
-            if isinstance(m.content, list):
-                if any(p.type != "text" for p in m.content):
-                    raise ApiError(400, "only text content parts are supported", param=f"messages.{i}.content")
-                text = "".join(p.text or "" for p in m.content)
-            else:
-                text = m.content or ""
-            messages.append(Message(role="system" if m.role == "developer" else m.role, content=text))
+        messages = [m.to_message(i) for i, m in enumerate(self.messages)]
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return [_generation(messages=messages, logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0,
-                            **self.sampling(limit))]
+                            tools=self.tools, tool_choice=self.tool_choice,
+                            parallel_tool_calls=self.parallel_tool_calls, **self.sampling(limit))]
 
 
 Prompts = Annotated[list[Content], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -190,13 +204,29 @@ class CompletionRequest(_Common):
 
 
 def _generation(**fields: Any) -> GenerationRequest:
-    """Fields already hold their bounds; what is left (joined content parts too long, say) is a 422."""
+    """Fields already hold their bounds; a rule across fields (tools, tool turns, structured output) broken is a
+    400 naming the parameter, what is left (joined content parts too long, say) a 422."""
     try:
         return GenerationRequest(**fields)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ()))
-        raise ApiError(422, f"{where}: {err.get('msg', 'invalid')}", param=where or None) from None
+        raise request_error(exc) from None
+
+
+def request_error(exc: ValidationError) -> ApiError:
+    """A GenerationRequest's refusal as the API answers it: a field's bound a 422 naming it, a rule across fields
+    a 400 naming the parameter its message begins with."""
+    err = exc.errors()[0]
+    where = ".".join(str(x) for x in err.get("loc", ()))
+    message = str(err.get("msg", "invalid"))
+    if where:
+        return ApiError(422, f"{where}: {message}", param=where)
+    message = message.removeprefix("Value error, ")
+    named = _PARAM.match(message)
+    return ApiError(400, message, param=named.group(0) if named else None)
+
+
+# the parameter a cross-field rule's message begins with (shared/schemas.py, shared/grammar/tools.py)
+_PARAM = re.compile(r"(tools|tool_choice|messages)(\[\d+\])?(\.\w+(\[\d+\])?)*")
 
 
 def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-import uuid
 from dataclasses import dataclass
 
 import redis.asyncio as aredis
 
 from shared import names
-from shared.job_ops import AsyncJobOps
-from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus, new_record
+from shared.job_ops import AsyncJobOps, new_job
+from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus
 from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
@@ -51,13 +50,8 @@ class JobStore:
         tenant's limits and the queue cap are checked first; a refusal stores nothing. `max_waiting` caps
         the depth of the job's partition (0: no cap): the service-wide cap's share, `partition_cap`.
         `budget` 'batch' (a batch line) charges the tenant's batch_tpm bucket instead of its rpm and tpm."""
-        # its partition: the tenant's; without one, the idempotency key's, else any
-        job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key or ""), uuid.uuid4().hex)
-        request_json = req.model_dump_json(exclude_defaults=True)
-        record = new_record(job_id, self.settings.served_model_name, request_json)
-        if req.webhook_url:
-            record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
-        record.update(fields or {})  # what another API stores with the job (a response's input, api/responses.py)
+        job_id, record, request_json = new_job(req, self.settings.served_model_name, self.settings.tool_call_parser,
+                                               owner, idempotency_key or "", fields)
         reply = await self.jobs.submit(
             job_id, record, request_json, owner=owner,
             reserve_tokens=req.reserved_tokens(), max_waiting=max_waiting,

@@ -80,10 +80,8 @@ def document_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any
 
 
 # OpenAI options this server refuses (with a 400 naming the option): the schema says which values pass
-_ONLY = {"tools": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
-         "functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
-         "tool_choice": {"enum": ["none", None]}, "function_call": {"enum": [None]},
-         "suffix": {"enum": ["", None]}}
+_ONLY = {"functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
+         "function_call": {"enum": [None]}, "suffix": {"enum": ["", None]}}
 
 
 def _document_openai(comps: dict[str, Any], settings: Settings) -> None:
@@ -98,6 +96,6 @@ def _document_openai(comps: dict[str, Any], settings: Settings) -> None:
             if field in props:
                 props[field] = {"title": props[field].get("title", field), **only}
     if "ChatMessage" in comps:
-        comps["ChatMessage"]["properties"]["role"]["enum"] = ["system", "developer", "user", "assistant"]
+        comps["ChatMessage"]["properties"]["role"]["enum"] = ["system", "developer", "user", "assistant", "tool"]
     if "ContentPart" in comps:
         comps["ContentPart"]["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}

@@ -350,6 +350,12 @@ class LocalCluster:
         """Ports of the replicas now, less failed or dead ones."""
         return self._role_ports("slave")
 
+    def replica_of(self, master_port: int) -> int:
+        """The port of a replica of the master on `master_port`."""
+        view = self._view()
+        master = next(e.id for e in view if e.port == master_port)
+        return next(e.port for e in view if "slave" in e.flags and e.master_id == master)
+
     def write_connection_file(self, path: Path | str) -> None:
         """{"url", "password", "pid" (the first node's), "cluster": true} as JSON, mode 0600."""
         first = self.nodes[0].proc

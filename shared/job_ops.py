@@ -17,6 +17,7 @@ import hashlib
 import logging
 import struct
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -25,9 +26,10 @@ import redis.asyncio.cluster as acluster
 from redis.exceptions import ConnectionError
 
 from shared import names, scripts
-from shared.jobs import FinishReason, JobStatus
+from shared.jobs import FinishReason, JobStatus, new_record
 from shared.redis_client import CLUSTER_TYPES, heal, text
 from shared.retry import call
+from shared.schemas import GenerationRequest
 from shared.scripts.codes import (
     FinishCode,
     FinishReply,
@@ -98,6 +100,20 @@ def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBL
     shared = [names.fair_key(p, part) for part in ("vtc", "tenants", "served")]
     charged = [v for tenant, (cost, tokens) in (charges or {}).items() for v in (tenant, repr(cost), tokens)]
     return [*shared, *keys], [ttl_s, repr(time.time()), publish, len(charged) // 3, *charged, *args]
+
+
+def new_job(req: GenerationRequest, model: str, tool_parser: str, owner: str = "", idempotency_key: str = "",
+            fields: dict[str, str] | None = None) -> tuple[str, dict[str, Any], str]:
+    """A job to submit, as every submitter (the API, the batch driver) makes one: its id (in its tenant's
+    partition, else its idempotency key's, else any), its record (webhook and tool parser named; `fields`, what
+    another API keeps with the job) and its request as the `jobs` stream carries it."""
+    job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key), uuid.uuid4().hex)
+    request_json = req.model_dump_json(exclude_defaults=True)
+    record = new_record(job_id, model, request_json, tool_parser if req.calls_tools else "")
+    if req.webhook_url:
+        record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
+    record.update(fields or {})
+    return job_id, record, request_json
 
 
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",
@@ -183,9 +199,29 @@ async def execute_copied(client: aredis.Redis | acluster.RedisCluster, pipe: Any
     nodes = {n.name: n for n in (client.get_node_from_key(k) for k in keys) if n is not None}
     for node in nodes.values():
         queue_replica_wait(pipe, node)
-    results = await pipe.execute()
+    results = await pipe.execute(raise_on_error=False)
     n = len(results) - len(nodes)
-    return results[:n], all(int(c) >= 1 for c in results[n:])
+    return replies(results[:n]), replicas_confirmed(client, keys, nodes, results[n:])
+
+
+def replies(results: list[Any]) -> list[Any]:
+    """A pipeline's replies (run with raise_on_error=False), its first error raised."""
+    failed = next((r for r in results if isinstance(r, Exception)), None)
+    if failed is not None:
+        raise failed
+    return results
+
+
+def replicas_confirmed(client: Any, keys: list[str], nodes: dict[str, Any], waits: list[Any]) -> bool:
+    """Whether the WAITs sent to `nodes` (the keys' masters as the slot map named them before the writes) show a
+    replica of each: every WAIT answered one or more, and the keys' masters are still those nodes. A failover
+    the slot map had not seen sends the writes on (MOVED) to the new master but the WAIT to the old one, now a
+    replica ("WAIT cannot be used with replica instances"): not confirmed, so a retryable NotCopied, never a
+    500 nor a promise counted on the wrong node."""
+    if any(isinstance(c, Exception) or int(c) < 1 for c in waits):
+        return False
+    now = {n.name for n in (client.get_node_from_key(k) for k in keys) if n is not None}
+    return now == set(nodes)
 
 
 def request_cancel_write(job_id: str) -> Write:

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from shared.logprobs import chat_item, parse_lines, parse_prompt
+from shared.tool_parsers import openai_calls, parse
 
 
 class JobStatus(str, Enum):
@@ -78,6 +79,10 @@ class Job(BaseModel):
     # the compact entries behind those, and the prompt's text (shared/logprobs.py), for the OpenAI routes
     entries: list[Any] | None = Field(None, exclude=True)
     prompt: tuple[str, list[Any]] | None = Field(None, exclude=True)
+    # the tool calls its text holds (a job that offered tools: its record names the parser), in OpenAI's shape;
+    # `text` stays as the model wrote it, and `content` is the text outside the calls (None when there is none)
+    tool_calls: list[dict[str, Any]] | None = None
+    content: str | None = Field(None, exclude=True)
 
     @classmethod
     def from_record(cls, rec: dict[str, str], job_id: str = "") -> Job:
@@ -103,7 +108,14 @@ class Job(BaseModel):
         completion = int(rec.get("completion_tokens") or 0)
         entries = parse_lines(rec["logprobs"]) if rec.get("logprobs") else None
         prompt_doc = parse_prompt(rec["prompt_logprobs"]) if rec.get("prompt_logprobs") else None
+        text = rec.get("text", "")
+        calls, content = None, text
+        if rec.get("tool_parser"):
+            parsed = parse(rec["tool_parser"], text)
+            calls, content = (openai_calls(rec["id"], parsed.calls) or None), parsed.content
         return cls(
+            tool_calls=calls,
+            content=content,
             logprobs=None if entries is None else [chat_item(e) for e in entries],
             prompt_logprobs=None if prompt_doc is None else [
                 None if e[2] is None else chat_item(e) for e in prompt_doc[1]],
@@ -112,7 +124,7 @@ class Job(BaseModel):
             id=rec["id"],
             status=JobStatus(rec["status"]),
             model=rec.get("model", ""),
-            text=rec.get("text", ""),
+            text=text,
             finish_reason=FinishReason(rec["finish_reason"]) if rec.get("finish_reason") else None,
             usage=Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion),
             error=rec.get("error") or None,
@@ -128,8 +140,9 @@ class Job(BaseModel):
         return self.status in TERMINAL
 
 
-def new_record(job_id: str, model: str, request_json: str) -> dict[str, Any]:
-    return {
+def new_record(job_id: str, model: str, request_json: str, tool_parser: str = "") -> dict[str, Any]:
+    """A queued job's record; `tool_parser` names the format its output's tool calls are read in ('' none)."""
+    record: dict[str, Any] = {
         "id": job_id,
         "status": JobStatus.queued.value,
         "model": model,
@@ -137,4 +150,7 @@ def new_record(job_id: str, model: str, request_json: str) -> dict[str, Any]:
         "created_at": repr(time.time()),
         "seq": 0,
     }
+    if tool_parser:
+        record["tool_parser"] = tool_parser
+    return record
 

@@ -14,10 +14,26 @@ import orjson
 
 from shared.jobs import FinishReason, Job, JobStatus
 from shared.logprobs import chat_item, completion_logprobs
+from shared.tool_parsers import CallStart, ContentDelta, StreamEvent, call_id
 
 
-def finish_reason(job: Job) -> str | None:
+def finish_reason(job: Job, called: bool | None = None) -> str | None:
+    """OpenAI's finish reason: `tool_calls` for a job that stopped after making calls (`called`: whether it
+    made any, when a stream knows better than the record)."""
+    made_calls = bool(job.tool_calls) if called is None else called
+    if made_calls and job.finish_reason is FinishReason.stop:
+        return "tool_calls"
     return job.finish_reason.value if job.finish_reason else None
+
+
+def tool_call_delta(job_id: str, ev: StreamEvent) -> dict[str, Any]:
+    """A chat stream's `delta` for one parser event: content, a call's index, id and name, or its arguments."""
+    if isinstance(ev, ContentDelta):
+        return {"content": ev.text}
+    if isinstance(ev, CallStart):
+        return {"tool_calls": [{"index": ev.index, "id": call_id(job_id, ev.index), "type": "function",
+                                "function": {"name": ev.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.fragment}}]}
 
 
 @dataclass
@@ -33,8 +49,10 @@ class Shape:
     def choice(self, i: int, end: Job) -> dict[str, Any]:
         if self.chat:
             lp = {"content": [chat_item(e) for e in end.entries or []]} if self.logprobs else None
-            return {"index": i, "message": {"role": "assistant", "content": end.text}, "logprobs": lp,
-                    "finish_reason": finish_reason(end)}
+            said: dict[str, Any] = {"role": "assistant", "content": end.text}
+            if end.tool_calls:
+                said = {"role": "assistant", "content": end.content, "tool_calls": end.tool_calls}
+            return {"index": i, "message": said, "logprobs": lp, "finish_reason": finish_reason(end)}
         head, entries = self.head(i, end), end.entries or []
         if self.echo and self.logprobs and end.prompt is not None:
             lp = completion_logprobs(end.prompt[1] + entries)
@@ -93,10 +111,25 @@ def response_status(job: Job) -> str:
     return shown.get(job.status, str(job.status.value))
 
 
-def message(job: Job, text: str, done: bool) -> dict[str, Any]:
-    return {"type": "message", "id": "msg_" + job.id.removeprefix("job_"), "role": "assistant",
+def message(job: Job, text: str, done: bool, item_id: str = "") -> dict[str, Any]:
+    return {"type": "message", "id": item_id or "msg_" + job.id.removeprefix("job_"), "role": "assistant",
             "status": "completed" if done else "in_progress",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []}
+
+
+def function_call(job: Job, index: int, name: str, arguments: str, done: bool) -> dict[str, Any]:
+    """A Responses `function_call` output item: the job's call `index`."""
+    return {"type": "function_call", "id": call_id(job.id, index, "fc_"), "call_id": call_id(job.id, index),
+            "name": name, "arguments": arguments, "status": "completed" if done else "in_progress"}
+
+
+def output_items(job: Job) -> list[dict[str, Any]]:
+    """An ended job's output items: its message (when it said anything), then a function_call per call."""
+    calls = job.tool_calls or []
+    text = job.content if calls else job.text
+    items = [message(job, text, True)] if text else []
+    return items + [function_call(job, i, c["function"]["name"], c["function"]["arguments"], True)
+                    for i, c in enumerate(calls)]
 
 
 def response_object(job: Job, meta: dict[str, Any], state: str | None = None) -> dict[str, Any]:
@@ -106,8 +139,9 @@ def response_object(job: Job, meta: dict[str, Any], state: str | None = None) ->
     ended = state in ("completed", "incomplete", "failed", "cancelled")
     out: dict[str, Any] = {
         "id": response_id(job.id), "object": "response", "created_at": int(job.created_at), "status": state,
-        "model": job.model, "output": [message(job, job.text, True)] if ended and job.text else [],
-        "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "error": None, "incomplete_details": None,
+        "model": job.model, "output": output_items(job) if ended else [],
+        "parallel_tool_calls": meta.get("parallel_tool_calls", True), "tool_choice": meta.get("tool_choice", "none"),
+        "tools": meta.get("tools", []), "error": None, "incomplete_details": None,
         "usage": None, **{k: meta.get(k) for k in ("instructions", "previous_response_id", "background", "store",
                                                    "temperature", "top_p", "max_output_tokens", "text")},
         "metadata": meta.get("metadata") or {}}

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.grammar import GrammarSpec, check, from_openai
+from shared.grammar import GrammarError, GrammarSpec, check, from_openai, tools_spec
+from shared.grammar.tools import MAX_TOOLS
 from shared.limits import (
     BIAS_MAX,
     BIAS_MIN,
@@ -35,6 +36,7 @@ from shared.limits import (
     Logprobs,
     MaxTokens,
     MinTokens,
+    Name,
     Penalty,
     Priority,
     PromptTokenIds,
@@ -51,10 +53,27 @@ from shared.limits import (
 )
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Name
+    arguments: Content  # the arguments' JSON text (an object), as OpenAI carries it
+
+
+class MessageToolCall(BaseModel):
+    """A call an earlier assistant turn made (OpenAI's `tool_calls` item), rendered back into the prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: Name
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: Content
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's
+    tool_call_id: Name | None = None  # a tool message's: the call it answers
 
 
 class SamplingParams(BaseModel):
@@ -135,7 +154,9 @@ def grammar_of(params: dict[str, Any]) -> Grammar | None:
     return None if spec is None else Grammar(kind=spec.kind, source=spec.source)
 
 class GenerationRequest(SamplingParams):
-    """What the API puts on the `jobs` stream: exactly one of `prompt` or `messages`."""
+    """What the API puts on the `jobs` stream: exactly one of `prompt` or `messages`. With `tools` (OpenAI's
+    function tools) and a `tool_choice` other than none, the tools reach the prompt (the tokenizer's tool
+    template) and `grammar` holds every call to a declared tool's schema (shared/grammar/tools.py)."""
 
     model_config = ConfigDict(extra="forbid")
     prompt: Content | None = None
@@ -144,6 +165,9 @@ class GenerationRequest(SamplingParams):
     webhook_url: WebhookUrl | None = None  # POSTed the job once it ends
     priority: Priority = 0  # among its tenant's waiting jobs, lower runs first; ties by arrival
     grammar: Grammar | None = None  # structured output; `response_format` or vLLM's `guided_*` set it
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # function tools
+    tool_choice: str | dict[str, Any] | None = None  # none, auto (the default with tools), required, or a name
+    parallel_tool_calls: bool = True  # false: the output ends after its first call
 
     @model_validator(mode="before")
     @classmethod
@@ -162,6 +186,46 @@ class GenerationRequest(SamplingParams):
         _one_of(self.prompt, self.messages, self.prompt_token_ids)
         return self
 
+    @model_validator(mode="after")
+    def _tool_grammar(self) -> GenerationRequest:
+        """`tools` and `tool_choice` as the `tool_calls` grammar (GrammarError, a ValueError, naming the
+        parameter at fault); a conversation's tool turns answer calls it made."""
+        check_tool_turns(self.messages or [])
+        if self.tools is None and self.tool_choice is None:
+            return self
+        if self.prompt is not None or self.prompt_token_ids is not None:
+            raise GrammarError("tools: tools need 'messages' (a raw prompt has no tool template)")
+        spec = tools_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if spec is not None:
+            if self.grammar is not None and self.grammar.kind != "tool_calls":
+                raise GrammarError("tools: give either tools or structured output (response_format, guided_*), "
+                                   "not both")
+            try:
+                check(spec)
+            except GrammarError as exc:
+                message = str(exc)
+                raise GrammarError(message if message.startswith("tools") else f"tools: {message}") from None
+            self.grammar = Grammar.model_construct(kind=spec.kind, source=spec.source)
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether its output may hold tool calls (read out by TOOL_CALL_PARSER)."""
+        return self.grammar is not None and self.grammar.kind == "tool_calls"
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows: none when tool_choice is none."""
+        return self.tools if self.calls_tools else None
+
+    def prompt_chars(self) -> int:
+        """The characters of its prompt text: messages (tool calls' arguments too) and the tools it shows."""
+        chars = len(self.prompt or "")
+        for m in self.messages or []:
+            chars += len(m.content) + sum(len(c.function.arguments) + len(c.function.name) for c in m.tool_calls or [])
+        tools = self.prompt_tools
+        return chars + (len(json.dumps(tools)) if tools else 0)
+
     def bounded(self, deployment: Deployment) -> GenerationRequest:
         """This request within the deployment's bounds, its max_tokens defaulted when it gave none; LimitError
         (a 413 for too much prompt text, a 422 otherwise, naming the field) when it is not."""
@@ -169,7 +233,7 @@ class GenerationRequest(SamplingParams):
             self.max_tokens = deployment.default_max_tokens
         if self.max_tokens > deployment.max_tokens_cap:
             raise LimitError(f"max_tokens must be at most {deployment.max_tokens_cap}", "max_tokens")
-        size = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        size = self.prompt_chars()
         if size > deployment.max_prompt_chars:
             raise LimitError(f"the prompt has {size} characters; the limit is {deployment.max_prompt_chars}",
                              "messages" if self.messages else "prompt", status=413)
@@ -203,8 +267,7 @@ class GenerationRequest(SamplingParams):
         try:
             _one_of(data.get("prompt"), data.get("messages"), data.get("prompt_token_ids"))
             if data.get("messages") is not None:
-                data["messages"] = [Message.model_construct(role=m["role"], content=m["content"])
-                                    for m in data["messages"]]
+                data["messages"] = [_wire_message(m) for m in data["messages"]]
             if data.get("grammar") is not None:
                 g = data["grammar"]
                 data["grammar"] = Grammar.model_construct(kind=g["kind"], source=g.get("source", ""))
@@ -217,7 +280,7 @@ class GenerationRequest(SamplingParams):
     def reserved_tokens(self) -> int:
         """What the job reserves of its tenant's tokens per minute at submit, before it is tokenized: its prompt
         at CHARS_PER_TOKEN characters a token (token ids as they are), plus max_tokens."""
-        chars = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        chars = self.prompt_chars()
         return len(self.prompt_token_ids or []) + math.ceil(chars / CHARS_PER_TOKEN) + self.max_tokens
 
     def tokenized(self, job_id: str, prompt_ids: list[int]) -> Request:
@@ -234,6 +297,37 @@ class GenerationRequest(SamplingParams):
                        prompt_logprobs=-1 if prompt_lp is None else prompt_lp,
                        bias_ids=list(bias), bias_values=[float(v) for v in bias.values()],
                        grammar_kind=g.kind if g else "", grammar=g.source if g else "", priority=self.priority)
+
+
+def _wire_message(m: dict[str, Any]) -> Message:
+    calls = m.get("tool_calls")
+    if calls is not None:
+        calls = [MessageToolCall.model_construct(id=c["id"], function=CalledFunction.model_construct(
+            name=c["function"]["name"], arguments=c["function"]["arguments"])) for c in calls]
+    return Message.model_construct(role=m["role"], content=m["content"], tool_calls=calls,
+                                   tool_call_id=m.get("tool_call_id"))
+
+
+def check_tool_turns(messages: list[Message]) -> None:
+    """Tool turns in order: an assistant's calls have ids of their own and arguments that are JSON objects; a
+    tool message answers one of the calls before it. GrammarError naming the message at fault."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.tool_calls and m.role != "assistant":
+            raise GrammarError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+        for j, call in enumerate(m.tool_calls or []):
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = None
+            if not isinstance(args, dict):
+                raise GrammarError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object's text")
+            called.add(call.id)
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise GrammarError(f"messages[{i}].tool_call_id: a tool message names the call it answers")
+            if m.tool_call_id not in called:
+                raise GrammarError(f"messages[{i}].tool_call_id: {m.tool_call_id!r} answers no earlier tool call")
 
 
 def _json_types(annotation: Any) -> tuple[type, ...]:

@@ -70,6 +70,11 @@ class Settings(BaseSettings):
 
     # workers/ tokenizer pool
     tokenizer_batch: int = Field(64, description="most jobs per Arrow record batch")
+    tool_chat_template: str = Field("", description="the chat template a request with tools (or tool turns) is "
+                                    "rendered with, a file: empty means the model's own when it renders tools, else "
+                                    "the Hermes tool prompt shipped in workers/tokenizer/")
+    tool_call_parser: Literal["hermes"] = Field("hermes", description="the format tool calls are read out of the "
+                                                "output in (shared/tool_parsers/), as vLLM names its parsers")
     fair_share: bool = Field(True, description="tenants' jobs wait in queues of their own and the tenant with the "
                              "least weighted service goes next (shared/fair_queue.py); false: one queue, first "
                              "in, first out (by priority)")

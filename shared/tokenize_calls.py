@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from shared.grammar.tools import MAX_TOOLS
 from shared.limits import MAX_CONTENT_CHARS, MAX_PROMPT_TOKEN_IDS, Content, StopList, TokenId
 from shared.schemas import Message
 
@@ -40,7 +41,8 @@ CallIds = Annotated[list[TokenId], Field(max_length=MAX_CALL_TOKENS)]
 
 class TokenizeCall(BaseModel):
     """One call. `tokenize`: `prompt` (with the tokenizer's special tokens when `add_special_tokens`) or
-    `messages` (the chat template, its generation prompt when `add_generation_prompt`); `detokenize`: `tokens`;
+    `messages` (the chat template, its generation prompt when `add_generation_prompt`; `tools` as a request
+    with them shows them); `detokenize`: `tokens`;
     `stop_sequence`: which of `stops` ended job `job_id`, whose output `text` is cut before it (read from the
     job's generated ids; None when it ended otherwise)."""
 
@@ -48,6 +50,7 @@ class TokenizeCall(BaseModel):
     kind: Literal["tokenize", "detokenize", "stop_sequence"]
     prompt: Content | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # shown in the prompt
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -33,8 +33,18 @@ from redis.exceptions import RedisError
 
 from shared import batch_ops, file_ops, names, scripts
 from shared.file_ops import file_bytes_write
-from shared.job_ops import JobOps, NotCopied, Write, queue_replica_wait, request_cancel_write, submit_write
-from shared.jobs import BATCH_ENDS, DamagedRecord, FinishReason, Job, JobStatus, new_record
+from shared.job_ops import (
+    JobOps,
+    NotCopied,
+    Write,
+    new_job,
+    queue_replica_wait,
+    replicas_confirmed,
+    replies,
+    request_cancel_write,
+    submit_write,
+)
+from shared.jobs import BATCH_ENDS, DamagedRecord, FinishReason, Job, JobStatus
 from shared.openai_bodies import line_body, line_error, line_result
 from shared.redis_client import CLUSTER_TYPES
 from shared.schemas import GenerationRequest
@@ -205,14 +215,11 @@ class BatchDriver:
         """Submit a line's job on the tenant's batch budget, as the API's submit stores a job (api/store.py):
         its id (that of the job its idempotency key already names, on a replay), None when refused."""
         req = GenerationRequest.model_validate_json(line["request"])
-        job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key), uuid.uuid4().hex)
-        request_json = req.model_dump_json(exclude_defaults=True)
-        record = new_record(job_id, self.settings.served_model_name, request_json)
-        if req.webhook_url:
-            record["webhook_url"] = req.webhook_url
-        record["batch"] = batch_id
+        fields = {"batch": batch_id}
         if "response" in line:
-            record["response"] = line["response"]  # what the Responses API keeps with its job (api/responses.py)
+            fields["response"] = line["response"]  # what the Responses API keeps with its job (api/responses.py)
+        job_id, record, request_json = new_job(req, self.settings.served_model_name, self.settings.tool_call_parser,
+                                               owner, idempotency_key, fields)
         write = submit_write(job_id, record, request_json, self.settings.job_ttl_s, owner=owner,
                              reserve_tokens=req.reserved_tokens(), idempotency_key=idempotency_key,
                              idempotency_ttl_s=self.settings.idempotency_ttl_s, jobs_maxlen=self.jobs_maxlen,
@@ -230,9 +237,11 @@ class BatchDriver:
             return script(self.r, *write)
         pipe = self.r.pipeline(transaction=False)
         script.queue(pipe, *write)
-        queue_replica_wait(pipe, self.r.get_node_from_key(write[0][0]))  # type: ignore[attr-defined]
-        reply, copies = pipe.execute()
-        if int(copies) < 1:
+        node = self.r.get_node_from_key(write[0][0])  # type: ignore[attr-defined]
+        queue_replica_wait(pipe, node)
+        reply, copies = pipe.execute(raise_on_error=False)
+        replies([reply])
+        if not replicas_confirmed(self.r, write[0][:1], {node.name: node}, [copies]):
             raise NotCopied(what)
         return reply
 

@@ -86,8 +86,9 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
                 await cancel_all(store, jobs)
             await release_stream_slot(client, caller, slot)
 
-        return EventStream(_closing(_stream(store, relay, jobs[0], stop_of), ended, close), settings.sse_ping_s,
-                           limits)
+        parser = settings.tool_call_parser if req.calls_tools else None
+        return EventStream(_closing(_stream(store, relay, jobs[0], stop_of, parser), ended, close),
+                           settings.sse_ping_s, limits)
     end = (await wait_all(store, relay, jobs, request))[0]
     if end.status is JobStatus.failed:
         raise _failure(end)
@@ -100,7 +101,8 @@ async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayD
     """The prompt's tokens as a Messages request with this body would count them (the chat template's)."""
     check_model(body.model, settings)
     body.refuse_unsupported()
-    call = TokenizeCall(kind="tokenize", messages=body.chat(), add_special_tokens=False, add_generation_prompt=True)
+    call = TokenizeCall(kind="tokenize", messages=body.chat(), tools=body.prompt_tools(), add_special_tokens=False,
+                        add_generation_prompt=True)
     reply = await ask(client, relay, call)
     return {"input_tokens": len(reply.tokens or [])}
 
@@ -126,10 +128,11 @@ async def _input_tokens(store: JobStore, job_id: str) -> int:
     return job.usage.prompt_tokens if job is not None else 0
 
 
-async def _stream(store: JobStore, relay: Relay, job: Job, stop_of: StopOf) -> AsyncIterator[tuple[bytes, bool]]:
+async def _stream(store: JobStore, relay: Relay, job: Job, stop_of: StopOf,
+                  tool_parser: str | None) -> AsyncIterator[tuple[bytes, bool]]:
     """Anthropic's events for the job, opened at its first event (its prompt counted by then); an error event
     when it fails or its stream is cut short. Yields (frame, whether the job has ended)."""
-    message = MessageStream(job)
+    message = MessageStream(job, tool_parser)
     opened = False
     try:
         async for ev in job_events(store, relay, job.id):
@@ -144,8 +147,8 @@ async def _stream(store: JobStore, relay: Relay, job: Job, stop_of: StopOf) -> A
                 for frame in message.start(await _input_tokens(store, job.id)):
                     yield frame, False
             if isinstance(ev, TokenEvent):
-                if ev.text:
-                    yield message.delta(ev.text), False
+                for frame in message.text(ev.text):
+                    yield frame, False
                 continue
             for frame in message.end(ev.job, await stop_of(ev.job)):
                 yield frame, True

@@ -26,11 +26,13 @@ from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import TokenEvent
 from api.validation import check_request
+from shared import tool_parsers
 from shared.jobs import DamagedRecord, Job, JobStatus
-from shared.logprobs import completion_logprobs
+from shared.logprobs import chat_item, completion_logprobs
 from shared.model_config import model_context
-from shared.openai_bodies import Shape, completion_id, completion_object, finish_reason, usage_of
+from shared.openai_bodies import Shape, completion_id, completion_object, finish_reason, tool_call_delta, usage_of
 from shared.settings import Settings
+from shared.tool_parsers import CallStart, StreamEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -82,7 +84,8 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
             "model": jobs[0].model}
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        frames = _stream(store, relay, jobs, shape, head, body.n, usage)
+        parser = settings.tool_call_parser if runs[0].calls_tools else None
+        frames = _stream(store, relay, jobs, shape, head, body.n, usage, parser)
 
         async def close() -> None:
             await cancel_all(store, [j for j in jobs if j.id not in finished])
@@ -111,12 +114,27 @@ async def _closing(frames: AsyncIterator[tuple[bytes, str | None]], finished: se
 
 
 async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, head: dict[str, Any], n: int,
-                  include_usage: bool) -> AsyncIterator[tuple[bytes, str | None]]:
+                  include_usage: bool, tool_parser: str | None = None) -> AsyncIterator[tuple[bytes, str | None]]:
     """OpenAI's stream: unnamed `data:` chunks (for chat a role chunk per choice first), each choice's
     finish chunk, the usage chunk when asked for, and `data: [DONE]`. A choice that fails or is cut
-    short ends the stream with an error object instead, without `[DONE]`. Yields (frame, job id ended)."""
+    short ends the stream with an error object instead, without `[DONE]`. With `tool_parser` (a chat that
+    offered tools), each choice's text goes through it: content, and each call's index, id and name, then its
+    arguments in fragments; the calls' markup is never sent as content. Yields (frame, job id ended)."""
     def frame(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return sse.encode(orjson.dumps({**head, "choices": choices, **extra}))
+
+    parsers = [tool_parsers.stream(tool_parser) for _ in jobs] if tool_parser else None
+    called = [False] * len(jobs)
+
+    def tool_frames(i: int, events: list[StreamEvent], entries: list[Any] | None) -> list[bytes]:
+        """A choice's parser events as chunks, the token event's logprobs on the first (alone if none)."""
+        lp = {"content": [chat_item(e) for e in entries or []]} if shape.logprobs and entries is not None else None
+        deltas = [tool_call_delta(jobs[i].id, e) for e in events]
+        called[i] = called[i] or any(isinstance(e, CallStart) for e in events)
+        if lp is not None and not deltas:
+            deltas = [{}]
+        return [frame([{"index": i, "delta": d, "logprobs": lp if k == 0 else None, "finish_reason": None}])
+                for k, d in enumerate(deltas)]
 
     if shape.chat:
         for i in range(len(jobs)):
@@ -139,6 +157,10 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
                 offsets[i] += len(echoed["text"])
                 yield frame([echoed]), None
         if isinstance(ev, TokenEvent):
+            if parsers is not None:
+                for chunk in tool_frames(i, parsers[i].feed(ev.text), ev.logprobs):
+                    yield chunk, None
+                continue
             yield frame([shape.delta(i, ev.text, ev.logprobs, offsets[i])]), None
             offsets[i] += len(ev.text)
             continue
@@ -148,8 +170,11 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
             yield sse.encode(orjson.dumps(error_body(err.status, err.message, err.type))), end.id
             return
         ends[i] = end
+        if parsers is not None:
+            for chunk in tool_frames(i, parsers[i].finish(), None):
+                yield chunk, None
         yield frame([{"index": i, **({"delta": {}} if shape.chat else {"text": ""}), "logprobs": None,
-                      "finish_reason": finish_reason(end)}]), end.id
+                      "finish_reason": finish_reason(end, called[i] if parsers else None)}]), end.id
     if include_usage:
         yield frame([], usage=usage_of([e for e in ends if e is not None], n)), None
     yield sse.encode("[DONE]"), None

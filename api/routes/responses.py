@@ -25,6 +25,7 @@ from api.relay import Relay
 from api.responses import (
     HEAD,
     ResponseRequest,
+    ToolEvents,
     delta_event,
     head_events,
     job_id_of,
@@ -57,14 +58,18 @@ async def _owned(store: JobStore, resp_id: str, caller: Caller) -> tuple[Job, di
     return job, meta
 
 
-async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) -> list[dict[str, str]]:
-    """The earlier turns (from `previous_response_id`: its conversation and its answer), then this input."""
-    before: list[dict[str, str]] = []
+async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) -> list[dict[str, Any]]:
+    """The earlier turns (from `previous_response_id`: its conversation and its answer, calls included), then
+    this input."""
+    before: list[dict[str, Any]] = []
     if body.previous_response_id:
         prev, meta = await _owned(store, body.previous_response_id, caller)
         if not prev.ended:
             raise ApiError(400, "the previous response has not finished", param="previous_response_id")
-        before = [*meta["conversation"], {"role": "assistant", "content": prev.text}]
+        answer: dict[str, Any] = {"role": "assistant", "content": prev.text}
+        if prev.tool_calls:
+            answer = {"role": "assistant", "content": prev.content or "", "tool_calls": prev.tool_calls}
+        before = [*meta["conversation"], answer]
     return before + body.input_messages()
 
 
@@ -76,7 +81,7 @@ async def create(body: ResponseRequest, request: Request, store: StoreDep, relay
     body.check()
     conversation = await _conversation(store, body, caller)
     gen = check_request(body.generation(conversation), settings)
-    meta_json = body.meta(conversation)
+    meta_json = body.meta(conversation, settings.tool_call_parser if gen.calls_tools else None)
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(redis, caller, slot):
         raise stream_refused(caller)
@@ -166,6 +171,13 @@ async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any],
 
     reached_end = False
     try:
+        if meta.get("tool_parser"):
+            async for chunk in _tool_events(store, relay, job, meta, after, frame):
+                if chunk is None:
+                    reached_end = True
+                else:
+                    yield chunk
+            return
         for seq, kind, data in head_events(job, meta):
             if seq > after:
                 yield frame(seq, kind, data)
@@ -188,3 +200,31 @@ async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any],
         yield sse.encode(orjson.dumps({"type": "error", "code": "server_error", "message": message}), "error")
     finally:
         await asyncio.shield(on_close(reached_end))
+
+
+async def _tool_events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any], after: int,
+                       frame: Callable[[int, str, dict[str, Any]], bytes]) -> AsyncIterator[bytes | None]:
+    """A response's events when its output may hold tool calls (api/responses.py `ToolEvents`): the job's events
+    replayed from its start through the parser, those after `after` sent; None once the response has ended."""
+    events = ToolEvents(job, meta)
+
+    def fresh(evs: list[tuple[int, str, dict[str, Any]]]) -> list[bytes]:
+        return [frame(seq, kind, data) for seq, kind, data in evs if seq > after]
+
+    for chunk in fresh(events.head()):
+        yield chunk
+    try:
+        async for ev in job_events(store, relay, job.id):
+            if isinstance(ev, TokenEvent):
+                for chunk in fresh(events.text(ev.text)):
+                    yield chunk
+            elif isinstance(ev, DoneEvent):
+                for chunk in fresh(events.end(ev.job)):
+                    yield chunk
+                yield None
+                return
+        message = "the server is shutting down; resume with starting_after" if relay.stopping else \
+            "the response expired"
+    except RedisError:
+        message = "the response store is unavailable; resume with starting_after"
+    yield sse.encode(orjson.dumps({"type": "error", "code": "server_error", "message": message}), "error")

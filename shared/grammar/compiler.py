@@ -20,7 +20,7 @@ def compile_with(compiler: Any, spec: GrammarSpec) -> Any:
     ", " and ": " as separators; a json_schema allows no properties it does not name (OpenAI's strict mode),
     a json_object any object."""
     if spec.kind == "json_schema":
-        return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+        return compiler.compile_grammar(json_schema_ebnf(spec.source))
     if spec.kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if spec.kind == "regex":
@@ -30,9 +30,37 @@ def compile_with(compiler: Any, spec: GrammarSpec) -> Any:
         return compiler.compile_grammar("root ::= " + " | ".join(alternatives))
     if spec.kind == "grammar":
         return compiler.compile_grammar(spec.source)
-    if spec.kind == "tool_calls":  # calls held to their tools' schemas (tools.py)
-        return compiler.compile_structural_tag(json.dumps(structural_tag(spec.source)))
+    if spec.kind == "tool_calls":  # calls held to their tools' schemas (tools.py), each as its json_schema compiles
+        return compiler.compile_structural_tag(json.dumps(_schemas_as_grammars(structural_tag(spec.source))))
     raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+
+# xgrammar (0.2.8) writes a string with minLength or maxLength as characters of this class, which lets raw control
+# characters (U+000B, ...) through: JSON forbids them in a string, and no client's parser reads the result. Its
+# unbounded strings already use JSON's class.
+_LOOSE_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """A JSON schema's grammar as compile_with holds it: no free whitespace, ", " and ": " as separators, no
+    properties it does not name (OpenAI's strict mode), every string of JSON's characters."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True, separators=(", ", ": ")))
+    return ebnf.replace(_LOOSE_CHARS, _JSON_CHARS)
+
+
+def _schemas_as_grammars(node: Any) -> Any:
+    """A structural tag with each json_schema content as its grammar (`json_schema_ebnf`): xgrammar's own
+    json_schema content allows free whitespace, which a small model can spend its tokens on."""
+    if isinstance(node, list):
+        return [_schemas_as_grammars(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema":
+        return {"type": "grammar", "grammar": json_schema_ebnf(json.dumps(node["json_schema"]))}
+    return {k: _schemas_as_grammars(v) for k, v in node.items()}
 
 
 @lru_cache(maxsize=4)

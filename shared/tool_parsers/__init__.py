@@ -6,11 +6,21 @@ engine; a parser only reads what came out."""
 
 from __future__ import annotations
 
-from shared.tool_parsers.calls import ArgumentsDelta, CallStart, ContentDelta, Parsed, StreamEvent, ToolCall, collect
+from shared.tool_parsers.calls import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    Parsed,
+    StreamEvent,
+    ToolCall,
+    call_id,
+    collect,
+    openai_calls,
+)
 from shared.tool_parsers.hermes import HermesStream
 
-__all__ = ["ArgumentsDelta", "CallStart", "ContentDelta", "Parsed", "StreamEvent", "ToolCall", "PARSERS", "parse",
-           "stream"]
+__all__ = ["ArgumentsDelta", "CallStart", "ContentDelta", "Parsed", "StreamEvent", "ToolCall", "PARSERS", "call_id",
+           "openai_calls", "parse", "stream"]
 
 PARSERS = {"hermes": HermesStream}
 

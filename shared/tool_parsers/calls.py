@@ -44,3 +44,14 @@ def collect(events: list[StreamEvent]) -> Parsed:
     names = {e.index: e.name for e in events if isinstance(e, CallStart)}
     args = {i: "".join(e.fragment for e in events if isinstance(e, ArgumentsDelta) and e.index == i) for i in names}
     return Parsed(content or None, [ToolCall(names[i], args[i]) for i in sorted(names)])
+
+
+def call_id(job_id: str, index: int, prefix: str = "call_") -> str:
+    """A call's id, the same on every read of its job: OpenAI's `call_...` (Anthropic's `toolu_...`)."""
+    return f"{prefix}{job_id.removeprefix('job_')}_{index}"
+
+
+def openai_calls(job_id: str, calls: list[ToolCall]) -> list[dict[str, object]]:
+    """Calls in OpenAI's `tool_calls` shape."""
+    return [{"id": call_id(job_id, i), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)]

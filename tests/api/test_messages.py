@@ -126,7 +126,7 @@ async def test_refusals_are_anthropic_errors(door: anthropic.AsyncAnthropic) -> 
     with pytest.raises(anthropic.NotFoundError) as e:
         await door.messages.create(model="claude-unknown", max_tokens=8, messages=ASK)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
-    tool = {"name": "get_weather", "description": "weather", "input_schema": {"type": "object"}}
+    tool = {"name": "get_weather", "description": "weather", "input_schema": {"type": "object", "not": {}}}
     with pytest.raises(anthropic.BadRequestError) as e:
         await door.messages.create(model=MODEL, max_tokens=8, messages=ASK, tools=[tool])  # type: ignore[list-item]
     assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
@@ -139,7 +139,7 @@ async def test_refusals_are_anthropic_errors(door: anthropic.AsyncAnthropic) -> 
     ({"messages": ASK}, "max_tokens"),
     ({"max_tokens": 8, "messages": ASK, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}, "messages.0.content.0"),
+        {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}, "'t1' answers no earlier tool call"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]}, "messages.0"),
     ({"max_tokens": 8, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),

@@ -68,7 +68,7 @@ def test_max_completion_tokens_and_length(oai: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("extra", [
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
     {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "[0-9]+"}},
     {"top_logprobs": 3}])

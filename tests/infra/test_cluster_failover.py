@@ -8,6 +8,7 @@ cluster is the test's own. bench.chaos
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -23,8 +24,9 @@ from gpu_worker.output_lane import OutputLane
 from infra.redis_cluster import LocalCluster, cluster_binary
 from infra.redis_server import free_port
 from shared import names
+from shared.job_ops import execute_copied
 from shared.jobs import JobStatus, new_record
-from shared.redis_client import is_cluster, sync_client
+from shared.redis_client import async_client, is_cluster, sync_client
 from shared.schemas import to_ipc
 from shared.settings import Settings
 
@@ -46,6 +48,7 @@ def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model
             for round_ in range(2):
                 stream_through_a_kill(cluster, model_path, round_)
         a_seed_list_finds_the_cluster_past_a_dead_node(cluster)
+        asyncio.run(a_promise_across_a_failover_the_slot_map_missed_is_a_retry(cluster))
     finally:
         cluster.stop()
 
@@ -120,6 +123,35 @@ def a_seed_list_finds_the_cluster_past_a_dead_node(cluster: LocalCluster) -> Non
         assert len(client.get_primaries()) == 3  # every node discovered from the one that answered
     finally:
         client.close()
+
+
+async def a_promise_across_a_failover_the_slot_map_missed_is_a_retry(cluster: LocalCluster) -> None:
+    """A promised write (execute_copied: the writes, then WAIT on their master) sent while the client's slot map
+    still names a master that a failover made a replica: the write goes on to the new master (MOVED), the WAIT
+    reaches the old one, which refuses it; that is "not copied" (a retryable 503 at the door), never a raised
+    ResponseError (a 500). The next promise, on the refreshed map, is confirmed."""
+    key = f"{{promise}}:{uuid.uuid4().hex}"
+    client = async_client(cluster.url)
+    try:
+        await client.initialize()  # type: ignore[union-attr]
+        old = client.get_node_from_key(key)  # type: ignore[union-attr]
+        with cluster.node(cluster.replica_of(old.port)).client() as c:
+            c.execute_command("CLUSTER", "FAILOVER")  # the replica takes over; the old master follows it
+        until = time.monotonic() + 30
+        while old.port not in cluster.replica_ports() and time.monotonic() < until:
+            time.sleep(0.1)
+        assert old.port in cluster.replica_ports()
+        pipe = client.pipeline(transaction=False)
+        pipe.set(key, "first")
+        replies, copied = await execute_copied(client, pipe, [key])
+        assert replies == [True] and not copied
+        pipe = client.pipeline(transaction=False)
+        pipe.set(key, "second")
+        replies, copied = await execute_copied(client, pipe, [key])
+        assert replies == [True] and copied
+        assert await client.get(key) == "second"
+    finally:
+        await client.aclose()
 
 
 def _drain(feedback: queue.SimpleQueue[LaneReport]) -> list[LaneReport]:

@@ -88,3 +88,102 @@ def test_the_grammar_holds_calls_to_their_schemas(compiled: Any, choice: Any, pa
     texts = ["Hello there.", CALL, "Let me look. " + CALL, CALL + "\n" + CALL, broken]
     assert [compiled(spec, t) for t in texts] == taken
     assert parse("hermes", CALL).calls[0].name == "get_weather"  # what the grammar lets through, the parser reads
+
+
+def _properties() -> Any:
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(
+        st.integers(1, 12).map(lambda n: {"type": "string", "maxLength": n}),
+        st.lists(st.sampled_from(["red", "green", "blue", "Paris", "a b"]), min_size=1, max_size=4, unique=True)
+        .map(lambda e: {"type": "string", "enum": e}),
+        st.integers(0, 50).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 100}),
+        st.just({"type": "boolean"}),
+        st.integers(1, 3).map(lambda n: {"type": "array", "items": {"type": "boolean"}, "maxItems": n}),
+    )
+    names = st.text("abcdefghij_", min_size=1, max_size=8)
+    flat = st.dictionaries(names, leaf, min_size=1, max_size=3)
+    return st.dictionaries(names, st.one_of(leaf, flat.map(_strict_object)), min_size=1, max_size=3)
+
+
+def _strict_object(props: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": sorted(props), "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def sampler(model_path: str) -> Any:
+    """Random generation under a compiled grammar: each step a token the grammar allows (half the time one that
+    closes something, so that the output ends), until the grammar has ended; the token ids."""
+    import numpy as np
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from shared.grammar import compile_with, tokenizer_info
+
+    info = tokenizer_info(model_path)
+    compiler, tok = xgr.GrammarCompiler(info), AutoTokenizer.from_pretrained(model_path)
+    vocab = [tok.decode([i]) for i in range(info.vocab_size)]
+    closing = np.array([any(c in t for c in '"}],') for t in vocab] + [False] * (info.vocab_size - len(vocab)))
+
+    def run(spec: Any, seed: int, steps: int = 400) -> tuple[list[int], Any]:
+        rng = np.random.default_rng(seed)
+        matcher = xgr.GrammarMatcher(compile_with(compiler, spec))
+        mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        ids: list[int] = []
+        for _ in range(steps):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(mask)
+            allowed = _allowed(mask, info.vocab_size)
+            pick = allowed[closing[allowed]] if rng.random() < 0.5 and closing[allowed].any() else allowed
+            token = int(rng.choice(pick))
+            assert matcher.accept_token(token)
+            if token in info.stop_token_ids:
+                break
+            ids.append(token)
+        assert matcher.is_terminated() or matcher.accept_token(info.stop_token_ids[0]), tok.decode(ids)
+        return ids, tok
+    return run
+
+
+def _allowed(mask: Any, vocab: int) -> Any:
+    """The token ids a bitmask (int32 words, bit set: allowed) allows."""
+    import numpy as np
+    import torch
+
+    bits = mask[0].view(torch.uint8).numpy()
+    return np.flatnonzero(np.unpackbits(bits, bitorder="little")[:vocab])
+
+
+def test_a_required_call_always_parses_and_fits_its_schema(sampler: Any) -> None:
+    """Over random tool schemas and random (grammar-held) outputs: the output is exactly one call to a declared
+    tool whose arguments validate against that tool's schema, read the same whole and token by token."""
+    import jsonschema
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from shared.tool_parsers import collect, stream
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(props=_properties(), other=_properties(), seed=st.integers(0, 2**32 - 1))
+    def check_one(props: dict[str, Any], other: dict[str, Any], seed: int) -> None:
+        schemas = {"first": _strict_object(props), "second": _strict_object(other)}
+        tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in schemas.items()]
+        spec = tools_spec(tools, "required", parallel=False)
+        check(spec)
+        ids, tok = sampler(spec, seed)
+        whole = parse("hermes", tok.decode(ids))
+        assert whole.content is None and len(whole.calls) == 1
+        call = whole.calls[0]
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        parser, seen, events = stream("hermes"), "", []
+        for k in range(1, len(ids) + 1):
+            text = tok.decode(ids[:k])
+            if text.endswith("\ufffd"):
+                continue  # a character still cut between tokens
+            events += parser.feed(text[len(seen):])
+            seen = text
+        events += parser.feed(tok.decode(ids)[len(seen):]) + parser.finish()
+        assert collect(events) == whole
+
+    check_one()

@@ -1,5 +1,10 @@
 """Prompt building without torch or transformers: the model's chat template via jinja2, token ids
-via the `tokenizers` library."""
+via the `tokenizers` library.
+
+A conversation with tools (or with tool turns: assistant `tool_calls`, `tool` messages) is rendered with the
+model's own template when that template renders `tools`, else with the tool template (TOOL_CHAT_TEMPLATE; by
+default the Hermes tool prompt beside this module, whose calls the `hermes` parser reads). Templates get
+transformers' `tojson` (keys in their order, nothing HTML-escaped), as they were written for."""
 
 from __future__ import annotations
 
@@ -23,8 +28,16 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+HERMES_TEMPLATE = Path(__file__).with_name("tool_chat_template_hermes.jinja")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter (jinja2's own sorts keys and escapes HTML)."""
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
 class PromptBuilder:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, tool_template: str | Path = "") -> None:
         model_dir = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config: dict[str, Any] = {}
@@ -38,20 +51,31 @@ class PromptBuilder:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
         self.template = env.from_string(source) if isinstance(source, str) else None
+        if tool_template:
+            self.tool_template = env.from_string(Path(tool_template).read_text())
+        elif isinstance(source, str) and "tools" in source:
+            self.tool_template = self.template
+        else:
+            self.tool_template = env.from_string(HERMES_TEMPLATE.read_text())
 
     def render(self, req: GenerationRequest) -> str:
         if req.prompt is not None:
             return req.prompt
-        return self.chat(req.messages or [], add_generation_prompt=True)
+        return self.chat(req.messages or [], add_generation_prompt=True, tools=req.prompt_tools)
 
-    def chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        """The messages through the chat template; PromptError when there is none or it refuses them."""
-        if self.template is None:
+    def chat(self, messages: list[Message], add_generation_prompt: bool,
+             tools: list[dict[str, Any]] | None = None) -> str:
+        """The messages through the chat template (the tool template with tools or tool turns); PromptError when
+        there is none or it refuses them."""
+        with_tools = bool(tools) or any(m.role == "tool" or m.tool_calls for m in messages)
+        template = self.tool_template if with_tools else self.template
+        if template is None:
             raise PromptError("this model has no chat template: send 'prompt' instead of 'messages'")
         try:
-            return self.template.render(messages=[m.model_dump() for m in messages],
-                                        add_generation_prompt=add_generation_prompt, **self.special)
+            return template.render(messages=[m.model_dump(exclude_none=True, warnings=False) for m in messages],
+                                   tools=tools or None, add_generation_prompt=add_generation_prompt, **self.special)
         except TemplateError as exc:
             raise PromptError(f"chat template rejected the messages: {exc}") from exc
 

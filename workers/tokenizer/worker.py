@@ -53,7 +53,7 @@ class TokenizerWorker:
                                        names.TOKENIZER_GROUP, self.worker_id, names.TOKENIZER_POOL,
                                        settings.claim_idle_ms, settings.delivery_limit)
         self.jobs = JobOps(self.client, settings.job_ttl_s)
-        self.prompts = PromptBuilder(settings.model_path)
+        self.prompts = PromptBuilder(settings.model_path, settings.tool_chat_template)
         self.context = model_context(settings.model_path, settings.max_model_len)
         self.stop_event = threading.Event()
         self.counters = {"processed": 0, "failed": 0, "batches": 0, "calls": 0}
@@ -151,8 +151,8 @@ class TokenizerWorker:
                 return TokenizeReply(prompt=self.prompts.decode(call.tokens or []))
             if call.kind == "stop_sequence":
                 return TokenizeReply(stop_sequence=self._stop_of(call))
-            source = call.prompt or "" if call.messages is None else self.prompts.chat(call.messages,
-                                                                                        call.add_generation_prompt)
+            source = call.prompt or "" if call.messages is None else self.prompts.chat(
+                call.messages, call.add_generation_prompt, call.tools)
             ids = self.prompts.encode(source, call.add_special_tokens)
             strs = self.prompts.token_strs(ids) if call.return_token_strs else None
             return TokenizeReply(tokens=ids, token_strs=strs)
