@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, dict[str, tuple[str, str]]] = {
         "plumbing": ("bench.plumbing", "jobs/s, concurrent streams and relay delay on the synthetic engine"),
         "redis": ("bench.redis_ops", "what each stage's Redis traffic costs Redis"),
         "tokenizer": ("bench.tokenizer", "the tokenizer stage alone"),
+        "tools": ("bench.tools", "forced tool calls and JSON schemas against plain decoding at 32 streams"),
     },
     "faults": {
         "chaos": ("bench.chaos", "nothing lost or corrupted while processes die and Redis restarts"),

@@ -975,7 +975,8 @@ def cluster_cut(workdir: Path, model: str = "", env: dict[str, str] | None = Non
         # is what a failover may drop (and did: the rejoined master took its replica's data)
         # (answered while cut: a write sent just before the heal may be copied just after it)
         after_cut = [r for r in minority_rows if cut_at < r["t"] and r["end"] < healed_at]
-        refused = [r for r in after_cut if not r["set"]]
+        # (a write the client gave up on, its socket timing out while the WAIT blocked, was not refused by Redis)
+        refused = [r for r in after_cut if not r["set"] and not (r.get("error") or "").startswith("TimeoutError")]
         first_refusal = min(r["t"] for r in refused) - cut_at if refused else None
         uncopied = [r for r in after_cut if r["set"] and not (r["copies"] or 0)]
         late = [r for r in uncopied if first_refusal is not None and r["t"] - cut_at > first_refusal]
