@@ -187,8 +187,10 @@ class MessagesRequest(CountTokensRequest):
         self.refuse_unsupported()
         sampling = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k") if getattr(self, k) is not None}
         try:
-            return GenerationRequest(messages=self.chat(), max_tokens=self.max_tokens, stop=self.stop_sequences or [],
-                                     **sampling, **self.tool_fields())
+            messages = self.chat()
+            prefill = messages[-1].role == "assistant" and not messages[-1].tool_calls  # continued, not answered
+            return GenerationRequest(messages=messages, max_tokens=self.max_tokens, stop=self.stop_sequences or [],
+                                     continue_final_message=prefill, **sampling, **self.tool_fields())
         except ValidationError as exc:
             err = request_error(exc)
             raise ApiError(400, err.message, param=err.param) from None

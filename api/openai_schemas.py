@@ -150,6 +150,7 @@ class ChatCompletionRequest(_Common):
     function_call: Any = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued
 
     def to_generation(self) -> list[GenerationRequest]:
         """The one generation request the chat asks for (each of its `n` choices runs it)."""
@@ -163,7 +164,8 @@ class ChatCompletionRequest(_Common):
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return [_generation(messages=messages, logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0,
                             tools=self.tools, tool_choice=self.tool_choice,
-                            parallel_tool_calls=self.parallel_tool_calls, **self.sampling(limit))]
+                            parallel_tool_calls=self.parallel_tool_calls,
+                            continue_final_message=self.continue_final_message, **self.sampling(limit))]
 
 
 Prompts = Annotated[list[Content], Field(min_length=1, max_length=MAX_PROMPTS)]

@@ -109,7 +109,8 @@ class Job(BaseModel):
         entries = parse_lines(rec["logprobs"]) if rec.get("logprobs") else None
         prompt_doc = parse_prompt(rec["prompt_logprobs"]) if rec.get("prompt_logprobs") else None
         text = rec.get("text", "")
-        calls, content = None, text
+        calls: list[dict[str, Any]] | None = None
+        content: str | None = text
         if rec.get("tool_parser"):
             parsed = parse(rec["tool_parser"], text)
             calls, content = (openai_calls(rec["id"], parsed.calls) or None), parsed.content

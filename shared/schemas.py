@@ -168,6 +168,8 @@ class GenerationRequest(SamplingParams):
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # function tools
     tool_choice: str | dict[str, Any] | None = None  # none, auto (the default with tools), required, or a name
     parallel_tool_calls: bool = True  # false: the output ends after its first call
+    # vLLM's: the last message, an assistant's, is continued (its turn left open) instead of answered
+    continue_final_message: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -184,6 +186,13 @@ class GenerationRequest(SamplingParams):
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
         _one_of(self.prompt, self.messages, self.prompt_token_ids)
+        return self
+
+    @model_validator(mode="after")
+    def _continued(self) -> GenerationRequest:
+        if self.continue_final_message and not (self.messages and self.messages[-1].role == "assistant"
+                                                and not self.messages[-1].tool_calls):
+            raise ValueError("messages: continue_final_message needs a last message from the assistant, with text")
         return self
 
     @model_validator(mode="after")
@@ -205,7 +214,7 @@ class GenerationRequest(SamplingParams):
             except GrammarError as exc:
                 message = str(exc)
                 raise GrammarError(message if message.startswith("tools") else f"tools: {message}") from None
-            self.grammar = Grammar.model_construct(kind=spec.kind, source=spec.source)
+            self.grammar = Grammar.model_construct(kind="tool_calls", source=spec.source)
         return self
 
     @property

@@ -201,3 +201,12 @@ def test_a_request_the_pool_refuses_is_an_invalid_request_streamed_or_not(stack)
     error = json.loads(events[0]["data"])
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["message"] == r.json()["error"]["message"]
+
+
+def test_a_trailing_assistant_message_is_continued(claude: anthropic.Anthropic) -> None:
+    """Anthropic's prefill: the answer continues the assistant's text (and does not repeat it)."""
+    start = "The capital of France is"
+    msg = claude.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY,
+                                 messages=[*ASK, {"role": "assistant", "content": start}])
+    text = msg.content[0].text
+    assert "Paris" in text and not text.lstrip().startswith(start), text

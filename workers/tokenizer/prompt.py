@@ -63,7 +63,20 @@ class PromptBuilder:
     def render(self, req: GenerationRequest) -> str:
         if req.prompt is not None:
             return req.prompt
-        return self.chat(req.messages or [], add_generation_prompt=True, tools=req.prompt_tools)
+        messages = req.messages or []
+        if req.continue_final_message:
+            return self.continued(messages, req.prompt_tools)
+        return self.chat(messages, add_generation_prompt=True, tools=req.prompt_tools)
+
+    def continued(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation with its last (assistant) message left open, for the output to continue it: rendered
+        whole, then cut after that message's text, as transformers' `continue_final_message` does."""
+        final = messages[-1].content
+        rendered = self.chat(messages, add_generation_prompt=False, tools=tools)
+        at = rendered.rfind(final) if final else -1
+        if at < 0:  # a template that changes the text: the turn opened, the text appended
+            return self.chat(messages[:-1], add_generation_prompt=True, tools=tools) + final
+        return rendered[:at + len(final)]
 
     def chat(self, messages: list[Message], add_generation_prompt: bool,
              tools: list[dict[str, Any]] | None = None) -> str:
