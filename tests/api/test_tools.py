@@ -163,7 +163,8 @@ def test_the_agents_sdk_runs_a_function_tool(stack) -> None:  # type: ignore[no-
         base_url=stack.url + "/v1", api_key="unused", max_retries=0))
     agent = agents.Agent(name="weather", instructions="Answer with the tools you have.", model=model,
                          tools=[get_weather], tool_use_behavior="stop_on_first_tool",
-                         model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60))
+                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                             temperature=0, max_tokens=60))
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?",
                                     run_config=agents.RunConfig(tracing_disabled=True))
     assert len(seen) == 1 and result.final_output == f"Sunny in {seen[0]}"
