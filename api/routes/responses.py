@@ -193,11 +193,9 @@ async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any],
                             yield frame(seq, kind, data)
                     reached_end = True
                     return
-            message = "the server is shutting down; resume with starting_after" if relay.stopping else \
-                "the response expired"
+            yield _cut(relay)
         except RedisError:
-            message = "the response store is unavailable; resume with starting_after"
-        yield sse.encode(orjson.dumps({"type": "error", "code": "server_error", "message": message}), "error")
+            yield _cut(relay, store_down=True)
     finally:
         await asyncio.shield(on_close(reached_end))
 
@@ -223,8 +221,18 @@ async def _tool_events(store: JobStore, relay: Relay, job: Job, meta: dict[str, 
                     yield chunk
                 yield None
                 return
-        message = "the server is shutting down; resume with starting_after" if relay.stopping else \
-            "the response expired"
+        yield _cut(relay)
     except RedisError:
+        yield _cut(relay, store_down=True)
+
+
+def _cut(relay: Relay, store_down: bool = False) -> bytes:
+    """The error event of a response's stream cut short: the store out of reach, the server stopping, or the
+    response expired."""
+    if store_down:
         message = "the response store is unavailable; resume with starting_after"
-    yield sse.encode(orjson.dumps({"type": "error", "code": "server_error", "message": message}), "error")
+    elif relay.stopping:
+        message = "the server is shutting down; resume with starting_after"
+    else:
+        message = "the response expired"
+    return sse.encode(orjson.dumps({"type": "error", "code": "server_error", "message": message}), "error")
