@@ -8,6 +8,8 @@ default of 1 (guidellm, most OpenAI clients), or set top_p / top_k.
     .venv/bin/python -m bench engine sampler                  # rows 1, 8, 32, 64
     .venv/bin/python -m bench engine sampler --scale 0.05     # nearly flat, as a model of random weights gives
     .venv/bin/python -m bench engine sampler --quick          # seconds
+
+A grammar's row also pays its mask: filled by xgrammar, added to the logits (`gpu_worker/engine/grammar.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,19 @@ SETTINGS = {  # name -> Request keyword arguments
     "temperature 1": {"temperature": 1.0},
     "temperature 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
     "temperature 0.8, top_k 50": {"temperature": 0.8, "top_k": 50},
+    "temperature 0.7, a JSON schema": {"temperature": 0.7, "grammar_kind": "json_schema"},
 }
+SCHEMA = '{"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}'
+
+
+def json_grammar(vocab: int):  # type: ignore[no-untyped-def]
+    """A compiled JSON-schema grammar over a vocabulary of `vocab` tokens: the 95 printable ASCII characters,
+    then made-up words (each row's mask is filled and applied as for a real tokenizer's)."""
+    import xgrammar as xgr
+
+    chars = [chr(c) for c in range(32, 127)]
+    words = chars + [f"w{i}" for i in range(vocab - len(chars))]
+    return xgr.GrammarCompiler(xgr.TokenizerInfo(words)).compile_json_schema(SCHEMA)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in rows:
             logits = torch.randn(n, args.vocab) * args.scale
             seqs = [Sequence(Request(f"r{i}", [1], seed=i, **kw)) for i in range(n)]
+            if "grammar_kind" in kw:
+                from gpu_worker.engine.grammar import GrammarState
+
+                compiled = json_grammar(args.vocab)
+                for s in seqs:
+                    s.grammar = GrammarState(compiled)
             sampler = Sampler()
             sampler(logits, seqs)
             times = []

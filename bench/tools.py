@@ -1,7 +1,9 @@
 """What a forced tool call costs: 32 concurrent chat jobs against a running stack, with `tool_choice:
-"required"`, with a `json_schema` response format, and plain, in alternating rounds: output tokens per second,
-each job's decode rate and time to first token, medians over the rounds; then the time a new tool grammar costs its
-first request (compiled by the tokenizer pool) against the same tools again (loaded from Redis's cache).
+"required"`, with a `json_schema` response format, plain, and each constrained mode's twin ("plain, as ...": its
+prompts and output lengths, unconstrained: what the grammar alone costs), in alternating rounds: output tokens per
+second, each job's decode rate and time to first token, medians over the rounds; then the time a new tool
+grammar costs its first request (compiled by the tokenizer pool) against the same tools again (loaded from
+Redis's cache).
 
     .venv/bin/python -m bench serve tools --url http://127.0.0.1:8000 --rounds 5
 """
@@ -34,16 +36,38 @@ MODES = {
 }
 
 
-async def burst(url: str, extra: dict[str, Any], streams: int, max_tokens: int) -> dict[str, float]:
-    """`streams` jobs at once on the job path (/v1/jobs takes the chat routes' fields), timed by their own records:
+def conversation(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": QUESTIONS[i % 3].format(CITIES[i % len(CITIES)])}]
+
+
+# the unconstrained twin of each constrained mode: the same prompt tokens in, the same output lengths out
+TWINS = {"json_schema": "plain, as json_schema", "tool_required": "plain, as tool_required"}
+
+
+def bodies(mode: str, streams: int, max_tokens: int, lengths: dict[str, list[int]], tool_prompts: list[str],
+           ) -> list[dict[str, Any]]:
+    """One round's job bodies. A twin ("plain, as ..."): its constrained mode's prompts (the tool jobs' as the
+    tokenizer pool renders them, as raw text) with no constraint, each job held to the output length its
+    constrained job had in the round before (ignore_eos): the same tokens in and out, so what differs is the
+    grammar's cost alone."""
+    base = {"temperature": 0.7}
+    twin_of = {twin: mode for mode, twin in TWINS.items()}
+    if mode in twin_of:
+        of = twin_of[mode]
+        return [{**base, "max_tokens": lengths[of][i], "ignore_eos": True, "seed": i,
+                 **({"prompt": tool_prompts[i]} if of == "tool_required" else {"messages": conversation(i)})}
+                for i in range(streams)]
+    return [{**base, "max_tokens": max_tokens, "seed": i, **MODES[mode], "messages": conversation(i)}
+            for i in range(streams)]
+
+
+async def burst(url: str, jobs_in: list[dict[str, Any]]) -> tuple[dict[str, float], list[int]]:
+    """The jobs at once on the job path (/v1/jobs takes the chat routes' fields), timed by their own records:
     output tok/s over the burst, time to first token (the engine's first token: a call's first visible delta
     comes some tokens later), and each job's decode rate after its first token (median), which a shorter output
-    or a longer prompt does not move."""
+    or a longer prompt does not move. Also each job's output length, in submission order."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-        bodies = [{"max_tokens": max_tokens, "temperature": 0.7, "seed": i, **extra,
-                   "messages": [{"role": "user", "content": QUESTIONS[i % 3].format(CITIES[i % len(CITIES)])}]}
-                  for i in range(streams)]
-        jobs = await asyncio.gather(*(client.post("/v1/jobs", json=b) for b in bodies))
+        jobs = await asyncio.gather(*(client.post("/v1/jobs", json=b) for b in jobs_in))
         ids = [j.raise_for_status().json()["id"] for j in jobs]
         ends: dict[str, dict[str, Any]] = {}
         while len(ends) < len(ids):
@@ -51,15 +75,28 @@ async def burst(url: str, extra: dict[str, Any], streams: int, max_tokens: int) 
             for job in await asyncio.gather(*(client.get(f"/v1/jobs/{i}") for i in ids if i not in ends)):
                 if job.json()["status"] not in ("queued", "running"):
                     ends[job.json()["id"]] = job.json()
-    done = list(ends.values())
+    done = [ends[i] for i in ids]
     assert all(j["status"] == "succeeded" for j in done), [j["error"] for j in done if j["status"] != "succeeded"]
     tokens = sum(j["usage"]["completion_tokens"] for j in done)
     wall = max(j["finished_at"] for j in done) - min(j["created_at"] for j in done)
     rates = [(j["usage"]["completion_tokens"] - 1) / (j["finished_at"] - j["first_token_at"]) for j in done
              if j["usage"]["completion_tokens"] > 1 and j["finished_at"] > j["first_token_at"]]
-    return {"tok_s": tokens / wall, "decode_tok_s": statistics.median(rates),
-            "ttft_s": statistics.median(j["first_token_at"] - j["created_at"] for j in done),
-            "tokens": float(tokens)}
+    return ({"tok_s": tokens / wall, "decode_tok_s": statistics.median(rates),
+             "ttft_s": statistics.median(j["first_token_at"] - j["created_at"] for j in done),
+             "tokens": float(tokens),
+             "prompt_tokens": statistics.median(j["usage"]["prompt_tokens"] for j in done)},
+            [j["usage"]["completion_tokens"] for j in done])
+
+
+def tool_prompts(streams: int) -> list[str]:
+    """The text the tokenizer pool renders for each tool_required job (the service's own prompt builder)."""
+    from bench.common import default_model
+    from shared.schemas import GenerationRequest
+    from workers.tokenizer.prompt import PromptBuilder
+
+    builder = PromptBuilder(default_model())
+    return [builder.render(GenerationRequest(messages=conversation(i), **MODES["tool_required"]))
+            for i in range(streams)]
 
 
 async def grammar_cost(url: str, samples: int) -> dict[str, float]:
@@ -88,19 +125,28 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--grammar-samples", type=int, default=5)
     args = ap.parse_args(argv)
-    asyncio.run(burst(args.url, MODES["tool_required"], 4, 8))  # warm: the grammar machinery loaded
-    rows: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    prompts = tool_prompts(args.streams)
+    lengths: dict[str, list[int]] = {}
+    for mode in TWINS:  # warm: the grammar machinery loaded; the first lengths
+        _, lengths[mode] = asyncio.run(burst(args.url, bodies(mode, args.streams, args.max_tokens, {}, prompts)))
+    modes = [*MODES, *TWINS.values()]
+    rows: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for mode in (list(MODES) if r % 2 == 0 else list(reversed(MODES))):
-            rows[mode].append(asyncio.run(burst(args.url, MODES[mode], args.streams, args.max_tokens)))
-            print(json.dumps({"round": r + 1, "mode": mode, **rows[mode][-1]}), flush=True)
-    plain = {k: statistics.median(x[k] for x in rows["plain"]) for k in ("tok_s", "decode_tok_s")}
-    print("| mode | output tok/s | vs plain | a stream's decode tok/s | vs plain | TTFT (s) | tokens a round |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
-    for mode, runs in rows.items():
-        m = {k: statistics.median(x[k] for x in runs) for k in ("tok_s", "decode_tok_s", "ttft_s", "tokens")}
-        print(f"| {mode} | {m['tok_s']:.0f} | {m['tok_s'] / plain['tok_s']:.2f}x | {m['decode_tok_s']:.1f} | "
-              f"{m['decode_tok_s'] / plain['decode_tok_s']:.2f}x | {m['ttft_s']:.2f} | {m['tokens']:.0f} |")
+        for mode in (modes if r % 2 == 0 else list(reversed(modes))):
+            row, out = asyncio.run(burst(args.url, bodies(mode, args.streams, args.max_tokens, lengths, prompts)))
+            if mode in TWINS:
+                lengths[mode] = out
+            rows[mode].append(row)
+            print(json.dumps({"round": r + 1, "mode": mode, **row}), flush=True)
+    keys = ("tok_s", "decode_tok_s", "ttft_s", "tokens", "prompt_tokens")
+    med = {mode: {k: statistics.median(x[k] for x in runs) for k in keys} for mode, runs in rows.items()}
+    print("| mode | prompt tokens | tokens a round | output tok/s | vs plain | vs its twin | a stream's decode tok/s "
+          "| vs its twin | TTFT (s) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, m in med.items():
+        twin = med.get(TWINS.get(mode, ""), m)
+        print(f"| {mode} | {m['prompt_tokens']:.0f} | {m['tokens']:.0f} | {m['tok_s']:.0f} | "
+              f"{m['tok_s'] / med['plain']['tok_s']:.2f}x | {m['tok_s'] / twin['tok_s']:.2f}x | "
+              f"{m['decode_tok_s']:.1f} | {m['decode_tok_s'] / twin['decode_tok_s']:.2f}x | {m['ttft_s']:.2f} |")
     cost = asyncio.run(grammar_cost(args.url, args.grammar_samples))
     print(f"a new tool grammar's first request: {cost['cold_s']:.2f} s; the same again: {cost['cached_s']:.2f} s")
     return 0

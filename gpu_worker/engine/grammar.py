@@ -8,8 +8,8 @@ terminated. When the grammar may still go on (`[a-z]+`), the stop token is one c
 whose matcher is terminated is finished ("stop"), ignore_eos or not: nothing may follow.
 
 Cost, measured on a 2-core CPU at vocabulary 49,152: filling a row's bitmask ~1-3 us (xgrammar precomputed
-most of it at compile time, and fills several rows on its own threads); applying it ~40-80 us a row, float32 or
-bfloat16 (torch ops here; on CUDA, xgrammar's Triton kernel).
+most of it at compile time, and fills several rows on its own threads); applying it ~35 us a row (a byte
+lookup added to the logits, `_apply_on_cpu`; on CUDA, xgrammar's Triton kernel).
 """
 
 from __future__ import annotations
@@ -137,17 +137,21 @@ def mask_logits(logits: torch.Tensor, states: list[GrammarState | None]) -> None
         logits[rows, vocab:] = float("-inf")
 
 
-# bit i of an int32 word (bit 31 is the sign)
-_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+# what adding a mask byte does to its 8 tokens' logits: 0 where its bit is set (allowed), -inf where not
+_BYTE = torch.tensor([[0.0 if b >> j & 1 else float("-inf") for j in range(8)] for b in range(256)])
 _TRITON = importlib.util.find_spec("triton") is not None  # xgrammar's CUDA kernel is a Triton one
 
 
 def _apply_on_cpu(logits: torch.Tensor, mask: torch.Tensor, rows: list[int], cols: int) -> None:
-    """Set logits[r, j] to -inf where bit j of mask[r] is 0, for r in rows and j < cols. Vectorised torch ops:
-    ~40-80 us a row of 49,152 here, where xgrammar's CPU kernel takes ~190 us (float32 or bfloat16 alike)."""
+    """Set logits[r, j] to -inf where bit j of mask[r] is 0, for r in rows and j < cols: each mask byte
+    looked up as its 8 tokens' 0 or -inf, added in place (allowed logits stay exact: x + 0.0 == x). ~1.1 ms
+    for 32 rows of 49,152 here, against 4.4 ms unpacking the bits by masked ops and ~190 us a row in
+    xgrammar's CPU kernel."""
+    words = mask.shape[1]
     if len(rows) == logits.shape[0]:  # every row: one op over the batch
-        barred = (mask.unsqueeze(-1) & _BITS).view(mask.shape[0], -1)[:, :cols] == 0
-        logits[:, :cols].masked_fill_(barred, float("-inf"))
+        add = _BYTE.index_select(0, mask.view(torch.uint8).reshape(-1).int()).view(len(rows), words * 32)
+        logits[:, :cols] += add[:, :cols].to(logits.dtype)
         return
-    for r in rows:  # some rows: each in place, the others untouched and never read
-        logits[r, :cols].masked_fill_((mask[r].unsqueeze(-1) & _BITS).view(-1)[:cols] == 0, float("-inf"))
+    idx = torch.tensor(rows)
+    add = _BYTE.index_select(0, mask[idx].view(torch.uint8).reshape(-1).int()).view(len(rows), words * 32)
+    logits[idx, :cols] += add[:, :cols].to(logits.dtype)  # the other rows untouched

@@ -66,10 +66,15 @@ class Sampler:
             except (RuntimeError, ValueError) as exc:
                 errors.update({i: f"applying the sampling controls failed: {exc}" for i in shaped})
             else:
-                logits = logits.to(torch.float32, copy=True)
-                logits[shaped] = x
-                for i, token in zip(shaped, x.max(dim=-1).indices.tolist()):
-                    out[i] = token
+                if len(shaped) == len(seqs):  # every row shaped (a batch of grammars): x is the batch
+                    logits = x
+                else:
+                    logits = logits.to(torch.float32, copy=True)
+                    logits[shaped] = x
+                greedy = [j for j, i in enumerate(shaped) if seqs[i].greedy]  # the others draw below
+                if greedy:
+                    for j, token in zip(greedy, x[greedy].max(dim=-1).indices.tolist()):
+                        out[shaped[j]] = token
         rows = [i for i, s in enumerate(seqs) if not s.greedy and i not in errors]
         if rows:
             try:
