@@ -19,6 +19,7 @@ from api.relay import Relay
 from api.routes import batches, health, jobs, messages, openai, responses, tokenize
 from api.store import JobStore
 from api.validation import document_bounds
+from shared import tracing
 from shared.limits import MAX_BODY_BYTES
 from shared.redis_client import async_client
 from shared.settings import Settings, get_settings
@@ -48,7 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="conveyor", version="0.1.0", lifespan=lifespan, responses=errors.COMMON_ERRORS,
-                  description="LLM generation as a distributed worker system")
+                  description="LLM generation as a distributed worker system", telemetry=_telemetry())
     app.add_middleware(RequestGuard, max_body_bytes=MAX_BODY_BYTES,
                        internal_port=settings.internal_port_number if settings.auth_required else None)
     errors.install(app)
@@ -70,6 +71,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+# the requests FastAPI's own telemetry gives a server span (the client's `traceparent` its parent; current while
+# the request is answered, so a job it submits is that span's child: shared.job_ops.new_job; ended with the
+# response's last byte, so a stream's span covers the stream); probes and the operator's pages are not traced
+TRACED = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _telemetry() -> dict[str, Any]:
+    """FastAPI's telemetry settings: request spans only, and only when tracing is on (shared/tracing.py)."""
+    on = tracing.setup("api")
+    return {"tracing": on, "metrics": False, "logs": False, "operation_spans": False, "auto_configure": False,
+            "exclude": lambda scope: not str(scope.get("path", "")).startswith(TRACED)}
 
 
 app = create_app()

@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aredis
+from redis.exceptions import RedisError
 
-from shared import names
+from api.guard import request_id
+from shared import names, tracing
 from shared.job_ops import AsyncJobOps, new_job
 from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus
 from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
 from shared.settings import Settings
+
+log = logging.getLogger("conveyor.api")
 
 # with several partitions, how long the other partitions' depths (for queue positions) are reused
 DEPTHS_MAX_AGE_S = 1.0
@@ -61,10 +66,21 @@ class JobStore:
             return Admission(await self.get(reply.job_id), reply.job_id != job_id, reply)
         if reply.code is not SubmitCode.accepted:
             return Admission(None, False, reply)
+        if record.get("trace"):  # a traced job: its request id and trace id side by side, for the logs' reader
+            tracing.annotate({"conveyor.request_id": request_id.get()})
+            log.info("job %s accepted: request %s, trace %s", job_id, request_id.get(), tracing.trace_id())
         job = Job.from_record({k: str(v) for k, v in record.items()})
         job.owner = owner
         job.queue_position = await self._position(job_id, reply.ordinal - reply.dequeued)
         return Admission(job, False, reply)
+
+    async def trace_of(self, job_id: str) -> str:
+        """The job's trace carrier ('' when it is not traced, there is no such job, or Redis does not answer:
+        a stream goes on untraced)."""
+        try:
+            return str(await self.r.hget(names.job_key(job_id), "trace") or "")
+        except RedisError:
+            return ""
 
     async def owner_of(self, job_id: str) -> str | None:
         """The tenant that submitted the job ('' for none), or None when there is no such job."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -25,6 +26,7 @@ from api import sse
 from api.errors import error_body
 from api.relay import Relay
 from api.store import JobStore
+from shared import tracing
 from shared.events import token_data
 from shared.jobs import DamagedRecord, Job
 from shared.logprobs import Entry, parse_lines
@@ -96,22 +98,32 @@ Event = TokenEvent | DoneEvent | StatusEvent
 
 async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0) -> AsyncIterator[Event]:
     """Events after `after`; a Redis error mid-stream is retried (with backoff) from the last seq sent. A job
-    whose record turns out damaged (shared/jobs.py: `DamagedRecord`) ends its events as one that expired."""
+    whose record turns out damaged (shared/jobs.py: `DamagedRecord`) ends its events as one that expired. A
+    traced job's stream (every route's) is its `conveyor.relay` span, recorded when the stream ends."""
     last = after
     backoff = Backoff(0.1, 2.0)
-    while backoff.failures < 8:
-        try:
-            async for ev in _job_events(store, relay, job_id, last):
-                if isinstance(ev, (TokenEvent, DoneEvent)):
-                    last = ev.seq
-                yield ev
-            return
-        except RedisError:
-            await asyncio.sleep(backoff.next())
-        except DamagedRecord as exc:
-            log.warning("%s: its events end here", exc)
-            return
-    raise RedisError("the job store stayed unavailable")
+    trace = await store.trace_of(job_id) if tracing.enabled() else ""
+    started, events, done = time.time(), 0, False
+    try:
+        while backoff.failures < 8:
+            try:
+                async for ev in _job_events(store, relay, job_id, last):
+                    if isinstance(ev, (TokenEvent, DoneEvent)):
+                        last = ev.seq
+                    events += 1
+                    done = isinstance(ev, DoneEvent)
+                    yield ev
+                return
+            except RedisError:
+                await asyncio.sleep(backoff.next())
+            except DamagedRecord as exc:
+                log.warning("%s: its events end here", exc)
+                return
+        raise RedisError("the job store stayed unavailable")
+    finally:
+        tracing.record("conveyor.relay", trace, started, time.time(),
+                       {"conveyor.job.id": job_id, "conveyor.relay.events": events, "conveyor.relay.after": after,
+                        "conveyor.relay.reached_done": done})
 
 
 async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) -> AsyncIterator[Event]:

@@ -7,6 +7,7 @@ it, so the lane knows every job whose tokens it receives.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from multiprocessing.queues import Queue
 from queue import SimpleQueue
@@ -79,7 +80,8 @@ class Admission:
             job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
             started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
             tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes, worker=self.worker_id,
-            owner=took.owner)
+            owner=took.owner, trace=req.trace, tokenized_at=req.tokenized_at,
+            admitted_at=time.time() if req.trace else 0.0)
 
     def _attach_grammar(self, req: Request) -> bool:
         """The request's compiled grammar (the tokenizer pool compiled it; gpu_worker/grammar.py loads it), here

@@ -53,6 +53,9 @@ class Register:
     logprob_bytes: int = 0  # bytes of logprob entries already recorded (a resumed job that asked for them)
     worker: str = ""  # the worker that took it (start.lua records it): its steps and end are written as that one's
     owner: str = ""  # the tenant that submitted it (start.lua's reply): its finish names that tenant's keys
+    trace: str = ""  # its trace's carrier ('' not traced), and for its spans: when it was queued, taken here
+    tokenized_at: float = 0.0
+    admitted_at: float = 0.0
 
 
 # One engine step, per job: its new token ids, its end (finish_reason, error), and, for jobs that ask, per token
@@ -72,6 +75,9 @@ DELTA_SCHEMA = pa.schema(
         pa.field("prompt_logprobs", pa.list_(pa.float32()), nullable=True),
         pa.field("prompt_top_ids", _TOP_IDS, nullable=True),
         pa.field("prompt_top_logprobs", _TOP_LPS, nullable=True),
+        # a traced job's engine events since its last row (StepOutput.timeline)
+        pa.field("timeline", pa.list_(pa.struct([("event", pa.string()), ("at", pa.float64()),
+                                                  ("tokens", pa.int32())])), nullable=True),
     ]
 )
 
@@ -96,6 +102,8 @@ def _row(o: StepOutput) -> dict[str, object]:
     row: dict[str, object] = {"job_id": o.id, "token_ids": o.token_ids, "finish_reason": reason, "error": o.error}
     if o.logprobs is not None:
         row.update(logprobs=o.logprobs.chosen, top_ids=o.logprobs.top_ids, top_logprobs=o.logprobs.top_lps)
+    if o.timeline:
+        row["timeline"] = [{"event": e, "at": t, "tokens": n} for e, t, n in o.timeline]
     if o.prompt_logprobs is not None:
         row.update(prompt_ids=o.prompt_ids, prompt_logprobs=o.prompt_logprobs.chosen,
                    prompt_top_ids=o.prompt_logprobs.top_ids, prompt_top_logprobs=o.prompt_logprobs.top_lps)

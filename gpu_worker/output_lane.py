@@ -28,9 +28,10 @@ from tokenizers import Tokenizer
 
 from gpu_worker.cpu_affinity import release as release_cpus
 from gpu_worker.detokenizer import Detokenizer
+from gpu_worker.job_trace import JobTrace
 from gpu_worker.messages import Abort, Deltas, Done, Dropped, LaneCommand, LaneReport, Register, Stop
 from gpu_worker.token_text import TokenText
-from shared import names
+from shared import names, tracing
 from shared.events import token_message
 from shared.fair_queue import OUTPUT_COST
 from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, Write, pack_ids, queue_replica_wait, step_write
@@ -77,6 +78,7 @@ class JobState:
     held_logprobs: list[list[Any]] = field(default_factory=list)  # entries of tokens not written yet
     worker: str = ""  # the worker that took it: its writes are refused once the record names another
     owner: str = ""  # the tenant that submitted it: its finish names that tenant's keys
+    trace: JobTrace | None = None  # a traced job's spans (gpu_worker/job_trace.py)
 
 
 @dataclass
@@ -155,6 +157,9 @@ class OutputLane:
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
                       job.prompt_tokens, job.tenant, job.weight, written=len(job.resume_ids),
                       logprob_bytes=job.logprob_bytes, worker=job.worker, owner=job.owner)
+        if job.trace:
+            st.trace = JobTrace(job.trace, job.job_id, job.worker, job.tokenized_at, job.admitted_at,
+                                not job.started, job.prompt_tokens)
         self.states[job.job_id] = st
         if job.started:
             self.metrics.observe(QUEUE, time.time() - st.created_at)
@@ -189,6 +194,10 @@ class OutputLane:
         """One job's part of the step: its new text (stop strings held back), written when due, and its end."""
         job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
         flags = FRESH if st.fresh else 0
+        if st.trace is not None:
+            st.trace.engine_events(row["timeline"])
+            if ids and not st.trace.first_token_at:  # this attempt's first (a resumed job's too)
+                st.trace.first_token(wall)
         try:
             emit, hit = st.detok.push(ids) if ids else ("", False)
         except Exception as exc:  # noqa: BLE001 - this job ends with an error, the step goes on
@@ -212,6 +221,8 @@ class OutputLane:
             self._write(job_id, st, flags, step)
         if reason is not None:
             step.end(job_id, FinishReason(reason), row.get("error") or "", st)
+            if st.trace is not None:
+                st.trace.ended(wall, FinishReason(reason).value, st.n_tokens, row.get("error") or "")
             self.metrics.observe(E2E, wall - st.created_at)
             self.metrics.inc(GENERATION_TOKENS, st.n_tokens)
             self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
@@ -244,6 +255,8 @@ class OutputLane:
             message = token_message(st.seq, st.held_text, st.held_logprobs)
             lp = b"".join(orjson.dumps(e) + b"\n" for e in st.held_logprobs)
             st.logprob_bytes += len(lp)
+        if st.trace is not None:
+            st.trace.writes += 1
         if flags or packed or chunk or lp:
             step.add(job_id, step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message, st.n_tokens,
                                         lp_off, lp, st.worker), st, st.n_tokens - st.written)
@@ -319,8 +332,11 @@ class OutputLane:
             if isinstance(res, Exception):
                 log.warning("output write %d failed: %s", i, res)
         self.settle(results)
+        now = time.time()
         for job_id in done:
-            del self.states[job_id]
+            st = self.states.pop(job_id)
+            if st.trace is not None:
+                st.trace.written(now)
             self.feedback.put(Done(job_id))
 
     def _outage(self) -> None:
@@ -372,6 +388,7 @@ def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneRepo
          parent_pid: int | None = None, outage: Synchronized[float] | None = None) -> None:
     release_cpus()  # not confined to the engine's first core (gpu_worker/cpu_affinity.py)
     die_with_parent(signal.SIGTERM, parent_pid)  # an engine process killed outright takes its lane along
+    tracing.setup("output-lane")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process decides when the lane stops
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
@@ -390,5 +407,6 @@ def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneRepo
                 lane.flush_metrics()
             case Stop():
                 lane.flush_metrics(force=True)
+                tracing.shutdown()
                 gc.freeze()  # the process exits next: no final collections over what it made (exit_quickly)
                 return

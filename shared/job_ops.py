@@ -25,7 +25,7 @@ import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 from redis.exceptions import ConnectionError
 
-from shared import names, scripts
+from shared import names, scripts, tracing
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.redis_client import CLUSTER_TYPES, heal, text
 from shared.retry import call
@@ -106,14 +106,28 @@ def new_job(req: GenerationRequest, model: str, tool_parser: str, owner: str = "
             fields: dict[str, str] | None = None) -> tuple[str, dict[str, Any], str]:
     """A job to submit, as every submitter (the API, the batch driver) makes one: its id (in its tenant's
     partition, else its idempotency key's, else any), its record (webhook and tool parser named; `fields`, what
-    another API keeps with the job) and its request as the `jobs` stream carries it."""
+    another API keeps with the job) and its request as the `jobs` stream carries it. A traced submitter's
+    current span is the job's trace (its carrier kept as `trace`, shared/tracing.py), given the job's id and
+    the request's generation attributes."""
     job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key), uuid.uuid4().hex)
     request_json = req.model_dump_json(exclude_defaults=True)
     record = new_record(job_id, model, request_json, tool_parser if req.calls_tools else "")
+    trace = tracing.carrier()
+    if trace:
+        record["trace"] = trace
+        tracing.annotate(job_attributes(job_id, model, req, owner))
     if req.webhook_url:
         record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
     record.update(fields or {})
     return job_id, record, request_json
+
+
+def job_attributes(job_id: str, model: str, req: GenerationRequest, owner: str) -> dict[str, Any]:
+    """A job's span attributes, OpenTelemetry's generative-AI names where they exist."""
+    return {"conveyor.job.id": job_id, "conveyor.tenant": owner or None, "gen_ai.operation.name": "chat"
+            if req.messages is not None else "text_completion", "gen_ai.request.model": model,
+            "gen_ai.request.max_tokens": req.max_tokens, "gen_ai.request.temperature": req.temperature,
+            "gen_ai.request.top_p": req.top_p, "gen_ai.request.seed": req.seed}
 
 
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",

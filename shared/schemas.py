@@ -394,6 +394,9 @@ class Request:
     # among its tenant's jobs, lower runs first: the fair queue's order, and the engine's (a running job of a worse
     # priority gives its slot; gpu_worker/engine/scheduler.py)
     priority: int = 0
+    # its trace's carrier (shared/tracing.py; '' when not traced) and when the tokenizer pool queued it (unix s)
+    trace: str = ""
+    tokenized_at: float = 0.0
     # tokens already generated elsewhere (a resumed job): prefilled after the prompt, not re-emitted;
     # set by the inference worker from the job record, never sent between stages
     resume_ids: list[int] = field(default_factory=list, metadata={"arrow": False})

@@ -231,6 +231,8 @@ class LLMEngine:
                 out.finish_reason = reason
                 if lp is not None and out.logprobs is not None:
                     out.logprobs.extend(lp)
+            if seq.timeline:  # a traced job's events go out with its tokens
+                out.timeline, seq.timeline = seq.timeline, []
             if reason is not None:
                 self.seqs.pop(seq.id, None)
                 self.scheduler.remove(seq)

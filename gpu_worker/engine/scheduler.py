@@ -31,6 +31,7 @@ slot instead and nobody is preempted. Requests without a tenant count as one ten
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 
 from gpu_worker.engine.block_manager import BlockManager
@@ -89,6 +90,8 @@ class Scheduler:
         seq.num_computed = 0
         seq.draft = []
         self.num_preemptions += 1
+        if seq.timeline is not None:
+            seq.timeline.append(("preempted", time.time(), seq.num_generated))
         self._enqueue(seq, first=True)
 
     def _worst(self) -> dict[str, Sequence]:
@@ -205,6 +208,8 @@ class Scheduler:
                 break
             n = min(seq.num_uncomputed, budget)
             chunks.append((seq, n))
+            if seq.timeline is not None:
+                seq.timeline.append(("prefill_chunk", time.time(), n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return StepBatch(decode=decode, chunks=chunks), rejected

@@ -34,6 +34,9 @@ class Sequence:
         self.grammar: Any = None  # its grammar's matcher (gpu_worker/engine/grammar.py), when it has one
         self.ngrams: Any = None  # its n-gram index (gpu_worker/engine/ngram.py), when the engine speculates for it
         self.draft: list[int] = []  # this step's draft tokens, computed after its next token (speculation)
+        # a traced job's engine events since its last output, (name, unix s, tokens): its prefill chunks and
+        # preemptions, for the output lane's spans (gpu_worker/job_trace.py); None when the job is not traced
+        self.timeline: list[tuple[str, float, int]] | None = [] if req.trace else None
 
     @property
     def num_tokens(self) -> int:

@@ -48,3 +48,4 @@ class StepOutput:
     logprobs: Logprobs | None = None  # of token_ids, when the request asked
     prompt_ids: list[int] | None = None  # the prompt and its tokens' logprobs (from the second token on),
     prompt_logprobs: Logprobs | None = None  # once, when the request asked (echo)
+    timeline: list[tuple[str, float, int]] | None = None  # a traced job's engine events since its last output

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from shared import fair_queue, names
+from shared import fair_queue, names, tracing
 from shared.grammar import GrammarError
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps, publish_command
@@ -180,24 +180,44 @@ class TokenizerWorker:
         job_ids = [_field(e.fields, "job_id") for e in entries]
         pipe = self.client.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested")
+            pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested", "trace", "created_at")
         states = pipe.execute()
+        started = time.time()
         prepared: list[tuple[str, GenerationRequest, str | None]] = []  # (job, request, prompt text or None: ids)
-        for entry, job_id, (status, cancel) in zip(entries, job_ids, states):
+        traces: dict[str, tuple[str, float]] = {}  # traced jobs: (carrier, created_at)
+        for entry, job_id, (status, cancel, trace, created) in zip(entries, job_ids, states):
             if not job_id or status != b"queued" or cancel == b"1":
                 continue  # cancelled, expired or already taken further: nothing to do
+            if trace:
+                traces[job_id] = (trace.decode(), float(created or started))
             ready = self._prepare(job_id, entry)
             if ready is not None:
                 prepared.append((job_id, *ready))
         texts = [(p, req.prompt is not None) for _, req, p in prepared if p is not None]
         encoded = iter(self._encode([t for t, _ in texts], [raw for _, raw in texts]) if texts else [])
         ids = [req.prompt_token_ids if p is None else next(encoded) for _, req, p in prepared]
+        now = time.time()
         queued = [q for (job_id, req, _), prompt_ids in zip(prepared, ids)
-                  if (q := self._record(job_id, req, prompt_ids)) is not None]
+                  if (q := self._record(job_id, req, prompt_ids, traces.get(job_id, ("",))[0], now)) is not None]
         fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued,
                         self.settings.fair_share)
         self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
+        self._trace(traces, prepared, ids, started, now)
+
+    def _trace(self, traces: dict[str, tuple[str, float]], prepared: list[tuple[str, GenerationRequest, str | None]],
+               ids: list[list[int] | None], started: float, done: float) -> None:
+        """The traced jobs' spans here, once they are queued on: the wait in `jobs`, and the tokenizing (the
+        read's texts were tokenized together: each job's span is the read's)."""
+        if not traces:
+            return
+        tokens = {job_id: len(p) for (job_id, _, _), p in zip(prepared, ids) if p is not None}
+        for job_id, (trace, created) in traces.items():
+            attrs = {"conveyor.job.id": job_id, "conveyor.worker": self.worker_id}
+            tracing.record("conveyor.queue.jobs", trace, created, started, attrs)
+            tracing.record("conveyor.tokenize", trace, started, done,
+                           {**attrs, "gen_ai.usage.input_tokens": tokens.get(job_id), "conveyor.batch.jobs":
+                            len(prepared)})
 
     def _prepare(self, job_id: str, entry: Entry) -> tuple[GenerationRequest, str | None] | None:
         """The job's request and its prompt text (None: given as token ids), its grammar compiled; None when
@@ -217,8 +237,8 @@ class TokenizerWorker:
             self._fail(job_id, f"the request could not be tokenized ({type(exc).__name__})")
         return None
 
-    def _record(self, job_id: str, req: GenerationRequest,
-                prompt_ids: list[int] | None) -> tuple[str, int, int, bytes] | None:
+    def _record(self, job_id: str, req: GenerationRequest, prompt_ids: list[int] | None, trace: str = "",
+                now: float = 0.0) -> tuple[str, int, int, bytes] | None:
         """What the fair queue takes for the job: (job id, priority, prompt tokens, its `tokenized` record);
         None when its prompt cannot run in the context, or a value cannot travel (the job fails)."""
         if prompt_ids is None:
@@ -228,6 +248,7 @@ class TokenizerWorker:
             problem = context_problem(len(prompt_ids), req.max_tokens, self.context)
             if problem is None:
                 request = req.tokenized(job_id, prompt_ids)
+                request.trace, request.tokenized_at = trace, now
                 return job_id, int(request.priority), len(prompt_ids), encode_request(request)
         except (ArithmeticError, TypeError, ValueError) as exc:  # a value of the wrong type or out of range
             problem = f"invalid request: {exc}"
@@ -267,6 +288,7 @@ def _field(fields: dict[Any, Any], name: str) -> str | None:
 
 def main(settings: Settings) -> int:
     settings.require_model(weights=False)
+    tracing.setup("tokenizer")
     worker = TokenizerWorker(settings)
 
     def _stop(signum: int, _frame: Any) -> None:
@@ -275,5 +297,8 @@ def main(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    worker.run()
+    try:
+        worker.run()
+    finally:
+        tracing.shutdown()
     return 0

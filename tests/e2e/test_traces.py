@@ -1,0 +1,146 @@
+"""One OpenTelemetry trace per job: a stack exporting to a real OTLP receiver (tests/otlp_receiver.py) gives,
+for a job submitted with a client's `traceparent`, one trace holding every stage's span from the API, the
+tokenizer pool and the inference worker's output lane, each a child of the API's span for the submit."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+
+from harness.stack import ROOT, Stack, start_stack, stop_stack, until
+from shared import names
+from tests.otlp_receiver import Spans, otlp_receiver
+
+STAGES = ("conveyor.queue.jobs", "conveyor.tokenize", "conveyor.queue.fair", "conveyor.engine.wait",
+          "conveyor.prefill", "conveyor.decode", "conveyor.output", "conveyor.relay")
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_dir: str,  # type: ignore[no-untyped-def]
+           ) -> Iterator[tuple[Stack, Spans]]:
+    url = redis_server.url.rsplit("/", 1)[0] + "/5"
+    redis.Redis.from_url(url).flushdb()
+    with otlp_receiver() as spans:
+        s = start_stack(tmp_path_factory.mktemp("traced-stack"), url, tiny_model_dir,
+                        extra={"OTEL_EXPORTER_OTLP_ENDPOINT": spans.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
+                               "OTEL_SERVICE_NAME": "conveyor-test", "LOG_LEVEL": "INFO"})
+        try:
+            yield s, spans
+        finally:
+            stop_stack(s)
+
+
+def _traceparent(sampled: bool = True) -> tuple[str, str, str]:
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{parent}-{'01' if sampled else '00'}", trace_id, parent
+
+
+def _stream_to_done(url: str, headers: dict[str, str] | None = None) -> None:
+    with httpx.stream("GET", url, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line == "event: done":
+                return
+    raise AssertionError("the stream ended without its done event")
+
+
+def test_a_job_is_one_trace_through_every_stage(traced: tuple[Stack, Spans]) -> None:
+    stack, spans = traced
+    header, trace_id, client_span = _traceparent()
+    sub = httpx.post(f"{stack.url}/v1/jobs", json={"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.5,
+                                                   "seed": 3}, headers={"traceparent": header, "x-request-id": "rq-1"})
+    assert sub.status_code == 202, sub.text
+    job = sub.json()
+    _stream_to_done(f"{stack.url}/v1/jobs/{job['id']}/events")  # no traceparent: the relay's span finds the job's
+    got = spans.wait_for(lambda ss: {s.name for s in ss if s.trace_id == trace_id} >= {*STAGES, "POST /v1/jobs"}, 30)
+    mine = [s for s in got if s.trace_id == trace_id]
+    api = [s for s in mine if s.name == "POST /v1/jobs"]
+    assert len(api) == 1 and api[0].parent_id == client_span  # the client's span is the submit's parent
+    assert api[0].attributes["conveyor.job.id"] == job["id"]
+    assert api[0].attributes["gen_ai.request.temperature"] == 0.5
+    assert api[0].attributes["http.response.status_code"] == 202
+    stage = {s.name: s for s in mine if s.name in STAGES}
+    assert all(s.parent_id == api[0].span_id for s in stage.values())  # each stage a child of the submit
+    assert {s.name: s.resource["conveyor.process"] for s in stage.values()} == {
+        "conveyor.queue.jobs": "tokenizer", "conveyor.tokenize": "tokenizer", "conveyor.queue.fair": "output-lane",
+        "conveyor.engine.wait": "output-lane", "conveyor.prefill": "output-lane", "conveyor.decode": "output-lane",
+        "conveyor.output": "output-lane", "conveyor.relay": "api"}
+    assert all(s.resource["service.name"] == "conveyor-test" for s in mine)
+    # in order, each stage where the one before it ended (the clocks are one machine's)
+    order = [stage[n] for n in STAGES[:6]]
+    assert all(a.end <= b.start + 1e-3 for a, b in zip(order, order[1:])), [(s.name, s.start, s.end) for s in order]
+    done = httpx.get(f"{stack.url}/v1/jobs/{job['id']}").json()
+    decode = stage["conveyor.decode"].attributes
+    assert decode["gen_ai.usage.output_tokens"] == done["usage"]["completion_tokens"]
+    assert decode["gen_ai.usage.input_tokens"] == done["usage"]["prompt_tokens"]
+    assert decode["gen_ai.response.finish_reasons"] == [done["finish_reason"]]
+    assert [e for e, _ in stage["conveyor.prefill"].events] and \
+        all(e == "prefill_chunk" for e, _ in stage["conveyor.prefill"].events)
+    assert stage["conveyor.relay"].attributes["conveyor.relay.reached_done"] is True
+    # the request's id and the trace's side by side in the API's log
+    until("the log line", lambda: f"request rq-1, trace {trace_id}" in stack.log.read_text(), 10)
+
+
+def test_a_streamed_chat_is_one_trace_from_the_door_to_its_last_chunk(traced: tuple[Stack, Spans]) -> None:
+    stack, spans = traced
+    header, trace_id, client_span = _traceparent()
+    model = httpx.get(f"{stack.url}/v1/models").json()["data"][0]["id"]
+    with httpx.stream("POST", f"{stack.url}/v1/chat/completions", headers={"traceparent": header}, timeout=60,
+                      json={"model": model, "stream": True, "max_tokens": 8,
+                            "messages": [{"role": "user", "content": "Hi"}]}) as r:
+        assert r.status_code == 200
+        assert "data: [DONE]" in list(r.iter_lines())
+    got = spans.wait_for(lambda ss: {s.name for s in ss if s.trace_id == trace_id} >= {*STAGES}, 30)
+    root = next(s for s in got if s.trace_id == trace_id and s.name == "POST /v1/chat/completions")
+    assert root.parent_id == client_span
+    relay = next(s for s in got if s.trace_id == trace_id and s.name == "conveyor.relay")
+    assert root.start <= relay.start and relay.end <= root.end + 1e-3  # the request's span covers its stream
+
+
+def test_a_request_without_a_traceparent_starts_a_trace_and_an_unsampled_one_is_not_carried(
+        traced: tuple[Stack, Spans]) -> None:
+    stack, spans = traced
+    job = httpx.post(f"{stack.url}/v1/jobs", json={"prompt": "Hello", "max_tokens": 4}).json()
+    carrier = stack.redis().hget(names.job_key(job["id"]), "trace")
+    assert carrier and carrier.startswith("00-") and int(carrier.split("-")[3], 16) & 1  # sampled
+    trace_id = carrier.split("-")[1]
+    got = spans.wait_for(lambda ss: {s.name for s in ss if s.trace_id == trace_id} >= {"POST /v1/jobs", *STAGES[:7]},
+                         30)  # (each process exports on its own schedule)
+    root = next(s for s in got if s.trace_id == trace_id and s.name == "POST /v1/jobs")
+    assert root.parent_id == ""  # a new trace, rooted at the API
+    header, unsampled, _ = _traceparent(sampled=False)
+    job = httpx.post(f"{stack.url}/v1/jobs", json={"prompt": "Hello", "max_tokens": 4},
+                     headers={"traceparent": header}).json()
+    assert stack.redis().hget(names.job_key(job["id"]), "trace") is None  # the client decided: not traced
+    until("its end", lambda: httpx.get(f"{stack.url}/v1/jobs/{job['id']}").json()["status"] == "succeeded", 30)
+    assert spans.of_trace(unsampled) == []
+
+
+def test_with_no_endpoint_a_client_traceparent_changes_nothing(tiny_stack: Stack) -> None:
+    """The shared stacks run with tracing off: no carrier is kept, so no stage does any tracing work."""
+    header, _, _ = _traceparent()
+    job = httpx.post(f"{tiny_stack.url}/v1/jobs", json={"prompt": "Hello", "max_tokens": 2},
+                     headers={"traceparent": header}).json()
+    assert tiny_stack.redis().hget(names.job_key(job["id"]), "trace") is None
+
+
+def test_with_tracing_off_no_exporter_thread_starts() -> None:
+    """`setup` in a process without an endpoint starts no provider and no exporter thread (a fresh interpreter:
+    this one's environment may have OpenTelemetry's settings)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    code = ("import threading; from shared import tracing; import api.main; "
+            "assert tracing.setup('api') is tracing.enabled() is {}; "
+            "print(sorted(t.name for t in threading.enumerate()))")
+    out = subprocess.run([sys.executable, "-c", code.format(False)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "Otel" not in out.stdout and out.stdout.strip() == str(sorted(["MainThread"]))
+    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"
+    on = subprocess.run([sys.executable, "-c", code.format(True)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=60)
+    assert on.returncode == 0 and "OtelBatch" in on.stdout, (on.stdout, on.stderr)
