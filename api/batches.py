@@ -26,7 +26,7 @@ from api.files import FileStore
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest
 from api.validation import check_request
-from shared import names
+from shared import names, tracing
 from shared.job_ops import NotCopied, execute_copied
 from shared.limits import PRIORITY_MAX
 from shared.openai_bodies import line_error
@@ -138,7 +138,7 @@ class Batches:
                "completion_window": "24h", "status": "in_progress", "created_at": now, "in_progress_at": now,
                "expires_at": now + window, "total": total, "completed": 0, "failed": total - good,
                "lines": good, "next": 0, "metadata": orjson.dumps(metadata).decode() if metadata else "",
-               "webhook_url": webhook_url or ""}
+               "webhook_url": webhook_url or "", "trace": tracing.carrier()}  # its lines' jobs join its trace
         pipe.hset(names.batch_key(batch_id), mapping=rec)
         for key in (names.batch_key(batch_id), lines_key, err_key):
             pipe.expire(key, ttl)

@@ -103,19 +103,19 @@ def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBL
 
 
 def new_job(req: GenerationRequest, model: str, tool_parser: str, owner: str = "", idempotency_key: str = "",
-            fields: dict[str, str] | None = None) -> tuple[str, dict[str, Any], str]:
+            fields: dict[str, str] | None = None, trace: str | None = None) -> tuple[str, dict[str, Any], str]:
     """A job to submit, as every submitter (the API, the batch driver) makes one: its id (in its tenant's
     partition, else its idempotency key's, else any), its record (webhook and tool parser named; `fields`, what
-    another API keeps with the job) and its request as the `jobs` stream carries it. A traced submitter's
-    current span is the job's trace (its carrier kept as `trace`, shared/tracing.py), given the job's id and
-    the request's generation attributes."""
+    another API keeps with the job) and its request as the `jobs` stream carries it. The job's trace
+    (shared/tracing.py) is `trace`, a carrier (a batch line's: its batch's), else a traced submitter's current
+    span, which is given the job's id and the request's generation attributes; the carrier is kept as `trace`."""
     job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key), uuid.uuid4().hex)
     request_json = req.model_dump_json(exclude_defaults=True)
     record = new_record(job_id, model, request_json, tool_parser if req.calls_tools else "")
-    trace = tracing.carrier()
+    if trace is None and (trace := tracing.carrier()):
+        tracing.annotate(job_attributes(job_id, model, req, owner))
     if trace:
         record["trace"] = trace
-        tracing.annotate(job_attributes(job_id, model, req, owner))
     if req.webhook_url:
         record["webhook_url"] = req.webhook_url  # for the after-job work (workers/after_job.py)
     record.update(fields or {})

@@ -196,7 +196,8 @@ class BatchDriver:
         while cap > 0 and nxt < lines:
             raw = self.r.hget(names.batch_key(batch_id, "lines"), nxt)
             line = orjson.loads(raw) if raw else {}
-            job_id = self._submit(line, f"{batch_id}:{nxt}", rec.get("owner") or "", batch_id) if raw else None
+            job_id = self._submit(line, f"{batch_id}:{nxt}", rec.get("owner") or "", batch_id,
+                                  rec.get("trace") or "") if raw else None
             if raw and job_id is None:
                 break  # refused for now (the key's batch_tpm, its unfinished jobs): the next tick tries again
             pipe = self.r.pipeline(transaction=False)
@@ -211,15 +212,17 @@ class BatchDriver:
             nxt, cap = nxt + 1, cap - 1
         return nxt
 
-    def _submit(self, line: dict[str, Any], idempotency_key: str, owner: str, batch_id: str) -> str | None:
+    def _submit(self, line: dict[str, Any], idempotency_key: str, owner: str, batch_id: str,
+                trace: str = "") -> str | None:
         """Submit a line's job on the tenant's batch budget, as the API's submit stores a job (api/store.py):
-        its id (that of the job its idempotency key already names, on a replay), None when refused."""
+        its id (that of the job its idempotency key already names, on a replay), None when refused. `trace`:
+        the batch's trace carrier, which the line's job joins ('' none)."""
         req = GenerationRequest.model_validate_json(line["request"])
         fields = {"batch": batch_id}
         if "response" in line:
             fields["response"] = line["response"]  # what the Responses API keeps with its job (api/responses.py)
         job_id, record, request_json = new_job(req, self.settings.served_model_name, self.settings.tool_call_parser,
-                                               owner, idempotency_key, fields)
+                                               owner, idempotency_key, fields, trace)
         write = submit_write(job_id, record, request_json, self.settings.job_ttl_s, owner=owner,
                              reserve_tokens=req.reserved_tokens(), idempotency_key=idempotency_key,
                              idempotency_ttl_s=self.settings.idempotency_ttl_s, jobs_maxlen=self.jobs_maxlen,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,7 +31,8 @@ def traced(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_di
     with otlp_receiver() as spans:
         s = start_stack(tmp_path_factory.mktemp("traced-stack"), url, tiny_model_dir,
                         extra={"OTEL_EXPORTER_OTLP_ENDPOINT": spans.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
-                               "OTEL_SERVICE_NAME": "conveyor-test", "LOG_LEVEL": "INFO"})
+                               "OTEL_SERVICE_NAME": "conveyor-test", "LOG_LEVEL": "INFO",
+                               "CLAIM_IDLE_MS": "2000"})  # a killed worker's job is taken on soon
         try:
             yield s, spans
         finally:
@@ -103,6 +105,32 @@ def test_a_streamed_chat_is_one_trace_from_the_door_to_its_last_chunk(traced: tu
     assert root.start <= relay.start and relay.end <= root.end + 1e-3  # the request's span covers its stream
 
 
+def test_a_job_redelivered_after_its_worker_died_shows_both_attempts(traced: tuple[Stack, Spans]) -> None:
+    stack, spans = traced
+    header, trace_id, _ = _traceparent()
+    job = httpx.post(f"{stack.url}/v1/jobs", headers={"traceparent": header},
+                     json={"prompt": "Once upon a time", "temperature": 0, "max_tokens": 1500,
+                           "ignore_eos": True}).json()
+    spans.wait_for(lambda ss: any(s.trace_id == trace_id and s.name == "conveyor.prefill" for s in ss), 30)
+    until("tokens", lambda: httpx.get(f"{stack.url}/v1/jobs/{job['id']}").json()["usage"]["completion_tokens"] >= 20,
+          30)
+    [victim] = stack.worker_pids(names.INFERENCE_POOL)
+    os.kill(victim, signal.SIGKILL)  # the supervisor starts another, which takes the job on where it was
+    final = until("its end", lambda: (j := httpx.get(f"{stack.url}/v1/jobs/{job['id']}").json())["status"]
+                  not in ("queued", "running") and j, 120)
+    assert final["status"] == "succeeded" and final["usage"]["completion_tokens"] == 1500
+    got = spans.wait_for(lambda ss: sum(s.trace_id == trace_id and s.name == "conveyor.prefill" for s in ss) == 2
+                         and any(s.trace_id == trace_id and s.name == "conveyor.decode" for s in ss), 30)
+    prefills = sorted((s for s in got if s.trace_id == trace_id and s.name == "conveyor.prefill"),
+                      key=lambda s: s.start)
+    assert [p.attributes["conveyor.job.resumed"] for p in prefills] == [False, True]
+    assert prefills[0].resource["process.pid"] != prefills[1].resource["process.pid"]  # two workers' lanes
+    [decode] = [s for s in got if s.trace_id == trace_id and s.name == "conveyor.decode"]  # the first never ended
+    assert decode.attributes["conveyor.job.resumed"] is True
+    assert decode.attributes["gen_ai.usage.output_tokens"] == 1500
+    assert len({s.parent_id for s in got if s.trace_id == trace_id and s.name.startswith("conveyor.")}) == 1
+
+
 def test_a_request_without_a_traceparent_starts_a_trace_and_an_unsampled_one_is_not_carried(
         traced: tuple[Stack, Spans]) -> None:
     stack, spans = traced
@@ -137,7 +165,8 @@ def test_with_tracing_off_no_exporter_thread_starts() -> None:
     code = ("import threading; from shared import tracing; import api.main; "
             "assert tracing.setup('api') is tracing.enabled() is {}; "
             "print(sorted(t.name for t in threading.enumerate()))")
-    out = subprocess.run([sys.executable, "-c", code.format(False)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code.format(False)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "Otel" not in out.stdout and out.stdout.strip() == str(sorted(["MainThread"]))
     env["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"
