@@ -9,11 +9,12 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: help setup model browser redis7 run test test-fast bench-engine bench-serve lint clean
+.PHONY: help setup model browser redis7 phoenix run run-traces test test-fast bench-engine bench-serve lint clean
 
 help:
 	@echo "make run    - set up, fetch the model, start the stack, print the URL"
 	@echo "make test   - set up, fetch the model, run the tests against a real redis-server"
+	@echo "make run-traces - the same as run, with a local trace UI (Phoenix) beside it"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +30,17 @@ model: setup
 
 run: model
 	$(VENV)/bin/conveyor up
+
+# the local trace UI of `conveyor up --traces` (infra/phoenix.py): Arize Phoenix, in a virtual environment of its
+# own, so that the project's environment and image stay without it; about 850 MB, a minute or two to install
+PHOENIX_VENV ?= .cache/phoenix-venv
+PHOENIX_SPEC ?= arize-phoenix==20.26.1
+phoenix:
+	@test -x $(PHOENIX_VENV)/bin/phoenix || { python3.11 -m venv $(PHOENIX_VENV) && \
+	  $(PHOENIX_VENV)/bin/pip install --quiet "$(PHOENIX_SPEC)"; }
+
+run-traces: model phoenix
+	$(VENV)/bin/conveyor up --traces
 
 # the dashboard's browser test (tests/api/test_dashboard.py) drives Debian's headless chromium through chromedriver
 SUDO := $(shell [ $$(id -u) -eq 0 ] || echo sudo)

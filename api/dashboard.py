@@ -4,7 +4,8 @@ GET /dashboard: one page (api/static/dashboard.*, no build step; uPlot vendored 
 GET /dashboard/snapshots: a system snapshot about once a second, as server-sent events. One task per
 process reads Redis once per tick and every open dashboard gets the same encoded event.
 GET /dashboard/jobs/{id}/events: any job's events, for the page's live view when keys are required
-(the operator owns no job). With keys required every /dashboard path answers only on the internal port.
+(the operator owns no job). GET /dashboard/jobs/{id}/timeline: where its time went, stage by stage, and its
+trace's id. With keys required every /dashboard path answers only on the internal port.
 
 A snapshot holds each pool's live workers, lag, pending and held sequences, KV-cache use; the
 tokens generated (summed from the inference heartbeats' counters, so it moves while jobs run) and
@@ -43,7 +44,7 @@ from shared import metrics as m
 from shared import names
 from shared.fair_queue import read_tenants, tenant_rows
 from shared.job_ops import tail
-from shared.jobs import ACTIVE
+from shared.jobs import ACTIVE, STAGE_FIELDS, stages
 from shared.policy import pool_load
 from shared.redis_client import CLUSTER_TYPES, aheal
 from shared.retry import arun_loop
@@ -373,6 +374,18 @@ async def snapshots(request: Request) -> EventStream:
             hub.unsubscribe(queue)
 
     return EventStream(stream(), request.app.state.settings.sse_ping_s)
+
+
+@router.get("/jobs/{job_id}/timeline")
+async def job_timeline(job_id: str, request: Request) -> dict[str, Any]:
+    """A job's stages from its record's own times (shared/jobs.py `STAGES`: complete once it has ended), and the
+    id of its trace when it is traced (shared/tracing.py)."""
+    values = await request.app.state.redis.hmget(names.job_key(job_id), "id", "trace", *STAGE_FIELDS)
+    if not values[0]:
+        raise not_found(job_id)
+    trace = values[1] or ""
+    return {"id": job_id, "trace_id": trace.split("-")[1] if trace.count("-") >= 3 else None,
+            "stages": stages(dict(zip(STAGE_FIELDS, values[2:])))}
 
 
 LIVE_VIEW = JobFraming({Cut.EXPIRED: (404, "the job expired"), Cut.STOPPING: (404, "the job expired"),

@@ -11,6 +11,7 @@ conveyor's inference worker, vLLM's `VLLM::Worker`), divided by the tokens the r
 CPU of guidellm itself, which shares the cores.
 
     .venv/bin/python -m bench vllm serving --levels 1,8,32 --repeats 3
+    .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-traced --dtype auto --levels 32   # traces
     .venv/bin/python -m bench vllm serving --quick      # seconds: a tiny model, conveyor only, one run of
                                                          # 1 stream for 4 s or 8 requests, 4 tokens per request,
                                                          # no warm-up, guidellm making 8 prompts ahead (not 4,096)
@@ -145,6 +146,25 @@ class Conveyor:
         stop_stack(self.stack)
 
 
+class TracedConveyor(Conveyor):
+    """conveyor with tracing on: every process exports its spans to an OTLP receiver in this process that counts
+    them (a collector on another machine, in effect); guidellm sends no `traceparent`, so each request starts a
+    sampled trace of its own (the default sampler)."""
+    name = "conveyor-traced"
+
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        from harness.otlp_receiver import otlp_receiver
+
+        self.receiver = otlp_receiver(decode=False)
+        self.sink = self.receiver.__enter__()
+        super().__init__(model, dtype, workdir, {**(env or {}), "OTEL_EXPORTER_OTLP_ENDPOINT": self.sink.url})
+
+    def stop(self) -> None:
+        super().stop()
+        print(f"{self.name}: {self.sink.exports} exports, {self.sink.bytes / 1e6:.1f} MB of spans", file=sys.stderr)
+        self.receiver.__exit__(None, None, None)
+
+
 class Vllm:
     name, metric_prefix = "vllm", "vllm:"
 
@@ -219,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = []
     for name in args.servers.split(","):
         (workdir / name).mkdir(parents=True, exist_ok=True)
-        servers.append(Conveyor(args.model, args.dtype, workdir / name, env) if name == "conveyor"
+        kinds = {"conveyor": Conveyor, "conveyor-traced": TracedConveyor}
+        servers.append(kinds[name](args.model, args.dtype, workdir / name, env) if name in kinds
                        else Vllm(args.model, args.dtype, workdir / name))
     runs: list[dict] = []
     try:
@@ -242,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     for level in [int(x) for x in args.levels.split(",")]:
         for s in servers:
             rs = [r for r in runs if r["server"] == s.name and r["streams"] == level]
-            model_role = "inference" if s.name == "conveyor" else "worker"
+            model_role = "inference" if s.name.startswith("conveyor") else "worker"
             own = [r["cpu_per_1k"]["roles"].get(model_role, 0.0) for r in rs]
             rest = [sum(v for k, v in r["cpu_per_1k"]["roles"].items() if k != model_role) for r in rs]
             tok_s, ttft, itl = (statistics.median(r[k] for r in rs) for k in ("tok_s", "ttft_ms", "itl_ms"))

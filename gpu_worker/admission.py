@@ -80,7 +80,7 @@ class Admission:
             job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
             started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
             tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes, worker=self.worker_id,
-            owner=took.owner, trace=req.trace, tokenized_at=req.tokenized_at,
+            owner=took.owner, trace=req.trace, tokenize_at=req.tokenize_at, tokenized_at=req.tokenized_at,
             admitted_at=time.time() if req.trace else 0.0)
 
     def _attach_grammar(self, req: Request) -> bool:

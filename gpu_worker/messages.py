@@ -54,6 +54,7 @@ class Register:
     worker: str = ""  # the worker that took it (start.lua records it): its steps and end are written as that one's
     owner: str = ""  # the tenant that submitted it (start.lua's reply): its finish names that tenant's keys
     trace: str = ""  # its trace's carrier ('' not traced), and for its spans: when it was queued, taken here
+    tokenize_at: float = 0.0
     tokenized_at: float = 0.0
     admitted_at: float = 0.0
 
@@ -75,6 +76,7 @@ DELTA_SCHEMA = pa.schema(
         pa.field("prompt_logprobs", pa.list_(pa.float32()), nullable=True),
         pa.field("prompt_top_ids", _TOP_IDS, nullable=True),
         pa.field("prompt_top_logprobs", _TOP_LPS, nullable=True),
+        pa.field("scheduled_at", pa.float64(), nullable=True),  # with a job's first row here
         # a traced job's engine events since its last row (StepOutput.timeline)
         pa.field("timeline", pa.list_(pa.struct([("event", pa.string()), ("at", pa.float64()),
                                                   ("tokens", pa.int32())])), nullable=True),
@@ -102,6 +104,8 @@ def _row(o: StepOutput) -> dict[str, object]:
     row: dict[str, object] = {"job_id": o.id, "token_ids": o.token_ids, "finish_reason": reason, "error": o.error}
     if o.logprobs is not None:
         row.update(logprobs=o.logprobs.chosen, top_ids=o.logprobs.top_ids, top_logprobs=o.logprobs.top_lps)
+    if o.scheduled_at:
+        row["scheduled_at"] = o.scheduled_at
     if o.timeline:
         row["timeline"] = [{"event": e, "at": t, "tokens": n} for e, t, n in o.timeline]
     if o.prompt_logprobs is not None:

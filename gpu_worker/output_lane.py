@@ -79,6 +79,9 @@ class JobState:
     worker: str = ""  # the worker that took it: its writes are refused once the record names another
     owner: str = ""  # the tenant that submitted it: its finish names that tenant's keys
     trace: JobTrace | None = None  # a traced job's spans (gpu_worker/job_trace.py)
+    # its stages' times (unix s), kept in its record at its end (the dashboard's timeline): tokenizing began, it
+    # was queued, the engine first scheduled it (this worker's attempt)
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,7 +101,7 @@ class StepWrites:
     calls: dict[int, Write] = field(default_factory=dict)  # per partition (one slot each), its step call's keys, args
     jobs: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # per partition, its call's jobs
     charges: dict[int, Charges] = field(default_factory=lambda: defaultdict(dict))  # per partition, per tenant
-    finishes: list[tuple[str, FinishReason, str, int, str, str]] = field(default_factory=list)
+    finishes: list[tuple[str, FinishReason, str, dict[str, Any], str, str]] = field(default_factory=list)
     done: list[str] = field(default_factory=list)  # the jobs ending in this step
     prompts: list[tuple[str, bytes]] = field(default_factory=list)  # (job, its prompt's logprobs document): once
 
@@ -114,7 +117,9 @@ class StepWrites:
             self.charges[p][st.tenant] = (cost + new_tokens * OUTPUT_COST / st.weight, served + new_tokens)
 
     def end(self, job_id: str, reason: FinishReason, error: str, st: JobState) -> None:
-        self.finishes.append((job_id, reason, error, st.n_tokens, st.worker, st.owner))
+        fields: dict[str, Any] = {"completion_tokens": st.n_tokens}
+        fields.update((k, repr(v)) for k, v in st.stages.items() if v)
+        self.finishes.append((job_id, reason, error, fields, st.worker, st.owner))
         self.done.append(job_id)
 
 
@@ -157,6 +162,7 @@ class OutputLane:
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
                       job.prompt_tokens, job.tenant, job.weight, written=len(job.resume_ids),
                       logprob_bytes=job.logprob_bytes, worker=job.worker, owner=job.owner)
+        st.stages.update(tokenize_at=job.tokenize_at, tokenized_at=job.tokenized_at)
         if job.trace:
             st.trace = JobTrace(job.trace, job.job_id, job.worker, job.tokenized_at, job.admitted_at,
                                 not job.started, job.prompt_tokens)
@@ -194,6 +200,8 @@ class OutputLane:
         """One job's part of the step: its new text (stop strings held back), written when due, and its end."""
         job_id, ids, reason = row["job_id"], row["token_ids"], row["finish_reason"]
         flags = FRESH if st.fresh else 0
+        if row["scheduled_at"]:
+            st.stages["scheduled_at"] = row["scheduled_at"]
         if st.trace is not None:
             st.trace.engine_events(row["timeline"])
             if ids and not st.trace.first_token_at:  # this attempt's first (a resumed job's too)
@@ -271,9 +279,8 @@ class OutputLane:
             pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
         for p, (keys, args) in step.calls.items():
             self.jobs.step(keys, args, pipe, step.charges.get(p))
-        for job_id, reason, error, n_tokens, worker, owner in step.finishes:
-            self.jobs.finish(job_id, reason, error, {"completion_tokens": n_tokens}, pipe=pipe, worker=worker,
-                             owner=owner)
+        for job_id, reason, error, fields, worker, owner in step.finishes:
+            self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner)
         self._sent = Sent(len(step.prompts), [step.jobs[p] for p in step.calls], [f[0] for f in step.finishes],
                           step.done)
         return pipe

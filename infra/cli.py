@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="with REDIS_URL empty: run on a local Redis Cluster of N masters (at least 3) and N "
                          "replicas, Debian's redis-server 7 (`apt-get install redis-server`), instead of one "
                          "redis-server")
+    up.add_argument("--traces", action="store_true",
+                    help="run a local trace UI (Arize Phoenix, `make phoenix` installs it) and send every "
+                         "process's spans to it (docs/traces.md)")
+    up.add_argument("--traces-port", type=int, default=6006, metavar="PORT",
+                    help="with --traces: Phoenix's port on 127.0.0.1, its UI and OTLP/HTTP (default 6006; "
+                         "its OTLP/gRPC takes the next one)")
 
     sub.add_parser("api", help="run the HTTP API (uvicorn)")
     tok = sub.add_parser("tokenizer", help="run one tokenizer worker")
@@ -87,11 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "up":
         from infra.supervisor import run_supervisor
 
+        if args.traces:
+            from infra.phoenix import require_phoenix
+
+            require_phoenix()  # exits saying how to install it
         if not settings.auth_required and not is_loopback(settings.host) and not settings.allow_insecure:
             sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
                      "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
         sys.exit(run_supervisor(settings, args.tokenizers, args.inference, autoscale=not args.no_autoscale,
-                                celery=bool(args.celery), redis_cluster=args.redis_cluster))
+                                celery=bool(args.celery), redis_cluster=args.redis_cluster,
+                                traces_port=args.traces_port if args.traces else 0))
     elif args.cmd == "api":
         from api.server import serve
 

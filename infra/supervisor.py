@@ -2,7 +2,8 @@
 
 Starts Redis (unless REDIS_URL is set: one redis-server, or a local cluster; infra/embedded_redis.py),
 the API, the worker pools and a Celery worker (with beat
-embedded: after-job work, batch driving and upkeep) as child processes;
+embedded: after-job work, batch driving and upkeep) as child processes, and with `--traces` a local
+Phoenix (infra/phoenix.py) that they all export their spans to;
 restarts a crashed child with backoff; scales pools on queue lag when autoscaling is on;
 on Ctrl-C or SIGTERM stops everything it started (workers drain first), leaving nothing behind.
 
@@ -30,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra import phoenix
 from infra.autoscale import Autoscaler
 from infra.embedded_redis import EmbeddedRedis
 from infra.redis_server import CONNECTION_FILE
@@ -179,7 +181,7 @@ def celery_argv(settings: Settings) -> list[str]:
 
 
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
-                   celery: bool = True, redis_cluster: int = 0) -> int:
+                   celery: bool = True, redis_cluster: int = 0, traces_port: int = 0) -> int:
     stop = threading.Event()
 
     def _signal(signum: int, _frame: object) -> None:
@@ -204,6 +206,12 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         env.update(embedded.start())
     elif redis_cluster:
         raise SystemExit("--redis-cluster starts a local cluster: leave REDIS_URL empty")
+    traces: list[Pool] = []
+    if traces_port:  # Phoenix, on loopback: every child's spans go to it (shared/tracing.py)
+        workdir = settings.cache_dir / "phoenix"
+        traces.append(Pool("phoenix", phoenix.phoenix_command(traces_port, workdir),
+                           phoenix.phoenix_env(traces_port, workdir), 1, grace_s=10, keep_fds=keep))
+        env.update(phoenix.otel_env(phoenix.endpoint(traces_port), env))
     cli = [sys.executable, "-m", "infra.cli"]
     grace = settings.drain_grace_s
     api = Pool("api", cli + ["api"], env, 1, grace_s=10, keep_fds=keep)
@@ -217,13 +225,18 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
     }
     celery_env = {**env, "PYTHONWARNINGS": "ignore:You're running the worker with superuser"}  # as root
     extra = [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10, keep_fds=keep)] if celery else []
-    everything = [api, *pools.values(), *extra]
+    everything = [*traces, api, *pools.values(), *extra]
     url = f"http://{settings.host}:{settings.port}"
+    shown = f"conveyor is up at {url}" + (f", its traces at {phoenix.ui_url(traces_port)}" if traces else "")
     try:
+        for p in traces:  # first, and answering: the others export to it from their start
+            p.reconcile()
+            if not phoenix.wait_ready(traces_port, stop=stop):
+                log.warning("phoenix: not answering on port %d; spans are dropped until it does", traces_port)
         for p in everything:
             p.reconcile()
         ready = threading.Thread(target=lambda: _wait_ready(url, stop) and print(
-            f"conveyor is up at {url}  (Ctrl-C stops it)", flush=True), daemon=True)
+            f"{shown}  (Ctrl-C stops it)", flush=True), daemon=True)
         ready.start()
         scaler = (Autoscaler(settings, env["REDIS_URL"], {n: (p.min_size, p.max_size) for n, p in pools.items()})
                   if autoscale else None)
@@ -248,6 +261,9 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         deadline = time.monotonic() + grace + 5
         for p in pools.values():
             p.wait(deadline)
+        for p in traces:  # after the pools: it takes the spans they export as they stop
+            p.stop()
+            p.wait(time.monotonic() + 10)
         if embedded is not None:
             embedded.stop()
         if guard is not None:

@@ -141,6 +141,25 @@ class Job(BaseModel):
         return self.status in TERMINAL
 
 
+# a job's stages, each from the first of its record's times to the second (unix s; the tokenizer pool's and the
+# engine's are written with the job's end, by its last worker: a resumed job's are that attempt's)
+STAGES = (("waiting", "created_at", "tokenize_at"), ("tokenizing", "tokenize_at", "tokenized_at"),
+          ("queued for a worker", "tokenized_at", "started_at"), ("waiting for a slot", "started_at", "scheduled_at"),
+          ("prefill", "scheduled_at", "first_token_at"), ("decode", "first_token_at", "finished_at"))
+STAGE_FIELDS = tuple(dict.fromkeys(f for _, a, b in STAGES for f in (a, b)))
+
+
+def stages(times: dict[str, str | None]) -> list[dict[str, Any]]:
+    """The stages a record's times (STAGE_FIELDS) show, in order: {stage, start, end}; a stage whose times are
+    not (yet) both known is left out."""
+    out = []
+    for stage, a, b in STAGES:
+        start, end = times.get(a), times.get(b)
+        if start and end:
+            out.append({"stage": stage, "start": float(start), "end": max(float(start), float(end))})
+    return out
+
+
 def new_record(job_id: str, model: str, request_json: str, tool_parser: str = "") -> dict[str, Any]:
     """A queued job's record; `tool_parser` names the format its output's tool calls are read in ('' none)."""
     record: dict[str, Any] = {

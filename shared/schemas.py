@@ -394,8 +394,10 @@ class Request:
     # among its tenant's jobs, lower runs first: the fair queue's order, and the engine's (a running job of a worse
     # priority gives its slot; gpu_worker/engine/scheduler.py)
     priority: int = 0
-    # its trace's carrier (shared/tracing.py; '' when not traced) and when the tokenizer pool queued it (unix s)
+    # its trace's carrier (shared/tracing.py; '' when not traced), and when the tokenizer pool began tokenizing it
+    # and queued it (unix s): its record keeps them once it ends (the dashboard's timeline)
     trace: str = ""
+    tokenize_at: float = 0.0
     tokenized_at: float = 0.0
     # tokens already generated elsewhere (a resumed job): prefilled after the prompt, not re-emitted;
     # set by the inference worker from the job record, never sent between stages

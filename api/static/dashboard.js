@@ -199,8 +199,28 @@ function renderDecisions(snap) {
 const live = { id: null, es: null, text: null, chunks: 0 };
 let authRequired = false;
 
+// where an ended job's time went, from its record's own times (GET /dashboard/jobs/{id}/timeline)
+const STAGE_COLOURS = { "waiting": "#5b6b7a", "tokenizing": "#c9a227", "queued for a worker": "#8a6bd1",
+  "waiting for a slot": "#d16b8a", "prefill": "#4c8ac3", "decode": "#4cc38a" };
+
+async function showTimeline(id) {
+  const r = await fetch(`/dashboard/jobs/${encodeURIComponent(id)}/timeline`);
+  if (!r.ok || live.id !== id) return;
+  const t = await r.json();
+  const total = t.stages.reduce((a, s) => a + (s.end - s.start), 0) || 1;
+  $("#live-stages").replaceChildren(...t.stages.map((s) => h("span", {
+    title: `${s.stage}: ${fmt.ms(s.end - s.start)}`,
+    style: `flex: ${(s.end - s.start) / total} 0 0; background: ${STAGE_COLOURS[s.stage] || "#888"}` })));
+  $("#live-stage-list").replaceChildren(...t.stages.map((s) => h("li", {},
+    h("span", {}, h("i", { style: `background: ${STAGE_COLOURS[s.stage] || "#888"}` }), s.stage),
+    h("span", { class: "muted" }, fmt.ms(s.end - s.start)))));
+  $("#live-trace").textContent = t.trace_id ? `trace ${t.trace_id}` : "not traced";
+  $("#live-timeline").hidden = t.stages.length === 0;
+}
+
 function openLive(id) {
   closeLive();
+  $("#live-timeline").hidden = true;
   live.id = id;
   live.chunks = 0;
   live.text = document.createTextNode("");
@@ -231,6 +251,7 @@ function openLive(id) {
   es.addEventListener("done", (e) => {
     const job = JSON.parse(e.data);
     setLiveStatus(job.status, job.finish_reason ? ` (${job.finish_reason})` : "");
+    showTimeline(id);
     $("#live-count").textContent = `${job.usage.completion_tokens} tokens · ${live.text.length} chars`;
     es.close();  // or EventSource reconnects and replays
   });

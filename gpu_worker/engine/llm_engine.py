@@ -223,6 +223,8 @@ class LLMEngine:
             lp = sampled.logprobs[row] if sampled.logprobs else None
             if out is None:
                 out = StepOutput(seq.id, [token], reason, logprobs=lp)
+                if seq.num_generated == 1 + len(seq.req.resume_ids):  # its first token here
+                    out.scheduled_at = seq.scheduled_at
                 if seq.prompt_lp is not None:  # the prompt completed this step: its logprobs go with the first token
                     out.prompt_ids, out.prompt_logprobs = list(seq.req.prompt_ids), seq.prompt_lp
                     seq.prompt_lp = None

@@ -200,6 +200,7 @@ class Scheduler:
                     continue
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                seq.scheduled_at = seq.scheduled_at or time.time()
                 if seq.num_uncomputed == 1:
                     decode.append(seq)
                     budget -= 1

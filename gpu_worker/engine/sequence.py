@@ -37,6 +37,7 @@ class Sequence:
         # a traced job's engine events since its last output, (name, unix s, tokens): its prefill chunks and
         # preemptions, for the output lane's spans (gpu_worker/job_trace.py); None when the job is not traced
         self.timeline: list[tuple[str, float, int]] | None = [] if req.trace else None
+        self.scheduled_at = 0.0  # when it was first scheduled (unix s): reported with its first output
 
     @property
     def num_tokens(self) -> int:

@@ -49,3 +49,4 @@ class StepOutput:
     prompt_ids: list[int] | None = None  # the prompt and its tokens' logprobs (from the second token on),
     prompt_logprobs: Logprobs | None = None  # once, when the request asked (echo)
     timeline: list[tuple[str, float, int]] | None = None  # a traced job's engine events since its last output
+    scheduled_at: float = 0.0  # with its first output: when it was first scheduled (unix s)

@@ -26,6 +26,7 @@ from api.dashboard import LatencyWindow, quantile
 from infra.autoscale import Autoscaler
 from shared import metrics as m
 from shared import names
+from shared.jobs import STAGES
 from shared.policy import PoolSignals
 from shared.settings import Settings
 from tests.conftest import ROOT, Stack
@@ -192,6 +193,11 @@ def test_dashboard_in_a_browser(tiny_stack: Stack, tmp_path: Path) -> None:
         print(f"the long job done after {time.monotonic() - started:.1f}s")
         job = wait(http, long_job)
         assert live_text() == job["text"] and job["usage"]["completion_tokens"] == LONG
+        stage_names = ("return [...document.querySelectorAll('#live-stage-list li')]"
+                       ".map(li => li.firstChild.textContent)")
+        _until("the ended job's timeline", lambda: len(js(stage_names)) == len(STAGES), 10)
+        assert js(stage_names) == [s for s, _, _ in STAGES]
+        assert text("#live-trace") == "not traced"  # (the shared stacks export no traces)
         for job_id in others:
             wait(http, job_id)
         _until("a finished job in the table",

@@ -15,9 +15,10 @@ import httpx
 import pytest
 import redis
 
+from harness.otlp_receiver import Spans, otlp_receiver
 from harness.stack import ROOT, Stack, start_stack, stop_stack, until
 from shared import names
-from tests.otlp_receiver import Spans, otlp_receiver
+from shared.jobs import STAGES as JOB_STAGES
 
 STAGES = ("conveyor.queue.jobs", "conveyor.tokenize", "conveyor.queue.fair", "conveyor.engine.wait",
           "conveyor.prefill", "conveyor.decode", "conveyor.output", "conveyor.relay")
@@ -85,6 +86,12 @@ def test_a_job_is_one_trace_through_every_stage(traced: tuple[Stack, Spans]) -> 
     assert [e for e, _ in stage["conveyor.prefill"].events] and \
         all(e == "prefill_chunk" for e, _ in stage["conveyor.prefill"].events)
     assert stage["conveyor.relay"].attributes["conveyor.relay.reached_done"] is True
+    # the dashboard's timeline of the job, from its record's times, names the same trace
+    timeline = httpx.get(f"{stack.url}/dashboard/jobs/{job['id']}/timeline").json()
+    assert timeline["trace_id"] == trace_id
+    assert [s["stage"] for s in timeline["stages"]] == [s for s, _, _ in JOB_STAGES]
+    starts = [s["start"] for s in timeline["stages"]]
+    assert starts == sorted(starts) and timeline["stages"][-1]["end"] == done["finished_at"]
     # the request's id and the trace's side by side in the API's log
     until("the log line", lambda: f"request rq-1, trace {trace_id}" in stack.log.read_text(), 10)
 

@@ -198,7 +198,8 @@ class TokenizerWorker:
         ids = [req.prompt_token_ids if p is None else next(encoded) for _, req, p in prepared]
         now = time.time()
         queued = [q for (job_id, req, _), prompt_ids in zip(prepared, ids)
-                  if (q := self._record(job_id, req, prompt_ids, traces.get(job_id, ("",))[0], now)) is not None]
+                  if (q := self._record(job_id, req, prompt_ids, traces.get(job_id, ("",))[0], (started, now)))
+                  is not None]
         fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued,
                         self.settings.fair_share)
         self.counters["processed"] += len(queued)
@@ -238,7 +239,7 @@ class TokenizerWorker:
         return None
 
     def _record(self, job_id: str, req: GenerationRequest, prompt_ids: list[int] | None, trace: str = "",
-                now: float = 0.0) -> tuple[str, int, int, bytes] | None:
+                times: tuple[float, float] = (0.0, 0.0)) -> tuple[str, int, int, bytes] | None:
         """What the fair queue takes for the job: (job id, priority, prompt tokens, its `tokenized` record);
         None when its prompt cannot run in the context, or a value cannot travel (the job fails)."""
         if prompt_ids is None:
@@ -248,7 +249,7 @@ class TokenizerWorker:
             problem = context_problem(len(prompt_ids), req.max_tokens, self.context)
             if problem is None:
                 request = req.tokenized(job_id, prompt_ids)
-                request.trace, request.tokenized_at = trace, now
+                request.trace, (request.tokenize_at, request.tokenized_at) = trace, times
                 return job_id, int(request.priority), len(prompt_ids), encode_request(request)
         except (ArithmeticError, TypeError, ValueError) as exc:  # a value of the wrong type or out of range
             problem = f"invalid request: {exc}"

@@ -1,5 +1,6 @@
 """A real OTLP/HTTP trace receiver in a thread: it decodes each export (protobuf, as OpenTelemetry's exporter
-sends it) and keeps every span, with its process's resource attributes."""
+sends it) and keeps every span, with its process's resource attributes; or, as a benchmark's stand-in for a
+collector on another machine, only counts the exports and their bytes (`decode=False`)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ class Spans:
         self.spans: list[Span] = []
         self.arrived = threading.Condition()
         self.url = ""
+        self.exports = 0
+        self.bytes = 0
 
     def take(self, body: bytes) -> None:
         req = ExportTraceServiceRequest()
@@ -76,7 +79,7 @@ class Spans:
 
 
 @contextmanager
-def otlp_receiver() -> Iterator[Spans]:
+def otlp_receiver(decode: bool = True) -> Iterator[Spans]:
     """On 127.0.0.1; `Spans.url` is the endpoint to give as OTEL_EXPORTER_OTLP_ENDPOINT."""
     spans = Spans()
 
@@ -85,7 +88,8 @@ def otlp_receiver() -> Iterator[Spans]:
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self.headers.get("Content-Encoding") == "gzip":
                 body = gzip.decompress(body)
-            if self.path == "/v1/traces":
+            spans.exports, spans.bytes = spans.exports + 1, spans.bytes + len(body)
+            if self.path == "/v1/traces" and decode:
                 spans.take(body)
             reply = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
