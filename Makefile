@@ -54,7 +54,7 @@ redis7:
 	@/usr/bin/redis-server --version 2>/dev/null | grep -q 'v=[7-9]' || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
-test: model browser redis7
+test: model browser redis7 phoenix
 	$(VENV)/bin/pytest -q -n 3
 
 test-fast: setup

@@ -39,6 +39,8 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 TRACE_ID = re.compile(r"^[0-9a-f]{32}$")
 TRACE_QUERY = ("query($t: String!) { getTraceByOtelId(traceId: $t) { id traceId numSpans "
                "project { id name } } }")
+SPANS_QUERY = ("query($t: String!, $n: Int!) { getTraceByOtelId(traceId: $t) { id traceId numSpans "
+               "project { id name } spans(first: $n) { edges { node { name spanId parentId } } } } }")
 
 
 def _post_json(url: str, body: dict[str, Any]) -> Any:
@@ -59,6 +61,23 @@ def find_trace(base: str, trace_id: str) -> dict[str, Any] | None:
         raise RuntimeError(f"Phoenix's GraphQL API: {reply['errors']}")
     trace: dict[str, Any] | None = reply["data"]["getTraceByOtelId"]
     return trace
+
+
+def trace_spans(base: str, trace_id: str, first: int = 1000) -> dict[str, Any] | None:
+    """`find_trace`'s trace with its spans (GraphQL): under "spans", each one's `name`, `spanId` and `parentId`
+    (OpenTelemetry ids in hex; `parentId` None for a root); None when Phoenix has no such trace."""
+    reply = _post_json(f"{base}/graphql", {"query": SPANS_QUERY, "variables": {"t": trace_id, "n": first}})
+    if reply.get("errors"):
+        raise RuntimeError(f"Phoenix's GraphQL API: {reply['errors']}")
+    trace: dict[str, Any] | None = reply["data"]["getTraceByOtelId"]
+    if trace is not None:
+        trace["spans"] = [edge["node"] for edge in trace["spans"]["edges"]]
+    return trace
+
+
+def trace_page(base: str, trace: dict[str, Any]) -> str:
+    """The page of a trace found by `find_trace` or `trace_spans`: /projects/<project id>/traces/<trace id>."""
+    return f"{base}/projects/{trace['project']['id']}/traces/{trace['traceId']}"
 
 
 def span_names(base: str, project_id: str, trace_id: str) -> list[str]:
@@ -254,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"trace {trace_id}: {found['numSpans']} spans of {expected} after {args.timeout:.0f}s; "
                   "shooting what there is", file=sys.stderr)
         names = span_names(base, found["project"]["id"], trace_id)
-        page = f"{base}/projects/{found['project']['id']}/traces/{trace_id}"
+        page = trace_page(base, found)
         print(f"trace {trace_id}: {found['numSpans']} spans in project {found['project']['name']!r}\n  {page}")
         missing = shoot(page, sorted(set(names)), args.out, args.timeout, args.width, args.height)
         print(f"screenshot: {args.out}")

@@ -4,6 +4,8 @@ tokenizer pool and the inference worker's output lane, each a child of the API's
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import secrets
 import signal
@@ -12,10 +14,11 @@ import sys
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 import redis
 
-from harness.otlp_receiver import Spans, otlp_receiver
+from harness.otlp_receiver import Span, Spans, otlp_receiver
 from harness.stack import ROOT, Stack, start_stack, stop_stack, until
 from shared import names
 from shared.jobs import STAGES as JOB_STAGES
@@ -136,6 +139,34 @@ def test_a_job_redelivered_after_its_worker_died_shows_both_attempts(traced: tup
     assert decode.attributes["conveyor.job.resumed"] is True
     assert decode.attributes["gen_ai.usage.output_tokens"] == 1500
     assert len({s.parent_id for s in got if s.trace_id == trace_id and s.name.startswith("conveyor.")}) == 1
+
+
+def test_a_batchs_lines_and_a_responses_job_join_their_requests_traces(traced: tuple[Stack, Spans]) -> None:
+    stack, spans = traced
+    oai = openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    model = oai.models.list().data[0].id
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": model, "messages": [{"role": "user", "content": f"Say {i}."}], "max_tokens": 3}}
+             for i in range(2)]
+    f = oai.files.create(file=("in.jsonl", io.BytesIO(b"".join(json.dumps(x).encode() + b"\n" for x in lines))),
+                         purpose="batch")
+    header, batch_trace, _ = _traceparent()
+    batch = oai.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               extra_headers={"traceparent": header})
+    header, response_trace, _ = _traceparent()
+    oai.responses.create(model=model, input="Hi", max_output_tokens=3, extra_headers={"traceparent": header})
+    until("the batch's end", lambda: oai.batches.retrieve(batch.id).status == "completed", 120)
+
+    def decodes(trace_id: str, ss: list[Span]) -> list[Span]:
+        return [s for s in ss if s.trace_id == trace_id and s.name == "conveyor.decode"]
+
+    got = spans.wait_for(lambda ss: len(decodes(batch_trace, ss)) == 2 and len(decodes(response_trace, ss)) == 1
+                         and {"POST /v1/batches", "POST /v1/responses"} <= {s.name for s in ss}, 30)
+    [create] = [s for s in got if s.trace_id == batch_trace and s.name == "POST /v1/batches"]
+    assert {s.parent_id for s in decodes(batch_trace, got)} == {create.span_id}  # each line's job under the create
+    assert len({s.attributes["conveyor.job.id"] for s in decodes(batch_trace, got)}) == 2
+    [respond] = [s for s in got if s.trace_id == response_trace and s.name == "POST /v1/responses"]
+    assert decodes(response_trace, got)[0].parent_id == respond.span_id
 
 
 def test_a_request_without_a_traceparent_starts_a_trace_and_an_unsampled_one_is_not_carried(
