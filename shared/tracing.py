@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 log = logging.getLogger("conveyor.tracing")
@@ -79,28 +78,11 @@ def shutdown() -> None:
         provider.shutdown()
 
 
-def flush() -> None:
-    if _tracer is None:
-        return
-    from opentelemetry import trace
-
-    provider = trace.get_tracer_provider()
-    if hasattr(provider, "force_flush"):
-        provider.force_flush()
-
-
 def _context(carrier: str) -> Any:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     parent, _, state = carrier.partition("\n")
     return TraceContextTextMapPropagator().extract({"traceparent": parent, **({"tracestate": state} if state else {})})
-
-
-def from_headers(headers: Mapping[str, str]) -> Any:
-    """The context a request's `traceparent`/`tracestate` headers carry (an empty one when none)."""
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    return TraceContextTextMapPropagator().extract(dict(headers))
 
 
 def carrier() -> str:
@@ -147,20 +129,3 @@ def record(name: str, parent: str, start: float, end: float, attributes: Mapping
     for event, at, attrs in events:
         span.add_event(event, dict(attrs), timestamp=int(at * 1e9))
     span.end(end_time=int(max(end, start) * 1e9))
-
-
-@contextmanager
-def span(name: str, parent: str = "", attributes: Mapping[str, Any] | None = None,
-         context: Any = None, kind: str = "internal") -> Iterator[Any]:
-    """A span around the block, current inside it: a child of the carrier `parent`, else of `context`, else
-    of the current span. Yields the span (None when tracing is off)."""
-    if _tracer is None:
-        yield None
-        return
-    from opentelemetry import trace
-
-    ctx = _context(parent) if parent else context
-    with _tracer.start_as_current_span(name, context=ctx, kind=getattr(trace.SpanKind, kind.upper()),
-                                       attributes={k: v for k, v in (attributes or {}).items() if v is not None}
-                                       ) as current:
-        yield current
