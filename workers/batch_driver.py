@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -83,7 +83,7 @@ class BatchDriver:
         """Advance every active batch this driver holds (or now takes) the lease of; how many it advanced.
         Nothing in one batch stops the others, and an outage waits for the next tick."""
         try:
-            active = sorted(self.r.smembers(names.BATCHES_ACTIVE))
+            active = sorted(cast("set[str]", self.r.smembers(names.BATCHES_ACTIVE)))
         except (RedisError, OSError) as exc:
             log.warning("batch driver: %s", exc)
             return 0
@@ -111,7 +111,7 @@ class BatchDriver:
     def release(self) -> None:
         """Give up this driver's leases (a warm shutdown), so that another driver takes its batches over at its
         next tick rather than after LEASE_MS."""
-        for batch_id in self.r.smembers(names.BATCHES_ACTIVE):
+        for batch_id in cast("set[str]", self.r.smembers(names.BATCHES_ACTIVE)):
             key = names.batch_key(batch_id, "lease")
             if self.r.get(key) == self.token:
                 self.r.delete(key)
@@ -119,7 +119,7 @@ class BatchDriver:
     def advance(self, batch_id: str) -> None:
         """Record the lines whose jobs ended, submit more (or cancel the rest), finish when all are done; past
         its expiry, end what is left as expired."""
-        rec = self.r.hgetall(names.batch_key(batch_id))
+        rec = cast("dict[str, str]", self.r.hgetall(names.batch_key(batch_id)))  # (a decoding client: text)
         if rec and rec["status"] in BATCH_ENDS:  # ended, not yet announced: a driver stopped between the two
             self._close(batch_id, rec)
             return
@@ -144,7 +144,7 @@ class BatchDriver:
 
     def _collect(self, batch_id: str, cancelled_code: str) -> dict[str, str]:
         """Record the result of every line in flight whose job ended (or is gone); the rest, index -> job id."""
-        inflight = list(self.r.hgetall(names.batch_key(batch_id, "inflight")).items())
+        inflight = list(cast("dict[str, str]", self.r.hgetall(names.batch_key(batch_id, "inflight"))).items())
         pipe = self.r.pipeline(transaction=False)  # each job's status alone, in one round trip
         for _, job_id in inflight:
             pipe.hget(names.job_key(job_id), "status")
@@ -274,11 +274,12 @@ class BatchDriver:
         """Make the results into the output and error files, end the batch as `status`, then announce it."""
         owner = rec.get("owner") or ""
         now = time.time()
-        fields: dict[str, Any] = {"status": status, f"{status}_at": now, "finalizing_at": now}
+        # (keyed Any: redis-py's hset takes a Mapping over a union of key types, which dict[str, ...] is not)
+        fields: dict[Any, str | float] = {"status": status, f"{status}_at": now, "finalizing_at": now}
         for part, suffix in (("out", "output"), ("err", "errors")):
             key = names.batch_key(batch_id, part)
             if self.r.hlen(key):
-                size = sum(len(v.encode()) + 1 for v in self.r.hvals(key))
+                size = sum(len(v.encode()) + 1 for v in cast("list[str]", self.r.hvals(key)))
                 file_id = f"file-{batch_id.removeprefix('batch_')}-{suffix}"
                 self._file_of_lines(file_id, owner, f"{batch_id}_{suffix}.jsonl", key, size)
                 fields["output_file_id" if part == "out" else "error_file_id"] = file_id
