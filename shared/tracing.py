@@ -115,7 +115,7 @@ def annotate(attributes: Mapping[str, Any]) -> None:
         return
     from opentelemetry import trace
 
-    trace.get_current_span().set_attributes({k: v for k, v in attributes.items() if v is not None})
+    trace.get_current_span().set_attributes(_known(attributes))
 
 
 def record(name: str, parent: str, start: float, end: float, attributes: Mapping[str, Any] | None = None,
@@ -125,7 +125,12 @@ def record(name: str, parent: str, start: float, end: float, attributes: Mapping
     if _tracer is None or not parent:
         return
     span = _tracer.start_span(name, context=_context(parent), start_time=int(start * 1e9),
-                              attributes={k: v for k, v in (attributes or {}).items() if v is not None})
+                              attributes=_known(attributes or {}))
     for event, at, attrs in events:
         span.add_event(event, dict(attrs), timestamp=int(at * 1e9))
     span.end(end_time=int(max(end, start) * 1e9))
+
+
+def _known(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """The attributes that have a value (OpenTelemetry takes no None)."""
+    return {k: v for k, v in attributes.items() if v is not None}

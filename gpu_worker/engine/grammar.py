@@ -147,11 +147,7 @@ def _apply_on_cpu(logits: torch.Tensor, mask: torch.Tensor, rows: list[int], col
     looked up as its 8 tokens' 0 or -inf, added in place (allowed logits stay exact: x + 0.0 == x). ~1.1 ms
     for 32 rows of 49,152 here, against 4.4 ms unpacking the bits by masked ops and ~190 us a row in
     xgrammar's CPU kernel."""
-    words = mask.shape[1]
-    if len(rows) == logits.shape[0]:  # every row: one op over the batch
-        add = _BYTE.index_select(0, mask.view(torch.uint8).reshape(-1).int()).view(len(rows), words * 32)
-        logits[:, :cols] += add[:, :cols].to(logits.dtype)
-        return
-    idx = torch.tensor(rows)
-    add = _BYTE.index_select(0, mask[idx].view(torch.uint8).reshape(-1).int()).view(len(rows), words * 32)
-    logits[idx, :cols] += add[:, :cols].to(logits.dtype)  # the other rows untouched
+    # every row: one op over the batch in place; some: those rows alone, the others untouched
+    idx: slice | torch.Tensor = slice(None) if len(rows) == logits.shape[0] else torch.tensor(rows)
+    add = _BYTE.index_select(0, mask[idx].view(torch.uint8).reshape(-1).int()).view(len(rows), mask.shape[1] * 32)
+    logits[idx, :cols] += add[:, :cols].to(logits.dtype)

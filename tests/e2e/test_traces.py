@@ -180,6 +180,12 @@ def test_a_request_without_a_traceparent_starts_a_trace_and_an_unsampled_one_is_
                          30)  # (each process exports on its own schedule)
     root = next(s for s in got if s.trace_id == trace_id and s.name == "POST /v1/jobs")
     assert root.parent_id == ""  # a new trace, rooted at the API
+    for bad in ("garbage", "00-" + "z" * 32 + "-" + "0" * 16 + "-01", "ff-" + "0" * 32 + "-" + "0" * 16 + "-01"):
+        job = httpx.post(f"{stack.url}/v1/jobs", json={"prompt": "Hello", "max_tokens": 2},
+                         headers={"traceparent": bad})  # not a W3C context: ignored, a trace of its own
+        assert job.status_code == 202, job.text
+        carrier = stack.redis().hget(names.job_key(job.json()["id"]), "trace")
+        assert carrier and carrier.split("-")[1] != "z" * 32
     header, unsampled, _ = _traceparent(sampled=False)
     job = httpx.post(f"{stack.url}/v1/jobs", json={"prompt": "Hello", "max_tokens": 4},
                      headers={"traceparent": header}).json()
