@@ -66,12 +66,13 @@ WAITING = ("queue", "age", "waiting")  # the fair_key parts of the waiting jobs 
 
 
 def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
-               by_tenant: bool = True) -> Write:
+               by_tenant: bool = True, ttl_s: int = 0) -> Write:
     """A fair_push call: `jobs` are (job id, priority, prompt tokens, one-row tokenized batch); `ack_ids`
-    the partition's `jobs` entries they came from. `by_tenant` False (FAIR_SHARE=false): one queue."""
+    the partition's `jobs` entries they came from. `by_tenant` False (FAIR_SHARE=false): one queue. `ttl_s`
+    (JOB_TTL_S; 0 leaves it): each queued job's record counts its TTL afresh."""
     keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "arrivals", "bell")]
     keys += [names.stream(names.JOBS, partition), *(names.fair_key(partition, part) for part in WAITING)]
-    args: list[Any] = [names.TOKENIZER_GROUP, int(by_tenant), len(ack_ids), *ack_ids]
+    args: list[Any] = [names.TOKENIZER_GROUP, int(by_tenant), ttl_s, len(ack_ids), *ack_ids]
     for job in jobs:
         keys.append(names.job_key(job[0]))
         args += job
@@ -95,10 +96,10 @@ def pop(client: redis.Redis | Any, partition: int, consumer: str, count: int,
 
 
 def push(client: redis.Redis | Any, partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
-         by_tenant: bool = True) -> int:
+         by_tenant: bool = True, ttl_s: int = 0) -> int:
     """Queue tokenized jobs and acknowledge their `jobs` entries, in one atomic call; replaying it (a
     reply lost to an outage) queues nothing twice. Returns how many were queued."""
-    return int(scripts.FAIR_PUSH(client, *push_write(partition, ack_ids, jobs, by_tenant)))
+    return int(scripts.FAIR_PUSH(client, *push_write(partition, ack_ids, jobs, by_tenant, ttl_s)))
 
 
 def parse_entries(reply: Any) -> list[Entry]:

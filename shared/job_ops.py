@@ -71,8 +71,9 @@ def unpack_ids(data: bytes | None) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}i", data[: len(data) // 4 * 4]))
 
 
-def start_write(job_id: str, worker_id: str) -> Write:
-    return [names.job_key(job_id), names.dequeued_counter(names.job_partition(job_id))], [repr(time.time()), worker_id]
+def start_write(job_id: str, worker_id: str, ttl_s: int) -> Write:
+    return ([names.job_key(job_id), names.dequeued_counter(names.job_partition(job_id))],
+            [repr(time.time()), worker_id, ttl_s])
 
 
 def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text_offset: int, chunk: bytes,
@@ -294,7 +295,7 @@ class JobOps:
 
     def start(self, job_id: str, worker_id: str) -> StartReply:
         """Take the job (see StartCode for what the code says)."""
-        return StartReply.parse(scripts.START(self.client, *start_write(job_id, worker_id)))
+        return StartReply.parse(scripts.START(self.client, *start_write(job_id, worker_id, self.ttl_s)))
 
     def step(self, keys: list[str], args: list[Any], pipe: Any, charges: Charges | None = None) -> None:
         """Queue one engine step's writes for many jobs of one partition (`step_write` parts joined) on

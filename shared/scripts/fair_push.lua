@@ -7,8 +7,9 @@
 --       place (hash: job id -> '<order>:<created at, ms>:<prompt tokens>:<weight>'), 10.. the jobs' hashes,
 --       one per job, in ARGV's order
 -- ARGV: 1 the tokenizers' group, 2 '1': by tenant, '0': every job in one queue (first in, first out by
---       priority), 3 how many `jobs` entry ids follow, then those ids, then 4 per job: job id, priority (lower
---       runs first), prompt tokens, payload
+--       priority), 3 the records' ttl (s; 0 leaves it: a job queued counts its ttl afresh), 4 how many `jobs`
+--       entry ids follow, then those ids, then 4 per job: job id, priority (lower runs first), prompt tokens,
+--       payload
 -- A job's order is its priority (offset by 1000, shared/limits.py's PRIORITY_MIN: 4 hex digits), then its
 -- arrival (11 hex digits): a tenant's members sort by both, and a tenant's next job is the first member from
 -- '<tenant>:' (tenant names hold no ':').
@@ -20,10 +21,10 @@
 -- Returns how many jobs were queued.
 local backlog, counters, payloads, arrivals, bell, jobs = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local queue, ages, places = KEYS[7], KEYS[8], KEYS[9]
-local group, by_tenant, n_ack = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3])
+local group, by_tenant, ttl, n_ack = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3]), tonumber(ARGV[4])
 local PRIORITY_BASE = 1000
 local queued, k = 0, 10
-for i = 4 + n_ack, #ARGV, 4 do
+for i = 5 + n_ack, #ARGV, 4 do
   local job_id, priority, prompt_tokens, payload = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
   local job = KEYS[k]
   k = k + 1
@@ -44,10 +45,11 @@ for i = 4 + n_ack, #ARGV, 4 do
     redis.call('HSET', places, job_id, order .. ':' .. created .. ':' .. prompt_tokens .. ':' .. (rec[6] or '1'))
     redis.call('HSET', payloads, job_id, payload)
     redis.call('HSET', job, 'fair_queued', tenant, 'prompt_tokens', prompt_tokens)
+    if ttl > 0 then redis.call('EXPIRE', job, ttl) end
     queued = queued + 1
   end
 end
-if n_ack > 0 then redis.call('XACK', jobs, group, unpack(ARGV, 4, 3 + n_ack)) end
+if n_ack > 0 then redis.call('XACK', jobs, group, unpack(ARGV, 5, 4 + n_ack)) end
 if queued > 0 then
   redis.call('LPUSH', bell, 1)
   redis.call('LTRIM', bell, 0, 0)

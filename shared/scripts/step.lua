@@ -4,7 +4,7 @@
 -- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), 4 how many tenants
 --   are charged, then 3 per tenant: its fair-queue name, the charge on its virtual counter, the tokens served to
 --   it; then 12 per job, in the order of its keys:
---   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys) and
+--   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys and its record) and
 --             FIRST_TOKEN (2: the job's first token: set first_token_at); shared/job_ops.py names them
 --   ids_at    byte offset of `ids` in the token ids
 --   ids       packed int32 little-endian token ids ('' none)
@@ -71,6 +71,7 @@ for k = 4, #KEYS, 5 do
       redis.call('HSET', job, 'completion_tokens', n_tokens)
     end
     if flags % 2 == 1 then
+      redis.call('EXPIRE', job, ttl)
       redis.call('EXPIRE', events, ttl)
       redis.call('EXPIRE', ids_key, ttl)
       redis.call('EXPIRE', text_key, ttl)

@@ -22,7 +22,7 @@ def _writes(job_id: str, owner: str) -> dict[str, tuple[list[str], list[object]]
     return {
         "submit": job_ops.submit_write(job_id, {}, "{}", 60, owner=owner, idempotency_key="k1",
                                        idempotency_ttl_s=60),
-        "start": job_ops.start_write(job_id, "w"),
+        "start": job_ops.start_write(job_id, "w", 60),
         "step": job_ops.step_call(*step, 60),
         "finish": job_ops.finish_write(job_id, FinishReason.stop, "", 60),
         "request_cancel": job_ops.request_cancel_write(job_id),

@@ -98,7 +98,7 @@ def test_a_job_touches_only_the_keys_each_call_declares(declared: Declared) -> N
     [entry] = fair_queue.parse_entries(declared(scripts.FAIR_POP, fair_queue.pop_write(p, "w", 4)))
     assert entry.fields[b"batch"] == b"row" and fair_queue.waiting_jobs(r, p, owner) == []
     assert r.hget(names.fair_key(p, "vtc"), owner) == b"5"  # its prompt, 10 tokens, over its weight
-    took = StartReply.parse(declared(scripts.START, job_ops.start_write(job_id, "w")))
+    took = StartReply.parse(declared(scripts.START, job_ops.start_write(job_id, "w", 60)))
     assert (took.code, took.tenant, took.owner) == (StartCode.started, owner, owner)
     step = job_ops.step_write(job_id, job_ops.FRESH | job_ops.FIRST_TOKEN, 0, job_ops.pack_ids([7]), 0, b"Hi", 1,
                               b"{}", 1, worker="w")

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from infra.redis_server import RedisServer
-from shared import names, scripts
+from shared import fair_queue, names, scripts
 from shared.job_ops import (
     FIRST_TOKEN,
     FRESH,
@@ -143,6 +143,29 @@ def test_step_flags_fresh_and_first_token(raw: redis.Redis) -> None:
     assert pipe.execute() == [[StepCode.written], [StepCode.replayed]]
     assert raw.hget(names.job_key("j2"), "first_token_at") is not None
     assert raw.hget(names.job_key("j2"), "completion_tokens") == b"1"
+
+
+def test_a_job_taken_and_written_counts_its_ttl_afresh(raw: redis.Redis) -> None:
+    """JOB_TTL_S counts from a job's last step forward, not from its submit: a job that waited for most of its
+    TTL (in `jobs`, then in the fair queue) is not lost before it runs or while it does."""
+    key = names.job_key("j3")
+    raw.hset(key, mapping=new_record("j3", "m", "{}"))
+    raw.expire(key, 2)  # the submit's TTL, nearly spent
+    assert fair_queue.push(raw, 0, [], [("j3", 0, 10, b"row")], ttl_s=600) == 1
+    assert raw.ttl(key) > 500
+    raw.expire(key, 2)
+    ops = JobOps(raw, 600)
+    assert ops.start("j3", "w").code is StartCode.started
+    assert raw.ttl(key) > 500
+    raw.expire(key, 2)
+    keys, args = step_write("j3", FRESH | FIRST_TOKEN, 0, pack_ids([7]), 0, b"Hi", 1, b"{}", 1, worker="w")
+    pipe = raw.pipeline(transaction=True)
+    ops.step(keys, args, pipe)
+    assert pipe.execute() == [[StepCode.written]]
+    assert raw.ttl(key) > 500 and raw.ttl(names.events_key("j3")) > 500
+    raw.expire(key, 2)
+    assert ops.start("j3", "w2").code is StartCode.resumed  # a redelivery takes it over: afresh again
+    assert raw.ttl(key) > 500
 
 
 MARKER = b"marker: nothing was published before this"

@@ -201,7 +201,7 @@ class TokenizerWorker:
                   if (q := self._record(job_id, req, prompt_ids, traces.get(job_id, ("",))[0], (started, now)))
                   is not None]
         fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued,
-                        self.settings.fair_share)
+                        self.settings.fair_share, self.settings.job_ttl_s)
         self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
         self._trace(traces, prepared, ids, started, now)
