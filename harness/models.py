@@ -25,3 +25,29 @@ def make_tiny_model(out: Path, tokenizer_from: str) -> str:
         if (Path(tokenizer_from) / name).exists():
             shutil.copy(Path(tokenizer_from) / name, out / name)
     return str(out)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_lora_adapter(out: Path, base_dir: str, seed: int, r: int = 8, alpha: int = 16, scale: float = 1.0,
+                      **config: object) -> str:
+    """A PEFT LoRA adapter of the model at `base_dir`, saved as PEFT saves one (adapter_config.json and
+    adapter_model.safetensors), with random A and B (`init_lora_weights=False`: a fresh adapter's B is zero, and
+    would change nothing), B scaled by `scale`. `config`: more LoraConfig fields (target_modules, rank_pattern,
+    alpha_pattern, use_rslora, ...); every attention and MLP projection by default."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, init_lora_weights=False,
+                      **{"target_modules": LORA_TARGETS, **config})  # type: ignore[arg-type]
+    model = get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(scale)
+    model.save_pretrained(out)
+    return str(out)

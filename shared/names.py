@@ -148,6 +148,8 @@ CELERY_POOL = "celery"  # heartbeats only (its consumers' liveness); not a scale
 CELERY_QUEUE = f"{PREFIX}:celery"
 
 STATS_KEY = f"{PREFIX}:stats"
+# LoRA adapters loaded at run time (POST /v1/load_lora_adapter): name -> its shared.lora.LoraModule as JSON
+LORAS = f"{PREFIX}:loras"
 # the local autoscaler's latest decisions that change or want to change a pool (capped; the dashboard reads it)
 SCALING_DECISIONS_STREAM = f"{PREFIX}:scaling:decisions"
 

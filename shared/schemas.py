@@ -399,6 +399,10 @@ class Request:
     trace: str = ""
     tokenize_at: float = 0.0
     tokenized_at: float = 0.0
+    # the LoRA adapter it runs with ('' the base model alone): the name a request gave as `model` (shared/lora.py)
+    lora: str = ""
+    # that adapter's directory, resolved by the inference worker's admission; never sent between stages
+    lora_path: str = field(default="", metadata={"arrow": False})
     # tokens already generated elsewhere (a resumed job): prefilled after the prompt, not re-emitted;
     # set by the inference worker from the job record, never sent between stages
     resume_ids: list[int] = field(default_factory=list, metadata={"arrow": False})

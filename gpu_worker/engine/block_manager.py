@@ -9,6 +9,8 @@ matching prefix of its tokens instead of computing them (a shared system prompt,
 of a chat). Blocks are reference-counted; a block nobody holds stays cached until its space is
 needed, and then the least recently released one is reused first (LRU). Token ids are kept with
 each cached block and compared on a hit, so a hash collision can never serve the wrong K/V.
+A sequence under a LoRA adapter starts its chain from the adapter's salt (`Sequence.hash_seed`): K/V computed
+under an adapter serve only sequences under the same adapter, and the base's only the base's.
 
 `by_kind`: where the model computes a generated position's K/V in other bits than a prompt position's
 (model_runner.py, `generated_by_decode`), a block past its sequence's prompt is cached under a hash that
@@ -70,7 +72,8 @@ class BlockManager:
             return [], 0  # its prompt's logprobs are wanted (echo): every prompt position is computed
         bs, ids = self.block_size, seq.token_ids
         found: list[int] = []
-        h = last = 0
+        h = seq.hash_seed
+        last = 0
         for i in range((len(ids) - 1) // bs):
             tokens = tuple(ids[i * bs : (i + 1) * bs])
             h = chain_hash(h, tokens, self._prompt_part(seq, i))
@@ -139,7 +142,7 @@ class BlockManager:
             return
         bs = self.block_size
         full = min(seq.num_computed, seq.num_tokens) // bs
-        h = seq.last_block_hash if seq.num_hashed_blocks else 0
+        h = seq.last_block_hash if seq.num_hashed_blocks else seq.hash_seed
         for i in range(seq.num_hashed_blocks, full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(h, tokens, self._prompt_part(seq, i))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 
 from gpu_worker.engine.block_manager import BlockManager
+from gpu_worker.engine.lora import LoraAdapter, LoraManager
 from gpu_worker.engine.model_runner import ModelRunner
 from gpu_worker.engine.models.layout import CausalLM
 from gpu_worker.engine.ngram import NgramIndex
@@ -15,6 +17,7 @@ from gpu_worker.engine.scheduler import Scheduler
 from gpu_worker.engine.sequence import Sequence
 from gpu_worker.engine.step import Sampled, StepBatch, StepOutput
 from shared.jobs import FinishReason
+from shared.lora import Dims
 from shared.schemas import Request
 
 log = logging.getLogger("conveyor.engine")
@@ -47,6 +50,8 @@ class LLMEngine:
                                    prefill_only)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
+        self._loras: LoraManager | None = None  # made when the first request names an adapter
+        self.lora_waiting: deque[Request] = deque()  # requests whose adapter waits for a resident one to free
         self.num_draft_tokens = 0  # speculation, cumulative: draft tokens computed, and of those kept
         self.num_accepted_tokens = 0
 
@@ -58,31 +63,76 @@ class LLMEngine:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.runner.eos_token_ids
 
+    @property
+    def loras(self) -> LoraManager:
+        if self._loras is None:
+            runner = self.runner
+            cfg = runner.hf_model.config  # transformers' config, or the checkpoint loader's namespace
+            dims = Dims.of_config(cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg))
+            self._loras = LoraManager(dims, runner.dtype, runner.device,
+                                      runner.model.gemm, self.config.max_loras, self.config.max_lora_rank)
+        return self._loras
+
     def add_request(self, req: Request) -> None:
-        if req.id in self.seqs:
+        if req.id in self.seqs or any(r.id == req.id for r in self.lora_waiting):
             raise ValueError(f"request {req.id!r} is already in the engine")
         problem = self._check(req)
         if problem:
             self._pending.append(StepOutput(req.id, finish_reason=FinishReason.error, error=problem))
             return
+        if req.lora:
+            self.lora_waiting.append(req)
+            self._admit_lora_waiting()
+            return
+        self._admit(req, None)
+
+    def _admit_lora_waiting(self) -> None:
+        """Requests whose adapter is resident, or can be loaded (a resident one no live request holds evicted), join
+        the scheduler, in arrival order; the others wait for a resident adapter to free. A bad adapter fails its
+        request alone. Loading reads the adapter's files here, in the engine loop: a few ms at small ranks, once
+        per adapter while it stays resident."""
+        for req in list(self.lora_waiting):
+            try:
+                adapter = self.loras.acquire(req.lora, req.lora_path)
+            except Exception as exc:  # noqa: BLE001 - a bad adapter fails its request alone
+                self.lora_waiting.remove(req)
+                self._pending.append(StepOutput(req.id, finish_reason=FinishReason.error,
+                                                error=f"the LoRA adapter {req.lora!r} could not be loaded: {exc}"))
+                continue
+            if adapter is not None:
+                self.lora_waiting.remove(req)
+                self._admit(req, adapter)
+
+    def _admit(self, req: Request, adapter: LoraAdapter | None) -> None:
         seq = Sequence(req)
+        seq.lora = adapter
+        end: StepOutput | None = None
         if req.grammar_kind:
             try:
                 seq.grammar = self._grammar(req)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                self._pending.append(StepOutput(req.id, finish_reason=FinishReason.error,
-                                                error=f"the grammar failed: {exc}"))
-                return
-        if req.resume_ids and self._finish_reason(seq, req.resume_ids[-1]) is FinishReason.stop:
-            self._pending.append(StepOutput(req.id, finish_reason=FinishReason.stop))
-            return
-        if seq.num_generated >= req.max_tokens:
-            self._pending.append(StepOutput(req.id, finish_reason=FinishReason.length))
+                end = StepOutput(req.id, finish_reason=FinishReason.error, error=f"the grammar failed: {exc}")
+        if end is None and req.resume_ids and self._finish_reason(seq, req.resume_ids[-1]) is FinishReason.stop:
+            end = StepOutput(req.id, finish_reason=FinishReason.stop)
+        if end is None and seq.num_generated >= req.max_tokens:
+            end = StepOutput(req.id, finish_reason=FinishReason.length)
+        if end is not None:
+            self._pending.append(end)
+            if adapter is not None:
+                self.loras.release(adapter)
             return
         if self.config.speculative is not None and not req.shapes_logits:
             seq.ngrams = NgramIndex(self.config.speculative)  # (a draft cannot follow penalties or a grammar)
         self.seqs[req.id] = seq
         self.scheduler.add(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        """The sequence leaves the engine: its slot, its blocks and its hold on its adapter."""
+        self.seqs.pop(seq.id, None)
+        self.scheduler.remove(seq)
+        if seq.lora is not None:
+            self.loras.release(seq.lora)
+            seq.lora = None
 
     @staticmethod
     def _grammar(req: Request) -> object:
@@ -107,15 +157,19 @@ class LLMEngine:
         return req.out_of_bounds()
 
     def abort_request(self, req_id: str, reason: FinishReason = FinishReason.cancelled) -> bool:
-        seq = self.seqs.pop(req_id, None)
+        seq = self.seqs.get(req_id)
         if seq is None:
-            return False
-        self.scheduler.remove(seq)
+            waiting = next((r for r in self.lora_waiting if r.id == req_id), None)
+            if waiting is None:
+                return False
+            self.lora_waiting.remove(waiting)
+        else:
+            self._drop(seq)
         self._pending.append(StepOutput(req_id, finish_reason=FinishReason(reason)))
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending or self.lora_waiting) or self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -123,7 +177,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.lora_waiting)
 
     def kv_usage(self) -> float:
         """Share of the KV blocks held by running sequences (cached blocks nobody holds are free)."""
@@ -137,6 +191,8 @@ class LLMEngine:
         return self.num_draft_tokens, self.num_accepted_tokens
 
     def step(self) -> list[StepOutput]:
+        if self.lora_waiting:
+            self._admit_lora_waiting()
         outputs, self._pending = self._pending, []
         self._propose()
         batch, rejected = self.scheduler.schedule()
@@ -236,16 +292,14 @@ class LLMEngine:
             if seq.timeline:  # a traced job's events go out with its tokens
                 out.timeline, seq.timeline = seq.timeline, []
             if reason is not None:
-                self.seqs.pop(seq.id, None)
-                self.scheduler.remove(seq)
+                self._drop(seq)
                 break
             if j == len(draft) or token != draft[j]:
                 break
         return out
 
     def _fail(self, seq: Sequence, error: str) -> StepOutput:
-        self.seqs.pop(seq.id, None)
-        self.scheduler.remove(seq)
+        self._drop(seq)
         return StepOutput(seq.id, finish_reason=FinishReason.error, error=error)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -11,6 +11,7 @@ import torch
 from gpu_worker.engine.cpu_kernels import PrefillChunks
 from gpu_worker.engine.device import DTYPES, resolve_device, resolve_dtype
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
+from gpu_worker.engine.lora import LoraBatch
 from gpu_worker.engine.models import AttentionMetadata, Llama, PrefillChunk
 from gpu_worker.engine.models.checkpoint import load_checkpoint
 from gpu_worker.engine.models.layout import CausalLM
@@ -31,6 +32,7 @@ class StepInputs:
     sample_rows: list[int]  # the rows whose logits are sampled: every decode row, then each completed chunk's last
     sampled: list[Sequence]  # their sequences, in the same order (a speculating sequence once per decode row)
     ahead: list[int] | None = None  # per sampled row, its place after its sequence's next token (None: all 0)
+    lora: LoraBatch | None = None  # the rows under LoRA adapters, grouped by adapter; None where no row has one
 
 
 class DecodeRows(NamedTuple):
@@ -149,7 +151,7 @@ class ModelRunner:
         """Compute the scheduled tokens, and sample a token for every sequence that reaches its end
         this step: the decode rows first, then completed chunks, in order."""
         inputs = self.prepare(batch)
-        h = self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache)
+        h = self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache, inputs.lora)
         self._prompt_logprobs(batch, inputs, h)
         return Sampled(inputs.sampled, *self.sampler(self._logits(h, inputs.sample_rows), inputs.sampled,
                                                      inputs.ahead))
@@ -180,7 +182,11 @@ class ModelRunner:
             attn.prefill_tables = self._prefill_tables(prompt)
         elif chunks and self.model.batch_prefill:
             attn.prefill = self._prefill_batch(batch.chunks)
-        return StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
+        inputs = StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
+        if any(s.lora is not None for s in rows.seqs) or any(s.lora is not None for s, _ in batch.chunks):
+            adapters = [s.lora for s in rows.seqs] + [s.lora for s, n in batch.chunks for _ in range(n)]
+            inputs.lora = LoraBatch.of(adapters, self.model.gemm, self.device)
+        return inputs
 
     def _logits(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:
         if not rows:

@@ -27,6 +27,8 @@ class EngineConfig:
     checkpoint_dtype: str | None = None  # the weights' saved dtype, for dtype=auto ("bfloat16", ...); None: unknown
     speculative: NgramConfig | None = None  # n-gram speculative decoding (ngram.py); None: off
     cpu_kernels: bool = True  # on CPU, the compiled kernels where they build (cpu_kernels.py)
+    max_loras: int = 4  # LoRA adapters resident at once (lora.py), so at most this many in a step
+    max_lora_rank: int = 64
 
 
 class Engine(Protocol):

@@ -38,6 +38,12 @@ class Sequence:
         # preemptions, for the output lane's spans (gpu_worker/job_trace.py); None when the job is not traced
         self.timeline: list[tuple[str, float, int]] | None = [] if req.trace else None
         self.scheduled_at = 0.0  # when it was first scheduled (unix s): reported with its first output
+        self.lora: Any = None  # its LoRA adapter (gpu_worker/engine/lora.py), resident while it lives; None: the base
+
+    @property
+    def hash_seed(self) -> int:
+        """Where its prefix-cache hash chain starts (block_manager.py): K/V computed under an adapter serve only it."""
+        return self.lora.salt if self.lora is not None else 0
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from gpu_worker.engine.cpu_kernels import (
 )
 from gpu_worker.engine.gemm import Gemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache
+from gpu_worker.engine.lora import LoraBatch
 from gpu_worker.engine.models.layout import Activation, CausalLM, DecoderLayer, Linear, RotaryEmbedding
 
 # Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
@@ -210,8 +211,9 @@ class Llama:
             return cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                cache: KVCache) -> torch.Tensor:
-        """The last layer's hidden states, [tokens, hidden]; every token's K/V is written to the cache."""
+                cache: KVCache, lora: LoraBatch | None = None) -> torch.Tensor:
+        """The last layer's hidden states, [tokens, hidden]; every token's K/V is written to the cache. `lora`: the
+        step's rows under LoRA adapters (gpu_worker/engine/lora.py), each projection's update added on its rows."""
         cos = sin = None
         if self.torch_rope:
             cos, sin = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)  # [N, 1, D]
@@ -219,7 +221,8 @@ class Llama:
         blocks = self._prefill_blocks(attn.prefill) if attn.prefill is not None else []
         h = F.embedding(ids, self.embed_w)
         for li, L in enumerate(self.layers):
-            h = self._layer(L, h, positions, cos, sin, cache.k[li], cache.v[li], attn, bias, blocks)
+            h = self._layer(L, h, positions, cos, sin, cache.k[li], cache.v[li], attn, bias, blocks,
+                            (lora, li) if lora is not None else None)
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -245,32 +248,43 @@ class Llama:
     def _layer(self, L: _Layer, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
                sin: torch.Tensor | None,
                kc: torch.Tensor, vc: torch.Tensor, attn: AttentionMetadata, bias: torch.Tensor | None,
-               blocks: list[PrefillBlock]) -> torch.Tensor:
+               blocks: list[PrefillBlock], lora: tuple[LoraBatch, int] | None = None) -> torch.Tensor:
         x = self._norm(h, L.ln1, L.eps)
+        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+        qkv = self.gemm.linear(x, L.qkv, L.qkv_bias)
+        if lora is not None:
+            lora[0].add(lora[1], "qkv", x, qkv)
+        qkv = qkv.view(x.shape[0], H + 2 * KV, D)
         if self.ops is not None and L.q_norm is None:  # RoPE and the cache write in one pass
-            H, KV, D = self.num_heads, self.kv_heads, self.head_dim
-            qkv = self.gemm.linear(x, L.qkv, L.qkv_bias).view(x.shape[0], H + 2 * KV, D)
             self.ops.rope_and_cache(qkv, self.cos, self.sin_signed, positions, attn.slots, kc, vc, H)
             out = self._attention(qkv[:, :H], qkv[:, H : H + KV], qkv[:, H + KV :], kc, vc, attn, bias, blocks,
                                   written=True)
         else:
             assert cos is not None and sin is not None  # set wherever a layer has no fused RoPE (`torch_rope`)
-            q, k, v = self._qkv(L, x, cos, sin)
+            q, k, v = self._qkv(L, qkv, cos, sin)
             out = self._attention(q, k, v, kc, vc, attn, bias, blocks)
         h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
-        gate_up = self.gemm.linear(self._norm(h, L.ln2, L.eps), L.gate_up)
+        if lora is not None:  # an adapter row: (h + o(out)) + its update, the same bits whatever shares the step
+            lora[0].add(lora[1], "o", out, h)
+        x = self._norm(h, L.ln2, L.eps)
+        gate_up = self.gemm.linear(x, L.gate_up)
+        if lora is not None:
+            lora[0].add(lora[1], "gate_up", x, gate_up)
         if self.ops is not None and L.silu:
             act = self.ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = L.act(gate) * up
-        return self.gemm.linear_add(act, L.down, h)
+        h = self.gemm.linear_add(act, L.down, h)
+        if lora is not None:
+            lora[0].add(lora[1], "down", act, h)
+        return h
 
-    def _qkv(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor,
+    def _qkv(self, L: _Layer, qkv: torch.Tensor, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [N, H, D], k and v [N, KV, D], with RoPE applied to q and k at once."""
+        """From the fused projection's output [N, H + 2 KV, D]: q [N, H, D], k and v [N, KV, D], with RoPE applied
+        to q and k at once."""
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
-        qkv = self.gemm.linear(x, L.qkv, L.qkv_bias).view(x.shape[0], H + 2 * KV, D)
         qk, v = qkv[:, : H + KV], qkv[:, H + KV :]
         if L.q_norm is not None:
             qk = torch.cat((F.rms_norm(qk[:, :H], (D,), L.q_norm, L.eps),
