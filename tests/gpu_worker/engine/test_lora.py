@@ -20,6 +20,7 @@ from shared.lora import AdapterError, Dims, check_adapter, parse_modules
 from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import greedy, run
 
+Reference = dict[tuple[str | None, int], list[int]]
 PROMPTS = [[1, 450, 3290, 310, 3681, 338], [1, 1724, 338, 263, 2107, 1470, 29973, 13], [1, 29871, 13, 4013, 338],
            [1, 3532, 9312, 29901, 1724, 4943], [1, 3148, 1001, 29901, 910, 338, 263, 1243, 29889]]
 N = 24
@@ -62,7 +63,7 @@ def on(name: str | None, paths: dict[str, str], rid: str, prompt: list[int], n: 
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: str, adapters: dict[str, str]) -> dict[tuple[str | None, int], list[int]]:
+def reference(tiny_model_dir: str, adapters: dict[str, str]) -> Reference:
     return {(name, i): peft_greedy(tiny_model_dir, adapters.get(name) if name else None, p)
             for name in (None, "all", "attn", "mlp") for i, p in enumerate(PROMPTS[:3])}
 
@@ -73,7 +74,7 @@ def engine(tiny_model_dir: str) -> Iterator[LLMEngine]:
 
 
 def test_each_adapter_alone_equals_peft(engine: LLMEngine, adapters: dict[str, str],
-                                        reference: dict[tuple[str | None, int], list[int]]) -> None:
+                                        reference: Reference) -> None:
     for name in ("all", "attn", "mlp"):
         got = run(engine, [on(name, adapters, f"{name}-0", PROMPTS[0])])
         assert got[f"{name}-0"] == reference[(name, 0)], name
@@ -81,7 +82,7 @@ def test_each_adapter_alone_equals_peft(engine: LLMEngine, adapters: dict[str, s
 
 
 def test_adapters_and_the_base_mixed_in_one_batch_equal_peft(engine: LLMEngine, adapters: dict[str, str],
-                                                             reference: dict[tuple[str | None, int], list[int]]) -> None:
+                                                             reference: Reference) -> None:
     reqs = [on(name, adapters, f"{name}-{i}", p) for i, p in enumerate(PROMPTS[:3]) for name in
             (None, "all", "attn", "mlp")]
     arrivals = {r.id: k % 3 for k, r in enumerate(reqs)}  # some join while others decode: prefill and decode mixed
@@ -131,8 +132,7 @@ def drain(engine: LLMEngine) -> dict[str, list[int]]:
 
 
 def test_at_most_max_loras_resident_and_a_request_waits_for_a_slot(tiny_model_dir: str, adapters: dict[str, str],
-                                                                   reference: dict[tuple[str | None, int],
-                                                                                   list[int]]) -> None:
+                                                                   reference: Reference) -> None:
     engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=32, max_loras=1))
     for r in (on("all", adapters, "a", PROMPTS[0]), on("attn", adapters, "b", PROMPTS[1]),
               on(None, adapters, "c", PROMPTS[2])):
@@ -151,7 +151,7 @@ def _broken(src: str, tmp: Path, name: str) -> str:
 
 
 def test_a_bad_adapter_fails_its_own_request_alone(engine: LLMEngine, adapters: dict[str, str], tmp_path: Path,
-                                                   reference: dict[tuple[str | None, int], list[int]]) -> None:
+                                                   reference: Reference) -> None:
     bad = {"missing": str(tmp_path / "nowhere")}
     bad["dora"] = _broken(adapters["all"], tmp_path, "dora")
     cfg = json.loads(Path(bad["dora"], "adapter_config.json").read_text())
