@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from api.errors import ApiError, too_many
 from api.files import FileStore
+from api.models import resolve_static
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest
 from api.validation import check_request
@@ -76,6 +77,7 @@ def parse_line(raw: str, endpoint: str, settings: Settings) -> dict[str, Any]:
             gen = gens[0]
             out["logprobs"] = oai.logprobs is not None and oai.logprobs is not False
         gen = check_request(gen, settings)
+        gen.model = resolve_static(settings, body.get("model"))
     except ApiError as exc:
         raise LineError("invalid_request", exc.message) from None
     except ValidationError as exc:

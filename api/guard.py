@@ -31,7 +31,8 @@ DRAIN_S = 5.0
 
 
 # served only on the internal port when auth is required (Prometheus, KEDA and operators reach them there)
-INTERNAL_PATHS = ("/metrics", "/scaling", "/docs", "/redoc", "/openapi.json", "/dashboard")
+INTERNAL_PATHS = ("/metrics", "/scaling", "/docs", "/redoc", "/openapi.json", "/dashboard", "/v1/load_lora_adapter",
+                  "/v1/unload_lora_adapter")
 
 
 def on_internal_port(scope: Scope, internal_port: int | None) -> bool:

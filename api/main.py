@@ -16,7 +16,7 @@ from api.files import FileStore
 from api.guard import RequestGuard
 from api.quota import Throughput
 from api.relay import Relay
-from api.routes import batches, health, jobs, messages, openai, responses, tokenize
+from api.routes import batches, health, jobs, loras, messages, openai, responses, tokenize
 from api.store import JobStore
 from api.validation import document_bounds
 from shared import tracing
@@ -58,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(messages.router)
     app.include_router(tokenize.router)
+    app.include_router(loras.router)
     app.include_router(responses.router)
     app.include_router(batches.router)
     app.include_router(metrics.router)

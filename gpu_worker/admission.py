@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.queues import Queue
 from queue import SimpleQueue
 from typing import TYPE_CHECKING
@@ -18,6 +18,7 @@ from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
 from shared.job_ops import JobOps, unpack_ids
 from shared.jobs import FinishReason
+from shared.lora import LoraModule, registered
 from shared.schemas import Request, decode_request
 from shared.scripts.codes import StartCode, StartReply
 from shared.stream_consumer import Entry, StreamConsumer
@@ -41,8 +42,10 @@ def entry_request(entry: Entry) -> Request:
 class Admission:
     def __init__(self, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger, worker_id: str,
                  inbox: SimpleQueue[EngineCommand], to_lane: Queue[LaneCommand], stats: WorkerStats,
-                 grammars: Callable[[], GrammarLoader] | None = None) -> None:
+                 grammars: Callable[[], GrammarLoader] | None = None,
+                 loras: Mapping[str, LoraModule] | None = None) -> None:
         self.consumer, self.jobs, self.ledger = consumer, jobs, ledger
+        self.loras = loras or {}  # LORA_MODULES; those loaded at run time are read from the registry
         self.worker_id, self.inbox, self.to_lane, self.stats = worker_id, inbox, to_lane, stats
         self._new_loader = grammars
         self._loader: GrammarLoader | None = None  # made when the first grammar arrives
@@ -56,7 +59,7 @@ class Admission:
         took = self.jobs.start(req.id, self.worker_id)
         if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
             self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)
-        if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req):
+        if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req) or not self._attach_lora(req):
             self.consumer.ack([entry.ref])  # the job already ended (or was cancelled) elsewhere, or failed here
             return
         # everything read from Redis before the ledger holds the entry: a failure here (Redis gone) leaves nothing
@@ -100,6 +103,18 @@ class Admission:
             log.exception("job %s: its grammar could not be loaded", req.id)
             self.jobs.fail(req.id, f"the grammar could not be loaded: {exc}", self.worker_id)
             return False
+
+    def _attach_lora(self, req: Request) -> bool:
+        """The directory of the request's adapter (LORA_MODULES', else the registry's); an adapter no longer
+        served (unloaded after the job was accepted) fails its job alone. The engine reads its files."""
+        if not req.lora:
+            return True
+        module = self.loras.get(req.lora) or registered(self.jobs.client, req.lora)
+        if module is None:
+            self.jobs.fail(req.id, f"the LoRA adapter {req.lora!r} is no longer served (unloaded)", self.worker_id)
+            return False
+        req.lora_path = module.path
+        return True
 
     def progress(self, job_id: str) -> tuple[list[int], str, int, int]:
         """What the job's earlier worker recorded: its token ids, their streamed text, the last event seq,

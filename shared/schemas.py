@@ -159,6 +159,9 @@ class GenerationRequest(SamplingParams):
     template) and `grammar` holds every call to a declared tool's schema (shared/grammar/tools.py)."""
 
     model_config = ConfigDict(extra="forbid")
+    # the model it runs on: the served model's name, or a LoRA adapter's (shared/lora.py); None the served model.
+    # The door checks it (404 model_not_found) and leaves only an adapter's name here
+    model: Name | None = None
     prompt: Content | None = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt_token_ids: PromptTokenIds | None = None  # the prompt as token ids, used as given
@@ -305,7 +308,8 @@ class GenerationRequest(SamplingParams):
                        logprobs=self.top_logprobs if wants else -1,
                        prompt_logprobs=-1 if prompt_lp is None else prompt_lp,
                        bias_ids=list(bias), bias_values=[float(v) for v in bias.values()],
-                       grammar_kind=g.kind if g else "", grammar=g.source if g else "", priority=self.priority)
+                       grammar_kind=g.kind if g else "", grammar=g.source if g else "", priority=self.priority,
+                       lora=self.model or "")
 
 
 def _wire_message(m: dict[str, Any]) -> Message:

@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.lora import LoraModule, static_modules
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -105,6 +107,13 @@ class Settings(BaseSettings):
     cpu_kernels: bool = Field(True, description="on CPU, the engine's kernels compiled on first use (g++): decode "
                               "attention read from the KV cache in place, fused layer steps; off, or without a "
                               "compiler: torch ops only (K/V gathered for SDPA)")
+    lora_modules: str = Field("", description="LoRA adapters served, in vLLM's forms: `name=path` items, or JSON "
+                              "objects {name, path, base_model_name}; each is named in `model` like a model")
+    max_loras: int = Field(4, ge=1, le=64, description="LoRA adapters resident in an inference worker at once (so "
+                           "in one step); least recently used evicted")
+    max_lora_rank: int = Field(64, ge=1, le=512, description="highest LoRA rank served")
+    allow_runtime_lora_updating: bool = Field(False, description="POST /v1/load_lora_adapter and "
+                                              "/v1/unload_lora_adapter (an admin key's, where keys are required)")
     torch_threads: int = 0
     grammar_warm: bool = Field(False, description="load xgrammar and the tokenizer's description for it when a "
                                "worker starts (the tokenizer's compiler child, the inference worker's loader) rather "
@@ -148,7 +157,18 @@ class Settings(BaseSettings):
             raise ValueError("PROMPT_LOOKUP_MIN must be at most PROMPT_LOOKUP_MAX")
         if self.max_tokens_cap < 1 or self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("DEFAULT_MAX_TOKENS must be between 1 and MAX_TOKENS_CAP")
+        for m in self.loras.values():
+            if m.base_model_name != self.served_model_name:
+                raise ValueError(f"LORA_MODULES: {m.name}'s base_model_name {m.base_model_name!r} is not the model "
+                                 f"served, {self.served_model_name!r}")
+            if m.name == self.served_model_name:
+                raise ValueError(f"LORA_MODULES: {m.name!r} is the served model's own name")
         return self
+
+    @cached_property
+    def loras(self) -> dict[str, LoraModule]:
+        """The adapters LORA_MODULES names, by name (ValueError for a malformed value)."""
+        return static_modules(self.lora_modules, self.served_model_name)
 
     @property
     def auth_required(self) -> bool:

@@ -21,7 +21,7 @@ from _pytest.nodeid import NodeId
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import harness.stack
-from harness.models import make_tiny_model
+from harness.models import make_lora_adapter, make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
@@ -175,6 +175,29 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, model_path: str) ->
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), model_path)
 
 
+@pytest.fixture(scope="session")
+def tiny_loras(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> dict[str, str]:
+    """LoRA adapters of the tiny model, by name: "tiny-all" (every projection, rank 8) and "tiny-attn" (attention,
+    rank 16, rsLoRA) are the tiny stacks' LORA_MODULES; "tiny-late" is for loading at run time."""
+    tmp = tmp_path_factory.mktemp("tiny-loras")
+    return {"tiny-all": make_lora_adapter(tmp / "all", tiny_model_dir, 1, r=8),
+            "tiny-attn": make_lora_adapter(tmp / "attn", tiny_model_dir, 2, r=16, use_rslora=True,
+                                           target_modules=["q_proj", "v_proj", "o_proj"]),
+            "tiny-late": make_lora_adapter(tmp / "late", tiny_model_dir, 3, r=4,
+                                           target_modules=["gate_proj", "up_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="session")
+def smol_lora(tmp_path_factory: pytest.TempPathFactory, model_path: str) -> str:
+    """A LoRA adapter of the default model (rank 8, every projection, B scaled down: a fine-tune's size of change),
+    the default stack's LORA_MODULES "smol-lora"."""
+    return make_lora_adapter(tmp_path_factory.mktemp("smol-lora"), model_path, 4, r=8, scale=0.05)
+
+
+def lora_env(loras: dict[str, str], served: list[str]) -> dict[str, str]:
+    return {"LORA_MODULES": " ".join(f"{n}={loras[n]}" for n in served), "ALLOW_RUNTIME_LORA_UPDATING": "true"}
+
+
 # the tests' stack: fast redelivery and heartbeats, small limits, webhooks to 127.0.0.1 allowed
 TEST_ENV = {
     "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
@@ -206,20 +229,24 @@ SHARED_STACK_ENV = {"GRAMMAR_WARM": "true"}
 def _launch_stack(request: pytest.FixtureRequest) -> Stack:
     tmp, server = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("redis_server")
     return launch_stack(tmp.mktemp("stack"), server.url, request.getfixturevalue("model_path"),
-                        {**SHARED_STACK_ENV, "SPECULATIVE": "ngram"})
+                        {**SHARED_STACK_ENV, "SPECULATIVE": "ngram",
+                         "LORA_MODULES": f"smol-lora={request.getfixturevalue('smol_lora')}"})
 
 
 def _launch_tiny_stack(request: pytest.FixtureRequest) -> Stack:
     tmp, server = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("redis_server")
     url = server.url.rsplit("/", 1)[0] + "/1"
     redis.Redis.from_url(url).flushdb()
-    return launch_stack(tmp.mktemp("tiny-stack"), url, request.getfixturevalue("tiny_model_dir"), SHARED_STACK_ENV)
+    loras = lora_env(request.getfixturevalue("tiny_loras"), ["tiny-all", "tiny-attn"])
+    return launch_stack(tmp.mktemp("tiny-stack"), url, request.getfixturevalue("tiny_model_dir"),
+                        {**SHARED_STACK_ENV, **loras})
 
 
 def _launch_cluster_stack(request: pytest.FixtureRequest) -> Stack:
     tmp = request.getfixturevalue("tmp_path_factory")
-    return launch_stack(tmp.mktemp("cluster-stack"), "", request.getfixturevalue("tiny_model_dir"), SHARED_STACK_ENV,
-                        args=["--redis-cluster", "3"])
+    loras = lora_env(request.getfixturevalue("tiny_loras"), ["tiny-all", "tiny-attn"])
+    return launch_stack(tmp.mktemp("cluster-stack"), "", request.getfixturevalue("tiny_model_dir"),
+                        {**SHARED_STACK_ENV, **loras}, args=["--redis-cluster", "3"])
 
 
 # the session's shared stacks, by fixture; the tests on each form one group (`pytest_collection_modifyitems`)

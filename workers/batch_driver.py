@@ -221,7 +221,8 @@ class BatchDriver:
         fields = {"batch": batch_id}
         if "response" in line:
             fields["response"] = line["response"]  # what the Responses API keeps with its job (api/responses.py)
-        job_id, record, request_json = new_job(req, self.settings.served_model_name, self.settings.tool_call_parser,
+        model = req.model or self.settings.served_model_name
+        job_id, record, request_json = new_job(req, model, self.settings.tool_call_parser,
                                                owner, idempotency_key, fields, trace)
         write = submit_write(job_id, record, request_json, self.settings.job_ttl_s, owner=owner,
                              reserve_tokens=req.reserved_tokens(), idempotency_key=idempotency_key,

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
 
+from api import models as served
 from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
 from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, ErrorResponse, not_found
@@ -47,9 +48,10 @@ async def get_job_or_404(store: StoreDep, job_id: str, caller: Caller) -> Job:
 @router.post("", status_code=202, response_model=Job, operation_id="submit_job",
              responses={202: {"description": "Accepted", "links": _LINKS}})
 async def submit(body: GenerationRequest, response: Response, store: StoreDep, settings: SettingsDep,
-                 caller: CallerDep, throughput: ThroughputDep,
+                 caller: CallerDep, throughput: ThroughputDep, redis: RedisDep,
                  idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
     """Submit a generation job; poll it at Location or stream it from Location/events."""
+    body.model = await served.resolve(redis, settings, body.model)
     job, replayed, limits = await admit(store, throughput, settings, caller, check_request(body, settings),
                                         idempotency_key)
     response.headers.update(limits)

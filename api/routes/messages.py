@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from api import models as served
 from api.anthropic import (
     ERRORS,
     CountTokensRequest,
@@ -30,7 +31,7 @@ from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError
 from api.quota import ThroughputDep
 from api.relay import Relay
-from api.routes.tokenize import ask, check_model
+from api.routes.tokenize import ask
 from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
@@ -65,9 +66,10 @@ def _stop_finder(client: Any, relay: Relay, stops: list[str]) -> StopOf:
 async def create_message(body: MessagesRequest, request: Request, store: StoreDep, relay: RelayDep,
                          settings: SettingsDep, caller: CallerDep, throughput: ThroughputDep) -> Any:
     """Anthropic's Messages API, streaming or not."""
-    check_model(body.model, settings)
-    req = check_request(body.to_generation(), settings)
     client = request.app.state.redis
+    adapter = await served.resolve(client, settings, body.model)
+    req = check_request(body.to_generation(), settings)
+    req.model = adapter
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(client, caller, slot):
         raise stream_refused(caller)
@@ -99,7 +101,7 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
 async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                        caller: CallerDep) -> dict[str, int]:
     """The prompt's tokens as a Messages request with this body would count them (the chat template's)."""
-    check_model(body.model, settings)
+    await served.resolve(client, settings, body.model)
     body.refuse_unsupported()
     call = TokenizeCall(kind="tokenize", messages=body.chat(), tools=body.prompt_tools(), add_special_tokens=False,
                         add_generation_prompt=True)

@@ -14,6 +14,7 @@ import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from api import models as served
 from api import sse
 from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
 from api.choices import Cutoff, admit_all, cancel_all, choice_requests, merged_events, wait_all
@@ -29,18 +30,11 @@ from api.validation import check_request
 from shared import tool_parsers
 from shared.jobs import DamagedRecord, Job, JobStatus
 from shared.logprobs import chat_item, completion_logprobs
-from shared.model_config import model_context
 from shared.openai_bodies import Shape, completion_id, completion_object, finish_reason, tool_call_delta, usage_of
 from shared.settings import Settings
 from shared.tool_parsers import CallStart, StreamEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-
-def _check_model(requested: str | None, settings: Settings) -> None:
-    if requested and requested != settings.served_model_name:
-        raise ApiError(404, f"the model '{requested}' does not exist; this server runs "
-                            f"'{settings.served_model_name}'", type_="model_not_found", param="model")
 
 
 def _failure(job: Job) -> ApiError:
@@ -51,19 +45,19 @@ def _failure(job: Job) -> ApiError:
 
 
 @router.get("/models")
-async def models(settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
-    """The served model."""
-    entry: dict[str, Any] = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "conveyor",
-                             "root": settings.served_model_name}
-    entry["max_model_len"] = model_context(settings.model_path, settings.max_model_len)  # as vLLM reports it
-    return {"object": "list", "data": [entry]}
+async def models(request: Request, settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
+    """The served model, then its LoRA adapters (`parent`: the model), each with its `max_model_len`, as vLLM
+    lists them."""
+    return {"object": "list", "data": await served.listing(request.app.state.redis, settings)}
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
                  relay: Relay, settings: Settings, caller: Caller, throughput: Throughput, chat: bool) -> Any:
     """Both endpoints: a job per choice per prompt, streamed as chunks or awaited; only the shapes differ."""
-    _check_model(body.model, settings)
+    adapter = await served.resolve(request.app.state.redis, settings, body.model)
     prompts = [check_request(g, settings) for g in body.to_generation()]
+    for p in prompts:
+        p.model = adapter
     runs = choice_requests(prompts, body.n)
     echo = bool(getattr(body, "echo", False))
     logprobs = bool(body.logprobs is not None and body.logprobs is not False)

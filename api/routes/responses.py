@@ -14,6 +14,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
+from api import models as served
 from api import sse
 from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
 from api.choices import wait_all
@@ -32,7 +33,6 @@ from api.responses import (
     response_object,
     tail_events,
 )
-from api.routes.openai import _check_model
 from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, TokenEvent, job_events
@@ -77,10 +77,11 @@ async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) 
 async def create(body: ResponseRequest, request: Request, store: StoreDep, relay: RelayDep, settings: SettingsDep,
                  caller: CallerDep, throughput: ThroughputDep, redis: RedisDep) -> Any:
     """Create a response: answered when done, streamed (`stream`), or at once with status `queued` (`background`)."""
-    _check_model(body.model, settings)
+    adapter = await served.resolve(redis, settings, body.model)
     body.check()
     conversation = await _conversation(store, body, caller)
     gen = check_request(body.generation(conversation), settings)
+    gen.model = adapter
     meta_json = body.meta(conversation, settings.tool_call_parser if gen.calls_tools else None)
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(redis, caller, slot):

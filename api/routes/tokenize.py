@@ -14,6 +14,7 @@ import redis.asyncio as aredis
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
+from api import models as served
 from api.auth import CallerDep
 from api.deps import RedisDep, RelayDep, SettingsDep
 from api.errors import ApiError
@@ -22,7 +23,6 @@ from shared import names
 from shared.limits import MAX_MESSAGES, Content, Name
 from shared.model_config import model_context
 from shared.schemas import Message
-from shared.settings import Settings
 from shared.tokenize_calls import (
     CALL_TIMEOUT_S,
     POLL_S,
@@ -80,12 +80,6 @@ def _answered(reply: TokenizeReply) -> TokenizeReply:
     return reply
 
 
-def check_model(requested: str | None, settings: Settings) -> None:
-    if requested and requested != settings.served_model_name:
-        raise ApiError(404, f"the model '{requested}' does not exist; this server runs "
-                            f"'{settings.served_model_name}'", type_="model_not_found", param="model")
-
-
 class TokenizeRequest(BaseModel):
     """vLLM's two forms: a `prompt`, or chat `messages` (through the chat template)."""
 
@@ -128,7 +122,7 @@ class DetokenizeResponse(BaseModel):
 async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                    caller: CallerDep) -> Any:
     """The prompt's or the chat's token ids, as the model's tokenizer gives them."""
-    check_model(body.model, settings)
+    await served.resolve(client, settings, body.model)  # an adapter's tokenizer is its model's
     reply = await ask(client, relay, body.call())
     tokens = reply.tokens or []
     return TokenizeResponse(count=len(tokens), max_model_len=model_context(settings.model_path, settings.max_model_len),
@@ -139,6 +133,6 @@ async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, set
 async def detokenize(body: DetokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                      caller: CallerDep) -> Any:
     """The text of token ids."""
-    check_model(body.model, settings)
+    await served.resolve(client, settings, body.model)  # an adapter's tokenizer is its model's
     reply = await ask(client, relay, TokenizeCall(kind="detokenize", tokens=body.tokens))
     return DetokenizeResponse(prompt=reply.prompt or "")

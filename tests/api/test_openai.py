@@ -28,7 +28,10 @@ def door(app_client: httpx.AsyncClient) -> openai.AsyncOpenAI:
 
 
 def test_models(oai: openai.OpenAI) -> None:
-    assert [m.id for m in oai.models.list().data] == [MODEL]
+    """The served model, then the stack's LoRA adapter (LORA_MODULES), its parent the model."""
+    listed = oai.models.list().data
+    assert [m.id for m in listed] == [MODEL, "smol-lora"]
+    assert getattr(listed[1], "parent", None) == MODEL and getattr(listed[0], "parent", "") is None
 
 
 def test_chat_streamed_equals_non_streamed(oai: openai.OpenAI) -> None:
