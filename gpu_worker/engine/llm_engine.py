@@ -71,6 +71,7 @@ class LLMEngine:
             dims = Dims.of_config(cfg.to_dict() if hasattr(cfg, "to_dict") else vars(cfg))
             self._loras = LoraManager(dims, runner.dtype, runner.device,
                                       runner.model.gemm, self.config.max_loras, self.config.max_lora_rank)
+            runner.loras = self._loras
         return self._loras
 
     def add_request(self, req: Request) -> None:

@@ -1,24 +1,28 @@
-"""LoRA adapters in the engine: their weights as the model's fused projections take them, the adapters resident in
-a worker (at most MAX_LORAS, least recently used evicted), and a step's rows grouped by adapter.
+"""LoRA adapters in the engine: their weights as the model's fused projections take them, the slots they are resident
+in (at most MAX_LORAS, least recently used evicted), and a step's rows under them.
 
 A PEFT adapter changes a projection W to W + s * B @ A (A [r, in], B [out, r], s its scaling: alpha / r, or
 alpha / sqrt(r) with rsLoRA). The model fuses q/k/v and gate/up into one matrix each (models/llama.py), so an
 adapter's parts are fused the same way: their A stacked ([r_q + r_k + r_v, in]), their B block-diagonal with the
 scaling folded in ([out_q + out_k + out_v, r_q + r_k + r_v]); a part the adapter leaves alone is a zero block.
 
-A step's rows are grouped by adapter: each adapter's rows are gathered (index_select), go through its two small
-GEMMs, and are added onto the projection's output (index_add: each row once). On these CPUs that beat gathering
-per-row adapter matrices and one bmm at every size tried (576 -> 1536 at rank 64, 32 rows: 0.28 ms against 1.76;
-BENCHMARKS.md, "LoRA"). The GEMMs are the base's own backend (gemm.py), so an adapter row's bits do not depend on
-the rows beside it (batch invariance: `test_lora.py`). Rows without an adapter are computed exactly as without
-LoRA; a step in which no row has one runs the base path alone.
+Resident adapters sit in fixed slots of one zero-padded stack per layer and projection, as vLLM's punica kernels
+hold them: MAX_LORAS slots of (parts x MAX_LORA_RANK) columns each. A step with adapter rows computes, per
+projection, every row against every slot at once (x @ A_all.T), zeroes each row's columns outside its own slot (one
+mask a step), and adds (. @ B_all.T) onto the projection's output in the same GEMM call: three calls whatever the
+number of adapters in the step. On these CPUs a GEMM call's fixed cost dominates at LoRA's shapes (~25-35 us for
+576 -> 48 at 32 rows), so grouping rows per adapter (two GEMMs, a gather and a scatter each) cost 4x this with four
+adapters (BENCHMARKS.md, "LoRA"). The GEMMs are the base's own backend (gemm.py), whose bits for a row do not depend
+on the other rows; the stacks' shapes are fixed, and a row's update reads only its own slot (the rest are exact
+zeros): an adapter row's tokens do not depend on what shares its steps, nor on its slot (`test_lora.py`). A row
+without an adapter gets an exact zero added (its bits unchanged); a step in which no row has one runs the base path
+alone.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,23 +37,17 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("g
          "down": ("down_proj",)}
 
 
-@dataclass
-class Delta:
-    """One fused projection's update: y += (x @ a.T) @ b.T, `a` and `b` as the GEMM backend prepared them."""
-    a: torch.Tensor
-    b: torch.Tensor
-
-
 class LoraAdapter:
-    """An adapter's weights, per layer one Delta per fused projection it changes (None where it changes none)."""
+    """An adapter's weights, per layer its fused (A, B) per projection it changes, in float32 as read; `slot` its
+    place in the resident stacks while it is resident."""
 
-    def __init__(self, name: str, path: str, layers: list[dict[str, Delta]], salt: int) -> None:
+    def __init__(self, name: str, path: str, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         self.name, self.path, self.layers = name, path, layers
-        self.salt = salt  # seeds its sequences' prefix-cache hashes: K/V computed under it serve only it
+        self.slot = -1
+        self.salt = hash(("lora", name, str(Path(path).resolve())))  # seeds its sequences' prefix-cache hashes
 
     @classmethod
-    def load(cls, name: str, path: str, dims: Dims, dtype: torch.dtype, device: torch.device, gemm: Gemm,
-             max_rank: int) -> LoraAdapter:
+    def load(cls, name: str, path: str, dims: Dims, max_rank: int) -> LoraAdapter:
         """Read and check a PEFT adapter directory (AdapterError saying what does not fit)."""
         info = check_adapter(path, dims, max_rank)
         try:
@@ -61,69 +59,99 @@ class LoraAdapter:
             m = KEY.match(key)
             assert m is not None  # check_adapter refused any other key
             parts.setdefault((int(m[1]), m[2]), {})[m[3]] = t.to(torch.float32)
-        layers: list[dict[str, Delta]] = []
+        layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for li in range(dims.layers):
+            fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for proj, modules in FUSED.items():
+                ranks = [info.ranks.get((li, mod), 0) for mod in modules]
+                if not any(ranks):
+                    continue
+                width, cols, a_parts, b_blocks = sum(ranks), 0, [], []
+                for mod, r in zip(modules, ranks):
+                    block = torch.zeros(dims.shapes[mod][0], width)
+                    if r:
+                        a_parts.append(parts[(li, mod)]["A"])
+                        block[:, cols : cols + r] = parts[(li, mod)]["B"] * info.scaling[(li, mod)]
+                        cols += r
+                    b_blocks.append(block)
+                fused[proj] = (torch.cat(a_parts), torch.cat(b_blocks))
+            layers.append(fused)
+        return cls(name, path, layers)
+
+
+class LoraStacks:
+    """The resident adapters' weights, per layer and projection one zero-padded stack over the slots: A_all
+    [slots * width, in] and B_all [out, slots * width] (width: the projection's parts x the largest rank), kept as
+    written (to write a slot) and as the GEMM backend prepared them."""
+
+    def __init__(self, dims: Dims, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 gemm: Gemm) -> None:
+        self.dims, self.slots, self.gemm = dims, slots, gemm
+        self.width = {proj: len(mods) * max_rank for proj, mods in FUSED.items()}
+        self.raw: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.prepared: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for _ in range(dims.layers):
+            raw = {}
+            for proj, mods in FUSED.items():
+                out_dim, in_dim = sum(dims.shapes[m][0] for m in mods), dims.shapes[mods[0]][1]
+                cols = slots * self.width[proj]
+                raw[proj] = (torch.zeros(cols, in_dim, dtype=dtype, device=device),
+                             torch.zeros(out_dim, cols, dtype=dtype, device=device))
+            self.raw.append(raw)
+            self.prepared.append({p: (gemm.prepare(a), gemm.prepare(b)) for p, (a, b) in raw.items()})
+        self.columns = {p: torch.arange(slots * w, device=device) // w for p, w in self.width.items()}  # col -> slot
+
+    def write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put the adapter's weights in `slot` (None: zeros), every layer and projection prepared again."""
         with torch.no_grad():
-            for li in range(dims.layers):
-                fused: dict[str, Delta] = {}
-                for proj, modules in FUSED.items():
-                    present = [mod for mod in modules if (li, mod) in parts]
-                    if not present:
-                        continue
-                    a_parts, b_blocks, cols = [], [], 0
-                    ranks = [info.ranks.get((li, mod), 0) for mod in modules]
-                    width = sum(ranks)
-                    for mod, r in zip(modules, ranks):
-                        out_dim = dims.shapes[mod][0]
-                        block = torch.zeros(out_dim, width)
-                        if r:
-                            a_parts.append(parts[(li, mod)]["A"])
-                            block[:, cols : cols + r] = parts[(li, mod)]["B"] * info.scaling[(li, mod)]
-                            cols += r
-                        b_blocks.append(block)
-                    a = torch.cat(a_parts).to(device=device, dtype=dtype)
-                    b = torch.cat(b_blocks).to(device=device, dtype=dtype)
-                    fused[proj] = Delta(gemm.prepare(a), gemm.prepare(b))
-                layers.append(fused)
-        return cls(name, path, layers, hash(("lora", name, str(Path(path).resolve()))))
+            for li, raw in enumerate(self.raw):
+                for proj, (a_all, b_all) in raw.items():
+                    w = self.width[proj]
+                    at = slot * w
+                    a_all[at : at + w].zero_()
+                    b_all[:, at : at + w].zero_()
+                    own = adapter.layers[li].get(proj) if adapter is not None else None
+                    if own is not None:
+                        a, b = own
+                        a_all[at : at + a.shape[0]] = a
+                        b_all[:, at : at + b.shape[1]] = b
+                    self.prepared[li][proj] = (self.gemm.prepare(a_all), self.gemm.prepare(b_all))
 
 
 class LoraBatch:
-    """A step's rows grouped by adapter: (adapter, the rows' index) per adapter with rows in the step."""
+    """A step's rows under adapters: per projection, the mask [rows, slots * width] that keeps each row's own slot's
+    columns (all zero for a row without an adapter)."""
 
-    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor]], gemm: Gemm) -> None:
-        self.groups, self.gemm = groups, gemm
+    def __init__(self, stacks: LoraStacks, masks: dict[str, torch.Tensor]) -> None:
+        self.stacks, self.masks = stacks, masks
 
     @classmethod
-    def of(cls, adapters: list[LoraAdapter | None], gemm: Gemm, device: torch.device) -> LoraBatch | None:
+    def of(cls, stacks: LoraStacks, adapters: list[LoraAdapter | None], dtype: torch.dtype,
+           device: torch.device) -> LoraBatch | None:
         """From each row's adapter (None: the base alone); None when no row has one."""
-        rows: dict[int, tuple[LoraAdapter, list[int]]] = {}
-        for i, a in enumerate(adapters):
-            if a is not None:
-                rows.setdefault(id(a), (a, []))[1].append(i)
-        if not rows:
+        if all(a is None for a in adapters):
             return None
-        return cls([(a, torch.tensor(idx, dtype=torch.long, device=device)) for a, idx in rows.values()], gemm)
+        slot = torch.tensor([a.slot if a is not None else -1 for a in adapters], device=device)
+        return cls(stacks, {p: (slot[:, None] == cols[None, :]).to(dtype) for p, cols in stacks.columns.items()})
 
-    def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[rows] += each adapter's update of projection `proj` in `layer` over x[rows], for its rows."""
-        for adapter, idx in self.groups:
-            d = adapter.layers[layer].get(proj)
-            if d is None:
-                continue
-            xa = x.index_select(0, idx)
-            y.index_add_(0, idx, self.gemm.linear(self.gemm.linear(xa, d.a), d.b))
+    def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + each row's adapter's update of projection `proj` in `layer` over its x (a new tensor)."""
+        a_all, b_all = self.stacks.prepared[layer][proj]
+        gemm = self.stacks.gemm
+        return gemm.linear_add(gemm.linear(x, a_all).mul_(self.masks[proj]), b_all, y)
 
 
 class LoraManager:
-    """The adapters resident in an engine, at most `max_loras`: one is loaded when a request names it (its files
-    read and checked), and when all are resident the least recently used one no live request holds is evicted. A
-    request whose adapter finds every resident one held waits (`LLMEngine` admits it once one frees)."""
+    """The adapters resident in an engine, at most `max_loras` (its slots): one is loaded when a request names it
+    (its files read and checked), and when every slot is taken the least recently used adapter no live request holds
+    is evicted. A request whose adapter finds every resident one held waits (`LLMEngine` admits it once one frees)."""
 
     def __init__(self, dims: Dims, dtype: torch.dtype, device: torch.device, gemm: Gemm, max_loras: int,
                  max_rank: int) -> None:
-        self.dims, self.dtype, self.device, self.gemm = dims, dtype, device, gemm
+        self.dims, self.dtype, self.device = dims, dtype, device
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.resident: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.stacks = LoraStacks(dims, max_loras, max_rank, dtype, device, gemm)
+        self.resident: OrderedDict[str, LoraAdapter] = OrderedDict()  # least recently used first
         self.held: dict[str, int] = {}  # name -> live requests holding it
         self.loads = self.evictions = 0
 
@@ -134,23 +162,31 @@ class LoraManager:
         if a is not None and a.path != path:  # unloaded and loaded again from elsewhere: the new one
             if self.held.get(name):
                 return None
-            del self.resident[name]
+            self._evict(name)
             a = None
         if a is None:
-            if len(self.resident) >= self.max_loras:
+            free = set(range(self.max_loras)) - {r.slot for r in self.resident.values()}
+            if not free:
                 victim = next((n for n in self.resident if not self.held.get(n)), None)
                 if victim is None:
                     return None
-                del self.resident[victim]
+                free = {self._evict(victim)}
                 self.evictions += 1
                 log.info("LoRA adapter %s evicted (least recently used)", victim)
-            a = LoraAdapter.load(name, path, self.dims, self.dtype, self.device, self.gemm, self.max_rank)
+            a = LoraAdapter.load(name, path, self.dims, self.max_rank)
+            a.slot = min(free)
+            self.stacks.write(a.slot, a)
             self.loads += 1
-            log.info("LoRA adapter %s loaded from %s", name, path)
+            log.info("LoRA adapter %s loaded from %s into slot %d", name, path, a.slot)
             self.resident[name] = a
         self.resident.move_to_end(name)
         self.held[name] = self.held.get(name, 0) + 1
         return a
+
+    def _evict(self, name: str) -> int:
+        a = self.resident.pop(name)
+        self.stacks.write(a.slot, None)
+        return a.slot
 
     def release(self, adapter: LoraAdapter) -> None:
         n = self.held.get(adapter.name, 0) - 1
@@ -158,3 +194,6 @@ class LoraManager:
             self.held[adapter.name] = n
         else:
             self.held.pop(adapter.name, None)
+
+    def batch(self, adapters: list[LoraAdapter | None]) -> LoraBatch | None:
+        return LoraBatch.of(self.stacks, adapters, self.dtype, self.device)

@@ -11,7 +11,7 @@ import torch
 from gpu_worker.engine.cpu_kernels import PrefillChunks
 from gpu_worker.engine.device import DTYPES, resolve_device, resolve_dtype
 from gpu_worker.engine.kv_cache import KVCache, bytes_per_token
-from gpu_worker.engine.lora import LoraBatch
+from gpu_worker.engine.lora import LoraBatch, LoraManager
 from gpu_worker.engine.models import AttentionMetadata, Llama, PrefillChunk
 from gpu_worker.engine.models.checkpoint import load_checkpoint
 from gpu_worker.engine.models.layout import CausalLM
@@ -130,6 +130,7 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self._prefill_work = torch.empty(0, dtype=torch.int32)  # the paged prefill kernel's (`_prefill_tables`)
         self.sampler = Sampler(self.eos_token_ids)
+        self.loras: LoraManager | None = None  # the engine's resident LoRA adapters, once a request names one
         # a generated position's attention is the decode kernel's however it is scheduled (decoded, or a preempted or
         # resumed sequence's output computed again in a prefill chunk), a prompt position's the prefill kernel's: the
         # two sum in other orders, and a position's K/V must not depend on how it was scheduled
@@ -183,9 +184,10 @@ class ModelRunner:
         elif chunks and self.model.batch_prefill:
             attn.prefill = self._prefill_batch(batch.chunks)
         inputs = StepInputs(ids_t, pos_t, attn, *_sampled(batch, rows, chunks))
-        if any(s.lora is not None for s in rows.seqs) or any(s.lora is not None for s, _ in batch.chunks):
+        if self.loras is not None and (any(s.lora is not None for s in rows.seqs)
+                                       or any(s.lora is not None for s, _ in batch.chunks)):
             adapters = [s.lora for s in rows.seqs] + [s.lora for s, n in batch.chunks for _ in range(n)]
-            inputs.lora = LoraBatch.of(adapters, self.model.gemm, self.device)
+            inputs.lora = self.loras.batch(adapters)
         return inputs
 
     def _logits(self, h: torch.Tensor, rows: list[int]) -> torch.Tensor:

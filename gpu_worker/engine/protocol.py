@@ -28,7 +28,7 @@ class EngineConfig:
     speculative: NgramConfig | None = None  # n-gram speculative decoding (ngram.py); None: off
     cpu_kernels: bool = True  # on CPU, the compiled kernels where they build (cpu_kernels.py)
     max_loras: int = 4  # LoRA adapters resident at once (lora.py), so at most this many in a step
-    max_lora_rank: int = 64
+    max_lora_rank: int = 16  # each resident adapter's slot is this wide (lora.py)
 
 
 class Engine(Protocol):

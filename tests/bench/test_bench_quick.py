@@ -46,6 +46,8 @@ class QuickRuns:
                 "gemm_shapes": ["engine", "gemm", "--quick"],
                 "sampler": ["engine", "sampler", "--quick"],
                 "invariance": ["engine", "invariance", "--quick", "--model", tiny],
+                "lora": ["engine", "lora", "--quick", "--model", tiny, "--dtypes", "float32",
+                         "--workdir", str(tmp / "lora")],
                 "tokenizer": ["serve", "tokenizer", "--quick"],
                 "per_token": ["engine", "per-token", "--quick", "--model", tiny],
                 "speculative": ["engine", "speculative", "--quick", "--model", tiny],
@@ -207,6 +209,12 @@ def test_sampler(runs: QuickRuns) -> None:
 def test_invariance(runs: QuickRuns) -> None:
     out = runs.out("invariance")
     assert "| bfloat16 | decode step, 4 rows, seeded top-p 0.9, ms |" in out and "| bfloat16 | prefill burst" in out
+
+
+@TORCH_GROUP
+def test_lora(runs: QuickRuns) -> None:
+    out = runs.out("lora")
+    assert "| float32 | base |" in out and "| float32 | four adapters mixed |" in out
 
 
 @TORCH_GROUP

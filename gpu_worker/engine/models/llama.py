@@ -253,7 +253,7 @@ class Llama:
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
         qkv = self.gemm.linear(x, L.qkv, L.qkv_bias)
         if lora is not None:
-            lora[0].add(lora[1], "qkv", x, qkv)
+            qkv = lora[0].apply(lora[1], "qkv", x, qkv)
         qkv = qkv.view(x.shape[0], H + 2 * KV, D)
         if self.ops is not None and L.q_norm is None:  # RoPE and the cache write in one pass
             self.ops.rope_and_cache(qkv, self.cos, self.sin_signed, positions, attn.slots, kc, vc, H)
@@ -265,11 +265,11 @@ class Llama:
             out = self._attention(q, k, v, kc, vc, attn, bias, blocks)
         h = self.gemm.linear_add(out, L.o, h) if L.o_bias is None else h + self.gemm.linear(out, L.o, L.o_bias)
         if lora is not None:  # an adapter row: (h + o(out)) + its update, the same bits whatever shares the step
-            lora[0].add(lora[1], "o", out, h)
+            h = lora[0].apply(lora[1], "o", out, h)
         x = self._norm(h, L.ln2, L.eps)
         gate_up = self.gemm.linear(x, L.gate_up)
         if lora is not None:
-            lora[0].add(lora[1], "gate_up", x, gate_up)
+            gate_up = lora[0].apply(lora[1], "gate_up", x, gate_up)
         if self.ops is not None and L.silu:
             act = self.ops.silu_mul(gate_up)
         else:
@@ -277,7 +277,7 @@ class Llama:
             act = L.act(gate) * up
         h = self.gemm.linear_add(act, L.down, h)
         if lora is not None:
-            lora[0].add(lora[1], "down", act, h)
+            h = lora[0].apply(lora[1], "down", act, h)
         return h
 
     def _qkv(self, L: _Layer, qkv: torch.Tensor, cos: torch.Tensor,

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from gpu_worker.engine import EngineConfig, LLMEngine
-from gpu_worker.engine.lora import LoraBatch
 from harness.models import make_lora_adapter
 from shared.lora import AdapterError, Dims, check_adapter, parse_modules
 from shared.schemas import Request
@@ -70,7 +69,7 @@ def reference(tiny_model_dir: str, adapters: dict[str, str]) -> Reference:
 
 @pytest.fixture
 def engine(tiny_model_dir: str) -> Iterator[LLMEngine]:
-    yield LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=32, max_loras=4))
+    yield LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=32, max_loras=4, max_lora_rank=64))
 
 
 def test_each_adapter_alone_equals_peft(engine: LLMEngine, adapters: dict[str, str],
@@ -99,7 +98,8 @@ def test_a_rows_tokens_do_not_depend_on_the_rows_beside_it(tiny_model_dir: str, 
     base, prefilled in other chunks (batch invariance, in the default dtype too)."""
     if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bfloat16 instructions")
-    config = EngineConfig(model=tiny_model_dir, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=64)
+    config = EngineConfig(model=tiny_model_dir, dtype=dtype, max_num_seqs=32, max_num_batched_tokens=64,
+                          max_lora_rank=64)
 
     def sampled(rid: str, name: str | None, prompt: list[int]) -> Request:
         req = on(name, adapters, rid, prompt, 16, seed=7)
@@ -133,7 +133,8 @@ def drain(engine: LLMEngine) -> dict[str, list[int]]:
 
 def test_at_most_max_loras_resident_and_a_request_waits_for_a_slot(tiny_model_dir: str, adapters: dict[str, str],
                                                                    reference: Reference) -> None:
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=32, max_loras=1))
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=32, max_loras=1,
+                                    max_lora_rank=64))
     for r in (on("all", adapters, "a", PROMPTS[0]), on("attn", adapters, "b", PROMPTS[1]),
               on(None, adapters, "c", PROMPTS[2])):
         engine.add_request(r)
@@ -202,19 +203,34 @@ def test_lora_modules_take_vllms_forms() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_adapter_rows_update_has_the_same_bits_at_every_row_count(tiny_model_dir: str, adapters: dict[str, str],
-                                                                     dtype: torch.dtype) -> None:
-    """The grouped update's GEMMs (the base's own backend) give a row the same bits whatever rows share its group."""
+def test_an_adapter_rows_update_has_the_same_bits_whatever_its_slot_and_the_rows_beside_it(
+        tiny_model_dir: str, adapters: dict[str, str], dtype: torch.dtype) -> None:
+    """A row's update reads only its own slot of the stacks: the same bits at every row count, beside rows of other
+    adapters and of none, in any slot."""
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bfloat16 instructions")
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=str(dtype).split(".")[1], max_num_seqs=4))
-    adapter = engine.loras.acquire("all", adapters["all"])
-    assert adapter is not None
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype=str(dtype).split(".")[1], max_num_seqs=4,
+                                    max_loras=4, max_lora_rank=64))
+    loras = engine.loras
     torch.manual_seed(0)
-    x = torch.randn(40, 128, dtype=dtype)
+    x, y0 = torch.randn(40, 128, dtype=dtype), torch.randn(40, 64, dtype=dtype)
     want = None
-    for rows in (1, 2, 3, 8, 17, 40):
-        y = torch.zeros(rows, 64, dtype=dtype)
-        LoraBatch.of([adapter] * rows, engine.runner.model.gemm, torch.device("cpu")).add(0, "down", x[:rows], y)
-        want = y[0].clone() if want is None else want
-        assert torch.equal(y[0], want), rows
+    for slot in (0, 3):
+        for name in list(loras.resident):
+            loras._evict(name)
+        if slot:  # the others first, so that "all" lands in the last slot
+            for other in ("attn", "mlp", "spare"):
+                loras.release(loras.acquire(other, adapters.get(other, adapters["attn"])))  # type: ignore[arg-type]
+        adapter = loras.acquire("all", adapters["all"])
+        assert adapter is not None and adapter.slot == slot
+        others = [a for a in loras.resident.values() if a is not adapter]
+        for rows in (1, 2, 3, 8, 17, 40):
+            beside = [others[k % len(others)] if others and k % 3 else None for k in range(rows - 1)]
+            batch = loras.batch([adapter, *beside])
+            assert batch is not None
+            y = batch.apply(0, "down", x[:rows], y0[:rows])
+            want = y[0].clone() if want is None else want
+            assert torch.equal(y[0], want), (slot, rows)
+            if rows > 1:
+                assert beside[0] is None and torch.equal(y[1], y0[1])  # a row without an adapter: unchanged
+        loras.release(adapter)
