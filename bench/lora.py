@@ -6,7 +6,7 @@ machine's drift hits every mode alike.
     .venv/bin/python -m bench engine lora --quick            # seconds: a tiny random model
 
 The adapters are PEFT's (harness/models.py `make_lora_adapter`: every attention and MLP projection at --rank), made
-under --workdir. Per dtype and mode: the median step time over --steps steps at --rows running sequences of
+under --workdir; MAX_LORA_RANK is --rank (each slot that wide) and MAX_LORAS 4. Per dtype and mode: the median step time over --steps steps at --rows running sequences of
 --prompt-len tokens (greedy), and output tok/s as a ratio to the base's in the same run. The modes take turns step by
 step (a sequence's adapter is set for the step: a step's cost does not depend on what its K/V holds).
 """
@@ -22,11 +22,13 @@ from bench.common import chosen_model, parser
 MODES = ("base", "one adapter", "four adapters mixed")
 
 
-def step_times(model: str, dtype: str, rows: int, steps: int, prompt_len: int, paths: list[str]) -> dict[str, float]:
+def step_times(model: str, dtype: str, rows: int, steps: int, prompt_len: int, paths: list[str],
+               rank: int) -> dict[str, float]:
     from gpu_worker.engine import EngineConfig, LLMEngine
     from shared.schemas import Request
 
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(64, rows), max_loras=len(paths)))
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, max_num_seqs=max(64, rows), max_loras=len(paths),
+                                    max_lora_rank=rank))
     adapters = [engine.loras.acquire(f"a{i}", p) for i, p in enumerate(paths)]
     for i in range(rows):
         prompt = [100 + (i * 7 + j) % 3000 for j in range(prompt_len)]
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} steps a mode, interleaved; medians)")
     print("|---|---|---:|---:|---:|")
     for dtype in args.dtypes.split(","):
-        ms = step_times(model, dtype, args.rows, args.steps, args.prompt_len, paths)
+        ms = step_times(model, dtype, args.rows, args.steps, args.prompt_len, paths, args.rank)
         for mode in MODES:
             print(f"| {dtype} | {mode} | {ms[mode]:.1f} | {args.rows / ms[mode] * 1e3:.0f} "
                   f"| {ms['base'] / ms[mode]:.2f}x |", flush=True)
