@@ -45,7 +45,7 @@ class LineError(Exception):
         self.code, self.message = code, message
 
 
-def parse_line(raw: str, endpoint: str, settings: Settings) -> dict[str, Any]:
+def parse_line(raw: str, endpoint: str, settings: Settings, tenant: Tenant | None = None) -> dict[str, Any]:
     """A line's custom_id and what its job runs; LineError when it is not a valid request for the endpoint."""
     try:
         obj = orjson.loads(raw)
@@ -77,7 +77,7 @@ def parse_line(raw: str, endpoint: str, settings: Settings) -> dict[str, Any]:
             gen = gens[0]
             out["logprobs"] = oai.logprobs is not None and oai.logprobs is not False
         gen = check_request(gen, settings)
-        gen.model = resolve_static(settings, body.get("model"))
+        gen.model = resolve_static(settings, body.get("model"), tenant)
     except ApiError as exc:
         raise LineError("invalid_request", exc.message) from None
     except ValidationError as exc:
@@ -130,7 +130,8 @@ class Batches:
             await self._open(tenant, batch_id, ttl)
         pipe = self.r.pipeline(transaction=False)
         try:
-            good, total = await self._check_lines(meta, endpoint, pipe, lines_key, err_key, _max_lines(tenant))
+            good, total = await self._check_lines(meta, endpoint, pipe, lines_key, err_key, _max_lines(tenant),
+                                                  tenant)
         except BaseException:
             await self.r.delete(lines_key, err_key)  # nothing of a refused batch stays behind
             await self.r.zrem(names.batches_open(owner), batch_id)
@@ -173,7 +174,7 @@ class Batches:
                            "one to end, or cancel one", 60_000)
 
     async def _check_lines(self, meta: dict[str, Any], endpoint: str, pipe: Any, lines_key: str,
-                           err_key: str, max_lines: tuple[int, str]) -> tuple[int, int]:
+                           err_key: str, max_lines: tuple[int, str], tenant: Tenant | None) -> tuple[int, int]:
         """Check each line of the input file: good ones to `lines` (dense indexes), bad ones to `err`."""
         seen: set[str] = set()
         good, total = 0, 0
@@ -186,7 +187,7 @@ class Batches:
                 raise ApiError(400, f"a batch holds at most {limit} lines ({whose})", param="input_file_id",
                                code="too_many_lines")
             try:
-                line = parse_line(raw, endpoint, self.settings)
+                line = parse_line(raw, endpoint, self.settings, tenant)
                 if line["custom_id"] in seen:
                     raise LineError("duplicate_custom_id", f"custom_id {line['custom_id']!r} appears twice")
                 seen.add(line["custom_id"])

@@ -13,6 +13,7 @@ from shared import names
 from shared.lora import AdapterError, Dims, LoraModule, check_adapter, check_name
 from shared.model_config import model_context
 from shared.settings import Settings
+from shared.tenants import Tenant
 
 
 def not_found(requested: str, settings: Settings) -> ApiError:
@@ -20,22 +21,35 @@ def not_found(requested: str, settings: Settings) -> ApiError:
                          "and the adapters /v1/models lists", type_="model_not_found", param="model")
 
 
-async def resolve(redis: aredis.Redis, settings: Settings, requested: str | None) -> str | None:
-    """The adapter `requested` names (None: the served model); 404 model_not_found for a name not served."""
-    if not requested or requested == settings.served_model_name:
+def _allowed(settings: Settings, requested: str | None, tenant: Tenant | None) -> str:
+    """The name asked for (the served model's when none), 404 when the caller's key may not name it
+    (`conveyor keys create --models`): to that key, a model it may not use does not exist."""
+    name = requested or settings.served_model_name
+    if tenant is not None and not tenant.may_use(name):
+        raise not_found(name, settings)
+    return name
+
+
+async def resolve(redis: aredis.Redis, settings: Settings, requested: str | None,
+                  tenant: Tenant | None = None) -> str | None:
+    """The adapter `requested` names (None: the served model); 404 model_not_found for a name not served, or
+    not to the caller's key."""
+    name = _allowed(settings, requested, tenant)
+    if name == settings.served_model_name:
         return None
-    if requested in settings.loras or await redis.hexists(names.LORAS, requested):
-        return requested
-    raise not_found(requested, settings)
+    if name in settings.loras or await redis.hexists(names.LORAS, name):
+        return name
+    raise not_found(name, settings)
 
 
-def resolve_static(settings: Settings, requested: str | None) -> str | None:
+def resolve_static(settings: Settings, requested: str | None, tenant: Tenant | None = None) -> str | None:
     """`resolve` for the adapters of LORA_MODULES alone (a batch line, checked at upload)."""
-    if not requested or requested == settings.served_model_name:
+    name = _allowed(settings, requested, tenant)
+    if name == settings.served_model_name:
         return None
-    if requested in settings.loras:
-        return requested
-    raise not_found(requested, settings)
+    if name in settings.loras:
+        return name
+    raise not_found(name, settings)
 
 
 async def adapters(redis: aredis.Redis, settings: Settings) -> list[LoraModule]:
@@ -45,16 +59,16 @@ async def adapters(redis: aredis.Redis, settings: Settings) -> list[LoraModule]:
                                               key=lambda m: m.name)]
 
 
-async def listing(redis: aredis.Redis, settings: Settings) -> list[dict[str, Any]]:
+async def listing(redis: aredis.Redis, settings: Settings, tenant: Tenant | None = None) -> list[dict[str, Any]]:
     """/v1/models' entries as vLLM shapes them: the served model (root: itself), then each adapter (root: its
-    directory, parent: the served model)."""
+    directory, parent: the served model); only those the caller's key may name."""
     base, context = settings.served_model_name, model_context(settings.model_path, settings.max_model_len)
     out = [{"id": base, "object": "model", "created": 0, "owned_by": "conveyor", "root": base, "parent": None,
             "max_model_len": context}]
     for m in await adapters(redis, settings):
         out.append({"id": m.name, "object": "model", "created": 0, "owned_by": "conveyor", "root": m.path,
                     "parent": base, "max_model_len": context})
-    return out
+    return [m for m in out if tenant is None or tenant.may_use(m["id"])]
 
 
 async def load(redis: aredis.Redis, settings: Settings, name: str, path: str) -> None:

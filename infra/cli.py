@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
                        ("--max-open-batches", "batches not yet ended (default 16)"),
                        ("--max-batch-lines", "lines in one batch (default 50000)")):
         kc.add_argument(flag, type=int, default=None, help=f"{what}; 0: no limit")
+    kc.add_argument("--models", default="", help="the models and LoRA adapters its key may name, comma-separated "
+                    "(default: every one served; any other answers 404 for this key)")
     kc.add_argument("--weight", type=float, default=1.0,
                     help="its share of service while other tenants also wait (0.01-100; default 1): weight 2 is "
                          "served twice the tokens of weight 1")
@@ -155,6 +157,7 @@ def _keys(args: argparse.Namespace, settings: Settings) -> int:
     try:
         if args.keys_cmd == "create":
             key, secret = tenants.create(client, args.name, weight=args.weight,
+                                         models=tenants.split_models(args.models),
                                          **{k: getattr(args, k) for k in tenants.LIMITS})
             print(f"tenant {args.name} created; its webhooks are signed with this secret:")
             print(secret)
@@ -168,7 +171,8 @@ def _keys(args: argparse.Namespace, settings: Settings) -> int:
                 print(f"{t['name']:24} {t['weight']:>6g} {t['rpm']:>8} {t['tpm']:>10} {t['max_queued']:>7} "
                       f"{t['max_streams']:>8} {t['batch_tpm']:>10} {t['max_file_bytes']:>12} "
                       f"{t['max_open_batches']:>7} {t['max_batch_lines']:>7} {t['active_jobs']:>7}  "
-                      f"{'revoked' if t['disabled'] else 'active'}")
+                      f"{'revoked' if t['disabled'] else 'active'}"
+                      + (f"  models: {','.join(t['models'])}" if t["models"] else ""))
         elif args.keys_cmd == "revoke":
             tenants.revoke(client, args.name)
             print(f"tenant {args.name} revoked")

@@ -57,21 +57,32 @@ class Tenant:
     max_batch_lines: int  # lines in one batch
     disabled: bool
     weight: float = 1.0  # its share of service against other backlogged tenants (shared/fair_queue.py)
+    models: tuple[str, ...] = ()  # the models and adapters its key may name (empty: every one served)
 
     @classmethod
     def from_record(cls, name: str, rec: dict[str, str]) -> Tenant:
         return cls(name, **{k: int(rec.get(k) or 0) for k in LIMITS}, disabled=rec.get("disabled") == "1",
-                   weight=float(rec.get("weight") or 1))
+                   weight=float(rec.get("weight") or 1), models=split_models(rec.get("models") or ""))
+
+    def may_use(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+def split_models(value: str) -> tuple[str, ...]:
+    """A `--models a,b` value (or a record's): the names, in order, each once."""
+    return tuple(dict.fromkeys(m.strip() for m in value.split(",") if m.strip()))
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def create(client: redis.Redis, name: str, weight: float = 1.0, **limits: int | None) -> tuple[str, str]:
+def create(client: redis.Redis, name: str, weight: float = 1.0, models: tuple[str, ...] = (),
+           **limits: int | None) -> tuple[str, str]:
     """Make a tenant with a new key. Returns (key, webhook secret); neither is stored in clear. `weight`:
     its fair share against other backlogged tenants (WEIGHT_MIN..WEIGHT_MAX; a tenant of weight 2 is
-    served twice the tokens of one of weight 1 while both wait). The functions here take a client that
+    served twice the tokens of one of weight 1 while both wait). `models`: the models and LoRA adapters its
+    key may name (empty: all; any other answers 404 for it). The functions here take a client that
     decodes responses (`decode_responses=True`)."""
     if not NAME_RE.fullmatch(name):
         raise TenantError("a name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
@@ -94,7 +105,7 @@ def create(client: redis.Redis, name: str, weight: float = 1.0, **limits: int | 
     pipe.delete(names.tenant_bucket_key(name, "batch_tokens"))
     pipe.hset(names.tenant_key(name), mapping={"key_sha256": digest, "created_at": repr(time.time()),
                                                "disabled": "0", "webhook_secret": secret, "weight": repr(weight),
-                                               **{k: int(values[k]) for k in LIMITS}})
+                                               "models": ",".join(models), **{k: int(values[k]) for k in LIMITS}})
     pipe.execute()
     pipe = client.pipeline(transaction=False)
     if old:
@@ -120,6 +131,6 @@ def list_all(client: redis.Redis) -> list[dict[str, Any]]:
         if rec:
             out.append({"name": name, "created_at": float(rec.get("created_at") or 0),
                         "disabled": rec.get("disabled") == "1", **{k: int(rec.get(k) or 0) for k in LIMITS},
-                        "weight": float(rec.get("weight") or 1),
+                        "weight": float(rec.get("weight") or 1), "models": list(split_models(rec.get("models") or "")),
                         "active_jobs": int(client.get(names.tenant_active_key(name)) or 0)})
     return out

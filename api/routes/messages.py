@@ -67,7 +67,7 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
                          settings: SettingsDep, caller: CallerDep, throughput: ThroughputDep) -> Any:
     """Anthropic's Messages API, streaming or not."""
     client = request.app.state.redis
-    adapter = await served.resolve(client, settings, body.model)
+    adapter = await served.resolve(client, settings, body.model, caller.tenant)
     req = check_request(body.to_generation(), settings)
     req.model = adapter
     slot = uuid.uuid4().hex
@@ -101,7 +101,7 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
 async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                        caller: CallerDep) -> dict[str, int]:
     """The prompt's tokens as a Messages request with this body would count them (the chat template's)."""
-    await served.resolve(client, settings, body.model)
+    await served.resolve(client, settings, body.model, caller.tenant)
     body.refuse_unsupported()
     call = TokenizeCall(kind="tokenize", messages=body.chat(), tools=body.prompt_tools(), add_special_tokens=False,
                         add_generation_prompt=True)

@@ -48,13 +48,13 @@ def _failure(job: Job) -> ApiError:
 async def models(request: Request, settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     """The served model, then its LoRA adapters (`parent`: the model), each with its `max_model_len`, as vLLM
     lists them."""
-    return {"object": "list", "data": await served.listing(request.app.state.redis, settings)}
+    return {"object": "list", "data": await served.listing(request.app.state.redis, settings, caller.tenant)}
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
                  relay: Relay, settings: Settings, caller: Caller, throughput: Throughput, chat: bool) -> Any:
     """Both endpoints: a job per choice per prompt, streamed as chunks or awaited; only the shapes differ."""
-    adapter = await served.resolve(request.app.state.redis, settings, body.model)
+    adapter = await served.resolve(request.app.state.redis, settings, body.model, caller.tenant)
     prompts = [check_request(g, settings) for g in body.to_generation()]
     for p in prompts:
         p.model = adapter

@@ -77,7 +77,7 @@ async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) 
 async def create(body: ResponseRequest, request: Request, store: StoreDep, relay: RelayDep, settings: SettingsDep,
                  caller: CallerDep, throughput: ThroughputDep, redis: RedisDep) -> Any:
     """Create a response: answered when done, streamed (`stream`), or at once with status `queued` (`background`)."""
-    adapter = await served.resolve(redis, settings, body.model)
+    adapter = await served.resolve(redis, settings, body.model, caller.tenant)
     body.check()
     conversation = await _conversation(store, body, caller)
     gen = check_request(body.generation(conversation), settings)

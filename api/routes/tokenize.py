@@ -122,7 +122,7 @@ class DetokenizeResponse(BaseModel):
 async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                    caller: CallerDep) -> Any:
     """The prompt's or the chat's token ids, as the model's tokenizer gives them."""
-    await served.resolve(client, settings, body.model)  # an adapter's tokenizer is its model's
+    await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer is its model's
     reply = await ask(client, relay, body.call())
     tokens = reply.tokens or []
     return TokenizeResponse(count=len(tokens), max_model_len=model_context(settings.model_path, settings.max_model_len),
@@ -133,6 +133,6 @@ async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, set
 async def detokenize(body: DetokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                      caller: CallerDep) -> Any:
     """The text of token ids."""
-    await served.resolve(client, settings, body.model)  # an adapter's tokenizer is its model's
+    await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer is its model's
     reply = await ask(client, relay, TokenizeCall(kind="detokenize", tokens=body.tokens))
     return DetokenizeResponse(prompt=reply.prompt or "")

@@ -25,7 +25,7 @@ from api.store import partition_cap
 from infra.redis_server import free_port
 from shared import names, tenants
 from shared.settings import Settings
-from tests.conftest import ROOT, Stack, start_stack, stop_stack
+from tests.conftest import ROOT, Stack, lora_env, start_stack, stop_stack
 from tests.helpers import conveyor, iter_sse
 
 DB = 10
@@ -210,16 +210,42 @@ def test_up_refuses_a_public_host_without_auth(tmp_path: Path) -> None:
 # --- a whole stack with auth required ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def auth_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_dir: str) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+def auth_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_model_dir: str,  # type: ignore[no-untyped-def]
+               tiny_loras: dict[str, str]) -> Iterator[Stack]:
     url = _url(redis_server, 9)
     redis.Redis.from_url(url).flushdb()
     internal = free_port()
     s = start_stack(tmp_path_factory.mktemp("auth-stack"), url, tiny_model_dir,
                     extra={"AUTH": "required", "INTERNAL_PORT": str(internal), "MAX_TOKENS_CAP": "64",
-                           "DEFAULT_MAX_TOKENS": "16"})
+                           "DEFAULT_MAX_TOKENS": "16", **lora_env(tiny_loras, ["tiny-all"])})
     s.internal_url = f"http://127.0.0.1:{internal}"  # type: ignore[attr-defined]
     yield s
     stop_stack(s)
+
+
+def test_a_key_limited_to_some_models_finds_no_other(auth_stack: Stack, tiny_loras: dict[str, str]) -> None:
+    """`conveyor keys create --models`: the key sees and may name only its models (any other: 404, as a model that
+    does not exist); the run-time LoRA endpoints answer on the internal port only."""
+    r = auth_stack.redis()
+    narrow, _ = tenants.create(r, "narrow", models=("tiny-all",))
+    wide, _ = tenants.create(r, "wide")
+    base = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=wide, max_retries=0).models.list().data[0].id
+    for key, sees in ((narrow, ["tiny-all"]), (wide, [base, "tiny-all"])):
+        oai = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=key, max_retries=0)
+        assert [m.id for m in oai.models.list().data] == sees
+        assert oai.completions.create(model="tiny-all", prompt="Hi", max_tokens=2).model == "tiny-all"
+    oai = openai.OpenAI(base_url=auth_stack.url + "/v1", api_key=narrow, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.completions.create(model=base, prompt="Hi", max_tokens=2)
+    h = {"Authorization": f"Bearer {narrow}"}
+    job = httpx.post(f"{auth_stack.url}/v1/jobs", json={"prompt": "Hi", "max_tokens": 2}, headers=h)
+    assert job.status_code == 404 and job.json()["error"]["type"] == "model_not_found"
+    body = {"lora_name": "late", "lora_path": tiny_loras["tiny-late"]}
+    assert httpx.post(f"{auth_stack.url}/v1/load_lora_adapter", json=body, headers=h).status_code == 404
+    internal = auth_stack.internal_url  # type: ignore[attr-defined]
+    assert httpx.post(f"{internal}/v1/load_lora_adapter", json=body).status_code == 200
+    assert httpx.post(f"{internal}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    assert [t["models"] for t in tenants.list_all(r) if t["name"] in ("narrow", "wide")] == [["tiny-all"], []]
 
 
 def test_openai_sdk_with_a_real_key_and_ownership_of_its_ids(auth_stack: Stack) -> None:
