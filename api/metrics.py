@@ -64,6 +64,18 @@ class SystemCollector:
             kept.add_metric([str(w.pid)], w.accepted_tokens)
         yield drafts
         yield kept
+        resident = GaugeMetricFamily("conveyor:lora_adapters_resident", "LoRA adapters resident (MAX_LORAS at most)",
+                                     labels=["worker"])
+        loads = CounterMetricFamily("conveyor:lora_loads", "LoRA adapters read from their files", labels=["worker"])
+        evictions = CounterMetricFamily("conveyor:lora_evictions", "LoRA adapters evicted (least recently used) to "
+                                        "make room", labels=["worker"])
+        for w in inf:
+            resident.add_metric([str(w.pid)], w.lora_resident)
+            loads.add_metric([str(w.pid)], w.lora_loads)
+            evictions.add_metric([str(w.pid)], w.lora_evictions)
+        yield resident
+        yield loads
+        yield evictions
         live = GaugeMetricFamily("conveyor:workers_live", "Workers with a fresh heartbeat", labels=["pool"])
         for pool in names.POOLS:
             live.add_metric([pool], len(snap.workers[pool]))

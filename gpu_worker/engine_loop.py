@@ -154,6 +154,7 @@ class EngineLoop:
         self.stats.kv_cache_usage = round(self.engine.kv_usage(), 4)
         self.stats.preemptions, self.stats.fair_preemptions, self.stats.priority_preemptions = self.engine.preemptions()
         self.stats.draft_tokens, self.stats.accepted_tokens = self.engine.speculation()
+        self.stats.lora_resident, self.stats.lora_loads, self.stats.lora_evictions = self.engine.lora_counts()
         for job_id, t in list(self.early_aborts.items()):
             if now - t > EARLY_ABORT_TTL_S:
                 del self.early_aborts[job_id]

@@ -22,6 +22,10 @@ class WorkerStats:
     # speculative decoding since the worker started: draft tokens computed, and of those kept
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    # LoRA adapters resident now, and loaded and evicted since the worker started
+    lora_resident: int = 0
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

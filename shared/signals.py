@@ -80,6 +80,9 @@ class WorkerBeat:
     priority_preemptions: int = 0
     draft_tokens: int = 0  # since the worker started: speculative draft tokens computed, and of those kept
     accepted_tokens: int = 0
+    lora_resident: int = 0  # LoRA adapters resident now; loaded and evicted since the worker started
+    lora_loads: int = 0
+    lora_evictions: int = 0
 
     @property
     def held(self) -> int:
@@ -145,7 +148,9 @@ def parse_beat(pool: str, worker_id: str, body: bytes | str | None) -> WorkerBea
                       fair_preemptions=int(_number(data, "fair_preemptions")),
                       priority_preemptions=int(_number(data, "priority_preemptions")),
                       draft_tokens=int(_number(data, "draft_tokens")),
-                      accepted_tokens=int(_number(data, "accepted_tokens")))
+                      accepted_tokens=int(_number(data, "accepted_tokens")),
+                      lora_resident=int(_number(data, "lora_resident")), lora_loads=int(_number(data, "lora_loads")),
+                      lora_evictions=int(_number(data, "lora_evictions")))
 
 
 def parse_group(groups: list[dict[str, Any]] | Exception, length: int, group: str) -> GroupLag | Uncounted:

@@ -191,6 +191,10 @@ class LLMEngine:
     def speculation(self) -> tuple[int, int]:
         return self.num_draft_tokens, self.num_accepted_tokens
 
+    def lora_counts(self) -> tuple[int, int, int]:
+        m = self._loras
+        return (len(m.resident), m.loads, m.evictions) if m is not None else (0, 0, 0)
+
     def step(self) -> list[StepOutput]:
         if self.lora_waiting:
             self._admit_lora_waiting()

@@ -57,5 +57,8 @@ class Engine(Protocol):
     def speculation(self) -> tuple[int, int]:
         """Speculative draft tokens computed so far, and of those kept (SPECULATIVE=ngram)."""
 
+    def lora_counts(self) -> tuple[int, int, int]:
+        """LoRA adapters resident now, and loaded and evicted so far."""
+
     def step(self) -> list[StepOutput]:
         """Run one step; return every request's new tokens and ends."""

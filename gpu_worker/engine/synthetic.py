@@ -56,6 +56,9 @@ class SyntheticEngine:
     def speculation(self) -> tuple[int, int]:
         return 0, 0
 
+    def lora_counts(self) -> tuple[int, int, int]:
+        return 0, 0, 0
+
     def step(self) -> list[StepOutput]:
         outs, self._pending = self._pending, []
         while self.waiting and self.num_running < self.max_num_seqs:

@@ -13,6 +13,7 @@ NAMES = [
     "conveyor:e2e_request_latency_seconds", "conveyor:prompt_tokens", "conveyor:generation_tokens",
     "conveyor:stream_lag", "conveyor:stream_pending", "conveyor:workers_live", "conveyor:num_preemptions",
     "conveyor:spec_decode_num_draft_tokens", "conveyor:spec_decode_num_accepted_tokens",
+    "conveyor:lora_adapters_resident", "conveyor:lora_loads", "conveyor:lora_evictions",
 ]
 
 
