@@ -131,6 +131,7 @@ def list_all(client: redis.Redis) -> list[dict[str, Any]]:
         if rec:
             out.append({"name": name, "created_at": float(rec.get("created_at") or 0),
                         "disabled": rec.get("disabled") == "1", **{k: int(rec.get(k) or 0) for k in LIMITS},
-                        "weight": float(rec.get("weight") or 1), "models": list(split_models(rec.get("models") or "")),
+                        "weight": float(rec.get("weight") or 1),
+                        "models": list(split_models(text(rec.get("models") or ""))),
                         "active_jobs": int(client.get(names.tenant_active_key(name)) or 0)})
     return out
