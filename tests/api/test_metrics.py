@@ -31,10 +31,12 @@ def test_metrics_after_a_few_jobs(plumbing_stack) -> None:  # type: ignore[no-un
         def grown(name: str) -> float:
             return samples.get((name, ()), 0.0) - before.get((name, ()), 0.0)
 
-        def flushed() -> bool:  # workers flush their observations every second
-            nonlocal samples
+        def flushed() -> bool:  # workers flush their observations every second; an earlier test's late ones too,
+            nonlocal samples  # so every figure asserted below is waited for, not one that others could make up
             samples = _samples(c.get("/metrics").text)
-            return grown("conveyor:inter_token_latency_seconds_count") >= 3 * 7
+            return (grown("conveyor:inter_token_latency_seconds_count") >= 3 * 7
+                    and grown("conveyor:generation_tokens_total") >= 24
+                    and grown("conveyor:e2e_request_latency_seconds_count") >= 3)
         samples = before
         until("the workers' observations of the three jobs on /metrics", flushed, timeout=30)
         text = c.get("/metrics").text
