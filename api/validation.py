@@ -90,8 +90,8 @@ def _document_openai(comps: dict[str, Any], settings: Settings) -> None:
         if not model:
             continue
         props = model["properties"]
-        props["model"] = {"anyOf": [{"type": "string", "enum": [settings.served_model_name]}, {"type": "null"}],
-                          "title": "Model"}
+        served = [settings.served_model_name, *settings.loras]  # (and adapters loaded at run time: /v1/models)
+        props["model"] = {"anyOf": [{"type": "string", "enum": served}, {"type": "null"}], "title": "Model"}
         for field, only in _ONLY.items():
             if field in props:
                 props[field] = {"title": props[field].get("title", field), **only}
