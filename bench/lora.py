@@ -6,8 +6,9 @@ machine's drift hits every mode alike.
     .venv/bin/python -m bench engine lora --quick            # seconds: a tiny random model
 
 The adapters are PEFT's (harness/models.py `make_lora_adapter`: every attention and MLP projection at --rank), made
-under --workdir; MAX_LORA_RANK is --rank (each slot that wide) and MAX_LORAS 4. Per dtype and mode: the median step time over --steps steps at --rows running sequences of
---prompt-len tokens (greedy), and output tok/s as a ratio to the base's in the same run. The modes take turns step by
+under --workdir; MAX_LORA_RANK is --rank (each slot that wide) and MAX_LORAS 4. Per dtype and mode: the median step
+time over --steps steps at --rows running sequences of --prompt-len tokens (greedy), and output tok/s as a ratio to the
+base's in the same run. The modes take turns step by
 step (a sequence's adapter is set for the step: a step's cost does not depend on what its K/V holds).
 """
 

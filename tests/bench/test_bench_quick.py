@@ -58,6 +58,8 @@ class QuickRuns:
             "cpu_per_token": py + ["bench", "vllm", "serving", "--quick", "--model", tiny, "--json",
                                    str(tmp / "cpt.json")],
             "serve": py + ["bench", "serve", "load", "--quick", "--model", tiny, "--json", str(tmp / "serve.json")],
+            "vllm_lora": py + ["bench", "vllm", "lora", "--quick", "--model", tiny, "--workdir",
+                               str(tmp / "vllm-lora")],
             "chaos": py + ["bench", "faults", "chaos", "--quick", "--workdir", str(tmp / "chaos")],
             "gpu_check": ["bash", "bench/gpu_check.sh", "--smoke"],
             "plumbing": py + ["bench", "serve", "plumbing", "--quick", "--json", str(tmp / "plumbing.json")],
@@ -209,6 +211,11 @@ def test_sampler(runs: QuickRuns) -> None:
 def test_invariance(runs: QuickRuns) -> None:
     out = runs.out("invariance")
     assert "| bfloat16 | decode step, 4 rows, seeded top-p 0.9, ms |" in out and "| bfloat16 | prefill burst" in out
+
+
+def test_vllm_lora(runs: QuickRuns) -> None:
+    out = runs.out("vllm_lora")
+    assert "| conveyor |" in out and "four / none" in out
 
 
 @TORCH_GROUP
