@@ -52,7 +52,8 @@ BENCHMARKS: dict[str, dict[str, tuple[str, str]]] = {
     "soak": {"soak": ("bench.soak", "memory of every process over many jobs")},
     "fairness": {"fairness": ("bench.fairness", "a light tenant's TTFT under a heavy tenant's flood")},
     "batch": {"batch": ("bench.batch", "the Batch API against the same requests sent interactively")},
-    "cold-start": {"cold-start": ("bench.cold_start", "a new inference worker's time to serve, and where it goes")},
+    "cold-start": {"cold-start": ("bench.cold_start", "a new inference worker's time to serve, and where it goes"),
+                   "from-zero": ("bench.from_zero", "time to first token at a pool scaled to zero, against warm")},
 }
 
 

@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> None:
 
     up = sub.add_parser("up", help="start Redis (unless REDIS_URL is set), the API and the worker pools")
     up.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes at start")
-    up.add_argument("--inference", type=int, default=1, help="inference processes at start")
+    up.add_argument("--inference", type=int, default=None,
+                    help="inference processes at start, and while idle (default INFERENCE_MIN, 1); 0: the pool "
+                         "scales to zero when idle and back when a job waits")
     up.add_argument("--no-autoscale", action="store_true", help="keep the pools at their start size")
     up.add_argument("--celery", type=int, default=1, choices=(0, 1),
                     help="run a Celery worker with beat for after-job work and upkeep (0: none)")
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         if not settings.auth_required and not is_loopback(settings.host) and not settings.allow_insecure:
             sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
                      "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
-        sys.exit(run_supervisor(settings, args.tokenizers, args.inference, autoscale=not args.no_autoscale,
+        inference = settings.inference_min if args.inference is None else args.inference
+        sys.exit(run_supervisor(settings, args.tokenizers, inference, autoscale=not args.no_autoscale,
                                 celery=bool(args.celery), redis_cluster=args.redis_cluster,
                                 traces_port=args.traces_port if args.traces else 0))
     elif args.cmd == "api":

@@ -213,6 +213,7 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
                            phoenix.phoenix_env(traces_port, workdir), 1, grace_s=10, keep_fds=keep))
         env.update(phoenix.otel_env(phoenix.endpoint(traces_port), env))
     cli = [sys.executable, "-m", "infra.cli"]
+    env["INFERENCE_MIN"] = str(inference)  # the API's readiness: a pool that may be empty need not have a worker
     grace = settings.drain_grace_s
     api = Pool("api", cli + ["api"], env, 1, grace_s=10, keep_fds=keep)
     pools = {

@@ -144,6 +144,9 @@ class Settings(BaseSettings):
     autoscale_period_s: float = 5.0
     tokenizer_max: int = 4
     inference_max: int = 1
+    inference_min: int = Field(1, ge=0, description="inference processes kept while idle (`conveyor up --inference` "
+                               "sets it): 0 scales the pool to zero once idle for SCALE_IN_COOLDOWN_S; a job then "
+                               "waits, queued, while the supervisor (or KEDA) starts a worker")
     tokenizer_lag_per_replica: int = 64
     inference_lag_per_replica: int = 64
     scale_in_cooldown_s: float = Field(0.0, description="0 keeps each pool's default (60 s / 300 s)")

@@ -35,7 +35,7 @@ async def health(redis: RedisDep, request: Request, settings: SettingsDep) -> JS
 async def readyz(redis: RedisDep, request: Request, settings: SettingsDep) -> JSONResponse:
     """Ready when Redis answers and each pool has a live worker. When keys are required, the public
     port says only ready or not; the internal port adds the details."""
-    answer = await _readiness(redis)
+    answer = await _readiness(redis, settings)
     if settings.auth_required and not on_internal_port(request.scope, settings.internal_port_number):
         body = {"status": answer.status_code == 200 and "ready" or "not_ready"}
         return JSONResponse(body, answer.status_code, headers={"Retry-After": "2"} if answer.status_code != 200
@@ -43,12 +43,15 @@ async def readyz(redis: RedisDep, request: Request, settings: SettingsDep) -> JS
     return answer
 
 
-async def _readiness(redis: RedisDep) -> JSONResponse:
+async def _readiness(redis: RedisDep, settings: SettingsDep) -> JSONResponse:
+    """Ready when Redis answers and every pool that is never empty has a live worker: with INFERENCE_MIN=0 the
+    inference pool may be at zero, and a job waits, queued, until a worker starts."""
     try:
         pools = {pool: len(ids) for pool, ids in (await aread_live(redis, names.POOLS)).items()}
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return JSONResponse({"status": "unavailable", "redis": False, "error": type(exc).__name__}, 503,
                             headers={"Retry-After": "2"})
-    ready = all(pools.values())
+    may_be_empty = {names.INFERENCE_POOL} if settings.inference_min == 0 else set()
+    ready = all(n or pool in may_be_empty for pool, n in pools.items())
     return JSONResponse({"status": "ready" if ready else "not_ready", "redis": True, "workers": pools},
                         200 if ready else 503)

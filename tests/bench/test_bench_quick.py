@@ -61,6 +61,8 @@ class QuickRuns:
             "vllm_lora": py + ["bench", "vllm", "lora", "--quick", "--model", tiny, "--workdir",
                                str(tmp / "vllm-lora")],
             "chaos": py + ["bench", "faults", "chaos", "--quick", "--workdir", str(tmp / "chaos")],
+            "from_zero": py + ["bench", "cold-start", "from-zero", "--quick", "--model", tiny, "--workdir",
+                               str(tmp / "from-zero")],
             "gpu_check": ["bash", "bench/gpu_check.sh", "--smoke"],
             "plumbing": py + ["bench", "serve", "plumbing", "--quick", "--json", str(tmp / "plumbing.json")],
             "soak": py + ["bench", "soak", "--quick", "--model", tiny, "--workdir", str(tmp / "soak"), "--csv",
@@ -211,6 +213,11 @@ def test_sampler(runs: QuickRuns) -> None:
 def test_invariance(runs: QuickRuns) -> None:
     out = runs.out("invariance")
     assert "| bfloat16 | decode step, 4 rows, seeded top-p 0.9, ms |" in out and "| bfloat16 | prefill burst" in out
+
+
+def test_from_zero(runs: QuickRuns) -> None:
+    out = runs.out("from_zero")
+    assert "| empty (scaled to zero) |" in out and "| warm |" in out
 
 
 def test_vllm_lora(runs: QuickRuns) -> None:
