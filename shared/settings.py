@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(200_000, description="requests with more prompt text get 413")
     job_ttl_s: int = Field(24 * 3600, description="how long job records and event streams are kept, counted "
                            "afresh at each step a job takes (accepted, queued for an engine, started, first "
-                           "output, ended)")
+                           "output, every half TTL while it runs, ended)")
     idempotency_ttl_s: int = 24 * 3600
     batch_window_s: int = Field(24 * 3600, ge=1, description="how long a batch may run (its completion_window "
                                 "'24h') before the unfinished lines end as batch_expired")

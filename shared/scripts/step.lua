@@ -19,6 +19,8 @@
 --             into the chunk's event too, which is written for them even when its text is empty
 --   worker    the writing worker: the job's part is written only while the job is running and its
 --             record names this worker (start.lua's `worker`)
+-- A running job's keys count JOB_TTL_S afresh from its first write, and again whenever half of it has gone (a job
+-- that runs for longer than its TTL keeps its record and its stream until it ends: finish.lua sets the last TTL).
 -- A job refused (its record gone, another worker's now, or not running) has nothing written: no key of
 -- it is touched (a record lost to a failover is not brought back as a half record), and a worker cut
 -- off past the claim deadline neither duplicates output nor writes into a job another worker took.
@@ -70,7 +72,7 @@ for k = 4, #KEYS, 5 do
     elseif ids ~= '' then
       redis.call('HSET', job, 'completion_tokens', n_tokens)
     end
-    if flags % 2 == 1 then
+    if flags % 2 == 1 or redis.call('TTL', job) * 2 < ttl then -- fresh, or half its TTL gone while it runs
       redis.call('EXPIRE', job, ttl)
       redis.call('EXPIRE', events, ttl)
       redis.call('EXPIRE', ids_key, ttl)

@@ -163,6 +163,12 @@ def test_a_job_taken_and_written_counts_its_ttl_afresh(raw: redis.Redis) -> None
     ops.step(keys, args, pipe)
     assert pipe.execute() == [[StepCode.written]]
     assert raw.ttl(key) > 500 and raw.ttl(names.events_key("j3")) > 500
+    for k in (key, names.events_key("j3"), names.text_key("j3")):
+        raw.expire(k, 200)  # a running job whose TTL is more than half gone: its next write sets it afresh
+    keys, args = step_write("j3", 0, 4, pack_ids([8]), 2, b"!", 2, b"{}", 2, worker="w")
+    ops.step(keys, args, pipe)
+    assert pipe.execute() == [[StepCode.written]]
+    assert all(raw.ttl(k) > 500 for k in (key, names.events_key("j3"), names.text_key("j3")))
     raw.expire(key, 2)
     assert ops.start("j3", "w2").code is StartCode.resumed  # a redelivery takes it over: afresh again
     assert raw.ttl(key) > 500
