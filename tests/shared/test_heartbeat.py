@@ -92,7 +92,7 @@ def test_readers_of_live_workers_never_scan_the_keyspace(redis_db: redis.Redis, 
     async def ready() -> int:
         client = aredis.Redis.from_url(url, decode_responses=True)
         try:
-            return (await _readiness(client)).status_code
+            return (await _readiness(client, Settings())).status_code
         finally:
             await client.aclose()
 
