@@ -76,8 +76,7 @@ def parse_line(raw: str, endpoint: str, settings: Settings, tenant: Tenant | Non
                 raise ApiError(400, "a batch line runs one prompt, one choice, without echo")
             gen = gens[0]
             out["logprobs"] = oai.logprobs is not None and oai.logprobs is not False
-        gen = check_request(gen, settings)
-        gen.model = resolve_static(settings, body.get("model"), tenant)
+        gen = check_request(resolve_static(settings, body.get("model"), tenant).apply(gen, settings), settings)
     except ApiError as exc:
         raise LineError("invalid_request", exc.message) from None
     except ValidationError as exc:

@@ -49,7 +49,7 @@ from shared.policy import pool_load
 from shared.redis_client import CLUSTER_TYPES, aheal
 from shared.retry import arun_loop
 from shared.settings import Settings
-from shared.signals import POOL_GROUPS, WorkerBeat, lag_per_replica, read_snapshot
+from shared.signals import WorkerBeat, lag_per_replica, pool_groups, read_snapshot
 
 log = logging.getLogger("conveyor.dashboard")
 router = APIRouter(prefix="/dashboard", tags=["dashboard"], include_in_schema=False)
@@ -117,7 +117,9 @@ class SnapshotReader:
 
     def read(self, job_ids: list[str]) -> dict[str, Any]:
         now = time.time()
-        snap = read_snapshot(self.raw, streams=POOL_GROUPS)
+        models = self.settings.model_keys
+        inference_pools = names.pools(models)[1:]
+        snap = read_snapshot(self.raw, (*names.pools(models), names.CELERY_POOL), pool_groups(models))
         pipe = self.client.pipeline(transaction=False)
         pipe.hgetall(names.STATS_KEY)
         pipe.hgetall(names.hist_key(m.TTFT))
@@ -131,20 +133,20 @@ class SnapshotReader:
         stats, ttft, itl, decisions, *rest = pipe.execute()
         dead, records = sum(rest[:len(dead_letters)]), rest[len(dead_letters):]
 
-        inference = snap.workers[names.INFERENCE_POOL]
-        self._count_tokens(inference)
+        self._count_tokens(tuple(w for pool in inference_pools for w in snap.workers[pool]))
         pools: dict[str, Any] = {}
-        for pool, s in snap.pool_signals(self.settings.max_num_seqs).items():
+        for pool, s in snap.pool_signals(self.settings.max_num_seqs, models).items():
             pools[pool] = {"workers": len(snap.workers[pool]), "lag": s.lag, "pending": s.pending,
                            "load": round(float(pool_load(s, self.per_replica[pool])), 2),
                            "lag_per_replica": self.per_replica[pool]}
-        inf = pools[names.INFERENCE_POOL]
-        kv = [w.kv_cache_usage for w in inference]
-        inf.update(running=sum(w.running for w in inference), waiting=sum(w.waiting for w in inference),
-                   capacity=self.settings.max_num_seqs * len(inference),
-                   kv_cache=sum(kv) / len(kv) if kv else None, kv_cache_max=max(kv, default=None),
-                   per_worker=[{"pid": w.pid, "running": w.running, "waiting": w.waiting,
-                                "kv_cache": w.kv_cache_usage, "steps": w.steps} for w in inference])
+        for pool in inference_pools:  # each model's pool
+            inference = snap.workers[pool]
+            kv = [w.kv_cache_usage for w in inference]
+            pools[pool].update(running=sum(w.running for w in inference), waiting=sum(w.waiting for w in inference),
+                               capacity=self.settings.max_num_seqs * len(inference),
+                               kv_cache=sum(kv) / len(kv) if kv else None, kv_cache_max=max(kv, default=None),
+                               per_worker=[{"pid": w.pid, "running": w.running, "waiting": w.waiting,
+                                            "kv_cache": w.kv_cache_usage, "steps": w.steps} for w in inference])
         ended = sum(float(v) for k, v in stats.items() if k.startswith(m.REQUEST_SUCCESS + ":"))
         return {
             "at": now,
@@ -156,7 +158,7 @@ class SnapshotReader:
             "latency": {**{k: w.update(now, raw) for (k, w), raw in zip(self.latency.items(), (ttft, itl))},
                         "window_s": WINDOW_S},
             "decisions": [_decision(fields) for _, fields in decisions],
-            "tenants": tenant_rows(read_tenants(self.raw)),
+            "tenants": tenant_rows(read_tenants(self.raw, models=models)),
             "jobs": [_job(job_id, rec) for job_id, rec in zip(job_ids, records)],
         }
 

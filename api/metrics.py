@@ -7,7 +7,7 @@ scrape of any API process sees every pool. Names follow vLLM's, under `conveyor:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
@@ -16,24 +16,29 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from api.errors import ApiError
 from shared import metrics as m
 from shared import names
 from shared.fair_queue import TenantLoad, read_tenants
 from shared.policy import pool_load
 from shared.redis_client import sync_client
-from shared.signals import POOL_GROUPS, lag_per_replica, read_snapshot
+from shared.signals import lag_per_replica, pool_groups, read_snapshot
 
 router = APIRouter(tags=["metrics"])
 
 
 class SystemCollector:
-    def __init__(self, client: redis.Redis, raw: redis.Redis, relay_streams: int) -> None:
-        self.client, self.raw, self.relay_streams = client, raw, relay_streams
+    def __init__(self, client: redis.Redis, raw: redis.Redis, relay_streams: int, models: Sequence[str] = ("",),
+                 max_num_seqs: int = 64) -> None:
+        """`models`: the served models' queue names ('' the default), a pool each."""
+        self.client, self.raw, self.relay_streams, self.models = client, raw, relay_streams, models
+        self.max_num_seqs = max_num_seqs
 
     def collect(self) -> Iterator[Metric]:
         r = self.client
-        snap = read_snapshot(self.raw, names.POOLS)
-        inf = snap.workers[names.INFERENCE_POOL]
+        groups = names.stream_groups(self.models)
+        snap = read_snapshot(self.raw, names.pools(self.models), groups)
+        inf = [w for pool in names.pools(self.models)[1:] for w in snap.workers[pool]]
 
         running = GaugeMetricFamily("conveyor:num_requests_running", "Sequences in engine batches")
         running.add_metric([], sum(w.running for w in inf))
@@ -77,16 +82,26 @@ class SystemCollector:
         yield loads
         yield evictions
         live = GaugeMetricFamily("conveyor:workers_live", "Workers with a fresh heartbeat", labels=["pool"])
-        for pool in names.POOLS:
+        for pool in names.pools(self.models):
             live.add_metric([pool], len(snap.workers[pool]))
         yield live
+        lag = GaugeMetricFamily("conveyor:pool_lag", "Jobs waiting for the pool (its streams' lag; an inference "
+                                "pool's includes its model's fair queue)", labels=["pool"])
+        held = GaugeMetricFamily("conveyor:pool_requests_held", "Sequences the pool's engines hold, running or "
+                                 "waiting", labels=["pool"])
+        for pool, s in snap.pool_signals(self.max_num_seqs, self.models).items():
+            lag.add_metric([pool], s.lag)
+            if pool != names.TOKENIZER_POOL:
+                held.add_metric([pool], s.running)
+        yield lag
+        yield held
         lag_g = GaugeMetricFamily("conveyor:stream_lag", "Entries not yet delivered to the group",
                                   labels=["stream", "group"])
         pend_g = GaugeMetricFamily("conveyor:stream_pending", "Entries delivered and not yet acknowledged",
                                    labels=["stream", "group"])
         for stream, (lag, pending) in snap.lags.items():
-            lag_g.add_metric([stream, names.STREAM_GROUPS[stream]], lag)
-            pend_g.add_metric([stream, names.STREAM_GROUPS[stream]], pending)
+            lag_g.add_metric([stream, groups[stream]], lag)
+            pend_g.add_metric([stream, groups[stream]], pending)
         yield lag_g
         yield pend_g
         dead = GaugeMetricFamily("conveyor:dead_letters", "Entries in the dead-letter streams (every partition's)")
@@ -95,7 +110,7 @@ class SystemCollector:
         streams = GaugeMetricFamily("conveyor:sse_streams", "Streams open on this API process")
         streams.add_metric([], self.relay_streams)
         yield streams
-        yield from tenant_metrics(read_tenants(self.raw))
+        yield from tenant_metrics(read_tenants(self.raw, models=self.models))
 
         stats = r.hgetall(names.STATS_KEY)
         for name, help_ in ((m.PROMPT_TOKENS, "Prompt tokens processed"),
@@ -146,21 +161,30 @@ def _clients(state: Any) -> None:
 
 
 @router.get("/scaling")
-async def scaling(request: Request) -> dict[str, dict[str, float]]:
+async def scaling(request: Request, model: str | None = None) -> dict[str, dict[str, float]]:
     """Each pool's queue signals and its load in lag units (shared/policy.py): the lag of its input
     stream, plus, for inference, the sequences its engines hold as a share of MAX_NUM_SEQS. Wanted
     replicas = ceil(load / lag per replica), the rule of the local autoscaler and of KEDA's
-    metrics-api trigger on `inference.load` (infra/k8s/scaledobject-inference.yaml)."""
+    metrics-api trigger on `inference.load` (infra/k8s/scaledobject-inference.yaml). With several models, each
+    has its pool: `inference` the default's, `inference:<name>` another's; `?model=<name>` answers the tokenizer pool
+    and that model's alone, as `inference` (so a ScaledObject per model reads `inference.load`)."""
     state = request.app.state
     _clients(state)
     settings = state.settings
+    if model is not None and model not in settings.served:
+        raise ApiError(404, f"the model '{model}' is not served", type_="model_not_found", param="model")
     per_replica = lag_per_replica(settings)
+    models = settings.model_keys
 
     def read() -> dict[str, dict[str, float]]:
-        snap = read_snapshot(state.metrics_raw, (names.INFERENCE_POOL,), POOL_GROUPS)
-        signals = snap.pool_signals(settings.max_num_seqs)
-        return {pool: {"lag": s.lag, "pending": s.pending, "running": s.running,
-                       "load": float(pool_load(s, per_replica[pool]))} for pool, s in signals.items()}
+        snap = read_snapshot(state.metrics_raw, names.pools(models)[1:], pool_groups(models))
+        signals = snap.pool_signals(settings.max_num_seqs, models)
+        out = {pool: {"lag": s.lag, "pending": s.pending, "running": s.running,
+                      "load": float(pool_load(s, per_replica[pool]))} for pool, s in signals.items()}
+        if model is None:
+            return out
+        return {names.TOKENIZER_POOL: out[names.TOKENIZER_POOL],
+                names.INFERENCE_POOL: out[names.inference_pool(settings.key_of(model))]}
 
     return await asyncio.to_thread(read)
 
@@ -173,7 +197,8 @@ async def metrics(request: Request) -> Response:
 
     def render() -> bytes:
         registry = CollectorRegistry()
-        registry.register(SystemCollector(state.metrics_client, state.metrics_raw, state.relay.active))  # type: ignore[arg-type]
+        registry.register(SystemCollector(state.metrics_client, state.metrics_raw, state.relay.active,  # type: ignore[arg-type]
+                                          state.settings.model_keys, state.settings.max_num_seqs))
         return generate_latest(registry)
 
     body = await asyncio.to_thread(render)

@@ -1,9 +1,11 @@
-"""The models a deployment serves, as `model` names them: the served model, and LoRA adapters on it, those of
-LORA_MODULES and those loaded at run time into the registry (`conveyor:loras`, shared/lora.py). A request's
-`model` resolves to the adapter it runs with (None: the served model alone), or answers 404 model_not_found."""
+"""The models a deployment serves, as `model` names them: the served models (MODELS, shared/served.py), and LoRA
+adapters on them, those of LORA_MODULES and those loaded at run time into the registry (`conveyor:loras`,
+shared/lora.py). A request's `model` resolves to a `Target` (the model it runs on and the adapter it runs with), or
+answers 404 model_not_found."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aredis
@@ -12,44 +14,74 @@ from api.errors import ApiError
 from shared import names
 from shared.lora import AdapterError, Dims, LoraModule, check_adapter, check_name
 from shared.model_config import model_context
+from shared.schemas import GenerationRequest
 from shared.settings import Settings
 from shared.tenants import Tenant
 
 
 def not_found(requested: str, settings: Settings) -> ApiError:
-    return ApiError(404, f"the model '{requested}' does not exist; this server runs '{settings.served_model_name}' "
-                         "and the adapters /v1/models lists", type_="model_not_found", param="model")
+    runs = ", ".join(map(repr, settings.served))
+    return ApiError(404, f"the model '{requested}' does not exist; this server runs {runs} and the adapters "
+                         "/v1/models lists", type_="model_not_found", param="model")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` names: the served model it runs on (its queue and pool), and the adapter on it
+    (None: the model alone)."""
+    model: str
+    adapter: str | None = None
+
+    def apply(self, req: GenerationRequest, settings: Settings) -> GenerationRequest:
+        """Name them on the request as the stages read it: `model` the adapter, `base_model` the model when it is
+        not the default (its queue, shared/served.py)."""
+        req.model, req.base_model = self.adapter, settings.key_of(self.model) or None
+        return req
+
+    def key(self, settings: Settings) -> str | None:
+        """The model's queue name, None the default's (as `GenerationRequest.base_model` and `TokenizeCall` take it)."""
+        return settings.key_of(self.model) or None
 
 
 def _allowed(settings: Settings, requested: str | None, tenant: Tenant | None) -> str:
-    """The name asked for (the served model's when none), 404 when the caller's key may not name it
+    """The name asked for (the default model's when none), 404 when the caller's key may not name it
     (`conveyor keys create --models`): to that key, a model it may not use does not exist."""
-    name = requested or settings.served_model_name
+    name = requested or settings.default_model
     if tenant is not None and not tenant.may_use(name):
         raise not_found(name, settings)
     return name
 
 
-async def resolve(redis: aredis.Redis, settings: Settings, requested: str | None,
-                  tenant: Tenant | None = None) -> str | None:
-    """The adapter `requested` names (None: the served model); 404 model_not_found for a name not served, or
-    not to the caller's key."""
-    name = _allowed(settings, requested, tenant)
-    if name == settings.served_model_name:
-        return None
-    if name in settings.loras or await redis.hexists(names.LORAS, name):
-        return name
-    raise not_found(name, settings)
-
-
-def resolve_static(settings: Settings, requested: str | None, tenant: Tenant | None = None) -> str | None:
-    """`resolve` for the adapters of LORA_MODULES alone (a batch line, checked at upload)."""
-    name = _allowed(settings, requested, tenant)
-    if name == settings.served_model_name:
-        return None
+def _static(settings: Settings, name: str) -> Target | None:
+    if name in settings.served:
+        return Target(name)
     if name in settings.loras:
-        return name
-    raise not_found(name, settings)
+        return Target(settings.loras[name].base_model_name, name)
+    return None
+
+
+async def resolve(redis: aredis.Redis, settings: Settings, requested: str | None,
+                  tenant: Tenant | None = None) -> Target:
+    """The model and adapter `requested` names (None: the default model); 404 model_not_found for a name not
+    served, or not to the caller's key."""
+    name = _allowed(settings, requested, tenant)
+    target = _static(settings, name)
+    if target is None and (raw := await redis.hget(names.LORAS, name)):
+        module = LoraModule.from_json(raw)
+        if module.base_model_name in settings.served:
+            target = Target(module.base_model_name, name)
+    if target is None:
+        raise not_found(name, settings)
+    return target
+
+
+def resolve_static(settings: Settings, requested: str | None, tenant: Tenant | None = None) -> Target:
+    """`resolve` for the models and the adapters of LORA_MODULES alone (a batch line, checked at upload)."""
+    name = _allowed(settings, requested, tenant)
+    target = _static(settings, name)
+    if target is None:
+        raise not_found(name, settings)
+    return target
 
 
 async def adapters(redis: aredis.Redis, settings: Settings) -> list[LoraModule]:
@@ -60,31 +92,36 @@ async def adapters(redis: aredis.Redis, settings: Settings) -> list[LoraModule]:
 
 
 async def listing(redis: aredis.Redis, settings: Settings, tenant: Tenant | None = None) -> list[dict[str, Any]]:
-    """/v1/models' entries as vLLM shapes them: the served model (root: itself), then each adapter (root: its
-    directory, parent: the served model); only those the caller's key may name."""
-    base, context = settings.served_model_name, model_context(settings.model_path, settings.max_model_len)
-    out = [{"id": base, "object": "model", "created": 0, "owned_by": "conveyor", "root": base, "parent": None,
-            "max_model_len": context}]
+    """/v1/models' entries as vLLM shapes them: each served model (root: itself), the default first, then each
+    adapter (root: its directory, parent: its model); only those the caller's key may name."""
+    context = {m.name: model_context(m.path, settings.max_model_len) for m in settings.served.values()}
+    out = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor", "root": name, "parent": None,
+            "max_model_len": n} for name, n in context.items()]
     for m in await adapters(redis, settings):
-        out.append({"id": m.name, "object": "model", "created": 0, "owned_by": "conveyor", "root": m.path,
-                    "parent": base, "max_model_len": context})
+        if m.base_model_name in context:
+            out.append({"id": m.name, "object": "model", "created": 0, "owned_by": "conveyor", "root": m.path,
+                        "parent": m.base_model_name, "max_model_len": context[m.base_model_name]})
     return [m for m in out if tenant is None or tenant.may_use(m["id"])]
 
 
-async def load(redis: aredis.Redis, settings: Settings, name: str, path: str) -> None:
-    """Register an adapter for every inference worker (each reads its files when a request first names it),
-    after checking its files against the served model: 400 saying what does not fit."""
+async def load(redis: aredis.Redis, settings: Settings, name: str, path: str, base: str | None = None) -> None:
+    """Register an adapter of `base` (a served model; None the default) for its inference workers (each reads its
+    files when a request first names it), after checking its files against that model: 400 saying what does not
+    fit."""
     try:
         check_name(name)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="lora_name") from None
-    if name == settings.served_model_name or name in settings.loras or await redis.hexists(names.LORAS, name):
+    base = base or settings.default_model
+    if base not in settings.served:
+        raise ApiError(400, f"the base model '{base}' is not served", param="base_model_name")
+    if name in settings.served or name in settings.loras or await redis.hexists(names.LORAS, name):
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     try:
-        check_adapter(path, Dims.of(settings.model_path), settings.max_lora_rank)
+        check_adapter(path, Dims.of(settings.path_of(base)), settings.max_lora_rank)
     except (AdapterError, KeyError, ValueError) as exc:
         raise ApiError(400, f"the LoRA adapter '{name}' cannot be loaded: {exc}", param="lora_path") from None
-    module = LoraModule(name, path, settings.served_model_name)
+    module = LoraModule(name, path, base)
     if not await redis.hsetnx(names.LORAS, name, module.to_json()):
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
 

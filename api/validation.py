@@ -19,15 +19,17 @@ from shared.settings import Settings
 log = logging.getLogger("conveyor.api")
 
 
-def deployment(settings: Settings) -> Deployment:
+def deployment(settings: Settings, model: str | None = None) -> Deployment:
+    """The bounds of a request for `model` (a served model's queue name; None the default), its vocabulary's."""
     return Deployment(default_max_tokens=settings.default_max_tokens, max_tokens_cap=settings.max_tokens_cap,
-                      max_prompt_chars=settings.max_prompt_chars, vocab_size=vocab_size(settings.model_path))
+                      max_prompt_chars=settings.max_prompt_chars, vocab_size=vocab_size(settings.path_of(model)))
 
 
 def check_request(req: GenerationRequest, settings: Settings) -> GenerationRequest:
-    """Apply server defaults and the deployment's bounds; 413/422 with the offending field."""
+    """Apply server defaults and the deployment's bounds for the model the request runs on (its `base_model`, set
+    by `Target.apply` before); 413/422 with the offending field."""
     try:
-        return req.bounded(deployment(settings))
+        return req.bounded(deployment(settings, req.base_model))
     except LimitError as exc:
         raise ApiError(exc.status, exc.message, param=exc.param) from None
 
@@ -90,7 +92,7 @@ def _document_openai(comps: dict[str, Any], settings: Settings) -> None:
         if not model:
             continue
         props = model["properties"]
-        served = [settings.served_model_name, *settings.loras]  # (and adapters loaded at run time: /v1/models)
+        served = [*settings.served, *settings.loras]  # (and adapters loaded at run time: /v1/models)
         props["model"] = {"anyOf": [{"type": "string", "enum": served}, {"type": "null"}], "title": "Model"}
         for field, only in _ONLY.items():
             if field in props:

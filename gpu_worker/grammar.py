@@ -29,8 +29,10 @@ COMPILE_THREADS = 2  # a fallback compile shares the CPU with the engine loop
 
 
 class GrammarLoader:
-    def __init__(self, model_path: str, client: redis.Redis, vocab_size: int, capacity: int = CACHED) -> None:
-        self.model_path, self.client, self.capacity = model_path, client, capacity
+    def __init__(self, model_path: str, client: redis.Redis, vocab_size: int, model: str = "",
+                 capacity: int = CACHED) -> None:
+        """`model`: the served model's queue name ('' the default), whose compiled grammars it reads."""
+        self.model_path, self.client, self.capacity, self.model = model_path, client, capacity, model
         self.vocab_size = vocab_size or None  # the model's logits' width (0: config.json's)
         self.cache: OrderedDict[str, Any] = OrderedDict()
         self.loaded = self.compiled = 0  # how each grammar not in the cache was made (from Redis, compiled here)
@@ -57,7 +59,7 @@ class GrammarLoader:
         """The stored copy, deserialized; None when there is none that this xgrammar can read."""
         import xgrammar as xgr
 
-        data = self.client.get(names.grammar_key(spec_key))
+        data = self.client.get(names.grammar_key(spec_key, self.model))
         if not data:
             return None
         try:

@@ -131,7 +131,7 @@ class OutputLane:
         self.client = client or sync_client(settings.redis_url, decode=False)
         self.outage = outage  # since when (unix s) this lane's writes fail; 0: they do not
         self.ttl = settings.job_ttl_s
-        self.jobs = JobOps(self.client, self.ttl)
+        self.jobs = JobOps(self.client, self.ttl, settings.model_key)
         # one transaction per step on a single Redis; on a cluster a pipeline whose ends wait for a
         # replica (WAIT needs the writes' connection, which a cluster's transaction does not lend): each
         # call there is atomic, and a replayed step or finish is a no-op, so the order is enough

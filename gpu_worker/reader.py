@@ -28,7 +28,7 @@ class Reader:
     def __init__(self, client: redis.Redis, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger,
                  admission: Admission, refresh_s: float, stopping: threading.Event) -> None:
         self.client, self.consumer, self.jobs, self.ledger = client, consumer, jobs, ledger
-        self.queue = FairQueue(client, consumer.consumer)
+        self.queue = FairQueue(client, consumer.consumer, jobs.model)  # its model's queue
         self.admission, self.refresh_s, self.stopping = admission, refresh_s, stopping
         self._next_upkeep = 0.0
 

@@ -78,10 +78,12 @@ class InferenceWorker:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.client = sync_client(settings.redis_url, decode=False)
-        self.worker_id = new_worker_id(names.INFERENCE_POOL)
-        self.consumer = StreamConsumer(self.client, names.streams(names.TOKENIZED), names.INFERENCE_GROUP,
-                                       self.worker_id,
-                                       names.INFERENCE_POOL, settings.claim_idle_ms, settings.delivery_limit)
+        # one model's pool (MODEL_NAME's, shared/served.py): its queue's `tokenized` streams, its registry
+        self.pool = names.inference_pool(settings.model_key)
+        self.worker_id = new_worker_id(self.pool)
+        self.consumer = StreamConsumer(self.client, names.streams(names.TOKENIZED, settings.model_key),
+                                       names.INFERENCE_GROUP, self.worker_id, self.pool, settings.claim_idle_ms,
+                                       settings.delivery_limit)
         self.stats = WorkerStats()
         self.stopping = threading.Event()  # SIGTERM: read no new work, finish what runs here
         self.closed = threading.Event()  # the engine loop ended: the control lane stops
@@ -98,9 +100,10 @@ class InferenceWorker:
         # tenant with no job here, or of a better priority than one its tenant runs here
         extra = max(2, settings.max_num_seqs // 8)
         self.ledger = EntryLedger(self.consumer, settings.max_num_seqs + extra, spare=extra)
-        jobs = JobOps(self.client, settings.job_ttl_s)
+        jobs = JobOps(self.client, settings.job_ttl_s, settings.model_key)
+        loras = {n: m for n, m in settings.loras.items() if m.base_model_name == settings.served_model_name}
         admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane, self.stats,
-                              self._grammar_loader, settings.loras)
+                              self._grammar_loader, loras)
         self.reader = Reader(self.client, self.consumer, jobs, self.ledger, admission, settings.refresh_s,
                              self.stopping)
         self.control = ControlLane(self.client, self.inbox, self.closed)
@@ -115,7 +118,7 @@ class InferenceWorker:
                 from gpu_worker.grammar import GrammarLoader  # xgrammar loads only once a grammar arrives
 
                 path = self.settings.model_path
-                self._loader = GrammarLoader(path, self.client, vocab_size(path) or 0)
+                self._loader = GrammarLoader(path, self.client, vocab_size(path) or 0, self.settings.model_key)
             return self._loader
 
     def run(self) -> int:
@@ -129,13 +132,14 @@ class InferenceWorker:
         for name, target in (("control", self.control.run), ("feedback", self.feedback.run),
                              ("reader", self.reader.run), ("drain-timer", self._drain_timer)):
             threading.Thread(target=named(name, target), name=name, daemon=True).start()
-        hb = Heartbeat(self.client, names.INFERENCE_POOL, self.worker_id, self.settings.heartbeat_s,
+        hb = Heartbeat(self.client, self.pool, self.worker_id, self.settings.heartbeat_s,
                        self.stats.as_dict, self.lane_writes)
         hb.start()
         signal.signal(signal.SIGTERM, self._drain)
         signal.signal(signal.SIGINT, self._drain)
         name_thread("engine-loop")  # torch's compute threads, started with the engine, keep the process name
-        log.info("inference worker %s ready (%s engine)", self.worker_id, self.settings.engine)
+        log.info("inference worker %s ready (%s engine, model %s)", self.worker_id, self.settings.engine,
+                 self.settings.served_model_name)
         try:
             if not loop.run():
                 self.ledger.hand_back(self.settings.claim_idle_ms + 1000)

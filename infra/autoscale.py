@@ -12,7 +12,7 @@ from shared import names
 from shared.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
 from shared.redis_client import sync_client
 from shared.settings import Settings
-from shared.signals import POOL_GROUPS, lag_per_replica, read_snapshot
+from shared.signals import lag_per_replica, pool_groups, read_snapshot
 
 log = logging.getLogger("conveyor.autoscaler")
 DECISIONS_MAXLEN = 200  # approximate cap of names.SCALING_DECISIONS_STREAM
@@ -23,7 +23,7 @@ def policies_for(settings: Settings, bounds: dict[str, tuple[int, int]]) -> dict
     out = {}
     lag = lag_per_replica(settings)
     for name, (low, high) in bounds.items():
-        base = DEFAULT_POLICIES[name]
+        base = DEFAULT_POLICIES[name if name == names.TOKENIZER_POOL else names.INFERENCE_POOL]  # a model's pool
         out[name] = dataclasses.replace(
             base, min_replicas=low, max_replicas=max(high, 1), lag_per_replica=lag[name],
             scale_in_cooldown_s=settings.scale_in_cooldown_s or base.scale_in_cooldown_s,
@@ -37,12 +37,15 @@ class Autoscaler:
         self.policies = policies_for(settings, bounds)
         self.states = {name: PolicyState() for name in bounds}
         self.capacity = settings.max_num_seqs
+        self.models = settings.model_keys
+        self.inference = [names.inference_pool(m) for m in self.models]
         self.period = settings.autoscale_period_s
         self._next = 0.0
 
     def signals(self) -> dict[str, PoolSignals]:
         """Each pool's signals, read from Redis now."""
-        return read_snapshot(self.client, (names.INFERENCE_POOL,), POOL_GROUPS).pool_signals(self.capacity)
+        snap = read_snapshot(self.client, self.inference, pool_groups(self.models))
+        return snap.pool_signals(self.capacity, self.models)
 
     def __call__(self, current: dict[str, int]) -> dict[str, int]:
         """Each pool's target given its `current` one: the same until a period has passed, and when

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--inference", type=int, default=None,
                     help="inference processes at start, and while idle (default INFERENCE_MIN, 1); 0: the pool "
                          "scales to zero when idle and back when a job waits")
+    up.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
+                    help="a model to serve, with a queue and an inference pool of its own; repeat it for several, "
+                         "the first the default (sets MODELS; default: MODEL alone)")
     up.add_argument("--no-autoscale", action="store_true", help="keep the pools at their start size")
     up.add_argument("--celery", type=int, default=1, choices=(0, 1),
                     help="run a Celery worker with beat for after-job work and upkeep (0: none)")
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     _logging()
+    if args.cmd == "up" and args.model:
+        os.environ["MODELS"] = ",".join(args.model)  # before the settings are read, and for every child
     if args.cmd == "up" and args.redis_cluster and not os.environ.get("REDIS_PARTITIONS"):
         # a few partitions per master, so resharding moves whole partitions (before shared.names reads it)
         os.environ["REDIS_PARTITIONS"] = str(4 * args.redis_cluster)
@@ -113,10 +118,12 @@ def main(argv: list[str] | None = None) -> None:
 
         serve(settings)
     elif args.cmd in ("tokenizer", "inference"):
+        from shared import names
         from shared.heartbeat import check_pool
 
         if args.check:
-            sys.exit(0 if check_pool(settings, args.cmd) else 1)
+            pool = names.TOKENIZER_POOL if args.cmd == "tokenizer" else names.inference_pool(settings.model_key)
+            sys.exit(0 if check_pool(settings, pool) else 1)
         from shared.lifecycle import exit_quickly
 
         if args.cmd == "tokenizer":
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         url = settings.redis_url or read_local_redis_url(settings.cache_dir)
         if not url:
             sys.exit("no Redis: start the stack (`conveyor up`) or set REDIS_URL")
-        sys.exit(status_run(url, settings.max_num_seqs, settings.cache_dir, args.watch))
+        sys.exit(status_run(url, settings.max_num_seqs, settings.cache_dir, args.watch, settings.model_keys))
 
 
 def _keys(args: argparse.Namespace, settings: Settings) -> int:

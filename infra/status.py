@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,13 @@ from shared.redis_client import sync_client
 from shared.signals import read_snapshot
 
 
-def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir: Path) -> dict[str, Any]:
-    """What `render` shows: each pool's row, the supervisor's state, the latest decisions, the dead letters."""
-    snap = read_snapshot(raw, names.POOLS)
+def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir: Path,
+             models: Sequence[str] = ("",)) -> dict[str, Any]:
+    """What `render` shows: each pool's row (a model's pool each), the supervisor's state, the latest decisions,
+    the dead letters."""
+    snap = read_snapshot(raw, names.pools(models), names.stream_groups(models))
     pools: dict[str, Any] = {}
-    for pool, s in snap.pool_signals(max_num_seqs).items():
+    for pool, s in snap.pool_signals(max_num_seqs, models).items():
         workers = snap.workers[pool]
         pools[pool] = {"workers": len(workers), "lag": s.lag, "pending": s.pending,
                        "running": sum(w.running for w in workers), "waiting": sum(w.waiting for w in workers),
@@ -34,7 +37,7 @@ def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir
     supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
     decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]
     return {"pools": pools, "supervisor": supervisor, "decisions": decisions,
-            "dead_letters": dead_letters(client), "tenants": tenant_rows(read_tenants(raw))}
+            "dead_letters": dead_letters(client), "tenants": tenant_rows(read_tenants(raw, models=models))}
 
 
 
@@ -54,7 +57,7 @@ def render(snap: dict[str, Any]) -> Group:
     for pool, p in snap["pools"].items():
         local = sup.get(pool, {})
         table.add_row(pool, str(p["workers"]), str(p["lag"]), str(p["pending"]), str(p["running"]),
-                      str(p["waiting"]), f"{p['kv']:.0%}" if pool == names.INFERENCE_POOL else "",
+                      str(p["waiting"]), f"{p['kv']:.0%}" if pool != names.TOKENIZER_POOL else "",
                       " ".join(map(str, local.get("pids", []))), str(local.get("restarts", "")))
     for pool, local in sup.items():
         if pool not in snap["pools"]:
@@ -80,20 +83,22 @@ def render(snap: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-def run(url: str, max_num_seqs: int, cache_dir: Path, watch: bool, every_s: float = 1.0) -> int:
+def run(url: str, max_num_seqs: int, cache_dir: Path, watch: bool, models: Sequence[str] = ("",),
+        every_s: float = 1.0) -> int:
     client = sync_client(url)
     raw = sync_client(url, decode=False)
     console = Console()
     if not console.is_terminal:  # piped: no terminal width to fit, so do not squeeze the columns
         console = Console(width=160)
     if not watch:
-        console.print(render(snapshot(client, raw, max_num_seqs, cache_dir)))
+        console.print(render(snapshot(client, raw, max_num_seqs, cache_dir, models)))
         return 0
-    with Live(render(snapshot(client, raw, max_num_seqs, cache_dir)), console=console, refresh_per_second=4) as live:
+    first = render(snapshot(client, raw, max_num_seqs, cache_dir, models))
+    with Live(first, console=console, refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(every_s)
-                live.update(render(snapshot(client, raw, max_num_seqs, cache_dir)))
+                live.update(render(snapshot(client, raw, max_num_seqs, cache_dir, models)))
         except KeyboardInterrupt:
             pass
     return 0

@@ -220,10 +220,13 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
         names.TOKENIZER_POOL: Pool(names.TOKENIZER_POOL, cli + ["tokenizer"], env, tokenizers,
                                    min_size=tokenizers, max_size=max(tokenizers, settings.tokenizer_max)
                                    if autoscale else tokenizers, grace_s=grace, keep_fds=keep),
-        names.INFERENCE_POOL: Pool(names.INFERENCE_POOL, cli + ["inference"], env, inference,
-                                   min_size=inference, max_size=max(inference, settings.inference_max)
-                                   if autoscale else inference, grace_s=grace, keep_fds=keep),
     }
+    pinned = settings.model_copy(update={"inference_min": inference})  # `--inference`: each model's default minimum
+    for model in settings.served.values():  # a pool per model, each worker serving the one its MODEL names
+        low, high = pinned.bounds_of(model.name)
+        pool = names.inference_pool(settings.key_of(model.name))
+        pools[pool] = Pool(pool, cli + ["inference"], {**env, "MODEL": model.path, "MODEL_NAME": model.name}, low,
+                           min_size=low, max_size=high if autoscale else low, grace_s=grace, keep_fds=keep)
     celery_env = {**env, "PYTHONWARNINGS": "ignore:You're running the worker with superuser"}  # as root
     extra = [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10, keep_fds=keep)] if celery else []
     everything = [*traces, api, *pools.values(), *extra]

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,12 +66,13 @@ WAITING = ("queue", "age", "waiting")  # the fair_key parts of the waiting jobs 
 
 
 def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
-               by_tenant: bool = True, ttl_s: int = 0) -> Write:
+               by_tenant: bool = True, ttl_s: int = 0, model: str = "") -> Write:
     """A fair_push call: `jobs` are (job id, priority, prompt tokens, one-row tokenized batch); `ack_ids`
     the partition's `jobs` entries they came from. `by_tenant` False (FAIR_SHARE=false): one queue. `ttl_s`
-    (JOB_TTL_S; 0 leaves it): each queued job's record counts its TTL afresh."""
-    keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "arrivals", "bell")]
-    keys += [names.stream(names.JOBS, partition), *(names.fair_key(partition, part) for part in WAITING)]
+    (JOB_TTL_S; 0 leaves it): each queued job's record counts its TTL afresh. `model`: the queue of the model
+    the jobs run on ('' the default's: shared/served.py)."""
+    keys = [names.fair_key(partition, part, model) for part in ("tenants", "vtc", "payload", "arrivals", "bell")]
+    keys += [names.stream(names.JOBS, partition), *(names.fair_key(partition, part, model) for part in WAITING)]
     args: list[Any] = [names.TOKENIZER_GROUP, int(by_tenant), ttl_s, len(ack_ids), *ack_ids]
     for job in jobs:
         keys.append(names.job_key(job[0]))
@@ -79,27 +80,28 @@ def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, in
     return keys, args
 
 
-def pop_write(partition: int, consumer: str, count: int, skip: Mapping[str, int] | None = None) -> Write:
-    """A fair_pop call: up to `count` jobs for `consumer`, as `tokenized` entries; a tenant in `skip` is
-    passed over unless its next job's priority is lower than the one given (PRIORITY_MIN: always)."""
-    keys = [names.fair_key(partition, part) for part in ("tenants", "vtc", "payload", "bell")]
-    keys += [names.stream(names.TOKENIZED, partition), names.fair_key(partition, "served"),
-             *(names.fair_key(partition, part) for part in WAITING)]
+def pop_write(partition: int, consumer: str, count: int, skip: Mapping[str, int] | None = None,
+              model: str = "") -> Write:
+    """A fair_pop call: up to `count` jobs of `model`'s queue for `consumer`, as `tokenized` entries; a tenant in
+    `skip` is passed over unless its next job's priority is lower than the one given (PRIORITY_MIN: always)."""
+    keys = [names.fair_key(partition, part, model) for part in ("tenants", "vtc", "payload", "bell")]
+    keys += [names.stream(names.TOKENIZED, partition, model), names.fair_key(partition, "served", model),
+             *(names.fair_key(partition, part, model) for part in WAITING)]
     below = [x for tenant, priority in sorted((skip or {}).items()) for x in (tenant, priority)]
     return keys, [names.INFERENCE_GROUP, consumer, count, STREAM_CAP, *below]
 
 
 def pop(client: redis.Redis | Any, partition: int, consumer: str, count: int,
-        skip: Mapping[str, int] | None = None) -> list[Entry]:
+        skip: Mapping[str, int] | None = None, model: str = "") -> list[Entry]:
     """One fair_pop call on one partition: its entries (see `pop_write`)."""
-    return parse_entries(scripts.FAIR_POP(client, *pop_write(partition, consumer, count, skip)))
+    return parse_entries(scripts.FAIR_POP(client, *pop_write(partition, consumer, count, skip, model)))
 
 
 def push(client: redis.Redis | Any, partition: int, ack_ids: list[str], jobs: list[tuple[str, int, int, bytes]],
-         by_tenant: bool = True, ttl_s: int = 0) -> int:
-    """Queue tokenized jobs and acknowledge their `jobs` entries, in one atomic call; replaying it (a
-    reply lost to an outage) queues nothing twice. Returns how many were queued."""
-    return int(scripts.FAIR_PUSH(client, *push_write(partition, ack_ids, jobs, by_tenant, ttl_s)))
+         by_tenant: bool = True, ttl_s: int = 0, model: str = "") -> int:
+    """Queue tokenized jobs on `model`'s queue and acknowledge their `jobs` entries, in one atomic call;
+    replaying it (a reply lost to an outage) queues nothing twice. Returns how many were queued."""
+    return int(scripts.FAIR_PUSH(client, *push_write(partition, ack_ids, jobs, by_tenant, ttl_s, model)))
 
 
 def parse_entries(reply: Any) -> list[Entry]:
@@ -113,10 +115,10 @@ def parse_entries(reply: Any) -> list[Entry]:
 
 
 class FairQueue:
-    """An inference worker's side: the next jobs, fairest first, from every partition."""
+    """An inference worker's side: the next jobs of its model's queue, fairest first, from every partition."""
 
-    def __init__(self, client: redis.Redis, consumer: str) -> None:
-        self.client, self.consumer = client, consumer
+    def __init__(self, client: redis.Redis, consumer: str, model: str = "") -> None:
+        self.client, self.consumer, self.model = client, consumer, model
         self.cluster = isinstance(client, CLUSTER_TYPES)
         self._turn = 0
 
@@ -129,11 +131,12 @@ class FairQueue:
             return entries
         parts = names.partition_count()
         if self.cluster or parts == 1:
-            bell = names.fair_key(self._turn % parts, "bell")
+            bell = names.fair_key(self._turn % parts, "bell", self.model)
             timeout = block_ms if not self.cluster else min(block_ms, CLUSTER_BLOCK_MS)
             rung = self.client.blpop([bell], timeout=timeout / 1000)
         else:
-            rung = self.client.blpop([names.fair_key(p, "bell") for p in names.partitions()], timeout=block_ms / 1000)
+            rung = self.client.blpop([names.fair_key(p, "bell", self.model) for p in names.partitions()],
+                                     timeout=block_ms / 1000)
         return self._pop_all(count, skip) if rung else []
 
     def _pop_all(self, count: int, skip: Mapping[str, int] | None) -> list[Entry]:
@@ -145,7 +148,7 @@ class FairQueue:
             if len(entries) >= count:
                 break
             p = (self._turn + i) % parts
-            entries += pop(self.client, p, self.consumer, count - len(entries), skip)
+            entries += pop(self.client, p, self.consumer, count - len(entries), skip, self.model)
         return entries
 
 
@@ -160,26 +163,27 @@ class TenantLoad:
     served_tokens: int = 0
 
 
-def read_tenants(client: redis.Redis, top: int = TOP_TENANTS) -> list[TenantLoad]:
-    """The `top` tenants with the most jobs waiting (then the most served), and the rest summed as one
-    OTHERS row when there are any: label cardinality stays bounded. Two round trips. `ANONYMOUS_TENANT`
-    is the jobs without a key."""
+def read_tenants(client: redis.Redis, top: int = TOP_TENANTS, models: Sequence[str] = ("",)) -> list[TenantLoad]:
+    """The `top` tenants with the most jobs waiting (then the most served), over the queues of `models`, and
+    the rest summed as one OTHERS row when there are any: label cardinality stays bounded. Two round trips.
+    `ANONYMOUS_TENANT` is the jobs without a key."""
     now = time.time()
+    queues = [(p, m) for m in models for p in names.partitions()]
     pipe = client.pipeline(transaction=False)
-    for p in names.partitions():
-        pipe.zrange(names.fair_key(p, "tenants"), 0, -1)
-        pipe.hgetall(names.fair_key(p, "served"))
+    for p, m in queues:
+        pipe.zrange(names.fair_key(p, "tenants", m), 0, -1)
+        pipe.hgetall(names.fair_key(p, "served", m))
     first = pipe.execute()
     served: dict[str, int] = defaultdict(int)
-    backlogged: list[tuple[int, str]] = []
-    for p, (tenants, counts) in zip(names.partitions(), zip(first[::2], first[1::2])):
-        backlogged += [(p, text(t)) for t in tenants]
+    backlogged: list[tuple[tuple[int, str], str]] = []
+    for q, (tenants, counts) in zip(queues, zip(first[::2], first[1::2])):
+        backlogged += [(q, text(t)) for t in tenants]
         for t, n in counts.items():
             served[text(t)] += int(n)
     pipe = client.pipeline(transaction=False)
-    for p, t in backlogged:
-        pipe.zlexcount(names.fair_key(p, "queue"), *tenant_range(t))
-        pipe.zrangebylex(names.fair_key(p, "age"), *tenant_range(t), start=0, num=1)
+    for (p, m), t in backlogged:
+        pipe.zlexcount(names.fair_key(p, "queue", m), *tenant_range(t))
+        pipe.zrangebylex(names.fair_key(p, "age", m), *tenant_range(t), start=0, num=1)
     second = pipe.execute() if backlogged else []
     waiting: dict[str, int] = defaultdict(int)
     oldest: dict[str, float] = defaultdict(float)
@@ -201,9 +205,9 @@ def tenant_range(tenant: str) -> tuple[str, str]:
     return f"[{tenant}:", f"({tenant};"
 
 
-def waiting_jobs(client: redis.Redis | Any, partition: int, tenant: str) -> list[str]:
-    """A tenant's waiting job ids in a partition, next first."""
-    members = client.zrangebylex(names.fair_key(partition, "queue"), *tenant_range(tenant))
+def waiting_jobs(client: redis.Redis | Any, partition: int, tenant: str, model: str = "") -> list[str]:
+    """A tenant's waiting job ids in a partition's queue of `model`, next first."""
+    members = client.zrangebylex(names.fair_key(partition, "queue", model), *tenant_range(tenant))
     return [text(m).rsplit(":", 1)[1] for m in members]
 
 

@@ -92,13 +92,13 @@ Charges = dict[str, tuple[float, int]]  # fair-queue tenant -> (charge on its vi
 
 
 def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH",
-              charges: Charges | None = None) -> Write:
+              charges: Charges | None = None, model: str = "") -> Write:
     """A whole step call: the jobs' `step_write` parts joined (jobs of one partition), after the keys and
-    arguments they share (the partition's fair-queue counters, which `charges` go on). `publish`: PUBLISH,
-    or SPUBLISH on a cluster (`publish_command`); `charges`: the step's new tokens per tenant
+    arguments they share (the partition's fair-queue counters of the jobs' `model`, which `charges` go on).
+    `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`); `charges`: the step's new tokens per tenant
     (shared/fair_queue.py)."""
     p = names.stream_partition(keys[0])  # the jobs' partition, where their tenants' fair-queue counters are
-    shared = [names.fair_key(p, part) for part in ("vtc", "tenants", "served")]
+    shared = [names.fair_key(p, part, model) for part in ("vtc", "tenants", "served")]
     charged = [v for tenant, (cost, tokens) in (charges or {}).items() for v in (tenant, repr(cost), tokens)]
     return [*shared, *keys], [ttl_s, repr(time.time()), publish, len(charged) // 3, *charged, *args]
 
@@ -113,6 +113,8 @@ def new_job(req: GenerationRequest, model: str, tool_parser: str, owner: str = "
     job_id = names.job_id_in(names.new_job_partition(owner, idempotency_key), uuid.uuid4().hex)
     request_json = req.model_dump_json(exclude_defaults=True)
     record = new_record(job_id, model, request_json, tool_parser if req.calls_tools else "")
+    if req.base_model:  # a model other than the default: its queue (shared/served.py), named on its record
+        record["base_model"] = req.base_model
     if trace is None and (trace := tracing.carrier()):
         tracing.annotate(job_attributes(job_id, model, req, owner))
     if trace:
@@ -163,12 +165,13 @@ def tenant_keys(owner: str, stand_in: str, tokens: str = "tokens") -> list[str]:
 
 def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, required_status: str = "",
                  fields: dict[str, Any] | None = None, publish: str = "PUBLISH", worker: str = "",
-                 owner: str = "") -> Write:
+                 owner: str = "", model: str = "") -> Write:
     """A finish call (finish.lua): the terminal status follows from `reason`. `worker`: the ending worker's
     id, which ends only a job whose record names it; '' any (the API's cancel, a failure outside a run).
-    `owner`: the job's record's ('' none), whose keys it names; a record naming another answers owner_changed."""
+    `owner` and `model`: the job's record's (`owner`, `base_model`; '' none), whose keys it names; a record
+    naming others answers owner_changed."""
     p = names.job_partition(job_id)
-    fair = [names.fair_key(p, part) for part in ("tenants", "payload", "queue", "age", "waiting")]
+    fair = [names.fair_key(p, part, model) for part in ("tenants", "payload", "queue", "age", "waiting")]
     tenant, _, _, active = tenant_keys(owner, names.job_key(job_id))
     buckets = ([names.tenant_bucket_key(owner, "tokens"), names.tenant_bucket_key(owner, "batch_tokens")] if owner
                else [names.job_key(job_id)] * 2)
@@ -176,7 +179,7 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
             names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
                        names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN, owner, publish,
-                       worker]
+                       worker, model]
     for k, v in (fields or {}).items():
         args += [k, v]
     return keys, args
@@ -276,8 +279,9 @@ def count_after_write(stream: str, after_id: str, limit: int, page: int) -> Writ
 
 
 class JobOps:
-    def __init__(self, client: redis.Redis, ttl_s: int) -> None:
-        self.client, self.ttl_s = client, ttl_s
+    def __init__(self, client: redis.Redis, ttl_s: int, model: str = "") -> None:
+        """`model`: the queue of the model whose jobs this process steps and ends ('' the default's)."""
+        self.client, self.ttl_s, self.model = client, ttl_s, model
         self.publish = publish_command(client)
         self._loaded = False
 
@@ -301,23 +305,24 @@ class JobOps:
         """Queue one engine step's writes for many jobs of one partition (`step_write` parts joined) on
         `pipe`, with their tenants' `charges`. Its reply there is a StepReply's (`StepReply.parse`), a code per
         job: a replayed step is no error, a refused job (gone, another worker's, ended) had nothing written."""
-        self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish, charges))
+        self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish, charges, self.model))
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
                pipe: Any = None, required_status: str = "", worker: str = "",
                owner: str | None = None) -> FinishReply | None:
         """End an active job exactly once (see finish.lua); `worker`: only if the job is that worker's. With
         `pipe`, queues it there and returns None: its reply is the pipeline's to `FinishReply.parse`.
-        `owner`: the job's (StartReply.owner), whose keys the call names; None reads it from the record
-        first (one more round trip: with `pipe`, retried through an outage, as the pipeline's caller retries
-        its run), and a record that names another (owner_changed) is read again."""
+        `owner`: the job's (StartReply.owner), whose keys the call names, its model this JobOps' own; None reads
+        both from the record first (one more round trip: with `pipe`, retried through an outage, as the
+        pipeline's caller retries its run), and a record that names others (owner_changed) is read again."""
+        model = self.model
         for _ in range(OWNER_READS):
             if owner is None:
-                owner = self.owner_of(job_id) if pipe is None else call(
-                    lambda: self.owner_of(job_id), log=log, name=f"the owner of job {job_id}",
+                owner, model = self.whose(job_id) if pipe is None else call(
+                    lambda: self.whose(job_id), log=log, name=f"the owner of job {job_id}",
                     on_outage=lambda: heal(self.client))
             write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields, self.publish, worker,
-                                 owner)
+                                 owner, model)
             if pipe is not None:
                 self._queue(scripts.FINISH, pipe, write)
                 return None
@@ -327,9 +332,10 @@ class JobOps:
             owner = None
         return reply
 
-    def owner_of(self, job_id: str) -> str:
-        """The job's record's owner ('' none, or no such job)."""
-        return text(self.client.hget(names.job_key(job_id), "owner"))
+    def whose(self, job_id: str) -> tuple[str, str]:
+        """The job's record's owner and model queue (`base_model`; '' none, or no such job)."""
+        owner, model = self.client.hmget(names.job_key(job_id), "owner", "base_model")
+        return text(owner), text(model)
 
     def fail(self, job_id: str, error: str, worker: str = "", owner: str | None = None) -> FinishReply | None:
         return self.finish(job_id, FinishReason.error, error, worker=worker, owner=owner)
@@ -368,10 +374,14 @@ class AsyncJobOps:
                      owner: str | None = None) -> FinishReply:
         """End the job (the API's cancel of a queued job); NotCopied on a cluster when no replica has the end.
         `owner` as JobOps.finish takes it."""
+        model = ""
         for _ in range(OWNER_READS):
-            named = text(await self.client.hget(names.job_key(job_id), "owner")) if owner is None else owner
+            if owner is None:
+                named, model = map(text, await self.client.hmget(names.job_key(job_id), "owner", "base_model"))
+            else:
+                named = owner
             write = finish_write(job_id, reason, error, self.ttl_s, required_status, publish=self.publish,
-                                 owner=named)
+                                 owner=named, model=model)
             reply, copied = await self._promise(scripts.FINISH, write)
             parsed = FinishReply.parse(reply)
             if parsed.code is not FinishCode.owner_changed:

@@ -100,7 +100,7 @@ def parse_modules(value: str, default_base: str) -> list[LoraModule]:
             parsed = json.loads(value)
         except ValueError:
             parsed = None
-            items = _json_objects(value)
+            items = json_objects(value)
         else:
             items = parsed if isinstance(parsed, list) else [parsed]
     else:
@@ -123,7 +123,7 @@ def parse_modules(value: str, default_base: str) -> list[LoraModule]:
     return out
 
 
-def _json_objects(value: str) -> list[Any]:
+def json_objects(value: str) -> list[Any]:
     """Several JSON objects one after another (vLLM's CLI form, one per argument, given in one variable)."""
     decoder, at, out = json.JSONDecoder(), 0, []
     while at < len(value):

@@ -16,7 +16,7 @@ import os
 import random
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 PREFIX = "conveyor"
@@ -103,13 +103,28 @@ GROUPS = {JOBS: TOKENIZER_GROUP, TOKENIZED: INFERENCE_GROUP, ENDED: AFTER_JOB_GR
 ENDED_MAXLEN = 100_000  # approximate cap per partition: bounded even when no Celery worker consumes it
 
 
-def stream(kind: str, partition: int) -> str:
-    return f"{partition_prefix(partition)}:{kind}"
+def model_prefix(partition: int, model: str = "") -> str:
+    """Where a model's queue lives in a partition (its `tokenized` streams and fair-queue keys): the first
+    model's (`model` '') is the partition's own, `conveyor:{p<n>}`; another's is `conveyor:{p<n>}:m:<name>`,
+    in the same slot, so that a job's keys and its model's queue stay together."""
+    return partition_prefix(partition) + (f":m:{model}" if model else "")
 
 
-def streams(kind: str) -> list[str]:
+def stream(kind: str, partition: int, model: str = "") -> str:
+    """A partition's stream of one kind; `model` names a model's own (`tokenized`: each model has its queue)."""
+    return f"{model_prefix(partition, model)}:{kind}"
+
+
+def streams(kind: str, model: str = "") -> list[str]:
     """The streams of one kind, partition by partition."""
-    return [stream(kind, p) for p in partitions()]
+    return [stream(kind, p, model) for p in partitions()]
+
+
+def stream_model(name: bytes | str) -> str:
+    """The model a partitioned key's queue belongs to ('' the first model's: the partition's own keys)."""
+    tagged = name.decode() if isinstance(name, bytes) else name
+    rest = tagged[tagged.index("}") + 2:]
+    return rest.split(":", 2)[1] if rest.startswith("m:") else ""
 
 
 def stream_partition(name: bytes | str) -> int:
@@ -120,6 +135,16 @@ def stream_partition(name: bytes | str) -> int:
 
 STREAM_GROUPS = {stream(kind, p): group for kind, group in GROUPS.items() for p in partitions()}
 
+
+def stream_groups(models: Iterable[str] = ("",)) -> dict[str, str]:
+    """{stream: group} of every stream a deployment serving `models` (their queue names: '' the first) reads:
+    STREAM_GROUPS, and each other model's `tokenized` streams."""
+    out = dict(STREAM_GROUPS)
+    for model in models:
+        if model:
+            out.update(dict.fromkeys(streams(TOKENIZED, model), INFERENCE_GROUP))
+    return out
+
 # the fair queue in front of each partition's `tokenized` stream (shared/fair_queue.py), a fixed set of keys
 # per partition: the backlogged tenants scored by virtual counter; the counters; the queued jobs' tokenized
 # rows; an arrival counter; a doorbell; tokens served per tenant; every waiting job in one sorted set by
@@ -128,9 +153,9 @@ FAIR_PARTS = ("tenants", "vtc", "payload", "arrivals", "bell", "served", "queue"
 ANONYMOUS_TENANT = "_"  # the fair queue's tenant for jobs without one (no tenant name starts so)
 
 
-def fair_key(partition: int, part: str) -> str:
-    """One of a partition's fair-queue keys, by FAIR_PARTS name."""
-    return f"{partition_prefix(partition)}:fair:{part}"
+def fair_key(partition: int, part: str, model: str = "") -> str:
+    """One of a partition's fair-queue keys, by FAIR_PARTS name: the first model's queue, or `model`'s."""
+    return f"{model_prefix(partition, model)}:fair:{part}"
 
 
 # pub/sub: a job's chunks on a channel in its partition (sharded pub/sub on a cluster); cancels
@@ -139,8 +164,18 @@ CONTROL_CHANNEL = f"{PREFIX}:control"
 
 # pools (heartbeat keys are grouped by pool)
 TOKENIZER_POOL = "tokenizer"
-INFERENCE_POOL = "inference"
+INFERENCE_POOL = "inference"  # the first model's; another model's is `inference:<name>` (inference_pool)
 POOLS = (TOKENIZER_POOL, INFERENCE_POOL)
+
+
+def inference_pool(model: str = "") -> str:
+    """The inference pool of a model, by its queue name ('' the first model: `inference`)."""
+    return f"{INFERENCE_POOL}:{model}" if model else INFERENCE_POOL
+
+
+def pools(models: Iterable[str] = ("",)) -> tuple[str, ...]:
+    """The scaled pools of a deployment serving `models`: the tokenizer pool, then one inference pool each."""
+    return (TOKENIZER_POOL, *(inference_pool(m) for m in models))
 CELERY_POOL = "celery"  # heartbeats only (its consumers' liveness); not a scaled pool
 
 # Celery's broker queue (a list); kombu adds `_kombu.binding.<queue>` and, with acks late, `unacked`,
@@ -195,10 +230,11 @@ def prompt_logprobs_key(job_id: str) -> str:
     return f"{_job_prefix(job_id)}:plogprobs:{job_id}"
 
 
-def grammar_key(spec_key: str) -> str:
+def grammar_key(spec_key: str, model: str = "") -> str:
     """A compiled grammar (xgrammar's serialized form), by the hash of its spec: the tokenizer pool writes it,
-    inference workers read it. One key per distinct grammar, with a TTL."""
-    return f"{PREFIX}:grammar:{spec_key}"
+    inference workers read it. One key per distinct grammar and model (a grammar is compiled for a vocabulary;
+    `model` '' the first), with a TTL."""
+    return f"{PREFIX}:grammar:{spec_key}" + (f":{model}" if model else "")
 
 
 def file_key(file_id: str, part: str) -> str:
@@ -319,9 +355,9 @@ TOKENIZE = "tokenize"
 
 
 def stream_kind(name: bytes | str) -> str:
-    """A partitioned stream's kind (`jobs`, `tokenize`, ...): the part of its name after the hash tag."""
+    """A partitioned stream's kind (`jobs`, `tokenize`, ...): the last part of its name."""
     tagged = name.decode() if isinstance(name, bytes) else name
-    return tagged[tagged.index("}") + 2:]
+    return tagged.rsplit(":", 1)[1]
 
 
 def tokenize_call_id(partition: int, hex_id: str) -> str:

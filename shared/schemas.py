@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_typ
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from shared.grammar import GrammarError, GrammarSpec, check, from_openai, tools_spec
 from shared.grammar.tools import MAX_TOOLS
@@ -159,9 +160,12 @@ class GenerationRequest(SamplingParams):
     template) and `grammar` holds every call to a declared tool's schema (shared/grammar/tools.py)."""
 
     model_config = ConfigDict(extra="forbid")
-    # the model it runs on: the served model's name, or a LoRA adapter's (shared/lora.py); None the served model.
-    # The door checks it (404 model_not_found) and leaves only an adapter's name here
+    # the model it runs on: a served model's name, or a LoRA adapter's (shared/lora.py); None the default model.
+    # The door checks it (404 model_not_found) and leaves only an adapter's name here, its base in `base_model`
     model: Name | None = None
+    # the model whose queue and pool run it, when not the default (shared/served.py): the door sets it, whatever a
+    # client sent (api/models.py `Target.apply`)
+    base_model: SkipJsonSchema[Name | None] = None
     prompt: Content | None = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt_token_ids: PromptTokenIds | None = None  # the prompt as token ids, used as given

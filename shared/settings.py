@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.lora import LoraModule, static_modules
+from shared.served import ServedModel, parse_models
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -41,8 +42,12 @@ class Settings(BaseSettings):
     celery_broker_url: str = Field("", description="Celery's broker: a single-node Redis; empty means REDIS_URL "
                                                    "(a Redis Cluster cannot be Celery's broker)")
     cache_dir: Path = Field(default_factory=default_cache_dir, validation_alias="CONVEYOR_CACHE")
-    model: str = Field("", description="local model directory or hub id; empty means the default model")
+    model: str = Field("", description="local model directory or hub id; empty means the first of MODELS, else "
+                       "the default model")
     model_name: str = Field("", description="name reported by the API; defaults to the model dir's name")
+    models: str = Field("", description="several models served, each with a queue and an inference pool of its own: "
+                        "`name=path` items, or JSON objects {name, path, min_replicas, max_replicas}; the first is "
+                        "the default; an inference worker serves the one MODEL_NAME names (shared/served.py)")
 
     # api/
     host: str = "127.0.0.1"
@@ -161,18 +166,60 @@ class Settings(BaseSettings):
             raise ValueError("PROMPT_LOOKUP_MIN must be at most PROMPT_LOOKUP_MAX")
         if self.max_tokens_cap < 1 or self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("DEFAULT_MAX_TOKENS must be between 1 and MAX_TOKENS_CAP")
+        if self.models and self.served_model_name not in self.served:
+            raise ValueError(f"MODEL_NAME {self.served_model_name!r} is not one of MODELS ({', '.join(self.served)})")
         for m in self.loras.values():
-            if m.base_model_name != self.served_model_name:
-                raise ValueError(f"LORA_MODULES: {m.name}'s base_model_name {m.base_model_name!r} is not the model "
-                                 f"served, {self.served_model_name!r}")
-            if m.name == self.served_model_name:
-                raise ValueError(f"LORA_MODULES: {m.name!r} is the served model's own name")
+            if m.base_model_name not in self.served:
+                raise ValueError(f"LORA_MODULES: {m.name}'s base_model_name {m.base_model_name!r} is not a model "
+                                 f"served ({', '.join(self.served)})")
+            if m.name in self.served:
+                raise ValueError(f"LORA_MODULES: {m.name!r} is a served model's own name")
         return self
 
     @cached_property
     def loras(self) -> dict[str, LoraModule]:
-        """The adapters LORA_MODULES names, by name (ValueError for a malformed value)."""
-        return static_modules(self.lora_modules, self.served_model_name)
+        """The adapters LORA_MODULES names, by name (ValueError for a malformed value); `name=path` items are on
+        the default model."""
+        return static_modules(self.lora_modules, self.default_model)
+
+    @cached_property
+    def _listed(self) -> list[ServedModel]:
+        return parse_models(self.models)
+
+    @cached_property
+    def served(self) -> dict[str, ServedModel]:
+        """The models served, by name, the default first: MODELS', else the one MODEL names."""
+        return ({m.name: m for m in self._listed} if self._listed
+                else {self.served_model_name: ServedModel(self.served_model_name, self.model_path)})
+
+    @property
+    def default_model(self) -> str:
+        """The model a request that names none runs on: the first served."""
+        return next(iter(self.served))
+
+    def key_of(self, model: str | None) -> str:
+        """A served model's queue name (shared/names.py `model_prefix`): '' for the default model."""
+        return "" if model is None or model == self.default_model else model
+
+    @property
+    def model_key(self) -> str:
+        """This process's model's queue name (an inference worker's: the model MODEL_NAME names)."""
+        return self.key_of(self.served_model_name)
+
+    @property
+    def model_keys(self) -> list[str]:
+        """Every served model's queue name, the default's ('') first."""
+        return [self.key_of(name) for name in self.served]
+
+    def path_of(self, model: str | None) -> str:
+        """A served model's directory (None: the default model's)."""
+        return self.served[model or self.default_model].path
+
+    def bounds_of(self, model: str) -> tuple[int, int]:
+        """A served model's inference pool bounds: its own in MODELS, else INFERENCE_MIN and INFERENCE_MAX."""
+        m = self.served[model]
+        low = self.inference_min if m.min_replicas is None else m.min_replicas
+        return low, max(low, self.inference_max if m.max_replicas is None else m.max_replicas)
 
     @property
     def auth_required(self) -> bool:
@@ -185,7 +232,10 @@ class Settings(BaseSettings):
 
     @property
     def model_path(self) -> str:
-        return self.model or str(self.cache_dir / "models" / DEFAULT_MODEL_NAME)
+        """This process's model's directory: MODEL, else the first of MODELS', else the default model's."""
+        if self.model:
+            return self.model
+        return self._listed[0].path if self._listed else str(self.cache_dir / "models" / DEFAULT_MODEL_NAME)
 
     def require_model(self, weights: bool = True) -> str:
         """The local model directory, or exit saying what to do: a worker started without its model
@@ -202,7 +252,9 @@ class Settings(BaseSettings):
     def served_model_name(self) -> str:
         if self.model_name:
             return self.model_name
-        return Path(self.model_path).name if self.model else DEFAULT_MODEL_NAME
+        if self.model:
+            return Path(self.model_path).name
+        return self._listed[0].name if self._listed else DEFAULT_MODEL_NAME
 
     @property
     def redis_data_dir(self) -> Path:

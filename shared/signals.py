@@ -37,15 +37,33 @@ PAGE = 200
 COUNT_LIMIT = 1_000  # a counted lag stops here: well past where every pool is at its max
 WATCHED_POOLS = (*names.POOLS, names.CELERY_POOL)  # the pools a snapshot lists unless told otherwise
 
-POOL_STREAMS: dict[str, tuple[str, str]] = {  # pool -> (the kind of stream it reads, its group)
-    names.TOKENIZER_POOL: (names.JOBS, names.TOKENIZER_GROUP),
-    names.INFERENCE_POOL: (names.TOKENIZED, names.INFERENCE_GROUP),
-}
-# a `tokenized` stream's lag includes the jobs waiting in its partition's fair queue (shared/fair_queue.py),
-# counted by their payloads: {stream: payload hash}
-FAIR_STREAMS = {names.stream(names.TOKENIZED, p): names.fair_key(p, "payload") for p in names.partitions()}
-# {stream: group}, every partition's: the lags that `Snapshot.pool_signals` needs
-POOL_GROUPS = {stream: group for kind, group in POOL_STREAMS.values() for stream in names.streams(kind)}
+
+def pool_streams(models: Sequence[str] = ("",)) -> dict[str, tuple[list[str], str]]:
+    """Each scaled pool of a deployment serving `models` (their queue names, '' the default) -> (the streams it
+    reads, every partition's, and its group): the tokenizer pool reads `jobs`, each model's pool its `tokenized`."""
+    out = {names.TOKENIZER_POOL: (names.streams(names.JOBS), names.TOKENIZER_GROUP)}
+    for model in models:
+        out[names.inference_pool(model)] = (names.streams(names.TOKENIZED, model), names.INFERENCE_GROUP)
+    return out
+
+
+POOL_STREAMS = pool_streams()  # a one-model deployment's
+
+
+def pool_groups(models: Sequence[str] = ("",)) -> dict[str, str]:
+    """{stream: group} of `pool_streams`: the lags that `Snapshot.pool_signals` needs."""
+    return {stream: group for streams, group in pool_streams(models).values() for stream in streams}
+
+
+POOL_GROUPS = pool_groups()
+
+
+def fair_payloads(stream: str) -> str | None:
+    """A `tokenized` stream's lag includes the jobs waiting in its fair queue (shared/fair_queue.py), counted by
+    their payloads: the hash that holds them (None for a stream of another kind)."""
+    if names.stream_kind(stream) != names.TOKENIZED:
+        return None
+    return names.fair_key(names.stream_partition(stream), "payload", names.stream_model(stream))
 
 
 class GroupLag(NamedTuple):
@@ -98,15 +116,15 @@ class Snapshot:
     workers: Mapping[str, tuple[WorkerBeat, ...]]
     lags: Mapping[str, GroupLag]
 
-    def pool_signals(self, capacity_per_replica: int) -> dict[str, PoolSignals]:
+    def pool_signals(self, capacity_per_replica: int, models: Sequence[str] = ("",)) -> dict[str, PoolSignals]:
         """Each scaled pool's signals for the policy (shared/policy.py), by pool name: its input
         stream's lag and pending, plus, for inference, the sequences its engines hold. Needs the
-        lags of POOL_GROUPS and, for `running`, the inference pool's workers."""
+        lags of `pool_groups(models)` and, for `running`, the inference pools' workers."""
         out = {}
-        for pool, (kind, _group) in POOL_STREAMS.items():  # summed over the partitions
-            lag = sum(self.lags[stream].lag for stream in names.streams(kind))
-            pending = sum(self.lags[stream].pending for stream in names.streams(kind))
-            if pool == names.INFERENCE_POOL:
+        for pool, (streams, _group) in pool_streams(models).items():  # summed over the partitions
+            lag = sum(self.lags[stream].lag for stream in streams)
+            pending = sum(self.lags[stream].pending for stream in streams)
+            if pool != names.TOKENIZER_POOL:
                 held = sum(w.held for w in self.workers.get(pool, ()))
                 out[pool] = PoolSignals(lag, pending, held, capacity_per_replica)
             else:
@@ -122,7 +140,7 @@ def is_live(expires_at: float | None, now: float) -> bool:
 def lag_per_replica(settings: Settings) -> dict[str, int]:
     """Each scaled pool's target lag per replica (the policy's, and KEDA's lagCount), by pool name."""
     return {names.TOKENIZER_POOL: settings.tokenizer_lag_per_replica,
-            names.INFERENCE_POOL: settings.inference_lag_per_replica}
+            **{names.inference_pool(m): settings.inference_lag_per_replica for m in settings.model_keys}}
 
 
 def parse_registry(reply: Iterable[tuple[bytes | str, float]], now: float) -> tuple[str, ...]:
@@ -201,9 +219,10 @@ def read_snapshot(client: redis.Redis, pools: Sequence[str] = WATCHED_POOLS,
     for stream in streams:
         pipe.xinfo_groups(stream)
         pipe.xlen(stream)
-    waiting = [stream for stream in streams if stream in FAIR_STREAMS]
+    payloads = {stream: key for stream in streams if (key := fair_payloads(stream)) is not None}
+    waiting = list(payloads)
     for stream in waiting:
-        pipe.hlen(FAIR_STREAMS[stream])
+        pipe.hlen(payloads[stream])
     first = pipe.execute(raise_on_error=False)
     live = _live_by_pool(pools, first[:len(pools)], now)
     info = first[len(pools):len(pools) + 2 * len(streams)]

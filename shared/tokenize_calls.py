@@ -59,6 +59,8 @@ class TokenizeCall(BaseModel):
     text: Annotated[str, Field(max_length=MAX_STOP_TEXT)] | None = None
     stops: StopList | None = None
     deadline: float = 0.0  # unix s: past it, the caller no longer waits
+    # whose tokenizer: a served model's queue name (shared/served.py); None the default model's
+    base_model: Annotated[str, Field(max_length=64)] | None = None
 
     def to_wire(self) -> bytes:
         return orjson.dumps(self.model_dump(exclude_defaults=True, mode="json"))

@@ -73,7 +73,7 @@ def client() -> Any:
 @app.task(name="conveyor.trim_streams")
 def trim_streams() -> dict[str, int]:
     """Drop stream entries that every consumer has finished with."""
-    return upkeep.trim_all(client())
+    return upkeep.trim_all(client(), settings.model_keys)
 
 
 _after: AfterJob | None = None

@@ -5,6 +5,8 @@ is safe to run concurrently from many processes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import redis
 
 from shared import names
@@ -39,6 +41,7 @@ def trim_consumed(client: redis.Redis, stream: str, group: str) -> int:
     return int(client.execute_command("XTRIM", stream, "MINID", floor))
 
 
-def trim_all(client: redis.Redis) -> dict[str, int]:
-    """Trim every stream with a consumer group; entries removed, per stream."""
-    return {stream: trim_consumed(client, stream, group) for stream, group in names.STREAM_GROUPS.items()}
+def trim_all(client: redis.Redis, models: Sequence[str] = ("",)) -> dict[str, int]:
+    """Trim every stream with a consumer group (each served model's `tokenized` streams among them: `models`,
+    their queue names); entries removed, per stream."""
+    return {stream: trim_consumed(client, stream, group) for stream, group in names.stream_groups(models).items()}

@@ -45,13 +45,14 @@ async def readyz(redis: RedisDep, request: Request, settings: SettingsDep) -> JS
 
 async def _readiness(redis: RedisDep, settings: SettingsDep) -> JSONResponse:
     """Ready when Redis answers and every pool that is never empty has a live worker: with INFERENCE_MIN=0 the
-    inference pool may be at zero, and a job waits, queued, until a worker starts."""
+    inference pool may be at zero (or a model's whose `min_replicas` is 0), and a job waits, queued, until a worker
+    starts."""
     try:
-        pools = {pool: len(ids) for pool, ids in (await aread_live(redis, names.POOLS)).items()}
+        pools = {pool: len(ids) for pool, ids in (await aread_live(redis, names.pools(settings.model_keys))).items()}
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return JSONResponse({"status": "unavailable", "redis": False, "error": type(exc).__name__}, 503,
                             headers={"Retry-After": "2"})
-    may_be_empty = {names.INFERENCE_POOL} if settings.inference_min == 0 else set()
+    may_be_empty = {names.inference_pool(settings.key_of(m)) for m in settings.served if settings.bounds_of(m)[0] == 0}
     ready = all(n or pool in may_be_empty for pool, n in pools.items())
     return JSONResponse({"status": "ready" if ready else "not_ready", "redis": True, "workers": pools},
                         200 if ready else 503)

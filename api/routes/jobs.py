@@ -51,7 +51,7 @@ async def submit(body: GenerationRequest, response: Response, store: StoreDep, s
                  caller: CallerDep, throughput: ThroughputDep, redis: RedisDep,
                  idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Job:
     """Submit a generation job; poll it at Location or stream it from Location/events."""
-    body.model = await served.resolve(redis, settings, body.model, caller.tenant)
+    (await served.resolve(redis, settings, body.model, caller.tenant)).apply(body, settings)
     job, replayed, limits = await admit(store, throughput, settings, caller, check_request(body, settings),
                                         idempotency_key)
     response.headers.update(limits)

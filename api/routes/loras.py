@@ -21,6 +21,8 @@ class LoadLoraAdapter(BaseModel):
     model_config = ConfigDict(extra="ignore")  # vLLM's body also takes load_inplace; loading is by name here
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1, max_length=4096)
+    # the served model it adapts (MODELS, shared/served.py); none: the default model
+    base_model_name: str | None = Field(None, min_length=1, max_length=64)
 
 
 class UnloadLoraAdapter(BaseModel):
@@ -38,7 +40,7 @@ def _enabled(settings: SettingsDep) -> None:
 async def load_lora_adapter(body: LoadLoraAdapter, redis: RedisDep, settings: SettingsDep) -> str:
     """Serve a PEFT LoRA adapter of the served model under `lora_name`, checked from its files first."""
     _enabled(settings)
-    await served.load(redis, settings, body.lora_name, body.lora_path)
+    await served.load(redis, settings, body.lora_name, body.lora_path, body.base_model_name)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 

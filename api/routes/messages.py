@@ -48,14 +48,15 @@ def _failure(job: Job) -> ApiError:
     return ApiError(500, f"generation failed: {job.error or 'unknown error'}")
 
 
-def _stop_finder(client: Any, relay: Relay, stops: list[str]) -> StopOf:
-    """Which stop sequence ended a job, asked of the tokenizer pool (it reads the job's generated ids); None
-    when it ended otherwise, or when that cannot be known now."""
+def _stop_finder(client: Any, relay: Relay, stops: list[str], model: str | None = None) -> StopOf:
+    """Which stop sequence ended a job of `model` (its queue name; None the default), asked of the tokenizer pool
+    (it reads the job's generated ids with that model's tokenizer); None when it ended otherwise, or when that
+    cannot be known now."""
     async def stop_of(job: Job) -> str | None:
         if job.finish_reason is not FinishReason.stop or not stops:
             return None
         try:
-            call = TokenizeCall(kind="stop_sequence", job_id=job.id, text=job.text, stops=stops)
+            call = TokenizeCall(kind="stop_sequence", job_id=job.id, text=job.text, stops=stops, base_model=model)
             return (await ask(client, relay, call)).stop_sequence
         except (ApiError, ValidationError, RedisError):
             return None
@@ -67,9 +68,8 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
                          settings: SettingsDep, caller: CallerDep, throughput: ThroughputDep) -> Any:
     """Anthropic's Messages API, streaming or not."""
     client = request.app.state.redis
-    adapter = await served.resolve(client, settings, body.model, caller.tenant)
-    req = check_request(body.to_generation(), settings)
-    req.model = adapter
+    target = await served.resolve(client, settings, body.model, caller.tenant)
+    req = check_request(target.apply(body.to_generation(), settings), settings)
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(client, caller, slot):
         raise stream_refused(caller)
@@ -79,7 +79,7 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
         if body.stream:
             await release_stream_slot(client, caller, slot)
         raise
-    stop_of = _stop_finder(client, relay, list(req.stop))
+    stop_of = _stop_finder(client, relay, list(req.stop), req.base_model)
     if body.stream:
         ended: list[bool] = []
 
@@ -101,10 +101,10 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
 async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                        caller: CallerDep) -> dict[str, int]:
     """The prompt's tokens as a Messages request with this body would count them (the chat template's)."""
-    await served.resolve(client, settings, body.model, caller.tenant)
+    target = await served.resolve(client, settings, body.model, caller.tenant)
     body.refuse_unsupported()
     call = TokenizeCall(kind="tokenize", messages=body.chat(), tools=body.prompt_tools(), add_special_tokens=False,
-                        add_generation_prompt=True)
+                        add_generation_prompt=True, base_model=target.key(settings))
     reply = await ask(client, relay, call)
     return {"input_tokens": len(reply.tokens or [])}
 

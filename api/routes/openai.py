@@ -46,7 +46,7 @@ def _failure(job: Job) -> ApiError:
 
 @router.get("/models")
 async def models(request: Request, settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
-    """The served model, then its LoRA adapters (`parent`: the model), each with its `max_model_len`, as vLLM
+    """The served models, then their LoRA adapters (`parent`: the model), each with its `max_model_len`, as vLLM
     lists them."""
     return {"object": "list", "data": await served.listing(request.app.state.redis, settings, caller.tenant)}
 
@@ -54,10 +54,8 @@ async def models(request: Request, settings: SettingsDep, caller: CallerDep) -> 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
                  relay: Relay, settings: Settings, caller: Caller, throughput: Throughput, chat: bool) -> Any:
     """Both endpoints: a job per choice per prompt, streamed as chunks or awaited; only the shapes differ."""
-    adapter = await served.resolve(request.app.state.redis, settings, body.model, caller.tenant)
-    prompts = [check_request(g, settings) for g in body.to_generation()]
-    for p in prompts:
-        p.model = adapter
+    target = await served.resolve(request.app.state.redis, settings, body.model, caller.tenant)
+    prompts = [check_request(target.apply(g, settings), settings) for g in body.to_generation()]
     runs = choice_requests(prompts, body.n)
     echo = bool(getattr(body, "echo", False))
     logprobs = bool(body.logprobs is not None and body.logprobs is not False)

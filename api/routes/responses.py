@@ -77,11 +77,10 @@ async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) 
 async def create(body: ResponseRequest, request: Request, store: StoreDep, relay: RelayDep, settings: SettingsDep,
                  caller: CallerDep, throughput: ThroughputDep, redis: RedisDep) -> Any:
     """Create a response: answered when done, streamed (`stream`), or at once with status `queued` (`background`)."""
-    adapter = await served.resolve(redis, settings, body.model, caller.tenant)
+    target = await served.resolve(redis, settings, body.model, caller.tenant)
     body.check()
     conversation = await _conversation(store, body, caller)
-    gen = check_request(body.generation(conversation), settings)
-    gen.model = adapter
+    gen = check_request(target.apply(body.generation(conversation), settings), settings)
     meta_json = body.meta(conversation, settings.tool_call_parser if gen.calls_tools else None)
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(redis, caller, slot):

@@ -92,13 +92,14 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
-    def call(self) -> TokenizeCall:
+    def call(self, model: str | None = None) -> TokenizeCall:
+        """The call for the tokenizer of `model` (a served model's queue name; None the default)."""
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         special = self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
         return TokenizeCall(kind="tokenize", prompt=self.prompt, messages=self.messages, add_special_tokens=special,
                             add_generation_prompt=self.add_generation_prompt,
-                            return_token_strs=self.return_token_strs)
+                            return_token_strs=self.return_token_strs, base_model=model)
 
 
 class TokenizeResponse(BaseModel):
@@ -122,10 +123,11 @@ class DetokenizeResponse(BaseModel):
 async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                    caller: CallerDep) -> Any:
     """The prompt's or the chat's token ids, as the model's tokenizer gives them."""
-    await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer is its model's
-    reply = await ask(client, relay, body.call())
+    target = await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer: its model's
+    reply = await ask(client, relay, body.call(target.key(settings)))
     tokens = reply.tokens or []
-    return TokenizeResponse(count=len(tokens), max_model_len=model_context(settings.model_path, settings.max_model_len),
+    context = model_context(settings.path_of(target.model), settings.max_model_len)
+    return TokenizeResponse(count=len(tokens), max_model_len=context,
                             tokens=tokens, token_strs=reply.token_strs)
 
 
@@ -133,6 +135,7 @@ async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, set
 async def detokenize(body: DetokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
                      caller: CallerDep) -> Any:
     """The text of token ids."""
-    await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer is its model's
-    reply = await ask(client, relay, TokenizeCall(kind="detokenize", tokens=body.tokens))
+    target = await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer: its model's
+    reply = await ask(client, relay, TokenizeCall(kind="detokenize", tokens=body.tokens,
+                                                  base_model=target.key(settings)))
     return DetokenizeResponse(prompt=reply.prompt or "")

@@ -106,9 +106,23 @@ function setField(card, field, text) {
   return el;
 }
 
+function poolCard(name) {
+  // a model's own pool (`inference:<model>`, several models served) gets a card like the default model's
+  let card = document.getElementById(`pool-${name}`);
+  const first = document.getElementById("pool-inference");
+  if (!card && name.startsWith("inference:") && first) {
+    card = first.cloneNode(true);
+    card.id = `pool-${name}`;
+    card.dataset.pool = name;
+    card.querySelector("h2").firstChild.textContent = `${name} `;
+    first.parentElement.appendChild(card);
+  }
+  return card;
+}
+
 function renderPools(snap) {
   for (const [name, p] of Object.entries(snap.pools)) {
-    const card = document.getElementById(`pool-${name}`);
+    const card = poolCard(name);
     if (!card) continue;
     setField(card, "workers", String(p.workers)).classList.toggle("none", p.workers === 0);
     setField(card, "lag", fmt.int(p.lag));
@@ -116,7 +130,7 @@ function renderPools(snap) {
     const wants = p.load > 0 ? ` · wants ${Math.ceil(p.load / p.lag_per_replica)}` : "";
     setField(card, "load", `${p.load.toFixed(1)}`);
     card.querySelector('[data-field="load"]').title = `lag units; ${p.lag_per_replica} per replica${wants}`;
-    if (name === "inference") {
+    if (name === "inference" || name.startsWith("inference:")) {
       setField(card, "running", `${fmt.int(p.running)} / ${fmt.int(p.capacity)}`);
       setField(card, "waiting", fmt.int(p.waiting));
       const kv = p.kv_cache;

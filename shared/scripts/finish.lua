@@ -1,13 +1,14 @@
 -- finish: end an active job exactly once.
 -- KEYS: 1 job hash, 2 event stream, 3 token ids, 4 dequeued counter, 5 text, 6 the ended stream, 7-11 the
---       partition's fair queue: backlogged tenants, payloads, waiting jobs, the same by submit time, each
---       waiting job's place (fair_push.lua), 12-15 the owner's unfinished jobs, tenant hash, `tokens` and
+--       partition's fair queue of the job's model: backlogged tenants, payloads, waiting jobs, the same by
+--       submit time, each waiting job's place (fair_push.lua), 12-15 the owner's unfinished jobs, tenant hash, `tokens` and
 --       `batch_tokens` buckets (for a job without an owner, its own key stands in for each)
 -- ARGV: 1 status, 2 finish reason, 3 error, 4 now (unix s), 5 ttl (s), 6 the job's channel,
 --       7 required current status ('' any active one), 8 job id, 9 the ended stream's approximate cap,
 --       10 the owner KEYS 12-15 are named for ('' none), 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
 --       12 the ending worker ('' any: the API, a failure outside a worker's run): a worker ends only a job
---       whose record names it (start.lua's `worker`), 13.. field/value pairs to set on the record
+--       whose record names it (start.lua's `worker`), 13 the model queue KEYS 7-11 are named for (the record's
+--       `base_model`, '' the default model), 14.. field/value pairs to set on the record
 -- A job still waiting in the fair queue (shared/fair_queue.py) leaves it. Sets the terminal state, appends
 -- `done` to the event stream and publishes it, starts the retention clock of the job's keys and appends the
 -- job to the ended stream (the after-job work). A tenant's job leaves its unfinished count and gives back the
@@ -16,15 +17,15 @@
 -- first (or knows it): a record that names another owner has nothing written, and the caller reads it again.
 -- A job that does not exist, or is another worker's, has nothing written.
 -- Returns the done event's seq; 0 if the job had already ended (or was not in the required status);
---   -1 if it does not exist; -2 if the ending worker is not the job's; -3 if the record's owner is not the
---   one the keys were named for (nothing written: name them again).
+--   -1 if it does not exist; -2 if the ending worker is not the job's; -3 if the record's owner or model is not
+--   the one the keys were named for (nothing written: name them again).
 local job, events, ids, dequeued, text, ended = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local status, reason, err, now, ttl, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local backlog, payloads, queue, ages, places = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local active, tenant_key, tokens_bucket, batch_bucket = KEYS[12], KEYS[13], KEYS[14], KEYS[15]
 local required, job_id, ended_cap, named_owner, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
-local worker = ARGV[12]
-local rec = redis.call('HMGET', job, 'status', 'worker', 'owner')
+local worker, named_model = ARGV[12], ARGV[13]
+local rec = redis.call('HMGET', job, 'status', 'worker', 'owner', 'base_model')
 local st = rec[1]
 if not st then return -1 end
 -- before the status: a worker cut off while another took its job over hears so even once that one ended it
@@ -32,7 +33,7 @@ if worker ~= '' and (rec[2] or '') ~= worker then return -2 end
 if st ~= 'queued' and st ~= 'running' then return 0 end
 if required ~= '' and st ~= required then return 0 end
 local owner = rec[3] or ''
-if owner ~= named_owner then return -3 end
+if owner ~= named_owner or (rec[4] or '') ~= named_model then return -3 end
 if st == 'queued' then
   redis.call('INCR', dequeued)
   if redis.call('HDEL', payloads, job_id) == 1 then -- waiting in the fair queue: leave it
@@ -48,7 +49,7 @@ if st == 'queued' then
   end
 end
 redis.call('HSET', job, 'status', status, 'finish_reason', reason, 'error', err, 'finished_at', now)
-for i = 13, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+for i = 14, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 local seq = redis.call('HINCRBY', job, 'seq', 1)
 redis.call('XADD', events, '0-' .. seq, 'type', 'done')
 redis.call('EXPIRE', job, ttl)

@@ -51,8 +51,10 @@ class GrammarCompiler:
     """Compiled grammars into Redis, each under its spec's hash with a TTL; one compile at a time."""
 
     def __init__(self, model_path: str, client: redis.Redis, ttl_s: int, timeout_s: float = COMPILE_TIMEOUT_S,
-                 start_timeout_s: float = START_TIMEOUT_S, max_bytes: int = MAX_COMPILED_BYTES) -> None:
-        self.model_path, self.client, self.ttl_s = model_path, client, int(ttl_s)
+                 start_timeout_s: float = START_TIMEOUT_S, max_bytes: int = MAX_COMPILED_BYTES,
+                 model: str = "") -> None:
+        """`model`: the queue name of the model at `model_path` ('' the default), whose grammars these are."""
+        self.model_path, self.client, self.ttl_s, self.model = model_path, client, int(ttl_s), model
         self.timeout_s, self.start_timeout_s, self.max_bytes = timeout_s, start_timeout_s, max_bytes
         self.recent_s = min(RECENT_S, self.ttl_s / 4)  # well inside the TTL it refreshes
         self._recent: OrderedDict[str, float] = OrderedDict()
@@ -70,7 +72,7 @@ class GrammarCompiler:
     def prepare(self, spec: GrammarSpec) -> None:
         """Make sure the compiled grammar is in Redis, its TTL refreshed: compiled here if it is not there.
         GrammarError, with a message for the client, when it does not compile, not in time, or is too large."""
-        key = names.grammar_key(spec.key)
+        key = names.grammar_key(spec.key, self.model)
         with self._lock:
             now = time.monotonic()
             if now - self._recent.get(key, -self.recent_s) < self.recent_s:

@@ -1,6 +1,9 @@
 """The tokenizer pool's worker: `jobs` stream -> chat template + tokenize + the context check ->
-one `tokenized` record per job (shared.schemas.encode_request) -> its tenant's queue in the fair queue
-(shared/fair_queue.py), whence the inference workers take jobs fairest first. No torch here.
+one `tokenized` record per job (shared.schemas.encode_request) -> its tenant's queue in its model's fair queue
+(shared/fair_queue.py), whence that model's inference workers take jobs fairest first. No torch here.
+
+Every served model (MODELS, shared/served.py) has its tokenizer, chat template, context and grammar compiler here
+(`ModelTokens`), picked by the job's record (`base_model`; none: the default model).
 
 The same read takes the `tokenize` streams' calls (shared/tokenize_calls.py: `/tokenize`, `/detokenize`, token
 counts), each answered at once with its reply key and message, then acknowledged and deleted.
@@ -19,6 +22,7 @@ import signal
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -41,6 +45,22 @@ from workers.tokenizer.prompt import PromptBuilder, PromptError
 log = logging.getLogger("conveyor.tokenizer")
 
 
+@dataclass
+class ModelTokens:
+    """One served model's tokenizing: its prompt builder (tokenizer and chat template), its context, and its
+    grammar compiler, made when its first grammar arrives (a grammar is compiled for one vocabulary)."""
+    key: str  # its queue name ('' the default model)
+    path: str
+    prompts: PromptBuilder
+    context: int
+    compiler: GrammarCompiler | None = None
+
+    @classmethod
+    def load(cls, key: str, path: str, settings: Settings) -> ModelTokens:
+        return cls(key, path, PromptBuilder(path, settings.tool_chat_template),
+                   model_context(path, settings.max_model_len))
+
+
 class TokenizerWorker:
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
@@ -53,11 +73,11 @@ class TokenizerWorker:
                                        names.TOKENIZER_GROUP, self.worker_id, names.TOKENIZER_POOL,
                                        settings.claim_idle_ms, settings.delivery_limit)
         self.jobs = JobOps(self.client, settings.job_ttl_s)
-        self.prompts = PromptBuilder(settings.model_path, settings.tool_chat_template)
-        self.context = model_context(settings.model_path, settings.max_model_len)
+        self.models = {settings.key_of(m.name): ModelTokens.load(settings.key_of(m.name), m.path, settings)
+                       for m in settings.served.values()}
+        self.prompts = self.models[""].prompts  # the default model's
         self.stop_event = threading.Event()
         self.counters = {"processed": 0, "failed": 0, "batches": 0, "calls": 0}
-        self._compiler: GrammarCompiler | None = None
         self.next_claim = 0.0
 
     def run(self) -> None:
@@ -66,14 +86,16 @@ class TokenizerWorker:
                        lambda: dict(self.counters))
         hb.start()
         if self.settings.grammar_warm:  # its child starts (~2 s until it is forked) beside this loop
-            threading.Thread(target=self._grammars().warm, name="grammar-warm", daemon=True).start()
-        log.info("tokenizer worker %s ready (context %d tokens)", self.worker_id, self.context)
+            threading.Thread(target=self._grammars(self.models[""]).warm, name="grammar-warm", daemon=True).start()
+        log.info("tokenizer worker %s ready (%s)", self.worker_id,
+                 ", ".join(f"{m.path}: context {m.context} tokens" for m in self.models.values()))
         try:
             run_loop(self.step, self.stop_event, log, "tokenizer", on_outage=self.consumer.note_outage)
         finally:
             hb.stop()
-            if self._compiler is not None:
-                self._compiler.close()
+            for m in self.models.values():
+                if m.compiler is not None:
+                    m.compiler.close()
             log.info("tokenizer worker %s stopped", self.worker_id)
 
     def step(self) -> None:
@@ -145,16 +167,21 @@ class TokenizerWorker:
         self.counters["calls"] += len(entries)
 
     def _reply(self, call: TokenizeCall) -> TokenizeReply:
-        """A call's answer; what it holds that cannot be answered is an error reply, never raised."""
+        """A call's answer, with its model's tokenizer; what it holds that cannot be answered is an error reply,
+        never raised."""
+        served = self.models.get(call.base_model or "")
+        if served is None:
+            return TokenizeReply(error=f"the model {call.base_model!r} is not served", param="model")
+        prompts = served.prompts
         try:
             if call.kind == "detokenize":
-                return TokenizeReply(prompt=self.prompts.decode(call.tokens or []))
+                return TokenizeReply(prompt=prompts.decode(call.tokens or []))
             if call.kind == "stop_sequence":
-                return TokenizeReply(stop_sequence=self._stop_of(call))
-            source = call.prompt or "" if call.messages is None else self.prompts.chat(
+                return TokenizeReply(stop_sequence=self._stop_of(call, prompts))
+            source = call.prompt or "" if call.messages is None else prompts.chat(
                 call.messages, call.add_generation_prompt, call.tools)
-            ids = self.prompts.encode(source, call.add_special_tokens)
-            strs = self.prompts.token_strs(ids) if call.return_token_strs else None
+            ids = prompts.encode(source, call.add_special_tokens)
+            strs = prompts.token_strs(ids) if call.return_token_strs else None
             return TokenizeReply(tokens=ids, token_strs=strs)
         except PromptError as exc:
             return TokenizeReply(error=str(exc), param="tokens" if call.kind == "detokenize" else "messages")
@@ -162,46 +189,61 @@ class TokenizerWorker:
             log.exception("a tokenize call failed")
             return TokenizeReply(error=f"the call could not be answered ({type(exc).__name__})")
 
-    def _stop_of(self, call: TokenizeCall) -> str | None:
+    def _stop_of(self, call: TokenizeCall, prompts: PromptBuilder) -> str | None:
         """Which stop string followed the job's text in its generated ids (None: it ended otherwise)."""
         raw = self.client.get(names.tokens_key(call.job_id or "?"))
         if not raw or not call.stops:
             return None
         data = raw if isinstance(raw, bytes) else str(raw).encode("latin-1")
         ids = list(struct.unpack(f"<{len(data) // 4}i", data[:len(data) // 4 * 4]))
-        full = self.prompts.decode(ids, skip_special_tokens=True)
+        full = prompts.decode(ids, skip_special_tokens=True)
         at = len(call.text or "")
         return next((s for s in call.stops if full.startswith(s, at)), None)
 
     def _process(self, stream: str, entries: list[Entry]) -> None:
-        """Tokenize one partition's entries (their texts in one call) and queue each job's record in the
-        partition's fair queue. A job that cannot be tokenized fails alone, with its reason; nothing a
-        request holds can stop this loop."""
+        """Tokenize one partition's entries, model by model (the record's `base_model`), and queue each job in
+        its model's fair queue of the partition. A job for a model not served here fails alone."""
         job_ids = [_field(e.fields, "job_id") for e in entries]
         pipe = self.client.pipeline(transaction=False)
         for job_id in job_ids:
-            pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested", "trace", "created_at")
-        states = pipe.execute()
+            pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested", "trace", "created_at", "base_model")
+        by_model: dict[str, list[tuple[Entry, str | None, list[Any]]]] = {}
+        for entry, job_id, state in zip(entries, job_ids, pipe.execute()):
+            by_model.setdefault(text(state[4]), []).append((entry, job_id, state[:4]))
+        for key, group in by_model.items():
+            served = self.models.get(key)
+            if served is None:  # a record naming a model this deployment no longer serves: acknowledged, not queued
+                for _, job_id, (status, *_) in group:
+                    if job_id and status == b"queued":
+                        self._fail(job_id, f"the model {key!r} is not served")
+                fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e, _, _ in group], [])
+                continue
+            self._tokenize(stream, served, group)
+
+    def _tokenize(self, stream: str, served: ModelTokens, group: list[tuple[Entry, str | None, list[Any]]]) -> None:
+        """Tokenize one partition's entries of one model (their texts in one call) and queue each job's record in
+        the model's fair queue. A job that cannot be tokenized fails alone, with its reason; nothing a request
+        holds can stop this loop."""
         started = time.time()
         prepared: list[tuple[str, GenerationRequest, str | None]] = []  # (job, request, prompt text or None: ids)
         traces: dict[str, tuple[str, float]] = {}  # traced jobs: (carrier, created_at)
-        for entry, job_id, (status, cancel, trace, created) in zip(entries, job_ids, states):
+        for entry, job_id, (status, cancel, trace, created) in group:
             if not job_id or status != b"queued" or cancel == b"1":
                 continue  # cancelled, expired or already taken further: nothing to do
             if trace:
                 traces[job_id] = (trace.decode(), float(created or started))
-            ready = self._prepare(job_id, entry)
+            ready = self._prepare(job_id, entry, served)
             if ready is not None:
                 prepared.append((job_id, *ready))
         texts = [(p, req.prompt is not None) for _, req, p in prepared if p is not None]
-        encoded = iter(self._encode([t for t, _ in texts], [raw for _, raw in texts]) if texts else [])
+        encoded = iter(self._encode(served.prompts, [t for t, _ in texts], [raw for _, raw in texts]) if texts else [])
         ids = [req.prompt_token_ids if p is None else next(encoded) for _, req, p in prepared]
         now = time.time()
         queued = [q for (job_id, req, _), prompt_ids in zip(prepared, ids)
-                  if (q := self._record(job_id, req, prompt_ids, traces.get(job_id, ("",))[0], (started, now)))
-                  is not None]
-        fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e in entries], queued,
-                        self.settings.fair_share, self.settings.job_ttl_s)
+                  if (q := self._record(job_id, req, prompt_ids, served.context, traces.get(job_id, ("",))[0],
+                                        (started, now))) is not None]
+        fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e, _, _ in group], queued,
+                        self.settings.fair_share, self.settings.job_ttl_s, served.key)
         self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
         self._trace(traces, prepared, ids, started, now)
@@ -220,14 +262,14 @@ class TokenizerWorker:
                            {**attrs, "gen_ai.usage.input_tokens": tokens.get(job_id), "conveyor.batch.jobs":
                             len(prepared)})
 
-    def _prepare(self, job_id: str, entry: Entry) -> tuple[GenerationRequest, str | None] | None:
-        """The job's request and its prompt text (None: given as token ids), its grammar compiled; None when
-        the job failed instead."""
+    def _prepare(self, job_id: str, entry: Entry, served: ModelTokens) -> tuple[GenerationRequest, str | None] | None:
+        """The job's request and its prompt text (None: given as token ids), its grammar compiled for its model;
+        None when the job failed instead."""
         try:
             req = GenerationRequest.from_wire(_field(entry.fields, "request") or "")
-            prompt = None if req.prompt_token_ids is not None else self.prompts.render(req)
+            prompt = None if req.prompt_token_ids is not None else served.prompts.render(req)
             if req.grammar is not None:
-                self._grammars().prepare(req.grammar.spec)
+                self._grammars(served).prepare(req.grammar.spec)
             return req, prompt
         except GrammarError as exc:
             self._fail(job_id, f"invalid grammar: {exc}")
@@ -238,15 +280,15 @@ class TokenizerWorker:
             self._fail(job_id, f"the request could not be tokenized ({type(exc).__name__})")
         return None
 
-    def _record(self, job_id: str, req: GenerationRequest, prompt_ids: list[int] | None, trace: str = "",
-                times: tuple[float, float] = (0.0, 0.0)) -> tuple[str, int, int, bytes] | None:
+    def _record(self, job_id: str, req: GenerationRequest, prompt_ids: list[int] | None, context: int,
+                trace: str = "", times: tuple[float, float] = (0.0, 0.0)) -> tuple[str, int, int, bytes] | None:
         """What the fair queue takes for the job: (job id, priority, prompt tokens, its `tokenized` record);
-        None when its prompt cannot run in the context, or a value cannot travel (the job fails)."""
+        None when its prompt cannot run in its model's `context`, or a value cannot travel (the job fails)."""
         if prompt_ids is None:
             self._fail(job_id, "the prompt could not be tokenized")
             return None
         try:
-            problem = context_problem(len(prompt_ids), req.max_tokens, self.context)
+            problem = context_problem(len(prompt_ids), req.max_tokens, context)
             if problem is None:
                 request = req.tokenized(job_id, prompt_ids)
                 request.trace, (request.tokenize_at, request.tokenized_at) = trace, times
@@ -256,22 +298,23 @@ class TokenizerWorker:
         self._fail(job_id, problem)
         return None
 
-    def _grammars(self) -> GrammarCompiler:
-        """The grammar compiler (workers/tokenizer/grammar.py), made when the first grammar arrives."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self.settings.model_path, self.client, self.settings.job_ttl_s)
-        return self._compiler
+    def _grammars(self, served: ModelTokens) -> GrammarCompiler:
+        """A model's grammar compiler (workers/tokenizer/grammar.py), made when its first grammar arrives."""
+        if served.compiler is None:
+            served.compiler = GrammarCompiler(served.path, self.client, self.settings.job_ttl_s, model=served.key)
+        return served.compiler
 
-    def _encode(self, texts: list[str], raw: list[bool]) -> list[list[int] | None]:
+    @staticmethod
+    def _encode(prompts: PromptBuilder, texts: list[str], raw: list[bool]) -> list[list[int] | None]:
         """Token ids per text; when the batch call fails, text by text, failing the culprits (None)."""
         try:
-            return list(self.prompts.encode_batch(texts, raw))
+            return list(prompts.encode_batch(texts, raw))
         except Exception:  # noqa: BLE001
             log.exception("batch encode failed; encoding one by one")
         out: list[list[int] | None] = []
         for one, r in zip(texts, raw):
             try:
-                out.append(self.prompts.encode_batch([one], [r])[0])
+                out.append(prompts.encode_batch([one], [r])[0])
             except Exception:  # noqa: BLE001
                 out.append(None)
         return out
