@@ -7,17 +7,19 @@ import shutil
 from pathlib import Path
 
 
-def make_tiny_model(out: Path, tokenizer_from: str) -> str:
+def make_tiny_model(out: Path, tokenizer_from: str, seed: int = 0, hidden_size: int = 64) -> str:
     """A randomly initialised Llama of the default model's shape family, tiny, with the real tokenizer
     (copied from `tokenizer_from`): what the tests and every `--quick` run use. Its LM head is its own
     (not the embeddings, as in the default model): tied random weights make every prompt's greedy
-    continuation repeat the last token, which would hide any mix-up between jobs."""
+    continuation repeat the last token, which would hide any mix-up between jobs. Another `seed` (and
+    `hidden_size`) makes another checkpoint, for a deployment serving several models."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(out)

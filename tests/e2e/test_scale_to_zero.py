@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from shared import names
 from tests.conftest import Stack, start_stack, stop_stack
@@ -19,14 +18,11 @@ from tests.helpers import iter_sse, submit, until, wait
 
 
 @pytest.fixture(scope="module", params=["single", "cluster"])
-def zero_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, redis_server: Any,
+def zero_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                tiny_model_dir: str) -> Iterator[Stack]:
-    if request.param == "single":
-        url, args = redis_server.url.rsplit("/", 1)[0] + "/7", ["--inference", "0"]
-        redis.Redis.from_url(url).flushdb()
-    else:
-        url, args = "", ["--inference", "0", "--redis-cluster", "3"]
-    stack = start_stack(tmp_path_factory.mktemp(f"zero-{request.param}"), url, tiny_model_dir, args=args,
+    # its own redis-server (a shared one's databases are all other tests'), or the local cluster
+    args = ["--inference", "0"] + ([] if request.param == "single" else ["--redis-cluster", "3"])
+    stack = start_stack(tmp_path_factory.mktemp(f"zero-{request.param}"), "", tiny_model_dir, args=args,
                         extra={"AUTOSCALE_PERIOD_S": "0.5", "SCALE_IN_COOLDOWN_S": "3"}, autoscale=True)
     yield stack
     stop_stack(stack)
