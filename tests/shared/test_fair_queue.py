@@ -28,6 +28,7 @@ SLOTS = 4
 PROMPT, MAX_TOKENS = 10, 8
 JOB_COST = PROMPT * INPUT_COST + MAX_TOKENS * OUTPUT_COST
 BOUND = 2 * JOB_COST  # the paper's: twice the largest job's cost
+OTHER = "other"  # a second model's queue (shared/served.py), in the same partition
 
 
 @pytest.fixture
@@ -35,6 +36,7 @@ def raw(redis_server) -> Iterator[redis.Redis]:  # type: ignore[no-untyped-def]
     client = sync_client(redis_server.url.rsplit("/", 1)[0] + "/2", decode=False)
     client.flushdb()
     client.xgroup_create(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, id="0", mkstream=True)
+    client.xgroup_create(names.stream(names.TOKENIZED, 0, OTHER), names.INFERENCE_GROUP, id="0", mkstream=True)
     client.xgroup_create(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, id="0", mkstream=True)
     yield client
     client.flushdb()
@@ -55,23 +57,24 @@ class Sim:
     started: list[str] = field(default_factory=list)
     n: int = 0
     busy: int = 0  # slots running in the last step
+    model: str = ""  # the model queue its jobs wait in and its engine pops ('' the default model's)
 
     def __post_init__(self) -> None:
-        self.queue = FairQueue(self.r, "engine-1")
-        self.ops = JobOps(self.r, 3600)
+        self.queue = FairQueue(self.r, "engine-1", self.model)
+        self.ops = JobOps(self.r, 3600, self.model)
 
     def submit(self, tenant: str, count: int, priority: int = 0) -> list[str]:
         """`count` jobs of `tenant`, stored as submit.lua stores them and pushed as the tokenizer pushes."""
         ids = []
         for _ in range(count):
             self.n += 1
-            job_id = names.job_id_in(0, f"{self.n:030x}")
-            rec = new_record(job_id, "m", "{}")
+            job_id = names.job_id_in(0, f"{self.model.encode().hex()[:10]}{self.n:020x}")
+            rec = new_record(job_id, "m", "{}") | ({"base_model": self.model} if self.model else {})
             self.r.hset(names.job_key(job_id), mapping={**{k: v for k, v in rec.items() if k != "request"},
                                                        "owner": tenant, "weight": self.weights[tenant]})
             self.length[job_id] = 2 + self.n * 5 % (MAX_TOKENS - 1)
             row = encode_request(Request(job_id, [1] * PROMPT, max_tokens=self.length[job_id]))
-            assert fair_queue.push(self.r, 0, [], [(job_id, priority, PROMPT, row)]) == 1
+            assert fair_queue.push(self.r, 0, [], [(job_id, priority, PROMPT, row)], model=self.model) == 1
             self.owner[job_id] = tenant
             ids.append(job_id)
         return ids
@@ -112,15 +115,17 @@ class Sim:
                 del self.running[job_id]
 
     def waiting(self, tenant: str) -> int:
-        return len(fair_queue.waiting_jobs(self.r, 0, tenant))
+        return len(fair_queue.waiting_jobs(self.r, 0, tenant, self.model))
 
     def gap(self, a: str, b: str) -> float:
         return abs(self.served[a] / self.weights[a] - self.served[b] / self.weights[b])
 
 
+@pytest.mark.parametrize("model", ["", OTHER], ids=["default-model", "other-model"])
 @pytest.mark.parametrize("weights", [{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 3.0}], ids=["1:1", "1:3"])
-def test_backlogged_tenants_are_served_by_weight_within_the_bound(raw: redis.Redis, weights: dict[str, float]) -> None:
-    sim = Sim(raw, weights)
+def test_backlogged_tenants_are_served_by_weight_within_the_bound(raw: redis.Redis, weights: dict[str, float],
+                                                                  model: str) -> None:
+    sim = Sim(raw, weights, model=model)
     sim.submit("a", 60)
     sim.submit("b", 60)
     worst = 0.0
@@ -184,6 +189,23 @@ def test_a_job_ended_while_waiting_leaves_the_queue(raw: redis.Redis) -> None:
     assert sim.waiting("a") == 0 and not raw.zscore(names.fair_key(0, "tenants"), "a")
     assert not raw.hexists(names.fair_key(0, "payload"), job_id)
     assert sim.queue.pop(4, None) == []
+
+
+def test_each_model_has_its_own_queue(raw: redis.Redis) -> None:
+    """Two models' jobs in one partition: each model's engines take only its own, in its own fair order, and a
+    job of the second model ended while it waits (finish reads its record's model) leaves that model's queue."""
+    first, second = Sim(raw, {"a": 1.0, "b": 1.0}), Sim(raw, {"a": 1.0, "b": 1.0}, model=OTHER)
+    mine, theirs = first.submit("a", 3), second.submit("a", 2) + second.submit("b", 2)
+    assert names.fair_key(0, "queue", OTHER).startswith("conveyor:{p0}:")  # the partition's slot, its own keys
+    assert first.waiting("a") == 3 and second.waiting("a") == 2 and second.waiting("b") == 2
+    assert second.ops.finish(theirs[0], FinishReason.cancelled) is not None
+    assert JobOps(raw, 3600).finish(theirs[1], FinishReason.cancelled) is not None  # any process: the record names it
+    assert second.waiting("a") == 0 and first.waiting("a") == 3
+    assert not raw.zscore(names.fair_key(0, "tenants", OTHER), "a")
+    taken = [e.fields[b"batch"] for e in second.queue.pop(8, None)]
+    assert [row["id"] for b in taken for row in from_ipc(b, TOKENIZED_SCHEMA).to_pylist()] == theirs[2:]
+    assert {e.stream for e in first.queue.pop(8, None)} == {names.stream(names.TOKENIZED, 0)}
+    assert first.waiting("a") == 0 and mine
 
 
 def test_a_push_sent_twice_queues_once(raw: redis.Redis) -> None:
