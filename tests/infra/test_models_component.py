@@ -1,0 +1,73 @@
+"""The Kubernetes component for several models (infra/k8s/models), built as `kubectl apply -k` builds it with the
+component turned on: one inference Deployment and one ScaledObject per model, their pods never selected by the
+other's Deployment, each Deployment serving the model its MODEL_NAME names (one of MODELS), each ScaledObject
+reading that model's load from /scaling?model= and scaling it from zero, and the configuration valid settings."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from shared.settings import Settings
+from tests.infra.deploy_files import CORE_KINDS, K8S, KUBERNETES_VERSION, KUSTOMIZATION, PASSWORD, selects
+from tests.infra.test_k8s import secret_references
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("no kubectl")
+    build = tmp_path_factory.mktemp("k8s-models") / "k8s"
+    shutil.copytree(K8S, build, ignore=shutil.ignore_patterns("redis.env"))
+    refs = secret_references()
+    for gen in KUSTOMIZATION["secretGenerator"]:
+        for env_file in gen["envs"]:
+            (build / env_file).write_text("".join(f"{key}={PASSWORD}\n" for key in sorted(refs[gen["name"]])))
+    kustomization = yaml.safe_load((build / "kustomization.yaml").read_text())
+    (build / "kustomization.yaml").write_text(yaml.safe_dump({**kustomization, "components": ["models"]}))
+    out = subprocess.run(["kubectl", "kustomize", str(build)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _env(deployment: dict[str, Any]) -> dict[str, str]:
+    [c] = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e.get("value", "") for e in c.get("env", [])}
+
+
+def test_each_model_has_a_deployment_and_a_scaled_object(built: list[dict[str, Any]]) -> None:
+    for doc in built:
+        if doc["kind"] in CORE_KINDS or doc["kind"] == "PersistentVolumeClaim":
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    config = next(d["data"] for d in built if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "conveyor")
+    settings = Settings(**{k.lower(): v for k, v in config.items() if v != ""})
+    inference = {d["metadata"]["name"]: d for d in built if d["kind"] == "Deployment"
+                 and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "inference"}
+    served = {_env(d).get("MODEL_NAME") or settings.default_model: name for name, d in inference.items()}
+    assert served == {model: "inference" if model == settings.default_model else f"inference-{model}"
+                      for model in settings.served}
+    for name, d in inference.items():  # no Deployment selects another's pods
+        for other in inference.values():
+            if other is not d:
+                assert not selects(d["spec"]["selector"], other["spec"]["template"]["metadata"]["labels"])
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d["spec"] for d in built if d["kind"] == "ScaledObject"}
+    for model, deployment in served.items():
+        [trigger] = scaled[deployment]["triggers"]
+        asked = parse_qs(urlparse(trigger["metadata"]["url"]).query).get("model")
+        assert asked == (None if model == settings.default_model else [model])
+        assert trigger["metadata"]["valueLocation"] == "inference.load"
+        if model != settings.default_model:
+            assert scaled[deployment]["minReplicaCount"] == 0 and settings.bounds_of(model)[0] == 0
+            path = Path(_env(inference[deployment])["MODEL"])
+            assert str(path) == settings.path_of(model)
+            mounts = {m["mountPath"] for c in ("api", "tokenizer") for d in built if d["kind"] == "Deployment"
+                      and d["metadata"]["name"] == c for m in d["spec"]["template"]["spec"]["containers"][0]
+                      ["volumeMounts"]}
+            assert any(path.is_relative_to(m) for m in mounts)  # the API and the tokenizer pool read its files
