@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.model_cmd == "path":
             print(settings.model_path)
             return
+        if settings.models and not settings.model:  # every model of MODELS (the default one fetched where named)
+            from shared.settings import DEFAULT_MODEL_NAME
+
+            default = str(settings.cache_dir / "models" / DEFAULT_MODEL_NAME)
+            for m in settings.served.values():
+                print(pull("" if m.path == default else m.path, Path(m.path)))
+            return
         path = pull(settings.model, Path(settings.model_path))
         print(path)
     elif args.cmd == "up":
