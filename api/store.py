@@ -55,7 +55,7 @@ class JobStore:
         tenant's limits and the queue cap are checked first; a refusal stores nothing. `max_waiting` caps
         the depth of the job's partition (0: no cap): the service-wide cap's share, `partition_cap`.
         `budget` 'batch' (a batch line) charges the tenant's batch_tpm bucket instead of its rpm and tpm."""
-        model = req.model or self.settings.served_model_name
+        model = req.model or req.base_model or self.settings.default_model  # the name asked for
         job_id, record, request_json = new_job(req, model, self.settings.tool_call_parser,
                                                owner, idempotency_key or "", fields)
         reply = await self.jobs.submit(

@@ -57,7 +57,8 @@ def document_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any
     """State this deployment's bounds in its OpenAPI schema, so clients and schema-driven tools see
     what check_request enforces; and that a job takes exactly one of `prompt` or `messages`."""
     comps = schema.get("components", {}).get("schemas", {})
-    vocab = vocab_size(settings.model_path)
+    sizes = [v for m in settings.served.values() if (v := vocab_size(m.path)) is not None]
+    vocab = max(sizes) if sizes else None  # the largest of the models served (the door checks each its own)
     for name in ("GenerationRequest", "CompletionRequest", "ChatCompletionRequest"):
         props = comps.get(name, {}).get("properties", {})
         for field in ("max_tokens", "max_completion_tokens"):

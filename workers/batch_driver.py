@@ -221,7 +221,7 @@ class BatchDriver:
         fields = {"batch": batch_id}
         if "response" in line:
             fields["response"] = line["response"]  # what the Responses API keeps with its job (api/responses.py)
-        model = req.model or self.settings.served_model_name
+        model = req.model or req.base_model or self.settings.default_model  # the name the line asked for
         job_id, record, request_json = new_job(req, model, self.settings.tool_call_parser,
                                                owner, idempotency_key, fields, trace)
         write = submit_write(job_id, record, request_json, self.settings.job_ttl_s, owner=owner,

@@ -82,6 +82,11 @@ def test_every_model_and_adapter_mixed_equals_transformers(models_stack: Stack, 
         job = wait(c, submit(c, prompt=PROMPTS[0], model="b-lora", max_tokens=N, temperature=0,
                                 ignore_eos=True)["id"])
         assert job["model"] == "b-lora" and job["text"] == want[("b-lora", PROMPTS[0])]
+        job = wait(c, submit(c, prompt=PROMPTS[1], model=SECOND, max_tokens=N, temperature=0, ignore_eos=True)["id"])
+        assert job["model"] == SECOND and job["text"] == want[(SECOND, PROMPTS[1])]
+    chat = httpx.post(f"{models_stack.url}/v1/chat/completions", timeout=60, json={
+        "model": SECOND, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == SECOND
 
 
 def test_a_backlog_on_one_model_does_not_delay_another(models_stack: Stack) -> None:

@@ -164,7 +164,8 @@ def test_scaling_reports_every_partitions_lag(tmp_path: Path, partitions: int) -
     try:
         r = redis.Redis.from_url(url)
         lags: dict[str, list[int]] = {pool: [] for pool in POOL_STREAMS}  # by partition
-        for pool, (kind, group) in POOL_STREAMS.items():
+        for pool, (streams, group) in POOL_STREAMS.items():
+            kind = names.stream_kind(streams[0])  # (the deployment's partitions, not this process's)
             for p in range(partitions):
                 stream = names.stream(kind, p)
                 r.xgroup_create(stream, group, id="0", mkstream=True)
