@@ -27,7 +27,7 @@ from urllib.parse import quote
 
 import redis
 
-from infra.redis_server import RedisServer, _write_private, free_port
+from infra.redis_server import PortTaken, RedisServer, _write_private, free_port
 
 NODES_FILE = "nodes.conf"
 MIN_VERSION = (7, 0)
@@ -157,6 +157,26 @@ class LocalCluster:
         return ClusterNode(self.data_dir / str(port), port, cluster_port, self.password, self.appendfsync,
                            self.maxmemory_mb, self.node_timeout_ms, self.die_with_parent)
 
+    def _start_node(self, n: ClusterNode, fresh: bool, deadline: float) -> ClusterNode:
+        """Start a node; a new cluster's node whose ports another process took after free_port chose them (its
+        race) gets two fresh ones, twice at most. A restarted cluster's ports are its nodes.conf's: never changed."""
+        for attempt in range(3):
+            try:
+                n.start(timeout=max(1.0, deadline - time.monotonic()))
+                return n
+            except PortTaken:
+                if not fresh or attempt == 2:
+                    raise
+                used = {p for m in self.nodes for p in (m.port, m.cluster_port)}
+                fresh_ports: list[int] = []
+                while len(fresh_ports) < 2:
+                    if (p := free_port()) not in used and p not in fresh_ports:
+                        fresh_ports.append(p)
+                port, bus = fresh_ports
+                shutil.rmtree(n.data_dir, ignore_errors=True)
+                n = self._node(port, bus)
+        return n
+
     def node(self, port: int) -> ClusterNode:
         for n in self.nodes:
             if n.port == port:
@@ -188,9 +208,9 @@ class LocalCluster:
         cluster_binary()
         cli = cli_binary()
         try:
-            for n in self.nodes:
+            for i, n in enumerate(self.nodes):
                 if n.proc is None or n.dead():
-                    n.start(timeout=max(1.0, deadline - time.monotonic()))
+                    self.nodes[i] = self._start_node(n, fresh=not restart, deadline=deadline)
             if not restart:
                 self._create(cli, deadline)
             self._wait(deadline, attached=True)

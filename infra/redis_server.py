@@ -54,6 +54,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(RuntimeError):
+    """redis-server could not listen: a port chosen free (free_port) was taken before it bound it."""
+
+
+def port_taken(log: Path) -> bool:
+    """Whether a server's log ends with its failure to bind a port."""
+    try:
+        tail = log.read_bytes()[-2000:]
+    except OSError:
+        return False
+    return b"Address already in use" in tail
+
+
 class RedisServer:
     """A redis-server child process. `start()` returns its URL once it answers PING.
 
@@ -68,6 +81,7 @@ class RedisServer:
         self.die_with_parent = die_with_parent
         self.appendfsync = appendfsync
         self.port = port or free_port()
+        self.chosen_port = not port  # chosen here: another may be chosen if it is taken before the server binds it
         self.appendonly = appendonly
         self.password = secrets.token_urlsafe(24) if password is None else password
         self.maxmemory_mb = maxmemory_mb
@@ -113,6 +127,22 @@ class RedisServer:
         _write_private(Path(path), json.dumps(info) + "\n")
 
     def start(self, timeout: float = 15.0) -> str:
+        """Start it and wait until it answers PING. At its first start, a port this object chose that another process
+        took meanwhile (free_port's race) is chosen again, twice at most; PortTaken when that keeps failing."""
+        for _ in range(2):
+            try:
+                url = self._start(timeout)
+                break
+            except PortTaken:
+                if not self.chosen_port:
+                    raise
+                self.port = free_port()
+        else:
+            url = self._start(timeout)
+        self.chosen_port = False  # clients know it now: a restart keeps it
+        return url
+
+    def _start(self, timeout: float) -> str:
         self.write_config()
         log = open(self.data_dir / "redis.log", "ab")
         # SIGTERM when the starting process dies, however it dies: redis flushes its append-only file
@@ -124,8 +154,8 @@ class RedisServer:
         try:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}; "
-                                       f"see {self.data_dir}/redis.log")
+                    kind = PortTaken if port_taken(self.data_dir / "redis.log") else RuntimeError
+                    raise kind(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
                 try:
                     if client.ping():
                         return self.url
