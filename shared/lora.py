@@ -91,22 +91,8 @@ def parse_modules(value: str, default_base: str) -> list[LoraModule]:
     """`LORA_MODULES` in vLLM's forms: items `name=path` (separated by spaces or commas), JSON objects
     `{"name": ..., "path": ..., "base_model_name": ...}`, or a JSON list of those; ValueError naming the item at
     fault. An adapter without a base is on the default model."""
-    value = value.strip()
-    if not value:
-        return []
-    items: list[Any]
-    if value[0] in "[{":
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = None
-            items = json_objects(value)
-        else:
-            items = parsed if isinstance(parsed, list) else [parsed]
-    else:
-        items = [t for t in re.split(r"[\s,]+", value) if t]
     out: list[LoraModule] = []
-    for item in items:
+    for item in setting_items(value):
         if isinstance(item, str):
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
@@ -121,6 +107,21 @@ def parse_modules(value: str, default_base: str) -> list[LoraModule]:
             raise ValueError(f"LORA_MODULES: {module.name!r} is named twice")
         out.append(module)
     return out
+
+
+def setting_items(value: str) -> list[Any]:
+    """The items of a setting in vLLM's list forms (LORA_MODULES, MODELS): `name=path` strings separated by spaces
+    or commas, JSON objects one after another, or a JSON list of them."""
+    value = value.strip()
+    if not value:
+        return []
+    if value[0] in "[{":
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return json_objects(value)
+        return parsed if isinstance(parsed, list) else [parsed]
+    return [t for t in re.split(r"[\s,]+", value) if t]
 
 
 def json_objects(value: str) -> list[Any]:

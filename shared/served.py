@@ -9,12 +9,11 @@ model's pool bounds default to INFERENCE_MIN and INFERENCE_MAX. No torch here: t
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from shared.lora import json_objects
+from shared.lora import setting_items
 
 # a model's name is a key part (`conveyor:{p0}:m:<name>:...`) and a pool's (`inference:<name>`): no ':' nor braces
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -41,21 +40,8 @@ def _bound(item: dict[str, Any], field: str) -> int | None:
 
 def parse_models(value: str) -> list[ServedModel]:
     """`MODELS` as a list, the default first; ValueError naming the item at fault."""
-    value = value.strip()
-    if not value:
-        return []
-    items: list[Any]
-    if value[0] in "[{":
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            items = json_objects(value)
-        else:
-            items = parsed if isinstance(parsed, list) else [parsed]
-    else:
-        items = [t for t in re.split(r"[\s,]+", value) if t]
     out: list[ServedModel] = []
-    for item in items:
+    for item in setting_items(value):
         if isinstance(item, str):
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
