@@ -12,6 +12,7 @@ CPU of guidellm itself, which shares the cores.
 
     .venv/bin/python -m bench vllm serving --levels 1,8,32 --repeats 3
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-traced --dtype auto --levels 32   # traces
+    .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-unbound,vllm --levels 32   # binding
     .venv/bin/python -m bench vllm serving --quick      # seconds: a tiny model, conveyor only, one run of
                                                          # 1 stream for 4 s or 8 requests, 4 tokens per request,
                                                          # no warm-up, guidellm making 8 prompts ahead (not 4,096)
@@ -165,6 +166,14 @@ class TracedConveyor(Conveyor):
         self.receiver.__exit__(None, None, None)
 
 
+class UnboundConveyor(Conveyor):
+    """conveyor with its compute threads placed by the OS (CPU_BIND_THREADS=false), as several workers on a host."""
+    name = "conveyor-unbound"
+
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(model, dtype, workdir, {**(env or {}), "CPU_BIND_THREADS": "false"})
+
+
 class Vllm:
     name, metric_prefix = "vllm", "vllm:"
 
@@ -239,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = []
     for name in args.servers.split(","):
         (workdir / name).mkdir(parents=True, exist_ok=True)
-        kinds = {"conveyor": Conveyor, "conveyor-traced": TracedConveyor}
+        kinds: dict[str, type[Conveyor]] = {"conveyor": Conveyor, "conveyor-traced": TracedConveyor,
+                                            "conveyor-unbound": UnboundConveyor}
         servers.append(kinds[name](args.model, args.dtype, workdir / name, env) if name in kinds
                        else Vllm(args.model, args.dtype, workdir / name))
     runs: list[dict] = []

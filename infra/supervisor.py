@@ -180,6 +180,13 @@ def celery_argv(settings: Settings) -> list[str]:
             "--hostname", "conveyor@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"]
 
 
+
+def one_worker_binds(env: dict[str, str], most_workers: int) -> dict[str, str]:
+    """CPU_BIND_THREADS for the inference workers: on when this stack runs at most one of them on this host
+    (vLLM-CPU binds its own; gpu_worker/cpu_affinity.py), unless the operator chose; several would crowd the same
+    cores."""
+    return {} if "CPU_BIND_THREADS" in env or most_workers > 1 else {"CPU_BIND_THREADS": "true"}
+
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
                    celery: bool = True, redis_cluster: int = 0, traces_port: int = 0) -> int:
     stop = threading.Event()
@@ -222,11 +229,13 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
                                    if autoscale else tokenizers, grace_s=grace, keep_fds=keep),
     }
     pinned = settings.model_copy(update={"inference_min": inference})  # `--inference`: each model's default minimum
+    bounds = {name: pinned.bounds_of(name) for name in settings.served}
+    inference_env = {**env, **one_worker_binds(env, sum(high if autoscale else low for low, high in bounds.values()))}
     for model in settings.served.values():  # a pool per model, each worker serving the one its MODEL names
-        low, high = pinned.bounds_of(model.name)
+        low, high = bounds[model.name]
         pool = names.inference_pool(settings.key_of(model.name))
-        pools[pool] = Pool(pool, cli + ["inference"], {**env, "MODEL": model.path, "MODEL_NAME": model.name}, low,
-                           min_size=low, max_size=high if autoscale else low, grace_s=grace, keep_fds=keep)
+        pools[pool] = Pool(pool, cli + ["inference"], {**inference_env, "MODEL": model.path, "MODEL_NAME": model.name},
+                           low, min_size=low, max_size=high if autoscale else low, grace_s=grace, keep_fds=keep)
     celery_env = {**env, "PYTHONWARNINGS": "ignore:You're running the worker with superuser"}  # as root
     extra = [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10, keep_fds=keep)] if celery else []
     everything = [*traces, api, *pools.values(), *extra]

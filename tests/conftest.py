@@ -19,6 +19,9 @@ from _pytest.nodeid import NodeId
 # workers spinning). Serving, spinning is faster (docs/bench-log.md: 25% more tokens at 32 streams). Set before
 # anything here loads torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# and nothing binds its compute threads to cores: `conveyor up` binds a lone inference worker's (infra/supervisor.py
+# `one_worker_binds`), and the suite's many stacks would all crowd the same two
+os.environ.setdefault("CPU_BIND_THREADS", "false")
 
 import harness.stack
 from harness.models import make_lora_adapter, make_tiny_model

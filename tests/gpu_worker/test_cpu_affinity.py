@@ -45,3 +45,14 @@ def test_compute_threads_bound_on_request_and_the_output_lane_never(tiny_stack: 
     finally:
         worker.terminate()
         worker.wait(30)
+
+
+def test_conveyor_up_binds_a_lone_inference_worker_unless_told() -> None:
+    """`conveyor up` binds when its stack runs at most one inference worker (vLLM-CPU's layout), never when the
+    pools may hold more (they would crowd the same cores), and an operator's CPU_BIND_THREADS wins."""
+    from infra.supervisor import one_worker_binds
+
+    assert one_worker_binds({}, 1) == {"CPU_BIND_THREADS": "true"}
+    assert one_worker_binds({}, 0) == {"CPU_BIND_THREADS": "true"}  # a pool at zero starts one at most
+    assert one_worker_binds({}, 2) == {}
+    assert one_worker_binds({"CPU_BIND_THREADS": "false"}, 1) == {}
