@@ -127,8 +127,8 @@ class Settings(BaseSettings):
                                "them (~5 s on 2 cores); costs each worker that memory whether grammars come or not")
     cpu_bind_threads: bool = Field(False, description="on a CPU host that runs one inference worker: its compute "
                                    "threads bound one to a core (OMP_PROC_BIND=true, OMP_PLACES=cores; an operator's "
-                                   "own OMP_* win); off: the OS places them, as several workers on one host need. `conveyor up` sets it "
-                                   "when unset and its pools hold one inference worker at most")
+                                   "own OMP_* win); off: the OS places them, as several workers on one host need. "
+                                   "`conveyor up` sets it when unset and its pools hold one inference worker at most")
 
     # reliability
     claim_idle_ms: int = Field(30_000, description="pending entries idle this long are taken from dead consumers")
