@@ -53,7 +53,7 @@ def test_each_model_has_a_deployment_and_a_scaled_object(built: list[dict[str, A
     served = {_env(d).get("MODEL_NAME") or settings.default_model: name for name, d in inference.items()}
     assert served == {model: "inference" if model == settings.default_model else f"inference-{model}"
                       for model in settings.served}
-    for name, d in inference.items():  # no Deployment selects another's pods
+    for d in inference.values():  # no Deployment selects another's pods
         for other in inference.values():
             if other is not d:
                 assert not selects(d["spec"]["selector"], other["spec"]["template"]["metadata"]["labels"])
