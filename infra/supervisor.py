@@ -180,12 +180,12 @@ def celery_argv(settings: Settings) -> list[str]:
             "--hostname", "conveyor@%h", "--without-gossip", "--without-mingle", "--without-heartbeat"]
 
 
-
 def one_worker_binds(env: dict[str, str], most_workers: int) -> dict[str, str]:
     """CPU_BIND_THREADS for the inference workers: on when this stack runs at most one of them on this host
     (vLLM-CPU binds its own; gpu_worker/cpu_affinity.py), unless the operator chose; several would crowd the same
     cores."""
     return {} if "CPU_BIND_THREADS" in env or most_workers > 1 else {"CPU_BIND_THREADS": "true"}
+
 
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
                    celery: bool = True, redis_cluster: int = 0, traces_port: int = 0) -> int:
