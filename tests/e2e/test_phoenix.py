@@ -26,6 +26,9 @@ ROOT_SPAN = "POST /v1/jobs"
 NAMES = (ROOT_SPAN, *STAGES)
 TRACE_WAIT_S = 60.0  # each process exports its batch every 5 s (the SDK's default), the last as the job ends
 PAGE_WAIT_S = 60.0
+# the supervisor waits for Phoenix before the pools, then starts them anyway; Phoenix's first start (its imports,
+# its database's migrations) has taken over 90 s on a fresh, loaded machine, so the test waits on it longer
+PHOENIX_WAIT_S = 240.0
 
 
 def _port_pair() -> int:
@@ -82,7 +85,7 @@ def test_a_job_submitted_to_a_traced_stack_is_one_trace_in_phoenix_and_on_its_pa
     base = phoenix.ui_url(port)
     stack = start_stack(tmp_path / "stack", url, tiny_model_dir, args=["--traces", "--traces-port", str(port)])
     try:
-        assert phoenix.ready(port)  # the supervisor started it before the pools
+        assert phoenix.wait_ready(port, PHOENIX_WAIT_S), f"Phoenix not answering after {PHOENIX_WAIT_S:g} s"
         trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
         sub = httpx.post(f"{stack.url}/v1/jobs", json={"prompt": "Once upon a time", "max_tokens": 8},
                          headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
