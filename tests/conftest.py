@@ -4,8 +4,10 @@ the whole stack (started by harness/stack.py, the launcher the benchmarks use to
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -229,31 +231,32 @@ def launch_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | 
 SHARED_STACK_ENV = {"GRAMMAR_WARM": "true"}
 
 
-def _launch_stack(request: pytest.FixtureRequest) -> Stack:
-    tmp, server = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("redis_server")
-    return launch_stack(tmp.mktemp("stack"), server.url, request.getfixturevalue("model_path"),
-                        {**SHARED_STACK_ENV, "SPECULATIVE": "ngram",
-                         "LORA_MODULES": f"smol-lora={request.getfixturevalue('smol_lora')}"})
+Get = Callable[[str], Any]  # a session fixture's value by name
 
 
-def _launch_tiny_stack(request: pytest.FixtureRequest) -> Stack:
-    tmp, server = request.getfixturevalue("tmp_path_factory"), request.getfixturevalue("redis_server")
+def _launch_stack(get: Get) -> Stack:
+    tmp, server = get("tmp_path_factory"), get("redis_server")
+    return launch_stack(tmp.mktemp("stack"), server.url, get("model_path"),
+                        {**SHARED_STACK_ENV, "SPECULATIVE": "ngram", "LORA_MODULES": f"smol-lora={get('smol_lora')}"})
+
+
+def _launch_tiny_stack(get: Get) -> Stack:
+    tmp, server = get("tmp_path_factory"), get("redis_server")
     url = server.url.rsplit("/", 1)[0] + "/1"
     redis.Redis.from_url(url).flushdb()
-    loras = lora_env(request.getfixturevalue("tiny_loras"), ["tiny-all", "tiny-attn"])
-    return launch_stack(tmp.mktemp("tiny-stack"), url, request.getfixturevalue("tiny_model_dir"),
-                        {**SHARED_STACK_ENV, **loras})
+    loras = lora_env(get("tiny_loras"), ["tiny-all", "tiny-attn"])
+    return launch_stack(tmp.mktemp("tiny-stack"), url, get("tiny_model_dir"), {**SHARED_STACK_ENV, **loras})
 
 
-def _launch_cluster_stack(request: pytest.FixtureRequest) -> Stack:
-    tmp = request.getfixturevalue("tmp_path_factory")
-    loras = lora_env(request.getfixturevalue("tiny_loras"), ["tiny-all", "tiny-attn"])
-    return launch_stack(tmp.mktemp("cluster-stack"), "", request.getfixturevalue("tiny_model_dir"),
+def _launch_cluster_stack(get: Get) -> Stack:
+    loras = lora_env(get("tiny_loras"), ["tiny-all", "tiny-attn"])
+    return launch_stack(get("tmp_path_factory").mktemp("cluster-stack"), "", get("tiny_model_dir"),
                         {**SHARED_STACK_ENV, **loras}, args=["--redis-cluster", "3"])
 
 
 # the session's shared stacks, by fixture; the tests on each form one group (`pytest_collection_modifyitems`)
-SESSION_STACKS = {"stack": _launch_stack, "tiny_stack": _launch_tiny_stack, "cluster_stack": _launch_cluster_stack}
+SESSION_STACKS: dict[str, Callable[[Get], Stack]] = {
+    "stack": _launch_stack, "tiny_stack": _launch_tiny_stack, "cluster_stack": _launch_cluster_stack}
 
 
 def _stacks_used(item: pytest.Item) -> set[str]:
@@ -265,12 +268,64 @@ def _stacks_used(item: pytest.Item) -> set[str]:
     return used
 
 
+@dataclass
+class _Shared:
+    """A session stack as started, how to start it again, and whether it was stopped after its last test."""
+    stack: Stack
+    launch: Callable[[], Stack]
+    stopped: bool = False
+
+
+_SHARED: dict[str, _Shared] = {}  # this process's session stacks, by fixture name
+_LAST_USERS: dict[str, str] = {}  # each session stack's last test in the run's order (its nodeid)
+
+
 def _session_stack(request: pytest.FixtureRequest, name: str) -> Iterator[Stack]:
-    s = SESSION_STACKS[name](request)
+    got: dict[str, Any] = {}
+
+    def get(fixture: str) -> Any:  # resolved while this fixture is set up, kept for a start again
+        if fixture not in got:
+            got[fixture] = request.getfixturevalue(fixture)
+        return got[fixture]
+
+    shared = _Shared(SESSION_STACKS[name](get).wait_ready(), lambda: SESSION_STACKS[name](get).wait_ready())
+    _SHARED[name] = shared
     try:
-        yield s.wait_ready()
+        yield shared.stack
     finally:
-        stop_stack(s)
+        _SHARED.pop(name, None)
+        if not shared.stopped:
+            stop_stack(shared.stack)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:  # in the order they run: a worker of --dist loadgroup runs a group in this order
+        for name in _stacks_used(item):
+            _LAST_USERS[name] = item.nodeid
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A session stack stops once its last test is done rather than at the session's end: an idle stack on a
+    Redis Cluster takes ~0.16 CPU-s a second from the tests beside it (its consumers' turns over 12 partitions)."""
+    yield
+    for name in _stacks_used(item):
+        shared = _SHARED.get(name)
+        if shared is not None and not shared.stopped and _LAST_USERS.get(name) == item.nodeid:
+            shared.stopped = True
+            stop_stack(shared.stack)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test that runs after its stack's last test (an order other than the collected one) starts it again, in
+    place: the fixture's value is the same object."""
+    for name in _stacks_used(item):
+        shared = _SHARED.get(name)
+        if shared is not None and shared.stopped:
+            fresh = shared.launch()
+            for f in fields(Stack):
+                setattr(shared.stack, f.name, getattr(fresh, f.name))
+            shared.stopped = False
 
 
 @pytest.fixture(scope="session")
