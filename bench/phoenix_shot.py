@@ -174,6 +174,7 @@ def chrome(profile: Path, width: int, height: int) -> Any:
 
     opts = Options()
     opts.binary_location = str(CHROMIUM)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, for `shoot`'s failures
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--hide-scrollbars",
                 f"--window-size={width},{height}", f"--user-data-dir={profile}"):
         opts.add_argument(arg)
@@ -184,25 +185,35 @@ def chrome(profile: Path, width: int, height: int) -> Any:
 
 
 def shoot(page: str, names: list[str], out: Path, timeout: float, width: int, height: int) -> list[str]:
-    """Open `page`, wait until every name in `names` is on it, save a PNG; the names still missing."""
+    """Open `page`, wait until every name in `names` is on it, save a PNG; the names still missing. A page
+    still blank halfway through `timeout` (its script never ran: seen on a loaded machine) is loaded once more.
+    When names are missing, the browser's console goes beside the PNG (`<out>.console.txt`)."""
     from selenium.webdriver.common.by import By
 
     with tempfile.TemporaryDirectory(prefix="phoenix-shot-") as tmp:
         driver = chrome(Path(tmp) / "profile", width, height)
         try:
             driver.get(page)
-            deadline = time.monotonic() + timeout
+            start = time.monotonic()
+            reloaded = False
             missing = list(names)
-            while missing and time.monotonic() < deadline:
+            while missing and time.monotonic() < start + timeout:
                 try:
                     text = driver.find_element(By.TAG_NAME, "body").text
                 except Exception:  # noqa: BLE001 - the page being replaced as it renders
                     text = ""
                 missing = [n for n in names if n not in text]
+                if not text.strip() and not reloaded and time.monotonic() > start + timeout / 2:
+                    reloaded = True
+                    driver.refresh()
                 time.sleep(0.3)
             time.sleep(1.0)  # the last layout and fonts
             out.parent.mkdir(parents=True, exist_ok=True)
             driver.save_screenshot(str(out))
+            if missing:
+                console = driver.get_log("browser")
+                out.with_suffix(".console.txt").write_text(
+                    f"reloaded: {reloaded}\n" + "\n".join(f"{e.get('level')} {e.get('message')}" for e in console))
             return missing
         finally:
             driver.quit()

@@ -103,7 +103,8 @@ def test_a_job_submitted_to_a_traced_stack_is_one_trace_in_phoenix_and_on_its_pa
         missing = phoenix_shot.shoot(phoenix_shot.trace_page(base, trace), list(NAMES), shot, PAGE_WAIT_S,
                                      1600, 1000)
         print(f"screenshot of trace {trace_id}: {shot}")
-        assert missing == [], f"not on the trace's page after {PAGE_WAIT_S:g} s: {missing} (see {shot})"
+        assert missing == [], (f"not on the trace's page after {PAGE_WAIT_S:g} s: {missing} (see {shot} and "
+                              f"{shot.with_suffix('.console.txt')})")
         assert shot.stat().st_size > 0
     finally:
         stop_stack(stack)
