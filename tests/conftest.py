@@ -288,7 +288,10 @@ def _session_stack(request: pytest.FixtureRequest, name: str) -> Iterator[Stack]
             got[fixture] = request.getfixturevalue(fixture)
         return got[fixture]
 
-    shared = _Shared(SESSION_STACKS[name](get).wait_ready(), lambda: SESSION_STACKS[name](get).wait_ready())
+    def launch() -> Stack:
+        return SESSION_STACKS[name](get).wait_ready()
+
+    shared = _Shared(launch(), launch)
     _SHARED[name] = shared
     try:
         yield shared.stack
