@@ -191,13 +191,16 @@ def stop_stack(stack: Stack, timeout: float = 60.0) -> list[int]:
 
 def process_tree(sup_pid: int) -> list[tuple[str, psutil.Process]]:
     """(role, process) for the supervisor and every descendant; roles as in ROLES (the output lane is a
-    spawn child of an inference worker, celery-beat a child of the Celery worker)."""
+    child of an inference worker, celery-beat a child of the Celery worker)."""
     try:
         root = psutil.Process(sup_pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
     return [(role, p) for p in procs if (role := classify(p, sup_pid))]
+
+
+INFERENCE = re.compile(r"infra\.cli inference\b")
 
 
 def classify(p: psutil.Process, sup_pid: int) -> str | None:
@@ -207,13 +210,15 @@ def classify(p: psutil.Process, sup_pid: int) -> str | None:
         cmd = " ".join(p.cmdline())
         if "redis-server" in p.name() or "redis-server" in cmd:
             return "redis-server"
+        parent = p.parent()
+        parent_cmd = " ".join(parent.cmdline()) if parent is not None else ""
+        if INFERENCE.search(parent_cmd) and (INFERENCE.search(cmd) or "spawn_main" in cmd):
+            return "output-lane"  # forked by its worker (gpu_worker/worker.py lane_context), or spawned
         for role in ("api", "tokenizer", "inference"):
             if re.search(rf"infra\.cli {role}\b", cmd):
                 return role
-        parent = p.parent()
-        parent_cmd = " ".join(parent.cmdline()) if parent is not None else ""
         if "spawn_main" in cmd:
-            return "output-lane" if "infra.cli inference" in parent_cmd else "mp-helper"
+            return "mp-helper"
         if "workers.celery_app" in cmd:  # the worker, and beat forked from it
             return "celery-beat" if "workers.celery_app" in parent_cmd else "celery"
         if "resource_tracker" in cmd or "forkserver" in cmd:
