@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkContext, SpawnContext
 from multiprocessing.queues import Queue
 from queue import SimpleQueue
 from types import FrameType
@@ -193,13 +193,13 @@ class InferenceWorker:
         self.inbox.put(GraceOver())
 
 
-def lane_context() -> BaseContext:
+def lane_context() -> ForkContext | SpawnContext:
     """How the output lane's process starts: forked while this process is still one thread without torch (as a
     worker is when it starts its lane, before its engine: the lane inherits the modules imported, ~0.8 CPU-s less
     a start than a fresh interpreter's), else spawned: a fork beside running threads (OpenMP's among them) can
     inherit a lock some thread held."""
     safe = threading.active_count() == 1 and "torch" not in sys.modules
-    return mp.get_context("fork" if safe else "spawn")
+    return mp.get_context("fork") if safe else mp.get_context("spawn")
 
 
 def main(settings: Settings) -> int:
