@@ -50,11 +50,11 @@ import redis
 
 from shared import names, scripts
 from shared.redis_client import CLUSTER_TYPES, text
+from shared.ring import Ring
 from shared.stream_consumer import Entry
 
 INPUT_COST = 1  # per prompt token (fair_pop.lua)
 OUTPUT_COST = 2  # per generated token (step.lua)
-CLUSTER_BLOCK_MS = 50  # on a cluster, how long an idle pop waits on one partition's doorbell before the next
 STREAM_CAP = 100_000  # the `tokenized` stream's approximate length cap: entries live there only while running
 TOP_TENANTS = 10  # tenants shown by name in /metrics, the dashboard and `conveyor status`; the rest summed
 OTHERS = "_other"  # the row of the rest (no tenant name starts with '_')
@@ -72,7 +72,8 @@ def push_write(partition: int, ack_ids: list[str], jobs: list[tuple[str, int, in
     (JOB_TTL_S; 0 leaves it): each queued job's record counts its TTL afresh. `model`: the queue of the model
     the jobs run on ('' the default's: shared/served.py)."""
     keys = [names.fair_key(partition, part, model) for part in ("tenants", "vtc", "payload", "arrivals", "bell")]
-    keys += [names.stream(names.JOBS, partition), *(names.fair_key(partition, part, model) for part in WAITING)]
+    keys += [names.stream(names.JOBS, partition), *(names.fair_key(partition, part, model) for part in WAITING),
+             names.ring_key(partition, names.INFERENCE_GROUP, model)]
     args: list[Any] = [names.TOKENIZER_GROUP, int(by_tenant), ttl_s, len(ack_ids), *ack_ids]
     for job in jobs:
         keys.append(names.job_key(job[0]))
@@ -86,7 +87,8 @@ def pop_write(partition: int, consumer: str, count: int, skip: Mapping[str, int]
     `skip` is passed over unless its next job's priority is lower than the one given (PRIORITY_MIN: always)."""
     keys = [names.fair_key(partition, part, model) for part in ("tenants", "vtc", "payload", "bell")]
     keys += [names.stream(names.TOKENIZED, partition, model), names.fair_key(partition, "served", model),
-             *(names.fair_key(partition, part, model) for part in WAITING)]
+             *(names.fair_key(partition, part, model) for part in WAITING),
+             names.ring_key(partition, names.INFERENCE_GROUP, model)]
     below = [x for tenant, priority in sorted((skip or {}).items()) for x in (tenant, priority)]
     return keys, [names.INFERENCE_GROUP, consumer, count, STREAM_CAP, *below]
 
@@ -121,23 +123,30 @@ class FairQueue:
         self.client, self.consumer, self.model = client, consumer, model
         self.cluster = isinstance(client, CLUSTER_TYPES)
         self._turn = 0
+        self.ring = Ring(client, [names.ring_key(p, names.INFERENCE_GROUP, model) for p in names.partitions()],
+                         names.ring_channel(names.INFERENCE_GROUP, model))
 
     def pop(self, count: int, block_ms: int | None, skip: Mapping[str, int] | None = None) -> list[Entry]:
         """Up to `count` jobs, as entries of the `tokenized` streams (pending for this consumer); a tenant in
         `skip` only for a job of a priority lower than the one given. When none waits, waits up to `block_ms`
-        for a doorbell and tries once more."""
+        for a doorbell (every partition's, in one BLPOP; on a cluster, the ring: shared/ring.py) and tries once
+        more."""
         entries = self._pop_all(count, skip)
         if entries or not block_ms:
             return entries
-        parts = names.partition_count()
-        if self.cluster or parts == 1:
-            bell = names.fair_key(self._turn % parts, "bell", self.model)
-            timeout = block_ms if not self.cluster else min(block_ms, CLUSTER_BLOCK_MS)
-            rung = self.client.blpop([bell], timeout=timeout / 1000)
-        else:
-            rung = self.client.blpop([names.fair_key(p, "bell", self.model) for p in names.partitions()],
-                                     timeout=block_ms / 1000)
-        return self._pop_all(count, skip) if rung else []
+        bells = [names.fair_key(p, "bell", self.model) for p in names.partitions()]
+        if not self.cluster or len(bells) == 1:
+            rung = self.client.blpop(bells, timeout=block_ms / 1000)
+            return self._pop_all(count, skip) if rung else []
+        if self.ring.listen():
+            pipe = self.client.pipeline(transaction=False)
+            for key in self.ring.keys:
+                self.ring.arm(pipe, key)
+            pipe.execute()
+        entries = self._pop_all(count, skip)
+        if entries:
+            return entries
+        return self._pop_all(count, skip) if self.ring.wait(block_ms / 1000) else []
 
     def _pop_all(self, count: int, skip: Mapping[str, int] | None) -> list[Entry]:
         """One pop per partition, starting at the next in turn, until `count` are taken."""

@@ -143,7 +143,7 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
     idem = names.idempotency_key(owner, idempotency_key) if idempotency_key else names.job_key(job_id)
     tenant = tenant_keys(owner, names.job_key(job_id), "batch_tokens" if budget == "batch" else "tokens")
     keys = [names.job_key(job_id), names.stream(names.JOBS, p), names.submitted_counter(p), names.dequeued_counter(p),
-            *tenant, idem]
+            *tenant, idem, names.ring_key(p, names.TOKENIZER_GROUP)]
     args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
                        idempotency_ttl_s if idempotency_key else 0, hashlib.sha256(request_json.encode()).hexdigest(),
                        jobs_maxlen, names.job_key(job_id).removesuffix(job_id), job_id, request_json, budget]
@@ -176,7 +176,8 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
     buckets = ([names.tenant_bucket_key(owner, "tokens"), names.tenant_bucket_key(owner, "batch_tokens")] if owner
                else [names.job_key(job_id)] * 2)
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.dequeued_counter(p),
-            names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets]
+            names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets,
+            names.ring_key(p, names.AFTER_JOB_GROUP)]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
                        names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN, owner, publish,
                        worker, model]

@@ -158,6 +158,21 @@ def fair_key(partition: int, part: str, model: str = "") -> str:
     return f"{model_prefix(partition, model)}:fair:{part}"
 
 
+# an idle consumer's wake-up on a cluster (shared/ring.py): in each partition, a flag set while a consumer group's
+# consumer sleeps, naming the channel to ring (a classic one: any node relays it to every subscriber); the
+# script that appends to one of the group's streams takes it (GETDEL) and rings
+
+
+def ring_key(partition: int, group: str, model: str = "") -> str:
+    """A partition's ring flag for a consumer group (of `model`'s queue, for the inference group)."""
+    return f"{model_prefix(partition, model)}:ring:{group}"
+
+
+def ring_channel(group: str, model: str = "") -> str:
+    """The channel a group's sleeping consumers wait on."""
+    return f"{PREFIX}:ring:{group}" + (f":{model}" if model else "")
+
+
 # pub/sub: a job's chunks on a channel in its partition (sharded pub/sub on a cluster); cancels
 # are rare and broadcast
 CONTROL_CHANNEL = f"{PREFIX}:control"

@@ -9,9 +9,9 @@ goes to the dead-letter stream instead. Entries already delivered twice are clai
 so a poison entry reaches the dead-letter stream alone (its partition's).
 
 With several streams, a read on one Redis node is one XREADGROUP over all of them; on a cluster
-(one slot per call) it is one non-blocking read per stream in a pipeline, then, when all were
-empty, a short blocking read on one stream in turn. Entries carry their stream; acknowledgements
-and claims go to it.
+(one slot per call) it is one non-blocking read per stream in a pipeline, and when all were empty,
+the same with the group's ring armed, then a wait on the ring (shared/ring.py). Entries carry their
+stream; acknowledgements and claims go to it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import redis
 
 from shared import names
 from shared.redis_client import CLUSTER_TYPES, heal, text
+from shared.ring import Ring
 from shared.signals import read_live
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ Ref = tuple[str, str]  # (stream, entry id): what acknowledgements and claims na
 # Replies as the clients here read them: RESP2, redis-py's default (its types cover RESP3's forms too)
 ReadReply = list[tuple[bytes | str, list[tuple[bytes | str, Fields | None]]]]  # XREADGROUP: per stream, its entries
 ClaimReply = list[tuple[bytes | str, Fields | None]]  # XCLAIM without JUSTID: fields None for an entry trimmed since
-CLUSTER_BLOCK_MS = 50  # on a cluster, how long one idle read blocks on one stream before the next turn
+IDLE_WAIT_S = 1.0  # on a cluster, a read that may block for ever waits on its ring this long at a time
 
 
 @dataclass
@@ -72,6 +73,10 @@ class StreamConsumer:
         self.cluster = isinstance(client, CLUSTER_TYPES)
         self._quiet_until = 0.0
         self._turn = 0
+        # on a cluster, the flag of each stream's partition for this group, and the ring they name
+        self._flags = {s: names.ring_key(names.stream_partition(s), group, names.stream_model(s)) for s in self.streams}
+        self.ring = Ring(client, sorted(set(self._flags.values())),
+                         names.ring_channel(group, names.stream_model(self.streams[0])))
 
     def ensure_group(self) -> None:
         for stream in self.streams:
@@ -87,21 +92,32 @@ class StreamConsumer:
             if not self.cluster or len(self.streams) == 1:
                 return self._entries(self.client.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"),
                                                             count=count, block=block_ms))
-            self._turn = (self._turn + 1) % len(self.streams)
-            order = self.streams[self._turn:] + self.streams[:self._turn]
-            pipe = self.client.pipeline(transaction=False)
-            for stream in order:
-                pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
-            entries = [e for reply in pipe.execute() for e in self._entries(reply)]
+            entries = self._sweep(count, arm=False)
             if entries or block_ms is None:
                 return entries
-            return self._entries(self.client.xreadgroup(self.group, self.consumer, {order[0]: ">"}, count=count,
-                                                        block=min(block_ms, CLUSTER_BLOCK_MS) or CLUSTER_BLOCK_MS))
+            entries = self._sweep(count, arm=self.ring.listen())
+            if entries:
+                return entries
+            return self._sweep(count, arm=False) if self.ring.wait(block_ms / 1000 or IDLE_WAIT_S) else []
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             self.ensure_group()  # a stream was deleted (or Redis lost its data): start over
             return []
+
+    def _sweep(self, count: int, arm: bool) -> list[Entry]:
+        """One non-blocking read per stream, in one pipeline, starting at the next in turn; with `arm`, each
+        partition's ring flag set before its first read (on the same node's connection, so in that order)."""
+        self._turn = (self._turn + 1) % len(self.streams)
+        pipe = self.client.pipeline(transaction=False)
+        armed: set[str] = set()
+        for stream in self.streams[self._turn:] + self.streams[:self._turn]:
+            if arm and self._flags[stream] not in armed:
+                armed.add(self._flags[stream])
+                self.ring.arm(pipe, self._flags[stream])
+            pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
+        replies = pipe.execute()
+        return [e for reply in replies if not isinstance(reply, bool) for e in self._entries(reply)]
 
     @staticmethod
     def _entries(reply: XReadGroupResponse | None) -> list[Entry]:

@@ -47,6 +47,7 @@ from shared.job_ops import (
 from shared.jobs import BATCH_ENDS, DamagedRecord, FinishReason, Job, JobStatus
 from shared.openai_bodies import line_body, line_error, line_result
 from shared.redis_client import CLUSTER_TYPES
+from shared.ring import channel_of
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
 from shared.settings import Settings
@@ -304,8 +305,14 @@ class BatchDriver:
         went, so a driver that stops between the two announces it again: at least once."""
         owner = rec.get("owner") or ""
         if rec.get("webhook_url") and not rec.get("announced"):
-            self.r.xadd(names.stream(names.ENDED, names.batch_partition(owner)), {"batch_id": batch_id},
-                        maxlen=names.ENDED_MAXLEN, approximate=True)
+            p = names.batch_partition(owner)
+            pipe = self.r.pipeline(transaction=False)  # the entry, and a sleeping drain's flag (shared/ring.py)
+            pipe.xadd(names.stream(names.ENDED, p), {"batch_id": batch_id}, maxlen=names.ENDED_MAXLEN,
+                      approximate=True)
+            pipe.getdel(names.ring_key(p, names.AFTER_JOB_GROUP))
+            _, flag = pipe.execute()
+            if channel := channel_of(flag):
+                self.r.publish(channel, "ring")
             self.r.hset(names.batch_key(batch_id), "announced", 1)
         pipe = self.r.pipeline(transaction=False)
         pipe.zrem(names.batches_open(owner), batch_id)

@@ -22,6 +22,7 @@ from api.relay import Relay
 from shared import names
 from shared.limits import MAX_MESSAGES, Content, Name
 from shared.model_config import model_context
+from shared.ring import channel_of
 from shared.schemas import Message
 from shared.tokenize_calls import (
     CALL_TIMEOUT_S,
@@ -51,8 +52,13 @@ async def ask(client: aredis.Redis, relay: Relay, call: TokenizeCall,
         raise _unanswered(timeout_s) from None
     try:
         async with asyncio.timeout_at(deadline):
-            await client.xadd(names.stream(names.TOKENIZE, p), {"call_id": call_id, "call": call.to_wire()},
-                              maxlen=STREAM_MAXLEN, approximate=True)
+            pipe = client.pipeline(transaction=False)  # the append, and a sleeping tokenizer's flag (shared/ring.py)
+            pipe.xadd(names.stream(names.TOKENIZE, p), {"call_id": call_id, "call": call.to_wire()},
+                      maxlen=STREAM_MAXLEN, approximate=True)
+            pipe.getdel(names.ring_key(p, names.TOKENIZER_GROUP))
+            _, flag = await pipe.execute()
+            if channel := channel_of(flag):
+                await client.publish(channel, "ring")
             while (left := deadline - loop.time()) > 0:
                 raw: bytes | str | None = None
                 try:

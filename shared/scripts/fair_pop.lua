@@ -5,7 +5,8 @@
 -- its prompt tokens over its weight; step.lua charges the tokens it generates (2 each, over its weight).
 -- KEYS: 1 backlogged tenants (zset), 2 virtual counters (hash), 3 payloads (hash), 4 doorbell (list),
 --       5 the `tokenized` stream, 6 served tokens per tenant (hash), 7 the waiting jobs, 8 the same by submit
---       time, 9 each waiting job's place (fair_push.lua names their members and values)
+--       time, 9 each waiting job's place (fair_push.lua names their members and values), 10 the ring flag of
+--       the model's inference workers (shared/ring.py)
 -- ARGV: 1 the inference group, 2 consumer, 3 how many jobs at most, 4 the stream's approximate cap,
 --       5.. pairs of a tenant and a priority: that tenant is passed over unless its next job's priority is
 --       lower (a worker with every slot taken asks only for a job its engine makes room for: of a tenant
@@ -13,9 +14,13 @@
 -- Returns the stream read's reply (XREADGROUP's: entries not yet delivered, up to the count, this
 -- call's and any added otherwise, such as a redelivered entry split in one per job).
 local backlog, counters, payloads, bell, stream, served = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local queue, ages, places = KEYS[7], KEYS[8], KEYS[9]
+local queue, ages, places, flag = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local group, consumer, count, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local PRIORITY_BASE = 1000 -- fair_push.lua's
+local function ring(flag) -- a consumer of this partition sleeps: wake it (shared/ring.py)
+  local channel = redis.call('GETDEL', flag)
+  if channel then redis.call('PUBLISH', channel, 'ring') end
+end
 local below, n_skip = {}, 0
 for i = 5, #ARGV, 2 do below[ARGV[i]] = tonumber(ARGV[i + 1]); n_skip = n_skip + 1 end
 local function head(t) -- the tenant's next job's member ('<tenant>:<order>:<job id>'), or nil
@@ -58,5 +63,6 @@ end
 if taken > 0 and redis.call('ZCARD', backlog) > 0 then
   redis.call('LPUSH', bell, 1) -- more waits: wake another worker
   redis.call('LTRIM', bell, 0, 0)
+  ring(flag)
 end
 return redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', math.max(count, 1), 'STREAMS', stream, '>')

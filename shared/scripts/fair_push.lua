@@ -4,8 +4,8 @@
 --       its one-row tokenized record batch), 4 arrival counter, 5 doorbell (list), 6 the `jobs` stream,
 --       7 the waiting jobs (zset, every score 0: members '<tenant>:<order>:<job id>'), 8 the same by submit
 --       time (zset, every score 0: '<tenant>:<created at, ms, 13 digits>:<job id>'), 9 each waiting job's
---       place (hash: job id -> '<order>:<created at, ms>:<prompt tokens>:<weight>'), 10.. the jobs' hashes,
---       one per job, in ARGV's order
+--       place (hash: job id -> '<order>:<created at, ms>:<prompt tokens>:<weight>'), 10 the ring flag of the
+--       model's inference workers (shared/ring.py), 11.. the jobs' hashes, one per job, in ARGV's order
 -- ARGV: 1 the tokenizers' group, 2 '1': by tenant, '0': every job in one queue (first in, first out by
 --       priority), 3 the records' ttl (s; 0 leaves it: a job queued counts its ttl afresh), 4 how many `jobs`
 --       entry ids follow, then those ids, then 4 per job: job id, priority (lower runs first), prompt tokens,
@@ -20,10 +20,14 @@
 -- tenant whose queue holds it (`fair_queued`).
 -- Returns how many jobs were queued.
 local backlog, counters, payloads, arrivals, bell, jobs = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local queue, ages, places = KEYS[7], KEYS[8], KEYS[9]
+local queue, ages, places, flag = KEYS[7], KEYS[8], KEYS[9], KEYS[10]
 local group, by_tenant, ttl, n_ack = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3]), tonumber(ARGV[4])
 local PRIORITY_BASE = 1000
-local queued, k = 0, 10
+local function ring(flag) -- a consumer of this partition sleeps: wake it (shared/ring.py)
+  local channel = redis.call('GETDEL', flag)
+  if channel then redis.call('PUBLISH', channel, 'ring') end
+end
+local queued, k = 0, 11
 for i = 5 + n_ack, #ARGV, 4 do
   local job_id, priority, prompt_tokens, payload = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], ARGV[i + 3]
   local job = KEYS[k]
@@ -53,5 +57,6 @@ if n_ack > 0 then redis.call('XACK', jobs, group, unpack(ARGV, 5, 4 + n_ack)) en
 if queued > 0 then
   redis.call('LPUSH', bell, 1)
   redis.call('LTRIM', bell, 0, 0)
+  ring(flag)
 end
 return queued

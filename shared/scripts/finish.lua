@@ -2,7 +2,8 @@
 -- KEYS: 1 job hash, 2 event stream, 3 token ids, 4 dequeued counter, 5 text, 6 the ended stream, 7-11 the
 --       partition's fair queue of the job's model: backlogged tenants, payloads, waiting jobs, the same by
 --       submit time, each waiting job's place (fair_push.lua), 12-15 the owner's unfinished jobs, tenant hash, `tokens` and
---       `batch_tokens` buckets (for a job without an owner, its own key stands in for each)
+--       `batch_tokens` buckets (for a job without an owner, its own key stands in for each), 16 the partition's
+--       ring flag of the after-job drain (shared/ring.py)
 -- ARGV: 1 status, 2 finish reason, 3 error, 4 now (unix s), 5 ttl (s), 6 the job's channel,
 --       7 required current status ('' any active one), 8 job id, 9 the ended stream's approximate cap,
 --       10 the owner KEYS 12-15 are named for ('' none), 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
@@ -58,6 +59,8 @@ redis.call('EXPIRE', ids, ttl)
 redis.call('EXPIRE', text, ttl)
 redis.call(publish, channel, cjson.encode({seq = seq, type = 'done'}))
 redis.call('XADD', ended, 'MAXLEN', '~', ended_cap, '*', 'job_id', job_id)
+local drain = redis.call('GETDEL', KEYS[16]) -- an after-job drain sleeps: wake it
+if drain then redis.call('PUBLISH', drain, 'ring') end
 if owner ~= '' then
   redis.call('DECR', active)
   local rec = redis.call('HMGET', job, 'reserved_tokens', 'prompt_tokens', 'completion_tokens', 'budget')

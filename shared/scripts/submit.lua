@@ -3,7 +3,8 @@
 -- `jobs` entry. A refusal stores nothing.
 -- KEYS: 1 job hash, 2 jobs stream, 3 submitted counter, 4 dequeued counter, 5 tenant hash,
 --       6 tenant's requests bucket, 7 tenant's tokens bucket (its batch_tokens bucket for a batch line),
---       8 tenant's unfinished jobs, 9 idempotency key
+--       8 tenant's unfinished jobs, 9 idempotency key, 10 the partition's ring flag of the tokenizers
+--       (shared/ring.py)
 -- ARGV: 1 ttl (s), 2 now (unix s), 3 owner ('' no tenant: KEYS 5-8 unused, the job key stands in), 4 tokens to reserve,
 --       5 most jobs waiting in the partition (0 no cap), 6 idempotency ttl (0 no key), 7 request digest,
 --       8 the jobs stream's approximate cap, 9 job-hash key prefix, 10 job id, 11 request JSON,
@@ -91,5 +92,7 @@ redis.call('HSET', job, 'ordinal', ordinal, 'owner', owner, 'reserved_tokens', c
 if budget == 'batch' then redis.call('HSET', job, 'budget', budget) end
 redis.call('EXPIRE', job, ttl)
 redis.call('XADD', jobs, 'MAXLEN', '~', jobs_cap, '*', 'job_id', job_id, 'request', request)
+local channel = redis.call('GETDEL', KEYS[10]) -- a tokenizer sleeps: wake it
+if channel then redis.call('PUBLISH', channel, 'ring') end
 return {1, ordinal, dequeued, rpm, math.floor(r_left), math.ceil(r_reset * 1000), tpm, math.floor(t_left),
         math.ceil(t_reset * 1000)}

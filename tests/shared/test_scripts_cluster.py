@@ -1,10 +1,13 @@
 """The scripts on a real Redis Cluster (3 masters), called as the stages call them: a cluster client sends each
 call to the slot of its KEYS and refuses KEYS of several slots, so a job's whole life here shows every call's
-keys in one slot; a queued job's cancel leaves the fair queue, and a finish names its owner's keys."""
+keys in one slot; a queued job's cancel leaves the fair queue, and a finish names its owner's keys; an idle consumer
+of every partition sleeps on its ring and an append in any partition wakes it (shared/ring.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import pytest
 import redis
@@ -16,6 +19,10 @@ from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, pack_ids, step_write, sub
 from shared.jobs import FinishReason, new_record
 from shared.redis_client import sync_client
 from shared.scripts.codes import FinishCode, FinishReply, StartCode, StepCode, StepReply, SubmitCode, SubmitReply
+from shared.stream_consumer import StreamConsumer
+from tests.helpers import until
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +76,62 @@ def test_a_queued_job_cancelled_on_a_cluster_leaves_the_fair_queue(cluster: redi
     assert got == FinishReply(FinishCode.finished, 1)  # refused as owner_changed, then named from the record
     assert fair_queue.waiting_jobs(r, p, owner) == [] and r.zscore(names.fair_key(p, "tenants"), owner) is None
     assert r.get(names.tenant_active_key(owner)) == b"0"
+
+
+def _flags(r: redis.Redis, group: str, model: str = "") -> int:
+    return sum(bool(r.exists(names.ring_key(p, group, model))) for p in names.partitions())
+
+
+def _in_thread(call: Callable[[], T]) -> Future[T]:
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(call)
+    pool.shutdown(wait=False)
+    return future
+
+
+@pytest.fixture
+def twelve() -> Iterator[None]:
+    with names.partitions_as(12):  # a 3-master cluster's (`conveyor up --redis-cluster 3`)
+        yield
+
+
+@pytest.mark.usefixtures("twelve")
+def test_an_idle_tokenizer_sleeps_on_its_ring_and_a_submit_in_any_partition_wakes_it(cluster: redis.Redis) -> None:
+    """A read with nothing to take arms every partition's flag and waits on the ring (one subscription, not a turn
+    over the partitions); the submit takes its partition's flag and rings, and the same read returns the job, long
+    before its block time. A read that finds work arms nothing: a submit then rings nobody."""
+    r = cluster
+    consumer = StreamConsumer(r, names.streams(names.JOBS), names.TOKENIZER_GROUP, "tok-1", names.TOKENIZER_POOL)
+    consumer.ensure_group()
+    while old := consumer.read(100, block_ms=None):  # the other tests' jobs
+        consumer.ack([e.ref for e in old])
+    p, job_id = 5, names.job_id_in(5, "c3" * 16)
+    reading = _in_thread(lambda: consumer.read(10, block_ms=60_000))
+    until("every partition's flag armed", lambda: _flags(r, names.TOKENIZER_GROUP) == names.partition_count(), 10)
+    _submit(r, job_id, "")
+    [entry] = reading.result(timeout=30)
+    assert entry.fields[b"job_id"] == job_id.encode() and names.stream_partition(entry.stream) == p
+    assert not r.exists(names.ring_key(p, names.TOKENIZER_GROUP))  # taken by the submit that rang
+    consumer.ack([entry.ref])
+    for key in consumer.ring.keys:  # the others expire (ARMED_MS); a busy read sets none
+        r.delete(key)
+    _submit(r, names.job_id_in(7, "d4" * 16), "")
+    assert len(consumer.read(10, block_ms=60_000)) == 1 and _flags(r, names.TOKENIZER_GROUP) == 0
+    consumer.ring.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_an_idle_inference_worker_is_woken_by_a_job_queued_in_any_partition(cluster: redis.Redis) -> None:
+    r, p = cluster, 9
+    for q in names.partitions():
+        r.xgroup_create(names.stream(names.TOKENIZED, q, "other"), names.INFERENCE_GROUP, id="0", mkstream=True)
+    queue = FairQueue(r, "w-ring", model="other")
+    job_id = names.job_id_in(p, "e5" * 16)
+    r.hset(names.job_key(job_id), mapping={"status": "queued"})
+    popping = _in_thread(lambda: queue.pop(4, block_ms=60_000))
+    until("every partition's flag armed", lambda: _flags(r, names.INFERENCE_GROUP, "other") == names.partition_count(),
+          10)
+    assert fair_queue.push(r, p, [], [(job_id, 0, 10, b"row")], model="other") == 1
+    [entry] = popping.result(timeout=30)
+    assert entry.fields[b"batch"] == b"row"
+    queue.ring.close()

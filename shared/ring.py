@@ -1,0 +1,103 @@
+"""Waking a consumer that waits on every partition of a Redis Cluster.
+
+On one Redis node a consumer waits on all its partitions in one blocking call (XREADGROUP over every stream,
+BLPOP over every doorbell). A cluster's call reaches one slot, so a consumer there could only turn over its
+partitions in short blocking reads: a sweep of them all twenty times a second, idle or not, in every tokenizer,
+inference worker and after-job drain. Instead an idle consumer on a cluster:
+
+1. sweeps its partitions; when it finds nothing,
+2. arms its ring and sweeps again, in one pipeline: before each partition's read, a flag in that partition
+   (`names.ring_key`, with a TTL) that holds the channel to ring (`names.ring_channel`);
+3. waits on that channel, classic pub/sub (a message published on any node reaches every subscriber), up to its
+   block time, and sweeps again when rung.
+
+A script that appends to one of the group's streams or queues (submit.lua, fair_push.lua, fair_pop.lua when jobs
+are left, finish.lua; `ring_after` for the appends made without a script) takes the partition's flag (GETDEL) and
+publishes on the channel it holds, if any. An append either precedes the flag, and the sweep after the flag finds
+it, or follows it, and rings. A ring lost with its connection (a failover) costs at most the block time. A busy
+consumer never arms, so an append then costs one GETDEL of a missing key and no message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+
+from shared.redis_client import heal
+
+log = logging.getLogger(__name__)
+
+ARMED_MS = 5_000  # a flag outlives the longest wait (the block times here are at most a second) and a dead consumer
+LISTEN_TIMEOUT_S = 2.0  # how long a subscription may take to be confirmed
+
+
+class Ring:
+    """One consumer's side: its flags, one per partition, and its subscription to the channel they name."""
+
+    def __init__(self, client: redis.Redis | Any, keys: list[str], channel: str) -> None:
+        self.client, self.keys, self.channel = client, keys, channel
+        self._pubsub: Any = None
+
+    def listen(self) -> bool:
+        """Subscribe to the channel unless subscribed; whether the subscription is confirmed. Arming before it is
+        would let a ring go by unheard."""
+        if self._pubsub is not None:
+            return True
+        pubsub = self.client.pubsub()
+        try:
+            pubsub.subscribe(self.channel)
+            deadline = time.monotonic() + LISTEN_TIMEOUT_S
+            while (left := deadline - time.monotonic()) > 0:
+                msg = pubsub.get_message(timeout=left)
+                if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
+                    self._pubsub = pubsub
+                    return True
+        except redis.RedisError as exc:
+            log.info("ring %s: not subscribed (%s)", self.channel, exc)
+            heal(self.client)  # the next try goes by a fresh slot map
+        pubsub.close()
+        return False
+
+    def arm(self, pipe: Any, key: str) -> None:
+        """Queue the flag `key` (one of this ring's) on a pipeline, before that partition's read."""
+        pipe.set(key, self.channel, px=ARMED_MS)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for a ring; whether one came (every ring pending is taken). Unsubscribed (its
+        connection lost), it waits the time out and subscribes again at the next `listen`."""
+        deadline = time.monotonic() + timeout_s
+        rung = False
+        try:
+            while self._pubsub is not None and (left := deadline - time.monotonic()) > 0:
+                msg = self._pubsub.get_message(timeout=0 if rung else left)
+                if msg is None:
+                    if rung:
+                        return True
+                    continue
+                rung = rung or msg["type"] in ("message", b"message")
+        except (redis.RedisError, OSError) as exc:
+            log.info("ring %s: subscription lost (%s)", self.channel, exc)
+            self.close()
+        if rung:
+            return True
+        if (left := deadline - time.monotonic()) > 0:
+            time.sleep(left)
+        return False
+
+    def close(self) -> None:
+        if self._pubsub is not None:
+            try:
+                self._pubsub.close()
+            except (redis.RedisError, OSError):
+                pass
+            self._pubsub = None
+
+
+def channel_of(flag: bytes | str | None) -> str:
+    """The channel a flag taken by GETDEL names ('' none: no consumer sleeps there). An append made without a
+    script (`/tokenize`'s call, the batch driver's end) takes its partition's flag in the same pipeline and
+    publishes on it."""
+    return flag.decode() if isinstance(flag, bytes) else (flag or "")
