@@ -12,10 +12,11 @@ inference worker and after-job drain. Instead an idle consumer on a cluster:
    block time, and sweeps again when rung.
 
 A script that appends to one of the group's streams or queues (submit.lua, fair_push.lua, fair_pop.lua when jobs
-are left, finish.lua; `ring_after` for the appends made without a script) takes the partition's flag (GETDEL) and
+are left, finish.lua; the appends made without a script, see `channel_of`) takes the partition's flag (GETDEL) and
 publishes on the channel it holds, if any. An append either precedes the flag, and the sweep after the flag finds
-it, or follows it, and rings. A ring lost with its connection (a failover) costs at most the block time. A busy
-consumer never arms, so an append then costs one GETDEL of a missing key and no message.
+it, or follows it, and rings. A ring lost with its connection (a failover) costs at most the block time, and a
+subscription is renewed every RENEW_S in case its node went away without a word. A busy consumer never arms, so
+an append then costs one GETDEL of a missing key and no message.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 ARMED_MS = 5_000  # a flag outlives the longest wait (the block times here are at most a second) and a dead consumer
 LISTEN_TIMEOUT_S = 2.0  # how long a subscription may take to be confirmed
+# a subscription is made afresh this often: one whose node went away without a word (a partition, a host lost)
+# hears nothing, and until it is renewed every wait runs to its end
+RENEW_S = 30.0
 
 
 class Ring:
@@ -40,12 +44,14 @@ class Ring:
     def __init__(self, client: redis.Redis | Any, keys: list[str], channel: str) -> None:
         self.client, self.keys, self.channel = client, keys, channel
         self._pubsub: Any = None
+        self._since = 0.0
 
     def listen(self) -> bool:
         """Subscribe to the channel unless subscribed; whether the subscription is confirmed. Arming before it is
         would let a ring go by unheard."""
-        if self._pubsub is not None:
+        if self._pubsub is not None and time.monotonic() - self._since < RENEW_S:
             return True
+        self.close()
         pubsub = self.client.pubsub()
         try:
             pubsub.subscribe(self.channel)
@@ -53,7 +59,7 @@ class Ring:
             while (left := deadline - time.monotonic()) > 0:
                 msg = pubsub.get_message(timeout=left)
                 if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
-                    self._pubsub = pubsub
+                    self._pubsub, self._since = pubsub, time.monotonic()
                     return True
         except redis.RedisError as exc:
             log.info("ring %s: not subscribed (%s)", self.channel, exc)
