@@ -123,8 +123,8 @@ class FairQueue:
         self.client, self.consumer, self.model = client, consumer, model
         self.cluster = isinstance(client, CLUSTER_TYPES)
         self._turn = 0
-        self.ring = Ring(client, [names.ring_key(p, names.INFERENCE_GROUP, model) for p in names.partitions()],
-                         names.ring_channel(names.INFERENCE_GROUP, model))
+        self._partition = {names.ring_key(p, names.INFERENCE_GROUP, model): p for p in names.partitions()}
+        self.ring = Ring(client, list(self._partition), names.ring_channel(names.INFERENCE_GROUP, model))
 
     def pop(self, count: int, block_ms: int | None, skip: Mapping[str, int] | None = None) -> list[Entry]:
         """Up to `count` jobs, as entries of the `tokenized` streams (pending for this consumer); a tenant in
@@ -138,14 +138,17 @@ class FairQueue:
         if not self.cluster or len(bells) == 1:
             rung = self.client.blpop(bells, timeout=block_ms / 1000)
             return self._pop_all(count, skip) if rung else []
-        if self.ring.listen():
+        if self.ring.listen() and (arm := self.ring.to_arm()):
             pipe = self.client.pipeline(transaction=False)
-            for key in self.ring.keys:
+            for key in arm:
                 self.ring.arm(pipe, key)
             pipe.execute()
-        entries = self._pop_all(count, skip)
-        if entries:
-            return entries
+            for key in arm:  # what came before each flag
+                entries += pop(self.client, self._partition[key], self.consumer, count - len(entries), skip, self.model)
+                if len(entries) >= count:
+                    break
+            if entries:
+                return entries
         return self._pop_all(count, skip) if self.ring.wait(block_ms / 1000) else []
 
     def _pop_all(self, count: int, skip: Mapping[str, int] | None) -> list[Entry]:

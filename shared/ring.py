@@ -6,17 +6,20 @@ partitions in short blocking reads: a sweep of them all twenty times a second, i
 inference worker and after-job drain. Instead an idle consumer on a cluster:
 
 1. sweeps its partitions; when it finds nothing,
-2. arms its ring and sweeps again, in one pipeline: before each partition's read, a flag in that partition
-   (`names.ring_key`, with a TTL) that holds the channel to ring (`names.ring_channel`);
+2. arms its ring: in each partition whose flag is not set, the flag (`names.ring_key`, with a TTL) that holds the
+   channel to ring (`names.ring_channel`), then that partition's read, in one pipeline;
 3. waits on that channel, classic pub/sub (a message published on any node reaches every subscriber), up to its
    block time, and sweeps again when rung.
 
 A script that appends to one of the group's streams or queues (submit.lua, fair_push.lua, fair_pop.lua when jobs
 are left, finish.lua; the appends made without a script, see `channel_of`) takes the partition's flag (GETDEL) and
-publishes on the channel it holds, if any. An append either precedes the flag, and the sweep after the flag finds
-it, or follows it, and rings. A ring lost with its connection (a failover) costs at most the block time, and a
-subscription is renewed every RENEW_S in case its node went away without a word. A busy consumer never arms, so
-an append then costs one GETDEL of a missing key and no message.
+publishes on the channel it holds, if any, the flag's name as the message. An append either precedes the flag, and
+the read after the flag finds it, or follows it, and rings. A ring names the flag it took: only that one is set
+again before the next wait (every one every ARMED_MS / 2, and after a new subscription, in case rings went unheard or
+flags expired), so a consumer woken once per job re-arms one partition, not all of them. A ring lost with its
+connection (a failover) costs at most the block time, and a subscription is renewed every RENEW_S in case its node
+went away without a word. An append costs one GETDEL, and rings at most once for each flag set: a busy consumer
+sets none, an idle one at most every flag every ARMED_MS / 2.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Ring:
         self.client, self.keys, self.channel = client, keys, channel
         self._pubsub: Any = None
         self._since = 0.0
+        self._rung: set[str] = set()  # flags taken since they were set (the rings heard name them)
+        self._armed_at = 0.0  # when every flag was last set on this subscription (0: not yet)
 
     def listen(self) -> bool:
         """Subscribe to the channel unless subscribed; whether the subscription is confirmed. Arming before it is
@@ -59,13 +64,25 @@ class Ring:
             while (left := deadline - time.monotonic()) > 0:
                 msg = pubsub.get_message(timeout=left)
                 if msg is not None and msg["type"] in ("subscribe", b"subscribe"):
-                    self._pubsub, self._since = pubsub, time.monotonic()
+                    self._pubsub, self._since, self._armed_at = pubsub, time.monotonic(), 0.0
                     return True
         except redis.RedisError as exc:
             log.info("ring %s: not subscribed (%s)", self.channel, exc)
             heal(self.client)  # the next try goes by a fresh slot map
         pubsub.close()
         return False
+
+    def to_arm(self) -> list[str]:
+        """The flags to set before the next wait: those rung since they were set, or every one when the last full
+        arming is half a flag's TTL old (or was not made on this subscription)."""
+        now = time.monotonic()
+        if now - self._armed_at > ARMED_MS / 2000:
+            self._armed_at = now
+            self._rung.clear()
+            return list(self.keys)
+        keys = [k for k in self.keys if k in self._rung]
+        self._rung.clear()
+        return keys
 
     def arm(self, pipe: Any, key: str) -> None:
         """Queue the flag `key` (one of this ring's) on a pipeline, before that partition's read."""
@@ -83,7 +100,10 @@ class Ring:
                     if rung:
                         return True
                     continue
-                rung = rung or msg["type"] in ("message", b"message")
+                if msg["type"] in ("message", b"message"):
+                    rung = True
+                    data = msg["data"]
+                    self._rung.add(data.decode() if isinstance(data, bytes) else str(data))
         except (redis.RedisError, OSError) as exc:
             log.info("ring %s: subscription lost (%s)", self.channel, exc)
             self.close()

@@ -92,29 +92,34 @@ class StreamConsumer:
             if not self.cluster or len(self.streams) == 1:
                 return self._entries(self.client.xreadgroup(self.group, self.consumer, dict.fromkeys(self.streams, ">"),
                                                             count=count, block=block_ms))
-            entries = self._sweep(count, arm=False)
+            entries = self._sweep(count)
             if entries or block_ms is None:
                 return entries
-            entries = self._sweep(count, arm=self.ring.listen())
-            if entries:
-                return entries
-            return self._sweep(count, arm=False) if self.ring.wait(block_ms / 1000 or IDLE_WAIT_S) else []
+            if self.ring.listen() and (arm := set(self.ring.to_arm())):
+                entries = self._sweep(count, arm)
+                if entries:
+                    return entries
+            return self._sweep(count) if self.ring.wait(block_ms / 1000 or IDLE_WAIT_S) else []
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             self.ensure_group()  # a stream was deleted (or Redis lost its data): start over
             return []
 
-    def _sweep(self, count: int, arm: bool) -> list[Entry]:
-        """One non-blocking read per stream, in one pipeline, starting at the next in turn; with `arm`, each
-        partition's ring flag set before its first read (on the same node's connection, so in that order)."""
+    def _sweep(self, count: int, arm: set[str] | None = None) -> list[Entry]:
+        """One non-blocking read per stream, in one pipeline, starting at the next in turn; with `arm`, only the
+        streams of those ring flags, each flag set before its partition's first read (on the same node's
+        connection, so in that order)."""
         self._turn = (self._turn + 1) % len(self.streams)
         pipe = self.client.pipeline(transaction=False)
-        armed: set[str] = set()
+        unset = set(arm or ())
         for stream in self.streams[self._turn:] + self.streams[:self._turn]:
-            if arm and self._flags[stream] not in armed:
-                armed.add(self._flags[stream])
-                self.ring.arm(pipe, self._flags[stream])
+            flag = self._flags[stream]
+            if arm is not None and flag not in arm:
+                continue
+            if flag in unset:
+                unset.discard(flag)
+                self.ring.arm(pipe, flag)
             pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
         replies = pipe.execute()
         return [e for reply in replies if not isinstance(reply, bool) for e in self._entries(reply)]

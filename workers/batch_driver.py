@@ -309,10 +309,11 @@ class BatchDriver:
             pipe = self.r.pipeline(transaction=False)  # the entry, and a sleeping drain's flag (shared/ring.py)
             pipe.xadd(names.stream(names.ENDED, p), {"batch_id": batch_id}, maxlen=names.ENDED_MAXLEN,
                       approximate=True)
-            pipe.getdel(names.ring_key(p, names.AFTER_JOB_GROUP))
+            ring = names.ring_key(p, names.AFTER_JOB_GROUP)
+            pipe.getdel(ring)
             _, flag = pipe.execute()
             if channel := channel_of(flag):
-                self.r.publish(channel, "ring")
+                self.r.publish(channel, ring)
             self.r.hset(names.batch_key(batch_id), "announced", 1)
         pipe = self.r.pipeline(transaction=False)
         pipe.zrem(names.batches_open(owner), batch_id)

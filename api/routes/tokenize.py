@@ -55,10 +55,11 @@ async def ask(client: aredis.Redis, relay: Relay, call: TokenizeCall,
             pipe = client.pipeline(transaction=False)  # the append, and a sleeping tokenizer's flag (shared/ring.py)
             pipe.xadd(names.stream(names.TOKENIZE, p), {"call_id": call_id, "call": call.to_wire()},
                       maxlen=STREAM_MAXLEN, approximate=True)
-            pipe.getdel(names.ring_key(p, names.TOKENIZER_GROUP))
+            ring = names.ring_key(p, names.TOKENIZER_GROUP)
+            pipe.getdel(ring)
             _, flag = await pipe.execute()
             if channel := channel_of(flag):
-                await client.publish(channel, "ring")
+                await client.publish(channel, ring)
             while (left := deadline - loop.time()) > 0:
                 raw: bytes | str | None = None
                 try:

@@ -19,7 +19,7 @@ local group, consumer, count, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local PRIORITY_BASE = 1000 -- fair_push.lua's
 local function ring(flag) -- a consumer of this partition sleeps: wake it (shared/ring.py)
   local channel = redis.call('GETDEL', flag)
-  if channel then redis.call('PUBLISH', channel, 'ring') end
+  if channel then redis.call('PUBLISH', channel, flag) end
 end
 local below, n_skip = {}, 0
 for i = 5, #ARGV, 2 do below[ARGV[i]] = tonumber(ARGV[i + 1]); n_skip = n_skip + 1 end

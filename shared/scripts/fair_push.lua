@@ -25,7 +25,7 @@ local group, by_tenant, ttl, n_ack = ARGV[1], ARGV[2] == '1', tonumber(ARGV[3]),
 local PRIORITY_BASE = 1000
 local function ring(flag) -- a consumer of this partition sleeps: wake it (shared/ring.py)
   local channel = redis.call('GETDEL', flag)
-  if channel then redis.call('PUBLISH', channel, 'ring') end
+  if channel then redis.call('PUBLISH', channel, flag) end
 end
 local queued, k = 0, 11
 for i = 5 + n_ack, #ARGV, 4 do

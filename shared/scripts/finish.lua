@@ -60,7 +60,7 @@ redis.call('EXPIRE', text, ttl)
 redis.call(publish, channel, cjson.encode({seq = seq, type = 'done'}))
 redis.call('XADD', ended, 'MAXLEN', '~', ended_cap, '*', 'job_id', job_id)
 local drain = redis.call('GETDEL', KEYS[16]) -- an after-job drain sleeps: wake it
-if drain then redis.call('PUBLISH', drain, 'ring') end
+if drain then redis.call('PUBLISH', drain, KEYS[16]) end
 if owner ~= '' then
   redis.call('DECR', active)
   local rec = redis.call('HMGET', job, 'reserved_tokens', 'prompt_tokens', 'completion_tokens', 'budget')

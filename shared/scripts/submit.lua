@@ -93,6 +93,6 @@ if budget == 'batch' then redis.call('HSET', job, 'budget', budget) end
 redis.call('EXPIRE', job, ttl)
 redis.call('XADD', jobs, 'MAXLEN', '~', jobs_cap, '*', 'job_id', job_id, 'request', request)
 local channel = redis.call('GETDEL', KEYS[10]) -- a tokenizer sleeps: wake it
-if channel then redis.call('PUBLISH', channel, 'ring') end
+if channel then redis.call('PUBLISH', channel, KEYS[10]) end
 return {1, ordinal, dequeued, rpm, math.floor(r_left), math.ceil(r_reset * 1000), tpm, math.floor(t_left),
         math.ceil(t_reset * 1000)}

@@ -99,7 +99,7 @@ def twelve() -> Iterator[None]:
 def test_an_idle_tokenizer_sleeps_on_its_ring_and_a_submit_in_any_partition_wakes_it(cluster: redis.Redis) -> None:
     """A read with nothing to take arms every partition's flag and waits on the ring (one subscription, not a turn
     over the partitions); the submit takes its partition's flag and rings, and the same read returns the job, long
-    before its block time. A read that finds work arms nothing: a submit then rings nobody."""
+    before its block time. Idle again, it sets only the flag taken. A read that finds work arms nothing."""
     r = cluster
     consumer = StreamConsumer(r, names.streams(names.JOBS), names.TOKENIZER_GROUP, "tok-1", names.TOKENIZER_POOL)
     consumer.ensure_group()
@@ -112,10 +112,16 @@ def test_an_idle_tokenizer_sleeps_on_its_ring_and_a_submit_in_any_partition_wake
     [entry] = reading.result(timeout=30)
     assert entry.fields[b"job_id"] == job_id.encode() and names.stream_partition(entry.stream) == p
     assert not r.exists(names.ring_key(p, names.TOKENIZER_GROUP))  # taken by the submit that rang
+    assert _flags(r, names.TOKENIZER_GROUP) == names.partition_count() - 1
+    consumer.ack([entry.ref])
+    reading = _in_thread(lambda: consumer.read(10, block_ms=60_000))  # idle again: the flag taken is set again
+    until("the flag taken set again", lambda: r.exists(names.ring_key(p, names.TOKENIZER_GROUP)), 10)
+    _submit(r, names.job_id_in(7, "d4" * 16), "")
+    [entry] = reading.result(timeout=30)
     consumer.ack([entry.ref])
     for key in consumer.ring.keys:  # the others expire (ARMED_MS); a busy read sets none
         r.delete(key)
-    _submit(r, names.job_id_in(7, "d4" * 16), "")
+    _submit(r, names.job_id_in(8, "f6" * 16), "")
     assert len(consumer.read(10, block_ms=60_000)) == 1 and _flags(r, names.TOKENIZER_GROUP) == 0
     consumer.ring.close()
 
