@@ -6,8 +6,8 @@ partitions in short blocking reads: a sweep of them all twenty times a second, i
 inference worker and after-job drain. Instead an idle consumer on a cluster:
 
 1. sweeps its partitions; when it finds nothing,
-2. arms its ring: in each partition whose flag is not set, the flag (`names.ring_key`, with a TTL) that holds the
-   channel to ring (`names.ring_channel`), then that partition's read, in one pipeline;
+2. arms its ring: in each partition whose flag was taken (or may have expired), the flag (`names.ring_key`, with
+   a TTL) that holds the channel to ring (`names.ring_channel`), then that partition's read, in one pipeline;
 3. waits on that channel, classic pub/sub (a message published on any node reaches every subscriber), up to its
    block time, and sweeps again when rung.
 
@@ -34,7 +34,7 @@ from shared.redis_client import heal
 
 log = logging.getLogger(__name__)
 
-ARMED_MS = 5_000  # a flag outlives the longest wait (the block times here are at most a second) and a dead consumer
+ARMED_MS = 5_000  # a flag outlives the longest wait (the block times here are at most 2 s) and a dead consumer
 LISTEN_TIMEOUT_S = 2.0  # how long a subscription may take to be confirmed
 # a subscription is made afresh this often: one whose node went away without a word (a partition, a host lost)
 # hears nothing, and until it is renewed every wait runs to its end

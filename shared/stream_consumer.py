@@ -9,9 +9,9 @@ goes to the dead-letter stream instead. Entries already delivered twice are clai
 so a poison entry reaches the dead-letter stream alone (its partition's).
 
 With several streams, a read on one Redis node is one XREADGROUP over all of them; on a cluster
-(one slot per call) it is one non-blocking read per stream in a pipeline, and when all were empty,
-the same with the group's ring armed, then a wait on the ring (shared/ring.py). Entries carry their
-stream; acknowledgements and claims go to it.
+(one slot per call) it is one non-blocking read per stream in a pipeline; when all were empty, the
+reads of the partitions whose ring flag it sets again, each after its flag, then a wait on the ring
+(shared/ring.py). Entries carry their stream; acknowledgements and claims go to it.
 """
 
 from __future__ import annotations

@@ -130,6 +130,7 @@ class AfterJob:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.webhooks.close()
         c = self.consumer
+        c.ring.close()  # its subscription, on a cluster
         for stream in c.streams:
             if not self.client.xpending_range(stream, c.group, min="-", max="+", count=1, consumername=c.consumer):
                 self.client.xgroup_delconsumer(stream, c.group, c.consumer)
