@@ -195,7 +195,7 @@ class InferenceWorker:
 
 def lane_context() -> ForkContext | SpawnContext:
     """How the output lane's process starts: forked while this process is still one thread without torch (as a
-    worker is when it starts its lane, before its engine: the lane inherits the modules imported, ~0.8 CPU-s less
+    worker is when it starts its lane, before its engine: the lane inherits the modules imported, ~0.5 CPU-s less
     a start than a fresh interpreter's), else spawned: a fork beside running threads (OpenMP's among them) can
     inherit a lock some thread held."""
     safe = threading.active_count() == 1 and "torch" not in sys.modules
