@@ -101,7 +101,9 @@ class StepWrites:
     calls: dict[int, Write] = field(default_factory=dict)  # per partition (one slot each), its step call's keys, args
     jobs: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # per partition, its call's jobs
     charges: dict[int, Charges] = field(default_factory=lambda: defaultdict(dict))  # per partition, per tenant
-    finishes: list[tuple[str, FinishReason, str, dict[str, Any], str, str]] = field(default_factory=list)
+    # per ending job: (job, reason, error, fields, worker, owner, its last step's (chunk seq, tokens written))
+    finishes: list[tuple[str, FinishReason, str, dict[str, Any], str, str, tuple[int, int]]] = field(
+        default_factory=list)
     done: list[str] = field(default_factory=list)  # the jobs ending in this step
     prompts: list[tuple[str, bytes]] = field(default_factory=list)  # (job, its prompt's logprobs document): once
 
@@ -119,7 +121,7 @@ class StepWrites:
     def end(self, job_id: str, reason: FinishReason, error: str, st: JobState) -> None:
         fields: dict[str, Any] = {"completion_tokens": st.n_tokens}
         fields.update((k, repr(v)) for k, v in st.stages.items() if v)
-        self.finishes.append((job_id, reason, error, fields, st.worker, st.owner))
+        self.finishes.append((job_id, reason, error, fields, st.worker, st.owner, (st.seq, st.written)))
         self.done.append(job_id)
 
 
@@ -279,8 +281,8 @@ class OutputLane:
             pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
         for p, (keys, args) in step.calls.items():
             self.jobs.step(keys, args, pipe, step.charges.get(p))
-        for job_id, reason, error, fields, worker, owner in step.finishes:
-            self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner)
+        for job_id, reason, error, fields, worker, owner, written in step.finishes:
+            self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner, written=written)
         self._sent = Sent(len(step.prompts), [step.jobs[p] for p in step.calls], [f[0] for f in step.finishes],
                           step.done)
         return pipe
@@ -305,8 +307,12 @@ class OutputLane:
                 if code in REFUSED and not (code is StepCode.ended and job_id in ending):
                     refused[job_id] = code.name
         for job_id, raw in zip(sent.finishes, results[at:]):
-            if not isinstance(raw, Exception) and (end := FinishReply.parse(raw).code) in NOT_ENDED_HERE:
+            if isinstance(raw, Exception):
+                continue
+            if (end := FinishReply.parse(raw).code) in NOT_ENDED_HERE:
                 refused.setdefault(job_id, end.name)
+            elif end is FinishCode.behind:
+                self._lost(job_id)
         for job_id, why in refused.items():
             log.warning("job %s dropped: %s", job_id, why)
             self.states.pop(job_id, None)
@@ -315,6 +321,14 @@ class OutputLane:
             else:
                 self.feedback.put(Abort(job_id, FinishReason.error))
             self.feedback.put(Dropped(job_id))
+
+    def _lost(self, job_id: str) -> None:
+        """A job whose record lacks steps this lane wrote, though its last step went through again: a failover
+        promoted a replica that had not received earlier ones. Its text has lost a part: it ends as an error."""
+        st = self.states[job_id]
+        log.error("job %s: its record lost earlier steps in a failover; it fails", job_id)
+        call(lambda: self.jobs.fail(job_id, "part of its output was lost in a Redis failover", st.worker,
+                                    owner=st.owner), log=log, name=f"the end of job {job_id}", on_outage=self._outage)
 
     def _entries(self, ids: list[int], chosen: list[float], top_ids: list[list[int]],
                  top_lps: list[list[float]]) -> list[list[Any]]:
@@ -357,10 +371,13 @@ class OutputLane:
         """`pipe.execute`, retryable. A failed execute() empties the pipeline, so a retry sends the step's
         commands again on a new one, routed by the slot map as it is then. On a cluster the ending jobs'
         masters are asked, after the writes, to WAIT for a replica (a job's end survives the loss of its
-        master): the nodes are looked up at each try, never kept from one that failed."""
+        master): the nodes are looked up at each try, never kept from one that failed. A finish that ran
+        before its job's step (`FinishedEarly`) sends the step again once; still behind after that, the
+        job's record lost earlier steps, and `settle` fails the job."""
         calls = _queued(pipe)
         first = [pipe]
         ended = [names.job_key(job_id) for job_id in done] if self.cluster else []
+        sent, behind = self._sent, [False]
 
         def execute() -> list[Any]:
             step = first.pop() if first else self._rebuilt(calls)
@@ -371,6 +388,9 @@ class OutputLane:
             for res in results:  # a cluster's pipeline answers an outage per command: try the whole step again
                 if isinstance(res, RETRYABLE):
                     raise res
+            if sent is not None and not behind[0] and _behind(sent, results):
+                behind[0] = True  # a finish ran before its step: the whole step again, the step first
+                raise FinishedEarly("a job's end came before its last step's writes; the step is sent again")
             return results  # type: ignore[no-any-return]
 
         return execute
@@ -380,6 +400,18 @@ class OutputLane:
         for args, options in calls:
             again.pipeline_execute_command(*args, **options)
         return again
+
+
+class FinishedEarly(redis.ConnectionError):
+    """A finish answered `behind`: its step failed and was sent again after it (a cluster client resends a
+    pipeline's failed commands one at a time), or reached a node that lacks it (a master lost after it
+    answered). Retryable: the replay sends the step's commands again in order."""
+
+
+def _behind(sent: Sent, results: list[Any]) -> bool:
+    at = sent.first_step + len(sent.steps)
+    return any(not isinstance(raw, Exception) and int(raw) == FinishCode.behind
+               for raw in results[at:at + len(sent.finishes)])
 
 
 def _queued(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:

@@ -165,11 +165,12 @@ def tenant_keys(owner: str, stand_in: str, tokens: str = "tokens") -> list[str]:
 
 def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, required_status: str = "",
                  fields: dict[str, Any] | None = None, publish: str = "PUBLISH", worker: str = "",
-                 owner: str = "", model: str = "") -> Write:
+                 owner: str = "", model: str = "", written: tuple[int, int] = (0, 0)) -> Write:
     """A finish call (finish.lua): the terminal status follows from `reason`. `worker`: the ending worker's
     id, which ends only a job whose record names it; '' any (the API's cancel, a failure outside a run).
     `owner` and `model`: the job's record's (`owner`, `base_model`; '' none), whose keys it names; a record
-    naming others answers owner_changed."""
+    naming others answers owner_changed. `written`: the (chunk seq, completion tokens) of the job's last
+    step, which its record must show already, else the call answers behind."""
     p = names.job_partition(job_id)
     fair = [names.fair_key(p, part, model) for part in ("tenants", "payload", "queue", "age", "waiting")]
     tenant, _, _, active = tenant_keys(owner, names.job_key(job_id))
@@ -180,7 +181,7 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
             names.ring_key(p, names.AFTER_JOB_GROUP)]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
                        names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN, owner, publish,
-                       worker, model]
+                       worker, model, *written]
     for k, v in (fields or {}).items():
         args += [k, v]
     return keys, args
@@ -310,8 +311,9 @@ class JobOps:
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
                pipe: Any = None, required_status: str = "", worker: str = "",
-               owner: str | None = None) -> FinishReply | None:
-        """End an active job exactly once (see finish.lua); `worker`: only if the job is that worker's. With
+               owner: str | None = None, written: tuple[int, int] = (0, 0)) -> FinishReply | None:
+        """End an active job exactly once (see finish.lua); `worker`: only if the job is that worker's, and
+        `written` (its last step's chunk seq and completion tokens) already recorded. With
         `pipe`, queues it there and returns None: its reply is the pipeline's to `FinishReply.parse`.
         `owner`: the job's (StartReply.owner), whose keys the call names, its model this JobOps' own; None reads
         both from the record first (one more round trip: with `pipe`, retried through an outage, as the
@@ -323,7 +325,7 @@ class JobOps:
                     lambda: self.whose(job_id), log=log, name=f"the owner of job {job_id}",
                     on_outage=lambda: heal(self.client))
             write = finish_write(job_id, reason, error, self.ttl_s, required_status, fields, self.publish, worker,
-                                 owner, model)
+                                 owner, model, written)
             if pipe is not None:
                 self._queue(scripts.FINISH, pipe, write)
                 return None

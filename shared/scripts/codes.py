@@ -132,6 +132,7 @@ class FinishCode(IntEnum):
     no_such_job = -1  # nothing written
     not_owner = -2  # the ending worker is not the one the job's record names: nothing written
     owner_changed = -3  # the record names another owner than the one its keys were named for: nothing written
+    behind = -4  # the record does not show the last step the finish named yet: nothing written
 
 
 @dataclass(frozen=True)

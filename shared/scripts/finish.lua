@@ -9,24 +9,29 @@
 --       10 the owner KEYS 12-15 are named for ('' none), 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
 --       12 the ending worker ('' any: the API, a failure outside a worker's run): a worker ends only a job
 --       whose record names it (start.lua's `worker`), 13 the model queue KEYS 7-11 are named for (the record's
---       `base_model`, '' the default model), 14.. field/value pairs to set on the record
+--       `base_model`, '' the default model), 14 15 the chunk seq and the completion tokens the record must
+--       show already (0 0: any), 16.. field/value pairs to set on the record
 -- A job still waiting in the fair queue (shared/fair_queue.py) leaves it. Sets the terminal state, appends
 -- `done` to the event stream and publishes it, starts the retention clock of the job's keys and appends the
 -- job to the ended stream (the after-job work). A tenant's job leaves its unfinished count and gives back the
 -- tokens it reserved and did not use (to the bucket it reserved from: `tokens`, or `batch_tokens` for a batch
 -- line, whose record says budget=batch). The owner's keys come from the caller, who reads the record's owner
 -- first (or knows it): a record that names another owner has nothing written, and the caller reads it again.
--- A job that does not exist, or is another worker's, has nothing written.
+-- A job that does not exist, or is another worker's, has nothing written. A worker's finish names what its
+-- job's last step wrote (ARGV 14, 15): until the record shows it, the job is not ended (that step was lost in a
+-- failover, or comes after this call: a cluster client resends a pipeline's failed commands one by one), so
+-- the step, sent again, is not refused as one of an ended job and its chunk lost.
 -- Returns the done event's seq; 0 if the job had already ended (or was not in the required status);
 --   -1 if it does not exist; -2 if the ending worker is not the job's; -3 if the record's owner or model is not
---   the one the keys were named for (nothing written: name them again).
+--   the one the keys were named for (nothing written: name them again); -4 if the record does not show the
+--   step ARGV 14, 15 name yet (nothing written: send that step, then this call, again).
 local job, events, ids, dequeued, text, ended = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local status, reason, err, now, ttl, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local backlog, payloads, queue, ages, places = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local active, tenant_key, tokens_bucket, batch_bucket = KEYS[12], KEYS[13], KEYS[14], KEYS[15]
 local required, job_id, ended_cap, named_owner, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local worker, named_model = ARGV[12], ARGV[13]
-local rec = redis.call('HMGET', job, 'status', 'worker', 'owner', 'base_model')
+local rec = redis.call('HMGET', job, 'status', 'worker', 'owner', 'base_model', 'seq', 'completion_tokens')
 local st = rec[1]
 if not st then return -1 end
 -- before the status: a worker cut off while another took its job over hears so even once that one ended it
@@ -35,6 +40,7 @@ if st ~= 'queued' and st ~= 'running' then return 0 end
 if required ~= '' and st ~= required then return 0 end
 local owner = rec[3] or ''
 if owner ~= named_owner or (rec[4] or '') ~= named_model then return -3 end
+if tonumber(rec[5] or '0') < tonumber(ARGV[14]) or tonumber(rec[6] or '0') < tonumber(ARGV[15]) then return -4 end
 if st == 'queued' then
   redis.call('INCR', dequeued)
   if redis.call('HDEL', payloads, job_id) == 1 then -- waiting in the fair queue: leave it
@@ -50,7 +56,7 @@ if st == 'queued' then
   end
 end
 redis.call('HSET', job, 'status', status, 'finish_reason', reason, 'error', err, 'finished_at', now)
-for i = 14, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+for i = 16, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 local seq = redis.call('HINCRBY', job, 'seq', 1)
 redis.call('XADD', events, '0-' .. seq, 'type', 'done')
 redis.call('EXPIRE', job, ttl)

@@ -284,6 +284,31 @@ def test_a_worker_that_lost_its_job_writes_nothing_into_it(raw: redis.Redis) -> 
     assert raw.get(names.text_key(job_id)) == b"Hi there"
 
 
+def test_a_workers_finish_waits_for_its_last_step(raw: redis.Redis) -> None:
+    """A worker's finish names what its job's last step wrote (the last chunk's seq, the tokens so far): while
+    the record has not reached them (that step lost in a failover, or sent again after the finish, as a cluster
+    client resends a pipeline's failed commands one by one), the finish writes nothing and says so, so the
+    step is not then refused as one of an ended job and its chunk lost. Once the step landed, it ends the job."""
+    ops, job_id = JobOps(raw, 60), "job_behind_0001"
+    _running_job(raw, job_id)
+    assert _step(ops, job_id, "w", 1, "", "Hi") == [StepCode.written]
+    before = _state(raw, job_id)
+
+    def early() -> None:
+        for written in ((2, 2), (2, 1), (1, 2)):
+            got = ops.finish(job_id, FinishReason.length, fields={"completion_tokens": 2}, worker="w", written=written)
+            assert got == FinishReply(FinishCode.behind)
+
+    assert published(raw, [names.job_channel(job_id)], early) == []
+    assert _state(raw, job_id) == before
+    assert _step(ops, job_id, "w", 2, "Hi", " there") == [StepCode.written]
+    got = ops.finish(job_id, FinishReason.length, fields={"completion_tokens": 2}, worker="w", written=(2, 2))
+    assert got == FinishReply(FinishCode.finished, 3)
+    assert raw.get(names.text_key(job_id)) == b"Hi there"
+    # sent again once it went through: the job has ended (not behind, though a later step could be)
+    assert ops.finish(job_id, FinishReason.length, worker="w", written=(9, 9)) == FinishReply(FinishCode.already_ended)
+
+
 def test_a_step_on_an_ended_job_writes_nothing(raw: redis.Redis) -> None:
     ops, job_id = JobOps(raw, 60), "job_ended_0001"
     _running_job(raw, job_id)
