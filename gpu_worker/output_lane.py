@@ -57,6 +57,8 @@ log = logging.getLogger("conveyor.output_lane")
 # replies after which a job is no longer this worker's to write: nothing of it was written
 REFUSED = frozenset({StepCode.no_such_job, StepCode.not_owner, StepCode.ended})
 NOT_ENDED_HERE = frozenset({FinishCode.no_such_job, FinishCode.not_owner})
+BEHIND_REPLAYS = 3  # a step replayed for a finish that ran before it, at most; still behind: the record lost steps
+LOST = "part of the output was not recorded (a Redis failover lost earlier writes, or a write failed): it is incomplete"
 
 
 @dataclass
@@ -292,27 +294,38 @@ class OutputLane:
         record gone, another worker's now, or not running) had nothing written, and is dropped: the engine aborts
         it, the lane forgets it, and the ledger lets it go without acknowledging its entry (`Dropped`). A job
         ending in this step is judged by its finish instead (its step, sent again after its finish went
-        through, finds it ended): dropped if refused, else left in `done`, which commit reports as Done."""
+        through, finds it ended): dropped if refused, else left in `done`, which commit reports as Done. A job
+        whose record lacks earlier steps of this lane (a gap, or a finish still behind its step) fails (`_lost`)."""
         sent, self._sent = self._sent, None
         if sent is None:
             return
         ending = set(sent.finishes)
         refused: dict[str, str] = {}
+        lost: list[str] = []
         at = sent.first_step
         for job_ids in sent.steps:
             raw, at = results[at], at + 1
             if isinstance(raw, Exception):
                 continue  # commit logs it
             for job_id, code in zip(job_ids, StepReply.parse(raw).codes):
-                if code in REFUSED and not (code is StepCode.ended and job_id in ending):
+                if code is StepCode.gap:
+                    lost.append(job_id)
+                elif code in REFUSED and not (code is StepCode.ended and job_id in ending):
                     refused[job_id] = code.name
         for job_id, raw in zip(sent.finishes, results[at:]):
             if isinstance(raw, Exception):
                 continue
             if (end := FinishReply.parse(raw).code) in NOT_ENDED_HERE:
                 refused.setdefault(job_id, end.name)
-            elif end is FinishCode.behind:
-                self._lost(job_id)
+            elif end is FinishCode.behind and job_id not in lost:
+                lost.append(job_id)
+        for job_id in lost:
+            if (end := self._lost(job_id)) in NOT_ENDED_HERE:
+                refused.setdefault(job_id, end.name)
+            elif job_id not in ending:  # ended here, mid-run: the engine stops it, the ledger acknowledges it
+                self.states.pop(job_id, None)
+                self.feedback.put(Abort(job_id, FinishReason.error))
+                self.feedback.put(Done(job_id))
         for job_id, why in refused.items():
             log.warning("job %s dropped: %s", job_id, why)
             self.states.pop(job_id, None)
@@ -322,13 +335,15 @@ class OutputLane:
                 self.feedback.put(Abort(job_id, FinishReason.error))
             self.feedback.put(Dropped(job_id))
 
-    def _lost(self, job_id: str) -> None:
-        """A job whose record lacks steps this lane wrote, though its last step went through again: a failover
-        promoted a replica that had not received earlier ones. Its text has lost a part: it ends as an error."""
+    def _lost(self, job_id: str) -> FinishCode:
+        """A job whose record lacks steps this lane wrote: a failover promoted a replica that had not received
+        them (only a job's end waits for a replica), or a write failed. Its text has lost a part: it ends as an
+        error that says so (never as a success with a hole). Answers how its finish went."""
         st = self.states[job_id]
-        log.error("job %s: its record lost earlier steps in a failover; it fails", job_id)
-        call(lambda: self.jobs.fail(job_id, "part of its output was lost in a Redis failover", st.worker,
-                                    owner=st.owner), log=log, name=f"the end of job {job_id}", on_outage=self._outage)
+        log.error("job %s: its record lacks earlier steps of its output; it fails", job_id)
+        reply = call(lambda: self.jobs.fail(job_id, LOST, st.worker, owner=st.owner), log=log,
+                     name=f"the end of job {job_id}", on_outage=self._outage)
+        return reply.code if reply is not None else FinishCode.finished
 
     def _entries(self, ids: list[int], chosen: list[float], top_ids: list[list[int]],
                  top_lps: list[list[float]]) -> list[list[Any]]:
@@ -372,12 +387,12 @@ class OutputLane:
         commands again on a new one, routed by the slot map as it is then. On a cluster the ending jobs'
         masters are asked, after the writes, to WAIT for a replica (a job's end survives the loss of its
         master): the nodes are looked up at each try, never kept from one that failed. A finish that ran
-        before its job's step (`FinishedEarly`) sends the step again once; still behind after that, the
-        job's record lost earlier steps, and `settle` fails the job."""
+        before its job's step (`FinishedEarly`) sends the step again (BEHIND_REPLAYS times at most); still
+        behind after that, the job's record lost earlier steps, and `settle` fails the job."""
         calls = _queued(pipe)
         first = [pipe]
         ended = [names.job_key(job_id) for job_id in done] if self.cluster else []
-        sent, behind = self._sent, [False]
+        sent, behind = self._sent, [0]
 
         def execute() -> list[Any]:
             step = first.pop() if first else self._rebuilt(calls)
@@ -388,8 +403,8 @@ class OutputLane:
             for res in results:  # a cluster's pipeline answers an outage per command: try the whole step again
                 if isinstance(res, RETRYABLE):
                     raise res
-            if sent is not None and not behind[0] and _behind(sent, results):
-                behind[0] = True  # a finish ran before its step: the whole step again, the step first
+            if sent is not None and behind[0] < BEHIND_REPLAYS and _behind(sent, results):
+                behind[0] += 1  # a finish ran before its step: the whole step again, the step first
                 raise FinishedEarly("a job's end came before its last step's writes; the step is sent again")
             return results  # type: ignore[no-any-return]
 
@@ -409,9 +424,15 @@ class FinishedEarly(redis.ConnectionError):
 
 
 def _behind(sent: Sent, results: list[Any]) -> bool:
+    """Whether a finish answered behind while its job's step went through (not refused as a gap: that job fails)."""
+    gaps = set()
+    for i, job_ids in enumerate(sent.steps):
+        raw = results[sent.first_step + i]
+        if not isinstance(raw, Exception):
+            gaps.update(j for j, code in zip(job_ids, StepReply.parse(raw).codes) if code is StepCode.gap)
     at = sent.first_step + len(sent.steps)
-    return any(not isinstance(raw, Exception) and int(raw) == FinishCode.behind
-               for raw in results[at:at + len(sent.finishes)])
+    return any(job_id not in gaps and not isinstance(raw, Exception) and int(raw) == FinishCode.behind
+               for job_id, raw in zip(sent.finishes, results[at:]))
 
 
 def _queued(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:

@@ -186,6 +186,7 @@ class StepCode(IntEnum):
     ended = 0  # not running (it ended): nothing written
     no_such_job = -1  # nothing written
     not_owner = -2  # its record names another worker (or none: queued again after a failover lost its start)
+    gap = -3  # its part does not start where its text or ids end (earlier steps lost): nothing written
 
 
 @dataclass(frozen=True)

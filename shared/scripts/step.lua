@@ -27,10 +27,14 @@
 -- A step may be sent twice (replayed after a reconnect): a chunk whose seq is not past the job's
 -- recorded seq (the id of its event stream's last entry), or ids without a chunk whose n_tokens is not
 -- past its recorded completion_tokens, is a replay, and nothing of the job's part is written again.
+-- A part that does not start where the job's text or ids end (a failover promoted a replica that lacked earlier
+-- steps of this worker, or an earlier step's write failed) is a gap: nothing of it is written (SETRANGE past the end
+-- would fill the hole with NUL bytes), and the lane fails the job.
 -- The charges (the output lane sums the step's new tokens per tenant: shared/fair_queue.py) go on the
 -- tenants' counters in the fair queue when some job of the call was written.
 -- Returns a code per job, in the order of the call's jobs: 1 written, 2 a replay, 0 not running (ended),
---   -1 no such job, -2 not this worker's (another's, or none's: queued again after a failover lost its start).
+--   -1 no such job, -2 not this worker's (another's, or none's: queued again after a failover lost its start),
+--   -3 a gap: the record lacks earlier steps of this job.
 local vtc, backlog, served = KEYS[1], KEYS[2], KEYS[3]
 local ttl, now, publish, n_charged = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
 local codes, written = {}, false
@@ -52,6 +56,9 @@ for k = 4, #KEYS, 5 do
     code = 2
   elseif not has_chunk and ids ~= '' and tonumber(n_tokens) <= tonumber(rec[4] or '0') then
     code = 2
+  elseif (ids ~= '' and tonumber(ids_at) ~= redis.call('STRLEN', ids_key))
+      or (chunk ~= '' and tonumber(text_at) ~= redis.call('STRLEN', text_key)) then
+    code = -3
   end
   if code == 1 then
     if ids ~= '' then

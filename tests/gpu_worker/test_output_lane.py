@@ -162,13 +162,15 @@ def test_a_job_the_lane_still_owns_ends_done(redis_url: str, model_path: str, to
     assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
 
 
+@pytest.mark.parametrize("last", ["an id, no text", "text, its end", "text, mid-run"])
 def test_a_job_whose_record_lost_a_step_fails_rather_than_ending_short(redis_url: str, model_path: str,
-                                                                       tokenizer: Tokenizer) -> None:
-    """A failover promoted a replica that never had one of the job's steps (only ends wait for a replica):
-    its last step then goes through again but its finish finds the record short of what the lane wrote. The
-    job ends as an error that says so, not as a success with a chunk missing, and the lane goes on."""
+                                                                       tokenizer: Tokenizer, last: str) -> None:
+    """A failover promoted a replica that never had one of the job's steps (only ends wait for a replica): the
+    lane's next step would leave a hole (SETRANGE past the end pads with NUL bytes), or its finish finds the record
+    short of what the lane wrote. The job ends as an error that says so, never as a success with a part missing;
+    the engine stops it and the lane forgets it."""
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
-    lane = Lane(redis_url, model_path, 1, "job_lane_rolled_back", [], worker="w1")
+    lane = Lane(redis_url, model_path, 1, f"job_lane_rolled_back_{last.replace(' ', '_')}", [], worker="w1")
     lane.step(ids[:1])
     replica = lane.everything()  # what the replica had
     lane.step(ids[1:2])
@@ -176,9 +178,18 @@ def test_a_job_whose_record_lost_a_step_fails_rather_than_ending_short(redis_url
         lane.r.delete(key)
         if dump is not None:
             lane.r.restore(key, 0, dump)
-    eos = tokenizer.token_to_id("<|im_end|>")
-    lane.step([eos], "stop")  # no text: the step writes its id, not a chunk
-    assert lane.reports() == [Done(lane.job_id)]
+    if last == "an id, no text":
+        lane.step([tokenizer.token_to_id("<|im_end|>")], "stop")
+        assert lane.reports() == [Done(lane.job_id)]
+    elif last == "text, its end":
+        lane.step(ids[2:3], "length")
+        assert lane.reports() == [Done(lane.job_id)]
+    else:
+        lane.step(ids[2:3])
+        assert lane.reports() == [Abort(lane.job_id, FinishReason.error), Done(lane.job_id)]
+        lane.step(ids[3:4], "length")  # the engine's output before the abort reached it: ignored
+        assert lane.reports() == []
     assert lane.status() == JobStatus.failed.value
-    assert b"lost in a Redis failover" in lane.r.hget(names.job_key(lane.job_id), "error")  # type: ignore[operator]
+    assert b"not recorded" in lane.r.hget(names.job_key(lane.job_id), "error")  # type: ignore[operator]
+    assert b"\x00" not in (lane.r.get(names.text_key(lane.job_id)) or b"")
     assert lane.job_id not in lane.lane.states

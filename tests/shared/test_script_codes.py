@@ -215,6 +215,12 @@ def test_step_returns_every_code(raw: redis.Redis) -> None:
         ops.step(keys, args, pipe)
         assert [StepReply.parse(r) for r in pipe.execute()] == [StepReply((expected,))]
         seen.add(expected)
+    keys, args = step_write("j1", 0, 8, b"\x02\x00\x00\x00", 3, b"!", 3, b"{}", 3, worker="w")  # past the ends
+    pipe = raw.pipeline(transaction=True)
+    ops.step(keys, args, pipe)
+    assert [StepReply.parse(r) for r in pipe.execute()] == [StepReply((StepCode.gap,))]
+    assert raw.get(names.text_key("j1")) == b"Hi"
+    seen.add(StepCode.gap)
     ops.finish("j1", FinishReason.stop, worker="w")
     keys, args = step_write("j1", 0, 4, b"", 2, b"!", 3, b"{}", 1, worker="w")
     pipe = raw.pipeline(transaction=True)
