@@ -23,11 +23,11 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
-from redis.exceptions import ConnectionError
+from redis.exceptions import AskError, ClusterDownError, ConnectionError, ResponseError, TryAgainError
 
 from shared import names, scripts, tracing
 from shared.jobs import FinishReason, JobStatus, new_record
-from shared.redis_client import CLUSTER_TYPES, heal, text
+from shared.redis_client import CLUSTER_TYPES, aheal, heal, text
 from shared.retry import call
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import (
@@ -224,6 +224,71 @@ async def execute_copied(client: aredis.Redis | acluster.RedisCluster, pipe: Any
     return replies(results[:n]), replicas_confirmed(client, keys, nodes, results[n:])
 
 
+# a script's reply that says it ran nothing on that node: its slot is served elsewhere now, or not at the moment
+NOT_RUN_THERE = (AskError, TryAgainError, ClusterDownError)  # (MovedError is an AskError)
+
+
+def _promise_commands(script: scripts.Script, write: Write) -> list[tuple[Any, ...]]:
+    keys, args = write
+    return [("EVAL", script.source, len(keys), *keys, *args), ("WAIT", 1, REPLICA_WAIT_MS)]
+
+
+def _promised_reply(reply: Any, copies: Any, what: str) -> tuple[Any, bool]:
+    if isinstance(reply, NOT_RUN_THERE):
+        raise NotCopied(f"{what} ({reply})")
+    if isinstance(reply, Exception):
+        raise reply
+    return reply, not isinstance(copies, Exception) and int(copies) >= 1
+
+
+async def apromise(client: acluster.RedisCluster, script: scripts.Script, write: Write,
+                   what: str) -> tuple[Any, bool]:
+    """A script call an answer promises, on a cluster: the call and WAIT 1 in one round trip on one connection to
+    the master of its first key (its keys share a slot), never sent again; (its reply, whether a replica has its
+    writes). A cluster pipeline would resend a command that failed on its own, and a WAIT sent again loses its
+    node: it would answer for a connection that wrote nothing, and promise a write no replica has. A connection
+    that fails raises (a retryable 503 at the door: the write may stand, and a retry with the same idempotency
+    key finds it); a slot served elsewhere now is NotCopied, once the slot map is read again."""
+    await client.initialize()  # the slot map (once; then a no-op)
+    node = client.get_node_from_key(write[0][0])
+    if node is None:
+        raise NotCopied(f"{what} (no node serves its slot)")
+    conn = node.acquire_connection()
+    try:
+        commands = _promise_commands(script, write)
+        await conn.send_packed_command(conn.pack_commands(commands))
+        got: list[Any] = []
+        for _ in commands:
+            try:
+                got.append(await conn.read_response())
+            except ResponseError as exc:
+                got.append(exc)
+    except BaseException:
+        await conn.disconnect()
+        await aheal(client)  # the node may be gone: the next call routes by a fresh slot map
+        raise
+    finally:
+        node.release(conn)
+    if isinstance(got[0], NOT_RUN_THERE):
+        await aheal(client)
+    return _promised_reply(got[0], got[1], what)
+
+
+def promise(client: redis.cluster.RedisCluster, script: scripts.Script, write: Write, what: str) -> tuple[Any, bool]:
+    """`apromise` for a sync cluster client: a pipeline of the master's own client (a resend after a lost
+    connection sends the call and its WAIT again, together, on the new one)."""
+    node = client.get_node_from_key(write[0][0])
+    if node is None:
+        raise NotCopied(f"{what} (no node serves its slot)")
+    pipe = client.get_redis_connection(node).pipeline(transaction=False)
+    for command in _promise_commands(script, write):
+        pipe.execute_command(*command)
+    reply, copies = pipe.execute(raise_on_error=False)
+    if isinstance(reply, NOT_RUN_THERE):
+        heal(client)
+    return _promised_reply(reply, copies, what)
+
+
 def replies(results: list[Any]) -> list[Any]:
     """A pipeline's replies (run with raise_on_error=False), its first error raised."""
     failed = next((r for r in results if isinstance(r, Exception)), None)
@@ -403,13 +468,11 @@ class AsyncJobOps:
         return parsed
 
     async def _promise(self, script: scripts.Script, write: Write) -> tuple[Any, bool]:
-        """A script call an answer promises: its reply, and whether a replica has its writes (execute_copied)."""
-        if not isinstance(self.client, CLUSTER_TYPES):
+        """A script call an answer promises: its reply, and whether a replica has its writes (`apromise`). A single
+        Redis fsyncs before it answers."""
+        if not isinstance(self.client, acluster.RedisCluster):
             return await script.acall(self.client, *write), True
-        pipe = self.client.pipeline(transaction=False)
-        script.queue(pipe, *write)
-        (reply,), copied = await execute_copied(self.client, pipe, write[0][:1])
-        return reply, copied
+        return await apromise(self.client, script, write, f"{script.name} of {write[0][0]}")
 
     async def read(self, job_id: str) -> dict[str, str] | None:
         """The job's record with its text so far (and its logprobs, when it asked), or None when there is no

@@ -38,9 +38,7 @@ from shared.job_ops import (
     NotCopied,
     Write,
     new_job,
-    queue_replica_wait,
-    replicas_confirmed,
-    replies,
+    promise,
     request_cancel_write,
     submit_write,
 )
@@ -240,13 +238,8 @@ class BatchDriver:
         job). A single Redis fsyncs before it answers."""
         if not self.cluster:
             return script(self.r, *write)
-        pipe = self.r.pipeline(transaction=False)
-        script.queue(pipe, *write)
-        node = self.r.get_node_from_key(write[0][0])  # type: ignore[attr-defined]
-        queue_replica_wait(pipe, node)
-        reply, copies = pipe.execute(raise_on_error=False)
-        replies([reply])
-        if not replicas_confirmed(self.r, write[0][:1], {node.name: node}, [copies]):
+        reply, copied = promise(self.r, script, write, what)  # type: ignore[arg-type]
+        if not copied:
             raise NotCopied(what)
         return reply
 

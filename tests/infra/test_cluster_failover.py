@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import redis
 from tokenizers import Tokenizer
 
 from gpu_worker.messages import DELTA_SCHEMA, Done, LaneReport, Register
@@ -24,10 +27,11 @@ from gpu_worker.output_lane import OutputLane
 from infra.redis_cluster import LocalCluster, cluster_binary
 from infra.redis_server import free_port
 from shared import names
-from shared.job_ops import execute_copied
+from shared.job_ops import AsyncJobOps, NotCopied, execute_copied
 from shared.jobs import JobStatus, new_record
 from shared.redis_client import async_client, is_cluster, sync_client
 from shared.schemas import to_ipc
+from shared.scripts.codes import SubmitCode, SubmitReply
 from shared.settings import Settings
 
 PARTITIONS = 12
@@ -47,6 +51,7 @@ def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model
         with names.partitions_as(PARTITIONS):
             for round_ in range(2):
                 stream_through_a_kill(cluster, model_path, round_)
+            asyncio.run(a_submit_whose_connection_failed_is_never_confirmed_by_another_node(cluster))
         a_seed_list_finds_the_cluster_past_a_dead_node(cluster)
         asyncio.run(a_promise_across_a_failover_the_slot_map_missed_is_a_retry(cluster))
     finally:
@@ -151,6 +156,59 @@ async def a_promise_across_a_failover_the_slot_map_missed_is_a_retry(cluster: Lo
         assert replies == [True] and copied
         assert await client.get(key) == "second"
     finally:
+        await client.aclose()
+
+
+async def a_submit_whose_connection_failed_is_never_confirmed_by_another_node(cluster: LocalCluster) -> None:
+    """A submit whose connection to its master fails (its sockets destroyed), its master's replica stopped: the
+    API answers a retryable error, never a 202. A cluster pipeline sends a command
+    that failed again on its own, and the WAIT sent again lost its node: it went to another master, which answered
+    for a connection that wrote nothing, and promised a job that no replica had. Then, the replica still stopped,
+    the same submit is NotCopied; once the replica runs again, it is answered and the replica has the job."""
+    client = async_client(cluster.url)
+    replica = 0
+    try:
+        await client.initialize()  # type: ignore[union-attr]
+        default = client.get_default_node()  # type: ignore[union-attr]
+        key, job_id = next((k, j) for k, j in ((k, names.job_id_in(names.new_job_partition("", k), uuid.uuid4().hex))
+                                               for k in (f"idem-{i}" for i in range(64)))
+                           if client.get_node_from_key(names.job_key(j)) != default)  # type: ignore[union-attr]
+        master = client.get_node_from_key(names.job_key(job_id))  # type: ignore[union-attr]
+        replica = cluster.replica_of(master.port)
+        cluster.kill(replica, signal.SIGSTOP)
+        await client.hget(names.job_key(job_id), "status")  # a connection to the master, in the client's pool
+        # its sockets to the master destroyed on this side (the next write on them fails); else, where the kernel
+        # cannot (no sock_destroy), the master drops them (the next read fails: no resend either way)
+        ss = subprocess.run(["ss", "-K", "-t", "dst", "127.0.0.1", "dport", "=", f":{master.port}"],
+                            capture_output=True, text=True, check=False)
+        if ss.returncode != 0 or "ESTAB" not in ss.stdout:
+            with cluster.node(master.port).client() as c:
+                c.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        ops, request = AsyncJobOps(client, 60), '{"prompt": "hi"}'  # type: ignore[arg-type]
+
+        async def submit() -> SubmitReply:
+            return await ops.submit(job_id, new_record(job_id, "m", request), request, idempotency_key=key,
+                                    idempotency_ttl_s=60)
+
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await submit()
+        with pytest.raises(NotCopied):
+            await submit()
+        cluster.kill(replica, signal.SIGCONT)
+        until = time.monotonic() + 30
+        while True:
+            try:
+                got = await submit()
+                break
+            except NotCopied:
+                assert time.monotonic() < until
+        assert got.code in (SubmitCode.accepted, SubmitCode.replay)
+        with cluster.node(replica).client() as c:
+            c.execute_command("READONLY")
+            assert c.hget(names.job_key(job_id), "status") == "queued"
+    finally:
+        if replica:
+            cluster.kill(replica, signal.SIGCONT)
         await client.aclose()
 
 
