@@ -31,6 +31,7 @@ class Reader:
         self.queue = FairQueue(client, consumer.consumer, jobs.model)  # its model's queue
         self.admission, self.refresh_s, self.stopping = admission, refresh_s, stopping
         self._next_upkeep = 0.0
+        consumer.on_dead = self.fail_dead  # the job fails before its entry is dead-lettered
 
     def run(self) -> None:
         run_loop(self.step, self.stopping, log, "reader lane", on_outage=self.consumer.note_outage)
@@ -54,8 +55,7 @@ class Reader:
 
     def upkeep(self) -> None:
         self.consumer.refresh(self.ledger.entries())
-        keep, dead = self.consumer.claim_stale(count=READ_COUNT)
-        self.fail_dead(dead)
+        keep, _ = self.consumer.claim_stale(count=READ_COUNT)
         for entry in keep:
             log.info("claimed %s (delivery %d) from a worker that stopped", entry.id, entry.deliveries)
             self.admission.admit(entry)
@@ -65,21 +65,19 @@ class Reader:
         """Entries of this worker's own that no ledger holds: read just before a Redis outage cut their
         admission off. Held entries are refreshed every refresh_s, so only forgotten ones idle this long."""
         held = set(self.ledger.entries())  # refs: (stream, id)
-        own, dead = self.consumer.retry_own(self.consumer.claim_idle_ms, count=READ_COUNT)
-        self.fail_dead(dead)
+        own, _ = self.consumer.retry_own(self.consumer.claim_idle_ms, count=READ_COUNT)
         for entry in own:
             if entry.ref not in held:
                 log.warning("admitting %s again: its first admission was cut off", entry.id)
                 self.admission.admit(entry)
 
-    def fail_dead(self, dead: list[Entry]) -> None:
-        for entry in dead:
-            self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
-                                   "moved to the dead-letter stream")
+    def fail_dead(self, entry: Entry) -> None:
+        self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "
+                               "moved to the dead-letter stream")
 
     def fail_entry(self, entry: Entry, reason: str) -> None:
         try:
             job_id = entry_request(entry).id
-        except Exception:  # noqa: BLE001 - nothing to fail: the entry is already dead-lettered
+        except Exception:  # noqa: BLE001 - an unreadable entry names no job to fail
             return
         self.jobs.fail(job_id, reason)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict, cast
 
@@ -64,6 +64,10 @@ class Pending(TypedDict):
 
 
 class StreamConsumer:
+    # what ends the work of an entry past the delivery limit (its job failed), run before the entry is dead-lettered
+    # (acknowledged): when it raises, the entry stays pending, and the next claim runs it again
+    on_dead: Callable[[Entry], None] | None = None
+
     def __init__(self, client: redis.Redis, streams: str | list[str], group: str, consumer: str, pool: str,
                  claim_idle_ms: int = 30_000, delivery_limit: int = 3) -> None:
         self.client, self.group, self.consumer = client, group, consumer
@@ -178,7 +182,8 @@ class StreamConsumer:
 
     def _claim(self, rows: list[tuple[str, Pending]], idle_ms: int) -> tuple[list[Entry], list[Entry]]:
         """XCLAIM the pending `rows` (stream, row) still idle for idle_ms; acknowledge entries trimmed
-        meanwhile and dead-letter those past the delivery limit. Returns (to process, dead-lettered)."""
+        meanwhile and dead-letter those past the delivery limit, each once `on_dead` ended its work. Returns
+        (to process, dead-lettered)."""
         keep: list[Entry] = []
         dead: list[Entry] = []
         for stream, ids in _by_stream((s, text(r["message_id"])) for s, r in rows).items():
@@ -190,6 +195,8 @@ class StreamConsumer:
                     entry = Entry(text(eid), fields, deliveries.get(text(eid), 1), stream)
                     (dead if entry.deliveries > self.delivery_limit else keep).append(entry)
         for entry in dead:
+            if self.on_dead is not None:
+                self.on_dead(entry)
             self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
         return keep, dead
 

@@ -66,6 +66,37 @@ def test_poison_entry_dead_lettered_after_limit(redis_db: redis.Redis) -> None:
     assert redis_db.xpending(S, G)["pending"] == 0
 
 
+def test_a_dead_entrys_job_ends_before_the_entry_is_acknowledged(redis_db: redis.Redis) -> None:
+    """Past the delivery limit, `on_dead` (the job's failure) runs first: while it fails (Redis out between the
+    two calls, say), the entry stays pending and no dead letter is written, so the next claim tries again; an entry
+    acknowledged before its job ended would leave the job queued or running until its TTL."""
+    eid = redis_db.xadd(S, {"job_id": "poison"})
+    consumer(redis_db, "c0", limit=1).read(10, 100)  # delivery 1, then the consumer "dies"
+    ended: list[str] = []
+
+    def end_job(entry: object) -> None:
+        if not ended:
+            ended.append("refused")
+            raise redis.ConnectionError("redis unavailable")
+        ended.append(entry.fields["job_id"])  # type: ignore[attr-defined]
+
+    for attempt in range(2):
+        idle(redis_db)
+        c = consumer(redis_db, f"c{attempt + 1}", limit=1)
+        c.on_dead = end_job
+        if attempt == 0:
+            try:
+                c.claim_stale()
+            except redis.ConnectionError:
+                pass
+            assert redis_db.xpending(S, G)["pending"] == 1 and not redis_db.exists(names.stream(names.DEAD, 0))
+        else:
+            keep, dead = c.claim_stale()
+            assert not keep and [e.id for e in dead] == [eid]
+    assert ended == ["refused", "poison"]
+    assert redis_db.xpending(S, G)["pending"] == 0 and redis_db.xlen(names.stream(names.DEAD, 0)) == 1
+
+
 def test_refresh_keeps_long_work(redis_db: redis.Redis) -> None:
     a, b = consumer(redis_db, "a"), consumer(redis_db, "b")
     eid = redis_db.xadd(S, {"job_id": "long"})

@@ -72,6 +72,7 @@ class TokenizerWorker:
         self.consumer = StreamConsumer(self.client, names.streams(names.JOBS) + names.streams(names.TOKENIZE),
                                        names.TOKENIZER_GROUP, self.worker_id, names.TOKENIZER_POOL,
                                        settings.claim_idle_ms, settings.delivery_limit)
+        self.consumer.on_dead = self._fail_dead  # the job fails before its entry is dead-lettered
         self.jobs = JobOps(self.client, settings.job_ttl_s)
         self.models = {settings.key_of(m.name): ModelTokens.load(settings.key_of(m.name), m.path, settings)
                        for m in settings.served.values()}
@@ -116,18 +117,16 @@ class TokenizerWorker:
             keep, dead = self.consumer.claim_stale(self.settings.tokenizer_batch)
             own, own_dead = self.consumer.retry_own(self.settings.claim_idle_ms, self.settings.tokenizer_batch)
             keep, dead = keep + own, dead + own_dead
-            self._fail_dead(dead)
             for entry in keep:
                 self.process([entry])
             if not keep and not dead:
                 return
 
-    def _fail_dead(self, dead: list[Entry]) -> None:
-        for entry in dead:
-            job_id = _field(entry.fields, "job_id")
-            if job_id:
-                self.jobs.fail(job_id, "the job could not be tokenized: its message failed "
-                                       f"{entry.deliveries} times and was moved to the dead-letter stream")
+    def _fail_dead(self, entry: Entry) -> None:
+        job_id = _field(entry.fields, "job_id")
+        if job_id:
+            self.jobs.fail(job_id, "the job could not be tokenized: its message failed "
+                                   f"{entry.deliveries} times and was moved to the dead-letter stream")
 
     def process(self, entries: list[Entry]) -> None:
         """Tokenize a read's entries, partition by partition (each partition's jobs queue in its own fair queue)."""
