@@ -199,7 +199,7 @@ class BatchDriver:
                                   rec.get("trace") or "") if raw else None
             if raw and job_id is None:
                 break  # refused for now (the key's batch_tpm, its unfinished jobs): the next tick tries again
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.r.pipeline(transaction=True)  # one slot: the line in flight and `next` land together
             if job_id is not None:
                 pipe.hset(names.batch_key(batch_id, "inflight"), nxt, job_id)
                 pipe.expire(names.batch_key(batch_id, "inflight"), self.ttl_s)
@@ -308,7 +308,7 @@ class BatchDriver:
             if channel := channel_of(flag):
                 self.r.publish(channel, ring)
             self.r.hset(names.batch_key(batch_id), "announced", 1)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.zrem(names.batches_open(owner), batch_id)
-        pipe.srem(names.BATCHES_ACTIVE, batch_id)
-        pipe.execute()
+        # two slots, one after the other: a batch leaves the driver's set only once its tenant's open count let
+        # it go (the other order, cut between the two, would count it open for a day)
+        self.r.zrem(names.batches_open(owner), batch_id)
+        self.r.srem(names.BATCHES_ACTIVE, batch_id)
