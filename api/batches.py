@@ -146,12 +146,21 @@ class Batches:
             pipe.expire(key, ttl)
         pipe.zadd(names.batches_index(owner), {batch_id: now})
         pipe.expire(names.batches_index(owner), ttl)
-        pipe.sadd(names.BATCHES_ACTIVE, batch_id)
-        written = [names.batch_key(batch_id), names.batches_index(owner), names.BATCHES_ACTIVE]
-        if not (await execute_copied(self.r, pipe, written))[1]:
-            # not promised, so not kept: a retry makes the batch anew, and this one must not run beside it
-            await self.r.srem(names.BATCHES_ACTIVE, batch_id)
-            await self.r.delete(names.batch_key(batch_id), lines_key, err_key)
+        copied = False
+        try:  # the record first, then the driver's set: a driver that finds the id finds its record
+            copied = (await execute_copied(self.r, pipe, [names.batch_key(batch_id), names.batches_index(owner)]))[1]
+            if copied:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.sadd(names.BATCHES_ACTIVE, batch_id)
+                copied = (await execute_copied(self.r, pipe, [names.BATCHES_ACTIVE]))[1]
+        finally:
+            if not copied:
+                # not promised, so not kept: a retry makes the batch anew, this one must not run beside it, and it
+                # is no longer among its tenant's open batches
+                await self.r.srem(names.BATCHES_ACTIVE, batch_id)
+                await self.r.delete(names.batch_key(batch_id), lines_key, err_key)
+                await self.r.zrem(names.batches_open(owner), batch_id)
+        if not copied:
             raise NotCopied(f"batch {batch_id}")
         return batch_object({k: str(v) for k, v in rec.items()})
 

@@ -96,10 +96,27 @@ class FileStore:
         pipe = self.r.pipeline(transaction=False)
         meta = file_ops.queue_record(pipe, file_id, owner, purpose, filename, size, kind,
                                      source or names.file_key(file_id, "data"), self.ttl_s, newline)
-        if not (await execute_copied(self.r, pipe, [names.file_key(file_id, "meta"), names.files_index(owner)]))[1]:
-            await self.r.delete(names.file_key(file_id, "meta"))  # not promised, so not kept: the retry uploads anew
+        copied = False
+        try:
+            copied = (await execute_copied(self.r, pipe, [names.file_key(file_id, "meta"),
+                                                          names.files_index(owner)]))[1]
+        finally:
+            if not copied:  # not promised, so not kept: the retry uploads anew, and counts its bytes anew
+                await self._forget(file_id, owner, kind, source)
+        if not copied:
             raise NotCopied(f"file {file_id}")
         return file_object(meta)
+
+    async def _forget(self, file_id: str, owner: str, kind: str, source: str) -> None:
+        """A file whose record was not promised: its record, its uploaded lines (not a batch's results) and its
+        bytes on its owner's count go."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(names.file_key(file_id, "meta"))
+        if kind == "list":
+            pipe.delete(source or names.file_key(file_id, "data"))
+        pipe.zrem(names.files_index(owner), file_id)
+        pipe.hdel(names.file_bytes_key(owner), file_id)
+        await pipe.execute()
 
     async def meta(self, file_id: str, owner: str) -> dict[str, Any] | None:
         """The caller's file's record; another tenant's file is as absent as one that never was."""
