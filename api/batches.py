@@ -28,7 +28,7 @@ from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest
 from api.validation import check_request
 from shared import names, tracing
-from shared.job_ops import NotCopied, execute_copied
+from shared.job_ops import NotCopied, Writes, execute_copied
 from shared.limits import PRIORITY_MAX
 from shared.openai_bodies import line_error
 from shared.settings import Settings
@@ -141,18 +141,20 @@ class Batches:
                "expires_at": now + window, "total": total, "completed": 0, "failed": total - good,
                "lines": good, "next": 0, "metadata": orjson.dumps(metadata).decode() if metadata else "",
                "webhook_url": webhook_url or "", "trace": tracing.carrier()}  # its lines' jobs join its trace
-        pipe.hset(names.batch_key(batch_id), mapping=rec)
+        await pipe.execute()  # its last lines (the record's promise covers them: a replica receives writes in order)
+        writes = Writes()
+        writes.hset(names.batch_key(batch_id), mapping=rec)
         for key in (names.batch_key(batch_id), lines_key, err_key):
-            pipe.expire(key, ttl)
-        pipe.zadd(names.batches_index(owner), {batch_id: now})
-        pipe.expire(names.batches_index(owner), ttl)
+            writes.expire(key, ttl)
+        writes.zadd(names.batches_index(owner), {batch_id: now})
+        writes.expire(names.batches_index(owner), ttl)
         copied = False
         try:  # the record first, then the driver's set: a driver that finds the id finds its record
-            copied = (await execute_copied(self.r, pipe, [names.batch_key(batch_id), names.batches_index(owner)]))[1]
+            copied = (await execute_copied(self.r, writes))[1]
             if copied:
-                pipe = self.r.pipeline(transaction=False)
-                pipe.sadd(names.BATCHES_ACTIVE, batch_id)
-                copied = (await execute_copied(self.r, pipe, [names.BATCHES_ACTIVE]))[1]
+                active = Writes()
+                active.sadd(names.BATCHES_ACTIVE, batch_id)
+                copied = (await execute_copied(self.r, active))[1]
         finally:
             if not copied:
                 # not promised, so not kept: a retry makes the batch anew, this one must not run beside it, and it

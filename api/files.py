@@ -17,7 +17,7 @@ import redis.asyncio as aredis
 
 from shared import file_ops, names
 from shared.file_ops import count_bytes
-from shared.job_ops import NotCopied, execute_copied
+from shared.job_ops import NotCopied, Writes, execute_copied
 
 MAX_FILE_BYTES = 64 * 2**20  # an upload larger answers 413
 PURPOSES = ("batch", "batch_output")
@@ -93,13 +93,12 @@ class FileStore:
 
     async def _record(self, file_id: str, owner: str, purpose: str, filename: str, size: int, kind: str,
                       source: str = "", newline: bool = True) -> dict[str, Any]:
-        pipe = self.r.pipeline(transaction=False)
-        meta = file_ops.queue_record(pipe, file_id, owner, purpose, filename, size, kind,
+        writes = Writes()
+        meta = file_ops.queue_record(writes, file_id, owner, purpose, filename, size, kind,
                                      source or names.file_key(file_id, "data"), self.ttl_s, newline)
         copied = False
         try:
-            copied = (await execute_copied(self.r, pipe, [names.file_key(file_id, "meta"),
-                                                          names.files_index(owner)]))[1]
+            copied = (await execute_copied(self.r, writes))[1]
         finally:
             if not copied:  # not promised, so not kept: the retry uploads anew, and counts its bytes anew
                 await self._forget(file_id, owner, kind, source)

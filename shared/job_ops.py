@@ -23,6 +23,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
+from redis.commands.core import DataAccessCommands
 from redis.exceptions import AskError, ClusterDownError, ConnectionError, ResponseError, TryAgainError
 
 from shared import names, scripts, tracing
@@ -208,29 +209,80 @@ class NotCopied(ConnectionError):
         super().__init__(f"{what}: no replica confirmed the write within {REPLICA_WAIT_MS} ms; retry")
 
 
-async def execute_copied(client: aredis.Redis | acluster.RedisCluster, pipe: Any,
-                         keys: list[str]) -> tuple[list[Any], bool]:
-    """Run `pipe` and say whether its writes reached a replica: on a cluster, after them, WAIT on each node
-    that holds one of `keys` (on the writes' connection, in the same round trip); (its results without the
-    WAITs', whether every node had a replica confirm). A single Redis fsyncs before it answers: True."""
-    if not isinstance(client, CLUSTER_TYPES):
+class Writes(DataAccessCommands):
+    """Writes gathered for one promise (`execute_copied`): redis-py's command methods (hset, expire, zadd, ...),
+    recorded rather than sent. Each command's first argument is its key."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[Any, ...]] = []
+
+    def execute_command(self, *args: Any, **options: Any) -> Writes:
+        self.commands.append(args)
+        return self
+
+
+async def execute_copied(client: aredis.Redis | acluster.RedisCluster, writes: Writes) -> tuple[list[Any], bool]:
+    """Send `writes` and say whether a replica has them: on a cluster, each master's writes and then WAIT 1 in one
+    round trip on one connection to it, never sent again (see `apromise`); (their replies, whether every master had
+    a replica confirm). A failed connection raises, a slot served elsewhere is NotCopied, a refused write raises.
+    A single Redis fsyncs before it answers: True."""
+    if not isinstance(client, acluster.RedisCluster):
+        pipe = client.pipeline(transaction=False)
+        for command in writes.commands:
+            pipe.execute_command(*command)
         return await pipe.execute(), True
     await client.initialize()  # the slot map (once; then a no-op)
-    nodes = {n.name: n for n in (client.get_node_from_key(k) for k in keys) if n is not None}
-    for node in nodes.values():
-        queue_replica_wait(pipe, node)
-    results = await pipe.execute(raise_on_error=False)
-    n = len(results) - len(nodes)
-    return replies(results[:n]), replicas_confirmed(client, keys, nodes, results[n:])
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for i, command in enumerate(writes.commands):
+        node = client.get_node_from_key(command[1])
+        if node is None:
+            raise NotCopied(f"the write of {command[1]} (no node serves its slot)")
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    out: list[Any] = [None] * len(writes.commands)
+    copied = True
+    for node, at in by_node.values():
+        *got, copies = await _on_node(client, node, [writes.commands[i] for i in at] + [_WAIT])
+        for i, reply in zip(at, got):
+            if isinstance(reply, NOT_RUN_THERE):
+                await aheal(client)
+                raise NotCopied(f"the write of {writes.commands[i][1]} ({reply})")
+            out[i] = reply
+        copied = copied and not isinstance(copies, Exception) and int(copies) >= 1
+    return replies(out), copied
 
 
-# a script's reply that says it ran nothing on that node: its slot is served elsewhere now, or not at the moment
+async def _on_node(client: acluster.RedisCluster, node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """`commands` in one round trip on one connection of `node`, never sent again; their replies, an error
+    reply as its exception. A failed connection raises, once the slot map is to be read again."""
+    conn = node.acquire_connection()
+    try:
+        await conn.send_packed_command(conn.pack_commands(commands))
+        got: list[Any] = []
+        for _ in commands:
+            try:
+                got.append(await conn.read_response())
+            except ResponseError as exc:
+                got.append(exc)
+        return got
+    except BaseException:
+        await conn.disconnect()
+        await aheal(client)  # the node may be gone: the next call routes by a fresh slot map
+        raise
+    finally:
+        node.release(conn)
+
+
+def replies(results: list[Any]) -> list[Any]:
+    """A pipeline's replies (run with raise_on_error=False), its first error raised."""
+    failed = next((r for r in results if isinstance(r, Exception)), None)
+    if failed is not None:
+        raise failed
+    return results
+
+
+# a reply that says its command ran nothing on that node: its slot is served elsewhere now, or not at the moment
 NOT_RUN_THERE = (AskError, TryAgainError, ClusterDownError)  # (MovedError is an AskError)
-
-
-def _promise_commands(script: scripts.Script, write: Write) -> list[tuple[Any, ...]]:
-    keys, args = write
-    return [("EVAL", script.source, len(keys), *keys, *args), ("WAIT", 1, REPLICA_WAIT_MS)]
+_WAIT = ("WAIT", 1, REPLICA_WAIT_MS)
 
 
 def _promised_reply(reply: Any, copies: Any, what: str) -> tuple[Any, bool]:
@@ -253,25 +305,10 @@ async def apromise(client: acluster.RedisCluster, script: scripts.Script, write:
     node = client.get_node_from_key(write[0][0])
     if node is None:
         raise NotCopied(f"{what} (no node serves its slot)")
-    conn = node.acquire_connection()
-    try:
-        commands = _promise_commands(script, write)
-        await conn.send_packed_command(conn.pack_commands(commands))
-        got: list[Any] = []
-        for _ in commands:
-            try:
-                got.append(await conn.read_response())
-            except ResponseError as exc:
-                got.append(exc)
-    except BaseException:
-        await conn.disconnect()
-        await aheal(client)  # the node may be gone: the next call routes by a fresh slot map
-        raise
-    finally:
-        node.release(conn)
-    if isinstance(got[0], NOT_RUN_THERE):
+    reply, copies = await _on_node(client, node, [_eval(script, write), _WAIT])
+    if isinstance(reply, NOT_RUN_THERE):
         await aheal(client)
-    return _promised_reply(got[0], got[1], what)
+    return _promised_reply(reply, copies, what)
 
 
 def promise(client: redis.cluster.RedisCluster, script: scripts.Script, write: Write, what: str) -> tuple[Any, bool]:
@@ -281,7 +318,7 @@ def promise(client: redis.cluster.RedisCluster, script: scripts.Script, write: W
     if node is None:
         raise NotCopied(f"{what} (no node serves its slot)")
     pipe = client.get_redis_connection(node).pipeline(transaction=False)
-    for command in _promise_commands(script, write):
+    for command in (_eval(script, write), _WAIT):
         pipe.execute_command(*command)
     reply, copies = pipe.execute(raise_on_error=False)
     if isinstance(reply, NOT_RUN_THERE):
@@ -289,24 +326,9 @@ def promise(client: redis.cluster.RedisCluster, script: scripts.Script, write: W
     return _promised_reply(reply, copies, what)
 
 
-def replies(results: list[Any]) -> list[Any]:
-    """A pipeline's replies (run with raise_on_error=False), its first error raised."""
-    failed = next((r for r in results if isinstance(r, Exception)), None)
-    if failed is not None:
-        raise failed
-    return results
-
-
-def replicas_confirmed(client: Any, keys: list[str], nodes: dict[str, Any], waits: list[Any]) -> bool:
-    """Whether the WAITs sent to `nodes` (the keys' masters as the slot map named them before the writes) show a
-    replica of each: every WAIT answered one or more, and the keys' masters are still those nodes. A failover
-    the slot map had not seen sends the writes on (MOVED) to the new master but the WAIT to the old one, now a
-    replica ("WAIT cannot be used with replica instances"): not confirmed, so a retryable NotCopied, never a
-    500 nor a promise counted on the wrong node."""
-    if any(isinstance(c, Exception) or int(c) < 1 for c in waits):
-        return False
-    now = {n.name for n in (client.get_node_from_key(k) for k in keys) if n is not None}
-    return now == set(nodes)
+def _eval(script: scripts.Script, write: Write) -> tuple[Any, ...]:
+    keys, args = write
+    return ("EVAL", script.source, len(keys), *keys, *args)
 
 
 def request_cancel_write(job_id: str) -> Write:

@@ -27,7 +27,7 @@ from gpu_worker.output_lane import OutputLane
 from infra.redis_cluster import LocalCluster, cluster_binary
 from infra.redis_server import free_port
 from shared import names
-from shared.job_ops import AsyncJobOps, NotCopied, execute_copied
+from shared.job_ops import AsyncJobOps, NotCopied, Writes, execute_copied
 from shared.jobs import JobStatus, new_record
 from shared.redis_client import async_client, is_cluster, sync_client
 from shared.schemas import to_ipc
@@ -131,10 +131,10 @@ def a_seed_list_finds_the_cluster_past_a_dead_node(cluster: LocalCluster) -> Non
 
 
 async def a_promise_across_a_failover_the_slot_map_missed_is_a_retry(cluster: LocalCluster) -> None:
-    """A promised write (execute_copied: the writes, then WAIT on their master) sent while the client's slot map
-    still names a master that a failover made a replica: the write goes on to the new master (MOVED), the WAIT
-    reaches the old one, which refuses it; that is "not copied" (a retryable 503 at the door), never a raised
-    ResponseError (a 500). The next promise, on the refreshed map, is confirmed."""
+    """A promised write (execute_copied: the writes, then WAIT, on one connection to their master) sent while the
+    client's slot map still names a master that a failover made a replica: the old master answers MOVED, nothing
+    is written, and that is NotCopied (a retryable 503 at the door), never a raised ResponseError (a 500) nor a
+    WAIT counted on the wrong node. The next promise, on the refreshed map, is confirmed."""
     key = f"{{promise}}:{uuid.uuid4().hex}"
     client = async_client(cluster.url)
     try:
@@ -146,14 +146,14 @@ async def a_promise_across_a_failover_the_slot_map_missed_is_a_retry(cluster: Lo
         while old.port not in cluster.replica_ports() and time.monotonic() < until:
             time.sleep(0.1)
         assert old.port in cluster.replica_ports()
-        pipe = client.pipeline(transaction=False)
-        pipe.set(key, "first")
-        replies, copied = await execute_copied(client, pipe, [key])
-        assert replies == [True] and not copied
-        pipe = client.pipeline(transaction=False)
-        pipe.set(key, "second")
-        replies, copied = await execute_copied(client, pipe, [key])
-        assert replies == [True] and copied
+        writes = Writes()
+        writes.set(key, "first")
+        with pytest.raises(NotCopied):
+            await execute_copied(client, writes)  # type: ignore[arg-type]
+        writes = Writes()
+        writes.set(key, "second")
+        replies, copied = await execute_copied(client, writes)  # type: ignore[arg-type]
+        assert replies == ["OK"] and copied
         assert await client.get(key) == "second"
     finally:
         await client.aclose()
