@@ -239,6 +239,11 @@ class LocalCluster:
         still says ok, with the dead master in its slot map: clients asking it would be sent there."""
         self._wait(time.monotonic() + timeout, attached=False)
 
+    def wait_in_sync(self, timeout: float = 30.0) -> None:
+        """`wait_ok`, and every master has its replicas, each with its link to it up (as after `start`): what a
+        manual failover needs, after a replica was paused or its link cut."""
+        self._wait(time.monotonic() + timeout, attached=True)
+
     def _wait(self, deadline: float, attached: bool) -> None:
         last = "no node answered"
         while True:

@@ -210,6 +210,7 @@ async def a_submit_whose_connection_failed_is_never_confirmed_by_another_node(cl
         if replica:
             cluster.kill(replica, signal.SIGCONT)
         await client.aclose()
+    cluster.wait_in_sync()  # its replica back on its link (ss -K cut it too): the failover below needs it
 
 
 def _drain(feedback: queue.SimpleQueue[LaneReport]) -> list[LaneReport]:
