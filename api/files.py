@@ -18,6 +18,7 @@ import redis.asyncio as aredis
 from shared import file_ops, names
 from shared.file_ops import count_bytes
 from shared.job_ops import NotCopied, Writes, execute_copied
+from shared.redis_client import send_once
 
 MAX_FILE_BYTES = 64 * 2**20  # an upload larger answers 413
 PURPOSES = ("batch", "batch_output")
@@ -78,10 +79,11 @@ class FileStore:
             text = [line.decode("utf-8") for line in lines]
         except UnicodeDecodeError:
             raise ValueError("the file is not UTF-8 text") from None
-        pipe = self.r.pipeline(transaction=False)
-        pipe.rpush(key, *text)
-        pipe.expire(key, self.ttl_s)
-        await pipe.execute()
+        # sent once: a client's retry after a lost reply would push the lines twice (the upload fails instead,
+        # and its lines are deleted)
+        for reply in await send_once(self.r, key, [("RPUSH", key, *text), ("EXPIRE", key, self.ttl_s)]):
+            if isinstance(reply, Exception):
+                raise reply
 
     async def of_lines(self, file_id: str, owner: str, filename: str, lines_key: str, size: int) -> dict[str, Any]:
         """A file whose content is a hash of lines (a batch's results), in index order. It counts against its

@@ -24,11 +24,11 @@ import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 from redis.commands.core import DataAccessCommands
-from redis.exceptions import AskError, ClusterDownError, ConnectionError, ResponseError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, ConnectionError, TryAgainError
 
 from shared import names, scripts, tracing
 from shared.jobs import FinishReason, JobStatus, new_record
-from shared.redis_client import CLUSTER_TYPES, aheal, heal, text
+from shared.redis_client import CLUSTER_TYPES, aheal, heal, send_once, text
 from shared.retry import call
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import (
@@ -232,16 +232,16 @@ async def execute_copied(client: aredis.Redis | acluster.RedisCluster, writes: W
             pipe.execute_command(*command)
         return await pipe.execute(), True
     await client.initialize()  # the slot map (once; then a no-op)
-    by_node: dict[str, tuple[Any, list[int]]] = {}
+    by_node: dict[str, list[int]] = {}
     for i, command in enumerate(writes.commands):
         node = client.get_node_from_key(command[1])
         if node is None:
             raise NotCopied(f"the write of {command[1]} (no node serves its slot)")
-        by_node.setdefault(node.name, (node, []))[1].append(i)
+        by_node.setdefault(node.name, []).append(i)
     out: list[Any] = [None] * len(writes.commands)
     copied = True
-    for node, at in by_node.values():
-        *got, copies = await _on_node(client, node, [writes.commands[i] for i in at] + [_WAIT])
+    for at in by_node.values():
+        *got, copies = await send_once(client, writes.commands[at[0]][1], [writes.commands[i] for i in at] + [_WAIT])
         for i, reply in zip(at, got):
             if isinstance(reply, NOT_RUN_THERE):
                 await aheal(client)
@@ -249,27 +249,6 @@ async def execute_copied(client: aredis.Redis | acluster.RedisCluster, writes: W
             out[i] = reply
         copied = copied and not isinstance(copies, Exception) and int(copies) >= 1
     return replies(out), copied
-
-
-async def _on_node(client: acluster.RedisCluster, node: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """`commands` in one round trip on one connection of `node`, never sent again; their replies, an error
-    reply as its exception. A failed connection raises, once the slot map is to be read again."""
-    conn = node.acquire_connection()
-    try:
-        await conn.send_packed_command(conn.pack_commands(commands))
-        got: list[Any] = []
-        for _ in commands:
-            try:
-                got.append(await conn.read_response())
-            except ResponseError as exc:
-                got.append(exc)
-        return got
-    except BaseException:
-        await conn.disconnect()
-        await aheal(client)  # the node may be gone: the next call routes by a fresh slot map
-        raise
-    finally:
-        node.release(conn)
 
 
 def replies(results: list[Any]) -> list[Any]:
@@ -301,11 +280,7 @@ async def apromise(client: acluster.RedisCluster, script: scripts.Script, write:
     node: it would answer for a connection that wrote nothing, and promise a write no replica has. A connection
     that fails raises (a retryable 503 at the door: the write may stand, and a retry with the same idempotency
     key finds it); a slot served elsewhere now is NotCopied, once the slot map is read again."""
-    await client.initialize()  # the slot map (once; then a no-op)
-    node = client.get_node_from_key(write[0][0])
-    if node is None:
-        raise NotCopied(f"{what} (no node serves its slot)")
-    reply, copies = await _on_node(client, node, [_eval(script, write), _WAIT])
+    reply, copies = await send_once(client, write[0][0], [_eval(script, write), _WAIT])
     if isinstance(reply, NOT_RUN_THERE):
         await aheal(client)
     return _promised_reply(reply, copies, what)

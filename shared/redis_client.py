@@ -31,6 +31,7 @@ from redis.exceptions import (
     ConnectionError,
     ReadOnlyError,
     RedisClusterException,
+    ResponseError,
     SlotNotCoveredError,
     TimeoutError,
     TryAgainError,
@@ -138,6 +139,44 @@ async def aheal(client: Any) -> None:
         await client.nodes_manager.initialize()
     except Exception as exc:  # noqa: BLE001
         log.debug("slot map not rebuilt: %s", exc)
+
+
+async def send_once(client: aredis.Redis | acluster.RedisCluster, key: str,
+                    commands: list[tuple[Any, ...]]) -> list[Any]:
+    """`commands` in one round trip on one connection (on a cluster, one of the master of `key`), never sent again:
+    their replies, an error reply as its exception. For writes that must not run twice (a client's retry after a
+    lost reply would), and for a WAIT that must follow its writes on their connection (a cluster pipeline sends a
+    failed command again on its own, and a WAIT sent again loses its node). A failed connection raises, and a
+    cluster client reads its slot map again first."""
+    node: acluster.ClusterNode | None = None
+    pool: aredis.ConnectionPool | None = None
+    if isinstance(client, acluster.RedisCluster):
+        await client.initialize()  # the slot map (once; then a no-op)
+        node = client.get_node_from_key(key)
+        if node is None:
+            raise SlotNotCoveredError(f"no node serves the slot of {key}")
+        conn = node.acquire_connection()
+    else:
+        pool = client.connection_pool
+        conn = await pool.get_connection()
+    try:
+        await conn.send_packed_command(conn.pack_commands(commands))
+        got: list[Any] = []
+        for _ in commands:
+            try:
+                got.append(await conn.read_response())
+            except ResponseError as exc:
+                got.append(exc)
+        return got
+    except BaseException:
+        await conn.disconnect()
+        await aheal(client)  # the node may be gone: the next call routes by a fresh slot map
+        raise
+    finally:
+        if node is not None:
+            node.release(conn)
+        elif pool is not None:
+            await pool.release(conn)
 
 
 class Redis(redis.Redis):
