@@ -17,7 +17,7 @@ import redis.asyncio as aredis
 
 from shared import file_ops, names
 from shared.file_ops import count_bytes
-from shared.job_ops import NotCopied, Writes, execute_copied
+from shared.job_ops import NotCopied, Writes, execute_copied, replies
 from shared.redis_client import send_once
 
 MAX_FILE_BYTES = 64 * 2**20  # an upload larger answers 413
@@ -81,9 +81,7 @@ class FileStore:
             raise ValueError("the file is not UTF-8 text") from None
         # sent once: a client's retry after a lost reply would push the lines twice (the upload fails instead,
         # and its lines are deleted)
-        for reply in await send_once(self.r, key, [("RPUSH", key, *text), ("EXPIRE", key, self.ttl_s)]):
-            if isinstance(reply, Exception):
-                raise reply
+        replies(await send_once(self.r, key, [("RPUSH", key, *text), ("EXPIRE", key, self.ttl_s)]))
 
     async def of_lines(self, file_id: str, owner: str, filename: str, lines_key: str, size: int) -> dict[str, Any]:
         """A file whose content is a hash of lines (a batch's results), in index order. It counts against its
@@ -103,21 +101,11 @@ class FileStore:
             copied = (await execute_copied(self.r, writes))[1]
         finally:
             if not copied:  # not promised, so not kept: the retry uploads anew, and counts its bytes anew
-                await self._forget(file_id, owner, kind, source)
+                await self.delete({"id": file_id, "owner": owner, "kind": kind,
+                                   "source": source or names.file_key(file_id, "data")})
         if not copied:
             raise NotCopied(f"file {file_id}")
         return file_object(meta)
-
-    async def _forget(self, file_id: str, owner: str, kind: str, source: str) -> None:
-        """A file whose record was not promised: its record, its uploaded lines (not a batch's results) and its
-        bytes on its owner's count go."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.delete(names.file_key(file_id, "meta"))
-        if kind == "list":
-            pipe.delete(source or names.file_key(file_id, "data"))
-        pipe.zrem(names.files_index(owner), file_id)
-        pipe.hdel(names.file_bytes_key(owner), file_id)
-        await pipe.execute()
 
     async def meta(self, file_id: str, owner: str) -> dict[str, Any] | None:
         """The caller's file's record; another tenant's file is as absent as one that never was."""

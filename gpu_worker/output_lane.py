@@ -424,15 +424,16 @@ class FinishedEarly(redis.ConnectionError):
 
 
 def _behind(sent: Sent, results: list[Any]) -> bool:
-    """Whether a finish answered behind while its job's step went through (not refused as a gap: that job fails)."""
-    gaps = set()
-    for i, job_ids in enumerate(sent.steps):
+    """Whether a finish answered behind while its job's step went through (not refused as a gap: that job fails).
+    The step replies are read only when a finish is behind (rare): `settle` reads them once for every step."""
+    at = sent.first_step + len(sent.steps)
+    behind = {job_id for job_id, raw in zip(sent.finishes, results[at:])
+              if not isinstance(raw, Exception) and int(raw) == FinishCode.behind}
+    for i, job_ids in enumerate(sent.steps if behind else ()):
         raw = results[sent.first_step + i]
         if not isinstance(raw, Exception):
-            gaps.update(j for j, code in zip(job_ids, StepReply.parse(raw).codes) if code is StepCode.gap)
-    at = sent.first_step + len(sent.steps)
-    return any(job_id not in gaps and not isinstance(raw, Exception) and int(raw) == FinishCode.behind
-               for job_id, raw in zip(sent.finishes, results[at:]))
+            behind.difference_update(j for j, code in zip(job_ids, StepReply.parse(raw).codes) if code is StepCode.gap)
+    return bool(behind)
 
 
 def _queued(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
