@@ -34,7 +34,8 @@ from gpu_worker.token_text import TokenText
 from shared import names, tracing
 from shared.events import token_message
 from shared.fair_queue import OUTPUT_COST
-from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, Write, pack_ids, queue_replica_wait, step_write
+from shared.fence import Fence
+from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, Write, pack_ids, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
 from shared.metrics import (
@@ -136,10 +137,10 @@ class OutputLane:
         self.outage = outage  # since when (unix s) this lane's writes fail; 0: they do not
         self.ttl = settings.job_ttl_s
         self.jobs = JobOps(self.client, self.ttl, settings.model_key)
-        # one transaction per step on a single Redis; on a cluster a pipeline whose ends wait for a
-        # replica (WAIT needs the writes' connection, which a cluster's transaction does not lend): each
-        # call there is atomic, and a replayed step or finish is a no-op, so the order is enough
+        # one transaction per step on a single Redis; on a cluster a pipeline (a transaction there would need
+        # one slot): each call is atomic, and a replayed step or finish is a no-op, so the order is enough
         self.cluster = isinstance(self.client, CLUSTER_TYPES)
+        self.fence = Fence(self.client) if self.cluster else None  # type: ignore[arg-type]
         self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
         self.token_text = TokenText(self.tokenizer)
         self.feedback = feedback
@@ -384,21 +385,20 @@ class OutputLane:
 
     def _replayable(self, pipe: Any, done: list[str]) -> Callable[[], list[Any]]:
         """`pipe.execute`, retryable. A failed execute() empties the pipeline, so a retry sends the step's
-        commands again on a new one, routed by the slot map as it is then. On a cluster the ending jobs'
-        masters are asked, after the writes, to WAIT for a replica (a job's end survives the loss of its
-        master): the nodes are looked up at each try, never kept from one that failed. A finish that ran
-        before its job's step (`FinishedEarly`) sends the step again (BEHIND_REPLAYS times at most); still
-        behind after that, the job's record lost earlier steps, and `settle` fails the job."""
+        commands again on a new one, routed by the slot map as it is then. On a cluster a step that ends jobs
+        returns only once a replica of each of their masters has it (shared/fence.py): the jobs are reported
+        Done next, and their stream entries acknowledged, so an end that a failover could still undo would leave
+        a job running that no worker holds. Not confirmed, the whole step is sent again (what stood is replayed,
+        what a promoted replica lacked is written) and confirmed again. A finish that ran before its job's step
+        (`FinishedEarly`) sends the step again (BEHIND_REPLAYS times at most); still behind after that, the
+        job's record lost earlier steps, and `settle` fails the job."""
         calls = _queued(pipe)
         first = [pipe]
-        ended = [names.job_key(job_id) for job_id in done] if self.cluster else []
+        ending = {names.job_partition(job_id) for job_id in done} if self.cluster else set()
         sent, behind = self._sent, [0]
 
         def execute() -> list[Any]:
             step = first.pop() if first else self._rebuilt(calls)
-            nodes = [self.client.get_node_from_key(key) for key in ended]
-            for node in {n.name: n for n in nodes}.values():
-                queue_replica_wait(step, node)
             results = step.execute(raise_on_error=False)
             for res in results:  # a cluster's pipeline answers an outage per command: try the whole step again
                 if isinstance(res, RETRYABLE):
@@ -406,6 +406,8 @@ class OutputLane:
             if sent is not None and behind[0] < BEHIND_REPLAYS and _behind(sent, results):
                 behind[0] += 1  # a finish ran before its step: the whole step again, the step first
                 raise FinishedEarly("a job's end came before its last step's writes; the step is sent again")
+            if self.fence is not None and ending:
+                self.fence.confirm(ending)
             return results  # type: ignore[no-any-return]
 
         return execute

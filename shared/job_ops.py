@@ -194,12 +194,6 @@ def publish_command(client: Any) -> str:
     return "SPUBLISH" if isinstance(client, CLUSTER_TYPES) else "PUBLISH"
 
 
-def queue_replica_wait(pipe: Any, node: Any) -> None:
-    """Queue WAIT 1 on a cluster pipeline, to the node (so on the connection) of the writes before it:
-    its reply is how many replicas have them, after at most REPLICA_WAIT_MS."""
-    pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS, target_nodes=node)
-
-
 class NotCopied(ConnectionError):
     """A cluster write that an answer would promise reached no replica within REPLICA_WAIT_MS, so a failover
     could undo it: the answer is a retryable 503 (an outage, as far as the client can tell), never the

@@ -213,6 +213,12 @@ def dequeued_counter(partition: int) -> str:
     return f"{partition_prefix(partition)}:dequeued"
 
 
+def fence_key(partition: int) -> str:
+    """A partition's fence: a write that a master's replica must have copied before a job's end there is reported
+    (shared/job_ops.py `confirm_copied`); one short-lived key per partition."""
+    return f"{partition_prefix(partition)}:fence"
+
+
 def _job_prefix(job_id: str) -> str:
     return partition_prefix(job_partition(job_id))
 

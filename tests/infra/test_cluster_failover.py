@@ -49,6 +49,7 @@ def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model
     try:
         cluster.start(timeout=30)
         with names.partitions_as(PARTITIONS):
+            a_jobs_end_is_done_only_once_a_replica_has_it(cluster, model_path)
             for round_ in range(2):
                 stream_through_a_kill(cluster, model_path, round_)
             asyncio.run(a_submit_whose_connection_failed_is_never_confirmed_by_another_node(cluster))
@@ -66,12 +67,8 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
                       client=client)
     jobs = [names.job_id_in(i % PARTITIONS, uuid.uuid4().hex) for i in range(JOBS)]
     for job_id in jobs:
-        record = new_record(job_id, "m", "{}") | {"status": JobStatus.running.value, "worker": WORKER}
-        pipe = client.pipeline(transaction=False)  # the record, and a WAIT on its connection: a replica has it
-        pipe.hset(names.job_key(job_id), mapping=record)
-        pipe.execute_command("WAIT", 1, 5000, target_nodes=client.get_node_from_key(names.job_key(job_id)))
-        assert pipe.execute()[1] == 1
-        lane.register(Register(job_id, (), float(record["created_at"]), prompt_tokens=3, started=True, worker=WORKER))
+        created = _running(client, job_id)
+        lane.register(Register(job_id, (), created, prompt_tokens=3, started=True, worker=WORKER))
     seed_port = int(cluster.url.rsplit(":", 1)[1].split("/")[0])
     victim = next(p for p in cluster.master_ports() if p != seed_port)
     steps_done = [0]
@@ -114,6 +111,80 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
     while victim not in cluster.replica_ports() and time.monotonic() < until:
         time.sleep(0.1)
     client.close()
+
+
+def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_path: str) -> None:
+    """The output lane reports a job Done (its stream entry is acknowledged next) only once a replica of its
+    master has the job's end. Its master's replica paused (the cluster's node timeout raised meanwhile, so that
+    the replica is not failed), the lane asks again and again and reports nothing; once the replica runs, Done,
+    and the replica has the job ended. Before, the lane's WAIT was sent but not read: Done came after its second,
+    with the end on the master alone, which a failover then could lose: a job running that no worker held."""
+    client = sync_client(cluster.seed_url, decode=False)
+    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
+    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
+                      client=client)
+    job_id = names.job_id_in(0, uuid.uuid4().hex)
+    created = _running(client, job_id)
+    lane.register(Register(job_id, (), created, prompt_tokens=3, started=True, worker=WORKER))
+    master = client.get_node_from_key(names.job_key(job_id)).port
+    replica = cluster.replica_of(master)
+    ports = [n.port for n in cluster.nodes]
+
+    def waits() -> int:
+        with cluster.node(master).client() as c:
+            return int(c.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+    slot = client.keyslot(names.fence_key(0))
+
+    def listed(port: int) -> bool:  # whether that node's CLUSTER SLOTS lists the replica (once it copied a write)
+        with cluster.node(port).client() as c:
+            return any(int(r[0]) <= slot <= int(r[1]) and any(int(n[1]) == replica for n in r[3:])
+                       for r in c.execute_command("CLUSTER", "SLOTS"))
+
+    until = time.monotonic() + 30
+    while not all(listed(port) for port in ports):
+        assert time.monotonic() < until
+        time.sleep(0.05)
+    client.nodes_manager.initialize()
+    for port in ports:
+        with cluster.node(port).client() as c:
+            c.config_set("cluster-node-timeout", 60_000)
+    before = waits()
+    cluster.kill(replica, signal.SIGSTOP)
+    try:
+        rows = [{"job_id": job_id, "token_ids": [42], "finish_reason": "length", "error": None}]
+        step = threading.Thread(target=lane.handle_deltas,
+                                args=(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)),), daemon=True)
+        step.start()
+        until = time.monotonic() + 30
+        while waits() < before + 2 and feedback.empty() and time.monotonic() < until:
+            time.sleep(0.02)
+        assert feedback.empty(), "the job was reported Done while no replica had its end"
+        assert waits() >= before + 2  # it asked, and asked again
+        cluster.kill(replica, signal.SIGCONT)
+        step.join(30)
+        assert not step.is_alive()
+        assert [r for r in _drain(feedback) if isinstance(r, Done)] == [Done(job_id)]
+        with cluster.node(replica).client() as c:
+            c.execute_command("READONLY")
+            assert c.hget(names.job_key(job_id), "status") == JobStatus.succeeded.value
+    finally:
+        cluster.kill(replica, signal.SIGCONT)
+        for port in ports:
+            with cluster.node(port).client() as c:
+                c.config_set("cluster-node-timeout", cluster.node_timeout_ms)
+        client.close()
+    cluster.wait_in_sync()
+
+
+def _running(client: redis.Redis, job_id: str) -> float:
+    """A running job of WORKER's, its record on a replica too; its creation time."""
+    record = new_record(job_id, "m", "{}") | {"status": JobStatus.running.value, "worker": WORKER}
+    pipe = client.pipeline(transaction=False)  # the record, and a WAIT on its connection: a replica has it
+    pipe.hset(names.job_key(job_id), mapping=record)
+    pipe.execute_command("WAIT", 1, 5000, target_nodes=client.get_node_from_key(names.job_key(job_id)))
+    assert pipe.execute()[1] == 1
+    return float(record["created_at"])
 
 
 def a_seed_list_finds_the_cluster_past_a_dead_node(cluster: LocalCluster) -> None:

@@ -1,0 +1,74 @@
+"""A fence: how a writer on a Redis Cluster learns that a replica has what a master answered it, when its writes
+went through a cluster pipeline (which sends a failed command again on its own, on another connection) and
+cannot carry their own WAIT. The output lane's step that ends jobs waits for it before the jobs are reported Done
+(and their stream entries acknowledged): an end that a failover could still undo would leave a job running that
+no worker holds.
+
+Per master that serves one of the given partitions, a write to the partition's fence key (`names.fence_key`) and
+WAIT 1, together on one connection to it. A master copies its writes in the order it ran them, so a copied fence
+covers every write it answered before. The fence is a write of its own because WAIT answers for its connection's
+last write: on a connection that wrote nothing it answers at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis.cluster
+
+from shared import names
+from shared.job_ops import REPLICA_WAIT_MS, NotCopied
+from shared.redis_client import heal
+
+log = logging.getLogger(__name__)
+
+FENCE_TTL_MS = 60_000  # a partition's fence key lives this long after its last write
+ALONE_RECHECK_S = 5.0  # a master found without a replica is not waited on for this long, then asked again
+
+
+class Fence:
+    def __init__(self, client: redis.cluster.RedisCluster) -> None:
+        self.client = client
+        self.alone: dict[str, float] = {}  # master -> until when it is taken to have no replica
+
+    def confirm(self, partitions: Iterable[int]) -> None:
+        """Return once a replica has every write that the masters of `partitions` answered so far. Raises
+        NotCopied (retryable) when one did not confirm within REPLICA_WAIT_MS while its slot map (read again)
+        still lists a replica, or the fence met a node that no longer serves its slot: the caller sends its writes
+        again (replays where they stood; a failover's promoted replica may lack them) and confirms again. A master
+        that the cluster lists without a replica (its replica failed, or never synced) cannot confirm: its writes
+        stand as they are, with a warning, and it is asked again after ALONE_RECHECK_S. A failed connection
+        raises its own (retryable) error."""
+        now = time.monotonic()
+        for node, fence in self._masters(partitions).values():
+            if self.alone.get(node.name, 0.0) > now:
+                continue
+            pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+            pipe.set(fence, 1, px=FENCE_TTL_MS)
+            pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
+            wrote, copies = pipe.execute(raise_on_error=False)
+            if isinstance(wrote, Exception) or isinstance(copies, Exception):
+                heal(self.client)
+                raise NotCopied(f"the writes on {node.name} ({wrote if isinstance(wrote, Exception) else copies})")
+            if int(copies) >= 1:
+                self.alone.pop(node.name, None)
+                continue
+            heal(self.client)  # the cluster's view now: a failed replica is no longer listed
+            serving = self.client.nodes_manager.slots_cache.get(self.client.keyslot(fence)) or []
+            if [n.name for n in serving] != [node.name]:
+                raise NotCopied(f"the writes on {node.name}")
+            log.warning("master %s has no replica: the ends of jobs written there are not copied", node.name)
+            self.alone[node.name] = now + ALONE_RECHECK_S
+
+    def _masters(self, partitions: Iterable[int]) -> dict[str, tuple[Any, str]]:
+        """Per master serving one of `partitions` (by the slot map as it is), the node and that partition's fence."""
+        out: dict[str, tuple[Any, str]] = {}
+        for p in partitions:
+            fence = names.fence_key(p)
+            node = self.client.get_node_from_key(fence)
+            if node is not None:
+                out.setdefault(node.name, (node, fence))
+        return out
