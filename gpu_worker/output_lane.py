@@ -394,7 +394,7 @@ class OutputLane:
         job's record lost earlier steps, and `settle` fails the job."""
         calls = _queued(pipe)
         first = [pipe]
-        ending = {names.job_partition(job_id) for job_id in done} if self.cluster else set()
+        ending = [names.job_key(job_id) for job_id in done] if self.cluster else []
         sent, behind = self._sent, [0]
 
         def execute() -> list[Any]:

@@ -2,9 +2,9 @@
 went through a cluster pipeline (which sends a failed command again on its own, on another connection) and
 cannot carry their own WAIT. The output lane's step that ends jobs waits for it before the jobs are reported Done
 (and their stream entries acknowledged): an end that a failover could still undo would leave a job running that
-no worker holds.
+no worker holds. The batch driver's end of a batch waits for it before the batch leaves the drivers' set.
 
-Per master that serves one of the given partitions, a write to the partition's fence key (`names.fence_key`) and
+Per master that serves one of the given keys, a write to a fence key in that key's slot (`names.fence_key`) and
 WAIT 1, together on one connection to it. A master copies its writes in the order it ran them, so a copied fence
 covers every write it answered before. The fence is a write of its own because WAIT answers for its connection's
 last write: on a connection that wrote nothing it answers at once.
@@ -34,8 +34,8 @@ class Fence:
         self.client = client
         self.alone: dict[str, float] = {}  # master -> until when it is taken to have no replica
 
-    def confirm(self, partitions: Iterable[int]) -> None:
-        """Return once a replica has every write that the masters of `partitions` answered so far. Raises
+    def confirm(self, keys: Iterable[str]) -> None:
+        """Return once a replica has every write that the masters of `keys` answered so far. Raises
         NotCopied (retryable) when one did not confirm within REPLICA_WAIT_MS while its slot map (read again)
         still lists a replica, or the fence met a node that no longer serves its slot: the caller sends its writes
         again (replays where they stood; a failover's promoted replica may lack them) and confirms again. A master
@@ -43,7 +43,7 @@ class Fence:
         stand as they are, with a warning, and it is asked again after ALONE_RECHECK_S. A failed connection
         raises its own (retryable) error."""
         now = time.monotonic()
-        for node, fence in self._masters(partitions).values():
+        for node, fence in self._masters(keys).values():
             if self.alone.get(node.name, 0.0) > now:
                 continue
             pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
@@ -63,11 +63,11 @@ class Fence:
             log.warning("master %s has no replica: the ends of jobs written there are not copied", node.name)
             self.alone[node.name] = now + ALONE_RECHECK_S
 
-    def _masters(self, partitions: Iterable[int]) -> dict[str, tuple[Any, str]]:
-        """Per master serving one of `partitions` (by the slot map as it is), the node and that partition's fence."""
+    def _masters(self, keys: Iterable[str]) -> dict[str, tuple[Any, str]]:
+        """Per master serving one of `keys` (by the slot map as it is), the node and a fence in that key's slot."""
         out: dict[str, tuple[Any, str]] = {}
-        for p in partitions:
-            fence = names.fence_key(p)
+        for key in keys:
+            fence = names.fence_key(key)
             node = self.client.get_node_from_key(fence)
             if node is not None:
                 out.setdefault(node.name, (node, fence))

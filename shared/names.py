@@ -213,10 +213,13 @@ def dequeued_counter(partition: int) -> str:
     return f"{partition_prefix(partition)}:dequeued"
 
 
-def fence_key(partition: int) -> str:
-    """A partition's fence: a write that a master's replica must have copied before a job's end there is reported
-    (shared/job_ops.py `confirm_copied`); one short-lived key per partition."""
-    return f"{partition_prefix(partition)}:fence"
+def fence_key(key: str) -> str:
+    """The fence in `key`'s slot (shared/fence.py), named after its hash tag (or, for a key without one, the whole
+    key, which hashes the same): one short-lived key per tag, `conveyor:{p<n>}:fence` for a partition's keys."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    tag = key[start + 1:end] if end > start + 1 else key
+    return f"{PREFIX}:{{{tag}}}:fence"
 
 
 def _job_prefix(job_id: str) -> str:

@@ -32,6 +32,7 @@ import redis
 from redis.exceptions import RedisError
 
 from shared import batch_ops, file_ops, names, scripts
+from shared.fence import Fence
 from shared.file_ops import file_bytes_write
 from shared.job_ops import (
     JobOps,
@@ -68,6 +69,7 @@ class BatchDriver:
         self.ttl_s = settings.job_ttl_s + settings.batch_window_s  # a batch's keys and files
         self.jobs_maxlen = 4 * settings.max_queued + 10_000  # as the API's submits (api/store.py)
         self.cluster = isinstance(client, CLUSTER_TYPES)
+        self.fence = Fence(client) if self.cluster else None  # type: ignore[arg-type]
 
     def run(self, stop: threading.Event) -> int:
         """Tick every TICK_S until `stop` is set; the ticks run."""
@@ -295,7 +297,9 @@ class BatchDriver:
     def _close(self, batch_id: str, rec: dict[str, Any]) -> None:
         """An ended batch leaves the drivers' set and its key's open batches; one made with a webhook_url is
         first announced on the `ended` stream for the after-job drain. The entry goes before the mark that it
-        went, so a driver that stops between the two announces it again: at least once."""
+        went, so a driver that stops between the two announces it again: at least once. On a cluster each step
+        waits for a replica of what it follows (`_copied`), so that a failover cannot undo the end, or the
+        entry, of a batch that no driver holds any more."""
         owner = rec.get("owner") or ""
         if rec.get("webhook_url") and not rec.get("announced"):
             p = names.batch_partition(owner)
@@ -307,8 +311,18 @@ class BatchDriver:
             _, flag = pipe.execute()
             if channel := channel_of(flag):
                 self.r.publish(channel, ring)
+            self._copied([names.stream(names.ENDED, p)])
             self.r.hset(names.batch_key(batch_id), "announced", 1)
         # two slots, one after the other: a batch leaves the driver's set only once its tenant's open count let
         # it go (the other order, cut between the two, would count it open for a day)
         self.r.zrem(names.batches_open(owner), batch_id)
+        files = [names.file_key(rec[f], "meta") for f in ("output_file_id", "error_file_id") if rec.get(f)]
+        self._copied([names.batch_key(batch_id), names.batches_open(owner), *files])
         self.r.srem(names.BATCHES_ACTIVE, batch_id)
+
+    def _copied(self, keys: list[str]) -> None:
+        """On a cluster, return once a replica has what the masters of `keys` answered so far (shared/fence.py);
+        else NotCopied, and the next tick closes the batch again (its writes are replays, or redone where a
+        failover lost them). A single Redis fsyncs before it answers."""
+        if self.fence is not None:
+            self.fence.confirm(keys)

@@ -9,12 +9,14 @@ cluster is the test's own. bench.chaos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import signal
 import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -33,6 +35,7 @@ from shared.redis_client import async_client, is_cluster, sync_client
 from shared.schemas import to_ipc
 from shared.scripts.codes import SubmitCode, SubmitReply
 from shared.settings import Settings
+from workers.batch_driver import BatchDriver
 
 PARTITIONS = 12
 JOBS = 24
@@ -50,6 +53,7 @@ def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model
         cluster.start(timeout=30)
         with names.partitions_as(PARTITIONS):
             a_jobs_end_is_done_only_once_a_replica_has_it(cluster, model_path)
+            a_batchs_end_leaves_the_drivers_only_once_a_replica_has_it(cluster)
             for round_ in range(2):
                 stream_through_a_kill(cluster, model_path, round_)
             asyncio.run(a_submit_whose_connection_failed_is_never_confirmed_by_another_node(cluster))
@@ -115,10 +119,10 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
 
 def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_path: str) -> None:
     """The output lane reports a job Done (its stream entry is acknowledged next) only once a replica of its
-    master has the job's end. Its master's replica paused (the cluster's node timeout raised meanwhile, so that
-    the replica is not failed), the lane asks again and again and reports nothing; once the replica runs, Done,
-    and the replica has the job ended. Before, the lane's WAIT was sent but not read: Done came after its second,
-    with the end on the master alone, which a failover then could lose: a job running that no worker held."""
+    master has the job's end. Its master's replica paused, the lane asks again and again and reports nothing;
+    once the replica runs, Done, and the replica has the job ended. Before, the lane's WAIT was sent but not read:
+    Done came after its second, with the end on the master alone, which a failover then could lose: a job
+    running that no worker held."""
     client = sync_client(cluster.seed_url, decode=False)
     feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
     lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
@@ -126,17 +130,78 @@ def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_p
     job_id = names.job_id_in(0, uuid.uuid4().hex)
     created = _running(client, job_id)
     lane.register(Register(job_id, (), created, prompt_tokens=3, started=True, worker=WORKER))
-    master = client.get_node_from_key(names.job_key(job_id)).port
+    try:
+        with replica_paused(cluster, client, names.job_key(job_id)) as (master, replica):
+            def waits() -> int:
+                with cluster.node(master).client() as c:
+                    return int(c.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+            before = waits()
+            rows = [{"job_id": job_id, "token_ids": [42], "finish_reason": "length", "error": None}]
+            step = threading.Thread(target=lane.handle_deltas, daemon=True,
+                                    args=(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)),))
+            step.start()
+            until = time.monotonic() + 30
+            while waits() < before + 2 and feedback.empty() and time.monotonic() < until:
+                time.sleep(0.02)
+            assert feedback.empty(), "the job was reported Done while no replica had its end"
+            assert waits() >= before + 2  # it asked, and asked again
+            cluster.kill(replica, signal.SIGCONT)
+            step.join(30)
+            assert not step.is_alive()
+            assert [r for r in _drain(feedback) if isinstance(r, Done)] == [Done(job_id)]
+            with cluster.node(replica).client() as c:
+                c.execute_command("READONLY")
+                assert c.hget(names.job_key(job_id), "status") == JobStatus.succeeded.value
+    finally:
+        client.close()
+
+
+def a_batchs_end_leaves_the_drivers_only_once_a_replica_has_it(cluster: LocalCluster) -> None:
+    """An ended batch leaves the drivers' set only once a replica of its record's master has its end: its master's
+    replica paused, closing the batch is NotCopied and the batch stays for the next tick; once the replica runs,
+    it closes, and the replica has the batch ended. Before, a failover right then could leave the batch
+    `in_progress` on the promoted replica, with no driver to end it."""
+    client = sync_client(cluster.seed_url)
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    key = names.batch_key(batch_id)
+    client.hset(key, mapping={"status": "in_progress", "owner": ""})
+    client.sadd(names.BATCHES_ACTIVE, batch_id)
+    driver = BatchDriver(client, Settings(redis_url=cluster.seed_url))
+    try:
+        with replica_paused(cluster, client, key) as (_, replica):
+            client.hset(key, "status", "completed")  # the batch ended (as the driver's _finish records it)
+            with pytest.raises(NotCopied):
+                driver.advance(batch_id)
+            assert client.sismember(names.BATCHES_ACTIVE, batch_id)
+            cluster.kill(replica, signal.SIGCONT)
+            until = time.monotonic() + 30
+            while True:
+                try:
+                    driver.advance(batch_id)
+                    break
+                except NotCopied:
+                    assert time.monotonic() < until
+            assert not client.sismember(names.BATCHES_ACTIVE, batch_id)
+            with cluster.node(replica).client() as c:
+                c.execute_command("READONLY")
+                assert c.hget(key, "status") == "completed"
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def replica_paused(cluster: LocalCluster, client: redis.cluster.RedisCluster,
+                   key: str) -> Iterator[tuple[int, int]]:
+    """The replica of `key`'s master paused (SIGSTOP) while the cluster still lists it (every node's CLUSTER SLOTS
+    does, and the client's slot map; its node timeout raised meanwhile, so that it is not failed); (master,
+    replica) ports. Afterwards it runs again, and every replica is back on its link."""
+    master = client.get_node_from_key(key).port
     replica = cluster.replica_of(master)
     ports = [n.port for n in cluster.nodes]
+    slot = client.keyslot(key)
 
-    def waits() -> int:
-        with cluster.node(master).client() as c:
-            return int(c.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
-
-    slot = client.keyslot(names.fence_key(0))
-
-    def listed(port: int) -> bool:  # whether that node's CLUSTER SLOTS lists the replica (once it copied a write)
+    def listed(port: int) -> bool:  # (a replica is listed once it has copied a write: the test's first)
         with cluster.node(port).client() as c:
             return any(int(r[0]) <= slot <= int(r[1]) and any(int(n[1]) == replica for n in r[3:])
                        for r in c.execute_command("CLUSTER", "SLOTS"))
@@ -149,31 +214,14 @@ def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_p
     for port in ports:
         with cluster.node(port).client() as c:
             c.config_set("cluster-node-timeout", 60_000)
-    before = waits()
     cluster.kill(replica, signal.SIGSTOP)
     try:
-        rows = [{"job_id": job_id, "token_ids": [42], "finish_reason": "length", "error": None}]
-        step = threading.Thread(target=lane.handle_deltas,
-                                args=(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)),), daemon=True)
-        step.start()
-        until = time.monotonic() + 30
-        while waits() < before + 2 and feedback.empty() and time.monotonic() < until:
-            time.sleep(0.02)
-        assert feedback.empty(), "the job was reported Done while no replica had its end"
-        assert waits() >= before + 2  # it asked, and asked again
-        cluster.kill(replica, signal.SIGCONT)
-        step.join(30)
-        assert not step.is_alive()
-        assert [r for r in _drain(feedback) if isinstance(r, Done)] == [Done(job_id)]
-        with cluster.node(replica).client() as c:
-            c.execute_command("READONLY")
-            assert c.hget(names.job_key(job_id), "status") == JobStatus.succeeded.value
+        yield master, replica
     finally:
         cluster.kill(replica, signal.SIGCONT)
         for port in ports:
             with cluster.node(port).client() as c:
                 c.config_set("cluster-node-timeout", cluster.node_timeout_ms)
-        client.close()
     cluster.wait_in_sync()
 
 
