@@ -28,7 +28,7 @@ from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest
 from api.validation import check_request
 from shared import names, tracing
-from shared.job_ops import NotCopied, Writes, execute_copied
+from shared.job_ops import NotCopied, Writes, execute_copied, write_copied
 from shared.limits import PRIORITY_MAX
 from shared.openai_bodies import line_error
 from shared.settings import Settings
@@ -220,8 +220,10 @@ class Batches:
         rec = await self.get(batch_id, owner)
         if rec is None:
             return None
-        if rec["status"] in ("validating", "in_progress"):
-            await self.r.hset(names.batch_key(batch_id), mapping={"status": "cancelling", "cancelling_at": time.time()})
+        if rec["status"] in ("validating", "in_progress"):  # on a replica before the answer (the driver cancels it)
+            writes = Writes()
+            writes.hset(names.batch_key(batch_id), mapping={"status": "cancelling", "cancelling_at": time.time()})
+            await write_copied(self.r, writes, f"the cancel of batch {batch_id}")
             rec = await self.get(batch_id, owner) or rec
         return rec
 

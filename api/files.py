@@ -139,14 +139,17 @@ class FileStore:
         if pending is not None:
             yield (pending + ("\n" if int(meta.get("newline", 1)) else "")).encode()
 
-    async def delete(self, meta: dict[str, Any]) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.delete(names.file_key(meta["id"], "meta"))
+    async def delete(self, meta: dict[str, Any], promised: bool = False) -> None:
+        """The file's record, its data and its place in its owner's index and byte count. `promised` (a client's
+        DELETE): on a cluster, on a replica before the answer (NotCopied otherwise)."""
+        writes = Writes()
+        writes.delete(names.file_key(meta["id"], "meta"))
         if meta["kind"] == "list":
-            pipe.delete(meta["source"])
-        pipe.zrem(names.files_index(meta.get("owner") or ""), meta["id"])
-        pipe.hdel(names.file_bytes_key(meta.get("owner") or ""), meta["id"])
-        await pipe.execute()
+            writes.delete(meta["source"])
+        writes.zrem(names.files_index(meta.get("owner") or ""), meta["id"])
+        writes.hdel(names.file_bytes_key(meta.get("owner") or ""), meta["id"])
+        if not (await execute_copied(self.r, writes))[1] and promised:
+            raise NotCopied(f"the deletion of file {meta['id']}")
 
     async def listing(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
         ids = await self.r.zrevrange(names.files_index(owner), 0, -1)

@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from api.guard import request_id
 from shared import names, tracing
-from shared.job_ops import AsyncJobOps, new_job
+from shared.job_ops import AsyncJobOps, Writes, new_job, write_copied
 from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus
 from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
@@ -103,9 +103,12 @@ class JobStore:
         return (Job.from_record(rec, job_id), rec.get(field) or "") if rec is not None else (None, None)
 
     async def delete(self, job_id: str) -> None:
-        """Every key of an ended job (one partition: one slot)."""
-        await self.r.delete(names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
-                            names.text_key(job_id), names.logprobs_key(job_id), names.prompt_logprobs_key(job_id))
+        """Every key of an ended job (one partition: one slot); on a cluster, on a replica before the answer
+        (NotCopied otherwise: a failover must not bring a deleted job back)."""
+        writes = Writes()
+        writes.delete(names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id),
+                      names.text_key(job_id), names.logprobs_key(job_id), names.prompt_logprobs_key(job_id))
+        await write_copied(self.r, writes, f"the deletion of job {job_id}")
 
     async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
         """Returns (job, changed). changed is False when the job had already ended. A damaged record reads as

@@ -245,6 +245,15 @@ async def execute_copied(client: aredis.Redis | acluster.RedisCluster, writes: W
     return replies(out), copied
 
 
+async def write_copied(client: aredis.Redis | acluster.RedisCluster, writes: Writes, what: str) -> list[Any]:
+    """`execute_copied` for writes an answer promises (a delete, a batch's cancel): their replies, or NotCopied (a
+    retryable 503) when a replica did not confirm them. Such writes are idempotent: the retry writes them again."""
+    got, copied = await execute_copied(client, writes)
+    if not copied:
+        raise NotCopied(what)
+    return got
+
+
 def replies(results: list[Any]) -> list[Any]:
     """A pipeline's replies (run with raise_on_error=False), its first error raised."""
     failed = next((r for r in results if isinstance(r, Exception)), None)

@@ -92,7 +92,7 @@ async def delete_file(file_id: str, request: Request, caller: CallerDep) -> Any:
     meta = await files.meta(file_id, caller.owner)
     if meta is None:
         raise _no_file(file_id)
-    await files.delete(meta)
+    await files.delete(meta, promised=True)
     return {"id": file_id, "object": "file", "deleted": True}
 
 
