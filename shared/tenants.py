@@ -28,8 +28,10 @@ from typing import Any
 import redis
 
 from shared import names
+from shared.fence import Fence
+from shared.job_ops import NotCopied
 from shared.limits import WEIGHT_MAX, WEIGHT_MIN
-from shared.redis_client import text
+from shared.redis_client import CLUSTER_TYPES, RETRYABLE, text
 
 KEY_PREFIX = "cvk_"
 LIMITS = ("rpm", "tpm", "max_queued", "max_streams", "batch_tpm", "max_file_bytes", "max_open_batches",
@@ -113,6 +115,7 @@ def create(client: redis.Redis, name: str, weight: float = 1.0, models: tuple[st
     pipe.set(names.api_key_index(digest), name)
     pipe.sadd(names.TENANTS_SET, name)
     pipe.execute()
+    _copied(client, [names.tenant_key(name), names.api_key_index(digest), names.TENANTS_SET], f"tenant {name!r}")
     return key, secret
 
 
@@ -121,6 +124,19 @@ def revoke(client: redis.Redis, name: str) -> None:
     if not client.exists(names.tenant_key(name)):
         raise TenantError(f"no tenant {name!r}")
     client.hset(names.tenant_key(name), "disabled", "1")
+    _copied(client, [names.tenant_key(name)], f"the revocation of tenant {name!r}")
+
+
+def _copied(client: redis.Redis, keys: list[str], what: str) -> None:
+    """On a cluster, that a replica has the writes to `keys` (shared/fence.py): a failover must not bring back a
+    revoked key, nor lose a new one. A single Redis fsyncs before it answers."""
+    if not isinstance(client, CLUSTER_TYPES):
+        return
+    try:
+        Fence(client).confirm(keys)
+    except (NotCopied, *RETRYABLE) as exc:
+        raise TenantError(f"{what} was written, but no replica confirmed it ({exc}): check with `conveyor keys "
+                          "list` once the cluster is healthy, and run the command again") from exc
 
 
 def list_all(client: redis.Redis) -> list[dict[str, Any]]:
