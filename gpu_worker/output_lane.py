@@ -87,6 +87,10 @@ class JobState:
     stages: dict[str, float] = field(default_factory=dict)
 
 
+# an ending job's finish: (job, reason, error, fields, worker, owner, its last step's (chunk seq, tokens written))
+Ending = tuple[str, FinishReason, str, dict[str, Any], str, str, tuple[int, int]]
+
+
 @dataclass
 class Sent:
     """Where a built step's replies are among its pipeline's results (`OutputLane.settle` reads them)."""
@@ -94,6 +98,7 @@ class Sent:
     first_step: int  # results before the step calls' (the prompts' logprob documents)
     steps: list[list[str]]  # per step call, its jobs in their order
     finishes: list[str]  # the jobs whose finish follows the step calls, in order
+    ends: list[Ending]  # those finishes' arguments (one named for an owner the record no longer names is sent again)
     done: list[str]  # build's list of ending jobs, which commit reports as Done: settle takes dropped ones out
 
 
@@ -104,9 +109,7 @@ class StepWrites:
     calls: dict[int, Write] = field(default_factory=dict)  # per partition (one slot each), its step call's keys, args
     jobs: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # per partition, its call's jobs
     charges: dict[int, Charges] = field(default_factory=lambda: defaultdict(dict))  # per partition, per tenant
-    # per ending job: (job, reason, error, fields, worker, owner, its last step's (chunk seq, tokens written))
-    finishes: list[tuple[str, FinishReason, str, dict[str, Any], str, str, tuple[int, int]]] = field(
-        default_factory=list)
+    finishes: list[Ending] = field(default_factory=list)
     done: list[str] = field(default_factory=list)  # the jobs ending in this step
     prompts: list[tuple[str, bytes]] = field(default_factory=list)  # (job, its prompt's logprobs document): once
 
@@ -287,7 +290,7 @@ class OutputLane:
         for job_id, reason, error, fields, worker, owner, written in step.finishes:
             self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner, written=written)
         self._sent = Sent(len(step.prompts), [step.jobs[p] for p in step.calls], [f[0] for f in step.finishes],
-                          step.done)
+                          step.finishes, step.done)
         return pipe
 
     def settle(self, results: list[Any]) -> None:
@@ -313,10 +316,13 @@ class OutputLane:
                     lost.append(job_id)
                 elif code in REFUSED and not (code is StepCode.ended and job_id in ending):
                     refused[job_id] = code.name
-        for job_id, raw in zip(sent.finishes, results[at:]):
+        for ending_job, raw in zip(sent.ends, results[at:]):
+            job_id = ending_job[0]
             if isinstance(raw, Exception):
                 continue
-            if (end := FinishReply.parse(raw).code) in NOT_ENDED_HERE:
+            if (end := FinishReply.parse(raw).code) is FinishCode.owner_changed:
+                end = self._finish_again(ending_job)
+            if end in NOT_ENDED_HERE:
                 refused.setdefault(job_id, end.name)
             elif end is FinishCode.behind and job_id not in lost:
                 lost.append(job_id)
@@ -335,6 +341,20 @@ class OutputLane:
             else:
                 self.feedback.put(Abort(job_id, FinishReason.error))
             self.feedback.put(Dropped(job_id))
+
+    def _finish_again(self, ending: Ending) -> FinishCode:
+        """A finish named for an owner its record no longer names wrote nothing: sent again, the owner read from the
+        record (`JobOps.finish`), and on a cluster confirmed on a replica as the step's were. How it went."""
+        job_id, reason, error, fields, worker, _, written = ending
+
+        def again() -> FinishReply | None:
+            reply = self.jobs.finish(job_id, reason, error, fields, worker=worker, written=written)
+            if self.fence is not None:
+                self.fence.confirm([names.job_key(job_id)])
+            return reply
+
+        reply = call(again, log=log, name=f"the end of job {job_id}", on_outage=self._outage)
+        return reply.code if reply is not None else FinishCode.finished
 
     def _lost(self, job_id: str) -> FinishCode:
         """A job whose record lacks steps this lane wrote: a failover promoted a replica that had not received

@@ -162,6 +162,19 @@ def test_a_job_the_lane_still_owns_ends_done(redis_url: str, model_path: str, to
     assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
 
 
+def test_a_finish_named_for_another_owner_is_sent_again_for_the_records(redis_url: str, model_path: str,
+                                                                         tokenizer: Tokenizer) -> None:
+    """The step's finish names the owner the lane was told at the job's start; a record that names another writes
+    nothing (owner_changed: its keys are the other tenant's). The lane ends the job again, for the record's owner,
+    before it reports Done: never Done (and the entry acknowledged) for a job still running."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    lane = Lane(redis_url, model_path, 1, "job_lane_owner_changed", [], worker="w1")
+    lane.step(ids[:2])
+    lane.r.hset(names.job_key(lane.job_id), "owner", "another-tenant")
+    lane.step(ids[2:3], "length")
+    assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
+
+
 @pytest.mark.parametrize("last", ["an id, no text", "text, its end", "text, mid-run"])
 def test_a_job_whose_record_lost_a_step_fails_rather_than_ending_short(redis_url: str, model_path: str,
                                                                        tokenizer: Tokenizer, last: str) -> None:
