@@ -27,21 +27,26 @@ log = logging.getLogger(__name__)
 
 FENCE_TTL_MS = 60_000  # a partition's fence key lives this long after its last write
 ALONE_RECHECK_S = 5.0  # a master found without a replica is not waited on for this long, then asked again
+# a master that still serves its slots and lists a replica that has not confirmed for this long (lagging, paused, cut
+# off but not yet failed by the cluster) is taken to have none: its writers wait this long, not for as long as the
+# lag lasts (a worker's output would stall with them)
+LAGGING_S = 5.0
 
 
 class Fence:
     def __init__(self, client: redis.cluster.RedisCluster) -> None:
         self.client = client
         self.alone: dict[str, float] = {}  # master -> until when it is taken to have no replica
+        self.unconfirmed: dict[str, float] = {}  # master -> since when its replica has not confirmed
 
     def confirm(self, keys: Iterable[str]) -> None:
         """Return once a replica has every write that the masters of `keys` answered so far. Raises
         NotCopied (retryable) when one did not confirm within REPLICA_WAIT_MS while its slot map (read again)
         still lists a replica, or the fence met a node that no longer serves its slot: the caller sends its writes
         again (replays where they stood; a failover's promoted replica may lack them) and confirms again. A master
-        that the cluster lists without a replica (its replica failed, or never synced) cannot confirm: its writes
-        stand as they are, with a warning, and it is asked again after ALONE_RECHECK_S. A failed connection
-        raises its own (retryable) error."""
+        that the cluster lists without a replica (its replica failed, or never synced), or whose listed replica has
+        not confirmed for LAGGING_S, cannot confirm: its writes stand as they are, with a warning, and it is asked
+        again after ALONE_RECHECK_S. A failed connection raises its own (retryable) error."""
         now = time.monotonic()
         for node, fence in self._masters(keys).values():
             if self.alone.get(node.name, 0.0) > now:
@@ -55,12 +60,17 @@ class Fence:
                 raise NotCopied(f"the writes on {node.name} ({wrote if isinstance(wrote, Exception) else copies})")
             if int(copies) >= 1:
                 self.alone.pop(node.name, None)
+                self.unconfirmed.pop(node.name, None)
                 continue
             heal(self.client)  # the cluster's view now: a failed replica is no longer listed
-            serving = self.client.nodes_manager.slots_cache.get(self.client.keyslot(fence)) or []
-            if [n.name for n in serving] != [node.name]:
+            serving = [n.name for n in self.client.nodes_manager.slots_cache.get(self.client.keyslot(fence)) or []]
+            if not serving or serving[0] != node.name:
+                raise NotCopied(f"the writes on {node.name}")  # served elsewhere now: written again there
+            since = self.unconfirmed.setdefault(node.name, now)
+            if len(serving) > 1 and time.monotonic() - since < LAGGING_S:
                 raise NotCopied(f"the writes on {node.name}")
-            log.warning("master %s has no replica: the ends of jobs written there are not copied", node.name)
+            log.warning("master %s has %s: the writes there go on without a copy", node.name,
+                        "no replica" if len(serving) == 1 else f"no replica that confirmed for {LAGGING_S:g} s")
             self.alone[node.name] = now + ALONE_RECHECK_S
 
     def _masters(self, keys: Iterable[str]) -> dict[str, tuple[Any, str]]:

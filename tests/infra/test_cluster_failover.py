@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pyarrow as pa
 import pytest
@@ -28,7 +29,7 @@ from gpu_worker.messages import DELTA_SCHEMA, Done, LaneReport, Register
 from gpu_worker.output_lane import OutputLane
 from infra.redis_cluster import LocalCluster, cluster_binary
 from infra.redis_server import free_port
-from shared import names
+from shared import fence, names
 from shared.job_ops import AsyncJobOps, NotCopied, Writes, execute_copied
 from shared.jobs import JobStatus, new_record
 from shared.redis_client import async_client, is_cluster, sync_client
@@ -38,6 +39,7 @@ from shared.settings import Settings
 from workers.batch_driver import BatchDriver
 
 PARTITIONS = 12
+LAGGING_S = 2.5  # shared/fence.py's, shortened: how long a paused replica is waited on
 JOBS = 24
 TEXT = "The capital of France is Paris. It is known for the Eiffel Tower, for its museums and for fine food."
 WORKER = "inference-test-1"
@@ -119,10 +121,11 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
 
 def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_path: str) -> None:
     """The output lane reports a job Done (its stream entry is acknowledged next) only once a replica of its
-    master has the job's end. Its master's replica paused, the lane asks again and again and reports nothing;
-    once the replica runs, Done, and the replica has the job ended. Before, the lane's WAIT was sent but not read:
-    Done came after its second, with the end on the master alone, which a failover then could lose: a job
-    running that no worker held."""
+    master has the job's end. Its master's replica paused, the lane asks again and again and reports nothing, but
+    not for as long as the pause lasts: past LAGGING_S (shortened here) the master is taken to have no replica, and
+    the job is Done (the worker's output would stall otherwise). Once the replica runs, it has the job ended.
+    Before, the lane's WAIT was sent but not read: Done came after its second, with the end on the master alone,
+    which a failover then could lose: a job running that no worker held."""
     client = sync_client(cluster.seed_url, decode=False)
     feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
     lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
@@ -140,19 +143,25 @@ def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_p
             rows = [{"job_id": job_id, "token_ids": [42], "finish_reason": "length", "error": None}]
             step = threading.Thread(target=lane.handle_deltas, daemon=True,
                                     args=(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)),))
-            step.start()
-            until = time.monotonic() + 30
-            while waits() < before + 2 and feedback.empty() and time.monotonic() < until:
-                time.sleep(0.02)
-            assert feedback.empty(), "the job was reported Done while no replica had its end"
-            assert waits() >= before + 2  # it asked, and asked again
-            cluster.kill(replica, signal.SIGCONT)
-            step.join(30)
-            assert not step.is_alive()
+            started = time.monotonic()
+            with mock.patch.object(fence, "LAGGING_S", LAGGING_S):
+                step.start()
+                until = started + 30
+                while waits() < before + 2 and feedback.empty() and time.monotonic() < until:
+                    time.sleep(0.02)
+                assert feedback.empty(), "the job was reported Done while no replica had its end"
+                assert waits() >= before + 2  # it asked, and asked again
+                step.join(30)  # the replica still paused
+                assert not step.is_alive(), "the lane stalled for as long as the replica lags"
+                assert time.monotonic() - started >= LAGGING_S
             assert [r for r in _drain(feedback) if isinstance(r, Done)] == [Done(job_id)]
+            cluster.kill(replica, signal.SIGCONT)
+            until = time.monotonic() + 30
             with cluster.node(replica).client() as c:
                 c.execute_command("READONLY")
-                assert c.hget(names.job_key(job_id), "status") == JobStatus.succeeded.value
+                while c.hget(names.job_key(job_id), "status") != JobStatus.succeeded.value:
+                    assert time.monotonic() < until
+                    time.sleep(0.05)
     finally:
         client.close()
 
