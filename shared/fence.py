@@ -2,7 +2,8 @@
 went through a cluster pipeline (which sends a failed command again on its own, on another connection) and
 cannot carry their own WAIT. The output lane's step that ends jobs waits for it before the jobs are reported Done
 (and their stream entries acknowledged): an end that a failover could still undo would leave a job running that
-no worker holds. The batch driver's end of a batch waits for it before the batch leaves the drivers' set.
+no worker holds. The batch driver's end of a batch waits for it before the batch leaves the drivers' set, and the
+tenants CLI before it says a key was created or revoked.
 
 Per master that serves one of the given keys, a write to a fence key in that key's slot (`names.fence_key`) and
 WAIT 1, together on one connection to it. A master copies its writes in the order it ran them, so a copied fence
@@ -25,7 +26,7 @@ from shared.redis_client import heal
 
 log = logging.getLogger(__name__)
 
-FENCE_TTL_MS = 60_000  # a partition's fence key lives this long after its last write
+FENCE_TTL_MS = 60_000  # a fence key lives this long after its last write
 ALONE_RECHECK_S = 5.0  # a master found without a replica is not waited on for this long, then asked again
 # a master that still serves its slots and lists a replica that has not confirmed for this long (lagging, paused, cut
 # off but not yet failed by the cluster) is taken to have none: its writers wait this long, not for as long as the
@@ -34,6 +35,9 @@ LAGGING_S = 5.0
 
 
 class Fence:
+    """A writer's fences, and what it learnt of masters that could not confirm (by master: as many as the cluster
+    has)."""
+
     def __init__(self, client: redis.cluster.RedisCluster) -> None:
         self.client = client
         self.alone: dict[str, float] = {}  # master -> until when it is taken to have no replica
