@@ -97,9 +97,14 @@ class Sent:
 
     first_step: int  # results before the step calls' (the prompts' logprob documents)
     steps: list[list[str]]  # per step call, its jobs in their order
-    finishes: list[str]  # the jobs whose finish follows the step calls, in order
-    ends: list[Ending]  # those finishes' arguments (one named for an owner the record no longer names is sent again)
+    ends: list[Ending]  # the finishes that follow the step calls, in order (one named for an owner the record no
+    # longer names is sent again)
     done: list[str]  # build's list of ending jobs, which commit reports as Done: settle takes dropped ones out
+
+    @property
+    def finishes(self) -> list[str]:
+        """The jobs whose finish follows the step calls, in order."""
+        return [end[0] for end in self.ends]
 
 
 @dataclass
@@ -289,8 +294,7 @@ class OutputLane:
             self.jobs.step(keys, args, pipe, step.charges.get(p))
         for job_id, reason, error, fields, worker, owner, written in step.finishes:
             self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner, written=written)
-        self._sent = Sent(len(step.prompts), [step.jobs[p] for p in step.calls], [f[0] for f in step.finishes],
-                          step.finishes, step.done)
+        self._sent = Sent(len(step.prompts), [step.jobs[p] for p in step.calls], step.finishes, step.done)
         return pipe
 
     def settle(self, results: list[Any]) -> None:
