@@ -148,7 +148,8 @@ class FileStore:
             writes.delete(meta["source"])
         writes.zrem(names.files_index(meta.get("owner") or ""), meta["id"])
         writes.hdel(names.file_bytes_key(meta.get("owner") or ""), meta["id"])
-        if not (await execute_copied(self.r, writes))[1] and promised:
+        copied = (await execute_copied(self.r, writes))[1]
+        if promised and not copied:
             raise NotCopied(f"the deletion of file {meta['id']}")
 
     async def listing(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
