@@ -66,12 +66,15 @@ class Fence:
                 self.alone.pop(node.name, None)
                 self.unconfirmed.pop(node.name, None)
                 continue
+            # how long its replica has not confirmed, up to this answer (reading the slot map again, next, can take
+            # seconds of its own: a paused node answers nothing until the read times out)
+            answered = time.monotonic()
+            lagging_s = answered - self.unconfirmed.setdefault(node.name, answered)
             heal(self.client)  # the cluster's view now: a failed replica is no longer listed
             serving = [n.name for n in self.client.nodes_manager.slots_cache.get(self.client.keyslot(fence)) or []]
             if not serving or serving[0] != node.name:
                 raise NotCopied(f"the writes on {node.name}")  # served elsewhere now: written again there
-            since = self.unconfirmed.setdefault(node.name, now)
-            if len(serving) > 1 and time.monotonic() - since < LAGGING_S:
+            if len(serving) > 1 and lagging_s < LAGGING_S:
                 raise NotCopied(f"the writes on {node.name}")
             log.warning("master %s has %s: the writes there go on without a copy", node.name,
                         "no replica" if len(serving) == 1 else f"no replica that confirmed for {LAGGING_S:g} s")
