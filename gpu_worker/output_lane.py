@@ -15,7 +15,7 @@ import os
 import queue
 import signal
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
@@ -59,6 +59,9 @@ log = logging.getLogger("conveyor.output_lane")
 REFUSED = frozenset({StepCode.no_such_job, StepCode.not_owner, StepCode.ended})
 NOT_ENDED_HERE = frozenset({FinishCode.no_such_job, FinishCode.not_owner})
 BEHIND_REPLAYS = 3  # a step replayed for a finish that ran before it, at most; still behind: the record lost steps
+# a job's last writes that the lane keeps to write again where its record lost them (`_heal`): a failover loses what
+# its replica had not copied yet, the last moments of output; a loss reaching further back fails the job
+HISTORY_WRITES = 256
 LOST = "part of the output was not recorded (a Redis failover lost earlier writes, or a write failed): it is incomplete"
 
 
@@ -85,6 +88,8 @@ class JobState:
     # its stages' times (unix s), kept in its record at its end (the dashboard's timeline): tokenizing began, it
     # was queued, the engine first scheduled it (this worker's attempt)
     stages: dict[str, float] = field(default_factory=dict)
+    # its last writes, as sent (`step_write`), oldest first: what `_heal` sends again
+    history: deque[Write] = field(default_factory=lambda: deque(maxlen=HISTORY_WRITES))
 
 
 # an ending job's finish: (job, reason, error, fields, worker, owner, its last step's (chunk seq, tokens written))
@@ -279,8 +284,10 @@ class OutputLane:
         if st.trace is not None:
             st.trace.writes += 1
         if flags or packed or chunk or lp:
-            step.add(job_id, step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message, st.n_tokens,
-                                        lp_off, lp, st.worker), st, st.n_tokens - st.written)
+            write = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message, st.n_tokens, lp_off,
+                               lp, st.worker)
+            st.history.append(write)
+            step.add(job_id, write, st, st.n_tokens - st.written)
         st.written, st.held_ids, st.held_text, st.held_logprobs = st.n_tokens, bytearray(), "", []
         st.fresh = st.fresh and not chunk and not packed and not lp
 
@@ -303,7 +310,8 @@ class OutputLane:
         it, the lane forgets it, and the ledger lets it go without acknowledging its entry (`Dropped`). A job
         ending in this step is judged by its finish instead (its step, sent again after its finish went
         through, finds it ended): dropped if refused, else left in `done`, which commit reports as Done. A job
-        whose record lacks earlier steps of this lane (a gap, or a finish still behind its step) fails (`_lost`)."""
+        whose record lacks earlier steps of this lane (a gap, or a finish still behind its step) has them written again
+        (`_heal`), and fails (`_lost`) only where they are no longer kept."""
         sent, self._sent = self._sent, None
         if sent is None:
             return
@@ -331,7 +339,18 @@ class OutputLane:
             elif end is FinishCode.behind and job_id not in lost:
                 lost.append(job_id)
         for job_id in lost:
-            if (end := self._lost(job_id)) in NOT_ENDED_HERE:
+            healed = self._heal(job_id)
+            if healed is StepCode.written and job_id in ending:  # its finish found the record short: again
+                end = self._finish_again(next(e for e in sent.ends if e[0] == job_id))
+                if end in NOT_ENDED_HERE:
+                    refused.setdefault(job_id, end.name)
+                    continue
+                healed = StepCode.gap if end is FinishCode.behind else healed
+            if healed is StepCode.written:
+                continue
+            if healed in REFUSED:
+                refused.setdefault(job_id, healed.name)
+            elif (end := self._lost(job_id)) in NOT_ENDED_HERE:
                 refused.setdefault(job_id, end.name)
             elif job_id not in ending:  # ended here, mid-run: the engine stops it, the ledger acknowledges it
                 self.states.pop(job_id, None)
@@ -359,6 +378,33 @@ class OutputLane:
 
         reply = call(again, log=log, name=f"the end of job {job_id}", on_outage=self._outage)
         return reply.code if reply is not None else FinishCode.finished
+
+    def _heal(self, job_id: str) -> StepCode:
+        """A job whose record lacks steps this lane wrote (a failover promoted a replica that had not received them:
+        only a job's end waits for a replica) gets its last writes sent again, in order, in one step call: those
+        its record has are replays (step.lua skips them), the rest are written where they belong, and published
+        again (a client's relay drops a seq it has had). No charge: its tenant was charged when they were first
+        written. `written` when the record is whole again; `gap` when what it lost reaches past the writes kept
+        (HISTORY_WRITES, or an earlier worker's), and the code that refused it otherwise."""
+        keys: list[str] = []
+        args: list[Any] = []
+        for k, a in self.states[job_id].history:
+            keys += k
+            args += a
+        if not keys:
+            return StepCode.gap
+
+        def again() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            self.jobs.step(keys, args, pipe)
+            return pipe.execute()  # type: ignore[no-any-return]
+
+        raw = call(again, log=log, name=f"the output of job {job_id} again", on_outage=self._outage)
+        codes = StepReply.parse(raw[0]).codes
+        bad = next((c for c in codes if c not in (StepCode.written, StepCode.replayed)), None)
+        if bad is None:
+            log.warning("job %s: its record had lost steps of its output; they are written again", job_id)
+        return StepCode.written if bad is None else bad
 
     def _lost(self, job_id: str) -> FinishCode:
         """A job whose record lacks steps this lane wrote: a failover promoted a replica that had not received

@@ -11,6 +11,7 @@ import pytest
 import redis
 from tokenizers import Tokenizer
 
+from gpu_worker import output_lane
 from gpu_worker.messages import DELTA_SCHEMA, Abort, Done, Dropped, LaneReport, Register
 from gpu_worker.output_lane import OutputLane
 from shared import names
@@ -175,33 +176,64 @@ def test_a_finish_named_for_another_owner_is_sent_again_for_the_records(redis_ur
     assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
 
 
+def _roll_back(lane: Lane, replica: list[object]) -> None:
+    """The job's keys as a replica had them: a failover promoted it before it copied the steps since."""
+    for key, dump in zip(lane.keys(), replica):
+        lane.r.delete(key)
+        if dump is not None:
+            lane.r.restore(key, 0, dump)
+
+
 @pytest.mark.parametrize("last", ["an id, no text", "text, its end", "text, mid-run"])
-def test_a_job_whose_record_lost_a_step_fails_rather_than_ending_short(redis_url: str, model_path: str,
-                                                                       tokenizer: Tokenizer, last: str) -> None:
-    """A failover promoted a replica that never had one of the job's steps (only ends wait for a replica): the
+def test_a_job_whose_record_lost_steps_has_them_written_again(redis_url: str, model_path: str, tokenizer: Tokenizer,
+                                                              last: str) -> None:
+    """A failover promoted a replica that never had the job's last steps (only ends wait for a replica): the
     lane's next step would leave a hole (SETRANGE past the end pads with NUL bytes), or its finish finds the record
-    short of what the lane wrote. The job ends as an error that says so, never as a success with a part missing;
-    the engine stops it and the lane forgets it."""
+    short of what the lane wrote. The lane writes the lost steps again, in order, then its step: the job goes on
+    (or ends) as if nothing was lost; its record and its event stream hold every chunk once, in order."""
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
     lane = Lane(redis_url, model_path, 1, f"job_lane_rolled_back_{last.replace(' ', '_')}", [], worker="w1")
     lane.step(ids[:1])
     replica = lane.everything()  # what the replica had
     lane.step(ids[1:2])
-    for key, dump in zip(lane.keys(), replica):
-        lane.r.delete(key)
-        if dump is not None:
-            lane.r.restore(key, 0, dump)
+    lane.step(ids[2:3])
+    _roll_back(lane, replica)
     if last == "an id, no text":
-        lane.step([tokenizer.token_to_id("<|im_end|>")], "stop")
-        assert lane.reports() == [Done(lane.job_id)]
+        sent = ids[:3] + [tokenizer.token_to_id("<|im_end|>")]
+        lane.step(sent[3:], "stop")
     elif last == "text, its end":
-        lane.step(ids[2:3], "length")
-        assert lane.reports() == [Done(lane.job_id)]
+        sent = ids[:4]
+        lane.step(ids[3:4], "length")
     else:
-        lane.step(ids[2:3])
-        assert lane.reports() == [Abort(lane.job_id, FinishReason.error), Done(lane.job_id)]
-        lane.step(ids[3:4], "length")  # the engine's output before the abort reached it: ignored
-        assert lane.reports() == []
+        lane.step(ids[3:4])
+        assert lane.reports() == []  # not stopped, not dropped
+        sent = ids[:5]
+        lane.step(ids[4:5], "length")
+    assert lane.reports() == [Done(lane.job_id)]
+    assert lane.status() == JobStatus.succeeded.value
+    text = tokenizer.decode(sent, skip_special_tokens=True)  # (the end of turn adds no text)
+    assert lane.saved() == (sent, text, len(sent))
+    assert "".join(lane.token_events()) == text
+    seqs = [int(entry_id.split(b"-")[1]) for entry_id, _ in lane.r.xrange(names.events_key(lane.job_id))]
+    assert seqs == list(range(1, len(seqs) + 1))  # each chunk once, in order, and the done event after them
+    assert lane.job_id not in lane.lane.states
+
+
+def test_a_job_whose_record_lost_more_than_the_lane_keeps_fails_rather_than_ending_short(
+        redis_url: str, model_path: str, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the record lost more steps than the lane keeps (`HISTORY_WRITES`), the job ends as an error that says
+    so, never as a success with a part missing; the engine stops it and the lane forgets it."""
+    monkeypatch.setattr(output_lane, "HISTORY_WRITES", 1)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    lane = Lane(redis_url, model_path, 1, "job_lane_rolled_back_too_far", [], worker="w1")
+    lane.step(ids[:1])
+    replica = lane.everything()
+    lane.step(ids[1:2])
+    _roll_back(lane, replica)
+    lane.step(ids[2:3])
+    assert lane.reports() == [Abort(lane.job_id, FinishReason.error), Done(lane.job_id)]
+    lane.step(ids[3:4], "length")  # the engine's output before the abort reached it: ignored
+    assert lane.reports() == []
     assert lane.status() == JobStatus.failed.value
     assert b"not recorded" in lane.r.hget(names.job_key(lane.job_id), "error")  # type: ignore[operator]
     assert b"\x00" not in (lane.r.get(names.text_key(lane.job_id)) or b"")
