@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import redis
 import redis.cluster
 
 from shared import names
@@ -50,12 +51,18 @@ class Fence:
         again (replays where they stood; a failover's promoted replica may lack them) and confirms again. A master
         that the cluster lists without a replica (its replica failed, or never synced), or whose listed replica has
         not confirmed for LAGGING_S, cannot confirm: its writes stand as they are, with a warning, and it is asked
-        again after ALONE_RECHECK_S. A failed connection raises its own (retryable) error."""
+        again after ALONE_RECHECK_S. A master with no replica connected (killed, restarting: ROLE lists none) is
+        taken to have none at its first unconfirmed WAIT, and is asked with ROLE, not WAIT, until one is connected
+        again. A failed connection raises its own (retryable) error."""
         now = time.monotonic()
         for node, fence in self._masters(keys).values():
             if self.alone.get(node.name, 0.0) > now:
                 continue
-            pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+            conn = self.client.get_redis_connection(node)
+            if node.name in self.alone and not _replicas(conn):  # asked again, and still none: no WAIT's second
+                self.alone[node.name] = now + ALONE_RECHECK_S
+                continue
+            pipe = conn.pipeline(transaction=False)
             pipe.set(fence, 1, px=FENCE_TTL_MS)
             pipe.execute_command("WAIT", 1, REPLICA_WAIT_MS)
             wrote, copies = pipe.execute(raise_on_error=False)
@@ -70,6 +77,10 @@ class Fence:
             # seconds of its own: a paused node answers nothing until the read times out)
             answered = time.monotonic()
             lagging_s = answered - self.unconfirmed.setdefault(node.name, answered)
+            if not _replicas(conn):  # none connected (killed, restarting): none will confirm, however long it waits
+                log.warning("master %s has no replica connected: the writes there go on without a copy", node.name)
+                self.alone[node.name] = now + ALONE_RECHECK_S
+                continue
             heal(self.client)  # the cluster's view now: a failed replica is no longer listed
             serving = [n.name for n in self.client.nodes_manager.slots_cache.get(self.client.keyslot(fence)) or []]
             if not serving or serving[0] != node.name:
@@ -89,3 +100,13 @@ class Fence:
             if node is not None:
                 out.setdefault(node.name, (node, fence))
         return out
+
+
+def _replicas(conn: redis.Redis) -> int:
+    """How many replicas a master has connected (ROLE); on an error, taken to have one (the caller waits on it as
+    the cluster lists it)."""
+    try:
+        role = conn.execute_command("ROLE")
+    except redis.RedisError:
+        return 1
+    return len(role[2]) if role and role[0] in (b"master", "master") else 1

@@ -56,6 +56,7 @@ def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model
         with names.partitions_as(PARTITIONS):
             a_jobs_end_is_done_only_once_a_replica_has_it(cluster, model_path)
             a_batchs_end_leaves_the_drivers_only_once_a_replica_has_it(cluster)
+            a_master_whose_replica_died_is_waited_on_once(cluster)
             for round_ in range(2):
                 stream_through_a_kill(cluster, model_path, round_)
             asyncio.run(a_submit_whose_connection_failed_is_never_confirmed_by_another_node(cluster))
@@ -199,12 +200,46 @@ def a_batchs_end_leaves_the_drivers_only_once_a_replica_has_it(cluster: LocalClu
         client.close()
 
 
+def a_master_whose_replica_died_is_waited_on_once(cluster: LocalCluster) -> None:
+    """A replica killed (its master sees its link close), still listed by the cluster until its node timeout has
+    passed: the first fence after it waits one WAIT and takes the master for one without a replica; the next ones
+    ask ROLE, not WAIT, until a replica is connected again. Before, every fence waited a WAIT and failed (NotCopied)
+    for LAGGING_S: the output lane's whole output stalled with it, 5 s after each replica's crash or restart."""
+    client = sync_client(cluster.seed_url, decode=False)
+    key = names.job_key(names.job_id_in(1, uuid.uuid4().hex))
+    writer = fence.Fence(client)
+    try:
+        client.set(key, 1)
+        writer.confirm([key])
+        with replica_paused(cluster, client, key, signal.SIGKILL) as (master, _):
+            with cluster.node(master).client() as c:
+                until = time.monotonic() + 30
+                while c.execute_command("ROLE")[2]:  # until the master has seen the link close
+                    assert time.monotonic() < until
+                    time.sleep(0.02)
+
+                def waits() -> int:
+                    return int(c.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+                before = waits()
+                client.set(key, 2)
+                writer.confirm([key])  # no NotCopied: nothing would ever confirm it
+                assert waits() == before + 1
+                with mock.patch.object(fence, "ALONE_RECHECK_S", 0.0):
+                    writer.confirm([key])
+                    writer.confirm([key])
+                assert waits() == before + 1  # asked again with ROLE: still none connected
+    finally:
+        client.close()
+
+
 @contextlib.contextmanager
-def replica_paused(cluster: LocalCluster, client: redis.cluster.RedisCluster,
-                   key: str) -> Iterator[tuple[int, int]]:
-    """The replica of `key`'s master paused (SIGSTOP) while the cluster still lists it (every node's CLUSTER SLOTS
-    does, and the client's slot map; its node timeout raised meanwhile, so that it is not failed); (master,
-    replica) ports. Afterwards it runs again, and every replica is back on its link."""
+def replica_paused(cluster: LocalCluster, client: redis.cluster.RedisCluster, key: str,
+                   sig: int = signal.SIGSTOP) -> Iterator[tuple[int, int]]:
+    """The replica of `key`'s master paused (SIGSTOP), or killed (SIGKILL), while the cluster still lists it (every
+    node's CLUSTER SLOTS does, and the client's slot map; its node timeout raised meanwhile, so that it is not
+    failed); (master, replica) ports. Afterwards it runs again (a killed one is started again), and every replica
+    is back on its link."""
     master = client.get_node_from_key(key).port
     replica = cluster.replica_of(master)
     ports = [n.port for n in cluster.nodes]
@@ -223,11 +258,14 @@ def replica_paused(cluster: LocalCluster, client: redis.cluster.RedisCluster,
     for port in ports:
         with cluster.node(port).client() as c:
             c.config_set("cluster-node-timeout", 60_000)
-    cluster.kill(replica, signal.SIGSTOP)
+    cluster.kill(replica, sig)
     try:
         yield master, replica
     finally:
-        cluster.kill(replica, signal.SIGCONT)
+        if sig == signal.SIGKILL:
+            cluster.restart_node(replica)
+        else:
+            cluster.kill(replica, signal.SIGCONT)
         for port in ports:
             with cluster.node(port).client() as c:
                 c.config_set("cluster-node-timeout", cluster.node_timeout_ms)
