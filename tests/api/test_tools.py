@@ -5,6 +5,7 @@ holds it (shared/grammar/tools.py), the parser reads it (shared/tool_parsers/)."
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -159,14 +160,17 @@ def test_the_agents_sdk_runs_a_function_tool(stack) -> None:  # type: ignore[no-
         seen.append(city)
         return f"Sunny in {city}"
 
-    model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-        base_url=stack.url + "/v1", api_key="unused", max_retries=0))
-    agent = agents.Agent(name="weather", instructions="Answer with the tools you have.", model=model,
-                         tools=[get_weather], tool_use_behavior="stop_on_first_tool",
-                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                                             temperature=0, max_tokens=60))
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?",
-                                    run_config=agents.RunConfig(tracing_disabled=True))
+    async def main() -> Any:  # the client closed in the loop it ran in (test_openai.py's test_async_client says why)
+        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0) as client:
+            model = agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client)
+            agent = agents.Agent(name="weather", instructions="Answer with the tools you have.", model=model,
+                                 tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                                 model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                                                     temperature=0, max_tokens=60))
+            return await agents.Runner.run(agent, "What is the weather in Paris?",
+                                           run_config=agents.RunConfig(tracing_disabled=True))
+
+    result = asyncio.run(main())
     assert len(seen) == 1 and result.final_output == f"Sunny in {seen[0]}"
 
 

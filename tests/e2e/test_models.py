@@ -70,9 +70,10 @@ def test_every_model_and_adapter_mixed_equals_transformers(models_stack: Stack, 
               SECOND: (second_model["path"], None), "b-lora": (second_model["path"], second_model["lora"])}
     runs = [(name, p) for p in PROMPTS for name in served] * 2
 
-    async def all_of() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=models_stack.url + "/v1", api_key="unused", max_retries=0, timeout=240)
-        return await asyncio.gather(*(_complete(client, name, p) for name, p in runs))
+    async def all_of() -> list[str]:  # the client closed in the loop it ran in (tests/api/test_openai.py says why)
+        async with openai.AsyncOpenAI(base_url=models_stack.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=240) as client:
+            return await asyncio.gather(*(_complete(client, name, p) for name, p in runs))
 
     got = asyncio.run(all_of())
     want = {(name, p): peft_text(base, lora, p) for name, (base, lora) in served.items() for p in PROMPTS}
