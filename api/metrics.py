@@ -22,7 +22,7 @@ from shared import names
 from shared.fair_queue import TenantLoad, read_tenants
 from shared.policy import pool_load
 from shared.redis_client import sync_client
-from shared.signals import lag_per_replica, pool_groups, read_snapshot
+from shared.signals import Snapshot, WorkerBeat, lag_per_replica, pool_groups, read_snapshot
 
 router = APIRouter(tags=["metrics"])
 
@@ -35,11 +35,9 @@ class SystemCollector:
         self.max_num_seqs = max_num_seqs
 
     def collect(self) -> Iterator[Metric]:
-        r = self.client
         groups = names.stream_groups(self.models)
         snap = read_snapshot(self.raw, names.pools(self.models), groups)
         inf = [w for pool in names.pools(self.models)[1:] for w in snap.workers[pool]]
-
         running = GaugeMetricFamily("conveyor:num_requests_running", "Sequences in engine batches")
         running.add_metric([], sum(w.running for w in inf))
         yield running
@@ -47,40 +45,19 @@ class SystemCollector:
                                     "Jobs waiting: in engine queues plus stream entries not yet delivered")
         waiting.add_metric([], sum(w.waiting for w in inf) + sum(lag for lag, _ in snap.lags.values()))
         yield waiting
-        kv = GaugeMetricFamily("conveyor:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels=["worker"])
-        for w in inf:
-            kv.add_metric([str(w.pid)], w.kv_cache_usage)
-        yield kv
-        pre = CounterMetricFamily("conveyor:num_preemptions", "Sequences preempted (recomputed later), by why: "
-                                  "KV blocks ran out, a tenant with none running, a better priority",
-                                  labels=["worker", "reason"])
-        for w in inf:
-            memory = w.preemptions - w.fair_preemptions - w.priority_preemptions
-            for reason, n in (("memory", memory), ("fair_share", w.fair_preemptions),
-                              ("priority", w.priority_preemptions)):
-                pre.add_metric([str(w.pid), reason], n)
-        yield pre
-        drafts = CounterMetricFamily("conveyor:spec_decode_num_draft_tokens", "Speculative draft tokens computed "
-                                     "(SPECULATIVE=ngram)", labels=["worker"])
-        kept = CounterMetricFamily("conveyor:spec_decode_num_accepted_tokens", "Speculative draft tokens kept: "
-                                   "each a decode step saved", labels=["worker"])
-        for w in inf:
-            drafts.add_metric([str(w.pid)], w.draft_tokens)
-            kept.add_metric([str(w.pid)], w.accepted_tokens)
-        yield drafts
-        yield kept
-        resident = GaugeMetricFamily("conveyor:lora_adapters_resident", "LoRA adapters resident (MAX_LORAS at most)",
-                                     labels=["worker"])
-        loads = CounterMetricFamily("conveyor:lora_loads", "LoRA adapters read from their files", labels=["worker"])
-        evictions = CounterMetricFamily("conveyor:lora_evictions", "LoRA adapters evicted (least recently used) to "
-                                        "make room", labels=["worker"])
-        for w in inf:
-            resident.add_metric([str(w.pid)], w.lora_resident)
-            loads.add_metric([str(w.pid)], w.lora_loads)
-            evictions.add_metric([str(w.pid)], w.lora_evictions)
-        yield resident
-        yield loads
-        yield evictions
+        yield from engine_metrics(inf)
+        yield from self._pools(snap, groups)
+        dead = GaugeMetricFamily("conveyor:dead_letters", "Entries in the dead-letter streams (every partition's)")
+        dead.add_metric([], dead_letters(self.client))
+        yield dead
+        streams = GaugeMetricFamily("conveyor:sse_streams", "Streams open on this API process")
+        streams.add_metric([], self.relay_streams)
+        yield streams
+        yield from tenant_metrics(read_tenants(self.raw, models=self.models))
+        yield from totals(self.client)
+
+    def _pools(self, snap: Snapshot, groups: dict[str, str]) -> Iterator[Metric]:
+        """Each pool's live workers, lag and sequences held; each stream's lag and pending entries."""
         live = GaugeMetricFamily("conveyor:workers_live", "Workers with a fresh heartbeat", labels=["pool"])
         for pool in names.pools(self.models):
             live.add_metric([pool], len(snap.workers[pool]))
@@ -99,35 +76,69 @@ class SystemCollector:
                                   labels=["stream", "group"])
         pend_g = GaugeMetricFamily("conveyor:stream_pending", "Entries delivered and not yet acknowledged",
                                    labels=["stream", "group"])
-        for stream, (lag, pending) in snap.lags.items():
-            lag_g.add_metric([stream, groups[stream]], lag)
+        for stream, (behind, pending) in snap.lags.items():
+            lag_g.add_metric([stream, groups[stream]], behind)
             pend_g.add_metric([stream, groups[stream]], pending)
         yield lag_g
         yield pend_g
-        dead = GaugeMetricFamily("conveyor:dead_letters", "Entries in the dead-letter streams (every partition's)")
-        dead.add_metric([], dead_letters(r))
-        yield dead
-        streams = GaugeMetricFamily("conveyor:sse_streams", "Streams open on this API process")
-        streams.add_metric([], self.relay_streams)
-        yield streams
-        yield from tenant_metrics(read_tenants(self.raw, models=self.models))
 
-        stats = r.hgetall(names.STATS_KEY)
-        for name, help_ in ((m.PROMPT_TOKENS, "Prompt tokens processed"),
-                            (m.GENERATION_TOKENS, "Tokens generated")):
-            c = CounterMetricFamily(name, help_)
-            c.add_metric([], float(stats.get(name, 0)))
-            yield c
-        success = CounterMetricFamily(m.REQUEST_SUCCESS, "Finished requests", labels=["finished_reason"])
-        for key, v in stats.items():
-            if key.startswith(m.REQUEST_SUCCESS + ":"):
-                success.add_metric([key.split(":")[-1]], float(v))
-        yield success
-        for name in m.HISTOGRAMS:
-            buckets, total = m.read_histogram(r.hgetall(names.hist_key(name)), name)
-            h = HistogramMetricFamily(name, name.split(":")[1].replace("_", " "))
-            h.add_metric([], buckets, total)
-            yield h
+
+def engine_metrics(inf: list[WorkerBeat]) -> Iterator[Metric]:
+    """The inference workers' gauges and counters, by worker: KV cache, preemptions, speculation, LoRA."""
+    kv = GaugeMetricFamily("conveyor:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels=["worker"])
+    for w in inf:
+        kv.add_metric([str(w.pid)], w.kv_cache_usage)
+    yield kv
+    pre = CounterMetricFamily("conveyor:num_preemptions", "Sequences preempted (recomputed later), by why: "
+                              "KV blocks ran out, a tenant with none running, a better priority",
+                              labels=["worker", "reason"])
+    for w in inf:
+        memory = w.preemptions - w.fair_preemptions - w.priority_preemptions
+        for reason, n in (("memory", memory), ("fair_share", w.fair_preemptions),
+                          ("priority", w.priority_preemptions)):
+            pre.add_metric([str(w.pid), reason], n)
+    yield pre
+    drafts = CounterMetricFamily("conveyor:spec_decode_num_draft_tokens", "Speculative draft tokens computed "
+                                 "(SPECULATIVE=ngram)", labels=["worker"])
+    kept = CounterMetricFamily("conveyor:spec_decode_num_accepted_tokens", "Speculative draft tokens kept: "
+                               "each a decode step saved", labels=["worker"])
+    for w in inf:
+        drafts.add_metric([str(w.pid)], w.draft_tokens)
+        kept.add_metric([str(w.pid)], w.accepted_tokens)
+    yield drafts
+    yield kept
+    resident = GaugeMetricFamily("conveyor:lora_adapters_resident", "LoRA adapters resident (MAX_LORAS at most)",
+                                 labels=["worker"])
+    loads = CounterMetricFamily("conveyor:lora_loads", "LoRA adapters read from their files", labels=["worker"])
+    evictions = CounterMetricFamily("conveyor:lora_evictions", "LoRA adapters evicted (least recently used) to "
+                                    "make room", labels=["worker"])
+    for w in inf:
+        resident.add_metric([str(w.pid)], w.lora_resident)
+        loads.add_metric([str(w.pid)], w.lora_loads)
+        evictions.add_metric([str(w.pid)], w.lora_evictions)
+    yield resident
+    yield loads
+    yield evictions
+
+
+def totals(r: redis.Redis) -> Iterator[Metric]:
+    """Tokens and finished requests since the service began, and the latency histograms."""
+    stats = r.hgetall(names.STATS_KEY)
+    for name, help_ in ((m.PROMPT_TOKENS, "Prompt tokens processed"),
+                        (m.GENERATION_TOKENS, "Tokens generated")):
+        c = CounterMetricFamily(name, help_)
+        c.add_metric([], float(stats.get(name, 0)))
+        yield c
+    success = CounterMetricFamily(m.REQUEST_SUCCESS, "Finished requests", labels=["finished_reason"])
+    for key, v in stats.items():
+        if key.startswith(m.REQUEST_SUCCESS + ":"):
+            success.add_metric([key.split(":")[-1]], float(v))
+    yield success
+    for name in m.HISTOGRAMS:
+        buckets, total = m.read_histogram(r.hgetall(names.hist_key(name)), name)
+        h = HistogramMetricFamily(name, name.split(":")[1].replace("_", " "))
+        h.add_metric([], buckets, total)
+        yield h
 
 
 def tenant_metrics(rows: list[TenantLoad]) -> Iterator[Metric]:

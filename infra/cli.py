@@ -17,7 +17,7 @@ def _logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -52,8 +52,16 @@ def main(argv: list[str] | None = None) -> None:
 
     status = sub.add_parser("status", help="the stack at a glance: pools, workers, lag, running jobs, decisions")
     status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    _keys_parser(sub.add_parser("keys", help="manage API keys (tenants)"))
 
-    keys = sub.add_parser("keys", help="manage API keys (tenants)")
+    model = sub.add_parser("model", help="manage the model cache")
+    msub = model.add_subparsers(dest="model_cmd", required=True)
+    msub.add_parser("pull", help="fetch and convert the configured model (idempotent)")
+    msub.add_parser("path", help="print the local model path")
+    return parser
+
+
+def _keys_parser(keys: argparse.ArgumentParser) -> None:
     ksub = keys.add_subparsers(dest="keys_cmd", required=True)
     kc = ksub.add_parser("create", help="make a tenant and print its new key (last line; shown once)")
     kc.add_argument("name")
@@ -73,90 +81,101 @@ def main(argv: list[str] | None = None) -> None:
     kr = ksub.add_parser("revoke", help="disable a tenant's key")
     kr.add_argument("name")
 
-    model = sub.add_parser("model", help="manage the model cache")
-    msub = model.add_subparsers(dest="model_cmd", required=True)
-    msub.add_parser("pull", help="fetch and convert the configured model (idempotent)")
-    msub.add_parser("path", help="print the local model path")
 
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     _logging()
     if args.cmd == "up" and args.model:
         os.environ["MODELS"] = ",".join(args.model)  # before the settings are read, and for every child
     if args.cmd == "up" and args.redis_cluster and not os.environ.get("REDIS_PARTITIONS"):
         # a few partitions per master, so resharding moves whole partitions (before shared.names reads it)
         os.environ["REDIS_PARTITIONS"] = str(4 * args.redis_cluster)
-    from shared.settings import get_settings, is_loopback
+    from shared.settings import get_settings
 
-    settings = get_settings()
+    command = {"model": _model, "up": _up, "api": _api, "tokenizer": _worker, "inference": _worker,
+               "redis": _redis, "keys": _keys, "status": _status}[args.cmd]
+    code = command(args, get_settings())
+    if code is not None:
+        sys.exit(code)
 
-    if args.cmd == "model":
-        from pathlib import Path
 
-        from infra.model_pull import pull
+def _model(args: argparse.Namespace, settings: Settings) -> None:
+    from pathlib import Path
 
-        if args.model_cmd == "path":
-            print(settings.model_path)
-            return
-        if settings.models and not settings.model:  # every model of MODELS (the default one fetched where named)
-            from shared.settings import DEFAULT_MODEL_NAME
+    from infra.model_pull import pull
 
-            default = str(settings.cache_dir / "models" / DEFAULT_MODEL_NAME)
-            for m in settings.served.values():
-                print(pull("" if m.path == default else m.path, Path(m.path)))
-            return
-        path = pull(settings.model, Path(settings.model_path))
-        print(path)
-    elif args.cmd == "up":
-        from infra.supervisor import run_supervisor
+    if args.model_cmd == "path":
+        print(settings.model_path)
+        return
+    if settings.models and not settings.model:  # every model of MODELS (the default one fetched where named)
+        from shared.settings import DEFAULT_MODEL_NAME
 
-        if args.traces:
-            from infra.phoenix import require_phoenix
+        default = str(settings.cache_dir / "models" / DEFAULT_MODEL_NAME)
+        for m in settings.served.values():
+            print(pull("" if m.path == default else m.path, Path(m.path)))
+        return
+    print(pull(settings.model, Path(settings.model_path)))
 
-            require_phoenix()  # exits saying how to install it
-        if not settings.auth_required and not is_loopback(settings.host) and not settings.allow_insecure:
-            sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
-                     "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
-        inference = settings.inference_min if args.inference is None else args.inference
-        sys.exit(run_supervisor(settings, args.tokenizers, inference, autoscale=not args.no_autoscale,
-                                celery=bool(args.celery), redis_cluster=args.redis_cluster,
-                                traces_port=args.traces_port if args.traces else 0))
-    elif args.cmd == "api":
-        from api.server import serve
 
-        serve(settings)
-    elif args.cmd in ("tokenizer", "inference"):
-        from shared import names
-        from shared.heartbeat import check_pool
+def _up(args: argparse.Namespace, settings: Settings) -> int:
+    from infra.supervisor import run_supervisor
+    from shared.settings import is_loopback
 
-        if args.check:
-            pool = names.TOKENIZER_POOL if args.cmd == "tokenizer" else names.inference_pool(settings.model_key)
-            sys.exit(0 if check_pool(settings, pool) else 1)
-        from shared.lifecycle import exit_quickly
+    if args.traces:
+        from infra.phoenix import require_phoenix
 
-        if args.cmd == "tokenizer":
-            from workers.tokenizer.worker import main as tokenizer_main
+        require_phoenix()  # exits saying how to install it
+    if not settings.auth_required and not is_loopback(settings.host) and not settings.allow_insecure:
+        sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
+                 "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
+    inference = settings.inference_min if args.inference is None else args.inference
+    return run_supervisor(settings, args.tokenizers, inference, autoscale=not args.no_autoscale,
+                          celery=bool(args.celery), redis_cluster=args.redis_cluster,
+                          traces_port=args.traces_port if args.traces else 0)
 
-            exit_quickly(tokenizer_main(settings))
-        from gpu_worker.cpu_affinity import bind_compute_threads
 
-        bind_compute_threads(settings.cpu_bind_threads, settings.device)  # before torch loads
-        from gpu_worker.worker import main as inference_main
+def _api(args: argparse.Namespace, settings: Settings) -> None:
+    from api.server import serve
 
-        exit_quickly(inference_main(settings))
-    elif args.cmd == "redis":
-        from infra.redis_server import run_foreground
+    serve(settings)
 
-        sys.exit(run_foreground(settings))
-    elif args.cmd == "keys":
-        sys.exit(_keys(args, settings))
-    elif args.cmd == "status":
-        from infra.redis_server import read_local_redis_url
-        from infra.status import run as status_run
 
-        url = settings.redis_url or read_local_redis_url(settings.cache_dir)
-        if not url:
-            sys.exit("no Redis: start the stack (`conveyor up`) or set REDIS_URL")
-        sys.exit(status_run(url, settings.max_num_seqs, settings.cache_dir, args.watch, settings.model_keys))
+def _worker(args: argparse.Namespace, settings: Settings) -> int:
+    """A tokenizer or inference worker, or with --check whether a live one of its pool is seen."""
+    from shared import names
+    from shared.heartbeat import check_pool
+
+    if args.check:
+        pool = names.TOKENIZER_POOL if args.cmd == "tokenizer" else names.inference_pool(settings.model_key)
+        return 0 if check_pool(settings, pool) else 1
+    from shared.lifecycle import exit_quickly
+
+    if args.cmd == "tokenizer":
+        from workers.tokenizer.worker import main as tokenizer_main
+
+        exit_quickly(tokenizer_main(settings))
+    from gpu_worker.cpu_affinity import bind_compute_threads
+
+    bind_compute_threads(settings.cpu_bind_threads, settings.device)  # before torch loads
+    from gpu_worker.worker import main as inference_main
+
+    exit_quickly(inference_main(settings))
+
+
+def _redis(args: argparse.Namespace, settings: Settings) -> int:
+    from infra.redis_server import run_foreground
+
+    return run_foreground(settings)
+
+
+def _status(args: argparse.Namespace, settings: Settings) -> int:
+    from infra.redis_server import read_local_redis_url
+    from infra.status import run as status_run
+
+    url = settings.redis_url or read_local_redis_url(settings.cache_dir)
+    if not url:
+        sys.exit("no Redis: start the stack (`conveyor up`) or set REDIS_URL")
+    return status_run(url, settings.max_num_seqs, settings.cache_dir, args.watch, settings.model_keys)
 
 
 def _keys(args: argparse.Namespace, settings: Settings) -> int:

@@ -187,6 +187,86 @@ def one_worker_binds(env: dict[str, str], most_workers: int) -> dict[str, str]:
     return {} if "CPU_BIND_THREADS" in env or most_workers > 1 else {"CPU_BIND_THREADS": "true"}
 
 
+@dataclass
+class Pools:
+    """Every child pool of a stack, in the order they start: Phoenix (with --traces) first, the API, the worker
+    pools (the tokenizers', one inference pool per model), Celery."""
+
+    traces: list[Pool]
+    api: Pool
+    workers: dict[str, Pool]
+    celery: list[Pool]
+
+    @property
+    def everything(self) -> list[Pool]:
+        return [*self.traces, self.api, *self.workers.values(), *self.celery]
+
+    def stop(self, grace_s: float) -> None:
+        """The API first (no new work comes in), then Celery and the pools drain together (its ends stay queued),
+        Phoenix last (it takes the spans they export as they stop)."""
+        self.api.stop()
+        self.api.wait(time.monotonic() + 10)
+        for p in (*self.celery, *self.workers.values()):
+            p.stop()
+        for p in self.celery:
+            p.wait(time.monotonic() + 10)
+        deadline = time.monotonic() + grace_s + 5
+        for p in self.workers.values():
+            p.wait(deadline)
+        for p in self.traces:
+            p.stop()
+            p.wait(time.monotonic() + 10)
+
+
+def _pools(settings: Settings, env: dict[str, str], keep: tuple[int, ...], tokenizers: int, inference: int,
+           autoscale: bool, celery: bool, traces_port: int) -> Pools:
+    """The stack's pools, none started; `env` gains what every child shares (OpenTelemetry's settings)."""
+    traces: list[Pool] = []
+    if traces_port:  # Phoenix, on loopback: every child's spans go to it (shared/tracing.py)
+        workdir = settings.cache_dir / "phoenix"
+        traces.append(Pool("phoenix", phoenix.phoenix_command(traces_port, workdir),
+                           phoenix.phoenix_env(traces_port, workdir), 1, grace_s=10, keep_fds=keep))
+        env.update(phoenix.otel_env(phoenix.endpoint(traces_port), env))
+    cli = [sys.executable, "-m", "infra.cli"]
+    env["INFERENCE_MIN"] = str(inference)  # the API's readiness: a pool that may be empty need not have a worker
+    grace = settings.drain_grace_s
+    workers = {
+        names.TOKENIZER_POOL: Pool(names.TOKENIZER_POOL, cli + ["tokenizer"], env, tokenizers,
+                                   min_size=tokenizers, max_size=max(tokenizers, settings.tokenizer_max)
+                                   if autoscale else tokenizers, grace_s=grace, keep_fds=keep),
+    }
+    pinned = settings.model_copy(update={"inference_min": inference})  # `--inference`: each model's default minimum
+    bounds = {name: pinned.bounds_of(name) for name in settings.served}
+    inference_env = {**env, **one_worker_binds(env, sum(high if autoscale else low for low, high in bounds.values()))}
+    for model in settings.served.values():  # a pool per model, each worker serving the one its MODEL names
+        low, high = bounds[model.name]
+        pool = names.inference_pool(settings.key_of(model.name))
+        workers[pool] = Pool(pool, cli + ["inference"], {**inference_env, "MODEL": model.path,
+                                                          "MODEL_NAME": model.name},
+                             low, min_size=low, max_size=high if autoscale else low, grace_s=grace, keep_fds=keep)
+    celery_env = {**env, "PYTHONWARNINGS": "ignore:You're running the worker with superuser"}  # as root
+    return Pools(traces, Pool("api", cli + ["api"], env, 1, grace_s=10, keep_fds=keep), workers,
+                 [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10, keep_fds=keep)] if celery else [])
+
+
+def _embedded_redis(settings: Settings, redis_cluster: int, lock: StackLock, env: dict[str, str]
+                    ) -> tuple[EmbeddedRedis | None, subprocess.Popen[bytes] | None]:
+    """Unless REDIS_URL names one: the stack's own Redis (one redis-server, or a local cluster of `redis_cluster`
+    masters) started, with its guard; `env` gains its URL. (None, None) with REDIS_URL set."""
+    if settings.redis_url:
+        if redis_cluster:
+            raise SystemExit("--redis-cluster starts a local cluster: leave REDIS_URL empty")
+        return None, None
+    # the guard first: from then on Redis outlives the supervisor only until the rest has gone
+    guard = subprocess.Popen([sys.executable, "-m", "infra.redis_guard", str(lock.path),
+                              str(settings.redis_data_dir / CONNECTION_FILE), str(settings.drain_grace_s + 15)],
+                             preexec_fn=preexec_die_with_parent(signal.SIGTERM))
+    embedded = EmbeddedRedis(settings, redis_cluster)
+    # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis in its connection file
+    env.update(embedded.start())
+    return embedded, guard
+
+
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
                    celery: bool = True, redis_cluster: int = 0, traces_port: int = 0) -> int:
     stop = threading.Event()
@@ -200,83 +280,36 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
 
     lock = StackLock(settings.cache_dir)
     keep = (lock.fd,)
-    embedded: EmbeddedRedis | None = None
-    guard: subprocess.Popen[bytes] | None = None
     env = dict(os.environ)
-    if not settings.redis_url:
-        # the guard first: from then on Redis outlives the supervisor only until the rest has gone
-        guard = subprocess.Popen([sys.executable, "-m", "infra.redis_guard", str(lock.path),
-                                  str(settings.redis_data_dir / CONNECTION_FILE), str(settings.drain_grace_s + 15)],
-                                 preexec_fn=preexec_die_with_parent(signal.SIGTERM))
-        embedded = EmbeddedRedis(settings, redis_cluster)
-        # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis in its connection file
-        env.update(embedded.start())
-    elif redis_cluster:
-        raise SystemExit("--redis-cluster starts a local cluster: leave REDIS_URL empty")
-    traces: list[Pool] = []
-    if traces_port:  # Phoenix, on loopback: every child's spans go to it (shared/tracing.py)
-        workdir = settings.cache_dir / "phoenix"
-        traces.append(Pool("phoenix", phoenix.phoenix_command(traces_port, workdir),
-                           phoenix.phoenix_env(traces_port, workdir), 1, grace_s=10, keep_fds=keep))
-        env.update(phoenix.otel_env(phoenix.endpoint(traces_port), env))
-    cli = [sys.executable, "-m", "infra.cli"]
-    env["INFERENCE_MIN"] = str(inference)  # the API's readiness: a pool that may be empty need not have a worker
-    grace = settings.drain_grace_s
-    api = Pool("api", cli + ["api"], env, 1, grace_s=10, keep_fds=keep)
-    pools = {
-        names.TOKENIZER_POOL: Pool(names.TOKENIZER_POOL, cli + ["tokenizer"], env, tokenizers,
-                                   min_size=tokenizers, max_size=max(tokenizers, settings.tokenizer_max)
-                                   if autoscale else tokenizers, grace_s=grace, keep_fds=keep),
-    }
-    pinned = settings.model_copy(update={"inference_min": inference})  # `--inference`: each model's default minimum
-    bounds = {name: pinned.bounds_of(name) for name in settings.served}
-    inference_env = {**env, **one_worker_binds(env, sum(high if autoscale else low for low, high in bounds.values()))}
-    for model in settings.served.values():  # a pool per model, each worker serving the one its MODEL names
-        low, high = bounds[model.name]
-        pool = names.inference_pool(settings.key_of(model.name))
-        pools[pool] = Pool(pool, cli + ["inference"], {**inference_env, "MODEL": model.path, "MODEL_NAME": model.name},
-                           low, min_size=low, max_size=high if autoscale else low, grace_s=grace, keep_fds=keep)
-    celery_env = {**env, "PYTHONWARNINGS": "ignore:You're running the worker with superuser"}  # as root
-    extra = [Pool("celery", celery_argv(settings), celery_env, 1, grace_s=10, keep_fds=keep)] if celery else []
-    everything = [*traces, api, *pools.values(), *extra]
+    embedded, guard = _embedded_redis(settings, redis_cluster, lock, env)
+    pools = _pools(settings, env, keep, tokenizers, inference, autoscale, celery, traces_port)
     url = f"http://{settings.host}:{settings.port}"
-    shown = f"conveyor is up at {url}" + (f", its traces at {phoenix.ui_url(traces_port)}" if traces else "")
+    shown = f"conveyor is up at {url}" + (f", its traces at {phoenix.ui_url(traces_port)}" if traces_port else "")
     try:
-        for p in traces:  # first, and answering: the others export to it from their start
+        for p in pools.traces:  # first, and answering: the others export to it from their start
             p.reconcile()
             if not phoenix.wait_ready(traces_port, stop=stop):
                 log.warning("phoenix: not answering on port %d; spans are dropped until it does", traces_port)
-        for p in everything:
+        for p in pools.everything:
             p.reconcile()
         ready = threading.Thread(target=lambda: _wait_ready(url, stop) and print(
             f"{shown}  (Ctrl-C stops it)", flush=True), daemon=True)
         ready.start()
-        scaler = (Autoscaler(settings, env["REDIS_URL"], {n: (p.min_size, p.max_size) for n, p in pools.items()})
-                  if autoscale else None)
+        scaler = (Autoscaler(settings, env["REDIS_URL"],
+                             {n: (p.min_size, p.max_size) for n, p in pools.workers.items()}) if autoscale else None)
         state_path = settings.cache_dir / "supervisor.json"
         while not stop.is_set():
             if embedded is not None:
                 embedded.revive()
             if scaler is not None:
-                for name, target in scaler({n: p.target for n, p in pools.items()}).items():
-                    pools[name].target = target
-            for p in everything:
+                for name, target in scaler({n: p.target for n, p in pools.workers.items()}).items():
+                    pools.workers[name].target = target
+            for p in pools.everything:
                 p.reconcile()
-            write_state(state_path, url, everything, embedded.pids() if embedded is not None else [])
+            write_state(state_path, url, pools.everything, embedded.pids() if embedded is not None else [])
             stop.wait(1.0)
     finally:
-        api.stop()  # first: no new work comes in
-        api.wait(time.monotonic() + 10)
-        for p in (*extra, *pools.values()):  # then Celery and the pools drain together (its ends stay queued)
-            p.stop()
-        for p in extra:
-            p.wait(time.monotonic() + 10)
-        deadline = time.monotonic() + grace + 5
-        for p in pools.values():
-            p.wait(deadline)
-        for p in traces:  # after the pools: it takes the spans they export as they stop
-            p.stop()
-            p.wait(time.monotonic() + 10)
+        pools.stop(settings.drain_grace_s)
         if embedded is not None:
             embedded.stop()
         if guard is not None:
