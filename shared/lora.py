@@ -192,47 +192,17 @@ def check_adapter(path: str, base: Dims, max_rank: int) -> AdapterInfo:
     if not directory.is_dir():
         raise AdapterError(f"no adapter directory at {path}")
     config = read_config(directory)
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterError(f"peft_type {config.get('peft_type')!r} is not served: only LoRA adapters are")
-    refused = {"use_dora": "DoRA", "lora_bias": "LoRA biases"}
-    for key, what in refused.items():
-        if config.get(key):
-            raise AdapterError(f"{what} ({key}) is not served")
-    if str(config.get("bias", "none")) != "none":
-        raise AdapterError(f"bias {config.get('bias')!r} is not served: only bias 'none'")
-    if config.get("modules_to_save"):
-        raise AdapterError("modules_to_save is not served: the adapter must change only LoRA weights")
-    if str(config.get("init_lora_weights", "")).lower().startswith(_REFUSED_INIT):
-        raise AdapterError(f"init_lora_weights {config['init_lora_weights']!r} changes the base model's weights: "
-                           "not served")
-    if config.get("fan_in_fan_out"):
-        raise AdapterError("fan_in_fan_out is not served (a Conv1D base)")
+    _check_features(config)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise AdapterError(f"no {WEIGHTS_FILE} in {path} (adapter_model.bin is not read: save with safetensors)")
-    header = _header(weights)
+    pairs, dtypes = _weight_pairs(_header(weights), base)
+    if not pairs:
+        raise AdapterError(f"{WEIGHTS_FILE} in {path} holds no LoRA weights")
     r, alpha = int(config.get("r") or 8), float(config.get("lora_alpha") or 8)
     rslora = bool(config.get("use_rslora"))
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     info = AdapterInfo()
-    dtypes = set()
-    pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
-    for key, meta in header.items():
-        m = KEY.match(key)
-        if m is None:
-            what = "embedding adapters" if "lora_embedding" in key else "weights other than LoRA's A and B"
-            raise AdapterError(f"{key}: {what} are not served")
-        layer, module, ab = int(m[1]), m[2], m[3]
-        if module not in TARGETS:
-            raise AdapterError(f"{key}: LoRA on {module} is not served (only {', '.join(TARGETS)})")
-        if layer >= base.layers:
-            raise AdapterError(f"{key}: the base model has {base.layers} layers")
-        if meta.get("dtype") not in _SAFETENSORS_DTYPES:
-            raise AdapterError(f"{key}: dtype {meta.get('dtype')} is not served (F32, F16 or BF16)")
-        dtypes.add(meta["dtype"])
-        pairs.setdefault((layer, module), {})[ab] = [int(d) for d in meta.get("shape", [])]
-    if not pairs:
-        raise AdapterError(f"{WEIGHTS_FILE} in {path} holds no LoRA weights")
     for (layer, module), ab in sorted(pairs.items()):
         where = f"layer {layer} {module}"
         if set(ab) != {"A", "B"}:
@@ -254,6 +224,48 @@ def check_adapter(path: str, base: Dims, max_rank: int) -> AdapterInfo:
         info.ranks[(layer, module)] = rank
         info.scaling[(layer, module)] = a_ / math.sqrt(rank) if rslora else a_ / rank
     return AdapterInfo(info.ranks, info.scaling, dtypes.pop() if len(dtypes) == 1 else "F32")
+
+
+def _check_features(config: dict[str, Any]) -> None:
+    """AdapterError naming the first feature of an adapter's config that is not served."""
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"peft_type {config.get('peft_type')!r} is not served: only LoRA adapters are")
+    refused = {"use_dora": "DoRA", "lora_bias": "LoRA biases"}
+    for key, what in refused.items():
+        if config.get(key):
+            raise AdapterError(f"{what} ({key}) is not served")
+    if str(config.get("bias", "none")) != "none":
+        raise AdapterError(f"bias {config.get('bias')!r} is not served: only bias 'none'")
+    if config.get("modules_to_save"):
+        raise AdapterError("modules_to_save is not served: the adapter must change only LoRA weights")
+    if str(config.get("init_lora_weights", "")).lower().startswith(_REFUSED_INIT):
+        raise AdapterError(f"init_lora_weights {config['init_lora_weights']!r} changes the base model's weights: "
+                           "not served")
+    if config.get("fan_in_fan_out"):
+        raise AdapterError("fan_in_fan_out is not served (a Conv1D base)")
+
+
+def _weight_pairs(header: dict[str, Any], base: Dims) -> tuple[dict[tuple[int, str], dict[str, list[int]]], set[str]]:
+    """The shapes of an adapter's A and B matrices by (layer, module), and their dtypes, from its safetensors
+    header; AdapterError naming a tensor that is not served (another kind of weight, a module, a layer past the
+    base's, a dtype)."""
+    dtypes: set[str] = set()
+    pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for key, meta in header.items():
+        m = KEY.match(key)
+        if m is None:
+            what = "embedding adapters" if "lora_embedding" in key else "weights other than LoRA's A and B"
+            raise AdapterError(f"{key}: {what} are not served")
+        layer, module, ab = int(m[1]), m[2], m[3]
+        if module not in TARGETS:
+            raise AdapterError(f"{key}: LoRA on {module} is not served (only {', '.join(TARGETS)})")
+        if layer >= base.layers:
+            raise AdapterError(f"{key}: the base model has {base.layers} layers")
+        if meta.get("dtype") not in _SAFETENSORS_DTYPES:
+            raise AdapterError(f"{key}: dtype {meta.get('dtype')} is not served (F32, F16 or BF16)")
+        dtypes.add(meta["dtype"])
+        pairs.setdefault((layer, module), {})[ab] = [int(d) for d in meta.get("shape", [])]
+    return pairs, dtypes
 
 
 def static_modules(value: str, default_base: str) -> dict[str, LoraModule]:
