@@ -149,26 +149,8 @@ class Scheduler:
     def schedule(self) -> tuple[StepBatch, list[Sequence]]:
         """Returns the step's batch and the sequences that can never run (too long for the cache)."""
         rejected: list[Sequence] = []
-        decode: list[Sequence] = []
         self._make_room()  # before anything is scheduled: its victim must not be in this step
-        for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
-                continue
-            while not self.blocks.can_append(seq):  # no block for its next token: the newest's tenant gives one up
-                victim = self._worst()[self.running[-1].req.tenant]
-                if victim is seq and len(self.running) == 1:
-                    rejected.append(seq)
-                    self.remove(seq)
-                    break
-                self._preempt(victim)
-                if victim in decode:  # scheduled already this step: no longer
-                    decode.remove(victim)
-                if victim is seq:
-                    break
-            if seq.status is SeqStatus.RUNNING:
-                self.blocks.append(seq)
-                decode.append(seq)
-
+        decode = self._decodes(rejected)
         budget = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
         for seq in decode:  # draft tokens (speculation) before prefill, while budget and free blocks last
             if seq.draft:
@@ -214,6 +196,29 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return StepBatch(decode=decode, chunks=chunks), rejected
+
+    def _decodes(self, rejected: list[Sequence]) -> list[Sequence]:
+        """The running sequences that decode this step, each with a block for its next token: where none is free,
+        the newest's tenant gives one up (preempted); a sequence alone that still finds none is `rejected`."""
+        decode: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+                continue
+            while not self.blocks.can_append(seq):
+                victim = self._worst()[self.running[-1].req.tenant]
+                if victim is seq and len(self.running) == 1:
+                    rejected.append(seq)
+                    self.remove(seq)
+                    break
+                self._preempt(victim)
+                if victim in decode:  # scheduled already this step: no longer
+                    decode.remove(victim)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                self.blocks.append(seq)
+                decode.append(seq)
+        return decode
 
     def _prefix_pending(self, seq: Sequence) -> bool:
         """Whether a running sequence is computing, and has not yet cached, full blocks this one would take
