@@ -394,13 +394,19 @@ class OutputLane:
         if not keys:
             return StepCode.gap
 
-        def again() -> list[Any]:
+        def again() -> Any:
             pipe = self.client.pipeline(transaction=False)
             self.jobs.step(keys, args, pipe)
-            return pipe.execute()  # type: ignore[no-any-return]
+            [reply] = pipe.execute(raise_on_error=False)
+            if isinstance(reply, RETRYABLE):
+                raise reply
+            return reply
 
         raw = call(again, log=log, name=f"the output of job {job_id} again", on_outage=self._outage)
-        codes = StepReply.parse(raw[0]).codes
+        if isinstance(raw, Exception):  # refused by Redis itself (out of memory, ...): the job fails as before
+            log.warning("job %s: its lost steps could not be written again: %s", job_id, raw)
+            return StepCode.gap
+        codes = StepReply.parse(raw).codes
         bad = next((c for c in codes if c not in (StepCode.written, StepCode.replayed)), None)
         if bad is None:
             log.warning("job %s: its record had lost steps of its output; they are written again", job_id)
