@@ -223,12 +223,13 @@ def a_master_whose_replica_died_is_waited_on_once(cluster: LocalCluster) -> None
 
                 before = waits()
                 client.set(key, 2)
-                writer.confirm([key])  # no NotCopied: nothing would ever confirm it
-                assert waits() == before + 1
-                with mock.patch.object(fence, "ALONE_RECHECK_S", 0.0):
+                with mock.patch.object(fence, "ALONE_RECHECK_S", 0.0):  # asked again at each call
+                    writer.confirm([key])  # no NotCopied: nothing would ever confirm it
+                    assert waits() == before + 1
                     writer.confirm([key])
                     writer.confirm([key])
                 assert waits() == before + 1  # asked again with ROLE: still none connected
+                assert writer.alone
     finally:
         client.close()
 
