@@ -83,7 +83,10 @@ class RequestGuard:
         if headers.get(b"transfer-encoding") is None:
             await self.app(scope, receive, send_with_id)  # no body
             return
-        # a body of unknown length: read it up to the cap, then replay it
+        await self._unknown_length(scope, receive, send_with_id, path)
+
+    async def _unknown_length(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        """A body of unknown length (chunked): read up to the cap, then replayed to the app; past the cap, 413."""
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -93,7 +96,7 @@ class RequestGuard:
             size += len(chunks[-1])
             if size > self.max_body:
                 if not message.get("more_body", False) or await _drain(receive, size):
-                    await self._too_large(send_with_id, path, True)
+                    await self._too_large(send, path, True)
                 return
             if not message.get("more_body", False):
                 break
@@ -106,7 +109,7 @@ class RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send_with_id)
+        await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send, path: str, valid: bool, cap: int | None = None) -> None:
         await self._reply(send, 413 if valid else 400, f"the request body is larger than {cap or self.max_body} bytes"
