@@ -105,6 +105,30 @@ async def _closing(frames: AsyncIterator[tuple[bytes, str | None]], finished: se
         await asyncio.shield(close())
 
 
+class _Chunks:
+    """An OpenAI stream's chunks: each a `data:` frame of the completion's head and its choices; with a tool parser,
+    each choice's parser events as tool-call deltas, and whether the choice called a tool."""
+
+    def __init__(self, head: dict[str, Any], jobs: list[Job], shape: Shape, tool_parser: str | None) -> None:
+        self.head, self.jobs, self.shape = head, jobs, shape
+        self.parsers = [tool_parsers.stream(tool_parser) for _ in jobs] if tool_parser else None
+        self.called = [False] * len(jobs)
+
+    def frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse.encode(orjson.dumps({**self.head, "choices": choices, **extra}))
+
+    def tool_frames(self, i: int, events: list[StreamEvent], entries: list[Any] | None) -> list[bytes]:
+        """A choice's parser events as chunks, the token event's logprobs on the first (alone if none)."""
+        lp = ({"content": [chat_item(e) for e in entries or []]} if self.shape.logprobs and entries is not None
+              else None)
+        deltas = [tool_call_delta(self.jobs[i].id, e) for e in events]
+        self.called[i] = self.called[i] or any(isinstance(e, CallStart) for e in events)
+        if lp is not None and not deltas:
+            deltas = [{}]
+        return [self.frame([{"index": i, "delta": d, "logprobs": lp if k == 0 else None, "finish_reason": None}])
+                for k, d in enumerate(deltas)]
+
+
 async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, head: dict[str, Any], n: int,
                   include_usage: bool, tool_parser: str | None = None) -> AsyncIterator[tuple[bytes, str | None]]:
     """OpenAI's stream: unnamed `data:` chunks (for chat a role chunk per choice first), each choice's
@@ -112,22 +136,8 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
     short ends the stream with an error object instead, without `[DONE]`. With `tool_parser` (a chat that
     offered tools), each choice's text goes through it: content, and each call's index, id and name, then its
     arguments in fragments; the calls' markup is never sent as content. Yields (frame, job id ended)."""
-    def frame(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return sse.encode(orjson.dumps({**head, "choices": choices, **extra}))
-
-    parsers = [tool_parsers.stream(tool_parser) for _ in jobs] if tool_parser else None
-    called = [False] * len(jobs)
-
-    def tool_frames(i: int, events: list[StreamEvent], entries: list[Any] | None) -> list[bytes]:
-        """A choice's parser events as chunks, the token event's logprobs on the first (alone if none)."""
-        lp = {"content": [chat_item(e) for e in entries or []]} if shape.logprobs and entries is not None else None
-        deltas = [tool_call_delta(jobs[i].id, e) for e in events]
-        called[i] = called[i] or any(isinstance(e, CallStart) for e in events)
-        if lp is not None and not deltas:
-            deltas = [{}]
-        return [frame([{"index": i, "delta": d, "logprobs": lp if k == 0 else None, "finish_reason": None}])
-                for k, d in enumerate(deltas)]
-
+    chunks = _Chunks(head, jobs, shape, tool_parser)
+    frame, tool_frames, parsers = chunks.frame, chunks.tool_frames, chunks.parsers
     if shape.chat:
         for i in range(len(jobs)):
             yield frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -166,7 +176,7 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
             for chunk in tool_frames(i, parsers[i].finish(), None):
                 yield chunk, None
         yield frame([{"index": i, **({"delta": {}} if shape.chat else {"text": ""}), "logprobs": None,
-                      "finish_reason": finish_reason(end, called[i] if parsers else None)}]), end.id
+                      "finish_reason": finish_reason(end, chunks.called[i] if parsers else None)}]), end.id
     if include_usage:
         yield frame([], usage=usage_of([e for e in ends if e is not None], n)), None
     yield sse.encode("[DONE]"), None
