@@ -57,6 +57,7 @@ def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model
             a_jobs_end_is_done_only_once_a_replica_has_it(cluster, model_path)
             a_batchs_end_leaves_the_drivers_only_once_a_replica_has_it(cluster)
             a_master_whose_replica_died_is_waited_on_once(cluster)
+            a_job_whose_master_died_with_steps_no_replica_had_goes_on(cluster, model_path)
             for round_ in range(2):
                 stream_through_a_kill(cluster, model_path, round_)
             asyncio.run(a_submit_whose_connection_failed_is_never_confirmed_by_another_node(cluster))
@@ -118,6 +119,59 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
     while victim not in cluster.replica_ports() and time.monotonic() < until:
         time.sleep(0.1)
     client.close()
+
+
+def a_job_whose_master_died_with_steps_no_replica_had_goes_on(cluster: LocalCluster, model_path: str) -> None:
+    """A running job's master copies its first steps to its replica, then loses the link to it (the replica paused,
+    its connection killed) and writes the next step alone; killed then, its replica (running again) is promoted
+    without that step. The lane's next step finds the hole (a gap); it writes the lost step again, then its own,
+    and the job ends succeeded, its text whole and its event stream's seqs 1..n. Before, the job failed as
+    incomplete ("part of the output was not recorded")."""
+    tokenizer = Tokenizer.from_file(f"{model_path}/tokenizer.json")
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids[:8]
+    client = sync_client(cluster.seed_url, decode=False)
+    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
+    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
+                      client=client)
+    job_id = names.job_id_in(3, uuid.uuid4().hex)
+    key = names.job_key(job_id)
+    created = _running(client, job_id)
+    lane.register(Register(job_id, (), created, prompt_tokens=3, started=True, worker=WORKER))
+
+    def step(tokens: list[int], reason: str | None = None) -> None:
+        rows = [{"job_id": job_id, "token_ids": tokens, "finish_reason": reason, "error": None}]
+        lane.handle_deltas(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)))
+
+    master = client.get_node_from_key(key).port
+    replica = cluster.replica_of(master)
+    try:
+        step(ids[:2])
+        step(ids[2:4])
+        with cluster.node(master).client() as c:
+            assert c.execute_command("WAIT", 1, 5000) == 1  # the replica has the steps so far
+            cluster.kill(replica, signal.SIGSTOP)
+            c.client_kill_filter(_type="replica")
+        step(ids[4:6])  # on the master alone
+        cluster.kill(master)
+        cluster.kill(replica, signal.SIGCONT)
+        step(ids[6:7])  # meets the dead node, then (promoted) the replica without the step before it
+        step(ids[7:8], "length")
+        assert [r for r in _drain(feedback) if isinstance(r, Done)] == [Done(job_id)]
+        rec = client.hgetall(key)
+        assert rec[b"status"] == b"succeeded", rec
+        text = tokenizer.decode(ids)
+        assert client.get(names.text_key(job_id)).decode() == text
+        events = client.xrange(names.events_key(job_id))
+        seqs = [int(eid.decode().split("-")[1]) for eid, f in events if f[b"type"] == b"token"]
+        assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) == 5  # a chunk a step
+        assert b"".join(f[b"text"] for _, f in events if f[b"type"] == b"token").decode() == text
+    finally:
+        client.close()
+        if master in cluster.dead_nodes():
+            cluster.wait_ok(timeout=30)
+            cluster.restart_node(master)  # back as a replica
+        cluster.wait_ok(timeout=30)
+        cluster.wait_in_sync()
 
 
 def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_path: str) -> None:
