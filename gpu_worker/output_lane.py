@@ -4,7 +4,8 @@ one STEP_SCRIPT call for all jobs: appends each chunk to the job's event stream,
 `token` event in the very bytes the job API streams: `token_message`), updates the job record and
 the saved token ids. Finished jobs get their terminal state; the engine
 process hears back (`Done` to acknowledge the stream entry, `Abort` when a stop string ended a sequence,
-`Dropped` for a job its step or finish found no longer this worker's: `settle`).
+`Dropped` for a job its step or finish found no longer this worker's: `settle`). On a Redis Cluster a job's
+`Done` waits until a replica has its end, confirmed off this loop (gpu_worker/fencer.py).
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from tokenizers import Tokenizer
 
 from gpu_worker.cpu_affinity import release as release_cpus
 from gpu_worker.detokenizer import Detokenizer
+from gpu_worker.fencer import Fencer
 from gpu_worker.job_trace import JobTrace
 from gpu_worker.messages import Abort, Deltas, Done, Dropped, LaneCommand, LaneReport, Register, Stop
 from gpu_worker.token_text import TokenText
 from shared import names, tracing
 from shared.events import token_message
 from shared.fair_queue import OUTPUT_COST
-from shared.fence import Fence
 from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, Write, pack_ids, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
@@ -62,6 +63,7 @@ BEHIND_REPLAYS = 3  # a step replayed for a finish that ran before it, at most; 
 # a job's last writes that the lane keeps to write again where its record lost them (`_heal`): a failover loses what
 # its replica had not copied yet, the last moments of output; a loss reaching further back fails the job
 HISTORY_WRITES = 256
+ENDS_AT_STOP_S = 8.0  # how long a stopping lane waits for its last ends to be confirmed (the worker waits 10 s)
 LOST = "part of the output was not recorded (a Redis failover lost earlier writes, or a write failed): it is incomplete"
 
 
@@ -153,7 +155,10 @@ class OutputLane:
         # one transaction per step on a single Redis; on a cluster a pipeline (a transaction there would need
         # one slot): each call is atomic, and a replayed step or finish is a no-op, so the order is enough
         self.cluster = isinstance(self.client, CLUSTER_TYPES)
-        self.fence = Fence(self.client) if self.cluster else None  # type: ignore[arg-type]
+        # on a cluster the ends a step wrote are confirmed on a replica off this loop (gpu_worker/fencer.py), and
+        # kept (the finish, the job's state) until they are
+        self.fencer = Fencer(settings.redis_url, self._copied) if self.cluster else None
+        self.ending: dict[str, tuple[Ending, JobState]] = {}
         self.tokenizer = Tokenizer.from_file(os.path.join(settings.model_path, "tokenizer.json"))
         self.token_text = TokenText(self.tokenizer)
         self.feedback = feedback
@@ -339,7 +344,7 @@ class OutputLane:
             elif end is FinishCode.behind and job_id not in lost:
                 lost.append(job_id)
         for job_id in lost:
-            healed = self._heal(job_id)
+            healed = self._heal(job_id, self.states[job_id])
             if healed is StepCode.written and job_id in ending:  # its finish found the record short: again
                 end = self._finish_again(next(e for e in sent.ends if e[0] == job_id))
                 if end in NOT_ENDED_HERE:
@@ -350,7 +355,7 @@ class OutputLane:
                 continue
             if healed in REFUSED:
                 refused.setdefault(job_id, healed.name)
-            elif (end := self._lost(job_id)) in NOT_ENDED_HERE:
+            elif (end := self._lost(job_id, self.states[job_id])) in NOT_ENDED_HERE:
                 refused.setdefault(job_id, end.name)
             elif job_id not in ending:  # ended here, mid-run: the engine stops it, the ledger acknowledges it
                 self.states.pop(job_id, None)
@@ -366,20 +371,18 @@ class OutputLane:
             self.feedback.put(Dropped(job_id))
 
     def _finish_again(self, ending: Ending) -> FinishCode:
-        """A finish named for an owner its record no longer names wrote nothing: sent again, the owner read from the
-        record (`JobOps.finish`), and on a cluster confirmed on a replica as the step's were. How it went."""
+        """A finish sent again (named for an owner its record no longer names, or not confirmed on a replica), the
+        owner read from the record (`JobOps.finish`). How it went (its job is still in `done`, or `ending`: on a
+        cluster the fencer confirms it)."""
         job_id, reason, error, fields, worker, _, written = ending
 
         def again() -> FinishReply | None:
-            reply = self.jobs.finish(job_id, reason, error, fields, worker=worker, written=written)
-            if self.fence is not None:
-                self.fence.confirm([names.job_key(job_id)])
-            return reply
+            return self.jobs.finish(job_id, reason, error, fields, worker=worker, written=written)
 
         reply = call(again, log=log, name=f"the end of job {job_id}", on_outage=self._outage)
         return reply.code if reply is not None else FinishCode.finished
 
-    def _heal(self, job_id: str) -> StepCode:
+    def _heal(self, job_id: str, st: JobState) -> StepCode:
         """A job whose record lacks steps this lane wrote (a failover promoted a replica that had not received them:
         only a job's end waits for a replica) gets its last writes sent again, in order, in one step call: those
         its record has are replays (step.lua skips them), the rest are written where they belong, and published
@@ -388,7 +391,7 @@ class OutputLane:
         (HISTORY_WRITES, or an earlier worker's), and the code that refused it otherwise."""
         keys: list[str] = []
         args: list[Any] = []
-        for k, a in self.states[job_id].history:
+        for k, a in st.history:
             keys += k
             args += a
         if not keys:
@@ -408,15 +411,14 @@ class OutputLane:
             return StepCode.gap
         codes = StepReply.parse(raw).codes
         bad = next((c for c in codes if c not in (StepCode.written, StepCode.replayed)), None)
-        if bad is None:
+        if bad is None and StepCode.written in codes:
             log.warning("job %s: its record had lost steps of its output; they are written again", job_id)
         return StepCode.written if bad is None else bad
 
-    def _lost(self, job_id: str) -> FinishCode:
+    def _lost(self, job_id: str, st: JobState) -> FinishCode:
         """A job whose record lacks steps this lane wrote: a failover promoted a replica that had not received
         them (only a job's end waits for a replica), or a write failed. Its text has lost a part: it ends as an
         error that says so (never as a success with a hole). Answers how its finish went."""
-        st = self.states[job_id]
         log.error("job %s: its record lacks earlier steps of its output; it fails", job_id)
         reply = call(lambda: self.jobs.fail(job_id, LOST, st.worker, owner=st.owner), log=log,
                      name=f"the end of job {job_id}", on_outage=self._outage)
@@ -438,19 +440,82 @@ class OutputLane:
         return orjson.dumps({"text": self.tokenizer.decode(ids, skip_special_tokens=False), "tokens": entries})
 
     def commit(self, pipe: Any, done: list[str]) -> None:
-        results = call(self._replayable(pipe, done), log=log, name="output lane write", on_outage=self._outage)
+        """Run the step's pipeline (through outages), read its replies, and report the jobs it ended Done: at once
+        on a single Redis, once a replica has their ends on a cluster (`Fencer`)."""
+        results = call(self._replayable(pipe), log=log, name="output lane write", on_outage=self._outage)
         if self.outage is not None:
             self.outage.value = 0.0
         for i, res in enumerate(results):
             if isinstance(res, Exception):
                 log.warning("output write %d failed: %s", i, res)
+        ends = {end[0]: end for end in self._sent.ends} if self._sent is not None else {}
         self.settle(results)
         now = time.time()
         for job_id in done:
             st = self.states.pop(job_id)
             if st.trace is not None:
                 st.trace.written(now)
+            if self.fencer is None:
+                self.feedback.put(Done(job_id))
+            else:
+                self.ending[job_id] = (ends[job_id], st)
+        if self.fencer is not None and done:
+            self.fencer.submit(list(done))
+
+    def _copied(self, job_ids: list[str]) -> None:
+        """The fencer's: these jobs' ends are on a replica of their masters (called from its thread)."""
+        for job_id in job_ids:
+            self.ending.pop(job_id, None)
             self.feedback.put(Done(job_id))
+
+    def refence(self) -> None:
+        """The ends a replica did not confirm (a lagging replica, or a failover that may have promoted one without
+        them): each job's last writes and its end are sent again (replays where they stood, written where they
+        were lost) and handed to the fencer again; a job whose record is no longer this worker's is dropped, and
+        one whose record lost more than the lane keeps fails as incomplete, as `settle`'s do."""
+        if self.fencer is None:
+            return
+        again: list[str] = []
+        while True:
+            try:
+                job_id = self.fencer.again.get_nowait()
+            except queue.Empty:
+                break
+            if self._end_again(job_id):
+                again.append(job_id)
+        if again:
+            self.fencer.submit(again)
+
+    def _end_again(self, job_id: str) -> bool:
+        """`refence` for one job: whether its end stands on its master (to be confirmed again)."""
+        ending, st = self.ending[job_id]
+        healed = self._heal(job_id, st) if st.history else StepCode.written
+        if healed in (StepCode.no_such_job, StepCode.not_owner):
+            end = FinishCode.no_such_job if healed is StepCode.no_such_job else FinishCode.not_owner
+        else:
+            end = FinishCode.behind if healed is StepCode.gap else self._finish_again(ending)
+        if end is FinishCode.behind:
+            end = self._lost(job_id, st)
+        if end in NOT_ENDED_HERE:
+            log.warning("job %s dropped: %s", job_id, end.name)
+            del self.ending[job_id]
+            self.feedback.put(Dropped(job_id))
+            return False
+        return True
+
+    def wait_ends(self, timeout: float) -> bool:
+        """Until every end this lane wrote is confirmed (or dropped), writing again those not: whether they all
+        were within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self.ending and time.monotonic() < deadline:
+            self.refence()
+            time.sleep(0.01)
+        self.refence()
+        return not self.ending
+
+    def close(self) -> None:
+        if self.fencer is not None:
+            self.fencer.close()
 
     def _outage(self) -> None:
         """A write failed: note since when (the worker's heartbeat is withheld past WRITE_OUTAGE_S), and let
@@ -459,18 +524,13 @@ class OutputLane:
             self.outage.value = time.time()
         heal(self.client)
 
-    def _replayable(self, pipe: Any, done: list[str]) -> Callable[[], list[Any]]:
+    def _replayable(self, pipe: Any) -> Callable[[], list[Any]]:
         """`pipe.execute`, retryable. A failed execute() empties the pipeline, so a retry sends the step's
-        commands again on a new one, routed by the slot map as it is then. On a cluster a step that ends jobs
-        returns only once a replica of each of their masters has it (shared/fence.py): the jobs are reported
-        Done next, and their stream entries acknowledged, so an end that a failover could still undo would leave
-        a job running that no worker holds. Not confirmed, the whole step is sent again (what stood is replayed,
-        what a promoted replica lacked is written) and confirmed again. A finish that ran before its job's step
-        (`FinishedEarly`) sends the step again (BEHIND_REPLAYS times at most); still behind after that, the
-        job's record lost earlier steps, and `settle` fails the job."""
+        commands again on a new one, routed by the slot map as it is then (what stood is replayed). A finish that
+        ran before its job's step (`FinishedEarly`) sends the step again (BEHIND_REPLAYS times at most); still
+        behind after that, the job's record lost earlier steps, and `settle` heals the job or fails it."""
         calls = _queued(pipe)
         first = [pipe]
-        ending = [names.job_key(job_id) for job_id in done] if self.cluster else []
         sent, behind = self._sent, [0]
 
         def execute() -> list[Any]:
@@ -482,8 +542,6 @@ class OutputLane:
             if sent is not None and behind[0] < BEHIND_REPLAYS and _behind(sent, results):
                 behind[0] += 1  # a finish ran before its step: the whole step again, the step first
                 raise FinishedEarly("a job's end came before its last step's writes; the step is sent again")
-            if self.fence is not None and ending:
-                self.fence.confirm(ending)
             return results  # type: ignore[no-any-return]
 
         return execute
@@ -533,11 +591,13 @@ def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneRepo
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     lane = OutputLane(settings, feedback, outage=outage)
     while True:
-        try:
-            msg = inbox.get(timeout=1.0)
+        try:  # (while ends wait for a replica, those not confirmed are written again soon)
+            msg = inbox.get(timeout=0.05 if lane.ending else 1.0)
         except queue.Empty:
+            lane.refence()
             lane.flush_metrics()
             continue
+        lane.refence()
         match msg:
             case Register():
                 lane.register(msg)
@@ -545,6 +605,9 @@ def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneRepo
                 lane.handle_deltas(data)
                 lane.flush_metrics()
             case Stop():
+                if not lane.wait_ends(ENDS_AT_STOP_S):  # their entries stay pending: another worker finds them ended
+                    log.warning("%d ends not confirmed on a replica at exit", len(lane.ending))
+                lane.close()
                 lane.flush_metrics(force=True)
                 tracing.shutdown()
                 gc.freeze()  # the process exits next: no final collections over what it made (exit_quickly)

@@ -100,6 +100,8 @@ def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -
     cluster.kill(victim)  # a third of the way through: the lane's next writes to it meet a dead node, which
     feeder.join(90)  # stays dead: an operator's restart may take minutes
     assert not feeder.is_alive(), f"round {round_}: the lane stalled at step {steps_done[0]} of {len(ids)}"
+    assert lane.wait_ends(30), f"round {round_}: ends never confirmed: {sorted(lane.ending)}"
+    lane.close()
     ended = {r.job_id for r in _drain(feedback) if isinstance(r, Done)}
     assert ended == set(jobs)
     for job_id in jobs:
@@ -156,6 +158,7 @@ def a_job_whose_master_died_with_steps_no_replica_had_goes_on(cluster: LocalClus
         cluster.kill(replica, signal.SIGCONT)
         step(ids[6:7])  # meets the dead node, then (promoted) the replica without the step before it
         step(ids[7:8], "length")
+        assert lane.wait_ends(30)
         assert [r for r in _drain(feedback) if isinstance(r, Done)] == [Done(job_id)]
         rec = client.hgetall(key)
         assert rec[b"status"] == b"succeeded", rec
@@ -166,6 +169,7 @@ def a_job_whose_master_died_with_steps_no_replica_had_goes_on(cluster: LocalClus
         assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) == 5  # a chunk a step
         assert b"".join(f[b"text"] for _, f in events if f[b"type"] == b"token").decode() == text
     finally:
+        lane.close()
         client.close()
         if master in cluster.dead_nodes():
             cluster.wait_ok(timeout=30)
@@ -178,16 +182,24 @@ def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_p
     """The output lane reports a job Done (its stream entry is acknowledged next) only once a replica of its
     master has the job's end. Its master's replica paused, the lane asks again and again and reports nothing, but
     not for as long as the pause lasts: past LAGGING_S (shortened here) the master is taken to have no replica, and
-    the job is Done (the worker's output would stall otherwise). Once the replica runs, it has the job ended.
-    Before, the lane's WAIT was sent but not read: Done came after its second, with the end on the master alone,
-    which a failover then could lose: a job running that no worker held."""
+    the job is Done. Once the replica runs, it has the job ended. Meanwhile the lane's output goes on: the step
+    that ended the job returned at once, and a job on another master streams and ends, Done, while the first
+    job's end still waits. Before, the lane waited in that step: every job's output stalled for LAGGING_S (5 s)."""
     client = sync_client(cluster.seed_url, decode=False)
     feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
     lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
                       client=client)
     job_id = names.job_id_in(0, uuid.uuid4().hex)
-    created = _running(client, job_id)
-    lane.register(Register(job_id, (), created, prompt_tokens=3, started=True, worker=WORKER))
+    master = client.get_node_from_key(names.job_key(job_id)).port
+    other = next(j for j in (names.job_id_in(p, uuid.uuid4().hex) for p in range(1, PARTITIONS))
+                 if client.get_node_from_key(names.job_key(j)).port != master)
+    for job in (job_id, other):
+        lane.register(Register(job, (), _running(client, job), prompt_tokens=3, started=True, worker=WORKER))
+
+    def step(job: str, reason: str | None = None) -> None:
+        rows = [{"job_id": job, "token_ids": [42], "finish_reason": reason, "error": None}]
+        lane.handle_deltas(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)))
+
     try:
         with replica_paused(cluster, client, names.job_key(job_id)) as (master, replica):
             def waits() -> int:
@@ -195,21 +207,23 @@ def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_p
                     return int(c.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
 
             before = waits()
-            rows = [{"job_id": job_id, "token_ids": [42], "finish_reason": "length", "error": None}]
-            step = threading.Thread(target=lane.handle_deltas, daemon=True,
-                                    args=(to_ipc(pa.RecordBatch.from_pylist(rows, schema=DELTA_SCHEMA)),))
-            started = time.monotonic()
+            reports: list[LaneReport] = []
             with mock.patch.object(fence, "LAGGING_S", LAGGING_S):
-                step.start()
-                until = started + 30
-                while waits() < before + 2 and feedback.empty() and time.monotonic() < until:
-                    time.sleep(0.02)
-                assert feedback.empty(), "the job was reported Done while no replica had its end"
-                assert waits() >= before + 2  # it asked, and asked again
-                step.join(30)  # the replica still paused
-                assert not step.is_alive(), "the lane stalled for as long as the replica lags"
+                started = time.monotonic()
+                step(job_id, "length")
+                assert feedback.empty(), "the step waited for a replica, or its end was Done before one had it"
+                step(other)  # the lane's output goes on: another job streams and ends on its own master
+                step(other, "length")
+                until = time.monotonic() + 30
+                while Done(job_id) not in reports:
+                    assert time.monotonic() < until, reports
+                    lane.refence()  # as the lane's loop does
+                    reports += _drain(feedback)
+                    time.sleep(0.01)
+                assert reports == [Done(other), Done(job_id)], "an end on a healthy master waited for another's"
                 assert time.monotonic() - started >= LAGGING_S
-            assert [r for r in _drain(feedback) if isinstance(r, Done)] == [Done(job_id)]
+                assert waits() >= before + 2  # it asked, and asked again
+            assert client.hget(names.job_key(other), "status") == JobStatus.succeeded.value.encode()
             cluster.kill(replica, signal.SIGCONT)
             until = time.monotonic() + 30
             with cluster.node(replica).client() as c:
@@ -218,6 +232,7 @@ def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_p
                     assert time.monotonic() < until
                     time.sleep(0.05)
     finally:
+        lane.close()
         client.close()
 
 
