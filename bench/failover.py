@@ -3,6 +3,7 @@
     .venv/bin/python -m bench faults failover                      # 20 rounds, 30 greedy jobs each, default model
     .venv/bin/python -m bench faults failover --rounds 3 --tiny    # a short one on a tiny random model
     .venv/bin/python -m bench faults failover --seeds all          # REDIS_URL lists every node
+    .venv/bin/python -m bench faults failover --fault pause-replica --rounds 5 --tiny   # a replica paused instead
 
 The README's cluster settings on a cluster of its own, as an operator runs one (not the supervisor's, which
 would start a killed node again at once): a LocalCluster of 3 masters and 3 replicas, a single-node Redis as
@@ -15,6 +16,13 @@ the node starts again and rejoins as a replica, as an operator's restart would. 
 every accepted job ends succeeded with the text of a clean run and an event stream of seqs 1..n that joins
 to it; a round in which some job has not ended DRAIN_S after the kill is a stall. Exit status 1 if any round
 failed.
+
+`--fault pause-replica`: each round streams --jobs jobs of staggered lengths (so that some end all the time) and,
+once every one has its first token, pauses one replica (SIGSTOP: connected, silent, as one cut off or stuck) of a
+master that REDIS_URL does not name for PAUSE_S, then lets it run. Jobs ending on its master wait for it (their
+ends are Done only once a replica has them, or after 5 s without one); the others' output must not. The row gives
+the longest gap between two token events of any stream while the replica was paused; a round passes when every
+job ends succeeded, its event stream whole.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import argparse
 import contextlib
 import json
 import queue
+import signal
 import tempfile
 import threading
 import time
@@ -33,7 +42,7 @@ from typing import Any
 import httpx
 
 from bench.common import PROMPTS, default_model, make_tiny_model, md_table, parser
-from harness.sse import check_events, read_events
+from harness.sse import check_events, iter_sse, read_events
 from harness.stack import Stack, start_stack, stop_stack, until
 from infra.redis_cluster import LocalCluster
 from infra.redis_server import RedisServer
@@ -42,6 +51,7 @@ from shared.jobs import TERMINAL
 ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "LOG_LEVEL": "WARNING",
        "REDIS_PARTITIONS": "12", "DTYPE": "float32"}  # float32: greedy texts compare exactly across batches
 DRAIN_S = 180.0
+PAUSE_S = 8.0
 
 
 def body(i: int, max_tokens: int) -> dict[str, Any]:
@@ -139,6 +149,54 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
             "503s": counts["503"], "healed": healed}
 
 
+def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`--fault pause-replica`: one replica paused for PAUSE_S under streams that end all through the pause."""
+    counts = {"503": 0, "transport": 0}
+    arrivals: dict[str, list[float]] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
+
+    def read(client: httpx.Client, job_id: str) -> None:
+        events: list[dict[str, Any]] = []
+        times = arrivals.setdefault(job_id, [])
+        with client.stream("GET", f"/v1/jobs/{job_id}/events", timeout=DRAIN_S) as resp:
+            for ev in iter_sse(resp):
+                if ev.get("event") == "token":
+                    times.append(time.monotonic())
+                if ev.get("event") != "status":
+                    events.append(ev)
+                if ev.get("event") in ("done", "error"):
+                    break
+        results[job_id] = events
+
+    with httpx.Client(base_url=stack.url, timeout=30, limits=httpx.Limits(max_connections=args.jobs + 4)) as client:
+        jobs = [submit(client, body(i, args.max_tokens + 24 * i), counts) for i in range(args.jobs)]
+        readers = [threading.Thread(target=read, args=(client, j), daemon=True) for j in jobs if j]
+        for t in readers:
+            t.start()
+        until("every job's first token", lambda: all(arrivals.get(j) for j in jobs if j), 60, every=0.02)
+        seed = cluster.nodes[0].port
+        replica = cluster.replica_of(next(p for p in cluster.master_ports() if p != seed))
+        cluster.kill(replica, signal.SIGSTOP)
+        paused_at = time.monotonic()
+        time.sleep(PAUSE_S)
+        resumed_at = time.monotonic()
+        cluster.kill(replica, signal.SIGCONT)
+        for t in readers:
+            t.join(DRAIN_S)
+        gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])
+                if b > paused_at and a < resumed_at]
+        wrong = 0
+        for job_id in (j for j in jobs if j):
+            job = client.get(f"/v1/jobs/{job_id}").json()
+            if job["status"] != "succeeded" or check_events(results.get(job_id, []), job["text"]) is not None:
+                wrong += 1
+    cluster.wait_ok(timeout=60)
+    accepted = sum(1 for j in jobs if j)
+    return {"round": rnd + 1, "accepted": accepted, "lost": accepted - len(results), "wrong": wrong,
+            "longest_gap_s": round(max(gaps, default=0.0), 2), "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
+            "healed": True}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, model=False)
     ap.add_argument("--rounds", type=int, default=20)
@@ -147,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the default one")
     ap.add_argument("--seeds", choices=["one", "all"], default="one", help="the nodes REDIS_URL names")
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--fault", choices=["kill", "pause-replica"], default="kill",
+                    help="kill -9 of a master (default), or one replica paused for a while")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.jobs, args.max_tokens, args.tiny = 1, 4, 8, True
@@ -176,14 +236,16 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.2)
                 clean[i] = job["text"]
         for rnd in range(args.rounds):
-            row = one_round(stack, cluster, reviver, rnd, args, clean)
+            row = (pause_round(stack, cluster, rnd, args) if args.fault == "pause-replica"
+                   else one_round(stack, cluster, reviver, rnd, args, clean))
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
         stop_stack(stack)
         cluster.stop()
         broker.stop()
-    keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
+    keys = (["round", "accepted", "lost", "wrong", "longest_gap_s", "gaps_over_1s"] if args.fault == "pause-replica"
+            else ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"])
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))
     passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"])
     print(f"\n{passed} of {len(rows)} rounds passed: every accepted job ended with its clean text")
