@@ -193,6 +193,7 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
     cluster.wait_ok(timeout=60)
     accepted = sum(1 for j in jobs if j)
     return {"round": rnd + 1, "accepted": accepted, "lost": accepted - len(results), "wrong": wrong,
+            "ended_in_pause": sum(1 for t in arrivals.values() if t and paused_at < t[-1] < resumed_at),
             "longest_gap_s": round(max(gaps, default=0.0), 2), "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
             "healed": True}
 
@@ -244,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         stop_stack(stack)
         cluster.stop()
         broker.stop()
-    keys = (["round", "accepted", "lost", "wrong", "longest_gap_s", "gaps_over_1s"] if args.fault == "pause-replica"
-            else ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"])
+    keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
+    if args.fault == "pause-replica":
+        keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gaps_over_1s"]
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))
     passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"])
     print(f"\n{passed} of {len(rows)} rounds passed: every accepted job ended with its clean text")
