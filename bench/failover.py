@@ -4,6 +4,7 @@
     .venv/bin/python -m bench faults failover --rounds 3 --tiny    # a short one on a tiny random model
     .venv/bin/python -m bench faults failover --seeds all          # REDIS_URL lists every node
     .venv/bin/python -m bench faults failover --fault pause-replica --rounds 5 --tiny   # a replica paused instead
+    .venv/bin/python -m bench faults failover --fault pause-master --tiny   # a master paused (silent), not killed
 
 The README's cluster settings on a cluster of its own, as an operator runs one (not the supervisor's, which
 would start a killed node again at once): a LocalCluster of 3 masters and 3 replicas, a single-node Redis as
@@ -16,6 +17,9 @@ the node starts again and rejoins as a replica, as an operator's restart would. 
 every accepted job ends succeeded with the text of a clean run and an event stream of seqs 1..n that joins
 to it; a round in which some job has not ended DRAIN_S after the kill is a stall. Exit status 1 if any round
 failed.
+
+`--fault pause-master`: the master is paused (SIGSTOP) rather than killed: silent, its connections open, as a
+node cut off by the network is; once its replica has taken over, it runs again and finds itself a replica.
 
 `--fault pause-replica`: each round streams --jobs jobs of staggered lengths (so that some end all the time) and,
 once every one has its first token, pauses one replica (SIGSTOP: connected, silent, as one cut off or stuck) of a
@@ -87,19 +91,24 @@ class Reviver(threading.Thread):
         self.cluster = cluster
         self.asked: queue.SimpleQueue[tuple[int, threading.Event]] = queue.SimpleQueue()
 
-    def revive(self, port: int) -> threading.Event:
+    def revive(self, port: int, paused: bool = False) -> threading.Event:
         done = threading.Event()
-        self.asked.put((port, done))
+        self.asked.put((port, paused, done))
         return done
 
     def run(self) -> None:
         while True:
-            port, done = self.asked.get()
+            port, paused, done = self.asked.get()
             with contextlib.suppress(TimeoutError):  # (the dead node is not counted): until its replica is promoted
-                until("a replica promoted", lambda: len(self.cluster.master_ports()) >= self.cluster.masters, 60,
-                      every=0.2)
-            self.cluster.restart_node(port)
+                until("a replica promoted", lambda p=port: self._promoted(p), 60, every=0.2)
+            if paused:
+                self.cluster.kill(port, signal.SIGCONT)
+            else:
+                self.cluster.restart_node(port)
             done.set()
+
+    def _promoted(self, port: int) -> bool:
+        return len([p for p in self.cluster.master_ports() if p != port]) >= self.cluster.masters
 
 
 def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, args: argparse.Namespace,
@@ -114,9 +123,10 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
                 accepted[job_id] = i
         live = cluster.master_ports()
         target = seed if rnd % 2 == 1 and seed in live else next(p for p in live if p != seed)
-        cluster.kill(target)
+        paused = args.fault == "pause-master"
+        cluster.kill(target, signal.SIGSTOP if paused else signal.SIGKILL)
         killed_at = time.monotonic()
-        revived = reviver.revive(target)
+        revived = reviver.revive(target, paused)
         for i in range(args.jobs, args.jobs + args.jobs // 3):  # and more through the failover: 503s, then 202s
             job_id = submit(client, body(i, args.max_tokens), counts)
             if job_id:
@@ -206,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the default one")
     ap.add_argument("--seeds", choices=["one", "all"], default="one", help="the nodes REDIS_URL names")
     ap.add_argument("--workdir", default="")
-    ap.add_argument("--fault", choices=["kill", "pause-replica"], default="kill",
-                    help="kill -9 of a master (default), or one replica paused for a while")
+    ap.add_argument("--fault", choices=["kill", "pause-master", "pause-replica"], default="kill",
+                    help="kill -9 of a master (default), a master paused until its replica took over, or one replica "
+                         "paused for a while")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.jobs, args.max_tokens, args.tiny = 1, 4, 8, True
