@@ -144,9 +144,12 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
         drained_s = time.monotonic() - killed_at
         wrong = 0
         for job_id, job in ended.items():
-            if (job["status"] != "succeeded" or job["text"] != clean[accepted[job_id] % 5]
-                    or check_events(read_events(client, job_id), job["text"]) is not None):
+            events = check_events(read_events(client, job_id), job["text"])
+            if job["status"] != "succeeded" or job["text"] != clean[accepted[job_id] % 5] or events is not None:
                 wrong += 1
+                print(json.dumps({"wrong": job_id, "status": job["status"], "error": job.get("error"),
+                                  "events": events, "text": job["text"], "clean": clean[accepted[job_id] % 5]}),
+                      flush=True)
     revived.wait(90)
     healed = True
     try:

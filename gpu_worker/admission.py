@@ -56,6 +56,9 @@ class Admission:
         except Exception as exc:  # noqa: BLE001 - whatever the entry holds, it goes to the dead letters alone
             self.consumer.dead_letter(entry, f"unreadable tokenized record: {exc}")
             return
+        if self.ledger.join(entry.ref, req.id):  # handed out again while it runs here (a failover lost the first)
+            log.warning("job %s handed out again (entry %s) while it runs here: it goes on", req.id, entry.id)
+            return
         took = self.jobs.start(req.id, self.worker_id)
         if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
             self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)

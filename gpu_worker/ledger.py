@@ -6,6 +6,10 @@ ledger also bounds the jobs in flight, so the reader takes no more jobs than the
 knows each one's tenant and priority: with every slot taken, the reader still takes a job the engine would
 make room for (gpu_worker/reader.py).
 
+A failover can hand a job out twice (a master that answered the fair queue's pop, or the job's start, died before
+its replica had it: the promoted replica still has the job queued), and the worker running it may pop it again: the
+second entry joins the first (`join`), and both are acknowledged with the job's end.
+
 A job the output lane drops (its record is gone, or another worker runs it now) is forgotten: its entry is
 never acknowledged here. XACK by the group takes an entry out of the pending list whoever holds it, so
 acknowledging an entry another worker claimed would strip that worker's redelivery guarantee. An entry
@@ -35,7 +39,7 @@ class EntryLedger:
         self.consumer = consumer
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
-        self._job_entry: dict[str, Ref] = {}  # jobs of open entries -> their entry
+        self._job_entry: dict[str, list[Ref]] = {}  # jobs of open entries -> their entries (one, but for `join`)
         self._job_class: dict[str, tuple[str, int]] = {}  # jobs holding a slot -> (fair-queue tenant, priority)
         self._max_jobs, self._spare, self._held = max_jobs, spare, 0
 
@@ -64,7 +68,18 @@ class EntryLedger:
 
     def open(self, entry_id: Ref, job_id: str) -> None:
         with self._lock:
-            self._job_entry[job_id] = entry_id
+            self._job_entry[job_id] = [entry_id]
+
+    def join(self, entry_id: Ref, job_id: str) -> bool:
+        """Another entry for a job held here: kept beside its first, acknowledged with it. False when the job is
+        not held here."""
+        with self._lock:
+            held = self._job_entry.get(job_id)
+            if held is None:
+                return False
+            if entry_id not in held:
+                held.append(entry_id)
+            return True
 
     def take_slot(self, job_id: str, tenant: str = "", priority: int = 0) -> None:
         """Before the job of an open entry goes to the engine; blocks while the spare room is full too."""
@@ -74,32 +89,32 @@ class EntryLedger:
             self._job_class[job_id] = (tenant, priority)
 
     def close(self, job_id: str) -> None:
-        """The job's end is recorded: free its slot, and acknowledge its entry."""
-        entry_id = self._leave(job_id)
-        if entry_id is None:
+        """The job's end is recorded: free its slot, and acknowledge its entries."""
+        refs = self._leave(job_id)
+        if not refs:
             return
         try:
-            call(lambda: self.consumer.ack([entry_id]), attempts=ACK_ATTEMPTS, log=log, name="ack",
+            call(lambda: self.consumer.ack(refs), attempts=ACK_ATTEMPTS, log=log, name="ack",
                  on_outage=self.consumer.note_outage)
         except RETRYABLE as exc:
-            log.warning("entry %s not acknowledged (%s); it stays pending", entry_id, exc)
+            log.warning("entries %s not acknowledged (%s); they stay pending", refs, exc)
 
     def forget(self, job_id: str) -> None:
         """The job is no longer this worker's: free its slot, and let its entry go unacknowledged."""
         self._leave(job_id)
 
-    def _leave(self, job_id: str) -> Ref | None:
-        """Drop the job and its entry; the entry, None when the job was not held."""
+    def _leave(self, job_id: str) -> list[Ref]:
+        """Drop the job and its entries; the entries, none when the job was not held."""
         with self._lock:
-            entry_id = self._job_entry.pop(job_id, None)
+            refs = self._job_entry.pop(job_id, [])
             if self._job_class.pop(job_id, None) is not None:
                 self._held -= 1
                 self._room.notify_all()
-            return entry_id
+            return refs
 
     def entries(self) -> list[Ref]:
         with self._lock:
-            return list(self._job_entry.values())
+            return [ref for refs in self._job_entry.values() for ref in refs]
 
     def idle(self) -> bool:
         """No job is running here."""

@@ -109,3 +109,31 @@ def _drain(q: SimpleQueue[Any]) -> list[Any]:
     while not q.empty():
         out.append(q.get_nowait())
     return out
+
+
+def test_a_job_handed_out_again_while_it_runs_here_is_not_started_again(bytes_db: redis.Redis,
+                                                                        redis_db: redis.Redis) -> None:
+    """A failover can hand a job out twice: a master that answered the fair queue's pop (or the job's start) and died
+    before its replica had it leaves the job queued on the promoted replica, and the worker running it may pop it
+    again. The second entry joins the first: nothing is started, registered with the output lane or added to the
+    engine again, no second slot is taken, and both entries are acknowledged with the job's end. Before, the
+    second admission registered the job with the lane afresh, from a record that lacked the steps lost with the
+    master, while the engine ran on: a succeeded job with a hole in its text."""
+    consumer, [fresh, _] = _entries(bytes_db)
+    ledger = EntryLedger(consumer, max_jobs=4)
+    inbox: SimpleQueue[Any] = SimpleQueue()
+    to_lane: queue.Queue[Any] = queue.Queue()
+    admission = Admission(consumer, JobOps(bytes_db, 60), ledger, "worker-here", inbox,  # type: ignore[arg-type]
+                          to_lane, WorkerStats())
+    admission.admit(fresh)
+    bytes_db.xadd(STREAM, {"batch": encode_request(Request("job_fresh", [5, 6, 7], max_tokens=4, temperature=0.7)),
+                           "jobs": 1})
+    [again] = consumer.read(1, 100)
+    admission.admit(again)
+    assert [cmd.request.id for cmd in _drain(inbox) if isinstance(cmd, Add)] == ["job_fresh"]  # once
+    assert to_lane.qsize() == 1  # one Register
+    assert ledger.free() == 3 and sorted(ledger.entries()) == sorted([fresh.ref, again.ref])
+    pending = bytes_db.xpending(STREAM, names.INFERENCE_GROUP)["pending"]
+    ledger.close("job_fresh")
+    assert bytes_db.xpending(STREAM, names.INFERENCE_GROUP)["pending"] == pending - 2
+    assert ledger.free() == 4 and ledger.entries() == []
