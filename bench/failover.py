@@ -19,7 +19,8 @@ to it; a round in which some job has not ended DRAIN_S after the kill is a stall
 failed.
 
 `--fault pause-master`: the master is paused (SIGSTOP) rather than killed: silent, its connections open, as a
-node cut off by the network is; once its replica has taken over, it runs again and finds itself a replica.
+node cut off by the network is; once its replica has taken over, it runs again and finds itself a replica. Every
+job accepted before the pause is streamed too: the row adds the longest gap between two token events of a stream.
 
 `--fault pause-replica`: each round streams --jobs jobs of staggered lengths (so that some end all the time) and,
 once every one has its first token, pauses one replica (SIGSTOP: connected, silent, as one cut off or stuck) of a
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import queue
 import signal
@@ -81,6 +83,40 @@ def submit(client: httpx.Client, payload: dict[str, Any], counts: dict[str, int]
     return None
 
 
+class Streams:
+    """Each job's event stream (SSE) read in a thread of its own: its events, and when each token event came."""
+
+    def __init__(self, client: httpx.Client, job_ids: list[str]) -> None:
+        self.arrivals: dict[str, list[float]] = {j: [] for j in job_ids}
+        self.events: dict[str, list[dict[str, Any]]] = {}
+        self.threads = [threading.Thread(target=self._read, args=(client, j), daemon=True) for j in job_ids]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, client: httpx.Client, job_id: str) -> None:
+        events: list[dict[str, Any]] = []
+        with client.stream("GET", f"/v1/jobs/{job_id}/events", timeout=DRAIN_S) as resp:
+            for ev in iter_sse(resp):
+                if ev.get("event") == "token":
+                    self.arrivals[job_id].append(time.monotonic())
+                if ev.get("event") != "status":
+                    events.append(ev)
+                if ev.get("event") in ("done", "error"):
+                    break
+        self.events[job_id] = events
+
+    def started(self) -> bool:
+        return all(self.arrivals.values())
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(DRAIN_S)
+
+    def gaps(self, since: float, until_: float) -> list[float]:
+        """The gaps between two token events of a stream that overlap [since, until_]."""
+        return [b - a for times in self.arrivals.values() for a, b in zip(times, times[1:]) if b > since and a < until_]
+
+
 class Reviver(threading.Thread):
     """As an operator's restart would: once a killed master's replica has taken over, the node starts again
     and rejoins as a replica (until then its new master has none, and the writes it is to promise are
@@ -89,7 +125,7 @@ class Reviver(threading.Thread):
     def __init__(self, cluster: LocalCluster) -> None:
         super().__init__(name="reviver", daemon=True)
         self.cluster = cluster
-        self.asked: queue.SimpleQueue[tuple[int, threading.Event]] = queue.SimpleQueue()
+        self.asked: queue.SimpleQueue[tuple[int, bool, threading.Event]] = queue.SimpleQueue()
 
     def revive(self, port: int, paused: bool = False) -> threading.Event:
         done = threading.Event()
@@ -100,7 +136,7 @@ class Reviver(threading.Thread):
         while True:
             port, paused, done = self.asked.get()
             with contextlib.suppress(TimeoutError):  # (the dead node is not counted): until its replica is promoted
-                until("a replica promoted", lambda p=port: self._promoted(p), 60, every=0.2)
+                until("a replica promoted", functools.partial(self._promoted, port), 60, every=0.2)
             if paused:
                 self.cluster.kill(port, signal.SIGCONT)
             else:
@@ -124,6 +160,7 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
         live = cluster.master_ports()
         target = seed if rnd % 2 == 1 and seed in live else next(p for p in live if p != seed)
         paused = args.fault == "pause-master"
+        streams = Streams(client, list(accepted)) if paused else None  # what a streaming client sees meanwhile
         cluster.kill(target, signal.SIGSTOP if paused else signal.SIGKILL)
         killed_at = time.monotonic()
         revived = reviver.revive(target, paused)
@@ -142,6 +179,10 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
                     ended[job_id] = r.json()
             time.sleep(0.5)
         drained_s = time.monotonic() - killed_at
+        gap = 0.0
+        if streams is not None:
+            streams.join()
+            gap = max(streams.gaps(killed_at, killed_at + drained_s), default=0.0)
         wrong = 0
         for job_id, job in ended.items():
             events = check_events(read_events(client, job_id), job["text"])
@@ -159,34 +200,16 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
     lost = len(accepted) - len(ended)
     return {"round": rnd + 1, "killed": "seed" if target == seed else "other", "accepted": len(accepted),
             "lost": lost, "wrong": wrong, "stalled": lost > 0, "drained_s": round(drained_s, 1),
-            "503s": counts["503"], "healed": healed}
+            "503s": counts["503"], "healed": healed, "longest_gap_s": round(gap, 2)}
 
 
 def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
     """`--fault pause-replica`: one replica paused for PAUSE_S under streams that end all through the pause."""
     counts = {"503": 0, "transport": 0}
-    arrivals: dict[str, list[float]] = {}
-    results: dict[str, list[dict[str, Any]]] = {}
-
-    def read(client: httpx.Client, job_id: str) -> None:
-        events: list[dict[str, Any]] = []
-        times = arrivals.setdefault(job_id, [])
-        with client.stream("GET", f"/v1/jobs/{job_id}/events", timeout=DRAIN_S) as resp:
-            for ev in iter_sse(resp):
-                if ev.get("event") == "token":
-                    times.append(time.monotonic())
-                if ev.get("event") != "status":
-                    events.append(ev)
-                if ev.get("event") in ("done", "error"):
-                    break
-        results[job_id] = events
-
     with httpx.Client(base_url=stack.url, timeout=30, limits=httpx.Limits(max_connections=args.jobs + 4)) as client:
         jobs = [submit(client, body(i, args.max_tokens + 24 * i), counts) for i in range(args.jobs)]
-        readers = [threading.Thread(target=read, args=(client, j), daemon=True) for j in jobs if j]
-        for t in readers:
-            t.start()
-        until("every job's first token", lambda: all(arrivals.get(j) for j in jobs if j), 60, every=0.02)
+        streams = Streams(client, [j for j in jobs if j])
+        until("every job's first token", streams.started, 60, every=0.02)
         seed = cluster.nodes[0].port
         replica = cluster.replica_of(next(p for p in cluster.master_ports() if p != seed))
         cluster.kill(replica, signal.SIGSTOP)
@@ -194,19 +217,17 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
         time.sleep(PAUSE_S)
         resumed_at = time.monotonic()
         cluster.kill(replica, signal.SIGCONT)
-        for t in readers:
-            t.join(DRAIN_S)
-        gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])
-                if b > paused_at and a < resumed_at]
+        streams.join()
+        gaps = streams.gaps(paused_at, resumed_at)
         wrong = 0
         for job_id in (j for j in jobs if j):
             job = client.get(f"/v1/jobs/{job_id}").json()
-            if job["status"] != "succeeded" or check_events(results.get(job_id, []), job["text"]) is not None:
+            if job["status"] != "succeeded" or check_events(streams.events.get(job_id, []), job["text"]) is not None:
                 wrong += 1
     cluster.wait_ok(timeout=60)
     accepted = sum(1 for j in jobs if j)
-    return {"round": rnd + 1, "accepted": accepted, "lost": accepted - len(results), "wrong": wrong,
-            "ended_in_pause": sum(1 for t in arrivals.values() if t and paused_at < t[-1] < resumed_at),
+    return {"round": rnd + 1, "accepted": accepted, "lost": accepted - len(streams.events), "wrong": wrong,
+            "ended_in_pause": sum(1 for t in streams.arrivals.values() if t and paused_at < t[-1] < resumed_at),
             "longest_gap_s": round(max(gaps, default=0.0), 2), "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
             "healed": True}
 
@@ -260,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
         broker.stop()
     keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
+    if args.fault == "pause-master":
+        keys.append("longest_gap_s")
     if args.fault == "pause-replica":
         keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gaps_over_1s"]
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))

@@ -70,6 +70,7 @@ class ClusterNode(RedisServer):
                          appendfsync=appendfsync, die_with_parent=die_with_parent)
         self.cluster_port = cluster_port
         self.node_timeout_ms = node_timeout_ms
+        self.paused = False  # stopped by LocalCluster.kill(port, SIGSTOP): it answers nothing until SIGCONT
 
     @property
     def dir(self) -> Path:
@@ -306,6 +307,7 @@ class LocalCluster:
             _kill_group(n.proc)
         else:
             n.proc.send_signal(sig)
+        n.paused = sig in (signal.SIGSTOP, signal.SIGTSTP) or (n.paused and sig != signal.SIGCONT)
         if sig not in (signal.SIGSTOP, signal.SIGTSTP, signal.SIGCONT):
             n.proc.wait(30)
 
@@ -354,7 +356,7 @@ class LocalCluster:
 
     def _view(self) -> list[NodeEntry]:
         for n in self.nodes:
-            if n.proc is None or n.dead():
+            if n.proc is None or n.paused or n.dead():
                 continue
             try:
                 with n.client() as c:
