@@ -169,12 +169,16 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
             if job_id:
                 accepted[job_id] = i
         ended: dict[str, dict[str, Any]] = {}
+        slowest_poll = 0.0
         while len(ended) < len(accepted) and time.monotonic() - killed_at < DRAIN_S:
             for job_id in [j for j in accepted if j not in ended]:
+                asked = time.monotonic()
                 try:
                     r = client.get(f"/v1/jobs/{job_id}")
                 except httpx.TransportError:
                     continue
+                finally:
+                    slowest_poll = max(slowest_poll, time.monotonic() - asked)
                 if r.status_code == 200 and r.json()["status"] in TERMINAL:
                     ended[job_id] = r.json()
             time.sleep(0.5)
@@ -200,7 +204,8 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
     lost = len(accepted) - len(ended)
     return {"round": rnd + 1, "killed": "seed" if target == seed else "other", "accepted": len(accepted),
             "lost": lost, "wrong": wrong, "stalled": lost > 0, "drained_s": round(drained_s, 1),
-            "503s": counts["503"], "healed": healed, "longest_gap_s": round(gap, 2)}
+            "503s": counts["503"], "healed": healed, "longest_gap_s": round(gap, 2),
+            "slowest_poll_s": round(slowest_poll, 2)}
 
 
 def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -282,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         broker.stop()
     keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
     if args.fault == "pause-master":
-        keys.append("longest_gap_s")
+        keys += ["longest_gap_s", "slowest_poll_s"]
     if args.fault == "pause-replica":
         keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gaps_over_1s"]
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))
