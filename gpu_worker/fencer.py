@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from shared import names
 from shared.fence import Fence
-from shared.redis_client import sync_client
+from shared.redis_client import heal, sync_client
 
 log = logging.getLogger("conveyor.output_lane")
 
@@ -54,9 +54,10 @@ class Fencer:
             if batch is None:
                 return
             try:
-                left = {key for key in self.fence.not_copied([names.job_key(j) for j in batch])}
+                left = set(self.fence.not_copied([names.job_key(j) for j in batch]))
             except Exception:  # noqa: BLE001 - the thread goes on: the ends are asked again
                 log.exception("the ends of %d jobs could not be confirmed", len(batch))
+                heal(self.client)  # (a slot the map does not cover: read it again)
                 left = {names.job_key(j) for j in batch}
             self.copied([j for j in batch if names.job_key(j) not in left])
             for job_id in batch:
