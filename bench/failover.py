@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the default one")
     ap.add_argument("--seeds", choices=["one", "all"], default="one", help="the nodes REDIS_URL names")
     ap.add_argument("--workdir", default="")
+    ap.add_argument("--inference", type=int, default=1, help="inference workers (a job handed out again may go to "
+                                                                 "another one)")
     ap.add_argument("--fault", choices=["kill", "pause-master", "pause-replica"], default="kill",
                     help="kill -9 of a master (default), a master paused until its replica took over, or one replica "
                          "paused for a while")
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         env = {**ENV, "CELERY_BROKER_URL": broker.start()}
-        stack = start_stack(work / "stack", cluster.url if args.seeds == "one" else cluster.seed_url, model, env)
+        stack = start_stack(work / "stack", cluster.url if args.seeds == "one" else cluster.seed_url, model, env,
+                            args=["--inference", str(args.inference)])
     except BaseException:
         cluster.stop()
         broker.stop()
