@@ -1,7 +1,7 @@
 """The feedback lane: what the output lane reports back. An abort (a stop string hit, a job the
 lane failed) goes to the engine; a recorded end closes the job in the ledger, which acknowledges
-its entry once every job of the entry has ended; a job dropped (no longer this worker's) is forgotten
-there, its entry never acknowledged."""
+its entries (on a cluster, once a replica has the end: its slot is freed before, at `Ended`); a job dropped (no
+longer this worker's) is forgotten there, its entry never acknowledged."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from multiprocessing.queues import Queue
 from queue import SimpleQueue
 
 from gpu_worker.ledger import EntryLedger
-from gpu_worker.messages import Abort, Done, Dropped, EngineCommand, LaneReport
+from gpu_worker.messages import Abort, Done, Dropped, Ended, EngineCommand, LaneReport
 
 
 class Feedback:
@@ -25,3 +25,5 @@ class Feedback:
                     self.ledger.close(job_id)
                 case Dropped(job_id):
                     self.ledger.forget(job_id)
+                case Ended(job_id):
+                    self.ledger.release(job_id)

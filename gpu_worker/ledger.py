@@ -99,18 +99,24 @@ class EntryLedger:
         except RETRYABLE as exc:
             log.warning("entries %s not acknowledged (%s); they stay pending", refs, exc)
 
+    def release(self, job_id: str) -> None:
+        """The engine has finished the job, whose end waits for a replica before its entry is acknowledged
+        (`close`): its slot is free for the next job meanwhile."""
+        with self._lock:
+            if self._job_class.pop(job_id, None) is not None:
+                self._held -= 1
+                self._room.notify_all()
+
     def forget(self, job_id: str) -> None:
         """The job is no longer this worker's: free its slot, and let its entry go unacknowledged."""
         self._leave(job_id)
 
     def _leave(self, job_id: str) -> list[Ref]:
-        """Drop the job and its entries; the entries, none when the job was not held."""
+        """Drop the job and its entries (and its slot, unless released already); the entries, none when the job
+        was not held."""
+        self.release(job_id)
         with self._lock:
-            refs = self._job_entry.pop(job_id, [])
-            if self._job_class.pop(job_id, None) is not None:
-                self._held -= 1
-                self._room.notify_all()
-            return refs
+            return self._job_entry.pop(job_id, [])
 
     def entries(self) -> list[Ref]:
         with self._lock:

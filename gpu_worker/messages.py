@@ -2,7 +2,7 @@
 
 - engine loop inbox (a thread queue): `Add`, `Abort`, `GraceOver`
 - output lane inbox (a process queue): `Register`, `Deltas`, `Stop`
-- output lane reports (a process queue): `Abort`, `Done`, `Dropped`
+- output lane reports (a process queue): `Abort`, `Done`, `Dropped`, `Ended`
 
 Those crossing the process boundary pickle; only token-id deltas (Arrow, DELTA_SCHEMA) and job metadata cross it.
 """
@@ -126,6 +126,13 @@ class Done:
 
 
 @dataclass(frozen=True, slots=True)
+class Ended:
+    """On a cluster: the job's end is written and waits for a replica before its `Done`; the engine has finished
+    it, so its slot is free now."""
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Dropped:
     """The job is no longer this worker's (its record is gone, or another worker runs it now): forget it and
     never acknowledge its entry, which may be another consumer's by now."""
@@ -134,4 +141,4 @@ class Dropped:
 
 EngineCommand = Add | Abort | GraceOver
 LaneCommand = Register | Deltas | Stop
-LaneReport = Abort | Done | Dropped
+LaneReport = Abort | Done | Dropped | Ended

@@ -31,7 +31,7 @@ from gpu_worker.cpu_affinity import release as release_cpus
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.fencer import Fencer
 from gpu_worker.job_trace import JobTrace
-from gpu_worker.messages import Abort, Deltas, Done, Dropped, LaneCommand, LaneReport, Register, Stop
+from gpu_worker.messages import Abort, Deltas, Done, Dropped, Ended, LaneCommand, LaneReport, Register, Stop
 from gpu_worker.token_text import TokenText
 from shared import names, tracing
 from shared.events import token_message
@@ -457,8 +457,9 @@ class OutputLane:
                 st.trace.written(now)
             if self.fencer is None:
                 self.feedback.put(Done(job_id))
-            else:
+            else:  # its slot is free now; its entry waits for a replica to have its end
                 self.ending[job_id] = (ends[job_id], st)
+                self.feedback.put(Ended(job_id))
         if self.fencer is not None and done:
             self.fencer.submit(list(done))
 

@@ -28,6 +28,21 @@ def test_a_forgotten_job_frees_its_slot_and_its_entry_is_never_acknowledged() ->
     assert consumer.acked == []
 
 
+def test_a_released_slot_frees_at_once_and_its_entry_waits_for_the_jobs_end() -> None:
+    """On a cluster the engine has finished a job whose end waits for a replica (`Ended`, then `Done`): its slot is
+    free for the next job at once, its entry acknowledged only at Done, and the slot is not freed twice."""
+    consumer = Consumer()
+    ledger = EntryLedger(consumer, max_jobs=1)  # type: ignore[arg-type]
+    ledger.open("e1", "j1")
+    ledger.take_slot("j1")
+    ledger.release("j1")
+    assert ledger.free() == 1 and ledger.entries() == ["e1"] and consumer.acked == [] and not ledger.idle()
+    ledger.open("e2", "j2")
+    ledger.take_slot("j2")
+    ledger.close("j1")
+    assert consumer.acked == ["e1"] and ledger.free() == 0 and ledger.entries() == ["e2"]
+
+
 def test_a_forgotten_jobs_entry_stays_unacknowledged_while_the_others_are() -> None:
     """Jobs ending here acknowledge their own entries, not the dropped job's: that entry, if still this worker's,
     is admitted again later (Reader.readmit_forgotten) and start.lua says what is left to run."""
