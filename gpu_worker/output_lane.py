@@ -492,7 +492,7 @@ class OutputLane:
         ending, st = self.ending[job_id]
         healed = self._heal(job_id, st) if st.history else StepCode.written
         if healed in (StepCode.no_such_job, StepCode.not_owner):
-            end = FinishCode.no_such_job if healed is StepCode.no_such_job else FinishCode.not_owner
+            end = FinishCode[healed.name]  # (the same refusal, in the finish's terms)
         else:
             end = FinishCode.behind if healed is StepCode.gap else self._finish_again(ending)
         if end is FinishCode.behind:
@@ -592,13 +592,12 @@ def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneRepo
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     lane = OutputLane(settings, feedback, outage=outage)
     while True:
-        try:  # (while ends wait for a replica, those not confirmed are written again soon)
+        lane.refence()  # (while ends wait for a replica, those not confirmed are written again soon)
+        try:
             msg = inbox.get(timeout=0.05 if lane.ending else 1.0)
         except queue.Empty:
-            lane.refence()
             lane.flush_metrics()
             continue
-        lane.refence()
         match msg:
             case Register():
                 lane.register(msg)

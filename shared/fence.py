@@ -65,7 +65,8 @@ class Fence:
         now = time.monotonic()
         keys = list(keys)
         masters = self._masters(keys)
-        failed = [key for key in keys if self.client.get_node_from_key(names.fence_key(key)) is None]
+        served_by_one = {key for _, _, served in masters.values() for key in served}
+        failed = [key for key in keys if key not in served_by_one]  # in a slot the map has no master for
         for name in sorted(masters, key=lambda n: n in self.unconfirmed):
             node, fence, served = masters[name]
             try:
