@@ -37,7 +37,8 @@ from shared.retry import arun_loop
 log = logging.getLogger("conveyor.relay")
 
 TICK_S = 0.5  # how often silent streams are woken and the connection's health is checked
-PING_S = 5.0  # silence on the connection this long: PING; three times this: reconnect
+PING_S = 2.0  # silence on a connection this long: PING it
+PONG_S = 2.0  # a PING unanswered this long: the connection is dead (a partition, a paused node), reconnect
 CONFIRM_S = 1.0  # how long a new stream waits for Redis to confirm its subscription
 
 
@@ -352,8 +353,9 @@ class Relay:
                 if link.conn is None:
                     continue
                 silent = now - link.last_rx
-                if silent > 3 * PING_S:
-                    log.warning("pub/sub connection silent for %.0fs; reconnecting", silent)
+                if link.pinged > link.last_rx and now - link.pinged > PONG_S:
+                    log.warning("pub/sub connection to %s silent for %.0fs, a PING unanswered; reconnecting",
+                                link.node or "redis", silent)
                     self._lose(self._lost, ConnectionError(f"silent for {silent:.0f}s"))
                 elif silent > PING_S and now - link.pinged > PING_S:
                     link.pinged = now

@@ -1,10 +1,12 @@
 """The relay's own pub/sub connection against a real redis-server: subscriptions confirmed before
-a stream reads its backlog, fan-out to every stream of a job, overflow marking, and a Redis
-restart that wakes every stream to re-read the event streams and resubscribes its channels."""
+a stream reads its backlog, fan-out to every stream of a job, overflow marking, a Redis restart
+and a connection gone silent (its packets dropped), each of which wakes every stream to re-read the
+event streams and resubscribes its channels."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import socketserver
 import threading
 import time
@@ -15,7 +17,7 @@ import psutil
 import pytest
 import redis
 
-from api.relay import Relay
+from api.relay import PING_S, PONG_S, Relay
 from infra.redis_server import RedisServer
 from shared import names
 from shared.redis_client import async_client
@@ -106,6 +108,80 @@ async def test_redis_restart_wakes_streams_and_resubscribes(tmp_path: Path, make
         pub.close()
     finally:
         server.stop()
+
+
+class Muting:
+    """A TCP forwarder to a Redis whose connections open so far can be muted: what either side sends on them is
+    dropped from then on, as a network path that went dead (no reset, no FIN); new connections pass."""
+
+    def __init__(self, url: str) -> None:
+        """`url`: the Redis's; `self.url` is the same through this forwarder."""
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        self.muted: set[socket.socket] = set()
+        self.open: list[socket.socket] = []
+        muting = self
+
+        class Forward(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                up = socket.create_connection(("127.0.0.1", port))
+                muting.open.append(self.request)
+                threading.Thread(target=muting.pipe, args=(up, self.request, self.request), daemon=True).start()
+                muting.pipe(self.request, up, self.request)
+                up.close()
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Forward)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"{url.rsplit(':', 1)[0]}:{self.server.server_address[1]}/0"
+
+    def pipe(self, src: socket.socket, dst: socket.socket, client: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if client not in self.muted:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def mute(self) -> None:
+        self.muted.update(self.open)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+async def test_a_silent_connection_is_replaced_once_a_ping_goes_unanswered(redis_url: str,
+                                                                          make_relay: MakeRelay) -> None:
+    """A pub/sub link that goes silent (a partition, a paused node: no error, no close) is given up once a PING
+    sent into the silence is unanswered: its streams re-read their event streams and the channels are subscribed
+    again on a new connection, within PING_S + PONG_S and a tick, not at the next failed write."""
+    muting = Muting(redis_url)
+    pub = redis.Redis.from_url(redis_url)
+    try:
+        relay = await make_relay(muting.url)
+        sub = await relay.subscribe("job_muted")
+        muting.mute()
+        t0 = time.monotonic()
+        assert pub.publish(names.job_channel("job_muted"), b"lost") == 1  # sent into the dead path
+        assert await _next(sub, PING_S + PONG_S + 3) is None  # re-read the event stream: "lost" is there
+        assert time.monotonic() - t0 < PING_S + PONG_S + 2
+        deadline = time.monotonic() + 5
+        while True:  # until subscribed again on the new connection
+            pub.publish(names.job_channel("job_muted"), b"after")
+            try:
+                assert await _next(sub, 0.1) == b"after"
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline, "the relay did not subscribe again on a new connection"
+    finally:
+        pub.close()
+        muting.close()
 
 
 @pytest.mark.parametrize("n", [1, 300])
