@@ -242,8 +242,11 @@ class Relay:
         return True
 
     def _open(self, node: str) -> Link:
-        link = self._links[node] = Link(self, node, None)  # no connection yet: it subscribes when it has one
-        link.task = asyncio.create_task(self._link(node), name=f"relay-link-{node}")
+        """The node's link, opened if it has none: one a node, whose task is the only one reading it."""
+        link = self._links.get(node)
+        if link is None:
+            link = self._links[node] = Link(self, node, None)  # no connection yet: it subscribes when it has one
+            link.task = asyncio.create_task(self._link(node), name=f"relay-link-{node}")
         return link
 
     async def _link(self, node: str) -> None:
@@ -299,12 +302,15 @@ class Relay:
     async def _session(self) -> None:
         """Connect and read until a connection is lost; the loop then connects again at once, and
         backs off while connecting fails."""
-        self._lost = asyncio.get_running_loop().create_future()
         try:
             if self.cluster:
                 await self.client.initialize()  # type: ignore[attr-defined]
                 if self.reconnects:  # the slot map as it is now (after a failover, a moved slot)
                     await self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
+            # the session is on from here: until now a new stream's channel waited in self.subs (its node unknown
+            # while the slot map was read), and is subscribed below with every other
+            self._lost = asyncio.get_running_loop().create_future()
+            if self.cluster:
                 for node in {self._node_of(names.job_channel(job_id)) for job_id in self.subs}:
                     self._open(node)
                 self._connected.set()

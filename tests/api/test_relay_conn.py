@@ -10,14 +10,17 @@ import socket
 import socketserver
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 import redis
 
 from api.relay import PING_S, PONG_S, Relay
+from infra.redis_cluster import LocalCluster, cluster_binary
 from infra.redis_server import RedisServer
 from shared import names
 from shared.redis_client import async_client
@@ -182,6 +185,70 @@ async def test_a_silent_connection_is_replaced_once_a_ping_goes_unanswered(redis
     finally:
         pub.close()
         muting.close()
+
+
+async def test_streams_subscribing_while_the_relay_reconnects_to_a_cluster_leave_no_link_behind(
+        tmp_path: Path, make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failover the relay reconnects and reads the cluster's slot map again, which takes a while as the
+    cluster settles; streams that subscribe meanwhile are subscribed once the new links are up, on one link per
+    node, and no link of a session is left reading a connection nobody owns (it was: a subscribe in that window
+    opened a link that the session then opened again, and the first, orphaned, hung on a closed connection until
+    the garbage collector destroyed it, pending, and took the session down with it)."""
+    try:
+        cluster_binary()
+    except SystemExit as e:
+        pytest.skip(str(e))  # no redis-server 7
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, appendfsync="no")
+    cluster.start()
+    try:
+        with names.partitions_as(6):
+            relay = await make_relay(cluster.seed_url)
+            jobs = [names.job_id_in(p, uuid.uuid4().hex) for p in range(6)]  # two partitions a master
+            subs = [await relay.subscribe(job_id) for job_id in jobs[:3]]
+            manager = type(relay.client.nodes_manager)  # type: ignore[attr-defined]
+            settled = manager.initialize
+            reading = asyncio.Event()
+
+            async def settling(self: Any) -> None:
+                reading.set()
+                await asyncio.sleep(0.5)
+                await settled(self)
+
+            monkeypatch.setattr(manager, "initialize", settling)
+            killer = redis.RedisCluster.from_url(cluster.seed_url)
+            primaries = killer.get_primaries()
+
+            async def drop_links(nodes: list[Any]) -> None:
+                reading.clear()
+                for node in nodes:
+                    killer.execute_command("CLIENT KILL", "TYPE", "pubsub", target_nodes=node)
+                async with asyncio.timeout(10):  # the relay reconnects: it reads the slot map again
+                    await reading.wait()
+
+            async def all_subscribed() -> None:
+                for job_id in jobs:
+                    deadline = time.monotonic() + 5
+                    while killer.spublish(names.job_channel(job_id), b"probe") < 1:
+                        assert time.monotonic() < deadline, f"{job_id} was never subscribed"
+                        await asyncio.sleep(0.05)
+
+            await drop_links(primaries)
+            subs += [await relay.subscribe(job_id) for job_id in jobs[3:]]  # while the slot map is read
+            await all_subscribed()
+            await drop_links(primaries[:1])  # the session ends: its links to the other two are closed by the relay
+            await all_subscribed()
+            links = sorted(t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("relay-link-"))
+            assert len(links) == 3, links  # one a node, none left over from the sessions before
+            for job_id in jobs:
+                killer.spublish(names.job_channel(job_id), b"hello")
+            for sub in subs:  # after probes, and a None a reconnect (re-read the event stream)
+                got = [await _next(sub)]
+                while got[-1] != b"hello" and len(got) < 20:
+                    got.append(await _next(sub))
+                assert got[-1] == b"hello" and set(got) <= {None, b"probe", b"hello"}, (sub.job_id, got)
+            killer.close()
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.parametrize("n", [1, 300])
