@@ -94,10 +94,18 @@ class Link:
         self.task: asyncio.Task[None] | None = None
         self._outbox: list[tuple[Any, ...]] = []
         self._ready = asyncio.Event()
+        self.closed = False
 
     def send(self, *args: Any) -> None:
         """Queue a command for the writer (`write`); commands go out in the order sent."""
         self._outbox.append(args)
+        self._ready.set()
+
+    def close(self) -> None:
+        """End the writer, whether or not its cancellation reaches it (3.11's `asyncio.wait_for`, inside redis-py's
+        send, drops a cancel that comes as the send completes: the writer then waited for ever on a link no one
+        held, until collected, pending)."""
+        self.closed = True
         self._ready.set()
 
     async def write(self) -> None:
@@ -105,6 +113,8 @@ class Link:
         went away is never opened again here (redis-py would): the session reconnects and resubscribes."""
         while True:
             await self._ready.wait()
+            if self.closed:
+                return
             self._ready.clear()
             commands, self._outbox = self._outbox, []
             if not self.conn.is_connected:
@@ -284,6 +294,7 @@ class Relay:
             try:
                 await link.read()
             finally:
+                link.close()
                 writer.cancel()
         except asyncio.CancelledError:
             raise
@@ -337,6 +348,7 @@ class Relay:
                 fut.set_result(None)
         self._pending.clear()
         for link in links.values():
+            link.close()
             if link.task is not None:
                 link.task.cancel()
             if link.conn is not None:
