@@ -3,8 +3,9 @@ fanned out to per-stream bounded queues.
 
 Streams subscribe and unsubscribe per job channel on the shared connection. On a Redis Cluster a
 job's channel lives in its partition's slot and is sharded (SSUBSCRIBE): there is one connection
-per node that owns such slots, never one per stream; when a slot moves or a master fails over, the
-relay reconnects to the nodes that own the slots now. A connection is redis-py's own (URL, password,
+per node that owns such slots, never one per stream; when a slot moves or a master fails over, only
+the channels of the link that lost them are subscribed again, on the nodes that own their slots now
+(the other links read on). A connection is redis-py's own (URL, password,
 TLS, the handshake), used through its public `Connection` API: commands go out through one writer
 task per connection (`send_packed_command`, in the order sent), and messages are read one by one
 (`read_response`; its hiredis parser keeps every message a socket read holds, so a burst of N
@@ -20,6 +21,7 @@ reader or growing; it too re-reads the event stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import random
@@ -27,12 +29,13 @@ from collections import deque
 from typing import Any
 
 import redis.asyncio as aredis
+from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from api import sse
 from shared import names
 from shared.redis_client import CLUSTER_TYPES
-from shared.retry import arun_loop
+from shared.retry import Backoff
 
 log = logging.getLogger("conveyor.relay")
 
@@ -40,6 +43,9 @@ TICK_S = 0.5  # how often silent streams are woken and the connection's health i
 PING_S = 2.0  # silence on a connection this long: PING it
 PONG_S = 2.0  # a PING unanswered this long: the connection is dead (a partition, a paused node), reconnect
 CONFIRM_S = 1.0  # how long a new stream waits for Redis to confirm its subscription
+CONNECT_S = 2.0  # a link not connected (handshake done) in this long is given up, and opened again
+ROUTE_EVERY_S = 0.05  # the router's turns at most this often
+ROUTE_BACKOFF_S = 1.0  # the longest wait between two tries to route channels whose node is unreachable
 
 
 class Subscription:
@@ -56,6 +62,8 @@ class Subscription:
 
     def put(self, item: bytes | None) -> bool:
         """Queue an item; False (and `overflowed` set) if the queue is full or already overflowed."""
+        if item is None and self.items and self.items[-1] is None:
+            return True  # a re-read is asked already, and none has begun since
         if self.overflowed or len(self.items) >= self.maxsize:
             self.overflowed = True
             return False
@@ -87,14 +95,19 @@ class Subscription:
 class Link:
     """One pub/sub connection (to the Redis, or to one node of a cluster) and what it read last."""
 
-    def __init__(self, relay: Relay, node: str, conn: Any) -> None:
-        self.relay, self.node, self.conn = relay, node, conn
-        self.last_rx = asyncio.get_running_loop().time()
+    def __init__(self, relay: Relay, node: str) -> None:
+        self.relay, self.node = relay, node
+        self.conn: Any = None  # once connected
+        loop = asyncio.get_running_loop()
+        self.last_rx = loop.time()
         self.pinged = 0.0
         self.task: asyncio.Task[None] | None = None
+        self.connected: asyncio.Future[bool] = loop.create_future()  # True once connected; False if it never was
         self._outbox: list[tuple[Any, ...]] = []
         self._ready = asyncio.Event()
         self.closed = False
+        self.lost = False  # given up: its channels went back to the router
+        self.wake: set[str] = set()  # jobs whose streams re-read their event streams once this link subscribes them
 
     def send(self, *args: Any) -> None:
         """Queue a command for the writer (`write`); commands go out in the order sent."""
@@ -110,7 +123,7 @@ class Link:
 
     async def write(self) -> None:
         """Send what is queued, as it comes, everything queued meanwhile in one write. A connection that
-        went away is never opened again here (redis-py would): the session reconnects and resubscribes."""
+        went away is never opened again here (redis-py would): the relay opens a new link and resubscribes."""
         while True:
             await self._ready.wait()
             if self.closed:
@@ -130,7 +143,12 @@ class Link:
             try:
                 msg = await conn.read_response(disable_decoding=True, timeout=math.inf, push_request=True)
             except ResponseError as exc:
-                log.warning("pub/sub error reply: %s", exc)
+                # a SSUBSCRIBE sent by a slot map that has changed since: route that slot's channels again
+                moved = str(exc).split()
+                if moved[0] in ("MOVED", "ASK") and len(moved) > 1 and moved[1].isdigit():
+                    relay._unroute(self, int(moved[1]))
+                else:
+                    log.warning("pub/sub error reply: %s", exc)
                 continue
             self.last_rx = loop.time()
             if not isinstance(msg, list):  # (RESP3 pushes are a list subclass)
@@ -146,10 +164,15 @@ class Link:
                     fut.set_result(None)
             elif kind == b"sunsubscribe" and names.channel_job_id(msg[1]) in subs:
                 # the server dropped a channel we still want: its slot moved to another node
-                raise ConnectionError(f"slot of {msg[1]!r} moved")
+                relay._unroute(self, key_slot(msg[1]))
 
 
 class Relay:
+    """The API's pub/sub: a link per node that owns subscribed channels, each on its own. A link lost (its node
+    failed, paused, cut off, or its slots moved) sends only its own streams back to their event streams: the
+    router reads the cluster's slot map again and subscribes them where their slots are now, while the other
+    links go on reading."""
+
     def __init__(self, client: aredis.Redis, queue_size: int = 256) -> None:
         self.client = client
         self.queue_size = queue_size
@@ -157,10 +180,12 @@ class Relay:
         self._sub, self._unsub = ("SSUBSCRIBE", "SUNSUBSCRIBE") if self.cluster else ("SUBSCRIBE", "UNSUBSCRIBE")
         self.subs: dict[str, set[Subscription]] = {}
         self.delivered = 0
-        self.reconnects = 0
-        self._links: dict[str, Link] = {}  # node ("" for a single Redis) -> its connection, while connected
+        self._links: dict[str, Link] = {}  # node ("" for a single Redis) -> its link, connected or connecting
+        self._route: dict[str, Link] = {}  # job id -> the link its channel is subscribed on (or will be)
+        self._mapped = False  # the slot map was read: channels can be routed (until then they wait in self.subs)
+        self._dirty = asyncio.Event()  # channels wait to be routed, or a link was lost: the router's turn
+        self._down: set[str] = set()  # nodes whose link was lost since the router's last turn
         self._pending: dict[bytes, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
-        self._lost: asyncio.Future[None] | None = None  # set when any link is lost: the session ends
         self._connected = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
@@ -176,7 +201,8 @@ class Relay:
     async def start(self, wait_s: float = 5.0) -> None:
         """Start reading; wait (up to wait_s) for the first connection."""
         sse.on_shutdown(self.drain)
-        self._tasks = [asyncio.create_task(self._run(), name="relay-reader"),
+        self._dirty.set()
+        self._tasks = [asyncio.create_task(self._router(), name="relay-router"),
                        asyncio.create_task(self._tick(), name="relay-ticker")]
         try:
             async with asyncio.timeout(wait_s):
@@ -189,8 +215,17 @@ class Relay:
         self._stopped.set()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._drop()
+        links, self._links = list(self._links.values()), {}
+        self._route.clear()
+        for link in links:
+            link.close()
+            if link.task is not None:
+                link.task.cancel()
+        await asyncio.gather(*self._tasks, *(link.task for link in links if link.task), return_exceptions=True)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_result(None)
+        self._pending.clear()
 
     @property
     def active(self) -> int:
@@ -205,7 +240,7 @@ class Relay:
         channel = names.job_channel(job_id).encode()
         confirmed = self._pending.get(channel)
         if len(group) == 1:
-            if self._send_channel(self._sub, channel) and confirmed is None:
+            if self._route_job(job_id) and confirmed is None:
                 confirmed = self._pending[channel] = asyncio.get_running_loop().create_future()
         if confirmed is not None:
             try:
@@ -228,55 +263,72 @@ class Relay:
         group.discard(sub)
         if not group:
             del self.subs[sub.job_id]
-            self._send_channel(self._unsub, names.job_channel(sub.job_id).encode())
+            link = self._route.pop(sub.job_id, None)
+            channel = names.job_channel(sub.job_id)
+            fut = self._pending.pop(channel.encode(), None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            if link is not None and link.conn is not None:
+                link.send(self._unsub, channel)
 
-    # --- the connections ---------------------------------------------------------------------
+    # --- the links -----------------------------------------------------------------------------
     def _node_of(self, channel: bytes | str) -> str:
         return self.client.get_node_from_key(channel).name if self.cluster else ""  # type: ignore[attr-defined]
 
-    def _send_channel(self, command: str, channel: bytes) -> bool:
-        """Send (UN)SUBSCRIBE on the link of the channel's node. True when a confirmation will come:
-        sent now, or the node's link is connecting and subscribes it when connected (on a cluster,
-        the first channel of a node opens its link). False when not connected at all (connecting
-        subscribes every channel in self.subs)."""
-        if self._lost is None:
+    def _route_job(self, job_id: str, wake: bool = False) -> bool:
+        """Subscribe the job's channel on its node's link (opened if the node has none). True when a confirmation
+        will come: sent now, or when the link connects (it subscribes every channel routed to it). False when the
+        channel waits for the router (no slot map yet). `wake`: the job's streams re-read their event streams once
+        the subscription is sent (the router's: what was published while the channel had no link)."""
+        if not self._mapped:
             return False
-        node = self._node_of(channel)
+        channel = names.job_channel(job_id)
+        try:
+            node = self._node_of(channel)
+        except Exception as exc:  # a slot no node serves (a failover under way): the router tries again
+            log.info("pub/sub: no node for %s yet (%s)", channel, exc)
+            self._dirty.set()
+            return False
         link = self._links.get(node)
         if link is None:
-            if command != self._sub:
+            if node in self._down:  # its link was just lost: the router opens the next one, after its backoff
+                self._dirty.set()
                 return False
             link = self._open(node)
-        if link.conn is not None:
-            link.send(command, channel)
+        self._route[job_id] = link
+        if link.conn is None:
+            if wake:
+                link.wake.add(job_id)
+        else:
+            link.send(self._sub, channel)
+            if wake:
+                for sub in self.subs.get(job_id, ()):
+                    sub.wake()
         return True
 
     def _open(self, node: str) -> Link:
-        """The node's link, opened if it has none: one a node, whose task is the only one reading it."""
-        link = self._links.get(node)
-        if link is None:
-            link = self._links[node] = Link(self, node, None)  # no connection yet: it subscribes when it has one
-            link.task = asyncio.create_task(self._link(node), name=f"relay-link-{node}")
+        link = self._links[node] = Link(self, node)  # no connection yet: it subscribes its channels when it has one
+        link.task = asyncio.create_task(self._link(link), name=f"relay-link-{node}")
         return link
 
-    async def _link(self, node: str) -> None:
-        """Connect to one node, subscribe the channels it owns, read until lost; a lost link ends
-        the whole session (the next one routes every channel again, from a fresh slot map)."""
-        lost = self._lost
+    async def _link(self, link: Link) -> None:
+        """Connect to the link's node, subscribe the channels routed to it, read until lost."""
+        conn = None
         try:
             if self.cluster:
-                target = next(n for n in self.client.get_nodes() if n.name == node)  # type: ignore[attr-defined]
+                target = self.client.get_node(node_name=link.node)  # type: ignore[attr-defined]
+                if target is None:
+                    raise ConnectionError(f"{link.node} is no longer in the slot map")
                 conn = target.connection_class(**target.connection_kwargs)
             else:
                 conn = self.client.connection_pool.make_connection()
-            await conn.connect()  # redis-py does the URL, AUTH, TLS and the handshake
-            link = self._links.get(node)
-            if link is None or link.conn is not None or lost is not self._lost:
-                await conn.disconnect()
+            async with asyncio.timeout(CONNECT_S):  # a paused node accepts, then never answers the handshake
+                await conn.connect()  # redis-py does the URL, AUTH, TLS and the handshake
+            if link.closed:
                 return
             link.conn = conn
             link.last_rx = asyncio.get_running_loop().time()
-            mine = [job_id for job_id in self.subs if self._node_of(names.job_channel(job_id)) == node]
+            mine = [job_id for job_id, routed in self._route.items() if routed is link]
             # SSUBSCRIBE takes the channels of one slot at a time: group them by partition
             by_slot: dict[int, list[str]] = {}
             for job_id in mine:
@@ -284,13 +336,14 @@ class Relay:
             for group in by_slot.values():
                 for i in range(0, len(group), 512):
                     link.send(self._sub, *[names.job_channel(job_id) for job_id in group[i:i + 512]])
-            for job_id in mine:  # anything published while we were away is in the event streams
-                for sub in self.subs.get(job_id, ()):
+            for job_id in link.wake:  # anything published while it had no link is in the event streams
+                for sub in self.subs.get(job_id, ()) if self._route.get(job_id) is link else ():
                     sub.wake()
-            if not self.cluster:
-                self._connected.set()
-            writer = asyncio.create_task(link.write(), name=f"relay-write-{node}")
-            writer.add_done_callback(lambda t: t.cancelled() or self._lose(lost, t.exception()))
+            link.wake.clear()
+            link.connected.set_result(True)
+            self._connected.set()
+            writer = asyncio.create_task(link.write(), name=f"relay-write-{link.node}")
+            writer.add_done_callback(lambda t: None if t.cancelled() else self._lose(link, t.exception()))
             try:
                 await link.read()
             finally:
@@ -298,64 +351,89 @@ class Relay:
                 writer.cancel()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # lost, reset, closed by the server, moved, or a protocol error
-            self._lose(lost, exc)
-
-    @staticmethod
-    def _lose(lost: asyncio.Future[None] | None, exc: BaseException | None) -> None:
-        """End the session `lost` belongs to (the loop connects again), if it is still on."""
-        if lost is not None and not lost.done():
-            lost.set_exception(exc or ConnectionError("lost"))
-
-    async def _run(self) -> None:
-        await arun_loop(self._session, self._stopped, log, "pub/sub")
-
-    async def _session(self) -> None:
-        """Connect and read until a connection is lost; the loop then connects again at once, and
-        backs off while connecting fails."""
-        try:
-            if self.cluster:
-                await self.client.initialize()  # type: ignore[attr-defined]
-                if self.reconnects:  # the slot map as it is now (after a failover, a moved slot)
-                    await self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
-            # the session is on from here: until now a new stream's channel waited in self.subs (its node unknown
-            # while the slot map was read), and is subscribed below with every other
-            self._lost = asyncio.get_running_loop().create_future()
-            if self.cluster:
-                for node in {self._node_of(names.job_channel(job_id)) for job_id in self.subs}:
-                    self._open(node)
-                self._connected.set()
-            else:
-                self._open("")
-            channels = len(self.subs)
-            if self.reconnects or channels:
-                log.info("pub/sub connecting; %d channels to subscribe", channels)
-            self.reconnects += 1
-            await self._lost
-        except Exception as exc:
-            if not any(link.conn is not None for link in self._links.values()):
-                raise  # connecting failed: the loop backs off
-            log.warning("pub/sub connection lost (%s); reconnecting", exc)
+        except Exception as exc:  # refused, lost, reset, closed by the server, or a protocol error
+            self._lose(link, exc)
         finally:
-            await self._drop()
+            if conn is not None:
+                with contextlib.suppress(Exception):  # already gone
+                    await conn.disconnect()
 
-    async def _drop(self) -> None:
-        links, self._links = self._links, {}
-        self._lost = None
-        self._connected.clear()
-        for fut in self._pending.values():
-            if not fut.done():
+    def _lose(self, link: Link, exc: BaseException | None) -> None:
+        """A link is gone (or never came): its channels go back to the router, its streams re-read their event
+        streams; the other links are left alone."""
+        if not link.connected.done():
+            link.connected.set_result(False)
+        if link.lost or self._stopped.is_set():
+            return
+        link.lost = True
+        was_connected = link.conn is not None
+        if self._links.get(link.node) is link:
+            del self._links[link.node]
+            self._down.add(link.node)
+        link.close()
+        if link.task is not None and link.task is not asyncio.current_task():
+            link.task.cancel()
+        orphans = [job_id for job_id, routed in self._route.items() if routed is link]
+        self._orphan(orphans)
+        if was_connected:
+            log.warning("pub/sub link to %s lost (%s); %d channels to subscribe again", link.node or "redis",
+                        exc or "closed", len(orphans))
+
+    def _unroute(self, link: Link, slot: int) -> None:
+        """The channels of `slot` on `link` belong elsewhere now (the server said so): route them again."""
+        self._orphan([job_id for job_id, routed in self._route.items()
+                      if routed is link and key_slot(names.job_channel(job_id).encode()) == slot])
+
+    def _orphan(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
+            del self._route[job_id]
+            fut = self._pending.pop(names.job_channel(job_id).encode(), None)
+            if fut is not None and not fut.done():
                 fut.set_result(None)
-        self._pending.clear()
-        for link in links.values():
-            link.close()
-            if link.task is not None:
-                link.task.cancel()
-            if link.conn is not None:
-                try:
-                    await link.conn.disconnect()
-                except Exception:  # already gone
-                    pass
+        self._dirty.set()
+
+    async def _router(self) -> None:
+        """Route what waits: read the slot map (again, after a link was lost: a failover, a moved slot), subscribe
+        each channel without a link on its node's, and wait for the links opened to connect; backs off while
+        they fail (a failed node's slots move once a replica is promoted)."""
+        backoff = Backoff(0.1, ROUTE_BACKOFF_S)
+        loop = asyncio.get_running_loop()
+        last = -math.inf
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(max(0.0, last + ROUTE_EVERY_S - loop.time()))  # (a slot map still settling)
+            last = loop.time()
+            self._dirty.clear()
+            self._down.clear()
+            try:
+                await self._route_all()
+                if backoff.failures:
+                    log.info("pub/sub: every channel subscribed again")
+                backoff.reset()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not backoff.failures:
+                    log.warning("pub/sub: cannot subscribe every channel yet (%s); retrying with backoff", exc)
+                self._dirty.set()
+                await asyncio.sleep(backoff.next())
+
+    async def _route_all(self) -> None:
+        if self.cluster:
+            if self._mapped:  # the slot map as it is now
+                await self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
+            else:
+                await self.client.initialize()
+        self._mapped = True
+        if self.cluster:
+            self._connected.set()
+        elif "" not in self._links:
+            self._open("")
+        for job_id in [job_id for job_id in self.subs if job_id not in self._route]:
+            self._route_job(job_id, wake=True)
+        waiting = [link.connected for link in self._links.values() if not link.connected.done()]
+        if not all(await asyncio.gather(*waiting)):
+            raise ConnectionError("a link did not connect")
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
@@ -372,9 +450,9 @@ class Relay:
                     continue
                 silent = now - link.last_rx
                 if link.pinged > link.last_rx and now - link.pinged > PONG_S:
-                    log.warning("pub/sub connection to %s silent for %.0fs, a PING unanswered; reconnecting",
+                    log.warning("pub/sub link to %s silent for %.0fs, a PING unanswered; replacing it",
                                 link.node or "redis", silent)
-                    self._lose(self._lost, ConnectionError(f"silent for {silent:.0f}s"))
+                    self._lose(link, ConnectionError(f"silent for {silent:.0f}s"))
                 elif silent > PING_S and now - link.pinged > PING_S:
                     link.pinged = now
                     link.send("PING")
