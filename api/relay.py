@@ -30,7 +30,7 @@ from typing import Any
 
 import redis.asyncio as aredis
 from redis.crc import key_slot
-from redis.exceptions import ResponseError
+from redis.exceptions import AskError, ClusterDownError, ResponseError, TryAgainError
 
 from api import sse
 from shared import names
@@ -142,13 +142,15 @@ class Link:
         while True:
             try:
                 msg = await conn.read_response(disable_decoding=True, timeout=math.inf, push_request=True)
+            except AskError as exc:  # (and MOVED) a SSUBSCRIBE sent by a slot map that has changed since
+                relay._unroute(self, exc.slot_id)  # that slot's channels are routed again
+                continue
+            except (ClusterDownError, TryAgainError) as exc:
+                # a SSUBSCRIBE the cluster refused while it fails over: which one is not said, so every channel
+                # of the link is routed again, once the router has read the slot map again
+                raise ConnectionError(f"the cluster refused a subscription: {exc}") from exc
             except ResponseError as exc:
-                # a SSUBSCRIBE sent by a slot map that has changed since: route that slot's channels again
-                moved = str(exc).split()
-                if moved[0] in ("MOVED", "ASK") and len(moved) > 1 and moved[1].isdigit():
-                    relay._unroute(self, int(moved[1]))
-                else:
-                    log.warning("pub/sub error reply: %s", exc)
+                log.warning("pub/sub error reply: %s", exc)
                 continue
             self.last_rx = loop.time()
             if not isinstance(msg, list):  # (RESP3 pushes are a list subclass)
@@ -285,8 +287,7 @@ class Relay:
         channel = names.job_channel(job_id)
         try:
             node = self._node_of(channel)
-        except Exception as exc:  # a slot no node serves (a failover under way): the router tries again
-            log.info("pub/sub: no node for %s yet (%s)", channel, exc)
+        except Exception:  # a slot no node serves (a failover under way): the router tries again
             self._dirty.set()
             return False
         link = self._links.get(node)
@@ -429,8 +430,9 @@ class Relay:
             self._connected.set()
         elif "" not in self._links:
             self._open("")
-        for job_id in [job_id for job_id in self.subs if job_id not in self._route]:
-            self._route_job(job_id, wake=True)
+        unrouted = [job_id for job_id in self.subs if job_id not in self._route]
+        if not all([self._route_job(job_id, wake=True) for job_id in unrouted]):
+            raise ConnectionError("a channel's slot has no node")
         waiting = [link.connected for link in self._links.values() if not link.connected.done()]
         if not all(await asyncio.gather(*waiting)):
             raise ConnectionError("a link did not connect")

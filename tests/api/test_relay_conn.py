@@ -18,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 import redis
+from redis.crc import key_slot
 
 from api.relay import PING_S, PONG_S, Relay
 from infra.redis_cluster import LocalCluster, cluster_binary
@@ -296,6 +297,78 @@ async def test_a_lost_link_to_one_cluster_node_leaves_the_other_nodes_streams_al
             assert now.keys() == links.keys()
             assert [n for n in links if now[n] is not links[n]] == [f"relay-link-{victim.name}"]  # the others kept
             killer.close()
+    finally:
+        cluster.stop()
+
+
+def _move_slot(client: redis.RedisCluster, channel: str) -> int:
+    """Move the (key-less) slot of `channel` to another master, as a resharding does; returns the slot."""
+    slot = key_slot(channel.encode())
+    src = client.get_node_from_key(channel)
+    dst = next(n for n in client.get_primaries() if n.name != src.name)
+    ids = {n.name: client.execute_command("CLUSTER MYID", target_nodes=n) for n in client.get_primaries()}
+    ids = {k: v.decode() if isinstance(v, bytes) else v for k, v in ids.items()}
+    client.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", ids[src.name], target_nodes=dst)
+    client.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", ids[dst.name], target_nodes=src)
+    for node in [dst, src] + [n for n in client.get_primaries() if n.name not in (src.name, dst.name)]:
+        client.execute_command("CLUSTER SETSLOT", slot, "NODE", ids[dst.name], target_nodes=node)
+    return slot
+
+
+async def test_a_moved_slots_channels_follow_it_to_its_new_node(tmp_path: Path, make_relay: MakeRelay) -> None:
+    """A resharding moves a slot: its subscribed channels, dropped by their old node, are subscribed on the new
+    one (their streams re-read their event streams meanwhile); a channel subscribed by a slot map from before the
+    move is answered MOVED, and is routed again rather than left unsubscribed (it was: the stream then lived on
+    its 5 s catch-up reads)."""
+    try:
+        cluster_binary()
+    except SystemExit as e:
+        pytest.skip(str(e))  # no redis-server 7
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, appendfsync="no")
+    cluster.start()
+    try:
+        with names.partitions_as(6):
+            relay = await make_relay(cluster.seed_url)
+            pub = redis.RedisCluster.from_url(cluster.seed_url)
+            first, second, third = (names.job_id_in(p, uuid.uuid4().hex) for p in (0, 1, 2))
+
+            def links_of(node: str) -> Any:
+                return next((t for t in asyncio.all_tasks() if t.get_name() == f"relay-link-{node}"), None)
+
+            async def delivered(sub: Any) -> None:  # published after it is subscribed: it arrives
+                deadline = time.monotonic() + 5
+                while pub.spublish(names.job_channel(sub.job_id), b"probe") < 1:
+                    assert time.monotonic() < deadline, f"{sub.job_id} is not subscribed"
+                    await asyncio.sleep(0.05)
+                got = [await _next(sub)]
+                while got[-1] != b"probe":
+                    got.append(await _next(sub))
+                assert set(got) <= {None, b"probe"}, got
+
+            sub = await relay.subscribe(first)
+            await delivered(sub)
+            _move_slot(pub, names.job_channel(first))
+            assert await _next(sub) is None  # subscribed again on the new node: re-read what came meanwhile
+            await delivered(sub)
+            _move_slot(pub, names.job_channel(second))  # a slot the relay has no channel of: its map is stale
+            late = await relay.subscribe(second)
+            await delivered(late)
+            # a slot no node serves (as while a failover settles): the subscription is refused CLUSTERDOWN, and
+            # made once the slot is served again
+            slot, owner = key_slot(names.job_channel(third).encode()), pub.get_node_from_key(names.job_channel(third))
+            held = await relay.subscribe(names.job_id_in(2, uuid.uuid4().hex))  # the owner's link is up
+            link = links_of(owner.name)
+            assert link is not None
+            pub.execute_command("CLUSTER DELSLOTS", slot, target_nodes=owner)
+            down = await relay.subscribe(third)
+            deadline = time.monotonic() + 5
+            while links_of(owner.name) is link:  # refused: that link is given up (and opened again)
+                assert time.monotonic() < deadline, "the refusal went unnoticed"
+                await asyncio.sleep(0.05)
+            pub.execute_command("CLUSTER ADDSLOTS", slot, target_nodes=owner)
+            await delivered(down)
+            await delivered(held)
+            pub.close()
     finally:
         cluster.stop()
 
