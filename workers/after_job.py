@@ -37,7 +37,8 @@ import redis
 from shared import batch_ops, names, scripts
 from shared.heartbeat import beat, forget
 from shared.job_ops import queue_account, queue_note_failure
-from shared.redis_client import text
+from shared.redis_client import RETRYABLE, text
+from shared.retry import Backoff
 from shared.scripts.codes import AccountReply
 from shared.settings import Settings
 from shared.stream_consumer import Entry, StreamConsumer
@@ -46,6 +47,7 @@ from workers.webhook import WebhookSender, redact
 log = logging.getLogger("conveyor.after_job")
 
 USAGE_TTL_S = 35 * 86400
+OUTAGE_BACKOFF_S = 2.0  # the longest wait between two tries while Redis is unreachable
 
 
 def account(client: redis.Redis, job_ids: list[str]) -> list[AccountReply | Exception]:
@@ -103,27 +105,42 @@ class AfterJob:
         """Handle what is due: retries, entries of dead workers, then new ends. With wait_ms 0,
         until none is left (or budget_s has passed); otherwise it also waits for new ends, wait_ms
         at a time, until budget_s has passed, so a job's webhook goes out as it ends and an idle
-        drain costs one blocked read per wait. Returns counts."""
-        c = self.consumer
+        drain costs one blocked read per wait. Redis unreachable meanwhile (restarted, a master failing
+        over) is waited out, backing off, within the budget. Returns counts."""
         deadline = time.monotonic() + budget_s
         counts = {"done": 0, "failed": 0, "dead": 0}
+        backoff = Backoff(0.1, OUTAGE_BACKOFF_S)
         while True:
-            self._beat()
-            retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch)
-            stale, dead_stale = c.claim_stale(count=batch)
-            counts["dead"] += len(dead) + len(dead_stale)
-            todo = retry + stale
-            while True:
-                if todo:
-                    self._handle(todo, counts)
-                left_ms = int((deadline - time.monotonic()) * 1000)
-                if left_ms <= 0 or self.stopping.is_set():
+            try:
+                if self._round(deadline, batch, wait_ms, counts):
                     return counts
-                todo = c.read(count=batch, block_ms=min(wait_ms, left_ms) if wait_ms else None)
-                if not todo:
-                    break  # nothing new: look at retries again, or stop
-            if not wait_ms:
-                return counts
+                if backoff.failures:
+                    log.info("after-job drain: redis reachable again")
+                    backoff.reset()
+            except RETRYABLE as exc:  # what was in hand stays pending, and comes back as a retry
+                if not backoff.failures:
+                    log.warning("after-job drain: redis unavailable (%s); retrying with backoff", exc)
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stopping.wait(min(backoff.next(), left)):
+                    return counts
+
+    def _round(self, deadline: float, batch: int, wait_ms: int, counts: dict[str, int]) -> bool:
+        """Retries and dead workers' entries, then new ends while they come; True when the drain is over."""
+        c = self.consumer
+        self._beat()
+        retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch)
+        stale, dead_stale = c.claim_stale(count=batch)
+        counts["dead"] += len(dead) + len(dead_stale)
+        todo = retry + stale
+        while True:
+            if todo:
+                self._handle(todo, counts)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or self.stopping.is_set():
+                return True
+            todo = c.read(count=batch, block_ms=min(wait_ms, left_ms) if wait_ms else None)
+            if not todo:
+                return not wait_ms  # nothing new: look at retries again, or stop
 
     def close(self) -> None:
         """Leave the group if nothing is pending here (consumers are per process)."""

@@ -7,13 +7,17 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
+from infra.redis_server import RedisServer
 from shared import names
 from shared.job_ops import JobOps
 from shared.jobs import FinishReason, Job, JobStatus, new_record
+from shared.redis_client import sync_client
 from shared.settings import Settings
 from tests.helpers import blocked_on, until
 from tests.webhook_server import webhook_server
@@ -180,3 +184,35 @@ def test_a_waiting_drain_sends_webhooks_as_jobs_end(redis_db: redis.Redis) -> No
             t.join(timeout=5)
         assert not t.is_alive()
     assert result == {"done": 1, "failed": 0, "dead": 0}
+
+
+def test_a_waiting_drain_outlives_a_redis_outage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Redis gone in the middle of a run (restarted, a master failed over): the drain waits it out, backing off,
+    and goes on with its run; it used to raise, which ended the run and left ends without their webhooks (and
+    batches without their driver) until beat's next run, up to 30 s later."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        client = sync_client(server.url)
+        worker = after(client)
+        with webhook_server() as hooks:
+            result: dict[str, int] = {}
+            t = threading.Thread(target=lambda: result.update(worker.drain(budget_s=60, wait_ms=500)))
+            t.start()
+            try:
+                until("the drain to wait on Redis", lambda: blocked_on(client, "xreadgroup"))
+                server.stop()
+                until("the drain to see the outage (or die of it)",
+                      lambda: "redis unavailable" in caplog.text or not t.is_alive(), timeout=60)
+                server.start()  # same port, same data
+                end_job(client, "job_after_restart", hooks.url)
+                assert hooks.wait_for(1, timeout=15), "no webhook after the restart"
+                assert t.is_alive()  # the same run
+            finally:
+                worker.stopping.set()
+                t.join(timeout=10)
+            assert not t.is_alive()
+        assert result["done"] == 1
+        client.close()
+    finally:
+        server.stop()
