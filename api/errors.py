@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from redis.exceptions import OutOfMemoryError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.job_ops import NotCopied
@@ -157,6 +158,11 @@ def install(app: FastAPI) -> None:
 
     for kind in UNAVAILABLE:
         app.add_exception_handler(kind, _redis)
+
+    @app.exception_handler(OutOfMemoryError)
+    async def _full(request: Request, exc: OutOfMemoryError) -> JSONResponse:
+        log.warning("redis is full: %s", exc)  # nothing was written (a script is refused at its first write)
+        return _answer(request, 503, "the job store is full; retry later", headers={"Retry-After": "10"})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

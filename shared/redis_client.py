@@ -29,6 +29,7 @@ from redis.connection import parse_url
 from redis.exceptions import (
     ClusterError,
     ConnectionError,
+    OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
     ResponseError,
@@ -40,9 +41,11 @@ from redis.retry import Retry
 
 from shared import scripts
 
-# Redis cannot answer now, but will: down or unreachable, or a cluster in a failover (no master for
-# a slot yet, a write that met a demoted master, a slot in migration)
-UNAVAILABLE = (ConnectionError, TimeoutError, ClusterError, TryAgainError, SlotNotCoveredError, ReadOnlyError)
+# Redis cannot answer now, but will: down or unreachable, a cluster in a failover (no master for a slot
+# yet, a write that met a demoted master, a slot in migration), or full (at its maxmemory, with noeviction: a
+# write refused until TTLs, trimming or an operator free memory; a script's refusal is one too, shared/scripts)
+UNAVAILABLE = (ConnectionError, TimeoutError, ClusterError, TryAgainError, SlotNotCoveredError, ReadOnlyError,
+               OutOfMemoryError)
 # and a cluster client that found no node to ask at all (every one it knows is down or cut off)
 RETRYABLE = (*UNAVAILABLE, RedisClusterException, ConnectionResetError, OSError)
 CLUSTER_TYPES = (redis.cluster.RedisCluster, acluster.RedisCluster)

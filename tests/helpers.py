@@ -116,3 +116,16 @@ async def in_process_api(settings: Settings,
     r = redis.Redis.from_url(settings.redis_url)
     r.flushdb()
     r.close()
+
+
+def fill(r: redis.Redis) -> list[str]:
+    """Write junk until Redis (at its maxmemory, noeviction) refuses even a small write; the junk's keys."""
+    keys: list[str] = []
+    for size in (1 << 20, 1 << 14, 1 << 8):
+        try:
+            while True:
+                keys.append(f"junk:{len(keys)}")
+                r.set(keys[-1], b"x" * size)
+        except redis.exceptions.OutOfMemoryError:
+            keys.pop()
+    return keys

@@ -24,7 +24,7 @@ import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
 
 _CLUSTER = (redis.cluster.RedisCluster, acluster.RedisCluster, acluster.ClusterPipeline)
 
@@ -38,22 +38,28 @@ class Script:
         self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: redis.Redis, keys: list[Any], args: list[Any]) -> Any:
-        if isinstance(client, _CLUSTER):
-            return client.eval(self.source, len(keys), *keys, *args)
         try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            load(client)
-            return client.evalsha(self.sha, len(keys), *keys, *args)
+            if isinstance(client, _CLUSTER):
+                return client.eval(self.source, len(keys), *keys, *args)
+            try:
+                return client.evalsha(self.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                load(client)
+                return client.evalsha(self.sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            raise refused(exc) from None
 
     async def acall(self, client: aredis.Redis, keys: list[Any], args: list[Any]) -> Any:
-        if isinstance(client, _CLUSTER):
-            return await client.eval(self.source, len(keys), *keys, *args)
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await aload(client)
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
+            if isinstance(client, _CLUSTER):
+                return await client.eval(self.source, len(keys), *keys, *args)
+            try:
+                return await client.evalsha(self.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                await aload(client)
+                return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            raise refused(exc) from None
 
     def queue(self, pipe: redis.client.Pipeline, keys: list[Any], args: list[Any]) -> Any:
         """Queue the call on `pipe`, to be run by `execute` (or a pipeline of a shared.redis_client client)."""
@@ -80,6 +86,15 @@ ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT
        FAIR_POP, BATCH_RESULT, FILE_BYTES)
 
 
+def refused(exc: ResponseError) -> ResponseError:
+    """A script's error as the command's would be: Redis at its maxmemory refuses a script at its first write
+    (so nothing of it was written) with an error reply that only names OOM, which is redis-py's
+    OutOfMemoryError for a command (shared.redis_client counts it among the outages a caller waits out)."""
+    if not isinstance(exc, OutOfMemoryError) and "OOM command not allowed" in str(exc):
+        return OutOfMemoryError(str(exc))
+    return exc
+
+
 def load(client: redis.Redis | redis.client.Pipeline) -> None:
     """Load every script (one round trip) on the client's (or pipeline's) connection pool; nothing
     on a cluster, where calls carry their source."""
@@ -104,7 +119,10 @@ def execute(pipe: redis.client.Pipeline, raise_on_error: bool = True) -> list[An
     """Run `pipe`. Commands that answered NOSCRIPT ran nothing: once every script is loaded they run
     again, in their order, in one more round trip (a transaction's again as one transaction)."""
     if isinstance(pipe, _CLUSTER):  # its calls carry their source: nothing to replay
-        return pipe.execute(raise_on_error=raise_on_error)
+        results = [refused(res) if isinstance(res, ResponseError) else res
+                   for res in pipe.execute(raise_on_error=False)]
+        _raise_first(results, raise_on_error)
+        return results
     stack = list(pipe.command_stack)
     results = redis.client.Pipeline.execute(pipe, raise_on_error=False)
     missing = [i for i, res in enumerate(results) if isinstance(res, NoScriptError)]
@@ -115,11 +133,16 @@ def execute(pipe: redis.client.Pipeline, raise_on_error: bool = True) -> list[An
             pipe.pipeline_execute_command(*args, **options)
         for i, res in zip(missing, redis.client.Pipeline.execute(pipe, raise_on_error=False)):
             results[i] = res
+    results = [refused(res) if isinstance(res, ResponseError) else res for res in results]
+    _raise_first(results, raise_on_error)
+    return results
+
+
+def _raise_first(results: list[Any], raise_on_error: bool) -> None:
     if raise_on_error:
         for res in results:
             if isinstance(res, Exception):
                 raise res
-    return results
 
 
 class Pipeline(redis.client.Pipeline):

@@ -25,7 +25,7 @@ from shared.job_ops import (
     step_write,
 )
 from shared.jobs import FinishReason, new_record
-from shared.redis_client import sync_client
+from shared.redis_client import RETRYABLE, sync_client
 from shared.scripts.codes import (
     AccountCode,
     AccountReply,
@@ -38,6 +38,7 @@ from shared.scripts.codes import (
     StepCode,
     StepReply,
 )
+from tests.helpers import fill
 
 
 @pytest.fixture
@@ -68,6 +69,34 @@ def test_scripts_ship_with_the_package() -> None:
 def test_a_call_loads_the_script_when_redis_lost_it(raw: redis.Redis) -> None:
     raw.script_flush()
     assert scripts.TAIL(raw, [names.stream(names.JOBS, 0)], [5]) == [b"0-0"]
+
+
+def test_a_full_redis_refuses_a_script_as_it_refuses_a_command(tmp_path: Path) -> None:
+    """At its maxmemory (noeviction) Redis refuses a script at its first write, with an error reply that only
+    names OOM: it reaches callers as the command's OutOfMemoryError, called or pipelined, which every loop waits
+    out as an outage (shared.redis_client.RETRYABLE) and the API answers 503, and nothing of it was written."""
+    server = RedisServer(tmp_path / "redis", appendonly=False, maxmemory_mb=16)
+    server.start()
+    try:
+        raw = sync_client(server.url, decode=False)
+        raw.hset(names.job_key("job_full"), mapping=new_record("job_full", "m", ""))  # queued, to be pushed
+        before = set(raw.keys())
+        junk = fill(raw)
+        job = [("job_full", 0, 1, b"request")]
+        with pytest.raises(RETRYABLE) as refused:
+            fair_queue.push(raw, 0, ["1-0"], job)
+        assert isinstance(refused.value, redis.exceptions.OutOfMemoryError)
+        pipe = raw.pipeline(transaction=False)
+        scripts.FAIR_PUSH.queue(pipe, *fair_queue.push_write(0, ["1-0"], job))
+        [reply] = pipe.execute(raise_on_error=False)
+        assert isinstance(reply, redis.exceptions.OutOfMemoryError)
+        assert set(raw.keys()) == before | {k.encode() for k in junk}  # nothing written
+        assert raw.hget(names.job_key("job_full"), "fair_queued") is None
+        raw.delete(*junk)
+        assert fair_queue.push(raw, 0, ["1-0"], job) == 1
+        raw.close()
+    finally:
+        server.stop()
 
 
 def _commands(client: redis.Redis) -> dict[str, int]:
