@@ -163,11 +163,4 @@ def install(app: FastAPI) -> None:
     async def _full(request: Request, exc: OutOfMemoryError) -> JSONResponse:
         log.warning("redis is full: %s", exc)  # nothing was written (a script is refused at its first write)
         return _answer(request, 503, "the job store is full; retry later", headers={"Retry-After": "10"})
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # runs outside the request guard's send: it sets the request id header itself
-        rid = request.scope.get("state", {}).get("request_id", "-")
-        log.error("unhandled error in request %s (%s %s)", rid, request.method, request.url.path, exc_info=exc)
-        return _answer(request, 500, f"internal error; quote request id {rid} when reporting it",
-                       headers={"X-Request-Id": rid})
+    # anything else is answered 500 by the request guard (api/guard.py), which logs it with the request id

@@ -4,6 +4,7 @@ when keys are required, the operator's pages (metrics, scaling, docs) kept to th
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from contextvars import ContextVar
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.errors import ANTHROPIC_PREFIX, anthropic_body, error_body
 from api.files import MAX_FILE_BYTES as FILE_BYTES
 
+log = logging.getLogger("conveyor.api")
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -54,13 +56,29 @@ class RequestGuard:
         request_id.set(rid)
         scope.setdefault("state", {})["request_id"] = rid
         rid_header = (b"x-request-id", rid.encode())
+        started = False
 
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), rid_header]
             await send(message)
 
         path = scope.get("path", "")
+        try:
+            await self._dispatch(scope, receive, send_with_id, headers, path)
+        except Exception as exc:
+            # answered here, not by Starlette's outermost handler, which re-raises once it has answered: uvicorn
+            # then closes the connection under the answer, and a client that sent a body read a reset, not the 500
+            if started:
+                raise  # a stream cut midway: the connection closes, and the client resumes
+            log.error("unhandled error in request %s (%s %s)", rid, scope.get("method"), path, exc_info=exc)
+            await self._reply(send_with_id, 500, f"internal error; quote request id {rid} when reporting it", path,
+                              close=False)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send_with_id: Send, headers: dict[bytes, bytes],
+                        path: str) -> None:
         if self.internal_port is not None and path.startswith(INTERNAL_PATHS) and \
                 not on_internal_port(scope, self.internal_port):
             await self._reply(send_with_id, 404, f"no route {path}", path)
@@ -115,13 +133,14 @@ class RequestGuard:
         await self._reply(send, 413 if valid else 400, f"the request body is larger than {cap or self.max_body} bytes"
                           if valid else "Content-Length must be a number", path)
 
-    async def _reply(self, send: Send, status: int, msg: str, path: str) -> None:
-        """The error in the shape of the route asked for: Anthropic's on the Messages API, else OpenAI's."""
+    async def _reply(self, send: Send, status: int, msg: str, path: str, close: bool = True) -> None:
+        """The error in the shape of the route asked for: Anthropic's on the Messages API, else OpenAI's. `close`:
+        the connection closes after it (a refused body may be left unread)."""
         shaped = anthropic_body(status, msg) if path.startswith(ANTHROPIC_PREFIX) else error_body(status, msg)
         body = orjson.dumps(shaped)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+                                *([(b"connection", b"close")] if close else [])]})
         await send({"type": "http.response.body", "body": body})
 
 

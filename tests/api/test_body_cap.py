@@ -1,7 +1,8 @@
 """The body cap as a client on a real socket meets it: the API under uvicorn (both of its HTTP parsers, as
 `conveyor api` runs it: httptools) answers a body over the cap with the 413 error object, even to a client
 that sends its whole body before it reads anything (urllib, http.client: no `Expect: 100-continue`), and a
-body far beyond any bound still has its connection closed at once instead of being read to its end."""
+body far beyond any bound still has its connection closed at once instead of being read to its end. And an error
+no route expected reaches the client as the 500 error object, not as a connection reset."""
 
 from __future__ import annotations
 
@@ -33,7 +34,13 @@ TRIES = 6
 def server(request: pytest.FixtureRequest, redis_server: RedisServer, model_path: str) -> Iterator[tuple[str, int]]:
     settings = Settings(redis_url=redis_server.url.rsplit("/", 1)[0] + "/13", model=model_path)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
+    app = create_app(settings)
+
+    @app.post("/boom")
+    async def boom(body: dict[str, int]) -> None:
+        raise RuntimeError("secret internals")
+
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                         http=request.param, lifespan="on"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -138,3 +145,21 @@ def test_a_body_far_beyond_any_bound_is_cut_off(server: tuple[str, int], declare
     # what the server drains at most, plus what the two sockets' buffers hold on loopback
     assert sent < guard.DRAIN_BYTES + 32 * 2**20, sent
     assert took < 10, took
+
+
+def test_an_unexpected_error_reaches_the_client_as_the_500(server: tuple[str, int]) -> None:
+    """A route's unexpected exception: the 500 error object with the request id, on a connection that stays open
+    (Starlette's last handler answers, then raises again, and uvicorn closed the connection under the answer: a
+    client that had sent a body read a reset)."""
+    conn = http.client.HTTPConnection(*server, timeout=30)
+    try:
+        for attempt in range(3):  # one connection: kept open after each
+            conn.request("POST", "/boom", body=b'{"a": 1}', headers={"Content-Type": "application/json",
+                                                                     "X-Request-Id": f"boom-{attempt}"})
+            r = conn.getresponse()
+            body = json.loads(r.read())
+            assert r.status == 500 and body["error"]["type"] == "internal_error", body
+            assert f"boom-{attempt}" in body["error"]["message"] and "secret" not in body["error"]["message"]
+            assert r.getheader("x-request-id") == f"boom-{attempt}"
+    finally:
+        conn.close()
