@@ -391,6 +391,8 @@ class Relay:
             fut = self._pending.pop(names.job_channel(job_id).encode(), None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
+            for sub in self.subs.get(job_id, ()):  # now, as what came meanwhile may be there already (a failover
+                sub.wake()  # that ended before the link was given up), and again once subscribed on its new link
         self._dirty.set()
 
     async def _router(self) -> None:
