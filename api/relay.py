@@ -46,6 +46,9 @@ CONFIRM_S = 1.0  # how long a new stream waits for Redis to confirm its subscrip
 CONNECT_S = 2.0  # a link not connected (handshake done) in this long is given up, and opened again
 ROUTE_EVERY_S = 0.05  # the router's turns at most this often
 ROUTE_BACKOFF_S = 1.0  # the longest wait between two tries to route channels whose node is unreachable
+SETTLE_S = 6.0  # after a link is lost or a slot moves, the slot map is read again for this long (a failover settles)
+SETTLE_EVERY_S = 1.0  # ... this often
+STOP_S = 2.0  # how long stopping waits for the relay's tasks to end
 
 
 class Subscription:
@@ -186,6 +189,8 @@ class Relay:
         self._route: dict[str, Link] = {}  # job id -> the link its channel is subscribed on (or will be)
         self._mapped = False  # the slot map was read: channels can be routed (until then they wait in self.subs)
         self._dirty = asyncio.Event()  # channels wait to be routed, or a link was lost: the router's turn
+        self._settle_until = 0.0  # until then (a link was lost, a slot moved) the router reads the slot map again
+        self._routed_at = 0.0  # the router's last turn
         self._down: set[str] = set()  # nodes whose link was lost since the router's last turn
         self._pending: dict[bytes, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._connected = asyncio.Event()
@@ -223,7 +228,11 @@ class Relay:
             link.close()
             if link.task is not None:
                 link.task.cancel()
-        await asyncio.gather(*self._tasks, *(link.task for link in links if link.task), return_exceptions=True)
+        tasks = [*self._tasks, *(link.task for link in links if link.task)]
+        # bounded: the server's shutdown must not wait on a task whose cancellation something swallowed
+        _, pending = await asyncio.wait(tasks, timeout=STOP_S)
+        if pending:
+            log.warning("pub/sub: %d tasks still stopping", len(pending))
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_result(None)
@@ -376,6 +385,7 @@ class Relay:
             link.task.cancel()
         orphans = [job_id for job_id, routed in self._route.items() if routed is link]
         self._orphan(orphans)
+        self._settle_until = asyncio.get_running_loop().time() + SETTLE_S
         if was_connected:
             log.warning("pub/sub link to %s lost (%s); %d channels to subscribe again", link.node or "redis",
                         exc or "closed", len(orphans))
@@ -384,6 +394,7 @@ class Relay:
         """The channels of `slot` on `link` belong elsewhere now (the server said so): route them again."""
         self._orphan([job_id for job_id, routed in self._route.items()
                       if routed is link and key_slot(names.job_channel(job_id).encode()) == slot])
+        self._settle_until = asyncio.get_running_loop().time() + SETTLE_S
 
     def _orphan(self, job_ids: list[str]) -> None:
         for job_id in job_ids:
@@ -405,7 +416,7 @@ class Relay:
         while True:
             await self._dirty.wait()
             await asyncio.sleep(max(0.0, last + ROUTE_EVERY_S - loop.time()))  # (a slot map still settling)
-            last = loop.time()
+            last = self._routed_at = loop.time()
             self._dirty.clear()
             self._down.clear()
             try:
@@ -416,6 +427,8 @@ class Relay:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self._stopped.is_set():
+                    return  # redis-py can turn a cancellation (the relay's stop) into its own error
                 if not backoff.failures:
                     log.warning("pub/sub: cannot subscribe every channel yet (%s); retrying with backoff", exc)
                 self._dirty.set()
@@ -430,20 +443,38 @@ class Relay:
         self._mapped = True
         if self.cluster:
             self._connected.set()
+            self._follow_map()
         elif "" not in self._links:
             self._open("")
         unrouted = [job_id for job_id in self.subs if job_id not in self._route]
         if not all([self._route_job(job_id, wake=True) for job_id in unrouted]):
             raise ConnectionError("a channel's slot has no node")
         waiting = [link.connected for link in self._links.values() if not link.connected.done()]
-        if not all(await asyncio.gather(*waiting)):
-            raise ConnectionError("a link did not connect")
+        if waiting:  # (not gather: cancelling the router must not cancel the links' own futures)
+            await asyncio.wait(waiting)
+            if not all(f.result() for f in waiting):
+                raise ConnectionError("a link did not connect")
+
+    def _follow_map(self) -> None:
+        """Channels subscribed on a node the slot map no longer gives their slot to leave it for the one it gives.
+        Right after a failover a slot map can be read from a node that has not learned of it yet (the old master,
+        running again): a channel it routed there is confirmed by that node and given nothing, until a later
+        read, while the cluster settles, moves it."""
+        moved = [job_id for job_id, link in self._route.items()
+                 if self._node_of(names.job_channel(job_id)) != link.node]
+        for job_id in moved:
+            link = self._route[job_id]
+            if link.conn is not None:
+                link.send(self._unsub, names.job_channel(job_id))
+        self._orphan(moved)
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(TICK_S)
             now = loop.time()
+            if now < self._settle_until and now - self._routed_at >= SETTLE_EVERY_S:
+                self._dirty.set()  # the router's turn, with nothing waiting: the slot map may have moved on
             for group in self.subs.values():
                 for sub in group:
                     if sub.wake_at <= now:  # spread over the next tick: each wake-up costs its stream a read
