@@ -11,7 +11,7 @@ import socketserver
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,19 @@ async def make_relay() -> AsyncIterator[MakeRelay]:
         await client.aclose()  # type: ignore[attr-defined]
     # none of its tasks goes on (a router whose cancel redis-py turned into its own error went on for ever)
     assert not [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("relay-")]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A local Redis Cluster of 3 masters, no replicas (set up before the relay, so stopped after it)."""
+    try:
+        cluster_binary()
+    except SystemExit as e:
+        pytest.skip(str(e))  # no redis-server 7
+    made = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, appendfsync="no")
+    made.start()
+    yield made
+    made.stop()
 
 
 async def _next(sub, timeout: float = 5.0):  # type: ignore[no-untyped-def]
@@ -198,116 +211,98 @@ async def test_a_silent_connection_is_replaced_once_a_ping_goes_unanswered(redis
 
 
 async def test_streams_subscribing_while_the_relay_reconnects_to_a_cluster_leave_no_link_behind(
-        tmp_path: Path, make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch) -> None:
+        cluster: LocalCluster, make_relay: MakeRelay, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a failover the relay reconnects and reads the cluster's slot map again, which takes a while as the
     cluster settles; streams that subscribe meanwhile are subscribed once the new links are up, on one link per
     node, and no link of a session is left reading a connection nobody owns (it was: a subscribe in that window
     opened a link that the session then opened again, and the first, orphaned, hung on a closed connection until
     the garbage collector destroyed it, pending, and took the session down with it)."""
-    try:
-        cluster_binary()
-    except SystemExit as e:
-        pytest.skip(str(e))  # no redis-server 7
-    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, appendfsync="no")
-    cluster.start()
-    try:
-        with names.partitions_as(6):
-            relay = await make_relay(cluster.seed_url)
-            jobs = [names.job_id_in(p, uuid.uuid4().hex) for p in range(6)]  # two partitions a master
-            subs = [await relay.subscribe(job_id) for job_id in jobs[:3]]
-            manager = type(relay.client.nodes_manager)  # type: ignore[attr-defined]
-            settled = manager.initialize
-            reading = asyncio.Event()
+    with names.partitions_as(6):
+        relay = await make_relay(cluster.seed_url)
+        jobs = [names.job_id_in(p, uuid.uuid4().hex) for p in range(6)]  # two partitions a master
+        subs = [await relay.subscribe(job_id) for job_id in jobs[:3]]
+        manager = type(relay.client.nodes_manager)  # type: ignore[attr-defined]
+        settled = manager.initialize
+        reading = asyncio.Event()
 
-            async def settling(self: Any) -> None:
-                reading.set()
-                await asyncio.sleep(0.5)
-                await settled(self)
+        async def settling(self: Any) -> None:
+            reading.set()
+            await asyncio.sleep(0.5)
+            await settled(self)
 
-            monkeypatch.setattr(manager, "initialize", settling)
-            killer = redis.RedisCluster.from_url(cluster.seed_url)
-            primaries = killer.get_primaries()
+        monkeypatch.setattr(manager, "initialize", settling)
+        killer = redis.RedisCluster.from_url(cluster.seed_url)
+        primaries = killer.get_primaries()
 
-            async def drop_links(nodes: list[Any]) -> None:
-                reading.clear()
-                for node in nodes:
-                    killer.execute_command("CLIENT KILL", "TYPE", "pubsub", target_nodes=node)
-                async with asyncio.timeout(10):  # the relay reconnects: it reads the slot map again
-                    await reading.wait()
+        async def drop_links(nodes: list[Any]) -> None:
+            reading.clear()
+            for node in nodes:
+                killer.execute_command("CLIENT KILL", "TYPE", "pubsub", target_nodes=node)
+            async with asyncio.timeout(10):  # the relay reconnects: it reads the slot map again
+                await reading.wait()
 
-            async def all_subscribed() -> None:
-                for job_id in jobs:
-                    deadline = time.monotonic() + 5
-                    while killer.spublish(names.job_channel(job_id), b"probe") < 1:
-                        assert time.monotonic() < deadline, f"{job_id} was never subscribed"
-                        await asyncio.sleep(0.05)
-
-            await drop_links(primaries)
-            subs += [await relay.subscribe(job_id) for job_id in jobs[3:]]  # while the slot map is read
-            await all_subscribed()
-            await drop_links(primaries[:1])  # that node's link is opened again, the other two read on
-            await all_subscribed()
-            links = sorted(t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("relay-link-"))
-            assert len(links) == 3, links  # one a node, none left over from the sessions before
+        async def all_subscribed() -> None:
             for job_id in jobs:
-                killer.spublish(names.job_channel(job_id), b"hello")
-            for sub in subs:  # after probes, and a None a reconnect (re-read the event stream)
-                got = [await _next(sub)]
-                while got[-1] != b"hello" and len(got) < 20:
-                    got.append(await _next(sub))
-                assert got[-1] == b"hello" and set(got) <= {None, b"probe", b"hello"}, (sub.job_id, got)
-            killer.close()
-    finally:
-        cluster.stop()
+                deadline = time.monotonic() + 5
+                while killer.spublish(names.job_channel(job_id), b"probe") < 1:
+                    assert time.monotonic() < deadline, f"{job_id} was never subscribed"
+                    await asyncio.sleep(0.05)
+
+        await drop_links(primaries)
+        subs += [await relay.subscribe(job_id) for job_id in jobs[3:]]  # while the slot map is read
+        await all_subscribed()
+        await drop_links(primaries[:1])  # that node's link is opened again, the other two read on
+        await all_subscribed()
+        links = sorted(t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("relay-link-"))
+        assert len(links) == 3, links  # one a node, none left over from the sessions before
+        for job_id in jobs:
+            killer.spublish(names.job_channel(job_id), b"hello")
+        for sub in subs:  # after probes, and a None a reconnect (re-read the event stream)
+            got = [await _next(sub)]
+            while got[-1] != b"hello" and len(got) < 20:
+                got.append(await _next(sub))
+            assert got[-1] == b"hello" and set(got) <= {None, b"probe", b"hello"}, (sub.job_id, got)
+        killer.close()
 
 
-async def test_a_lost_link_to_one_cluster_node_leaves_the_other_nodes_streams_alone(tmp_path: Path,
+async def test_a_lost_link_to_one_cluster_node_leaves_the_other_nodes_streams_alone(cluster: LocalCluster,
                                                                                   make_relay: MakeRelay) -> None:
     """One node's pub/sub link lost (its master failed over, paused, cut off): that node's streams re-read their
     event streams and are subscribed again on a new link, while the other nodes' links and streams carry on as if
     nothing happened: no re-read, no message lost (a lost link used to end every link, and every stream of every
     node re-read its event stream at once)."""
-    try:
-        cluster_binary()
-    except SystemExit as e:
-        pytest.skip(str(e))  # no redis-server 7
-    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, appendfsync="no")
-    cluster.start()
-    try:
-        with names.partitions_as(6):
-            relay = await make_relay(cluster.seed_url)
-            jobs = [names.job_id_in(p, uuid.uuid4().hex) for p in range(6)]  # on every master
-            subs = [await relay.subscribe(job_id) for job_id in jobs]
-            killer = redis.RedisCluster.from_url(cluster.seed_url)
-            victim = killer.get_primaries()[0]
-            links = {t.get_name(): t for t in asyncio.all_tasks() if t.get_name().startswith("relay-link-")}
-            assert len(links) == 3, links
-            hit = [s for s in subs if killer.get_node_from_key(names.job_channel(s.job_id)).name == victim.name]
-            spared = [s for s in subs if s not in hit]
-            assert hit and spared
-            killer.execute_command("CLIENT KILL", "TYPE", "pubsub", target_nodes=victim)
-            for sub in hit:  # what was published while it had no link is in its event stream
-                assert await _next(sub) is None
-            for sub in hit:  # subscribed again, on a new link
-                deadline = time.monotonic() + 5
-                while killer.spublish(names.job_channel(sub.job_id), b"probe") < 1:
-                    assert time.monotonic() < deadline, f"{sub.job_id} was never subscribed again"
-                    await asyncio.sleep(0.05)
-            for job_id in jobs:
-                killer.spublish(names.job_channel(job_id), b"hello")
-            for sub in spared:  # nothing else came: no re-read asked, no message lost or repeated
-                assert await _next(sub) == b"hello" and not sub.items, sub.job_id
-            for sub in hit:
-                got = [await _next(sub)]
-                while got[-1] != b"hello" and len(got) < 50:
-                    got.append(await _next(sub))
-                assert got[-1] == b"hello" and set(got) <= {None, b"probe", b"hello"}, (sub.job_id, got)
-            now = {t.get_name(): t for t in asyncio.all_tasks() if t.get_name().startswith("relay-link-")}
-            assert now.keys() == links.keys()
-            assert [n for n in links if now[n] is not links[n]] == [f"relay-link-{victim.name}"]  # the others kept
-            killer.close()
-    finally:
-        cluster.stop()
+    with names.partitions_as(6):
+        relay = await make_relay(cluster.seed_url)
+        jobs = [names.job_id_in(p, uuid.uuid4().hex) for p in range(6)]  # on every master
+        subs = [await relay.subscribe(job_id) for job_id in jobs]
+        killer = redis.RedisCluster.from_url(cluster.seed_url)
+        victim = killer.get_primaries()[0]
+        links = {t.get_name(): t for t in asyncio.all_tasks() if t.get_name().startswith("relay-link-")}
+        assert len(links) == 3, links
+        hit = [s for s in subs if killer.get_node_from_key(names.job_channel(s.job_id)).name == victim.name]
+        spared = [s for s in subs if s not in hit]
+        assert hit and spared
+        killer.execute_command("CLIENT KILL", "TYPE", "pubsub", target_nodes=victim)
+        for sub in hit:  # what was published while it had no link is in its event stream
+            assert await _next(sub) is None
+        for sub in hit:  # subscribed again, on a new link
+            deadline = time.monotonic() + 5
+            while killer.spublish(names.job_channel(sub.job_id), b"probe") < 1:
+                assert time.monotonic() < deadline, f"{sub.job_id} was never subscribed again"
+                await asyncio.sleep(0.05)
+        for job_id in jobs:
+            killer.spublish(names.job_channel(job_id), b"hello")
+        for sub in spared:  # nothing else came: no re-read asked, no message lost or repeated
+            assert await _next(sub) == b"hello" and not sub.items, sub.job_id
+        for sub in hit:
+            got = [await _next(sub)]
+            while got[-1] != b"hello" and len(got) < 50:
+                got.append(await _next(sub))
+            assert got[-1] == b"hello" and set(got) <= {None, b"probe", b"hello"}, (sub.job_id, got)
+        now = {t.get_name(): t for t in asyncio.all_tasks() if t.get_name().startswith("relay-link-")}
+        assert now.keys() == links.keys()
+        assert [n for n in links if now[n] is not links[n]] == [f"relay-link-{victim.name}"]  # the others kept
+        killer.close()
 
 
 def _move_slot(client: redis.RedisCluster, channel: str) -> int:
@@ -324,62 +319,54 @@ def _move_slot(client: redis.RedisCluster, channel: str) -> int:
     return slot
 
 
-async def test_a_moved_slots_channels_follow_it_to_its_new_node(tmp_path: Path, make_relay: MakeRelay) -> None:
+async def test_a_moved_slots_channels_follow_it_to_its_new_node(cluster: LocalCluster,
+                                                               make_relay: MakeRelay) -> None:
     """A resharding moves a slot: its subscribed channels, dropped by their old node, are subscribed on the new
     one (their streams re-read their event streams meanwhile); a channel subscribed by a slot map from before the
     move is answered MOVED, and is routed again rather than left unsubscribed (it was: the stream then lived on
     its 5 s catch-up reads)."""
-    try:
-        cluster_binary()
-    except SystemExit as e:
-        pytest.skip(str(e))  # no redis-server 7
-    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, appendfsync="no")
-    cluster.start()
-    try:
-        with names.partitions_as(6):
-            relay = await make_relay(cluster.seed_url)
-            pub = redis.RedisCluster.from_url(cluster.seed_url)
-            first, second, third = (names.job_id_in(p, uuid.uuid4().hex) for p in (0, 1, 2))
+    with names.partitions_as(6):
+        relay = await make_relay(cluster.seed_url)
+        pub = redis.RedisCluster.from_url(cluster.seed_url)
+        first, second, third = (names.job_id_in(p, uuid.uuid4().hex) for p in (0, 1, 2))
 
-            def links_of(node: str) -> Any:
-                return next((t for t in asyncio.all_tasks() if t.get_name() == f"relay-link-{node}"), None)
+        def links_of(node: str) -> Any:
+            return next((t for t in asyncio.all_tasks() if t.get_name() == f"relay-link-{node}"), None)
 
-            async def delivered(sub: Any) -> None:  # published after it is subscribed: it arrives
-                deadline = time.monotonic() + 5
-                while pub.spublish(names.job_channel(sub.job_id), b"probe") < 1:
-                    assert time.monotonic() < deadline, f"{sub.job_id} is not subscribed"
-                    await asyncio.sleep(0.05)
-                got = [await _next(sub)]
-                while got[-1] != b"probe":
-                    got.append(await _next(sub))
-                assert set(got) <= {None, b"probe"}, got
-
-            sub = await relay.subscribe(first)
-            await delivered(sub)
-            _move_slot(pub, names.job_channel(first))
-            assert await _next(sub) is None  # subscribed again on the new node: re-read what came meanwhile
-            await delivered(sub)
-            _move_slot(pub, names.job_channel(second))  # a slot the relay has no channel of: its map is stale
-            late = await relay.subscribe(second)
-            await delivered(late)
-            # a slot no node serves (as while a failover settles): the subscription is refused CLUSTERDOWN, and
-            # made once the slot is served again
-            slot, owner = key_slot(names.job_channel(third).encode()), pub.get_node_from_key(names.job_channel(third))
-            held = await relay.subscribe(names.job_id_in(2, uuid.uuid4().hex))  # the owner's link is up
-            link = links_of(owner.name)
-            assert link is not None
-            pub.execute_command("CLUSTER DELSLOTS", slot, target_nodes=owner)
-            down = await relay.subscribe(third)
+        async def delivered(sub: Any) -> None:  # published after it is subscribed: it arrives
             deadline = time.monotonic() + 5
-            while links_of(owner.name) is link:  # refused: that link is given up (and opened again)
-                assert time.monotonic() < deadline, "the refusal went unnoticed"
+            while pub.spublish(names.job_channel(sub.job_id), b"probe") < 1:
+                assert time.monotonic() < deadline, f"{sub.job_id} is not subscribed"
                 await asyncio.sleep(0.05)
-            pub.execute_command("CLUSTER ADDSLOTS", slot, target_nodes=owner)
-            await delivered(down)
-            await delivered(held)
-            pub.close()
-    finally:
-        cluster.stop()
+            got = [await _next(sub)]
+            while got[-1] != b"probe":
+                got.append(await _next(sub))
+            assert set(got) <= {None, b"probe"}, got
+
+        sub = await relay.subscribe(first)
+        await delivered(sub)
+        _move_slot(pub, names.job_channel(first))
+        assert await _next(sub) is None  # subscribed again on the new node: re-read what came meanwhile
+        await delivered(sub)
+        _move_slot(pub, names.job_channel(second))  # a slot the relay has no channel of: its map is stale
+        late = await relay.subscribe(second)
+        await delivered(late)
+        # a slot no node serves (as while a failover settles): the subscription is refused CLUSTERDOWN, and
+        # made once the slot is served again
+        slot, owner = key_slot(names.job_channel(third).encode()), pub.get_node_from_key(names.job_channel(third))
+        held = await relay.subscribe(names.job_id_in(2, uuid.uuid4().hex))  # the owner's link is up
+        link = links_of(owner.name)
+        assert link is not None
+        pub.execute_command("CLUSTER DELSLOTS", slot, target_nodes=owner)
+        down = await relay.subscribe(third)
+        deadline = time.monotonic() + 5
+        while links_of(owner.name) is link:  # refused: that link is given up (and opened again)
+            assert time.monotonic() < deadline, "the refusal went unnoticed"
+            await asyncio.sleep(0.05)
+        pub.execute_command("CLUSTER ADDSLOTS", slot, target_nodes=owner)
+        await delivered(down)
+        await delivered(held)
+        pub.close()
 
 
 @pytest.mark.parametrize("n", [1, 300])
