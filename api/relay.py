@@ -289,7 +289,8 @@ class Relay:
     def _route_job(self, job_id: str, wake: bool = False) -> bool:
         """Subscribe the job's channel on its node's link (opened if the node has none). True when a confirmation
         will come: sent now, or when the link connects (it subscribes every channel routed to it). False when the
-        channel waits for the router (no slot map yet). `wake`: the job's streams re-read their event streams once
+        channel waits for the router (no slot map yet, no node serves its slot, or its node's link was just lost).
+        `wake`: the job's streams re-read their event streams once
         the subscription is sent (the router's: what was published while the channel had no link)."""
         if not self._mapped:
             return False
