@@ -51,6 +51,12 @@ RETRYABLE = (*UNAVAILABLE, RedisClusterException, ConnectionResetError, OSError)
 CLUSTER_TYPES = (redis.cluster.RedisCluster, acluster.RedisCluster)
 
 
+def refuses_writes(exc: BaseException) -> bool:
+    """Redis refused a write for a state of its own, for now: too few replicas (`min-replicas-to-write`) or a
+    failing save (`MISCONF`). redis-py has no class for either (a script's refusal names it in its message)."""
+    return isinstance(exc, ResponseError) and any(code in str(exc) for code in ("NOREPLICAS", "MISCONF"))
+
+
 log = logging.getLogger(__name__)
 
 _KINDS: dict[str, bool] = {}

@@ -1,5 +1,6 @@
-"""A Redis at its maxmemory (noeviction): the API refuses new work with a 503 that says so, stores nothing, and
-takes work again once memory is freed. The API runs in process, on a redis-server of its own (no workers)."""
+"""A Redis at its maxmemory (noeviction), or refusing writes for another state of its own: the API refuses new work
+with a 503 that says so, stores nothing, and takes work again once Redis does. The API runs in process, on a
+redis-server of its own (no workers)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,21 @@ async def test_a_full_store_answers_503_stores_nothing_and_recovers(full: Full) 
     assert set(r.keys()) == before  # nothing of them stored
     assert not r.xlen(names.stream(names.JOBS, 0))
     r.delete(*junk)
+    resp = await client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})
+    assert resp.status_code == 202, resp.text
+    r.close()
+
+
+async def test_a_store_that_refuses_writes_answers_503_and_recovers(full: Full) -> None:
+    """Redis refusing writes for a state of its own (here `min-replicas-to-write` with no replica; a failing save
+    is `MISCONF`): a submit is a 503 to retry, not an internal error, and nothing is stored."""
+    client, server = full
+    r = sync_client(server.url, decode=False)
+    r.config_set("min-replicas-to-write", 1)
+    resp = await client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "2", resp.text
+    assert not r.xlen(names.stream(names.JOBS, 0))
+    r.config_set("min-replicas-to-write", 0)
     resp = await client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})
     assert resp.status_code == 202, resp.text
     r.close()
