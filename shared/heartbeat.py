@@ -60,7 +60,7 @@ class Heartbeat(threading.Thread):
                 sick = False
                 try:
                     self.beat()
-                except RETRYABLE as exc:
+                except (*RETRYABLE, redis.RedisError) as exc:  # (and Redis's own refusals: NOREPLICAS, MISCONF)
                     log.warning("heartbeat failed: %s", exc)
                     heal(self.client)
             self.stop_event.wait(self.interval)

@@ -4,7 +4,9 @@ scan of the keyspace: a worker is listed while its heartbeat lasts, and not afte
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
+import pytest
 import redis
 
 from infra.redis_server import RedisServer
@@ -101,3 +103,25 @@ def test_readers_of_live_workers_never_scan_the_keyspace(redis_db: redis.Redis, 
     assert "cmdstat_zrange" in calls
     assert not calls & {"cmdstat_scan", "cmdstat_keys"}
     raw.close()
+
+
+def test_a_heartbeat_goes_on_through_a_refusal_of_redis_itself(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Redis refusing writes for a state of its own (`min-replicas-to-write` unmet; a failing save is the same):
+    the heartbeat logs it and beats again once Redis takes writes (it used to end its thread, and the worker, alive,
+    was counted dead once its key ran out)."""
+    server = RedisServer(tmp_path / "redis", appendonly=False)
+    server.start()
+    r = redis.Redis.from_url(server.url)
+    try:
+        r.config_set("min-replicas-to-write", 1)
+        hb = Heartbeat(r, "pool-refused", "w1", 0.05, lambda: {})
+        hb.start()
+        until("the refusal to be seen", lambda: "heartbeat failed" in caplog.text)
+        r.config_set("min-replicas-to-write", 0)
+        until("a beat once Redis takes writes", lambda: r.exists(names.heartbeat_key("pool-refused", "w1")))
+        assert hb.is_alive()
+        hb.stop()
+    finally:
+        r.close()
+        server.stop()
