@@ -3,10 +3,12 @@ its webhook gets the job as polled, a failing webhook is retried and finally dea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,24 +167,31 @@ def test_one_drain_takes_a_backlog(redis_db: redis.Redis) -> None:
     assert redis_db.hget(names.usage_key(), "m:jobs") == "450"
 
 
+@contextlib.contextmanager
+def waiting_drain(worker: AfterJob, budget_s: float) -> Iterator[tuple[threading.Thread, dict[str, int]]]:
+    """A drain waiting for ends (500 ms at a time) in a thread: the thread and, once it returns, its counts. On exit,
+    stopped as at a worker's warm shutdown (it returns after its current wait), and joined."""
+    result: dict[str, int] = {}
+    t = threading.Thread(target=lambda: result.update(worker.drain(budget_s=budget_s, wait_ms=500)))
+    t.start()
+    try:
+        yield t, result
+    finally:
+        worker.stopping.set()
+        t.join(timeout=10)
+    assert not t.is_alive()
+
+
 def test_a_waiting_drain_sends_webhooks_as_jobs_end(redis_db: redis.Redis) -> None:
     worker = after(redis_db)
     t0 = time.monotonic()
     assert worker.drain(budget_s=0.5, wait_ms=200) == {"done": 0, "failed": 0, "dead": 0}
     assert 0.45 < time.monotonic() - t0 < 2  # nothing ended: it waited out its budget, no longer
-    with webhook_server() as hooks:
-        result: dict[str, int] = {}
-        t = threading.Thread(target=lambda: result.update(worker.drain(budget_s=30, wait_ms=500)))
-        t.start()
-        try:
-            until("the drain to wait on Redis", lambda: blocked_on(redis_db, "xreadgroup"))
-            end_job(redis_db, "job_live", hooks.url)
-            assert hooks.wait_for(1, timeout=5), "no webhook while the drain was waiting"
-            assert t.is_alive()  # sent as the job ended, not when the drain returned
-        finally:
-            worker.stopping.set()  # as at a worker's warm shutdown: it returns after its current wait
-            t.join(timeout=5)
-        assert not t.is_alive()
+    with webhook_server() as hooks, waiting_drain(worker, 30) as (t, result):
+        until("the drain to wait on Redis", lambda: blocked_on(redis_db, "xreadgroup"))
+        end_job(redis_db, "job_live", hooks.url)
+        assert hooks.wait_for(1, timeout=5), "no webhook while the drain was waiting"
+        assert t.is_alive()  # sent as the job ended, not when the drain returned
     assert result == {"done": 1, "failed": 0, "dead": 0}
 
 
@@ -195,23 +204,15 @@ def test_a_waiting_drain_outlives_a_redis_outage(tmp_path: Path, caplog: pytest.
     try:
         client = sync_client(server.url)
         worker = after(client)
-        with webhook_server() as hooks:
-            result: dict[str, int] = {}
-            t = threading.Thread(target=lambda: result.update(worker.drain(budget_s=60, wait_ms=500)))
-            t.start()
-            try:
-                until("the drain to wait on Redis", lambda: blocked_on(client, "xreadgroup"))
-                server.stop()
-                until("the drain to see the outage (or die of it)",
-                      lambda: "redis unavailable" in caplog.text or not t.is_alive(), timeout=60)
-                server.start()  # same port, same data
-                end_job(client, "job_after_restart", hooks.url)
-                assert hooks.wait_for(1, timeout=15), "no webhook after the restart"
-                assert t.is_alive()  # the same run
-            finally:
-                worker.stopping.set()
-                t.join(timeout=10)
-            assert not t.is_alive()
+        with webhook_server() as hooks, waiting_drain(worker, 60) as (t, result):
+            until("the drain to wait on Redis", lambda: blocked_on(client, "xreadgroup"))
+            server.stop()
+            until("the drain to see the outage (or die of it)",
+                  lambda: "redis unavailable" in caplog.text or not t.is_alive(), timeout=60)
+            server.start()  # same port, same data
+            end_job(client, "job_after_restart", hooks.url)
+            assert hooks.wait_for(1, timeout=15), "no webhook after the restart"
+            assert t.is_alive()  # the same run
         assert result["done"] == 1
         client.close()
     finally:
