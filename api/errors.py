@@ -11,12 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import OutOfMemoryError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.job_ops import NotCopied
 from shared.jobs import DamagedRecord
-from shared.redis_client import UNAVAILABLE, refuses_writes
+from shared.redis_client import UNAVAILABLE
+from shared.redis_errors import WritesRefusedError
 
 log = logging.getLogger("conveyor.api")
 
@@ -159,10 +160,8 @@ def install(app: FastAPI) -> None:
     for kind in UNAVAILABLE:
         app.add_exception_handler(kind, _redis)
 
-    @app.exception_handler(ResponseError)
-    async def _refused(request: Request, exc: ResponseError) -> JSONResponse:
-        if not refuses_writes(exc):
-            raise exc  # the request guard's 500
+    @app.exception_handler(WritesRefusedError)
+    async def _refused(request: Request, exc: WritesRefusedError) -> JSONResponse:
         log.warning("redis refuses writes: %s", exc)  # nothing was written (a script is refused at its first write)
         msg = "the job store cannot take writes now; retry shortly"
         return _answer(request, 503, msg, headers={"Retry-After": "2"})

@@ -60,7 +60,7 @@ class Heartbeat(threading.Thread):
                 sick = False
                 try:
                     self.beat()
-                except (*RETRYABLE, redis.RedisError) as exc:  # (and Redis's own refusals: NOREPLICAS, MISCONF)
+                except (*RETRYABLE, redis.RedisError) as exc:  # any: a beat missed is never the worker's end
                     log.warning("heartbeat failed: %s", exc)
                     heal(self.client)
             self.stop_event.wait(self.interval)

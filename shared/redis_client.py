@@ -40,21 +40,17 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from shared import scripts
+from shared.redis_errors import WritesRefusedError, refused
 
 # Redis cannot answer now, but will: down or unreachable, a cluster in a failover (no master for a slot
-# yet, a write that met a demoted master, a slot in migration), or full (at its maxmemory, with noeviction: a
-# write refused until TTLs, trimming or an operator free memory; a script's refusal is one too, shared/scripts)
+# yet, a write that met a demoted master, a slot in migration), full (at its maxmemory, with noeviction: a
+# write refused until TTLs, trimming or an operator free memory), or refusing writes (too few replicas, a failing
+# save: a full disk); a script's refusal is the command's (shared/redis_errors.py)
 UNAVAILABLE = (ConnectionError, TimeoutError, ClusterError, TryAgainError, SlotNotCoveredError, ReadOnlyError,
-               OutOfMemoryError)
+               OutOfMemoryError, WritesRefusedError)
 # and a cluster client that found no node to ask at all (every one it knows is down or cut off)
 RETRYABLE = (*UNAVAILABLE, RedisClusterException, ConnectionResetError, OSError)
 CLUSTER_TYPES = (redis.cluster.RedisCluster, acluster.RedisCluster)
-
-
-def refuses_writes(exc: BaseException) -> bool:
-    """Redis refused a write for a state of its own, for now: too few replicas (`min-replicas-to-write`) or a
-    failing save (`MISCONF`). redis-py has no class for either (a script's refusal names it in its message)."""
-    return isinstance(exc, ResponseError) and any(code in str(exc) for code in ("NOREPLICAS", "MISCONF"))
 
 
 log = logging.getLogger(__name__)
@@ -175,7 +171,7 @@ async def send_once(client: aredis.Redis | acluster.RedisCluster, key: str,
             try:
                 got.append(await conn.read_response())
             except ResponseError as exc:
-                got.append(exc)
+                got.append(refused(exc))
         return got
     except BaseException:
         await conn.disconnect()

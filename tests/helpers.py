@@ -8,7 +8,8 @@ import io
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from unittest import mock
 
@@ -19,6 +20,7 @@ import harness.stack
 from harness.sse import iter_sse, read_events, tokens_text
 from shared.grammar import GrammarSpec, from_openai
 from shared.jobs import TERMINAL
+from shared.redis_client import text
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -129,3 +131,43 @@ def fill(r: redis.Redis) -> list[str]:
         except redis.exceptions.OutOfMemoryError:
             keys.pop()
     return keys
+
+
+@contextlib.contextmanager
+def writes_refused(r: redis.Redis, how: str, scratch: Path) -> Iterator[None]:
+    """Redis refusing every write while inside, then taking writes again: `full` (filled to its maxmemory, with
+    noeviction: OOM), `no replicas` (`min-replicas-to-write` 1 with none: NOREPLICAS) or `failed save` (its last
+    RDB save failed, its directory gone as a failed disk leaves it: MISCONF; on a Redis without AOF). `scratch`: a
+    directory that does not exist yet."""
+    junk: list[str] = []
+    [old_dir] = map(text, r.config_get("dir").values())
+    if how == "full":
+        junk = fill(r)
+    elif how == "no replicas":
+        r.config_set("min-replicas-to-write", 1)
+    elif how == "failed save":
+        scratch.mkdir()
+        r.config_set("dir", str(scratch))
+        scratch.rmdir()
+        r.config_set("save", "3600 1")
+        r.bgsave()
+        until("the save failed", lambda: _saved(r) == "err", timeout=30)
+    else:
+        raise ValueError(how)
+    try:
+        yield
+    finally:
+        if junk:
+            r.delete(*junk)
+        r.config_set("min-replicas-to-write", 0)
+        if how == "failed save":
+            r.config_set("dir", old_dir)
+            r.bgsave()
+            until("the save succeeded", lambda: _saved(r) == "ok", timeout=30)
+            r.config_set("save", "")
+
+
+def _saved(r: redis.Redis) -> str:
+    """The last RDB save's status once none runs ("ok", "err"); "" while one does."""
+    info = r.info("persistence")
+    return "" if int(info["rdb_bgsave_in_progress"]) else str(info["rdb_last_bgsave_status"])

@@ -50,6 +50,9 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
+    # a broker that refuses a write (full, too few replicas, a failed save) answers an error reply, which kombu
+    # counts a channel error: the consumer connects again and goes on, where the worker would exit
+    broker_channel_error_retry=True,
     result_backend=None,
     beat_schedule={
         "trim-consumed-streams": {"task": "conveyor.trim_streams", "schedule": 30.0},

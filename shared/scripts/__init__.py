@@ -24,7 +24,9 @@ import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 import redis.cluster
-from redis.exceptions import NoScriptError, OutOfMemoryError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
+
+from shared.redis_errors import refused
 
 _CLUSTER = (redis.cluster.RedisCluster, acluster.RedisCluster, acluster.ClusterPipeline)
 
@@ -84,15 +86,6 @@ BATCH_RESULT = Script("batch_result")
 FILE_BYTES = Script("file_bytes")
 ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL, FAIR_PUSH,
        FAIR_POP, BATCH_RESULT, FILE_BYTES)
-
-
-def refused(exc: ResponseError) -> ResponseError:
-    """A script's error as the command's would be: Redis at its maxmemory refuses a script at its first write
-    (so nothing of it was written) with an error reply that only names OOM, which is redis-py's
-    OutOfMemoryError for a command (shared.redis_client counts it among the outages a caller waits out)."""
-    if not isinstance(exc, OutOfMemoryError) and "OOM command not allowed" in str(exc):
-        return OutOfMemoryError(str(exc))
-    return exc
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from infra.redis_server import RedisServer
 from shared import names
 from shared.schemas import Request, encode_request
 from shared.signals import read_snapshot
 from tests.conftest import ROOT, Stack, start_stack, stop_stack
-from tests.helpers import read_events, submit, tokens_text, until, wait
+from tests.helpers import read_events, submit, tokens_text, until, wait, writes_refused
 
 ON_RSTACK = pytest.mark.xdist_group("rstack")  # its tests share the module's `rstack`
 
@@ -161,6 +162,48 @@ def test_sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
+
+
+def _refusals(r: redis.Redis) -> int:
+    """How many write refusals (NOREPLICAS) Redis has answered."""
+    return int(r.info("errorstats").get("errorstat_NOREPLICAS", {}).get("count", 0))
+
+
+@ON_RSTACK
+def test_jobs_running_when_redis_refuses_writes_wait_and_end_whole(rstack: Stack, client: httpx.Client,
+                                                                  tmp_path: Path) -> None:
+    """Redis refusing every write for a while (here too few replicas, `min-replicas-to-write`; a failed save on a
+    full disk is `MISCONF`, the same to the workers): the jobs running then wait, each loop backing off as in an
+    outage, and end whole once it takes writes again, with the text an uninterrupted run gives; no process of the
+    stack exits (the output lane used to die failing a job, taking its worker along)."""
+    w = spawn_inference(rstack, tmp_path / "w.log")
+    r = rstack.redis()
+    roles = {p.pid for _, p in rstack.tree()}
+    try:
+        wait_worker(rstack, w.pid)
+        reference = wait(client, submit(client, **BODY)["id"])
+        jobs = [submit(client, **BODY)["id"] for _ in range(4)]
+        until("every job under way",
+              lambda: all(client.get(f"/v1/jobs/{j}").json()["usage"]["completion_tokens"] >= 5 for j in jobs),
+              timeout=60)
+        with writes_refused(r, "no replicas", tmp_path / "unused"):
+            before = _refusals(r)
+            assert any(client.get(f"/v1/jobs/{j}").json()["status"] == "running" for j in jobs)
+            refused = client.post("/v1/jobs", json=BODY)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "2", refused.text
+            until("the workers refused a while", lambda: _refusals(r) >= before + 20, timeout=60, every=0.1)
+        ended = [wait(client, j, timeout=120) for j in jobs]
+        assert w.poll() is None  # the worker and its output lane lived through it
+        assert {p.pid for _, p in rstack.tree()} == roles  # and no process of the stack was restarted
+    finally:
+        w.terminate()
+        w.wait(30)
+    for job in ended:
+        assert job["status"] == "succeeded", job
+        assert job["text"] == reference["text"]
+        events = read_events(client, job["id"])
+        assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+        assert tokens_text(events) == job["text"]
 
 
 @ON_RSTACK

@@ -4,6 +4,7 @@ record that is gone, and a job written only by the worker that runs it."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.exceptions import OutOfMemoryError
 
 from infra.redis_server import RedisServer
 from shared import fair_queue, names, scripts
@@ -25,7 +27,8 @@ from shared.job_ops import (
     step_write,
 )
 from shared.jobs import FinishReason, new_record
-from shared.redis_client import RETRYABLE, sync_client
+from shared.redis_client import RETRYABLE, async_client, sync_client
+from shared.redis_errors import WritesRefusedError
 from shared.scripts.codes import (
     AccountCode,
     AccountReply,
@@ -38,7 +41,7 @@ from shared.scripts.codes import (
     StepCode,
     StepReply,
 )
-from tests.helpers import fill
+from tests.helpers import writes_refused
 
 
 @pytest.fixture
@@ -71,32 +74,48 @@ def test_a_call_loads_the_script_when_redis_lost_it(raw: redis.Redis) -> None:
     assert scripts.TAIL(raw, [names.stream(names.JOBS, 0)], [5]) == [b"0-0"]
 
 
-def test_a_full_redis_refuses_a_script_as_it_refuses_a_command(tmp_path: Path) -> None:
-    """At its maxmemory (noeviction) Redis refuses a script at its first write, with an error reply that only
-    names OOM: it reaches callers as the command's OutOfMemoryError, called or pipelined, which every loop waits
-    out as an outage (shared.redis_client.RETRYABLE) and the API answers 503, and nothing of it was written."""
+@pytest.mark.parametrize("how, refusal", [("full", OutOfMemoryError), ("no replicas", WritesRefusedError),
+                                           ("failed save", WritesRefusedError)], ids=["OOM", "NOREPLICAS", "MISCONF"])
+def test_a_redis_refusing_writes_refuses_a_script_as_it_refuses_a_command(tmp_path: Path, how: str,
+                                                                          refusal: type[Exception]) -> None:
+    """Redis refuses every write when it is full (at its maxmemory, noeviction: OOM), short of replicas
+    (NOREPLICAS) or after a failed save (a failed disk: MISCONF), a script at its first write with an error reply
+    that only names it in its text: each reaches callers as the command's class, called, pipelined or through the
+    asyncio client, which every loop waits out as an outage (shared.redis_client.RETRYABLE) and the API answers 503;
+    nothing of it was written, and the same call succeeds once Redis takes writes again."""
     server = RedisServer(tmp_path / "redis", appendonly=False, maxmemory_mb=16)
     server.start()
     try:
         raw = sync_client(server.url, decode=False)
         raw.hset(names.job_key("job_full"), mapping=new_record("job_full", "m", ""))  # queued, to be pushed
-        before = set(raw.keys())
-        junk = fill(raw)
         job = [("job_full", 0, 1, b"request")]
-        with pytest.raises(RETRYABLE) as refused:
-            fair_queue.push(raw, 0, ["1-0"], job)
-        assert isinstance(refused.value, redis.exceptions.OutOfMemoryError)
-        pipe = raw.pipeline(transaction=False)
-        scripts.FAIR_PUSH.queue(pipe, *fair_queue.push_write(0, ["1-0"], job))
-        [reply] = pipe.execute(raise_on_error=False)
-        assert isinstance(reply, redis.exceptions.OutOfMemoryError)
-        assert set(raw.keys()) == before | {k.encode() for k in junk}  # nothing written
-        assert raw.hget(names.job_key("job_full"), "fair_queued") is None
-        raw.delete(*junk)
+        with writes_refused(raw, how, tmp_path / "disk"):
+            before = set(raw.keys())
+            with pytest.raises(refusal) as refused:
+                fair_queue.push(raw, 0, ["1-0"], job)
+            assert isinstance(refused.value, RETRYABLE)
+            with pytest.raises(refusal):
+                raw.xadd(names.stream(names.JOBS, 0), {"job_id": "job_full"})
+            pipe = raw.pipeline(transaction=False)
+            scripts.FAIR_PUSH.queue(pipe, *fair_queue.push_write(0, ["1-0"], job))
+            [reply] = pipe.execute(raise_on_error=False)
+            assert isinstance(reply, refusal)
+            with pytest.raises(refusal):
+                asyncio.run(_push_async(server.url, job))
+            assert set(raw.keys()) == before  # nothing written
+            assert raw.hget(names.job_key("job_full"), "fair_queued") is None
         assert fair_queue.push(raw, 0, ["1-0"], job) == 1
         raw.close()
     finally:
         server.stop()
+
+
+async def _push_async(url: str, job: list[Any]) -> None:
+    client = async_client(url)
+    try:
+        await scripts.FAIR_PUSH.acall(client, *fair_queue.push_write(0, ["1-0"], job))
+    finally:
+        await client.aclose()
 
 
 def _commands(client: redis.Redis) -> dict[str, int]:
