@@ -5,6 +5,7 @@
     .venv/bin/python -m bench faults failover --seeds all          # REDIS_URL lists every node
     .venv/bin/python -m bench faults failover --fault pause-replica --rounds 5 --tiny   # a replica paused instead
     .venv/bin/python -m bench faults failover --fault pause-master --tiny   # a master paused (silent), not killed
+    .venv/bin/python -m bench faults failover --fault refuse-writes --tiny  # a master refusing writes for a while
 
 The README's cluster settings on a cluster of its own, as an operator runs one (not the supervisor's, which
 would start a killed node again at once): a LocalCluster of 3 masters and 3 replicas, a single-node Redis as
@@ -28,6 +29,11 @@ master that REDIS_URL does not name for PAUSE_S, then lets it run. Jobs ending o
 ends are Done only once a replica has them, or after 5 s without one); the others' output must not. The row gives
 the longest gap between two token events of any stream while the replica was paused; a round passes when every
 job ends succeeded, its event stream whole.
+
+`--fault refuse-writes`: as `pause-replica`, but a master (not the node REDIS_URL names) refuses every write for
+PAUSE_S (`min-replicas-to-write` above its replicas: NOREPLICAS; a failed save on a full disk, MISCONF, is the
+same to the stack), then takes writes again. Its jobs pause: every loop backs off as in an outage. A round passes
+when every job ends succeeded, its event stream whole, and no process of the stack was restarted.
 """
 
 from __future__ import annotations
@@ -209,19 +215,32 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
 
 
 def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
-    """`--fault pause-replica`: one replica paused for PAUSE_S under streams that end all through the pause."""
+    """`--fault pause-replica`: one replica paused for PAUSE_S under streams that end all through the pause;
+    `--fault refuse-writes`: one master refusing writes for PAUSE_S instead."""
     counts = {"503": 0, "transport": 0}
+    pids = {p.pid for _, p in stack.tree()}
     with httpx.Client(base_url=stack.url, timeout=30, limits=httpx.Limits(max_connections=args.jobs + 4)) as client:
         jobs = [submit(client, body(i, args.max_tokens + 24 * i), counts) for i in range(args.jobs)]
         streams = Streams(client, [j for j in jobs if j])
         until("every job's first token", streams.started, 60, every=0.02)
         seed = cluster.nodes[0].port
-        replica = cluster.replica_of(next(p for p in cluster.master_ports() if p != seed))
-        cluster.kill(replica, signal.SIGSTOP)
+        master = next(p for p in cluster.master_ports() if p != seed)
+        replica = cluster.replica_of(master)
+        node = cluster.node(master).client()
+        refused = _refusals(node)
+        if args.fault == "refuse-writes":
+            node.config_set("min-replicas-to-write", len(cluster.replica_ports()) + 1)
+        else:
+            cluster.kill(replica, signal.SIGSTOP)
         paused_at = time.monotonic()
         time.sleep(PAUSE_S)
         resumed_at = time.monotonic()
-        cluster.kill(replica, signal.SIGCONT)
+        if args.fault == "refuse-writes":
+            refused = _refusals(node) - refused
+            node.config_set("min-replicas-to-write", 0)
+        else:
+            cluster.kill(replica, signal.SIGCONT)
+        node.close()
         streams.join()
         gaps = streams.gaps(paused_at, resumed_at)
         wrong = 0
@@ -234,7 +253,13 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
     return {"round": rnd + 1, "accepted": accepted, "lost": accepted - len(streams.events), "wrong": wrong,
             "ended_in_pause": sum(1 for t in streams.arrivals.values() if t and paused_at < t[-1] < resumed_at),
             "longest_gap_s": round(max(gaps, default=0.0), 2), "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
-            "healed": True}
+            "refusals": refused if args.fault == "refuse-writes" else None,
+            "restarted": len(pids - {p.pid for _, p in stack.tree()}), "healed": True}
+
+
+def _refusals(node: Any) -> int:
+    """How many writes the node has refused for too few replicas."""
+    return int(node.info("errorstats").get("errorstat_NOREPLICAS", {}).get("count", 0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="")
     ap.add_argument("--inference", type=int, default=1, help="inference workers (a job handed out again may go to "
                                                                  "another one)")
-    ap.add_argument("--fault", choices=["kill", "pause-master", "pause-replica"], default="kill",
-                    help="kill -9 of a master (default), a master paused until its replica took over, or one replica "
-                         "paused for a while")
+    ap.add_argument("--fault", choices=["kill", "pause-master", "pause-replica", "refuse-writes"], default="kill",
+                    help="kill -9 of a master (default), a master paused until its replica took over, one replica "
+                         "paused for a while, or a master refusing writes for a while")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.jobs, args.max_tokens, args.tiny = 1, 4, 8, True
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.2)
                 clean[i] = job["text"]
         for rnd in range(args.rounds):
-            row = (pause_round(stack, cluster, rnd, args) if args.fault == "pause-replica"
+            row = (pause_round(stack, cluster, rnd, args) if args.fault in ("pause-replica", "refuse-writes")
                    else one_round(stack, cluster, reviver, rnd, args, clean))
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -291,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
     if args.fault == "pause-master":
         keys += ["longest_gap_s", "slowest_poll_s"]
-    if args.fault == "pause-replica":
-        keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gaps_over_1s"]
+    if args.fault in ("pause-replica", "refuse-writes"):
+        keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gaps_over_1s", "restarted"]
+        keys += ["refusals"] if args.fault == "refuse-writes" else []
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))
-    passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"])
+    passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"] and not r.get("restarted"))
     print(f"\n{passed} of {len(rows)} rounds passed: every accepted job ended with its clean text")
     return 0 if passed == len(rows) else 1

@@ -63,6 +63,9 @@ BEHIND_REPLAYS = 3  # a step replayed for a finish that ran before it, at most; 
 # a job's last writes that the lane keeps to write again where its record lost them (`_heal`): a failover loses what
 # its replica had not copied yet, the last moments of output; a loss reaching further back fails the job
 HISTORY_WRITES = 256
+# a step's writes are tried again at most this far apart through an outage (a failover, a Redis refusing writes):
+# every stream of the worker waits on them, at most this long after Redis takes writes again
+WRITE_RETRY_CAP_S = 1.0
 ENDS_AT_STOP_S = 8.0  # how long a stopping lane waits for its last ends to be confirmed (the worker waits 10 s)
 LOST = "part of the output was not recorded (a Redis failover lost earlier writes, or a write failed): it is incomplete"
 
@@ -442,7 +445,8 @@ class OutputLane:
     def commit(self, pipe: Any, done: list[str]) -> None:
         """Run the step's pipeline (through outages), read its replies, and report the jobs it ended Done: at once
         on a single Redis, once a replica has their ends on a cluster (`Fencer`)."""
-        results = call(self._replayable(pipe), log=log, name="output lane write", on_outage=self._outage)
+        results = call(self._replayable(pipe), log=log, name="output lane write", on_outage=self._outage,
+                       cap=WRITE_RETRY_CAP_S)
         if self.outage is not None:
             self.outage.value = 0.0
         for i, res in enumerate(results):

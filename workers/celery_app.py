@@ -21,6 +21,7 @@ it: the drain's consumer group and the driver's leases share the work out.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -29,12 +30,13 @@ from celery import Celery
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from shared import names
-from shared.redis_client import is_cluster, sync_client
+from shared.redis_client import RETRYABLE, heal, is_cluster, sync_client
 from shared.settings import get_settings
 from workers import upkeep
 from workers.after_job import AfterJob
 from workers.batch_driver import BatchDriver
 
+log = logging.getLogger("conveyor.celery")
 settings = get_settings()
 AFTER_JOBS_EVERY_S = 30.0
 AFTER_JOBS_RUN_S = 28.0  # the next run starts as this one ends: at most a couple of seconds without either lane
@@ -53,6 +55,9 @@ app.conf.update(
     # a broker that refuses a write (full, too few replicas, a failed save) answers an error reply, which kombu
     # counts a channel error: the consumer connects again and goes on, where the worker would exit
     broker_channel_error_retry=True,
+    # and a run under way goes on meanwhile (it reaches conveyor's keys through its own client): its ack, lost with
+    # the connection, only makes it run once more
+    worker_cancel_long_running_tasks_on_connection_loss=False,
     result_backend=None,
     beat_schedule={
         "trim-consumed-streams": {"task": "conveyor.trim_streams", "schedule": 30.0},
@@ -75,8 +80,13 @@ def client() -> Any:
 
 @app.task(name="conveyor.trim_streams")
 def trim_streams() -> dict[str, int]:
-    """Drop stream entries that every consumer has finished with."""
-    return upkeep.trim_all(client(), settings.model_keys)
+    """Drop stream entries that every consumer has finished with; in an outage, nothing until the next run."""
+    try:
+        return upkeep.trim_all(client(), settings.model_keys)
+    except RETRYABLE as exc:
+        log.warning("streams not trimmed this run: redis unavailable (%s)", exc)
+        heal(client())
+        return {}
 
 
 _after: AfterJob | None = None
