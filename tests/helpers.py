@@ -134,18 +134,18 @@ def fill(r: redis.Redis) -> list[str]:
 
 
 @contextlib.contextmanager
-def writes_refused(r: redis.Redis, how: str, scratch: Path) -> Iterator[None]:
+def writes_refused(r: redis.Redis, how: str, scratch: Path | None = None) -> Iterator[None]:
     """Redis refusing every write while inside, then taking writes again: `full` (filled to its maxmemory, with
     noeviction: OOM), `no replicas` (`min-replicas-to-write` 1 with none: NOREPLICAS) or `failed save` (its last
-    RDB save failed, its directory gone as a failed disk leaves it: MISCONF; on a Redis without AOF). `scratch`: a
-    directory that does not exist yet."""
+    RDB save failed, its directory gone as a failed disk leaves it: MISCONF; on a Redis without AOF; `scratch`: a
+    directory that does not exist yet)."""
     junk: list[str] = []
     [old_dir] = map(text, r.config_get("dir").values())
     if how == "full":
         junk = fill(r)
     elif how == "no replicas":
         r.config_set("min-replicas-to-write", 1)
-    elif how == "failed save":
+    elif how == "failed save" and scratch is not None:
         scratch.mkdir()
         r.config_set("dir", str(scratch))
         scratch.rmdir()

@@ -186,7 +186,7 @@ def test_jobs_running_when_redis_refuses_writes_wait_and_end_whole(rstack: Stack
         until("every job under way",
               lambda: all(client.get(f"/v1/jobs/{j}").json()["usage"]["completion_tokens"] >= 5 for j in jobs),
               timeout=60)
-        with writes_refused(r, "no replicas", tmp_path / "unused"):
+        with writes_refused(r, "no replicas"):
             before = _refusals(r)
             assert any(client.get(f"/v1/jobs/{j}").json()["status"] == "running" for j in jobs)
             refused = client.post("/v1/jobs", json=BODY)
