@@ -192,6 +192,7 @@ class Relay:
         self._settle_until = 0.0  # until then (a link was lost, a slot moved) the router reads the slot map again
         self._routed_at = 0.0  # the router's last turn
         self._down: set[str] = set()  # nodes whose link was lost since the router's last turn
+        self._last_lost: str | None = None  # the node whose link was lost last: asked last for the slot map
         self._pending: dict[bytes, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._connected = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -381,6 +382,7 @@ class Relay:
         if self._links.get(link.node) is link:
             del self._links[link.node]
             self._down.add(link.node)
+            self._last_lost = link.node or None
         link.close()
         if link.task is not None and link.task is not asyncio.current_task():
             link.task.cancel()
@@ -437,8 +439,10 @@ class Relay:
 
     async def _route_all(self) -> None:
         if self.cluster:
-            if self._mapped:  # the slot map as it is now
-                await self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
+            if self._mapped:  # the slot map as it is now; a silent node asked first would hold the read for the
+                # client's socket timeout (10 s), so the one whose link was lost last is asked last
+                await self.client.nodes_manager.initialize(  # type: ignore[attr-defined]
+                    last_failed_node_name=self._last_lost)
             else:
                 await self.client.initialize()
         self._mapped = True

@@ -225,10 +225,10 @@ async def test_streams_subscribing_while_the_relay_reconnects_to_a_cluster_leave
         settled = manager.initialize
         reading = asyncio.Event()
 
-        async def settling(self: Any) -> None:
+        async def settling(self: Any, **kwargs: Any) -> None:
             reading.set()
             await asyncio.sleep(0.5)
-            await settled(self)
+            await settled(self, **kwargs)
 
         monkeypatch.setattr(manager, "initialize", settling)
         killer = redis.RedisCluster.from_url(cluster.seed_url)
