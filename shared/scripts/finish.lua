@@ -58,7 +58,7 @@ end
 redis.call('HSET', job, 'status', status, 'finish_reason', reason, 'error', err, 'finished_at', now)
 for i = 16, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 local seq = redis.call('HINCRBY', job, 'seq', 1)
-redis.call('XADD', events, '0-' .. seq, 'type', 'done')
+redis.pcall('XADD', events, '0-' .. seq, 'type', 'done') -- (an event stream damaged by hand ends the job all the same)
 redis.call('EXPIRE', job, ttl)
 redis.call('EXPIRE', events, ttl)
 redis.call('EXPIRE', ids, ttl)

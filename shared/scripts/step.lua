@@ -34,14 +34,16 @@
 -- tenants' counters in the fair queue when some job of the call was written.
 -- Returns a code per job, in the order of the call's jobs: 1 written, 2 a replay, 0 not running (ended),
 --   -1 no such job, -2 not this worker's (another's, or none's: queued again after a failover lost its start),
---   -3 a gap: the record lacks earlier steps of this job.
+--   -3 a gap: the record lacks earlier steps of this job, or a key of the job is not of its type (nothing more of
+--   its part is written; the lane fails it, alone).
 local vtc, backlog, served = KEYS[1], KEYS[2], KEYS[3]
 local ttl, now, publish, n_charged = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
 local codes, written = {}, false
 local a = 5 + 3 * n_charged
-for k = 4, #KEYS, 5 do
-  local job, events, ids_key, text_key, lp_key = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4]
-  local flags, ids_at, ids, text_at, chunk, seq, message, n_tokens, channel, lp_at, lp, worker = unpack(ARGV, a, a + 11)
+-- One job's part: its code. A key of the job that is not of its type (damaged by hand) raises WRONGTYPE, and
+-- the loop below counts the job's part a gap: the job fails alone, the others' parts are written.
+local function part(job, events, ids_key, text_key, lp_key, flags, ids_at, ids, text_at, chunk, seq, message, n_tokens,
+                    channel, lp_at, lp, worker)
   flags = tonumber(flags)
   local rec = redis.call('HMGET', job, 'status', 'worker', 'seq', 'completion_tokens')
   local has_chunk = chunk ~= '' or lp ~= ''
@@ -86,8 +88,17 @@ for k = 4, #KEYS, 5 do
       redis.call('EXPIRE', text_key, ttl)
       redis.call('EXPIRE', lp_key, ttl)
     end
-    written = true
   end
+  return code
+end
+
+for k = 4, #KEYS, 5 do
+  local ok, code = pcall(part, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], unpack(ARGV, a, a + 11))
+  if not ok then
+    if not string.find(tostring(code), 'WRONGTYPE', 1, true) then error(code, 0) end -- a refusal (OOM, ...) as before
+    code = -3
+  end
+  written = written or code == 1
   codes[#codes + 1] = code
   a = a + 12
 end

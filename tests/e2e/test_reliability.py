@@ -207,6 +207,39 @@ def test_jobs_running_when_redis_refuses_writes_wait_and_end_whole(rstack: Stack
 
 
 @ON_RSTACK
+def test_a_job_whose_keys_were_damaged_fails_alone(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
+    """A running job's event stream overwritten by hand (a key of the wrong type): that job fails, saying its output
+    was not recorded; the jobs beside it, in the same partition and so in the same step calls, end whole, and the
+    worker lives (the whole partition's writes failed every step, and the output lane died failing the job)."""
+    w = spawn_inference(rstack, tmp_path / "w.log")
+    r = rstack.redis()
+    roles = {p.pid for _, p in rstack.tree()}
+    try:
+        wait_worker(rstack, w.pid)
+        reference = wait(client, submit(client, **BODY)["id"])
+        victim, *others = [submit(client, **BODY)["id"] for _ in range(4)]
+        until("the job under way",
+              lambda: client.get(f"/v1/jobs/{victim}").json()["usage"]["completion_tokens"] >= 5, timeout=60)
+        r.delete(names.events_key(victim))
+        r.set(names.events_key(victim), "damaged")
+        failed = wait(client, victim, timeout=120)
+        ended = [wait(client, j, timeout=120) for j in others]
+        assert w.poll() is None
+        assert {p.pid for _, p in rstack.tree()} == roles
+    finally:
+        w.terminate()
+        w.wait(30)
+    assert failed["status"] == "failed" and "not recorded" in failed["error"], failed
+    assert failed["usage"]["completion_tokens"] < BODY["max_tokens"]  # it ended when its write failed
+    for job in ended:
+        assert job["status"] == "succeeded", job
+        assert job["text"] == reference["text"]
+        events = read_events(client, job["id"])
+        assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+        assert tokens_text(events) == job["text"]
+
+
+@ON_RSTACK
 def test_idempotency_key_returns_same_job(rstack: Stack, client: httpx.Client, tmp_path: Path) -> None:
     h = {"Idempotency-Key": "order-42-" + str(time.time())}
     a = client.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 3}, headers=h)

@@ -371,6 +371,33 @@ def test_a_step_on_an_ended_job_writes_nothing(raw: redis.Redis) -> None:
     assert _state(raw, job_id) == before
 
 
+def test_a_job_whose_keys_were_damaged_fails_alone(raw: redis.Redis) -> None:
+    """A key of one job that is not of its type (its event stream overwritten by hand) fails that job's part of a
+    step call as a gap, and only it: the other jobs of the call are written (the whole call used to fail, every step,
+    for every job of the partition). Its finish still ends it: status, the ended stream, its tenant's count."""
+    ops = JobOps(raw, 60)
+    jobs = ("job_dmg_0001", "job_dmg_0002", "job_dmg_0003")
+    for job_id in jobs:
+        _running_job(raw, job_id)
+    raw.delete(names.events_key("job_dmg_0002"))
+    raw.set(names.events_key("job_dmg_0002"), "damaged")
+    keys: list[str] = []
+    args: list[Any] = []
+    for job_id in jobs:
+        k, a = step_write(job_id, FRESH | FIRST_TOKEN, 0, pack_ids([7]), 0, b"Hi", 1, b"{}", 1, worker="w")
+        keys, args = keys + k, args + a
+    pipe = raw.pipeline(transaction=True)
+    ops.step(keys, args, pipe)
+    [reply] = pipe.execute()
+    assert StepReply.parse(reply) == StepReply((StepCode.written, StepCode.gap, StepCode.written))
+    assert [raw.get(names.text_key(j)) for j in jobs[::2]] == [b"Hi", b"Hi"]
+    assert raw.hget(names.job_key("job_dmg_0002"), "seq") == b"0"  # its chunk not recorded
+    ended = raw.xlen(names.stream(names.ENDED, 0))
+    assert ops.fail("job_dmg_0002", "its output could not be recorded", "w").code is FinishCode.finished
+    assert raw.hget(names.job_key("job_dmg_0002"), "status") == b"failed"
+    assert raw.xlen(names.stream(names.ENDED, 0)) == ended + 1  # the after-job work sees it end
+
+
 def test_one_step_call_writes_each_job_it_may(raw: redis.Redis) -> None:
     """A call of many jobs answers for each: the jobs refused have nothing written, the others are written."""
     ops = JobOps(raw, 60)
