@@ -95,7 +95,8 @@ end
 for k = 4, #KEYS, 5 do
   local ok, code = pcall(part, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4], unpack(ARGV, a, a + 11))
   if not ok then
-    if not string.find(tostring(code), 'WRONGTYPE', 1, true) then error(code, 0) end -- a refusal (OOM, ...) as before
+    -- any other error (a refusal: OOM, NOREPLICAS) ends the call as it would have: its reply keeps its code
+    if not string.find(tostring(code), 'WRONGTYPE', 1, true) then return redis.error_reply(tostring(code)) end
     code = -3
   end
   written = written or code == 1

@@ -14,6 +14,7 @@ import pytest
 import redis
 from redis.exceptions import OutOfMemoryError
 
+from infra.redis_cluster import cluster_binary
 from infra.redis_server import RedisServer
 from shared import fair_queue, names, scripts
 from shared.job_ops import (
@@ -105,6 +106,46 @@ def test_a_redis_refusing_writes_refuses_a_script_as_it_refuses_a_command(tmp_pa
             assert set(raw.keys()) == before  # nothing written
             assert raw.hget(names.job_key("job_full"), "fair_queued") is None
         assert fair_queue.push(raw, 0, ["1-0"], job) == 1
+        raw.close()
+    finally:
+        server.stop()
+
+
+class Redis7(RedisServer):
+    """A lone redis-server 7 (the cluster's binary; the embedded one is 6.2)."""
+
+    def command(self) -> list[str]:
+        return [cluster_binary(), str(self.config_path)]
+
+
+def test_a_refused_step_keeps_its_class_on_redis_7(tmp_path: Path) -> None:
+    """Redis 7 (a cluster's nodes) answers a write refused inside a script with the refusal's own code, which
+    redis-py raises as its class: a cluster's pipeline (the output lane's on a cluster) has nothing else to tell an
+    outage from a failure by. step.lua runs each job's part under pcall (a damaged key fails its job alone), and
+    must answer a refusal with its code still (re-raised as a Lua error, it came back as a plain ERR, and every
+    running job failed as incomplete once the refusal ended)."""
+    try:
+        cluster_binary()
+    except SystemExit as e:
+        pytest.skip(str(e))
+    server = Redis7(tmp_path / "redis", appendonly=False)
+    server.start()
+    try:
+        plain = redis.Redis.from_url(server.url)
+        raw = sync_client(server.url, decode=False)
+        _running_job(raw, "job_r7")
+        keys, args = step_write("job_r7", FRESH | FIRST_TOKEN, 0, pack_ids([7]), 0, b"Hi", 1, b"{}", 1, worker="w")
+        scripts.load(plain)
+
+        def step() -> Any:
+            pipe = plain.pipeline(transaction=False)  # redis-py's own, as a cluster's: nothing maps its replies
+            JobOps(raw, 60).step(keys, args, pipe)
+            return pipe.execute(raise_on_error=False)[0]
+
+        with writes_refused(raw, "no replicas"):
+            assert isinstance(step(), WritesRefusedError)
+        assert StepReply.parse(step()) == StepReply((StepCode.written,))
+        plain.close()
         raw.close()
     finally:
         server.stop()
