@@ -5,6 +5,7 @@ own; the checks on `rstack` run in turn, in one worker (`ON_RSTACK`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -164,6 +166,33 @@ def test_sigterm_drains_and_exits_zero(rstack: Stack, client: httpx.Client, tmp_
                 proc.wait(30)
 
 
+@contextlib.contextmanager
+def _lone_worker(rstack: Stack, client: httpx.Client, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """An inference worker of the test's own, ready, for the body to run jobs on; yields a clean run's job (BODY's
+    reference). On leaving, the worker (and its output lane) must have lived through the body, and no process of the
+    stack was restarted; the worker is stopped either way."""
+    w = spawn_inference(rstack, tmp_path / "w.log")
+    roles = {p.pid for _, p in rstack.tree()}
+    try:
+        wait_worker(rstack, w.pid)
+        yield wait(client, submit(client, **BODY)["id"])
+        assert w.poll() is None  # the worker and its output lane lived through it
+        assert {p.pid for _, p in rstack.tree()} == roles  # and no process of the stack was restarted
+    finally:
+        w.terminate()
+        w.wait(30)
+
+
+def _ended_whole(client: httpx.Client, ended: list[dict[str, Any]], reference: dict[str, Any]) -> None:
+    """Each job succeeded with the reference's text, and its event stream has seqs 1..n and joins to that text."""
+    for job in ended:
+        assert job["status"] == "succeeded", job
+        assert job["text"] == reference["text"]
+        events = read_events(client, job["id"])
+        assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
+        assert tokens_text(events) == job["text"]
+
+
 def _refusals(r: redis.Redis) -> int:
     """How many write refusals (NOREPLICAS) Redis has answered."""
     return int(r.info("errorstats").get("errorstat_NOREPLICAS", {}).get("count", 0))
@@ -176,12 +205,8 @@ def test_jobs_running_when_redis_refuses_writes_wait_and_end_whole(rstack: Stack
     full disk is `MISCONF`, the same to the workers): the jobs running then wait, each loop backing off as in an
     outage, and end whole once it takes writes again, with the text an uninterrupted run gives; no process of the
     stack exits (the output lane used to die failing a job, taking its worker along)."""
-    w = spawn_inference(rstack, tmp_path / "w.log")
     r = rstack.redis()
-    roles = {p.pid for _, p in rstack.tree()}
-    try:
-        wait_worker(rstack, w.pid)
-        reference = wait(client, submit(client, **BODY)["id"])
+    with _lone_worker(rstack, client, tmp_path) as reference:
         jobs = [submit(client, **BODY)["id"] for _ in range(4)]
         until("every job under way",
               lambda: all(client.get(f"/v1/jobs/{j}").json()["usage"]["completion_tokens"] >= 5 for j in jobs),
@@ -193,17 +218,7 @@ def test_jobs_running_when_redis_refuses_writes_wait_and_end_whole(rstack: Stack
             assert refused.status_code == 503 and refused.headers["retry-after"] == "2", refused.text
             until("the workers refused a while", lambda: _refusals(r) >= before + 20, timeout=60, every=0.1)
         ended = [wait(client, j, timeout=120) for j in jobs]
-        assert w.poll() is None  # the worker and its output lane lived through it
-        assert {p.pid for _, p in rstack.tree()} == roles  # and no process of the stack was restarted
-    finally:
-        w.terminate()
-        w.wait(30)
-    for job in ended:
-        assert job["status"] == "succeeded", job
-        assert job["text"] == reference["text"]
-        events = read_events(client, job["id"])
-        assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
-        assert tokens_text(events) == job["text"]
+    _ended_whole(client, ended, reference)
 
 
 @ON_RSTACK
@@ -211,12 +226,8 @@ def test_a_job_whose_keys_were_damaged_fails_alone(rstack: Stack, client: httpx.
     """A running job's event stream overwritten by hand (a key of the wrong type): that job fails, saying its output
     was not recorded; the jobs beside it, in the same partition and so in the same step calls, end whole, and the
     worker lives (the whole partition's writes failed every step, and the output lane died failing the job)."""
-    w = spawn_inference(rstack, tmp_path / "w.log")
     r = rstack.redis()
-    roles = {p.pid for _, p in rstack.tree()}
-    try:
-        wait_worker(rstack, w.pid)
-        reference = wait(client, submit(client, **BODY)["id"])
+    with _lone_worker(rstack, client, tmp_path) as reference:
         victim, *others = [submit(client, **BODY)["id"] for _ in range(4)]
         until("the job under way",
               lambda: client.get(f"/v1/jobs/{victim}").json()["usage"]["completion_tokens"] >= 5, timeout=60)
@@ -224,19 +235,9 @@ def test_a_job_whose_keys_were_damaged_fails_alone(rstack: Stack, client: httpx.
         r.set(names.events_key(victim), "damaged")
         failed = wait(client, victim, timeout=120)
         ended = [wait(client, j, timeout=120) for j in others]
-        assert w.poll() is None
-        assert {p.pid for _, p in rstack.tree()} == roles
-    finally:
-        w.terminate()
-        w.wait(30)
     assert failed["status"] == "failed" and "not recorded" in failed["error"], failed
     assert failed["usage"]["completion_tokens"] < BODY["max_tokens"]  # it ended when its write failed
-    for job in ended:
-        assert job["status"] == "succeeded", job
-        assert job["text"] == reference["text"]
-        events = read_events(client, job["id"])
-        assert [int(e["id"]) for e in events] == list(range(1, len(events) + 1))
-        assert tokens_text(events) == job["text"]
+    _ended_whole(client, ended, reference)
 
 
 @ON_RSTACK
