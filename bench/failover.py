@@ -21,7 +21,8 @@ failed.
 
 `--fault pause-master`: the master is paused (SIGSTOP) rather than killed: silent, its connections open, as a
 node cut off by the network is; once its replica has taken over, it runs again and finds itself a replica. Every
-job accepted before the pause is streamed too: the row adds the longest gap between two token events of a stream.
+job accepted before the pause is streamed too: the row adds the longest gap between two token events of a stream,
+and of a stream whose job another master holds (`gap_elsewhere_s`: its output need not wait for the paused one).
 
 `--fault pause-replica`: each round streams --jobs jobs of staggered lengths (so that some end all the time) and,
 once every one has its first token, pauses one replica (SIGSTOP: connected, silent, as one cut off or stuck) of a
@@ -52,12 +53,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.cluster
 
 from bench.common import PROMPTS, default_model, make_tiny_model, md_table, parser
 from harness.sse import check_events, iter_sse, read_events
 from harness.stack import Stack, start_stack, stop_stack, until
 from infra.redis_cluster import LocalCluster
 from infra.redis_server import RedisServer
+from shared import names
 from shared.jobs import TERMINAL
 
 ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "LOG_LEVEL": "WARNING",
@@ -118,9 +121,20 @@ class Streams:
         for t in self.threads:
             t.join(DRAIN_S)
 
-    def gaps(self, since: float, until_: float) -> list[float]:
-        """The gaps between two token events of a stream that overlap [since, until_]."""
-        return [b - a for times in self.arrivals.values() for a, b in zip(times, times[1:]) if b > since and a < until_]
+    def gaps(self, since: float, until_: float, jobs: set[str] | None = None) -> list[float]:
+        """The gaps between two token events of a stream (of `jobs`, else any) that overlap [since, until_]."""
+        return [b - a for job_id, times in self.arrivals.items() if jobs is None or job_id in jobs
+                for a, b in zip(times, times[1:]) if b > since and a < until_]
+
+
+def elsewhere(cluster: LocalCluster, jobs: list[str], master: int) -> set[str]:
+    """The jobs whose records another master than `master` holds (the slot map before the fault)."""
+    client = redis.cluster.RedisCluster.from_url(cluster.url)
+    try:
+        with names.partitions_as(int(ENV["REDIS_PARTITIONS"])):  # (the stack's, not this process's)
+            return {j for j in jobs if client.get_node_from_key(names.job_key(j)).port != master}
+    finally:
+        client.close()
 
 
 class Reviver(threading.Thread):
@@ -167,6 +181,7 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
         target = seed if rnd % 2 == 1 and seed in live else next(p for p in live if p != seed)
         paused = args.fault == "pause-master"
         streams = Streams(client, list(accepted)) if paused else None  # what a streaming client sees meanwhile
+        others = elsewhere(cluster, list(accepted), target)
         cluster.kill(target, signal.SIGSTOP if paused else signal.SIGKILL)
         killed_at = time.monotonic()
         revived = reviver.revive(target, paused)
@@ -189,10 +204,11 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
                     ended[job_id] = r.json()
             time.sleep(0.5)
         drained_s = time.monotonic() - killed_at
-        gap = 0.0
+        gap = gap_elsewhere = 0.0
         if streams is not None:
             streams.join()
             gap = max(streams.gaps(killed_at, killed_at + drained_s), default=0.0)
+            gap_elsewhere = max(streams.gaps(killed_at, killed_at + drained_s, others), default=0.0)
         wrong = 0
         for job_id, job in ended.items():
             events = check_events(read_events(client, job_id), job["text"])
@@ -211,7 +227,7 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
     return {"round": rnd + 1, "killed": "seed" if target == seed else "other", "accepted": len(accepted),
             "lost": lost, "wrong": wrong, "stalled": lost > 0, "drained_s": round(drained_s, 1),
             "503s": counts["503"], "healed": healed, "longest_gap_s": round(gap, 2),
-            "slowest_poll_s": round(slowest_poll, 2)}
+            "gap_elsewhere_s": round(gap_elsewhere, 2), "slowest_poll_s": round(slowest_poll, 2)}
 
 
 def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -227,6 +243,7 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
         master = next(p for p in cluster.master_ports() if p != seed)
         replica = cluster.replica_of(master)
         node = cluster.node(master).client()
+        others = elsewhere(cluster, [j for j in jobs if j], master)
         refused = _refusals(node)
         if args.fault == "refuse-writes":
             node.config_set("min-replicas-to-write", len(cluster.replica_ports()) + 1)
@@ -243,6 +260,7 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
         node.close()
         streams.join()
         gaps = streams.gaps(paused_at, resumed_at)
+        gaps_elsewhere = streams.gaps(paused_at, resumed_at, others)
         wrong = 0
         for job_id in (j for j in jobs if j):
             job = client.get(f"/v1/jobs/{job_id}").json()
@@ -253,6 +271,7 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
     return {"round": rnd + 1, "accepted": accepted, "lost": accepted - len(streams.events), "wrong": wrong,
             "ended_in_pause": sum(1 for t in streams.arrivals.values() if t and paused_at < t[-1] < resumed_at),
             "longest_gap_s": round(max(gaps, default=0.0), 2), "gaps_over_1s": sum(1 for g in gaps if g > 1.0),
+            "gap_elsewhere_s": round(max(gaps_elsewhere, default=0.0), 2),
             "refusals": refused if args.fault == "refuse-writes" else None,
             "restarted": len(pids - {p.pid for _, p in stack.tree()}), "healed": True}
 
@@ -315,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         broker.stop()
     keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
     if args.fault == "pause-master":
-        keys += ["longest_gap_s", "slowest_poll_s"]
+        keys += ["longest_gap_s", "gap_elsewhere_s", "slowest_poll_s"]
     if args.fault in ("pause-replica", "refuse-writes"):
-        keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gaps_over_1s", "restarted"]
+        keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gap_elsewhere_s",
+                "gaps_over_1s", "restarted"]
         keys += ["refusals"] if args.fault == "refuse-writes" else []
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))
     passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"] and not r.get("restarted"))

@@ -19,6 +19,9 @@ from shared.redis_client import heal, sync_client
 
 log = logging.getLogger("conveyor.output_lane")
 
+# a reply (a WAIT's included) is waited for at most this long: a paused node (connected, silent) asked for the slot
+# map would hold the thread for good, every end waiting behind it
+FENCE_TIMEOUT_S = 5.0
 FAILED_PAUSE_S = 0.1  # after a round that left some end unconfirmed: a failed connection is not asked again at once
 
 
@@ -27,7 +30,7 @@ class Fencer:
     `again` receives those not."""
 
     def __init__(self, redis_url: str, copied: Callable[[list[str]], None]) -> None:
-        self.client = sync_client(redis_url, decode=False)
+        self.client = sync_client(redis_url, decode=False, timeout=FENCE_TIMEOUT_S)
         self.fence = Fence(self.client)  # type: ignore[arg-type]
         self.copied = copied
         self.again: queue.SimpleQueue[str] = queue.SimpleQueue()

@@ -1,8 +1,9 @@
 """The output lane: a process of its own beside the engine. It turns per-step token-id deltas
-into text (incrementally, with stop strings held back) and, per step, in one MULTI/EXEC holding
-one STEP_SCRIPT call for all jobs: appends each chunk to the job's event stream, publishes it (its
-`token` event in the very bytes the job API streams: `token_message`), updates the job record and
-the saved token ids. Finished jobs get their terminal state; the engine
+into text (incrementally, with stop strings held back) and, per step, one STEP_SCRIPT call per partition for
+its jobs: appends each chunk to the job's event stream, publishes it (its `token` event in the very bytes the
+job API streams: `token_message`), updates the job record and the saved token ids. A step is one MULTI/EXEC on a
+single Redis; on a cluster each partition's writes go on their own (gpu_worker/backlog.py), so that a master's
+outage holds only its own partitions' streams. Finished jobs get their terminal state; the engine
 process hears back (`Done` to acknowledge the stream entry, `Abort` when a stop string ended a sequence,
 `Dropped` for a job its step or finish found no longer this worker's: `settle`). On a Redis Cluster a job's
 `Done` waits until a replica has its end, confirmed off this loop (gpu_worker/fencer.py).
@@ -27,6 +28,7 @@ import orjson
 import redis
 from tokenizers import Tokenizer
 
+from gpu_worker.backlog import BEHIND_REPLAYS, Backlog, Ending, Unit, behind, send
 from gpu_worker.cpu_affinity import release as release_cpus
 from gpu_worker.detokenizer import Detokenizer
 from gpu_worker.fencer import Fencer
@@ -47,6 +49,7 @@ from shared.metrics import (
     QUEUE,
     REQUEST_SUCCESS,
     TTFT,
+    Flusher,
     Histograms,
 )
 from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, sync_client
@@ -59,13 +62,17 @@ log = logging.getLogger("conveyor.output_lane")
 # replies after which a job is no longer this worker's to write: nothing of it was written
 REFUSED = frozenset({StepCode.no_such_job, StepCode.not_owner, StepCode.ended})
 NOT_ENDED_HERE = frozenset({FinishCode.no_such_job, FinishCode.not_owner})
-BEHIND_REPLAYS = 3  # a step replayed for a finish that ran before it, at most; still behind: the record lost steps
 # a job's last writes that the lane keeps to write again where its record lost them (`_heal`): a failover loses what
 # its replica had not copied yet, the last moments of output; a loss reaching further back fails the job
 HISTORY_WRITES = 256
-# a step's writes are tried again at most this far apart through an outage (a failover, a Redis refusing writes):
-# every stream of the worker waits on them, at most this long after Redis takes writes again
+# a step's writes are tried again at most this far apart through an outage of a single Redis (its restart, its
+# refusing writes): every stream waits on them, at most this long after Redis takes writes again
 WRITE_RETRY_CAP_S = 1.0
+# on a cluster a step's writes meet a master that does not answer for at most this long (then its partitions' writes
+# wait in the backlog while the others' go on): once, when it stops answering. An answer later than this is only a
+# replay when they are sent again; the backlog, off the lane's loop, waits longer (HELD_TIMEOUT_S)
+WRITE_TIMEOUT_S = 0.5
+HELD_TIMEOUT_S = 2.0
 ENDS_AT_STOP_S = 8.0  # how long a stopping lane waits for its last ends to be confirmed (the worker waits 10 s)
 LOST = "part of the output was not recorded (a Redis failover lost earlier writes, or a write failed): it is incomplete"
 
@@ -95,26 +102,6 @@ class JobState:
     stages: dict[str, float] = field(default_factory=dict)
     # its last writes, as sent (`step_write`), oldest first: what `_heal` sends again
     history: deque[Write] = field(default_factory=lambda: deque(maxlen=HISTORY_WRITES))
-
-
-# an ending job's finish: (job, reason, error, fields, worker, owner, its last step's (chunk seq, tokens written))
-Ending = tuple[str, FinishReason, str, dict[str, Any], str, str, tuple[int, int]]
-
-
-@dataclass
-class Sent:
-    """Where a built step's replies are among its pipeline's results (`OutputLane.settle` reads them)."""
-
-    first_step: int  # results before the step calls' (the prompts' logprob documents)
-    steps: list[list[str]]  # per step call, its jobs in their order
-    ends: list[Ending]  # the finishes that follow the step calls, in order (one named for an owner the record no
-    # longer names is sent again)
-    done: list[str]  # build's list of ending jobs, which commit reports as Done: settle takes dropped ones out
-
-    @property
-    def finishes(self) -> list[str]:
-        """The jobs whose finish follows the step calls, in order."""
-        return [end[0] for end in self.ends]
 
 
 @dataclass
@@ -147,8 +134,6 @@ class StepWrites:
 
 
 class OutputLane:
-    _sent: Sent | None = None  # what the last `build` queued, until `settle` reads its replies
-
     def __init__(self, settings: Settings, feedback: Queue[LaneReport], client: redis.Redis | None = None,
                  outage: Synchronized[float] | None = None) -> None:
         self.client = client or sync_client(settings.redis_url, decode=False)
@@ -158,6 +143,15 @@ class OutputLane:
         # one transaction per step on a single Redis; on a cluster a pipeline (a transaction there would need
         # one slot): each call is atomic, and a replayed step or finish is a no-op, so the order is enough
         self.cluster = isinstance(self.client, CLUSTER_TYPES)
+        # on a cluster, steps are sent with a client that meets an outage at once (no retry, a read timeout), and
+        # the writes that met one are sent again off this loop, their partitions' next ones after them
+        self.fast: Any = None
+        self.backlog: Backlog | None = None
+        self.down: set[str] = set()  # masters the fast client found not answering: their partitions' units wait
+        if self.cluster:
+            self.fast = sync_client(settings.redis_url, decode=False, retries=0, timeout=WRITE_TIMEOUT_S)
+            self.backlog = Backlog(sync_client(settings.redis_url, decode=False, timeout=HELD_TIMEOUT_S),
+                                   self._outage_began, self._back)
         # on a cluster the ends a step wrote are confirmed on a replica off this loop (gpu_worker/fencer.py), and
         # kept (the finish, the job's state) until they are
         self.fencer = Fencer(settings.redis_url, self._copied) if self.cluster else None
@@ -168,6 +162,7 @@ class OutputLane:
         self.interval = settings.stream_interval
         self.states: dict[str, JobState] = {}
         self.metrics = Histograms()
+        self.flusher = Flusher(sync_client(settings.redis_url, decode=False, timeout=HELD_TIMEOUT_S))
         self._last_flush = time.monotonic()
 
     def register(self, job: Register) -> None:
@@ -200,27 +195,23 @@ class OutputLane:
         now = time.monotonic()
         if force or now - self._last_flush >= 1.0:
             self._last_flush = now
-            pipe = self.client.pipeline(transaction=False)
-            self.metrics.flush(pipe)
-            try:
-                pipe.execute()
-            except (redis.RedisError, *RETRYABLE) as exc:
-                log.warning("metrics flush failed: %s", exc)
+            self.flusher.flush(self.metrics)
 
     def handle_deltas(self, data: bytes) -> None:
-        pipe, done = self.build(data)
-        self.commit(pipe, done)
+        pipe, units = self.build(data)
+        self.commit(pipe, units)
 
-    def build(self, data: bytes) -> tuple[Any, list[str]]:
-        """The step's writes (a `Deltas` batch): one STEP_SCRIPT call per partition for its jobs' chunks and ids,
-        then the finishes; where their replies will be is kept for `settle`."""
+    def build(self, data: bytes) -> tuple[Any, list[Unit]]:
+        """The step's writes (a `Deltas` batch), queued on a pipeline: per partition its prompts' logprob
+        documents, one STEP_SCRIPT call for its jobs' chunks and ids, then its finishes (a `Unit` each, which
+        says where its replies will be, for `settle`)."""
         step = StepWrites()
         wall = time.time()
         for row in Deltas(data).rows():
             st = self.states.get(row["job_id"])
             if st is not None:  # else already finished here (a stop string ended it before the engine heard)
                 self._take(row, st, step, wall)
-        return self._queue(step), step.done
+        return self._queue(step)
 
     def _take(self, row: dict[str, Any], st: JobState, step: StepWrites, wall: float) -> None:
         """One job's part of the step: its new text (stop strings held back), written when due, and its end."""
@@ -299,46 +290,61 @@ class OutputLane:
         st.written, st.held_ids, st.held_text, st.held_logprobs = st.n_tokens, bytearray(), "", []
         st.fresh = st.fresh and not chunk and not packed and not lp
 
-    def _queue(self, step: StepWrites) -> Any:
-        """The step's pipeline: the prompts' logprob documents, the step calls, then the finishes (a job's last
-        chunk precedes its end); what `settle` will read is noted."""
+    def _queue(self, step: StepWrites) -> tuple[Any, list[Unit]]:
+        """The step's pipeline, partition by partition: the prompts' logprob documents, the step call, then the
+        finishes (a job's last chunk precedes its end); a `Unit` per partition notes its calls and replies."""
         pipe = self.client.pipeline(transaction=not self.cluster)
-        for job_id, document in step.prompts:  # before the step that carries the job's first token
-            pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
-        for p, (keys, args) in step.calls.items():
-            self.jobs.step(keys, args, pipe, step.charges.get(p))
-        for job_id, reason, error, fields, worker, owner, written in step.finishes:
-            self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner, written=written)
-        self._sent = Sent(len(step.prompts), [step.jobs[p] for p in step.calls], step.finishes, step.done)
-        return pipe
+        prompts: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
+        for job_id, document in step.prompts:
+            prompts[names.job_partition(job_id)].append((job_id, document))
+        finishes: dict[int, list[Ending]] = defaultdict(list)
+        for ending in step.finishes:
+            finishes[names.job_partition(ending[0])].append(ending)
+        placed: list[tuple[int, int, int]] = []  # per unit: its partition, where its calls begin and end on `pipe`
+        for p in dict.fromkeys([*prompts, *step.calls, *finishes]):
+            begin = placed[-1][2] if placed else 0
+            for job_id, document in prompts[p]:  # before the step that carries the job's first token
+                pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
+            if p in step.calls:
+                keys, args = step.calls[p]
+                self.jobs.step(keys, args, pipe, step.charges.get(p))
+            for job_id, reason, error, fields, worker, owner, written in finishes[p]:
+                self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner,
+                                 written=written)
+            placed.append((p, begin, begin + len(prompts[p]) + (p in step.calls) + len(finishes[p])))
+        calls = _queued(pipe)
+        units = [Unit(p, names.partition_prefix(p), calls[begin:end], len(prompts[p]),
+                      [step.jobs[p]] if p in step.calls else [], finishes[p], [e[0] for e in finishes[p]])
+                 for p, begin, end in placed]
+        return pipe, units
 
-    def settle(self, results: list[Any]) -> None:
-        """Read the replies of the step `build` made, once its pipeline ran. A job no longer this worker's (its
+    def settle(self, unit: Unit, results: list[Any]) -> None:
+        """Read a unit's replies, once it was written. A job no longer this worker's (its
         record gone, another worker's now, or not running) had nothing written, and is dropped: the engine aborts
         it, the lane forgets it, and the ledger lets it go without acknowledging its entry (`Dropped`). A job
         ending in this step is judged by its finish instead (its step, sent again after its finish went
-        through, finds it ended): dropped if refused, else left in `done`, which commit reports as Done. A job
-        whose record lacks earlier steps of this lane (a gap, or a finish still behind its step) has them written again
-        (`_heal`), and fails (`_lost`) only where they are no longer kept."""
-        sent, self._sent = self._sent, None
-        if sent is None:
-            return
-        ending = set(sent.finishes)
+        through, finds it ended): dropped if refused, else left in `done`, which `_written` reports as Done. A job
+        whose record lacks earlier steps of this lane (a gap, or a finish still behind its step) has them written
+        again (`_heal`), and fails (`_lost`) only where they are no longer kept. A job this lane already let go
+        (a unit before this one, held back by an outage with it, dropped or failed it) is not judged again."""
+        ending = set(unit.finishes)
         refused: dict[str, str] = {}
         lost: list[str] = []
-        at = sent.first_step
-        for job_ids in sent.steps:
+        at = unit.first_step
+        for job_ids in unit.steps:
             raw, at = results[at], at + 1
             if isinstance(raw, Exception):
-                continue  # commit logs it
+                continue  # _written logs it
             for job_id, code in zip(job_ids, StepReply.parse(raw).codes):
+                if job_id not in self.states:
+                    continue
                 if code is StepCode.gap:
                     lost.append(job_id)
                 elif code in REFUSED and not (code is StepCode.ended and job_id in ending):
                     refused[job_id] = code.name
-        for ending_job, raw in zip(sent.ends, results[at:]):
+        for ending_job, raw in zip(unit.ends, results[at:]):
             job_id = ending_job[0]
-            if isinstance(raw, Exception):
+            if isinstance(raw, Exception) or job_id not in self.states:
                 continue
             if (end := FinishReply.parse(raw).code) is FinishCode.owner_changed:
                 end = self._finish_again(ending_job)
@@ -349,7 +355,7 @@ class OutputLane:
         for job_id in lost:
             healed = self._heal(job_id, self.states[job_id])
             if healed is StepCode.written and job_id in ending:  # its finish found the record short: again
-                end = self._finish_again(next(e for e in sent.ends if e[0] == job_id))
+                end = self._finish_again(next(e for e in unit.ends if e[0] == job_id))
                 if end in NOT_ENDED_HERE:
                     refused.setdefault(job_id, end.name)
                     continue
@@ -368,7 +374,7 @@ class OutputLane:
             log.warning("job %s dropped: %s", job_id, why)
             self.states.pop(job_id, None)
             if job_id in ending:
-                sent.done.remove(job_id)  # the engine has ended it (or was told to)
+                unit.done.remove(job_id)  # the engine has ended it (or was told to)
             else:
                 self.feedback.put(Abort(job_id, FinishReason.error))
             self.feedback.put(Dropped(job_id))
@@ -442,19 +448,61 @@ class OutputLane:
                                         row["prompt_top_logprobs"])
         return orjson.dumps({"text": self.tokenizer.decode(ids, skip_special_tokens=False), "tokens": entries})
 
-    def commit(self, pipe: Any, done: list[str]) -> None:
-        """Run the step's pipeline (through outages), read its replies, and report the jobs it ended Done: at once
-        on a single Redis, once a replica has their ends on a cluster (`Fencer`)."""
-        results = call(self._replayable(pipe), log=log, name="output lane write", on_outage=self._outage,
-                       cap=WRITE_RETRY_CAP_S)
-        if self.outage is not None:
+    def commit(self, pipe: Any, units: list[Unit]) -> None:
+        """Send the step's writes and read their replies. On a single Redis `pipe` runs, through outages, as one
+        transaction. On a cluster each partition's unit goes to its master now, unless earlier ones of it wait in
+        the backlog (it joins them); one that meets an outage waits there, and the units the backlog wrote since
+        are read first."""
+        if self.backlog is None:
+            results = call(self._replayable(pipe, units), log=log, name="output lane write", on_outage=self._outage,
+                           cap=WRITE_RETRY_CAP_S)
+            if self.outage is not None:
+                self.outage.value = 0.0
+            at = 0
+            for unit in units:
+                self._written(unit, results[at:at + len(unit.calls)])
+                at += len(unit.calls)
+            return
+        ready, written = self.backlog.hold(units)
+        for unit, replies in written:
+            self._written(unit, replies)
+        sent, failed = send(ready, self.fast, self.down)
+        if failed:
+            log.warning("output writes of partitions %s met an outage; they wait, the others go on",
+                        sorted({u.partition for u in failed}))
+            self._outage_began()
+            self.backlog.add(failed)  # (the fast client's slot map is read again off this loop once they go through)
+        elif sent and self.outage is not None:
             self.outage.value = 0.0
+        for unit, replies in sent:
+            self._written(unit, replies)
+        self.backlog.wait_room()
+
+    def _back(self) -> None:
+        """The backlog's: a partition that met an outage has its writes through. The fast client reads the slot map
+        again (a failover may have moved its slots) and tries every master again."""
+        self.down.clear()
+        heal(self.fast)
+
+    def catch_up(self) -> None:
+        """Read the units the backlog wrote since the last step (the lane's loop, between steps)."""
+        if self.backlog is not None:
+            for unit, replies in self.backlog.hold([])[1]:
+                self._written(unit, replies)
+
+    def _written(self, unit: Unit, results: list[Any]) -> None:
+        """A unit's replies read (`settle`), and the jobs it ended reported Done: at once on a single Redis, once a
+        replica has their ends on a cluster (`Fencer`)."""
+        if unit.again:
+            self._ended_again(unit, results)
+            return
         for i, res in enumerate(results):
             if isinstance(res, Exception):
-                log.warning("output write %d failed: %s", i, res)
-        ends = {end[0]: end for end in self._sent.ends} if self._sent is not None else {}
-        self.settle(results)
+                log.warning("output write %d of partition %d failed: %s", i, unit.partition, res)
+        ends = {end[0]: end for end in unit.ends}
+        self.settle(unit, results)
         now = time.time()
+        done = [job_id for job_id in unit.done if job_id in self.states]
         for job_id in done:
             st = self.states.pop(job_id)
             if st.trace is not None:
@@ -465,7 +513,7 @@ class OutputLane:
                 self.ending[job_id] = (ends[job_id], st)
                 self.feedback.put(Ended(job_id))
         if self.fencer is not None and done:
-            self.fencer.submit(list(done))
+            self.fencer.submit(done)
 
     def _copied(self, job_ids: list[str]) -> None:
         """The fencer's: these jobs' ends are on a replica of their masters (called from its thread)."""
@@ -476,83 +524,133 @@ class OutputLane:
     def refence(self) -> None:
         """The ends a replica did not confirm (a lagging replica, or a failover that may have promoted one without
         them): each job's last writes and its end are sent again (replays where they stood, written where they
-        were lost) and handed to the fencer again; a job whose record is no longer this worker's is dropped, and
-        one whose record lost more than the lane keeps fails as incomplete, as `settle`'s do."""
-        if self.fencer is None:
+        were lost), off this loop and after its partition's writes waiting (`_again`), then handed to the fencer
+        again (`_ended_again`)."""
+        if self.fencer is None or self.backlog is None:
             return
-        again: list[str] = []
+        units: list[Unit] = []
         while True:
             try:
                 job_id = self.fencer.again.get_nowait()
             except queue.Empty:
                 break
-            if self._end_again(job_id):
-                again.append(job_id)
-        if again:
-            self.fencer.submit(again)
+            if job_id in self.ending:
+                units.append(self._again(job_id))
+        if units:
+            self.backlog.add(units)
 
-    def _end_again(self, job_id: str) -> bool:
-        """`refence` for one job: whether its end stands on its master (to be confirmed again)."""
+    def _again(self, job_id: str) -> Unit:
+        """A job's last writes (`_heal`'s) and its end, as its partition's next unit."""
         ending, st = self.ending[job_id]
-        healed = self._heal(job_id, st) if st.history else StepCode.written
+        pipe = self.client.pipeline(transaction=False)
+        keys: list[str] = []
+        args: list[Any] = []
+        for k, a in st.history:
+            keys += k
+            args += a
+        if keys:
+            self.jobs.step(keys, args, pipe)
+        _, reason, error, fields, worker, owner, written = ending
+        self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner, written=written)
+        p = names.job_partition(job_id)
+        return Unit(p, names.partition_prefix(p), _queued(pipe), 0, [[job_id]] if keys else [], [ending], [job_id],
+                    behind=BEHIND_REPLAYS, again=True)  # (its replies read whole by `_ended_again`)
+
+    def _ended_again(self, unit: Unit, results: list[Any]) -> None:
+        """An `_again` unit's replies: its job's end stands on its master (confirmed again by the fencer); or its
+        record is no longer this worker's (dropped), or lost more than the lane keeps (it fails as incomplete), as
+        `settle`'s jobs."""
+        job_id = unit.done[0]
+        if job_id not in self.ending:
+            return
+        ending, st = self.ending[job_id]
+        healed = StepCode.written
+        if unit.steps:
+            raw = results[0]
+            codes = () if isinstance(raw, Exception) else StepReply.parse(raw).codes
+            healed = next((c for c in codes if c not in (StepCode.written, StepCode.replayed)),
+                          StepCode.written if codes else StepCode.gap)
+            if healed is StepCode.written and StepCode.written in codes:
+                log.warning("job %s: its record had lost steps of its output; they are written again", job_id)
         if healed in (StepCode.no_such_job, StepCode.not_owner):
             end = FinishCode[healed.name]  # (the same refusal, in the finish's terms)
-        else:
-            end = FinishCode.behind if healed is StepCode.gap else self._finish_again(ending)
+        elif healed is StepCode.gap:
+            end = FinishCode.behind
+        elif isinstance(raw := results[-1], Exception):
+            log.warning("job %s: its end could not be written again: %s", job_id, raw)
+            end = FinishCode.finished  # (as it stands: the fencer asks again)
+        elif (end := FinishReply.parse(raw).code) is FinishCode.owner_changed:
+            end = self._finish_again(ending)
         if end is FinishCode.behind:
             end = self._lost(job_id, st)
         if end in NOT_ENDED_HERE:
             log.warning("job %s dropped: %s", job_id, end.name)
             del self.ending[job_id]
             self.feedback.put(Dropped(job_id))
-            return False
-        return True
+        elif self.fencer is not None:
+            self.fencer.submit([job_id])
 
     def wait_ends(self, timeout: float) -> bool:
         """Until every end this lane wrote is confirmed (or dropped), writing again those not: whether they all
         were within `timeout`."""
         deadline = time.monotonic() + timeout
-        while self.ending and time.monotonic() < deadline:
+        while (self.ending or self.held()) and time.monotonic() < deadline:
+            self.catch_up()
             self.refence()
             time.sleep(0.01)
+        self.catch_up()
         self.refence()
-        return not self.ending
+        return not self.ending and not self.held()
+
+    def held(self) -> bool:
+        """Whether writes wait in the backlog (or its replies, to be read)."""
+        return self.backlog is not None and self.backlog.busy()
 
     def close(self) -> None:
+        self.flusher.close()
+        if self.backlog is not None:
+            self.backlog.close()
+            self.fast.close()
         if self.fencer is not None:
             self.fencer.close()
 
     def _outage(self) -> None:
         """A write failed: note since when (the worker's heartbeat is withheld past WRITE_OUTAGE_S), and let
         a cluster client rebuild its slot map before the next try."""
-        if self.outage is not None and not self.outage.value:
-            self.outage.value = time.time()
+        self._outage_began()
         heal(self.client)
 
-    def _replayable(self, pipe: Any) -> Callable[[], list[Any]]:
-        """`pipe.execute`, retryable. A failed execute() empties the pipeline, so a retry sends the step's
-        commands again on a new one, routed by the slot map as it is then (what stood is replayed). A finish that
-        ran before its job's step (`FinishedEarly`) sends the step again (BEHIND_REPLAYS times at most); still
-        behind after that, the job's record lost earlier steps, and `settle` heals the job or fails it."""
+    def _outage_began(self) -> None:
+        if self.outage is not None and not self.outage.value:
+            self.outage.value = time.time()
+
+    def _replayable(self, pipe: Any, units: list[Unit]) -> Callable[[], list[Any]]:
+        """`pipe.execute`, retryable (a single Redis's transaction). A failed execute() empties the pipeline, so a
+        retry sends the step's commands again on a new one (what stood is replayed). A finish that ran before its
+        job's step (`FinishedEarly`) sends the step again (BEHIND_REPLAYS times at most); still behind after that,
+        the job's record lost earlier steps, and `settle` heals the job or fails it."""
         calls = _queued(pipe)
         first = [pipe]
-        sent, behind = self._sent, [0]
+        replays = [0]
 
         def execute() -> list[Any]:
             step = first.pop() if first else self._rebuilt(calls)
             results = step.execute(raise_on_error=False)
-            for res in results:  # a cluster's pipeline answers an outage per command: try the whole step again
+            for res in results:
                 if isinstance(res, RETRYABLE):
                     raise res
-            if sent is not None and behind[0] < BEHIND_REPLAYS and _behind(sent, results):
-                behind[0] += 1  # a finish ran before its step: the whole step again, the step first
-                raise FinishedEarly("a job's end came before its last step's writes; the step is sent again")
+            at = 0
+            for unit in units:
+                replies, at = results[at:at + len(unit.calls)], at + len(unit.calls)
+                if replays[0] < BEHIND_REPLAYS and behind(unit, replies):
+                    replays[0] += 1  # a finish ran before its step: the whole step again, the step first
+                    raise FinishedEarly("a job's end came before its last step's writes; the step is sent again")
             return results  # type: ignore[no-any-return]
 
         return execute
 
     def _rebuilt(self, calls: list[tuple[Any, dict[str, Any]]]) -> Any:
-        again = self.client.pipeline(transaction=not self.cluster)
+        again = self.client.pipeline(transaction=True)
         for args, options in calls:
             again.pipeline_execute_command(*args, **options)
         return again
@@ -562,19 +660,6 @@ class FinishedEarly(redis.ConnectionError):
     """A finish answered `behind`: its step failed and was sent again after it (a cluster client resends a
     pipeline's failed commands one at a time), or reached a node that lacks it (a master lost after it
     answered). Retryable: the replay sends the step's commands again in order."""
-
-
-def _behind(sent: Sent, results: list[Any]) -> bool:
-    """Whether a finish answered behind while its job's step went through (not refused as a gap: that job fails).
-    The step replies are read only when a finish is behind (rare): `settle` reads them once for every step."""
-    at = sent.first_step + len(sent.steps)
-    behind = {job_id for job_id, raw in zip(sent.finishes, results[at:])
-              if not isinstance(raw, Exception) and int(raw) == FinishCode.behind}
-    for i, job_ids in enumerate(sent.steps if behind else ()):
-        raw = results[sent.first_step + i]
-        if not isinstance(raw, Exception):
-            behind.difference_update(j for j, code in zip(job_ids, StepReply.parse(raw).codes) if code is StepCode.gap)
-    return bool(behind)
 
 
 def _queued(pipe: Any) -> list[tuple[Any, dict[str, Any]]]:
@@ -596,9 +681,10 @@ def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneRepo
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
     lane = OutputLane(settings, feedback, outage=outage)
     while True:
+        lane.catch_up()  # (writes held by an outage, written since: read before the next step's)
         lane.refence()  # (while ends wait for a replica, those not confirmed are written again soon)
         try:
-            msg = inbox.get(timeout=0.05 if lane.ending else 1.0)
+            msg = inbox.get(timeout=0.05 if lane.ending or lane.held() else 1.0)
         except queue.Empty:
             lane.flush_metrics()
             continue
@@ -611,8 +697,8 @@ def main(settings: Settings, inbox: Queue[LaneCommand], feedback: Queue[LaneRepo
             case Stop():
                 if not lane.wait_ends(ENDS_AT_STOP_S):  # their entries stay pending: another worker finds them ended
                     log.warning("%d ends not confirmed on a replica at exit", len(lane.ending))
-                lane.close()
                 lane.flush_metrics(force=True)
+                lane.close()  # (after the metrics flushes waiting)
                 tracing.shutdown()
                 gc.freeze()  # the process exits next: no final collections over what it made (exit_quickly)
                 return

@@ -49,7 +49,7 @@ from typing import Any
 import redis
 
 from shared import names, scripts
-from shared.redis_client import CLUSTER_TYPES, text
+from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, text
 from shared.ring import Ring
 from shared.stream_consumer import Entry
 
@@ -143,24 +143,34 @@ class FairQueue:
             for key in arm:
                 self.ring.arm(pipe, key)
             pipe.execute()
-            for key in arm:  # what came before each flag
-                entries += pop(self.client, self._partition[key], self.consumer, count - len(entries), skip, self.model)
-                if len(entries) >= count:
-                    break
+            entries = self._pop_each([self._partition[key] for key in arm], count, skip)  # what came before each flag
             if entries:
                 return entries
         return self._pop_all(count, skip) if self.ring.wait(block_ms / 1000) else []
 
     def _pop_all(self, count: int, skip: Mapping[str, int] | None) -> list[Entry]:
         """One pop per partition, starting at the next in turn, until `count` are taken."""
-        entries: list[Entry] = []
         parts = names.partition_count()
         self._turn = (self._turn + 1) % parts
-        for i in range(parts):
+        return self._pop_each([(self._turn + i) % parts for i in range(parts)], count, skip)
+
+    def _pop_each(self, partitions: list[int], count: int, skip: Mapping[str, int] | None) -> list[Entry]:
+        """One pop per partition, in order, until `count` are taken. A partition whose master cannot take the pop
+        (down, failing over, refusing writes: a cluster's) is passed over: the jobs taken from the others are
+        answered (they are this consumer's now; raising would strand them until they idle out), and its error is
+        raised only when none was taken."""
+        entries: list[Entry] = []
+        error: Exception | None = None
+        for p in partitions:
             if len(entries) >= count:
                 break
-            p = (self._turn + i) % parts
-            entries += pop(self.client, p, self.consumer, count - len(entries), skip, self.model)
+            try:
+                entries += pop(self.client, p, self.consumer, count - len(entries), skip, self.model)
+            except RETRYABLE as exc:
+                error = error or exc
+                heal(self.client)  # (a cluster's slot map read again before the next pop)
+        if error is not None and not entries:
+            raise error
         return entries
 
 

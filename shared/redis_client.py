@@ -189,17 +189,19 @@ class Redis(redis.Redis):
         return scripts.Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
 
-def sync_client(url: str, decode: bool = True, retries: int = 8) -> redis.Redis:
+def sync_client(url: str, decode: bool = True, retries: int = 8, timeout: float | None = None) -> redis.Redis:
+    """A blocking client. `retries`: how often a failed connection or redirection is tried again; `timeout`: how
+    long a reply is waited for (None: until the keepalive finds the connection dead)."""
     retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries)
     if is_cluster(url):
         # a failover takes the cluster a few seconds: redirections and reconnects are retried for that long;
         # the cluster client stands in for a Redis one (the same commands), which its class does not derive from
         return _sync_cluster(  # type: ignore[return-value]
             url, decode_responses=decode, socket_keepalive=True, socket_keepalive_options=KEEPALIVE,
-            socket_connect_timeout=CONNECT_TIMEOUT_S, retry=retry, health_check_interval=15)
+            socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=timeout, retry=retry, health_check_interval=15)
     return Redis.from_url(
         seeds(url)[0], decode_responses=decode, health_check_interval=15, socket_keepalive=True,
-        socket_keepalive_options=KEEPALIVE, socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_keepalive_options=KEEPALIVE, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=timeout,
         retry=retry, retry_on_error=[ConnectionError, TimeoutError],
     )
 

@@ -125,8 +125,19 @@ class StreamConsumer:
                 unset.discard(flag)
                 self.ring.arm(pipe, flag)
             pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
-        replies = pipe.execute()
-        return [e for reply in replies if not isinstance(reply, bool) for e in self._entries(reply)]
+        replies = pipe.execute(raise_on_error=False)
+        entries = [e for reply in replies if not isinstance(reply, (bool, Exception)) for e in self._entries(reply)]
+        errors = [reply for reply in replies if isinstance(reply, Exception)]
+        # a stream whose master could not answer (down, failing over, refusing writes) is read next time: the entries
+        # read from the others are answered (they are this consumer's now; raising would strand them until they idle
+        # out), its error raised only when none was read
+        if any("NOGROUP" in str(e) for e in errors):
+            self.ensure_group()  # a stream was deleted (or Redis lost its data): its group made again
+        elif errors and not entries:
+            raise errors[0]
+        elif errors:
+            heal(self.client)  # (the slot map read again before the next sweep)
+        return entries
 
     @staticmethod
     def _entries(reply: XReadGroupResponse | None) -> list[Entry]:
