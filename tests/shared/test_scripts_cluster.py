@@ -18,6 +18,7 @@ from shared.fair_queue import FairQueue
 from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, pack_ids, step_write, submit_write
 from shared.jobs import FinishReason, new_record
 from shared.redis_client import sync_client
+from shared.redis_errors import WritesRefusedError
 from shared.scripts.codes import FinishCode, FinishReply, StartCode, StepCode, StepReply, SubmitCode, SubmitReply
 from shared.stream_consumer import StreamConsumer
 from tests.helpers import until
@@ -140,4 +141,40 @@ def test_an_idle_inference_worker_is_woken_by_a_job_queued_in_any_partition(clus
     assert fair_queue.push(r, p, [], [(job_id, 0, 10, b"row")], model="other") == 1
     [entry] = popping.result(timeout=30)
     assert entry.fields[b"batch"] == b"row"
+    queue.ring.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_master_refusing_writes_holds_back_only_its_own_partitions_jobs(cluster: redis.Redis) -> None:
+    """One master refuses writes (too few replicas: NOREPLICAS): a tokenizer's read and an inference worker's pop,
+    each over every partition, take the jobs of the other masters' partitions, and the refused partition's job
+    once its master takes writes again. Before, the refusal failed the whole read: no job of any partition went on,
+    and those read from partitions before it were left pending, unseen, until they idled out."""
+    r, model = cluster, "refusing"
+    refusing = r.get_node_from_key(names.job_key(names.job_id_in(0, "a0" * 16)))
+    other = next(p for p in names.partitions()
+                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != refusing.name)
+    for q in names.partitions():
+        r.xgroup_create(names.stream(names.TOKENIZED, q, model), names.INFERENCE_GROUP, id="0", mkstream=True)
+    streams = [names.stream(names.JOBS, q, model) for q in names.partitions()]
+    consumer = StreamConsumer(r, streams, "refusal-tokenizers", "tok-r", names.TOKENIZER_POOL)
+    consumer.ensure_group()
+    queue = FairQueue(r, "w-refused", model=model)
+    held, free = names.job_id_in(0, "a1" * 16), names.job_id_in(other, "a2" * 16)
+    for job_id in (held, free):
+        r.xadd(names.stream(names.JOBS, names.job_partition(job_id), model), {"job_id": job_id})
+        r.hset(names.job_key(job_id), mapping={"status": "queued"})
+        assert fair_queue.push(r, names.job_partition(job_id), [], [(job_id, 0, 10, job_id.encode())], model=model)
+    node = r.get_redis_connection(refusing)
+    node.config_set("min-replicas-to-write", 1)
+    try:
+        with pytest.raises(WritesRefusedError):
+            node.set(names.job_key(held), "x")  # (it does refuse)
+        assert [e.fields[b"job_id"] for e in consumer.read(10, block_ms=None)] == [free.encode()]
+        assert [e.fields[b"batch"] for e in queue.pop(4, None)] == [free.encode()]
+    finally:
+        node.config_set("min-replicas-to-write", 0)
+    assert [e.fields[b"job_id"] for e in consumer.read(10, block_ms=None)] == [held.encode()]
+    assert [e.fields[b"batch"] for e in queue.pop(4, None)] == [held.encode()]
+    consumer.ring.close()
     queue.ring.close()
