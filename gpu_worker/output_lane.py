@@ -150,7 +150,8 @@ class OutputLane:
         self.down: set[str] = set()  # masters the fast client found not answering: their partitions' units wait
         if self.cluster:
             self.fast = sync_client(settings.redis_url, decode=False, retries=0, timeout=WRITE_TIMEOUT_S)
-            self.backlog = Backlog(sync_client(settings.redis_url, decode=False, timeout=HELD_TIMEOUT_S),
+            # (its own loop backs off between tries: a client's retries would only make each try longer)
+            self.backlog = Backlog(sync_client(settings.redis_url, decode=False, retries=0, timeout=HELD_TIMEOUT_S),
                                    self._outage_began, self._back)
         # on a cluster the ends a step wrote are confirmed on a replica off this loop (gpu_worker/fencer.py), and
         # kept (the finish, the job's state) until they are
