@@ -22,7 +22,7 @@
 -- failover, or comes after this call: a cluster client resends a pipeline's failed commands one by one), so
 -- the step, sent again, is not refused as one of an ended job and its chunk lost.
 -- Returns the done event's seq; 0 if the job had already ended (or was not in the required status);
---   -1 if it does not exist; -2 if the ending worker is not the job's; -3 if the record's owner or model is not
+--   -1 if it does not exist (or its record is not a hash); -2 if the ending worker is not the job's; -3 if the record's owner or model is not
 --   the one the keys were named for (nothing written: name them again); -4 if the record does not show the
 --   step ARGV 14, 15 name yet (nothing written: send that step, then this call, again).
 local job, events, ids, dequeued, text, ended = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
@@ -31,7 +31,9 @@ local backlog, payloads, queue, ages, places = KEYS[7], KEYS[8], KEYS[9], KEYS[1
 local active, tenant_key, tokens_bucket, batch_bucket = KEYS[12], KEYS[13], KEYS[14], KEYS[15]
 local required, job_id, ended_cap, named_owner, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local worker, named_model = ARGV[12], ARGV[13]
-local rec = redis.call('HMGET', job, 'status', 'worker', 'owner', 'base_model', 'seq', 'completion_tokens')
+-- (a record damaged by hand into a key of another type is no job: nothing is written, its caller goes on)
+local rec = redis.pcall('HMGET', job, 'status', 'worker', 'owner', 'base_model', 'seq', 'completion_tokens')
+if rec.err then return -1 end
 local st = rec[1]
 if not st then return -1 end
 -- before the status: a worker cut off while another took its job over hears so even once that one ended it

@@ -155,6 +155,28 @@ def test_a_job_whose_record_is_gone_is_aborted_and_forgotten(redis_url: str, mod
     assert lane.reports() == [] and lane.r.exists(*lane.keys()) == 0
 
 
+def test_a_job_whose_record_was_damaged_is_dropped_and_the_lane_goes_on(redis_url: str, model_path: str,
+                                                                         tokenizer: Tokenizer) -> None:
+    """A job's record overwritten by hand with a key of another type: its step is a gap, its failure finds no job
+    to end, and it is dropped; the lane goes on (its finish raised WRONGTYPE, and the output lane died)."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    lane = Lane(redis_url, model_path, 1, "job_lane_damaged", [], worker="w1")
+    lane.step(ids[:1])
+    lane.r.delete(names.job_key(lane.job_id))
+    lane.r.set(names.job_key(lane.job_id), "damaged")
+    lane.step(ids[1:2])
+    assert lane.reports() == [Abort(lane.job_id, FinishReason.error), Dropped(lane.job_id)]
+    assert lane.r.get(names.job_key(lane.job_id)) == b"damaged"  # nothing written into it
+    record = new_record("job_lane_beside_damaged", "m", "{}") | {"status": JobStatus.running.value, "worker": "w1"}
+    lane.r.hset(names.job_key(record["id"]), mapping=record)  # another job, on the same lane
+    lane.lane.register(Register(record["id"], (), float(record["created_at"]), prompt_tokens=3, started=True,
+                                worker="w1"))
+    lane.job_id = record["id"]
+    lane.step(ids[:2])
+    lane.step(ids[2:3], "length")
+    assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
+
+
 def test_a_job_the_lane_still_owns_ends_done(redis_url: str, model_path: str, tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
     lane = Lane(redis_url, model_path, 1, "job_lane_owned", [], worker="w1")
