@@ -5,6 +5,7 @@ of every partition sleeps on its ring and an append in any partition wakes it (s
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -160,7 +161,7 @@ def test_a_master_refusing_writes_holds_back_only_its_own_partitions_jobs(cluste
     consumer = StreamConsumer(r, streams, "refusal-tokenizers", "tok-r", names.TOKENIZER_POOL)
     consumer.ensure_group()
     queue = FairQueue(r, "w-refused", model=model)
-    held, free = names.job_id_in(0, "a1" * 16), names.job_id_in(other, "a2" * 16)
+    held, free = names.job_id_in(0, uuid.uuid4().hex), names.job_id_in(other, uuid.uuid4().hex)
     for job_id in (held, free):
         r.xadd(names.stream(names.JOBS, names.job_partition(job_id), model), {"job_id": job_id})
         r.hset(names.job_key(job_id), mapping={"status": "queued"})
