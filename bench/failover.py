@@ -185,10 +185,12 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
         cluster.kill(target, signal.SIGSTOP if paused else signal.SIGKILL)
         killed_at = time.monotonic()
         revived = reviver.revive(target, paused)
+        through: list[str] = []
         for i in range(args.jobs, args.jobs + args.jobs // 3):  # and more through the failover: 503s, then 202s
             job_id = submit(client, body(i, args.max_tokens), counts)
             if job_id:
                 accepted[job_id] = i
+                through.append(job_id)
         ended: dict[str, dict[str, Any]] = {}
         slowest_poll = 0.0
         while len(ended) < len(accepted) and time.monotonic() - killed_at < DRAIN_S:
@@ -204,6 +206,9 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
                     ended[job_id] = r.json()
             time.sleep(0.5)
         drained_s = time.monotonic() - killed_at
+        # how long the jobs accepted through the failover, on the other masters, waited for their first token
+        ttfts = [ended[j]["first_token_at"] - ended[j]["created_at"] for j in elsewhere(cluster, through, target)
+                 if j in ended and ended[j].get("first_token_at")]
         gap = gap_elsewhere = 0.0
         if streams is not None:
             streams.join()
@@ -227,7 +232,8 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
     return {"round": rnd + 1, "killed": "seed" if target == seed else "other", "accepted": len(accepted),
             "lost": lost, "wrong": wrong, "stalled": lost > 0, "drained_s": round(drained_s, 1),
             "503s": counts["503"], "healed": healed, "longest_gap_s": round(gap, 2),
-            "gap_elsewhere_s": round(gap_elsewhere, 2), "slowest_poll_s": round(slowest_poll, 2)}
+            "gap_elsewhere_s": round(gap_elsewhere, 2), "slowest_poll_s": round(slowest_poll, 2),
+            "ttft_elsewhere_s": round(max(ttfts, default=0.0), 2)}
 
 
 def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -335,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = ["round", "killed", "accepted", "lost", "wrong", "stalled", "drained_s", "503s", "healed"]
     if args.fault == "pause-master":
         keys += ["longest_gap_s", "gap_elsewhere_s", "slowest_poll_s"]
+    if args.fault in ("kill", "pause-master"):
+        keys += ["ttft_elsewhere_s"]
     if args.fault in ("pause-replica", "refuse-writes"):
         keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gap_elsewhere_s",
                 "gaps_over_1s", "restarted"]
