@@ -25,6 +25,7 @@ from redis.exceptions import AskError
 
 from shared.jobs import FinishReason
 from shared.redis_client import RETRYABLE, heal
+from shared.redis_errors import refused
 from shared.retry import Backoff
 from shared.scripts.codes import FinishCode, StepCode, StepReply
 
@@ -113,6 +114,8 @@ def send(units: list[Unit], client: Any, down: set[str] | None = None) -> tuple[
             at = 0
             for unit in group:
                 replies, at = results[at:at + len(unit.calls)], at + len(unit.calls)
+                # (a script refused at its first write names the refusal only in its text)
+                replies = [refused(r) if isinstance(r, redis.ResponseError) else r for r in replies]
                 if any(isinstance(r, UNWRITTEN) for r in replies):
                     failed.append(unit)
                 elif unit.behind < BEHIND_REPLAYS and behind(unit, replies):
@@ -136,10 +139,10 @@ class Backlog:
     a cluster client of its own) until they go through. The lane hands each new unit of a held partition here
     (`hold`), and takes back the units written, with their replies, in the order they were built."""
 
-    def __init__(self, client: Any, on_outage: Callable[[], None], on_back: Callable[[], None]) -> None:
+    def __init__(self, client: Any, on_outage: Callable[[], None], on_back: Callable[[list[int]], None]) -> None:
         self.client = client
         self.on_outage = on_outage  # called from this thread after a failed send
-        self.on_back = on_back  # and after a send that left a partition with nothing held
+        self.on_back = on_back  # with the partitions that met an outage and have nothing held now
         self._lock = threading.Condition()
         self._held: dict[int, deque[Unit]] = {}
         self._written: list[tuple[Unit, list[Any]]] = []
@@ -189,41 +192,36 @@ class Backlog:
         with self._lock:
             self._stop = True
             self._lock.notify_all()
-        self._thread.join(timeout=5)
+            left = sum(map(len, self._held.values()))
+        if left:  # their jobs' entries stay pending: another worker resumes them from their records
+            log.warning("%d held output writes not sent at exit", left)
+        self._thread.join(timeout=1)
+        self.client.close()
 
     def _run(self) -> None:
         backoff = Backoff(0.05, RETRY_CAP_S)
         failing: set[int] = set()  # the partitions whose last send failed
+        hit: set[int] = set()  # the partitions held that met an outage since
         while True:
             with self._lock:
                 while not self._held and not self._stop:
                     self._lock.wait()
                 if self._stop:
                     return
-                # a partition whose last send failed: its first unit only, as a probe (the others would only find
-                # their jobs' records behind it); once that goes through, the rest at once
-                todo = [unit for p, queue in self._held.items() for unit in ([queue[0]] if p in failing else queue)]
-            try:
-                written, failed = send(todo, self.client)
-            except Exception:  # noqa: BLE001 - the thread goes on: the units are sent again
-                log.exception("held output writes could not be sent")
-                written, failed = [], todo
-            replies = {id(unit): res for unit, res in written}
+                # the partitions whose last send went through first, then a probe of each other one (its first unit
+                # only: the others would only find their jobs' records behind it); once that goes through, the rest
+                rounds = [[u for p, q in self._held.items() if p not in failing for u in q],
+                          [q[0] for p, q in self._held.items() if p in failing]]
+            failed: list[Unit] = []
+            for todo in filter(None, rounds):
+                failed += self._send(todo)
             failing = {unit.partition for unit in failed}
-            back = False
+            hit |= failing
             with self._lock:
-                for partition in {unit.partition for unit in todo}:
-                    queue = self._held[partition]
-                    while queue and id(queue[0]) in replies:  # in order: none past one that failed
-                        unit = queue.popleft()
-                        self._written.append((unit, replies[id(unit)]))
-                    if not queue:
-                        del self._held[partition]
-                        back = True
-                        log.info("the held output writes of partition %d went through", partition)
-                self._lock.notify_all()
+                back = [p for p in hit if p not in self._held]
             if back:
-                self.on_back()
+                hit.difference_update(back)
+                self.on_back(back)
             if failed:
                 self.on_outage()
                 heal(self.client)
@@ -232,3 +230,24 @@ class Backlog:
                         self._lock.wait(backoff.next())
             else:
                 backoff.reset()
+
+    def _send(self, todo: list[Unit]) -> list[Unit]:
+        """Send units (each partition's in order), hand those written back, in order, none of a partition past
+        one that failed; the units that failed."""
+        try:
+            written, failed = send(todo, self.client)
+        except Exception:  # noqa: BLE001 - the thread goes on: the units are sent again
+            log.exception("held output writes could not be sent")
+            written, failed = [], todo
+        replies = {id(unit): res for unit, res in written}
+        with self._lock:
+            for partition in {unit.partition for unit in todo}:
+                queue = self._held[partition]
+                while queue and id(queue[0]) in replies:  # in order: none past one that failed
+                    unit = queue.popleft()
+                    self._written.append((unit, replies[id(unit)]))
+                if not queue:
+                    del self._held[partition]
+                    log.info("the held output writes of partition %d went through", partition)
+            self._lock.notify_all()
+        return failed

@@ -97,6 +97,7 @@ class JobState:
     worker: str = ""  # the worker that took it: its writes are refused once the record names another
     owner: str = ""  # the tenant that submitted it: its finish names that tenant's keys
     trace: JobTrace | None = None  # a traced job's spans (gpu_worker/job_trace.py)
+    ended: bool = False  # its end is written, or waits to be (held by an outage): later rows of it are late
     # its stages' times (unix s), kept in its record at its end (the dashboard's timeline): tokenizing began, it
     # was queued, the engine first scheduled it (this worker's attempt)
     stages: dict[str, float] = field(default_factory=dict)
@@ -127,6 +128,7 @@ class StepWrites:
             self.charges[p][st.tenant] = (cost + new_tokens * OUTPUT_COST / st.weight, served + new_tokens)
 
     def end(self, job_id: str, reason: FinishReason, error: str, st: JobState) -> None:
+        st.ended = True
         fields: dict[str, Any] = {"completion_tokens": st.n_tokens}
         fields.update((k, repr(v)) for k, v in st.stages.items() if v)
         self.finishes.append((job_id, reason, error, fields, st.worker, st.owner, (st.seq, st.written)))
@@ -210,8 +212,8 @@ class OutputLane:
         wall = time.time()
         for row in Deltas(data).rows():
             st = self.states.get(row["job_id"])
-            if st is not None:  # else already finished here (a stop string ended it before the engine heard)
-                self._take(row, st, step, wall)
+            if st is not None and not st.ended:  # else already ended here (a stop string ended it before the engine
+                self._take(row, st, step, wall)   # heard)
         return self._queue(step)
 
     def _take(self, row: dict[str, Any], st: JobState, step: StepWrites, wall: float) -> None:
@@ -473,17 +475,20 @@ class OutputLane:
                         sorted({u.partition for u in failed}))
             self._outage_began()
             self.backlog.add(failed)  # (the fast client's slot map is read again off this loop once they go through)
-        elif sent and self.outage is not None:
-            self.outage.value = 0.0
+        elif sent and self.outage is not None:  # (the worker writes: one master's outage is no reason to withhold
+            self.outage.value = 0.0            # its heartbeat and have its jobs taken over)
         for unit, replies in sent:
             self._written(unit, replies)
         self.backlog.wait_room()
 
-    def _back(self) -> None:
-        """The backlog's: a partition that met an outage has its writes through. The fast client reads the slot map
-        again (a failover may have moved its slots) and tries every master again."""
-        self.down.clear()
+    def _back(self, partitions: list[int]) -> None:
+        """The backlog's: partitions that met an outage have their writes through. The fast client reads the slot
+        map again (a failover may have moved their slots) and tries their masters again."""
         heal(self.fast)
+        for p in partitions:
+            node = self.fast.get_node_from_key(names.partition_prefix(p))
+            if node is not None:
+                self.down.discard(node.name)
 
     def catch_up(self) -> None:
         """Read the units the backlog wrote since the last step (the lane's loop, between steps)."""
@@ -577,9 +582,9 @@ class OutputLane:
             end = FinishCode[healed.name]  # (the same refusal, in the finish's terms)
         elif healed is StepCode.gap:
             end = FinishCode.behind
-        elif isinstance(raw := results[-1], Exception):
+        elif isinstance(raw := results[-1], Exception):  # whether its end stands is not known: never Done so
             log.warning("job %s: its end could not be written again: %s", job_id, raw)
-            end = FinishCode.finished  # (as it stands: the fencer asks again)
+            end = FinishCode.behind
         elif (end := FinishReply.parse(raw).code) is FinishCode.owner_changed:
             end = self._finish_again(ending)
         if end is FinishCode.behind:

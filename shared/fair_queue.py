@@ -44,7 +44,7 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -161,17 +161,33 @@ class FairQueue:
         raised only when none was taken."""
         entries: list[Entry] = []
         error: Exception | None = None
+        down: set[str] = set()  # (a cluster's) masters that failed a pop of this call: their other partitions wait
         for p in partitions:
             if len(entries) >= count:
                 break
+            node = self._master(p)
+            if node in down:
+                continue
             try:
                 entries += pop(self.client, p, self.consumer, count - len(entries), skip, self.model)
             except RETRYABLE as exc:
                 error = error or exc
-                heal(self.client)  # (a cluster's slot map read again before the next pop)
-        if error is not None and not entries:
-            raise error
+                down.add(node)
+        if error is not None:
+            heal(self.client)  # (a cluster's slot map read again before the next pop)
+            if not entries:
+                raise error
         return entries
+
+    def _master(self, partition: int) -> str:
+        """The master of the partition's queue in a cluster client's slot map ('' a single Redis, or none known)."""
+        if not self.cluster:
+            return ""
+        try:
+            node = cast(Any, self.client).get_node_from_key(names.fair_key(partition, "tenants", self.model))
+        except (redis.RedisError, *RETRYABLE):
+            return ""
+        return node.name if node is not None else ""
 
 
 @dataclass(frozen=True)

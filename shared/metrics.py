@@ -101,7 +101,7 @@ class Flusher:
         except queue.Full:
             log.warning("metrics dropped: Redis has not taken the last %d flushes", self.WAITING)
 
-    def close(self, timeout: float = 2.0) -> None:
+    def close(self, timeout: float = 1.0) -> None:
         """After the flushes waiting (for at most `timeout`)."""
         try:
             self._todo.put(None, timeout=timeout)

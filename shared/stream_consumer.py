@@ -131,7 +131,7 @@ class StreamConsumer:
         # a stream whose master could not answer (down, failing over, refusing writes) is read next time: the entries
         # read from the others are answered (they are this consumer's now; raising would strand them until they idle
         # out), its error raised only when none was read
-        if any("NOGROUP" in str(e) for e in errors):
+        if any("NOGROUP" in str(e) for e in errors) and not entries:
             self.ensure_group()  # a stream was deleted (or Redis lost its data): its group made again
         elif errors and not entries:
             raise errors[0]
