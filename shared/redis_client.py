@@ -60,6 +60,11 @@ _KINDS: dict[str, bool] = {}
 # not after the kernel's two hours
 KEEPALIVE = {socket.TCP_KEEPIDLE: 5, socket.TCP_KEEPINTVL: 2, socket.TCP_KEEPCNT: 3}
 CONNECT_TIMEOUT_S = 2.0
+# how long a blocking client waits for a reply by default: a node that stops answering (paused, a frozen host: the
+# keepalive sees no stopped process) raises TimeoutError, an outage its caller retries, instead of holding it for
+# good (a cluster client reading the slot map asks nodes in a random order, a paused replica among them). Every
+# blocking read here waits 2 s at most (the after-job drain's XREADGROUP BLOCK), a WAIT 1 s
+READ_TIMEOUT_S = 10.0
 
 
 def seeds(url: str) -> list[str]:
@@ -189,9 +194,9 @@ class Redis(redis.Redis):
         return scripts.Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
 
-def sync_client(url: str, decode: bool = True, retries: int = 8, timeout: float | None = None) -> redis.Redis:
+def sync_client(url: str, decode: bool = True, retries: int = 8, timeout: float = READ_TIMEOUT_S) -> redis.Redis:
     """A blocking client. `retries`: how often a failed connection or redirection is tried again; `timeout`: how
-    long a reply is waited for (None: until the keepalive finds the connection dead)."""
+    long a reply is waited for."""
     retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries)
     if is_cluster(url):
         # a failover takes the cluster a few seconds: redirections and reconnects are retried for that long;
