@@ -401,11 +401,7 @@ class OutputLane:
         again (a client's relay drops a seq it has had). No charge: its tenant was charged when they were first
         written. `written` when the record is whole again; `gap` when what it lost reaches past the writes kept
         (HISTORY_WRITES, or an earlier worker's), and the code that refused it otherwise."""
-        keys: list[str] = []
-        args: list[Any] = []
-        for k, a in st.history:
-            keys += k
-            args += a
+        keys, args = _history(st)
         if not keys:
             return StepCode.gap
 
@@ -417,15 +413,7 @@ class OutputLane:
                 raise reply
             return reply
 
-        raw = call(again, log=log, name=f"the output of job {job_id} again", on_outage=self._outage)
-        if isinstance(raw, Exception):  # refused by Redis itself (out of memory, ...): the job fails as before
-            log.warning("job %s: its lost steps could not be written again: %s", job_id, raw)
-            return StepCode.gap
-        codes = StepReply.parse(raw).codes
-        bad = next((c for c in codes if c not in (StepCode.written, StepCode.replayed)), None)
-        if bad is None and StepCode.written in codes:
-            log.warning("job %s: its record had lost steps of its output; they are written again", job_id)
-        return StepCode.written if bad is None else bad
+        return _healed(job_id, call(again, log=log, name=f"the output of job {job_id} again", on_outage=self._outage))
 
     def _lost(self, job_id: str, st: JobState) -> FinishCode:
         """A job whose record lacks steps this lane wrote: a failover promoted a replica that had not received
@@ -549,11 +537,7 @@ class OutputLane:
         """A job's last writes (`_heal`'s) and its end, as its partition's next unit."""
         ending, st = self.ending[job_id]
         pipe = self.client.pipeline(transaction=False)
-        keys: list[str] = []
-        args: list[Any] = []
-        for k, a in st.history:
-            keys += k
-            args += a
+        keys, args = _history(st)
         if keys:
             self.jobs.step(keys, args, pipe)
         _, reason, error, fields, worker, owner, written = ending
@@ -570,14 +554,7 @@ class OutputLane:
         if job_id not in self.ending:
             return
         ending, st = self.ending[job_id]
-        healed = StepCode.written
-        if unit.steps:
-            raw = results[0]
-            codes = () if isinstance(raw, Exception) else StepReply.parse(raw).codes
-            healed = next((c for c in codes if c not in (StepCode.written, StepCode.replayed)),
-                          StepCode.written if codes else StepCode.gap)
-            if healed is StepCode.written and StepCode.written in codes:
-                log.warning("job %s: its record had lost steps of its output; they are written again", job_id)
+        healed = _healed(job_id, results[0]) if unit.steps else StepCode.written
         if healed in (StepCode.no_such_job, StepCode.not_owner):
             end = FinishCode[healed.name]  # (the same refusal, in the finish's terms)
         elif healed is StepCode.gap:
@@ -660,6 +637,29 @@ class OutputLane:
         for args, options in calls:
             again.pipeline_execute_command(*args, **options)
         return again
+
+
+def _history(st: JobState) -> tuple[list[str], list[Any]]:
+    """A job's last writes kept (`JobState.history`), oldest first, as one step call's keys and arguments."""
+    keys: list[str] = []
+    args: list[Any] = []
+    for k, a in st.history:
+        keys += k
+        args += a
+    return keys, args
+
+
+def _healed(job_id: str, raw: Any) -> StepCode:
+    """A job's last writes sent again (`_history`), read: `written` when its record is whole again, else the code
+    that refused them (`gap` for an error: refused by Redis itself, out of memory, ...: the job fails as before)."""
+    if isinstance(raw, Exception):
+        log.warning("job %s: its lost steps could not be written again: %s", job_id, raw)
+        return StepCode.gap
+    codes = StepReply.parse(raw).codes
+    bad = next((c for c in codes if c not in (StepCode.written, StepCode.replayed)), None)
+    if bad is None and StepCode.written in codes:
+        log.warning("job %s: its record had lost steps of its output; they are written again", job_id)
+    return StepCode.written if bad is None else bad
 
 
 class FinishedEarly(redis.ConnectionError):

@@ -70,10 +70,7 @@ def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model
 
 def stream_through_a_kill(cluster: LocalCluster, model_path: str, round_: int) -> None:
     ids = Tokenizer.from_file(f"{model_path}/tokenizer.json").encode(TEXT, add_special_tokens=False).ids
-    client = sync_client(cluster.seed_url, decode=False)
-    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
-    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
-                      client=client)
+    client, feedback, lane = _lane(cluster, model_path)
     jobs = [names.job_id_in(i % PARTITIONS, uuid.uuid4().hex) for i in range(JOBS)]
     for job_id in jobs:
         created = _running(client, job_id)
@@ -132,10 +129,7 @@ def a_master_refusing_writes_holds_only_its_own_streams(cluster: LocalCluster, m
     master streamed until the refusal ended."""
     tokenizer = Tokenizer.from_file(f"{model_path}/tokenizer.json")
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids[:12]
-    client = sync_client(cluster.seed_url, decode=False)
-    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
-    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
-                      client=client)
+    client, feedback, lane = _lane(cluster, model_path)
     jobs = [names.job_id_in(p, uuid.uuid4().hex) for p in range(PARTITIONS)]
     for job_id in jobs:
         lane.register(Register(job_id, (), _running(client, job_id), prompt_tokens=3, started=True, worker=WORKER))
@@ -175,7 +169,6 @@ def a_master_refusing_writes_holds_only_its_own_streams(cluster: LocalCluster, m
             assert client.hget(names.job_key(job_id), "completion_tokens") == b"1"
         assert not any(isinstance(r, Done) and r.job_id in held for r in reports)
         node.config_set("min-replicas-to-write", 0)
-        import logging; logging.getLogger("x").warning("DBG lifted")
         assert lane.wait_ends(30), "the held writes never went through"
         reports += _drain(feedback)
         assert {r.job_id for r in reports if isinstance(r, Done)} == set(jobs)
@@ -200,10 +193,7 @@ def a_job_whose_master_died_with_steps_no_replica_had_goes_on(cluster: LocalClus
     incomplete ("part of the output was not recorded")."""
     tokenizer = Tokenizer.from_file(f"{model_path}/tokenizer.json")
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids[:8]
-    client = sync_client(cluster.seed_url, decode=False)
-    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
-    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
-                      client=client)
+    client, feedback, lane = _lane(cluster, model_path)
     job_id = names.job_id_in(3, uuid.uuid4().hex)
     key = names.job_key(job_id)
     created = _running(client, job_id)
@@ -254,10 +244,7 @@ def a_jobs_end_is_done_only_once_a_replica_has_it(cluster: LocalCluster, model_p
     the job is Done. Once the replica runs, it has the job ended. Meanwhile the lane's output goes on: the step
     that ended the job returned at once, and a job on another master streams and ends, Done, while the first
     job's end still waits. Before, the lane waited in that step: every job's output stalled for LAGGING_S (5 s)."""
-    client = sync_client(cluster.seed_url, decode=False)
-    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
-    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
-                      client=client)
+    client, feedback, lane = _lane(cluster, model_path)
     job_id = names.job_id_in(0, uuid.uuid4().hex)
     master = client.get_node_from_key(names.job_key(job_id)).port
     other = next(j for j in (names.job_id_in(p, uuid.uuid4().hex) for p in range(1, PARTITIONS))
@@ -411,6 +398,15 @@ def replica_paused(cluster: LocalCluster, client: redis.cluster.RedisCluster, ke
             with cluster.node(port).client() as c:
                 c.config_set("cluster-node-timeout", cluster.node_timeout_ms)
     cluster.wait_in_sync()
+
+
+def _lane(cluster: LocalCluster, model_path: str) -> tuple[redis.Redis, queue.SimpleQueue[LaneReport], OutputLane]:
+    """A cluster client, and an output lane writing with it whose reports go to the queue."""
+    client = sync_client(cluster.seed_url, decode=False)
+    feedback: queue.SimpleQueue[LaneReport] = queue.SimpleQueue()
+    lane = OutputLane(Settings(redis_url=cluster.seed_url, model=model_path), feedback,  # type: ignore[arg-type]
+                      client=client)
+    return client, feedback, lane
 
 
 def _running(client: redis.Redis, job_id: str) -> float:
