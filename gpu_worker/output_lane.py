@@ -38,7 +38,7 @@ from gpu_worker.token_text import TokenText
 from shared import names, tracing
 from shared.events import token_message
 from shared.fair_queue import OUTPUT_COST
-from shared.job_ops import FIRST_TOKEN, FRESH, Charges, JobOps, Write, pack_ids, step_write
+from shared.job_ops import FIRST_TOKEN, FRESH, JobOps, Write, pack_ids, step_write
 from shared.jobs import FinishReason
 from shared.lifecycle import die_with_parent
 from shared.metrics import (
@@ -111,21 +111,17 @@ class StepWrites:
 
     calls: dict[int, Write] = field(default_factory=dict)  # per partition (one slot each), its step call's keys, args
     jobs: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # per partition, its call's jobs
-    charges: dict[int, Charges] = field(default_factory=lambda: defaultdict(dict))  # per partition, per tenant
     finishes: list[Ending] = field(default_factory=list)
     done: list[str] = field(default_factory=list)  # the jobs ending in this step
     prompts: list[tuple[str, bytes]] = field(default_factory=list)  # (job, its prompt's logprobs document): once
 
-    def add(self, job_id: str, write: Write, st: JobState, new_tokens: int) -> None:
-        """The job's part of its partition's step call; its new tokens charged to its tenant."""
+    def add(self, job_id: str, write: Write) -> None:
+        """The job's part of its partition's step call."""
         p = names.job_partition(job_id)
         keys, args = self.calls.setdefault(p, ([], []))
         keys += write[0]
         args += write[1]
         self.jobs[p].append(job_id)
-        if st.tenant and new_tokens:
-            cost, served = self.charges[p].get(st.tenant, (0.0, 0))
-            self.charges[p][st.tenant] = (cost + new_tokens * OUTPUT_COST / st.weight, served + new_tokens)
 
     def end(self, job_id: str, reason: FinishReason, error: str, st: JobState) -> None:
         st.ended = True
@@ -286,10 +282,12 @@ class OutputLane:
         if st.trace is not None:
             st.trace.writes += 1
         if flags or packed or chunk or lp:
+            new = st.n_tokens - st.written
+            charge = (st.tenant, new * OUTPUT_COST / st.weight, new) if st.tenant and new else ("", 0.0, 0)
             write = step_write(job_id, flags, tok_off, packed, text_off, chunk, st.seq, message, st.n_tokens, lp_off,
-                               lp, st.worker)
+                               lp, st.worker, charge)
             st.history.append(write)
-            step.add(job_id, write, st, st.n_tokens - st.written)
+            step.add(job_id, write)
         st.written, st.held_ids, st.held_text, st.held_logprobs = st.n_tokens, bytearray(), "", []
         st.fresh = st.fresh and not chunk and not packed and not lp
 
@@ -310,7 +308,7 @@ class OutputLane:
                 pipe.set(names.prompt_logprobs_key(job_id), document, nx=True, ex=self.ttl)
             if p in step.calls:
                 keys, args = step.calls[p]
-                self.jobs.step(keys, args, pipe, step.charges.get(p))
+                self.jobs.step(keys, args, pipe)
             for job_id, reason, error, fields, worker, owner, written in finishes[p]:
                 self.jobs.finish(job_id, reason, error, fields, pipe=pipe, worker=worker, owner=owner,
                                  written=written)
@@ -398,9 +396,10 @@ class OutputLane:
         """A job whose record lacks steps this lane wrote (a failover promoted a replica that had not received them:
         only a job's end waits for a replica) gets its last writes sent again, in order, in one step call: those
         its record has are replays (step.lua skips them), the rest are written where they belong, and published
-        again (a client's relay drops a seq it has had). No charge: its tenant was charged when they were first
-        written. `written` when the record is whole again; `gap` when what it lost reaches past the writes kept
-        (HISTORY_WRITES, or an earlier worker's), and the code that refused it otherwise."""
+        again (a client's relay drops a seq it has had); a part written again charges its tenant again (the failover
+        that lost it lost its charge with it: the fair queue's counters lie in the job's slot). `written` when the
+        record is whole again; `gap` when what it lost reaches past the writes kept (HISTORY_WRITES, or an earlier
+        worker's), and the code that refused it otherwise."""
         keys, args = _history(st)
         if not keys:
             return StepCode.gap

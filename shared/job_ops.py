@@ -77,31 +77,30 @@ def start_write(job_id: str, worker_id: str, ttl_s: int) -> Write:
             [repr(time.time()), worker_id, ttl_s])
 
 
+Charge = tuple[str, float, int]  # fair-queue tenant ('' none), the charge on its virtual counter, tokens served
+
+
 def step_write(job_id: str, flags: int, ids_offset: int, packed_ids: bytes, text_offset: int, chunk: bytes,
                seq: int, message: bytes, n_tokens: int, logprobs_offset: int = 0, logprobs: bytes = b"",
-               worker: str = "") -> Write:
-    """One job's part of a step call (step.lua): its 5 keys and 12 arguments. `flags`: FRESH | FIRST_TOKEN;
+               worker: str = "", charge: Charge = ("", 0.0, 0)) -> Write:
+    """One job's part of a step call (step.lua): its 5 keys and 15 arguments. `flags`: FRESH | FIRST_TOKEN;
     `logprobs`: the chunk's tokens' logprob entries (lines of JSON) for a job that asked, at that offset;
-    `worker`: the writing worker's id (the part is written only while the job's record names it)."""
+    `worker`: the writing worker's id (the part is written only while the job's record names it); `charge`: its
+    new tokens' charge to its fair-queue tenant (shared/fair_queue.py), made only if the part is written."""
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.text_key(job_id),
             names.logprobs_key(job_id)]
+    tenant, cost, tokens = charge
     return keys, [flags, ids_offset, packed_ids, text_offset, chunk, seq, message, n_tokens, names.job_channel(job_id),
-                  logprobs_offset, logprobs, worker]
+                  logprobs_offset, logprobs, worker, tenant, repr(cost), tokens]
 
 
-Charges = dict[str, tuple[float, int]]  # fair-queue tenant -> (charge on its virtual counter, tokens served)
-
-
-def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH",
-              charges: Charges | None = None, model: str = "") -> Write:
+def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBLISH", model: str = "") -> Write:
     """A whole step call: the jobs' `step_write` parts joined (jobs of one partition), after the keys and
-    arguments they share (the partition's fair-queue counters of the jobs' `model`, which `charges` go on).
-    `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`); `charges`: the step's new tokens per tenant
-    (shared/fair_queue.py)."""
+    arguments they share (the partition's fair-queue counters of the jobs' `model`, which their charges go on).
+    `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`)."""
     p = names.stream_partition(keys[0])  # the jobs' partition, where their tenants' fair-queue counters are
     shared = [names.fair_key(p, part, model) for part in ("vtc", "tenants", "served")]
-    charged = [v for tenant, (cost, tokens) in (charges or {}).items() for v in (tenant, repr(cost), tokens)]
-    return [*shared, *keys], [ttl_s, repr(time.time()), publish, len(charged) // 3, *charged, *args]
+    return [*shared, *keys], [ttl_s, repr(time.time()), publish, *args]
 
 
 def new_job(req: GenerationRequest, model: str, tool_parser: str, owner: str = "", idempotency_key: str = "",
@@ -368,11 +367,11 @@ class JobOps:
         """Take the job (see StartCode for what the code says)."""
         return StartReply.parse(scripts.START(self.client, *start_write(job_id, worker_id, self.ttl_s)))
 
-    def step(self, keys: list[str], args: list[Any], pipe: Any, charges: Charges | None = None) -> None:
+    def step(self, keys: list[str], args: list[Any], pipe: Any) -> None:
         """Queue one engine step's writes for many jobs of one partition (`step_write` parts joined) on
-        `pipe`, with their tenants' `charges`. Its reply there is a StepReply's (`StepReply.parse`), a code per
+        `pipe`. Its reply there is a StepReply's (`StepReply.parse`), a code per
         job: a replayed step is no error, a refused job (gone, another worker's, ended) had nothing written."""
-        self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish, charges, self.model))
+        self._queue(scripts.STEP, pipe, step_call(keys, args, self.ttl_s, self.publish, self.model))
 
     def finish(self, job_id: str, reason: FinishReason, error: str = "", fields: dict[str, Any] | None = None,
                pipe: Any = None, required_status: str = "", worker: str = "",

@@ -1,9 +1,8 @@
 -- step: one engine step's output for many jobs in one call (the output lane's per-step write).
 -- KEYS: 1-3 the jobs' partition's fair-queue virtual counters (hash), backlogged tenants (zset) and tokens
 --   served (hash) (one call per partition), then 5 per job: job hash, event stream, token ids, text, logprob entries
--- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), 4 how many tenants
---   are charged, then 3 per tenant: its fair-queue name, the charge on its virtual counter, the tokens served to
---   it; then 12 per job, in the order of its keys:
+-- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), then 15 per job, in the
+--   order of its keys:
 --   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys and its record) and
 --             FIRST_TOKEN (2: the job's first token: set first_token_at); shared/job_ops.py names them
 --   ids_at    byte offset of `ids` in the token ids
@@ -19,6 +18,9 @@
 --             into the chunk's event too, which is written for them even when its text is empty
 --   worker    the writing worker: the job's part is written only while the job is running and its
 --             record names this worker (start.lua's `worker`)
+--   tenant    the fair-queue tenant its new tokens are charged to ('' none)
+--   cost      the charge on the tenant's virtual counter
+--   tokens    the tokens served to the tenant
 -- A running job's keys count JOB_TTL_S afresh from its first write, and again whenever half of it has gone (a job
 -- that runs for longer than its TTL keeps its record and its stream until it ends: finish.lua sets the last TTL).
 -- A job refused (its record gone, another worker's now, or not running) has nothing written: no key of
@@ -30,16 +32,16 @@
 -- A part that does not start where the job's text or ids end (a failover promoted a replica that lacked earlier
 -- steps of this worker, or an earlier step's write failed) is a gap: nothing of it is written (SETRANGE past the end
 -- would fill the hole with NUL bytes), and the lane fails the job.
--- The charges (the output lane sums the step's new tokens per tenant: shared/fair_queue.py) go on the
--- tenants' counters in the fair queue when some job of the call was written.
+-- A job's charge (its new tokens: shared/fair_queue.py) goes on its tenant's counters in the fair queue when its
+-- part is written, not when it is refused or replayed: a call sent again after part of it ran charges no job twice.
 -- Returns a code per job, in the order of the call's jobs: 1 written, 2 a replay, 0 not running (ended),
 --   -1 no such job, -2 not this worker's (another's, or none's: queued again after a failover lost its start),
 --   -3 a gap: the record lacks earlier steps of this job, or a key of the job is not of its type (nothing more of
 --   its part is written; the lane fails it, alone).
 local vtc, backlog, served = KEYS[1], KEYS[2], KEYS[3]
-local ttl, now, publish, n_charged = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
-local codes, written = {}, false
-local a = 5 + 3 * n_charged
+local ttl, now, publish = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local codes, charged, costs, tokens = {}, {}, {}, {}
+local a = 4
 -- One job's part: its code. A key of the job that is not of its type (damaged by hand) raises WRONGTYPE, and
 -- the loop below counts the job's part a gap: the job fails alone, the others' parts are written.
 local function part(job, events, ids_key, text_key, lp_key, flags, ids_at, ids, text_at, chunk, seq, message, n_tokens,
@@ -99,16 +101,20 @@ for k = 4, #KEYS, 5 do
     if not string.find(tostring(code), 'WRONGTYPE', 1, true) then return redis.error_reply(tostring(code)) end
     code = -3
   end
-  written = written or code == 1
-  codes[#codes + 1] = code
-  a = a + 12
-end
-if written then
-  for c = 5, 4 + 3 * n_charged, 3 do
-    local tenant, cost, tokens = ARGV[c], ARGV[c + 1], ARGV[c + 2]
-    redis.call('HINCRBYFLOAT', vtc, tenant, cost)
-    redis.call('ZADD', backlog, 'XX', 'INCR', cost, tenant)
-    redis.call('HINCRBY', served, tenant, tokens)
+  local tenant = ARGV[a + 12]
+  if code == 1 and tenant ~= '' then
+    if not costs[tenant] then
+      charged[#charged + 1], costs[tenant], tokens[tenant] = tenant, 0, 0
+    end
+    costs[tenant] = costs[tenant] + tonumber(ARGV[a + 13])
+    tokens[tenant] = tokens[tenant] + tonumber(ARGV[a + 14])
   end
+  codes[#codes + 1] = code
+  a = a + 15
+end
+for _, tenant in ipairs(charged) do -- per tenant, in the order of its first job
+  redis.call('HINCRBYFLOAT', vtc, tenant, costs[tenant])
+  redis.call('ZADD', backlog, 'XX', 'INCR', costs[tenant], tenant)
+  redis.call('HINCRBY', served, tenant, tokens[tenant])
 end
 return codes

@@ -95,20 +95,17 @@ class Sim:
         self.busy = len(self.running)
         keys: list[str] = []
         args: list[object] = []
-        charges: dict[str, tuple[float, int]] = {}  # as the output lane sums them
         for job_id in list(self.running):
             self.running[job_id] += 1
             self.served[self.owner[job_id]] += OUTPUT_COST
             tenant, weight = self.charged[job_id]
-            cost, tokens = charges.get(tenant, (0.0, 0))
-            charges[tenant] = (cost + OUTPUT_COST / weight, tokens + 1)
             k, a = step_write(job_id, FRESH if self.running[job_id] == 1 else 0, 0, b"", 0, b"", 0, b"",
-                              self.running[job_id], worker="engine-1")
+                              self.running[job_id], worker="engine-1", charge=(tenant, OUTPUT_COST / weight, 1))
             keys += k
             args += a
         if keys:
             pipe = self.r.pipeline(transaction=False)
-            self.ops.step(keys, args, pipe, charges)
+            self.ops.step(keys, args, pipe)
             pipe.execute()
         for job_id, n in list(self.running.items()):
             if n >= self.length[job_id]:

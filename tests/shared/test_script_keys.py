@@ -101,8 +101,8 @@ def test_a_job_touches_only_the_keys_each_call_declares(declared: Declared) -> N
     took = StartReply.parse(declared(scripts.START, job_ops.start_write(job_id, "w", 60)))
     assert (took.code, took.tenant, took.owner) == (StartCode.started, owner, owner)
     step = job_ops.step_write(job_id, job_ops.FRESH | job_ops.FIRST_TOKEN, 0, job_ops.pack_ids([7]), 0, b"Hi", 1,
-                              b"{}", 1, worker="w")
-    got = declared(scripts.STEP, job_ops.step_call(*step, 60, charges={owner: (1.0, 1)}))
+                              b"{}", 1, worker="w", charge=(owner, 1.0, 1))
+    got = declared(scripts.STEP, job_ops.step_call(*step, 60))
     assert StepReply.parse(got).codes == (StepCode.written,)
     assert r.hget(names.fair_key(p, "served"), owner) == b"11"
     end = job_ops.finish_write(job_id, FinishReason.stop, "", 60, worker="w", owner=owner)

@@ -218,6 +218,37 @@ def test_a_replayed_step_is_reported_not_raised(raw: redis.Redis) -> None:
     assert 0 < raw.ttl(names.tokens_key("j1")) <= 60
 
 
+def test_a_step_charges_a_tenant_only_for_its_jobs_written(raw: redis.Redis) -> None:
+    """A step call sent again (its pipeline met an outage after part of it ran) charges each job's tenant once: a
+    job written, not one refused or replayed, even when another job of the call is written this time."""
+    ops = JobOps(raw, 60)
+    _running_job(raw, "ja")
+    _running_job(raw, "jb")
+    raw.hset(names.job_key("jb"), "worker", "other")  # jb's part is refused the first time
+    keys: list[str] = []
+    args: list[Any] = []
+    for job_id in ("ja", "jb"):
+        k, a = step_write(job_id, FRESH | FIRST_TOKEN, 0, pack_ids([7, 8]), 0, b"Hi", 1, b"{}", 2, worker="w",
+                          charge=("acme", 1.5, 2))
+        keys += k
+        args += a
+    vtc, served = (names.fair_key(names.job_partition("ja"), part) for part in ("vtc", "served"))
+
+    def step() -> list[StepCode]:
+        pipe = raw.pipeline(transaction=False)
+        ops.step(keys, args, pipe)
+        [reply] = pipe.execute()
+        return list(StepReply.parse(reply).codes)
+
+    assert step() == [StepCode.written, StepCode.not_owner]
+    assert (raw.hget(vtc, "acme"), raw.hget(served, "acme")) == (b"1.5", b"2")
+    raw.hset(names.job_key("jb"), "worker", "w")
+    assert step() == [StepCode.replayed, StepCode.written]
+    assert (raw.hget(vtc, "acme"), raw.hget(served, "acme")) == (b"3", b"4")
+    assert step() == [StepCode.replayed, StepCode.replayed]
+    assert (raw.hget(vtc, "acme"), raw.hget(served, "acme")) == (b"3", b"4")
+
+
 def test_step_flags_fresh_and_first_token(raw: redis.Redis) -> None:
     ops = JobOps(raw, 60)
     _running_job(raw, "j2")
@@ -289,13 +320,13 @@ def job_keys(job_id: str) -> list[str]:
 
 
 def _step(ops: JobOps, job_id: str, worker: str, seq: int, text: str, chunk: str,
-          charges: dict[str, tuple[float, int]] | None = None) -> list[StepCode]:
+          charge: tuple[str, float, int] = ("", 0.0, 0)) -> list[StepCode]:
     """One step call of one job: its `seq`th token (an id 7) with its chunk, after `text`."""
     flags = FRESH | FIRST_TOKEN if seq == 1 else 0
     keys, args = step_write(job_id, flags, (seq - 1) * 4, pack_ids([7]), len(text.encode()), chunk.encode(), seq,
-                            b'{"seq": %d}' % seq, seq, 0, b"", worker)
+                            b'{"seq": %d}' % seq, seq, 0, b"", worker, charge)
     pipe = ops.client.pipeline(transaction=True)
-    ops.step(keys, args, pipe, charges)
+    ops.step(keys, args, pipe)
     [raw] = pipe.execute()
     return list(StepReply.parse(raw).codes)
 
@@ -354,12 +385,12 @@ def test_a_worker_that_lost_its_job_writes_nothing_into_it(raw: redis.Redis) -> 
     ops, job_id = JobOps(raw, 60), "job_taken_0001"
     _running_job(raw, job_id)  # started by "w"
     vtc = names.partition_prefix(names.job_partition(job_id)) + ":fair:vtc"
-    assert _step(ops, job_id, "w", 1, "", "Hi", {"acme": (2.0, 1)}) == [StepCode.written]
+    assert _step(ops, job_id, "w", 1, "", "Hi", ("acme", 2.0, 1)) == [StepCode.written]
     assert ops.start(job_id, "w2").code is StartCode.resumed  # claimed: the record names w2 now
     before, charged = _state(raw, job_id), raw.hget(vtc, "acme")
 
     def stale() -> None:
-        assert _step(ops, job_id, "w", 2, "Hi", " there", {"acme": (2.0, 1)}) == [StepCode.not_owner]
+        assert _step(ops, job_id, "w", 2, "Hi", " there", ("acme", 2.0, 1)) == [StepCode.not_owner]
         assert _step(ops, job_id, "w", 1, "", "Hi") == [StepCode.not_owner]  # not even a replay
         got = ops.finish(job_id, FinishReason.length, fields={"completion_tokens": 2}, worker="w")
         assert got == FinishReply(FinishCode.not_owner)

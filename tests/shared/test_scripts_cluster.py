@@ -55,9 +55,10 @@ def test_a_job_runs_its_whole_life_on_a_cluster(cluster: redis.Redis) -> None:
     assert entry.fields[b"batch"] == b"row"
     took = ops.start(job_id, "w")
     assert (took.code, took.owner) == (StartCode.started, owner)
-    keys, args = step_write(job_id, FRESH | FIRST_TOKEN, 0, pack_ids([7]), 0, b"Hi", 1, b"{}", 1, worker="w")
+    keys, args = step_write(job_id, FRESH | FIRST_TOKEN, 0, pack_ids([7]), 0, b"Hi", 1, b"{}", 1, worker="w",
+                             charge=(owner, 2.0, 1))
     pipe = r.pipeline(transaction=False)
-    ops.step(keys, args, pipe, {owner: (2.0, 1)})
+    ops.step(keys, args, pipe)
     ops.finish(job_id, FinishReason.stop, fields={"completion_tokens": 1}, pipe=pipe, worker="w", owner=took.owner)
     step, end = pipe.execute()
     assert StepReply.parse(step).codes == (StepCode.written,) and FinishReply.parse(end) == FinishReply(
