@@ -9,11 +9,11 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from api.guard import request_id
 from shared import names, tracing
-from shared.job_ops import AsyncJobOps, Writes, new_job, write_copied
+from shared.job_ops import AsyncJobOps, Writes, new_job, of_another_type, write_copied
 from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus
 from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
@@ -84,11 +84,14 @@ class JobStore:
             return ""
 
     async def owner_of(self, job_id: str) -> str | None:
-        """The tenant that submitted the job ('' for none), or None when there is no such job."""
+        """The tenant that submitted the job ('' for none), or None when there is no such job; DamagedRecord
+        when its record is a key of another type."""
         pipe = self.r.pipeline(transaction=False)
         pipe.exists(names.job_key(job_id))
         pipe.hget(names.job_key(job_id), "owner")
-        exists, owner = await pipe.execute()
+        exists, owner = await pipe.execute(raise_on_error=False)
+        if isinstance(owner, Exception):
+            raise of_another_type(owner, job_id, "record") or owner
         return (owner or "") if exists else None
 
     async def get(self, job_id: str) -> Job | None:
@@ -136,7 +139,10 @@ class JobStore:
 
     async def read_events(self, job_id: str, after: int, count: int = 1000) -> list[tuple[int, str, str, str]]:
         """Events with seq > after, in order: (seq, type, text, logprob entries as lines of JSON, '' none)."""
-        items = await self.r.xrange(names.events_key(job_id), min=f"(0-{after}", max="+", count=count)
+        try:
+            items = await self.r.xrange(names.events_key(job_id), min=f"(0-{after}", max="+", count=count)
+        except ResponseError as exc:
+            raise (of_another_type(exc, job_id, "event stream") or exc) from exc
         return [(int(eid.split("-")[1]), f.get("type", ""), f.get("text", ""), f.get("logprobs", ""))
                 for eid, f in items]
 

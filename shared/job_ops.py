@@ -27,7 +27,7 @@ from redis.commands.core import DataAccessCommands
 from redis.exceptions import AskError, ClusterDownError, ConnectionError, TryAgainError
 
 from shared import names, scripts, tracing
-from shared.jobs import FinishReason, JobStatus, new_record
+from shared.jobs import DamagedRecord, FinishReason, JobStatus, new_record
 from shared.redis_client import CLUSTER_TYPES, aheal, heal, send_once, text
 from shared.retry import call
 from shared.schemas import GenerationRequest
@@ -439,12 +439,15 @@ class AsyncJobOps:
 
     async def finish(self, job_id: str, reason: FinishReason, error: str = "", required_status: str = "",
                      owner: str | None = None) -> FinishReply:
-        """End the job (the API's cancel of a queued job); NotCopied on a cluster when no replica has the end.
-        `owner` as JobOps.finish takes it."""
+        """End the job (the API's cancel of a queued job); NotCopied on a cluster when no replica has the end;
+        DamagedRecord when its record is a key of another type. `owner` as JobOps.finish takes it."""
         model = ""
         for _ in range(OWNER_READS):
             if owner is None:
-                named, model = map(text, await self.client.hmget(names.job_key(job_id), "owner", "base_model"))
+                try:
+                    named, model = map(text, await self.client.hmget(names.job_key(job_id), "owner", "base_model"))
+                except redis.ResponseError as exc:
+                    raise (of_another_type(exc, job_id, "record") or exc) from exc
             else:
                 named = owner
             write = finish_write(job_id, reason, error, self.ttl_s, required_status, publish=self.publish,
@@ -481,10 +484,23 @@ class AsyncJobOps:
         pipe.get(names.text_key(job_id))
         pipe.get(names.logprobs_key(job_id))
         pipe.get(names.prompt_logprobs_key(job_id))
-        rec, text, logprobs, prompt_logprobs = await pipe.execute()
+        replies = await pipe.execute(raise_on_error=False)
+        for key, reply in zip(("record", "text", "logprobs", "prompt logprobs"), replies):
+            if isinstance(reply, Exception):
+                raise of_another_type(reply, job_id, key) or reply
+        rec, text, logprobs, prompt_logprobs = replies
         if not rec:
             return None
         return {**rec, "text": text or "", "logprobs": logprobs or "", "prompt_logprobs": prompt_logprobs or ""}
+
+
+def of_another_type(exc: BaseException, job_id: str, key: str) -> DamagedRecord | None:
+    """Redis's answer that a key of the job holds another type (WRONGTYPE: written over by hand, or by another
+    program), as the damaged record it makes (the API answers 404, a stream ends as for an expired job); None for
+    any other error."""
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE"):
+        return DamagedRecord(job_id, f"its {key} is a key of another type")
+    return None
 
 
 def queue_account(pipe: Any, job_id: str, usage_ttl_s: int) -> None:

@@ -84,6 +84,29 @@ async def test_every_read_of_a_damaged_record_is_a_clear_404(api: httpx.AsyncCli
     _is_incomplete(r, job_id)
 
 
+@pytest.mark.parametrize("key", ["record", "events", "text"])
+async def test_a_jobs_key_of_another_type_is_a_clear_404(api: httpx.AsyncClient, redis_db: redis.Redis,
+                                                         key: str) -> None:
+    """A job's key written over by something of another type (by hand, or by another program) is a damaged
+    record too: every read that meets it answers the same 404 (a stream ends as an expired job's), never a 500
+    (Redis's WRONGTYPE)."""
+    job_id = _job_id()
+    redis_db.hset(names.job_key(job_id), mapping={**_whole(job_id), "status": "succeeded", "finish_reason": "stop",
+                                                  "seq": "1", "finished_at": repr(time.time())})
+    damaged = {"record": names.job_key(job_id), "events": names.events_key(job_id), "text": names.text_key(job_id)}
+    redis_db.delete(damaged[key])
+    redis_db.sadd(damaged[key], "not-a-job")
+    resp_id = "resp_" + job_id.removeprefix("job_")
+    reads = [await api.get(f"/v1/jobs/{job_id}"), await api.get(f"/v1/jobs/{job_id}/events"),
+             await api.post(f"/v1/jobs/{job_id}/cancel"), await api.get(f"/v1/responses/{resp_id}")]
+    if key == "events":  # the record reads whole; the job's events end as an expired job's
+        assert [r.status_code for r in reads[:3]] == [200, 200, 409]
+        assert reads[1].text.startswith("event: error") and "the job expired" in reads[1].text
+    else:
+        for r in reads:
+            _is_incomplete(r, job_id)
+
+
 async def test_a_whole_record_still_reads(api: httpx.AsyncClient, redis_db: redis.Redis) -> None:
     job_id = _job_id()
     redis_db.hset(names.job_key(job_id), mapping=_whole(job_id))
