@@ -28,7 +28,7 @@ class Reader:
     def __init__(self, client: redis.Redis, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger,
                  admission: Admission, refresh_s: float, stopping: threading.Event) -> None:
         self.client, self.consumer, self.jobs, self.ledger = client, consumer, jobs, ledger
-        self.queue = FairQueue(client, consumer.consumer, jobs.model)  # its model's queue
+        self.queue = FairQueue(client, consumer.consumer, jobs.model, consumer.masters)  # its model's queue
         self.admission, self.refresh_s, self.stopping = admission, refresh_s, stopping
         self._next_upkeep = 0.0
         consumer.on_dead = self.fail_dead  # the job fails before its entry is dead-lettered
@@ -40,6 +40,7 @@ class Reader:
         if time.monotonic() >= self._next_upkeep:
             self.upkeep()
             self._next_upkeep = time.monotonic() + self.refresh_s
+        self._readmit(self.consumer.lost(), "its pop's reply was lost with a master that stopped answering")
         if self.ledger.has_room(ROOM_WAIT_S):
             # only what can start soon: a job taken waits here in the engine's order, out of the fair queue's reach
             entries = self.queue.pop(count=max(1, min(READ_COUNT, self.ledger.free())), block_ms=READ_BLOCK_MS)
@@ -64,11 +65,15 @@ class Reader:
     def readmit_forgotten(self) -> None:
         """Entries of this worker's own that no ledger holds: read just before a Redis outage cut their
         admission off. Held entries are refreshed every refresh_s, so only forgotten ones idle this long."""
-        held = set(self.ledger.entries())  # refs: (stream, id)
         own, _ = self.consumer.retry_own(self.consumer.claim_idle_ms, count=READ_COUNT)
+        self._readmit(own, "its first admission was cut off")
+
+    def _readmit(self, own: list[Entry], why: str) -> None:
+        """Admit this worker's own entries that no ledger holds."""
+        held = set(self.ledger.entries()) if own else set()  # refs: (stream, id)
         for entry in own:
             if entry.ref not in held:
-                log.warning("admitting %s again: its first admission was cut off", entry.id)
+                log.warning("admitting %s again: %s", entry.id, why)
                 self.admission.admit(entry)
 
     def fail_dead(self, entry: Entry) -> None:

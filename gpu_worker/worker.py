@@ -43,6 +43,7 @@ from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.lifecycle import name_thread, named
+from shared.masters import fail_fast
 from shared.model_config import checkpoint_dtype, model_context, vocab_size
 from shared.redis_client import sync_client
 from shared.settings import Settings
@@ -85,7 +86,7 @@ class InferenceWorker:
         self.worker_id = new_worker_id(self.pool)
         self.consumer = StreamConsumer(self.client, names.streams(names.TOKENIZED, settings.model_key),
                                        names.INFERENCE_GROUP, self.worker_id, self.pool, settings.claim_idle_ms,
-                                       settings.delivery_limit)
+                                       settings.delivery_limit, fast=fail_fast(settings.redis_url))
         self.stats = WorkerStats()
         self.stopping = threading.Event()  # SIGTERM: read no new work, finish what runs here
         self.closed = threading.Event()  # the engine loop ended: the control lane stops

@@ -44,12 +44,13 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import redis
 
 from shared import names, scripts
-from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, text
+from shared.masters import Masters
+from shared.redis_client import CLUSTER_TYPES, RETRYABLE, text
 from shared.ring import Ring
 from shared.stream_consumer import Entry
 
@@ -119,9 +120,12 @@ def parse_entries(reply: Any) -> list[Entry]:
 class FairQueue:
     """An inference worker's side: the next jobs of its model's queue, fairest first, from every partition."""
 
-    def __init__(self, client: redis.Redis, consumer: str, model: str = "") -> None:
+    def __init__(self, client: redis.Redis, consumer: str, model: str = "", masters: Masters | None = None) -> None:
         self.client, self.consumer, self.model = client, consumer, model
         self.cluster = isinstance(client, CLUSTER_TYPES)
+        # a cluster's masters, which pops and ring flags go to one by one (shared/masters.py): on its fail-fast
+        # client, where given (a consumer's: `StreamConsumer.masters`)
+        self.masters = masters or Masters(client)
         self._turn = 0
         self._partition = {names.ring_key(p, names.INFERENCE_GROUP, model): p for p in names.partitions()}
         self.ring = Ring(client, list(self._partition), names.ring_channel(names.INFERENCE_GROUP, model))
@@ -139,11 +143,15 @@ class FairQueue:
             rung = self.client.blpop(bells, timeout=block_ms / 1000)
             return self._pop_all(count, skip) if rung else []
         if self.ring.listen() and (arm := self.ring.to_arm()):
-            pipe = self.client.pipeline(transaction=False)
-            for key in arm:
-                self.ring.arm(pipe, key)
-            pipe.execute()
-            entries = self._pop_each([self._partition[key] for key in arm], count, skip)  # what came before each flag
+            armed: list[str] = []
+            for node, keys in self.masters.groups(arm, key=lambda k: k):  # (a master down: its flags wait)
+
+                def flags(pipe: Any, keys: list[str] = keys) -> None:
+                    for k in keys:
+                        self.ring.arm(pipe, k)
+                if self.masters.send(node, flags) is not None:
+                    armed += keys
+            entries = self._pop_each([self._partition[key] for key in armed], count, skip)  # what came before each
             if entries:
                 return entries
         return self._pop_all(count, skip) if self.ring.wait(block_ms / 1000) else []
@@ -156,38 +164,35 @@ class FairQueue:
 
     def _pop_each(self, partitions: list[int], count: int, skip: Mapping[str, int] | None) -> list[Entry]:
         """One pop per partition, in order, until `count` are taken. A partition whose master cannot take the pop
-        (down, failing over, refusing writes: a cluster's) is passed over: the jobs taken from the others are
-        answered (they are this consumer's now; raising would strand them until they idle out), and its error is
-        raised only when none was taken."""
+        (down, failing over, refusing writes: a cluster's) is passed over, and those of a master that does not answer
+        for a moment (shared/masters.py): the jobs taken from the others are answered (they are this consumer's
+        now; raising would strand them until they idle out), and its error is raised only when no partition
+        answered."""
         entries: list[Entry] = []
         error: Exception | None = None
-        down: set[str] = set()  # (a cluster's) masters that failed a pop of this call: their other partitions wait
+        answered = False
+        failed: set[str] = set()  # (a cluster's) masters that failed a pop of this call: their other partitions wait
+        client = self.masters.client if self.cluster else self.client
         for p in partitions:
             if len(entries) >= count:
                 break
-            node = self._master(p)
-            if node in down:
+            key = names.fair_key(p, "tenants", self.model)
+            node = self.masters.node(key)
+            if node is not None and (node.name in failed or self.masters.is_down(key)):
                 continue
             try:
-                entries += pop(self.client, p, self.consumer, count - len(entries), skip, self.model)
+                entries += pop(client, p, self.consumer, count - len(entries), skip, self.model)
             except RETRYABLE as exc:
                 error = error or exc
-                down.add(node)
-        if error is not None:
-            heal(self.client)  # (a cluster's slot map read again before the next pop)
-            if not entries:
-                raise error
+                if node is not None:
+                    failed.add(node.name)
+                self.masters.fail(node, exc)
+                continue
+            answered = True
+            self.masters.answered(node)
+        if error is not None and not answered:  # (the slot map was read again: `Masters.fail`)
+            raise error
         return entries
-
-    def _master(self, partition: int) -> str:
-        """The master of the partition's queue in a cluster client's slot map ('' a single Redis, or none known)."""
-        if not self.cluster:
-            return ""
-        try:
-            node = cast(Any, self.client).get_node_from_key(names.fair_key(partition, "tenants", self.model))
-        except (redis.RedisError, *RETRYABLE):
-            return ""
-        return node.name if node is not None else ""
 
 
 @dataclass(frozen=True)

@@ -129,14 +129,14 @@ def _async_cluster(url: str, **kwargs: Any) -> acluster.RedisCluster:
     return acluster.RedisCluster(startup_nodes=nodes, **options, **kwargs)
 
 
-def heal(client: Any) -> None:
-    """After a failed call: a cluster client rebuilds its slot map from any node it knows (the dead node
-    is asked last), so the next try reaches whoever holds each slot now. Nothing for a single node,
+def heal(client: Any, failed: str | None = None) -> None:
+    """After a failed call: a cluster client rebuilds its slot map from any node it knows (`failed`, the node that
+    did not answer, asked last), so the next try reaches whoever holds each slot now. Nothing for a single node,
     whose client reconnects by itself. Never raises: while no node answers, the next try fails again."""
     if not isinstance(client, redis.cluster.RedisCluster):
         return
     try:
-        client.nodes_manager.initialize()
+        client.nodes_manager.initialize(last_failed_node_name=failed)
     except Exception as exc:  # noqa: BLE001 - the map is rebuilt on the next outage instead
         log.debug("slot map not rebuilt: %s", exc)
 

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 
 ARMED_MS = 5_000  # a flag outlives the longest wait (the block times here are at most 2 s) and a dead consumer
 LISTEN_TIMEOUT_S = 2.0  # how long a subscription may take to be confirmed
+# a subscription not confirmed is not tried again for this long: meanwhile each wait runs to its end (a consumer
+# turns its partitions over once per block time), rather than each waiting LISTEN_TIMEOUT_S on a silent node first
+LISTEN_AGAIN_S = 2.0
 # a subscription is made afresh this often: one whose node went away without a word (a partition, a host lost)
 # hears nothing, and until it is renewed every wait runs to its end
 RENEW_S = 30.0
@@ -50,6 +53,7 @@ class Ring:
         self._since = 0.0
         self._rung: set[str] = set()  # flags taken since they were set (the rings heard name them)
         self._armed_at = 0.0  # when every flag was last set on this subscription (0: not yet)
+        self._listen_at = 0.0  # when a subscription may be tried again (after one not confirmed)
 
     def listen(self) -> bool:
         """Subscribe to the channel unless subscribed; whether the subscription is confirmed. Arming before it is
@@ -57,6 +61,8 @@ class Ring:
         if self._pubsub is not None and time.monotonic() - self._since < RENEW_S:
             return True
         self.close()
+        if time.monotonic() < self._listen_at:
+            return False
         pubsub = self.client.pubsub()
         try:
             pubsub.subscribe(self.channel)
@@ -70,6 +76,7 @@ class Ring:
             log.info("ring %s: not subscribed (%s)", self.channel, exc)
             heal(self.client)  # the next try goes by a fresh slot map
         pubsub.close()
+        self._listen_at = time.monotonic() + LISTEN_AGAIN_S
         return False
 
     def to_arm(self) -> list[str]:

@@ -9,9 +9,14 @@ goes to the dead-letter stream instead. Entries already delivered twice are clai
 so a poison entry reaches the dead-letter stream alone (its partition's).
 
 With several streams, a read on one Redis node is one XREADGROUP over all of them; on a cluster
-(one slot per call) it is one non-blocking read per stream in a pipeline; when all were empty, the
+(one slot per call) it is one non-blocking read per stream, in a pipeline per master; when all were empty, the
 reads of the partitions whose ring flag it sets again, each after its flag, then a wait on the ring
 (shared/ring.py). Entries carry their stream; acknowledgements and claims go to it.
+
+On a cluster the reads, the pending lists and the refreshes go master by master (shared/masters.py): the streams
+of a master that does not answer are passed over for a moment, and the others' are read, claimed and kept fresh
+meanwhile (their entries wait for nobody's failover). Given a fail-fast client (`fast`), a silent master holds a
+call FAST_TIMEOUT_S at most.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import redis
 
 from shared import names
+from shared.masters import REDIRECTED, Masters
 from shared.redis_client import CLUSTER_TYPES, heal, text
 from shared.ring import Ring
 from shared.signals import read_live
@@ -41,6 +47,7 @@ Ref = tuple[str, str]  # (stream, entry id): what acknowledgements and claims na
 ReadReply = list[tuple[bytes | str, list[tuple[bytes | str, Fields | None]]]]  # XREADGROUP: per stream, its entries
 ClaimReply = list[tuple[bytes | str, Fields | None]]  # XCLAIM without JUSTID: fields None for an entry trimmed since
 IDLE_WAIT_S = 1.0  # on a cluster, a read that may block for ever waits on its ring this long at a time
+LOST_COUNT = 1024  # a stream's own pending entries read back at most, after its master missed a call (`lost`)
 
 
 @dataclass
@@ -69,8 +76,11 @@ class StreamConsumer:
     on_dead: Callable[[Entry], None] | None = None
 
     def __init__(self, client: redis.Redis, streams: str | list[str], group: str, consumer: str, pool: str,
-                 claim_idle_ms: int = 30_000, delivery_limit: int = 3) -> None:
+                 claim_idle_ms: int = 30_000, delivery_limit: int = 3, fast: redis.Redis | None = None) -> None:
         self.client, self.group, self.consumer = client, group, consumer
+        # the masters (a cluster's) that the reads, pending lists and refreshes go to one by one; on `fast`, a
+        # client that does not retry and waits briefly, where given
+        self.masters = Masters(fast if fast is not None else client)
         self.streams = [streams] if isinstance(streams, str) else list(streams)
         self.pool = pool  # consumers are workers of this pool; its registry says who is alive
         self.claim_idle_ms, self.delivery_limit = claim_idle_ms, delivery_limit
@@ -111,44 +121,86 @@ class StreamConsumer:
             return []
 
     def _sweep(self, count: int, arm: set[str] | None = None) -> list[Entry]:
-        """One non-blocking read per stream, in one pipeline, starting at the next in turn; with `arm`, only the
-        streams of those ring flags, each flag set before its partition's first read (on the same node's
-        connection, so in that order)."""
+        """One non-blocking read per stream, starting at the next in turn, in a pipeline per master (those down
+        passed over); with `arm`, only the streams of those ring flags, each flag set before its partition's first
+        read (on the same master's connection, so in that order)."""
         self._turn = (self._turn + 1) % len(self.streams)
-        pipe = self.client.pipeline(transaction=False)
         unset = set(arm or ())
-        for stream in self.streams[self._turn:] + self.streams[:self._turn]:
+        order = [s for s in self.streams[self._turn:] + self.streams[:self._turn]
+                 if arm is None or self._flags[s] in arm]
+
+        def read(pipe: Any, stream: str) -> None:
             flag = self._flags[stream]
-            if arm is not None and flag not in arm:
-                continue
             if flag in unset:
                 unset.discard(flag)
                 self.ring.arm(pipe, flag)
             pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
-        replies = pipe.execute(raise_on_error=False)
-        entries = [e for reply in replies if not isinstance(reply, (bool, Exception)) for e in self._entries(reply)]
-        errors = [reply for reply in replies if isinstance(reply, Exception)]
-        # a stream whose master could not answer (down, failing over, refusing writes) is read next time: the entries
-        # read from the others are answered (they are this consumer's now; raising would strand them until they idle
-        # out), its error raised only when none was read
+
+        replies = self._each_master(order, read)
+        if order and not replies:
+            raise redis.ConnectionError("no master of the streams answers")
+        entries = [e for reply in replies.values() if not isinstance(reply, Exception) for e in self._entries(reply)]
+        errors = [reply for reply in replies.values() if isinstance(reply, Exception)]
+        # a stream whose master could not answer (refusing writes; or not at all: no reply) is read next time: the
+        # entries read from the others are answered (they are this consumer's now; raising would strand them until
+        # they idle out), its error raised only when no stream answered
         if any("NOGROUP" in str(e) for e in errors) and not entries:
             self.ensure_group()  # a stream was deleted (or Redis lost its data): its group made again
-        elif errors and not entries:
+        elif errors and len(errors) == len(replies):
             raise errors[0]
-        elif errors:
-            heal(self.client)  # (the slot map read again before the next sweep)
         return entries
+
+    def _each_master(self, streams: list[str], queue: Callable[[Any, str], None]) -> dict[str, Any]:
+        """Per stream, the reply of the last command `queue` puts on a pipeline for it, in one pipeline per master
+        (a single Redis's: one): errors as exceptions. The streams of a master that is down, or that does not
+        answer now, have no reply (shared/masters.py); a single Redis's failure raises."""
+        out: dict[str, Any] = {}
+        for node, group in self.masters.groups(streams, key=lambda s: s):
+            ends: list[int] = []  # per stream, the position of its last command's reply
+
+            def fill(pipe: Any, group: list[str] = group, ends: list[int] = ends) -> None:
+                for stream in group:
+                    queue(pipe, stream)
+                    ends.append(len(pipe.command_stack) - 1)
+            replies = self.masters.send(node, fill)
+            if replies is not None:  # (a stream whose slot moved is read where it is now, next time)
+                out.update((stream, replies[at]) for stream, at in zip(group, ends)
+                           if not isinstance(replies[at], REDIRECTED))
+        return out
+
+    def lost(self) -> list[Entry]:
+        """This consumer's own pending entries in the streams of masters that answer again after missing a call
+        (shared/masters.py): a read or a pop that timed out may have run all the same once its master went on, and
+        its entries are pending here, their reply gone with the connection. Read from this consumer's history
+        (XREADGROUP from 0): every entry it holds there, the caller's own among them (those it works on already,
+        to leave out)."""
+        back = self.masters.take_back()
+        if not back:
+            return []
+        streams = [s for s in self.streams if (node := self.masters.node(s)) is not None and node.name in back]
+        replies = self._each_master(streams, lambda pipe, stream: pipe.xreadgroup(
+            self.group, self.consumer, {stream: "0"}, count=LOST_COUNT))
+        return [e for reply in replies.values() if not isinstance(reply, Exception) for e in self._entries(reply)]
 
     @staticmethod
     def _entries(reply: XReadGroupResponse | None) -> list[Entry]:
         return [Entry(text(eid), fields, 1, text(stream)) for stream, items in cast(ReadReply, reply or [])
                 for eid, fields in items if fields is not None]
 
-    def _pending(self, stream: str, count: int, idle_ms: int, consumer: str | None = None) -> list[Pending]:
-        """The group's entries of `stream` pending for idle_ms or more (of `consumer` only, where given)."""
-        rows = self.client.xpending_range(stream, self.group, min="-", max="+", count=count, consumername=consumer,
-                                          idle=idle_ms)
-        return cast(list[Pending], rows)
+    def _pending(self, count: int, idle_ms: int, consumer: str | None = None) -> list[tuple[str, Pending]]:
+        """Each stream's entries of the group pending for idle_ms or more (of `consumer` only, where given), up to
+        `count` a stream; a stream whose master does not answer now has none (it is asked again next time)."""
+        replies = self._each_master(self.streams, lambda pipe, stream: pipe.xpending_range(
+            stream, self.group, min="-", max="+", count=count, consumername=consumer, idle=idle_ms))
+        rows: list[tuple[str, Pending]] = []
+        for stream, reply in replies.items():
+            if isinstance(reply, Exception):
+                if "NOGROUP" not in str(reply):
+                    raise reply
+                self.ensure_group()
+                continue
+            rows += [(stream, r) for r in cast(list[Pending], reply)]
+        return rows
 
     def note_outage(self) -> None:
         """After losing Redis, live owners need time to refresh their entries and heartbeats
@@ -162,14 +214,7 @@ class StreamConsumer:
         Returns (to process, dead-lettered)."""
         if time.monotonic() < self._quiet_until:
             return [], []
-        rows: list[tuple[str, Pending]] = []
-        for stream in self.streams:
-            try:
-                rows += [(stream, r) for r in self._pending(stream, count * 4, self.claim_idle_ms)]
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                self.ensure_group()
+        rows = self._pending(count * 4, self.claim_idle_ms)
         owners = {text(r["consumer"]) for _, r in rows} - {self.consumer}
         if not owners:
             return [], []
@@ -188,7 +233,7 @@ class StreamConsumer:
     def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)
         for idle_ms or more, for another try. Returns (to process, dead-lettered)."""
-        rows = [(stream, r) for stream in self.streams for r in self._pending(stream, count, idle_ms, self.consumer)]
+        rows = self._pending(count, idle_ms, self.consumer)
         return self._claim(rows[:count], idle_ms) if rows else ([], [])
 
     def _claim(self, rows: list[tuple[str, Pending]], idle_ms: int) -> tuple[list[Entry], list[Entry]]:
@@ -212,9 +257,14 @@ class StreamConsumer:
         return keep, dead
 
     def refresh(self, refs: list[Ref]) -> None:
-        """Reset the idle time of entries this consumer still works on."""
-        for stream, ids in _by_stream(refs).items():
-            self.client.xclaim(stream, self.group, self.consumer, 0, ids, justid=True)
+        """Reset the idle time of entries this consumer still works on (those of a master that does not answer
+        now next time: nobody can take them there meanwhile)."""
+        ids = _by_stream(refs)
+        replies = self._each_master(list(ids), lambda pipe, stream: pipe.xclaim(
+            stream, self.group, self.consumer, 0, ids[stream], justid=True))
+        errors = [reply for reply in replies.values() if isinstance(reply, Exception)]
+        if errors:
+            raise errors[0]
 
     def hand_back(self, refs: list[Ref], idle_ms: int) -> None:
         """Make entries claimable by other workers at once (as if idle for idle_ms)."""

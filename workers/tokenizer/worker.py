@@ -32,12 +32,13 @@ from shared.grammar import GrammarError
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps, publish_command
 from shared.limits import context_problem
+from shared.masters import fail_fast
 from shared.model_config import model_context
-from shared.redis_client import sync_client, text
+from shared.redis_client import RETRYABLE, sync_client, text
 from shared.retry import run_loop
 from shared.schemas import GenerationRequest, encode_request
 from shared.settings import Settings
-from shared.stream_consumer import Entry, StreamConsumer
+from shared.stream_consumer import Entry, Ref, StreamConsumer
 from shared.tokenize_calls import REPLY_TTL_S, TokenizeCall, TokenizeReply
 from workers.tokenizer.grammar import GrammarCompiler
 from workers.tokenizer.prompt import PromptBuilder, PromptError
@@ -65,13 +66,16 @@ class TokenizerWorker:
     def __init__(self, settings: Settings, client: redis.Redis | None = None) -> None:
         self.settings = settings
         self.client = client or sync_client(settings.redis_url, decode=False)
+        # (a cluster's) a client that does not retry and waits briefly: a read's jobs are looked up and queued with
+        # it, so a master that stops answering holds its own partition's entries (`held`), not the others'
+        self.fast = fail_fast(settings.redis_url)
         # the write that acknowledges a read is not resent by the client (though a resent one would queue
-        # nothing twice): unacknowledged entries come back (_recover)
-        self.writer = sync_client(settings.redis_url, decode=False, retries=0)
+        # nothing twice): unacknowledged entries come back (_recover, `held`)
+        self.writer = self.fast or sync_client(settings.redis_url, decode=False, retries=0)
         self.worker_id = new_worker_id(names.TOKENIZER_POOL)
         self.consumer = StreamConsumer(self.client, names.streams(names.JOBS) + names.streams(names.TOKENIZE),
                                        names.TOKENIZER_GROUP, self.worker_id, names.TOKENIZER_POOL,
-                                       settings.claim_idle_ms, settings.delivery_limit)
+                                       settings.claim_idle_ms, settings.delivery_limit, fast=self.fast)
         self.consumer.on_dead = self._fail_dead  # the job fails before its entry is dead-lettered
         self.jobs = JobOps(self.client, settings.job_ttl_s)
         self.models = {settings.key_of(m.name): ModelTokens.load(settings.key_of(m.name), m.path, settings)
@@ -80,6 +84,9 @@ class TokenizerWorker:
         self.stop_event = threading.Event()
         self.counters = {"processed": 0, "failed": 0, "batches": 0, "calls": 0}
         self.next_claim = 0.0
+        # (a cluster's) entries read whose partition's master did not answer when they were to be queued: tokenized
+        # again once it answers (pending here meanwhile; another worker claims them if this one dies)
+        self.held: dict[Ref, Entry] = {}
 
     def run(self) -> None:
         self.consumer.ensure_group()
@@ -100,13 +107,16 @@ class TokenizerWorker:
             log.info("tokenizer worker %s stopped", self.worker_id)
 
     def step(self) -> None:
-        """Take over what dead workers left (now and then), then tokenize one read's entries."""
+        """Take over what dead workers left (now and then), then tokenize one read's entries (and those held for
+        their master, once it answers)."""
         if time.monotonic() >= self.next_claim:
             self._recover()
             self.next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
-        entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=500)
-        if entries:
-            self.process(entries)
+        held = [e for e in self.held.values() if not self.consumer.masters.is_down(e.stream)]
+        held += [e for e in self.consumer.lost() if e.ref not in self.held]  # (a read whose reply was lost)
+        entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=100 if self.held else 500)
+        if held or entries:
+            self.process(held + entries)
 
     def _recover(self) -> None:
         """Entries a dead worker left, and this worker's own that a Redis outage cut off mid-batch
@@ -118,6 +128,7 @@ class TokenizerWorker:
             own, own_dead = self.consumer.retry_own(self.settings.claim_idle_ms, self.settings.tokenizer_batch)
             keep, dead = keep + own, dead + own_dead
             for entry in keep:
+                self.held.pop(entry.ref, None)  # (held past the claim deadline: taken up here)
                 self.process([entry])
             if not keep and not dead:
                 return
@@ -129,20 +140,39 @@ class TokenizerWorker:
                                    f"{entry.deliveries} times and was moved to the dead-letter stream")
 
     def process(self, entries: list[Entry]) -> None:
-        """Tokenize a read's entries, partition by partition (each partition's jobs queue in its own fair queue)."""
+        """Tokenize a read's entries, partition by partition (each partition's jobs queue in its own fair queue).
+        On a cluster, a partition whose master does not answer has its entries held (`held`), and the others go
+        on; its error is raised only when no partition went through."""
         by_partition: dict[str, list[Entry]] = {}
         for entry in entries:
             by_partition.setdefault(entry.stream, []).append(entry)
+        error: Exception | None = None
+        done = 0
         for stream, group in by_partition.items():
-            if names.stream_kind(stream) == names.TOKENIZE:
-                self._answer(stream, group)
-            else:
-                self._process(stream, group)
+            try:
+                if names.stream_kind(stream) == names.TOKENIZE:
+                    self._answer(stream, group)
+                else:
+                    self._process(stream, group)
+            except RETRYABLE as exc:
+                if not self.consumer.cluster:
+                    raise
+                error = error or exc
+                self.consumer.masters.failed_key(stream, exc)
+                self.held.update((e.ref, e) for e in group)
+                continue
+            done += 1
+            for entry in group:
+                self.held.pop(entry.ref, None)
+        if error is not None:
+            log.warning("%d entries held for their partition's master: %s", len(self.held), error)
+            if not done:
+                raise error
 
     def _answer(self, stream: str, entries: list[Entry]) -> None:
         """Answer one partition's tokenize calls (those whose caller still waits), then acknowledge and delete
         them: a call is answered at most once more after a crash, which its caller reads the same."""
-        pipe = self.client.pipeline(transaction=False)
+        pipe = (self.fast or self.client).pipeline(transaction=False)
         publish = publish_command(self.client)
         for entry in entries:
             call_id = _field(entry.fields, "call_id") or ""
@@ -203,7 +233,7 @@ class TokenizerWorker:
         """Tokenize one partition's entries, model by model (the record's `base_model`), and queue each job in
         its model's fair queue of the partition. A job for a model not served here fails alone."""
         job_ids = [_field(e.fields, "job_id") for e in entries]
-        pipe = self.client.pipeline(transaction=False)
+        pipe = (self.fast or self.client).pipeline(transaction=False)
         for job_id in job_ids:
             pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested", "trace", "created_at", "base_model")
         by_model: dict[str, list[tuple[Entry, str | None, list[Any]]]] = {}

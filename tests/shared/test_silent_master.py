@@ -1,0 +1,113 @@
+"""A cluster master that stops answering (paused: its connections stay open, nothing comes back) holds back only
+its own partitions' jobs: a tokenizer's read, an inference worker's pop and their upkeep, each over every partition,
+take and keep the other masters' jobs meanwhile, and the silent master's once it answers again. Before, each call
+waited on the silent node (10 s a try, tried again) for every partition.
+
+A real 3-master cluster whose node timeout outlasts the test: no failover (nor CLUSTERDOWN) comes during the pause.
+"""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import pytest
+
+from infra.redis_cluster import LocalCluster
+from shared import fair_queue, names
+from shared.fair_queue import FairQueue
+from shared.masters import DOWN_S, FAST_TIMEOUT_S, fail_fast
+from shared.redis_client import sync_client
+from shared.stream_consumer import StreamConsumer
+from tests.helpers import until
+
+T = TypeVar("T")
+# a call that meets the silent master waits for its client's timeout once; the old calls waited 10 s a try
+ANSWERED_S = FAST_TIMEOUT_S + 4.0
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(tmp_path_factory.mktemp("silent-master"), masters=3, replicas=0, appendfsync="no",
+                           node_timeout_ms=120_000)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def twelve() -> Iterator[None]:
+    with names.partitions_as(12):  # a 3-master cluster's (`conveyor up --redis-cluster 3`)
+        yield
+
+
+def _answered(call: Callable[[], T]) -> T:
+    """The call's answer, which must come while the master stays silent."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(call).result(timeout=ANSWERED_S)
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_silent_master_holds_back_only_its_own_partitions_jobs(nodes: LocalCluster) -> None:
+    r = sync_client(nodes.seed_url, decode=False)
+    fast = fail_fast(nodes.seed_url)
+    assert fast is not None
+    model = "silent"
+    silent = r.get_node_from_key(names.job_key(names.job_id_in(0, "a0" * 16)))
+    other = next(p for p in names.partitions()
+                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != silent.name)
+    for q in names.partitions():
+        r.xgroup_create(names.stream(names.TOKENIZED, q, model), names.INFERENCE_GROUP, id="0", mkstream=True)
+    streams = [names.stream(names.JOBS, q, model) for q in names.partitions()]
+    consumer = StreamConsumer(r, streams, "silent-tokenizers", "tok-s", names.TOKENIZER_POOL, fast=fast)
+    consumer.ensure_group()
+    # an inference worker's: its pops go master by master as its consumer's reads do
+    worker = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
+                            names.INFERENCE_GROUP, "w-silent", names.inference_pool(model),
+                            fast=fail_fast(nodes.seed_url))
+    queue = FairQueue(r, "w-silent", model, worker.masters)
+    held, free = names.job_id_in(0, uuid.uuid4().hex), names.job_id_in(other, uuid.uuid4().hex)
+    # one entry of each partition already read (running: kept fresh by the upkeep)
+    running = []
+    for job_id in (held, free):
+        stream = names.stream(names.JOBS, names.job_partition(job_id), model)
+        r.xadd(stream, {"job_id": b"running-" + job_id.encode()})
+        running += [e.ref for e in consumer.read(10, block_ms=None)]
+    assert len(running) == 2
+    for job_id in (held, free):
+        r.xadd(names.stream(names.JOBS, names.job_partition(job_id), model), {"job_id": job_id})
+        r.hset(names.job_key(job_id), mapping={"status": "queued"})
+        assert fair_queue.push(r, names.job_partition(job_id), [], [(job_id, 0, 10, job_id.encode())], model=model)
+    nodes.kill(silent.port, signal.SIGSTOP)
+    try:
+        assert [e.fields[b"job_id"] for e in _answered(lambda: consumer.read(10, block_ms=None))] == [free.encode()]
+        assert [e.fields[b"batch"] for e in _answered(lambda: queue.pop(4, None))] == [free.encode()]
+        # the upkeep answers too: the other partition's entries are kept fresh and looked over
+        _answered(lambda: consumer.refresh(running))
+        assert _answered(lambda: consumer.retry_own(60_000)) == ([], [])
+        assert _answered(lambda: consumer.claim_stale()) == ([], [])
+        # a read that blocks turns the other partitions over (nothing new there) and answers in its block time
+        assert _answered(lambda: consumer.read(10, block_ms=300)) == []
+        assert _answered(lambda: queue.pop(4, block_ms=300)) == []
+    finally:
+        nodes.kill(silent.port, signal.SIGCONT)
+    # once it answers (DOWN_S after it was last found silent), its jobs come: read, or read back from this
+    # consumer's history where a read that timed out ran all the same once the master went on
+    running_refs = set(running)
+    got: list[bytes] = []
+    until("the silent master's job read",
+          lambda: got.extend(e.fields[b"job_id"] for e in consumer.lost() + consumer.read(10, None)
+                             if e.ref not in running_refs) or got, DOWN_S + 10)
+    assert got == [held.encode()]
+    popped: list[bytes] = []
+    until("the silent master's job popped",
+          lambda: popped.extend(e.fields[b"batch"] for e in worker.lost() + queue.pop(4, None)) or popped, DOWN_S + 10)
+    assert popped == [held.encode()]
+    worker.ring.close()
+    consumer.ring.close()
+    queue.ring.close()
+    fast.close()
+    r.close()
