@@ -137,7 +137,7 @@ class StreamConsumer:
             pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=count)
 
         replies = self._each_master(order, read)
-        if order and not replies:
+        if arm is None and not replies:
             raise redis.ConnectionError("no master of the streams answers")
         entries = [e for reply in replies.values() if not isinstance(reply, Exception) for e in self._entries(reply)]
         errors = [reply for reply in replies.values() if isinstance(reply, Exception)]
