@@ -52,6 +52,7 @@ class Masters:
         # master went on, its reply gone with the connection (a read, a pop: entries now pending for their caller)
         self._missed: set[str] = set()
         self._back: set[str] = set()  # of those, the ones that answered since (`take_back`)
+        self.last_missed: str | None = None  # the master that missed a call last: asked last for the slot map
 
     def node(self, key: str) -> Any:
         """The master of the key's slot in the client's map (None: a single Redis, or none known)."""
@@ -127,6 +128,7 @@ class Masters:
             timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
             self._down[node.name] = time.monotonic() + (DOWN_S if timed_out else REFUSED_S)
             self._missed.add(node.name)
+            self.last_missed = node.name
         heal(self.client, node.name)
 
     def failed_key(self, key: str, exc: BaseException) -> None:

@@ -207,7 +207,7 @@ class StreamConsumer:
         before anything idle can be taken for a dead consumer's. A cluster client's next try goes by a
         fresh slot map."""
         self._quiet_until = time.monotonic() + self.claim_idle_ms / 1000
-        heal(self.client)
+        heal(self.client, self.masters.last_missed)  # (a master that stopped answering asked last)
 
     def claim_stale(self, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take over entries idle past the deadline whose consumer is not a live worker of the pool.
