@@ -23,6 +23,10 @@ failed.
 node cut off by the network is; once its replica has taken over, it runs again and finds itself a replica. Every
 job accepted before the pause is streamed too: the row adds the longest gap between two token events of a stream,
 and of a stream whose job another master holds (`gap_elsewhere_s`: its output need not wait for the paused one).
+For kill and pause-master, `ttft_elsewhere_s` is the longest wait for a first token (from the job's creation) of the
+jobs submitted through the fault whose partitions other masters hold, `submit_elsewhere_s` the longest of their
+submits (POST to 202: the API's share), and `start_elsewhere_s` the longest from creation to a worker's start
+(tokenizing, the fair queue, the pop: admission's share).
 
 `--fault pause-replica`: each round streams --jobs jobs of staggered lengths (so that some end all the time) and,
 once every one has its first token, pauses one replica (SIGSTOP: connected, silent, as one cut off or stuck) of a
@@ -127,14 +131,21 @@ class Streams:
                 for a, b in zip(times, times[1:]) if b > since and a < until_]
 
 
-def elsewhere(cluster: LocalCluster, jobs: list[str], master: int) -> set[str]:
-    """The jobs whose records another master than `master` holds (the slot map before the fault)."""
+def partitions_of(cluster: LocalCluster, master: int) -> set[int]:
+    """The partitions whose records `master` holds now: read before the fault (a failover moves them)."""
     client = redis.cluster.RedisCluster.from_url(cluster.url)
     try:
         with names.partitions_as(int(ENV["REDIS_PARTITIONS"])):  # (the stack's, not this process's)
-            return {j for j in jobs if client.get_node_from_key(names.job_key(j)).port != master}
+            return {p for p in names.partitions()
+                    if client.get_node_from_key(names.job_key(names.job_id_in(p, "0" * 30))).port == master}
     finally:
         client.close()
+
+
+def elsewhere(jobs: list[str], held: set[int]) -> set[str]:
+    """The jobs whose partitions are not among `held` (those of the master at fault)."""
+    with names.partitions_as(int(ENV["REDIS_PARTITIONS"])):
+        return {j for j in jobs if names.job_partition(j) not in held}
 
 
 class Reviver(threading.Thread):
@@ -181,16 +192,20 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
         target = seed if rnd % 2 == 1 and seed in live else next(p for p in live if p != seed)
         paused = args.fault == "pause-master"
         streams = Streams(client, list(accepted)) if paused else None  # what a streaming client sees meanwhile
-        others = elsewhere(cluster, list(accepted), target)
+        held = partitions_of(cluster, target)
+        others = elsewhere(list(accepted), held)
         cluster.kill(target, signal.SIGSTOP if paused else signal.SIGKILL)
         killed_at = time.monotonic()
         revived = reviver.revive(target, paused)
         through: list[str] = []
+        answered_in: dict[str, float] = {}  # how long each took to be answered 202 (503s retried)
         for i in range(args.jobs, args.jobs + args.jobs // 3):  # and more through the failover: 503s, then 202s
+            asked = time.monotonic()
             job_id = submit(client, body(i, args.max_tokens), counts)
             if job_id:
                 accepted[job_id] = i
                 through.append(job_id)
+                answered_in[job_id] = time.monotonic() - asked
         ended: dict[str, dict[str, Any]] = {}
         slowest_poll = 0.0
         while len(ended) < len(accepted) and time.monotonic() - killed_at < DRAIN_S:
@@ -207,7 +222,8 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
             time.sleep(0.5)
         drained_s = time.monotonic() - killed_at
         # how long the jobs accepted through the failover, on the other masters, waited for their first token
-        ttfts = [ended[j]["first_token_at"] - ended[j]["created_at"] for j in elsewhere(cluster, through, target)
+        through_elsewhere = elsewhere(through, held)
+        ttfts = [ended[j]["first_token_at"] - ended[j]["created_at"] for j in through_elsewhere
                  if j in ended and ended[j].get("first_token_at")]
         gap = gap_elsewhere = 0.0
         if streams is not None:
@@ -233,7 +249,10 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
             "lost": lost, "wrong": wrong, "stalled": lost > 0, "drained_s": round(drained_s, 1),
             "503s": counts["503"], "healed": healed, "longest_gap_s": round(gap, 2),
             "gap_elsewhere_s": round(gap_elsewhere, 2), "slowest_poll_s": round(slowest_poll, 2),
-            "ttft_elsewhere_s": round(max(ttfts, default=0.0), 2)}
+            "ttft_elsewhere_s": round(max(ttfts, default=0.0), 2),
+            "submit_elsewhere_s": round(max((answered_in[j] for j in through_elsewhere), default=0.0), 2),
+            "start_elsewhere_s": round(max((ended[j]["started_at"] - ended[j]["created_at"] for j in through_elsewhere
+                                            if j in ended and ended[j].get("started_at")), default=0.0), 2)}
 
 
 def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -249,7 +268,7 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
         master = next(p for p in cluster.master_ports() if p != seed)
         replica = cluster.replica_of(master)
         node = cluster.node(master).client()
-        others = elsewhere(cluster, [j for j in jobs if j], master)
+        others = elsewhere([j for j in jobs if j], partitions_of(cluster, master))
         refused = _refusals(node)
         if args.fault == "refuse-writes":
             node.config_set("min-replicas-to-write", len(cluster.replica_ports()) + 1)
@@ -342,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fault == "pause-master":
         keys += ["longest_gap_s", "gap_elsewhere_s", "slowest_poll_s"]
     if args.fault in ("kill", "pause-master"):
-        keys += ["ttft_elsewhere_s"]
+        keys += ["ttft_elsewhere_s", "submit_elsewhere_s", "start_elsewhere_s"]
     if args.fault in ("pause-replica", "refuse-writes"):
         keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gap_elsewhere_s",
                 "gaps_over_1s", "restarted"]
