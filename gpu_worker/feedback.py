@@ -1,7 +1,7 @@
 """The feedback lane: what the output lane reports back. An abort (a stop string hit, a job the
-lane failed) goes to the engine; a recorded end closes the job in the ledger, which acknowledges
-its entries (on a cluster, once a replica has the end: its slot is freed before, at `Ended`); a job dropped (no
-longer this worker's) is forgotten there, its entry never acknowledged."""
+lane failed) goes to the engine; a job the engine has finished frees its slot (`Ended`), and its recorded end
+closes it in the ledger, which acknowledges its entries (on a cluster, once a replica has the end); a job dropped
+(no longer this worker's) is forgotten there, its entry never acknowledged."""
 
 from __future__ import annotations
 

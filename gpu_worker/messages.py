@@ -127,8 +127,8 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Ended:
-    """On a cluster: the job's end is written and waits for a replica before its `Done`; the engine has finished
-    it, so its slot is free now."""
+    """The engine has finished the job, so its slot is free now; its end is being written (held while its master
+    does not answer, `gpu_worker/backlog.py`; on a cluster, confirmed by a replica) before its `Done`."""
     job_id: str
 
 

@@ -210,6 +210,8 @@ class OutputLane:
             st = self.states.get(row["job_id"])
             if st is not None and not st.ended:  # else already ended here (a stop string ended it before the engine
                 self._take(row, st, step, wall)   # heard)
+        for job_id in step.done:  # the engine is done with them: their slots are free while their ends are written
+            self.feedback.put(Ended(job_id))
         return self._queue(step)
 
     def _take(self, row: dict[str, Any], st: JobState, step: StepWrites, wall: float) -> None:
@@ -485,7 +487,7 @@ class OutputLane:
 
     def _written(self, unit: Unit, results: list[Any]) -> None:
         """A unit's replies read (`settle`), and the jobs it ended reported Done: at once on a single Redis, once a
-        replica has their ends on a cluster (`Fencer`)."""
+        replica has their ends on a cluster (`Fencer`). (Their slots were freed when they were built: `Ended`.)"""
         if unit.again:
             self._ended_again(unit, results)
             return
@@ -502,9 +504,8 @@ class OutputLane:
                 st.trace.written(now)
             if self.fencer is None:
                 self.feedback.put(Done(job_id))
-            else:  # its slot is free now; its entry waits for a replica to have its end
+            else:  # its entry waits for a replica to have its end
                 self.ending[job_id] = (ends[job_id], st)
-                self.feedback.put(Ended(job_id))
         if self.fencer is not None and done:
             self.fencer.submit(done)
 

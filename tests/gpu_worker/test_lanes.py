@@ -32,6 +32,7 @@ from gpu_worker.messages import (
     Add,
     Deltas,
     Done,
+    Ended,
     EngineCommand,
     GraceOver,
     LaneCommand,
@@ -206,7 +207,7 @@ def test_output_lane_replays_a_step_write_after_an_outage(redis_url: str, model_
 
     pipe.execute = drop
     lane.commit(pipe, done)
-    assert feedback.get_nowait() == Done(job_id)
+    assert [feedback.get_nowait(), feedback.get_nowait()] == [Ended(job_id), Done(job_id)]
     assert r.hget(names.job_key(job_id), "status") == JobStatus.succeeded.value.encode()
     assert r.hget(names.job_key(job_id), "completion_tokens") == b"2"
 

@@ -12,7 +12,7 @@ import redis
 from tokenizers import Tokenizer
 
 from gpu_worker import output_lane
-from gpu_worker.messages import DELTA_SCHEMA, Abort, Done, Dropped, LaneReport, Register
+from gpu_worker.messages import DELTA_SCHEMA, Abort, Done, Dropped, Ended, LaneReport, Register
 from gpu_worker.output_lane import OutputLane
 from shared import names
 from shared.job_ops import JobOps, unpack_ids
@@ -137,7 +137,7 @@ def test_a_job_ending_in_the_step_that_finds_it_taken_is_dropped_not_done(redis_
     JobOps(lane.r, 60).start(lane.job_id, "w2")
     before = lane.everything()
     lane.step(ids[1:2], "length")
-    assert lane.reports() == [Dropped(lane.job_id)]  # the engine has ended it: nothing to abort
+    assert lane.reports() == [Ended(lane.job_id), Dropped(lane.job_id)]  # the engine has ended it: nothing to abort
     assert lane.everything() == before and lane.job_id not in lane.lane.states
 
 
@@ -174,7 +174,7 @@ def test_a_job_whose_record_was_damaged_is_dropped_and_the_lane_goes_on(redis_ur
     lane.job_id = record["id"]
     lane.step(ids[:2])
     lane.step(ids[2:3], "length")
-    assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
+    assert lane.reports() == [Ended(lane.job_id), Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
 
 
 def test_a_job_the_lane_still_owns_ends_done(redis_url: str, model_path: str, tokenizer: Tokenizer) -> None:
@@ -182,7 +182,7 @@ def test_a_job_the_lane_still_owns_ends_done(redis_url: str, model_path: str, to
     lane = Lane(redis_url, model_path, 1, "job_lane_owned", [], worker="w1")
     lane.step(ids[:2])
     lane.step(ids[2:3], "length")
-    assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
+    assert lane.reports() == [Ended(lane.job_id), Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
 
 
 def test_a_finish_named_for_another_owner_is_sent_again_for_the_records(redis_url: str, model_path: str,
@@ -195,7 +195,7 @@ def test_a_finish_named_for_another_owner_is_sent_again_for_the_records(redis_ur
     lane.step(ids[:2])
     lane.r.hset(names.job_key(lane.job_id), "owner", "another-tenant")
     lane.step(ids[2:3], "length")
-    assert lane.reports() == [Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
+    assert lane.reports() == [Ended(lane.job_id), Done(lane.job_id)] and lane.status() == JobStatus.succeeded.value
 
 
 def _roll_back(lane: Lane, replica: list[object]) -> None:
@@ -231,7 +231,7 @@ def test_a_job_whose_record_lost_steps_has_them_written_again(redis_url: str, mo
         assert lane.reports() == []  # not stopped, not dropped
         sent = ids[:5]
         lane.step(ids[4:5], "length")
-    assert lane.reports() == [Done(lane.job_id)]
+    assert lane.reports() == [Ended(lane.job_id), Done(lane.job_id)]
     assert lane.status() == JobStatus.succeeded.value
     text = tokenizer.decode(sent, skip_special_tokens=True)  # (the end of turn adds no text)
     assert lane.saved() == (sent, text, len(sent))

@@ -141,13 +141,11 @@ class TokenizerWorker:
 
     def process(self, entries: list[Entry]) -> None:
         """Tokenize a read's entries, partition by partition (each partition's jobs queue in its own fair queue).
-        On a cluster, a partition whose master does not answer has its entries held (`held`), and the others go
-        on; its error is raised only when no partition went through."""
+        On a cluster, a partition whose master does not answer has its entries held (`held`) until it does, and
+        the others go on (the read itself fails when no master answers)."""
         by_partition: dict[str, list[Entry]] = {}
         for entry in entries:
             by_partition.setdefault(entry.stream, []).append(entry)
-        error: Exception | None = None
-        done = 0
         for stream, group in by_partition.items():
             try:
                 if names.stream_kind(stream) == names.TOKENIZE:
@@ -157,17 +155,13 @@ class TokenizerWorker:
             except RETRYABLE as exc:
                 if not self.consumer.cluster:
                     raise
-                error = error or exc
                 self.consumer.masters.failed_key(stream, exc)
+                if any(e.ref not in self.held for e in group):
+                    log.warning("%d entries of %s held until its master answers: %s", len(group), stream, exc)
                 self.held.update((e.ref, e) for e in group)
                 continue
-            done += 1
             for entry in group:
                 self.held.pop(entry.ref, None)
-        if error is not None:
-            log.warning("%d entries held for their partition's master: %s", len(self.held), error)
-            if not done:
-                raise error
 
     def _answer(self, stream: str, entries: list[Entry]) -> None:
         """Answer one partition's tokenize calls (those whose caller still waits), then acknowledge and delete
