@@ -65,7 +65,7 @@ from harness.stack import Stack, start_stack, stop_stack, until
 from infra.redis_cluster import LocalCluster
 from infra.redis_server import RedisServer
 from shared import names
-from shared.jobs import TERMINAL
+from shared.jobs import STAGE_FIELDS, TERMINAL, stages
 
 ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "LOG_LEVEL": "WARNING",
        "REDIS_PARTITIONS": "12", "DTYPE": "float32"}  # float32: greedy texts compare exactly across batches
@@ -223,6 +223,14 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
         drained_s = time.monotonic() - killed_at
         # how long the jobs accepted through the failover, on the other masters, waited for their first token
         through_elsewhere = elsewhere(through, held)
+        slowest = max((j for j in through_elsewhere if j in ended and ended[j].get("first_token_at")), default=None,
+                      key=lambda j: ended[j]["first_token_at"] - ended[j]["created_at"])
+        if slowest is not None:  # where its wait went, stage by stage (the record's times, written at its end)
+            with redis.cluster.RedisCluster.from_url(cluster.url, decode_responses=True) as rc, \
+                    names.partitions_as(int(ENV["REDIS_PARTITIONS"])):
+                times = rc.hmget(names.job_key(slowest), list(STAGE_FIELDS))
+            spans = {s["stage"]: round(s["end"] - s["start"], 2) for s in stages(dict(zip(STAGE_FIELDS, times)))}
+            print(json.dumps({"slowest_elsewhere": slowest, **spans}), flush=True)
         ttfts = [ended[j]["first_token_at"] - ended[j]["created_at"] for j in through_elsewhere
                  if j in ended and ended[j].get("first_token_at")]
         gap = gap_elsewhere = 0.0

@@ -43,8 +43,12 @@ class Admission:
     def __init__(self, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger, worker_id: str,
                  inbox: SimpleQueue[EngineCommand], to_lane: Queue[LaneCommand], stats: WorkerStats,
                  grammars: Callable[[], GrammarLoader] | None = None,
-                 loras: Mapping[str, LoraModule] | None = None) -> None:
+                 loras: Mapping[str, LoraModule] | None = None, starts: JobOps | None = None) -> None:
         self.consumer, self.jobs, self.ledger = consumer, jobs, ledger
+        # the job's start and what an earlier worker recorded of it: on a cluster, read on a client that does not
+        # retry (shared/masters.py), so that a master that does not answer fails its own job's admission at once
+        # (the reader holds that entry) rather than holding every partition's
+        self.starts = starts or jobs
         self.loras = loras or {}  # LORA_MODULES; those loaded at run time are read from the registry
         self.worker_id, self.inbox, self.to_lane, self.stats = worker_id, inbox, to_lane, stats
         self._new_loader = grammars
@@ -59,14 +63,14 @@ class Admission:
         if self.ledger.join(entry.ref, req.id):  # handed out again while it runs here (a failover lost the first)
             log.warning("job %s handed out again (entry %s) while it runs here: it goes on", req.id, entry.id)
             return
-        took = self.jobs.start(req.id, self.worker_id)
+        took = self.starts.start(req.id, self.worker_id)
         if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
             self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)
         if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req) or not self._attach_lora(req):
             self.consumer.ack([entry.ref])  # the job already ended (or was cancelled) elsewhere, or failed here
             return
         # everything read from Redis before the ledger holds the entry: a failure here (Redis gone) leaves nothing
-        # held, and the reader admits the entry again once Redis answers (Reader.readmit_forgotten)
+        # held, and the reader admits the entry again once Redis answers (`Reader.held`, `readmit_forgotten`)
         register = self._register(req, took)
         self.ledger.open(entry.ref, req.id)
         self.ledger.take_slot(req.id, took.tenant, req.priority)
@@ -122,5 +126,5 @@ class Admission:
     def progress(self, job_id: str) -> tuple[list[int], str, int, int]:
         """What the job's earlier worker recorded: its token ids, their streamed text, the last event seq,
         the bytes of its logprob entries."""
-        packed, text, seq, lp_bytes = self.jobs.resume_state(job_id)
+        packed, text, seq, lp_bytes = self.starts.resume_state(job_id)
         return unpack_ids(packed), text, seq, lp_bytes

@@ -14,8 +14,9 @@ from gpu_worker.admission import Admission, entry_request
 from gpu_worker.ledger import EntryLedger
 from shared.fair_queue import FairQueue
 from shared.job_ops import JobOps
+from shared.redis_client import RETRYABLE
 from shared.retry import run_loop
-from shared.stream_consumer import Entry, StreamConsumer
+from shared.stream_consumer import Entry, Ref, StreamConsumer
 
 log = logging.getLogger("conveyor.inference")
 
@@ -31,6 +32,8 @@ class Reader:
         self.queue = FairQueue(client, consumer.consumer, jobs.model, consumer.masters)  # its model's queue
         self.admission, self.refresh_s, self.stopping = admission, refresh_s, stopping
         self._next_upkeep = 0.0
+        # (a cluster's) entries taken whose admission met their master not answering: admitted once it answers
+        self.held: dict[Ref, Entry] = {}
         consumer.on_dead = self.fail_dead  # the job fails before its entry is dead-lettered
 
     def run(self) -> None:
@@ -41,6 +44,8 @@ class Reader:
             self.upkeep()
             self._next_upkeep = time.monotonic() + self.refresh_s
         self._readmit(self.consumer.lost(), "its pop's reply was lost with a master that stopped answering")
+        for entry in [e for e in self.held.values() if not self.consumer.masters.is_down(e.stream)]:
+            self._admit(entry)
         if self.ledger.has_room(ROOM_WAIT_S):
             # only what can start soon: a job taken waits here in the engine's order, out of the fair queue's reach
             entries = self.queue.pop(count=max(1, min(READ_COUNT, self.ledger.free())), block_ms=READ_BLOCK_MS)
@@ -52,14 +57,28 @@ class Reader:
         else:
             return
         for entry in entries:
+            self._admit(entry)
+
+    def _admit(self, entry: Entry) -> None:
+        """Admit the entry; on a cluster, one whose master does not answer is held (and the rest go on)."""
+        try:
             self.admission.admit(entry)
+        except RETRYABLE as exc:
+            if not self.consumer.cluster:
+                raise
+            self.consumer.masters.failed_key(entry.stream, exc)
+            if entry.ref not in self.held:
+                log.warning("admission of %s held until its master answers: %s", entry.id, exc)
+            self.held[entry.ref] = entry
+        else:
+            self.held.pop(entry.ref, None)
 
     def upkeep(self) -> None:
         self.consumer.refresh(self.ledger.entries())
         keep, _ = self.consumer.claim_stale(count=READ_COUNT)
         for entry in keep:
             log.info("claimed %s (delivery %d) from a worker that stopped", entry.id, entry.deliveries)
-            self.admission.admit(entry)
+            self._admit(entry)
         self.readmit_forgotten()
 
     def readmit_forgotten(self) -> None:
@@ -70,11 +89,11 @@ class Reader:
 
     def _readmit(self, own: list[Entry], why: str) -> None:
         """Admit this worker's own entries that no ledger holds."""
-        held = set(self.ledger.entries()) if own else set()  # refs: (stream, id)
+        held = set(self.ledger.entries()) | set(self.held) if own else set()  # refs: (stream, id)
         for entry in own:
             if entry.ref not in held:
                 log.warning("admitting %s again: %s", entry.id, why)
-                self.admission.admit(entry)
+                self._admit(entry)
 
     def fail_dead(self, entry: Entry) -> None:
         self.fail_entry(entry, f"inference failed {entry.deliveries} times on this job's batch; "

@@ -84,9 +84,12 @@ class InferenceWorker:
         # one model's pool (MODEL_NAME's, shared/served.py): its queue's `tokenized` streams, its registry
         self.pool = names.inference_pool(settings.model_key)
         self.worker_id = new_worker_id(self.pool)
+        # (a cluster's) a client that does not retry and waits briefly: jobs are taken and started with it, so that
+        # a master that stops answering holds back its own partitions' jobs only (shared/masters.py)
+        fast = fail_fast(settings.redis_url)
         self.consumer = StreamConsumer(self.client, names.streams(names.TOKENIZED, settings.model_key),
                                        names.INFERENCE_GROUP, self.worker_id, self.pool, settings.claim_idle_ms,
-                                       settings.delivery_limit, fast=fail_fast(settings.redis_url))
+                                       settings.delivery_limit, fast=fast)
         self.stats = WorkerStats()
         self.stopping = threading.Event()  # SIGTERM: read no new work, finish what runs here
         self.closed = threading.Event()  # the engine loop ended: the control lane stops
@@ -106,7 +109,8 @@ class InferenceWorker:
         jobs = JobOps(self.client, settings.job_ttl_s, settings.model_key)
         loras = {n: m for n, m in settings.loras.items() if m.base_model_name == settings.served_model_name}
         admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane, self.stats,
-                              self._grammar_loader, loras)
+                              self._grammar_loader, loras,
+                              JobOps(fast, settings.job_ttl_s, settings.model_key) if fast is not None else None)
         self.reader = Reader(self.client, self.consumer, jobs, self.ledger, admission, settings.refresh_s,
                              self.stopping)
         self.control = ControlLane(self.client, self.inbox, self.closed)

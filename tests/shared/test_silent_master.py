@@ -11,6 +11,7 @@ worker's pop and their upkeep, each over every partition, take and keep the othe
 
 from __future__ import annotations
 
+import json
 import signal
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,10 +24,13 @@ import pytest
 from infra.redis_cluster import LocalCluster
 from shared import fair_queue, names
 from shared.fair_queue import FairQueue
+from shared.jobs import new_record
 from shared.masters import DOWN_S, FAST_TIMEOUT_S, fail_fast
 from shared.redis_client import sync_client
+from shared.settings import Settings
 from shared.stream_consumer import StreamConsumer
 from tests.helpers import until
+from workers.tokenizer.worker import TokenizerWorker
 
 T = TypeVar("T")
 # a call that meets the silent master waits for its client's timeout once; the old calls waited 10 s a try
@@ -114,6 +118,43 @@ def test_a_silent_master_holds_back_only_its_own_partitions_jobs(nodes: LocalClu
     consumer.ring.close()
     queue.ring.close()
     fast.close()
+    r.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_tokenizer_queues_a_reads_jobs_though_one_master_goes_silent_mid_batch(nodes: LocalCluster,
+                                                                               model_path: str) -> None:
+    """The read took jobs of two masters' partitions; one master goes silent before they are queued: the other's
+    job is queued at once, the silent one's held, and queued once its master answers again."""
+    settings = Settings(redis_url=nodes.seed_url, model=model_path, max_model_len=1024)
+    w = TokenizerWorker(settings)
+    r = sync_client(nodes.seed_url)
+    w.consumer.ensure_group()
+    silent = r.get_node_from_key(names.job_key(names.job_id_in(1, "a0" * 16)))
+    other = next(p for p in names.partitions()
+                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != silent.name)
+    held, free = names.job_id_in(1, uuid.uuid4().hex), names.job_id_in(other, uuid.uuid4().hex)
+    for job_id in (held, free):
+        request = json.dumps({"prompt": "Hello there", "max_tokens": 4})
+        r.hset(names.job_key(job_id), mapping={k: v for k, v in new_record(job_id, "m", request).items()
+                                               if k != "request"})
+        r.xadd(names.stream(names.JOBS, names.job_partition(job_id)), {"job_id": job_id, "request": request})
+    entries = w.consumer.read(64, block_ms=None)
+    assert {e.fields[b"job_id"] for e in entries} == {held.encode(), free.encode()}
+
+    def queued(job_id: str) -> bool:
+        return r.hexists(names.fair_key(names.job_partition(job_id), "payload"), job_id)
+
+    nodes.kill(silent.port, signal.SIGSTOP)
+    try:
+        _answered(lambda: w.process(entries))
+        assert queued(free)
+        assert [e.fields[b"job_id"] for e in w.held.values()] == [held.encode()]
+    finally:
+        nodes.kill(silent.port, signal.SIGCONT)
+    until("the held job queued", lambda: w.step() or queued(held), DOWN_S + 10)
+    assert not w.held and r.xpending(names.stream(names.JOBS, 1), names.TOKENIZER_GROUP)["pending"] == 0
+    w.consumer.ring.close()
     r.close()
 
 
