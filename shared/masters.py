@@ -1,18 +1,19 @@
 """A Redis Cluster's masters as a consumer of every partition sees them: which master holds each partition's slot,
-and which of them did not answer a moment ago (dead, paused, cut off, failing over).
+and which of them do not answer (dead, paused, cut off, failing over).
 
-A consumer of every partition (a tokenizer's read, an inference worker's pop, their upkeep) sends each master's
-share of a call in a plain pipeline of its own, on a client that does not retry and waits FAST_TIMEOUT_S at most
-for a reply, and passes over the partitions of a master that did not answer for DOWN_S (REFUSED_S where it refused
-the connection: a dead one); then tries it again. The slot map
-is read again after each failure, so once a replica holds those slots its partitions are read there (another node:
-not marked). One master's outage holds back its own partitions' jobs, not every partition's, and none for longer
-than its own outage. On a single Redis every key has the one node, and nothing is passed over.
+A consumer of every partition (a tokenizer's read, an inference worker's pop and start, their upkeep) sends each
+master's share of a call in a plain pipeline of its own, on a client that does not retry and waits FAST_TIMEOUT_S at
+most for a reply. A master that does not answer is passed over from then on, and a thread of its own probes it
+(PING every PROBE_S, the slot map read again each time) until it answers or the map no longer names it: once a
+replica holds its slots, they are read there (another node, not passed over). A silent master costs a consumer one
+FAST_TIMEOUT_S, when it is found so; one master's outage holds back its own partitions' jobs, not every partition's,
+and none for longer than its own outage. On a single Redis every key has the one node, and nothing is passed over.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -25,9 +26,9 @@ from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, is_cluster, sync
 log = logging.getLogger(__name__)
 
 K = TypeVar("K")
-DOWN_S = 2.0  # a master that did not answer in time is passed over this long, then tried again
-REFUSED_S = 0.25  # one that refused the connection (dead: a try costs nothing) this long
-FAST_TIMEOUT_S = 1.0  # how long the fail-fast client waits for a reply (a silent master costs this once per DOWN_S)
+FAST_TIMEOUT_S = 1.0  # how long the fail-fast client waits for a reply (a silent master costs this once)
+PROBE_S = 0.25  # a master passed over is probed this often
+HEAL_S = 1.0  # and the slot map read again this often meanwhile (its replica may have taken over)
 # what says a master does not answer (its connection failed or timed out): passed over; a refusal (OOM, NOREPLICAS,
 # TRYAGAIN) is answered at once, and only read again
 SILENT = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -47,7 +48,8 @@ class Masters:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.cluster = isinstance(client, CLUSTER_TYPES)
-        self._down: dict[str, float] = {}  # master (host:port) -> until when it is passed over
+        self._down: set[str] = set()  # masters (host:port) passed over: each probed by a thread of its own
+        self._lock = threading.Lock()
         # masters that did not answer a call since they last did: its command may have run all the same, once the
         # master went on, its reply gone with the connection (a read, a pop: entries now pending for their caller)
         self._missed: set[str] = set()
@@ -64,9 +66,9 @@ class Masters:
             return None
 
     def is_down(self, key: str) -> bool:
-        """Whether the master of the key's slot failed less than DOWN_S ago."""
+        """Whether the master of the key's slot is passed over (it did not answer, and has not since)."""
         node = self.node(key)
-        return node is not None and self._down.get(node.name, 0.0) > time.monotonic()
+        return node is not None and node.name in self._down
 
     def groups(self, items: Iterable[K], key: Callable[[K], str]) -> list[tuple[Any, list[K]]]:
         """The items by the master of their key's slot, in their order within each, those of a master that is
@@ -74,13 +76,10 @@ class Masters:
         if not self.cluster:
             return [(None, list(items))]
         out: dict[str, tuple[Any, list[K]]] = {}
-        now = time.monotonic()
         for item in items:
             node = self.node(key(item))
-            if node is None:
+            if node is None or node.name in self._down:
                 continue  # (no map: read again by the next failure's heal)
-            if self._down.get(node.name, 0.0) > now:
-                continue
             out.setdefault(node.name, (node, []))[1].append(item)
         return list(out.values())
 
@@ -105,31 +104,58 @@ class Masters:
 
     def answered(self, node: Any) -> None:
         """The master answered a call."""
-        if node is not None and node.name in self._missed:
-            log.info("master %s answers again", node.name)
+        with self._lock:
+            if node is None or node.name not in self._missed:
+                return
             self._missed.discard(node.name)
             self._back.add(node.name)
+        log.info("master %s answers again", node.name)
 
     def take_back(self) -> set[str]:
         """The masters that answered again since they missed a call (each once): their calls' lost replies are to
         be looked for (`StreamConsumer.lost`)."""
-        back, self._back = self._back, set()
+        with self._lock:
+            back, self._back = self._back, set()
         return back
 
     def fail(self, node: Any, exc: BaseException) -> None:
-        """After a failed call to the master: pass it over where it did not answer (SILENT: DOWN_S, or REFUSED_S
-        where it refused the connection), and read the slot map again."""
+        """After a failed call to the master: pass it over where it did not answer (SILENT) until its probe finds
+        it answering, or not a master any more; read the slot map again."""
         if node is None:
             return
         if isinstance(exc, SILENT):
-            if node.name not in self._missed:
+            with self._lock:
+                self.last_missed = node.name
+                self._missed.add(node.name)
+                probed = node.name in self._down
+                self._down.add(node.name)
+            if not probed:
                 log.warning("master %s does not answer: its partitions are passed over until it does (%s)",
                             node.name, exc)
-            timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
-            self._down[node.name] = time.monotonic() + (DOWN_S if timed_out else REFUSED_S)
-            self._missed.add(node.name)
-            self.last_missed = node.name
+                threading.Thread(target=self._probe, args=(node,), name=f"probe {node.name}", daemon=True).start()
         heal(self.client, node.name)
+
+    def _probe(self, node: Any) -> None:
+        """Until the master answers a PING, or the slot map (read again every HEAL_S) names it a master no more."""
+        healed = time.monotonic()
+        while True:
+            time.sleep(PROBE_S)
+            try:
+                self.client.get_redis_connection(node).ping()
+                self.answered(node)
+                break
+            except Exception:  # noqa: BLE001 - anything but an answer: probed again
+                if time.monotonic() - healed < HEAL_S:
+                    continue
+                healed = time.monotonic()
+                heal(self.client, node.name)
+                try:
+                    if all(n.name != node.name for n in self.client.get_primaries()):
+                        break  # (its slots are read where they are now)
+                except Exception:  # noqa: BLE001 - no map: probed again
+                    pass
+        with self._lock:
+            self._down.discard(node.name)
 
     def failed_key(self, key: str, exc: BaseException) -> None:
         """As `fail`, for the master of the key's slot."""

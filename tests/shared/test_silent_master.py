@@ -12,21 +12,30 @@ worker's pop and their upkeep, each over every partition, take and keep the othe
 from __future__ import annotations
 
 import json
+import queue
 import signal
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from queue import SimpleQueue
+from typing import Any, TypeVar
 
 import pytest
 
+from gpu_worker.admission import Admission, entry_request
+from gpu_worker.ledger import EntryLedger
+from gpu_worker.reader import Reader
+from gpu_worker.stats import WorkerStats
 from infra.redis_cluster import LocalCluster
 from shared import fair_queue, names
 from shared.fair_queue import FairQueue
+from shared.job_ops import JobOps
 from shared.jobs import new_record
-from shared.masters import DOWN_S, FAST_TIMEOUT_S, fail_fast
+from shared.masters import FAST_TIMEOUT_S, fail_fast
 from shared.redis_client import sync_client
+from shared.schemas import Request, encode_request
 from shared.settings import Settings
 from shared.stream_consumer import StreamConsumer
 from tests.helpers import until
@@ -35,6 +44,7 @@ from workers.tokenizer.worker import TokenizerWorker
 T = TypeVar("T")
 # a call that meets the silent master waits for its client's timeout once; the old calls waited 10 s a try
 ANSWERED_S = FAST_TIMEOUT_S + 4.0
+AGAIN_S = 10.0  # how long a master that answers again may take to be read again (its probe: 0.25 s)
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +112,17 @@ def test_a_silent_master_holds_back_only_its_own_partitions_jobs(nodes: LocalClu
         assert _answered(lambda: queue.pop(4, block_ms=300)) == []
     finally:
         nodes.kill(silent.port, signal.SIGCONT)
-    # once it answers (DOWN_S after it was last found silent), its jobs come: read, or read back from this
+    # once it answers (its probe finds it so), its jobs come: read, or read back from this
     # consumer's history where a read that timed out ran all the same once the master went on
     running_refs = set(running)
     got: list[bytes] = []
     until("the silent master's job read",
           lambda: got.extend(e.fields[b"job_id"] for e in consumer.lost() + consumer.read(10, None)
-                             if e.ref not in running_refs) or got, DOWN_S + 10)
+                             if e.ref not in running_refs) or got, AGAIN_S)
     assert got == [held.encode()]
     popped: list[bytes] = []
     until("the silent master's job popped",
-          lambda: popped.extend(e.fields[b"batch"] for e in worker.lost() + queue.pop(4, None)) or popped, DOWN_S + 10)
+          lambda: popped.extend(e.fields[b"batch"] for e in worker.lost() + queue.pop(4, None)) or popped, AGAIN_S)
     assert popped == [held.encode()]
     worker.ring.close()
     consumer.ring.close()
@@ -152,11 +162,52 @@ def test_a_tokenizer_queues_a_reads_jobs_though_one_master_goes_silent_mid_batch
         assert [e.fields[b"job_id"] for e in w.held.values()] == [held.encode()]
     finally:
         nodes.kill(silent.port, signal.SIGCONT)
-    until("the held job queued", lambda: w.step() or queued(held), DOWN_S + 10)
+    until("the held job queued", lambda: w.step() or queued(held), AGAIN_S)
     assert not w.held and r.xpending(names.stream(names.JOBS, 1), names.TOKENIZER_GROUP)["pending"] == 0
     w.consumer.ring.close()
     r.close()
 
+
+@pytest.mark.usefixtures("twelve")
+def test_an_inference_worker_starts_a_pops_jobs_though_one_master_goes_silent_mid_batch(nodes: LocalCluster) -> None:
+    """The pop took jobs of two masters' partitions; one master goes silent before they are started: the other's
+    job is started and reaches the engine at once, the silent one's is held, and started once its master answers."""
+    model = "admitted"
+    r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
+    assert fast is not None
+    silent = r.get_node_from_key(names.job_key(names.job_id_in(2, "a0" * 16)))
+    other = next(p for p in names.partitions()
+                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != silent.name)
+    consumer = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
+                              names.INFERENCE_GROUP, "w-admit", names.inference_pool(model), fast=fast)
+    consumer.ensure_group()
+    ledger = EntryLedger(consumer, max_jobs=8)
+    inbox: SimpleQueue[Any] = SimpleQueue()
+    jobs = JobOps(r, 60, model)
+    admission = Admission(consumer, jobs, ledger, "w-admit", inbox, queue.Queue(), WorkerStats(),  # type: ignore[arg-type]
+                          starts=JobOps(fast, 60, model))
+    reader = Reader(r, consumer, jobs, ledger, admission, 60.0, threading.Event())
+    held, free = names.job_id_in(2, uuid.uuid4().hex), names.job_id_in(other, uuid.uuid4().hex)
+    for job_id in (held, free):
+        r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
+        row = encode_request(Request(job_id, [5, 6, 7], max_tokens=4))
+        assert fair_queue.push(r, names.job_partition(job_id), [], [(job_id, 0, 3, row)], model=model)
+    entries = reader.queue.pop(8, None)
+    assert {entry_request(e).id for e in entries} == {held, free}
+    nodes.kill(silent.port, signal.SIGSTOP)
+    try:
+        _answered(lambda: [reader._admit(e) for e in entries])
+        assert [inbox.get_nowait().request.id] == [free] and inbox.empty()
+        assert [entry_request(e).id for e in reader.held.values()] == [held]
+    finally:
+        nodes.kill(silent.port, signal.SIGCONT)
+    until("the held job started", lambda: reader.step() or not inbox.empty(), AGAIN_S)
+    assert inbox.get_nowait().request.id == held and not reader.held
+    assert sorted(ledger.entries()) == sorted(e.ref for e in entries)
+    consumer.ring.close()
+    reader.queue.ring.close()
+    fast.close()
+    r.close()
 
 @pytest.mark.usefixtures("twelve")
 def test_a_dead_master_with_no_replica_holds_back_only_its_own_partitions_jobs(tmp_path: Path) -> None:
