@@ -26,7 +26,7 @@ from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, is_cluster, sync
 log = logging.getLogger(__name__)
 
 K = TypeVar("K")
-FAST_TIMEOUT_S = 1.0  # how long the fail-fast client waits for a reply (a silent master costs this once)
+FAST_TIMEOUT_S = 0.5  # how long the fail-fast client waits for a reply (a silent master costs this once)
 PROBE_S = 0.25  # a master passed over is probed this often
 HEAL_S = 1.0  # and the slot map read again this often meanwhile (its replica may have taken over)
 # what says a master does not answer (its connection failed or timed out): passed over; a refusal (OOM, NOREPLICAS,

@@ -35,7 +35,7 @@ from shared.redis_client import heal
 log = logging.getLogger(__name__)
 
 ARMED_MS = 5_000  # a flag outlives the longest wait (the block times here are at most 2 s) and a dead consumer
-LISTEN_TIMEOUT_S = 2.0  # how long a subscription may take to be confirmed
+LISTEN_TIMEOUT_S = 0.5  # how long a subscription may take to be confirmed (a silent node's cost, once a LISTEN_AGAIN_S)
 # a subscription not confirmed is not tried again for this long: meanwhile each wait runs to its end (a consumer
 # turns its partitions over once per block time), rather than each waiting LISTEN_TIMEOUT_S on a silent node first
 LISTEN_AGAIN_S = 2.0
