@@ -61,6 +61,9 @@ class Reader:
 
     def _admit(self, entry: Entry) -> None:
         """Admit the entry; on a cluster, one whose master does not answer is held (and the rest go on)."""
+        if self.consumer.masters.is_down(entry.stream):  # (found so meanwhile: not waited on again)
+            self.held[entry.ref] = entry
+            return
         try:
             self.admission.admit(entry)
         except RETRYABLE as exc:

@@ -147,6 +147,9 @@ class TokenizerWorker:
         for entry in entries:
             by_partition.setdefault(entry.stream, []).append(entry)
         for stream, group in by_partition.items():
+            if self.consumer.masters.is_down(stream):  # (found so meanwhile: not waited on again)
+                self.held.update((e.ref, e) for e in group)
+                continue
             try:
                 if names.stream_kind(stream) == names.TOKENIZE:
                     self._answer(stream, group)
