@@ -4,7 +4,7 @@ and which of them do not answer (dead, paused, cut off, failing over).
 A consumer of every partition (a tokenizer's read, an inference worker's pop and start, their upkeep) sends each
 master's share of a call in a plain pipeline of its own, on a client that does not retry and waits FAST_TIMEOUT_S at
 most for a reply. A master that does not answer is passed over from then on, and a thread of its own probes it
-(PING every PROBE_S, the slot map read again each time) until it answers or the map no longer names it: once a
+(PING every PROBE_S, the slot map read again every HEAL_S) until it answers or the map no longer names it: once a
 replica holds its slots, they are read there (another node, not passed over). A silent master costs a consumer one
 FAST_TIMEOUT_S, when it is found so; one master's outage holds back its own partitions' jobs, not every partition's,
 and none for longer than its own outage. On a single Redis every key has the one node, and nothing is passed over.
