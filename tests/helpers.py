@@ -18,6 +18,7 @@ import redis
 
 import harness.stack
 from harness.sse import iter_sse, read_events, tokens_text
+from shared import names
 from shared.grammar import GrammarSpec, from_openai
 from shared.jobs import TERMINAL
 from shared.redis_client import text
@@ -171,3 +172,14 @@ def _saved(r: redis.Redis) -> str:
     """The last RDB save's status once none runs ("ok", "err"); "" while one does."""
     info = r.info("persistence")
     return "" if int(info["rdb_bgsave_in_progress"]) else str(info["rdb_last_bgsave_status"])
+
+
+def master_of(r: Any, partition: int) -> Any:
+    """The master (a cluster client's node) that holds the partition's jobs."""
+    return r.get_node_from_key(names.job_key(names.job_id_in(partition, "a0" * 16)))
+
+
+def partitions_elsewhere(r: Any, partition: int) -> list[int]:
+    """The partitions whose jobs another master than the partition's holds."""
+    name = master_of(r, partition).name
+    return [p for p in names.partitions() if master_of(r, p).name != name]

@@ -22,7 +22,7 @@ from shared.redis_client import sync_client
 from shared.redis_errors import WritesRefusedError
 from shared.scripts.codes import FinishCode, FinishReply, StartCode, StepCode, StepReply, SubmitCode, SubmitReply
 from shared.stream_consumer import StreamConsumer
-from tests.helpers import until
+from tests.helpers import master_of, partitions_elsewhere, until
 
 T = TypeVar("T")
 
@@ -153,9 +153,7 @@ def test_a_master_refusing_writes_holds_back_only_its_own_partitions_jobs(cluste
     once its master takes writes again. Before, the refusal failed the whole read: no job of any partition went on,
     and those read from partitions before it were left pending, unseen, until they idled out."""
     r, model = cluster, "refusing"
-    refusing = r.get_node_from_key(names.job_key(names.job_id_in(0, "a0" * 16)))
-    other = next(p for p in names.partitions()
-                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != refusing.name)
+    refusing, other = master_of(r, 0), partitions_elsewhere(r, 0)[0]
     for q in names.partitions():
         r.xgroup_create(names.stream(names.TOKENIZED, q, model), names.INFERENCE_GROUP, id="0", mkstream=True)
     streams = [names.stream(names.JOBS, q, model) for q in names.partitions()]

@@ -38,7 +38,7 @@ from shared.redis_client import sync_client
 from shared.schemas import Request, encode_request
 from shared.settings import Settings
 from shared.stream_consumer import StreamConsumer
-from tests.helpers import until
+from tests.helpers import master_of, partitions_elsewhere, until
 from workers.tokenizer.worker import TokenizerWorker
 
 T = TypeVar("T")
@@ -74,9 +74,7 @@ def test_a_silent_master_holds_back_only_its_own_partitions_jobs(nodes: LocalClu
     fast = fail_fast(nodes.seed_url)
     assert fast is not None
     model = "silent"
-    silent = r.get_node_from_key(names.job_key(names.job_id_in(0, "a0" * 16)))
-    other = next(p for p in names.partitions()
-                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != silent.name)
+    silent, other = master_of(r, 0), partitions_elsewhere(r, 0)[0]
     for q in names.partitions():
         r.xgroup_create(names.stream(names.TOKENIZED, q, model), names.INFERENCE_GROUP, id="0", mkstream=True)
     streams = [names.stream(names.JOBS, q, model) for q in names.partitions()]
@@ -140,9 +138,7 @@ def test_a_tokenizer_queues_a_reads_jobs_though_one_master_goes_silent_mid_batch
     w = TokenizerWorker(settings)
     r = sync_client(nodes.seed_url)
     w.consumer.ensure_group()
-    silent = r.get_node_from_key(names.job_key(names.job_id_in(1, "a0" * 16)))
-    other = next(p for p in names.partitions()
-                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != silent.name)
+    silent, other = master_of(r, 1), partitions_elsewhere(r, 1)[0]
     held, free = names.job_id_in(1, uuid.uuid4().hex), names.job_id_in(other, uuid.uuid4().hex)
     for job_id in (held, free):
         request = json.dumps({"prompt": "Hello there", "max_tokens": 4})
@@ -175,9 +171,7 @@ def test_an_inference_worker_starts_a_pops_jobs_though_one_master_goes_silent_mi
     model = "admitted"
     r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
     assert fast is not None
-    silent = r.get_node_from_key(names.job_key(names.job_id_in(2, "a0" * 16)))
-    other = next(p for p in names.partitions()
-                 if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != silent.name)
+    silent, other = master_of(r, 2), partitions_elsewhere(r, 2)[0]
     consumer = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
                               names.INFERENCE_GROUP, "w-admit", names.inference_pool(model), fast=fast)
     consumer.ensure_group()
@@ -216,9 +210,7 @@ def test_a_dead_master_with_no_replica_holds_back_only_its_own_partitions_jobs(t
     r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
     try:
         model, stream = "dead", lambda p: names.stream(names.JOBS, p, "dead")
-        dead = r.get_node_from_key(names.job_key(names.job_id_in(0, "a0" * 16)))
-        live = [p for p in names.partitions()
-                if r.get_node_from_key(names.job_key(names.job_id_in(p, "a0" * 16))).name != dead.name]
+        dead, live = master_of(r, 0), partitions_elsewhere(r, 0)
         for q in names.partitions():
             r.xgroup_create(names.stream(names.TOKENIZED, q, model), names.INFERENCE_GROUP, id="0", mkstream=True)
         consumer = StreamConsumer(r, [stream(q) for q in names.partitions()], "dead-tokenizers", "tok-d",
