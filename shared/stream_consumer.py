@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import redis
 
 from shared import names
-from shared.masters import REDIRECTED, Masters
+from shared.masters import REDIRECTED, SILENT, Masters
 from shared.redis_client import CLUSTER_TYPES, heal, text
 from shared.ring import Ring
 from shared.signals import read_live
@@ -218,7 +218,10 @@ class StreamConsumer:
         owners = {text(r["consumer"]) for _, r in rows} - {self.consumer}
         if not owners:
             return [], []
-        dead_owners = owners - set(read_live(self.client, (self.pool,))[self.pool])
+        live = self._live()
+        if live is None:
+            return [], []  # (who is alive cannot be told now: nothing is taken for a dead consumer's)
+        dead_owners = owners - live
         stale = [(s, r) for s, r in rows if text(r["consumer"]) in dead_owners][:count]
         if not stale:
             return [], []
@@ -229,6 +232,20 @@ class StreamConsumer:
             stale = suspects[:1]
         # XCLAIM re-checks the idle time, so two workers claiming at once cannot both win
         return self._claim(stale, self.claim_idle_ms)
+
+    def _live(self) -> set[str] | None:
+        """The pool's live workers, read on the masters' client; None while the registry's master does not
+        answer (a cluster's: passed over, as a stream's)."""
+        registry = names.workers_key(self.pool)
+        if self.masters.is_down(registry):
+            return None
+        try:
+            return set(read_live(self.masters.client, (self.pool,))[self.pool])
+        except SILENT as exc:
+            if not self.masters.cluster:
+                raise
+            self.masters.failed_key(registry, exc)
+            return None
 
     def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)

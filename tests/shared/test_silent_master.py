@@ -200,3 +200,32 @@ def test_an_inference_worker_starts_a_pops_jobs_though_one_master_goes_silent_mi
     reader.queue.ring.close()
     fast.close()
     r.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_claim_answers_at_once_while_the_pools_registry_master_is_silent(nodes: LocalCluster) -> None:
+    """An entry of a consumer that is gone, on another master than the pools' registry's: while the registry's
+    master is silent, a claim cannot tell who is alive and claims nothing, in its client's timeout; once the
+    master answers, the entry is claimed."""
+    r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
+    assert fast is not None
+    pool = "claimers"
+    silent = r.get_node_from_key(names.workers_key(pool))
+    partition = next(p for p in names.partitions() if master_of(r, p).name != silent.name)
+    stream = names.stream(names.JOBS, partition, "claims")
+    consumer = StreamConsumer(r, [stream], "claimers", "alive", pool, claim_idle_ms=1, fast=fast)
+    consumer.ensure_group()
+    entry_id = r.xadd(stream, {"job_id": b"left-behind"})
+    r.xreadgroup("claimers", "gone", {stream: ">"})  # read by a consumer that is not in the registry
+    until("the entry idle", lambda: r.xpending_range(stream, "claimers", "-", "+", 1, idle=2), 5.0)
+    nodes.kill(silent.port, signal.SIGSTOP)
+    try:
+        assert _answered(consumer.claim_stale) == ([], [])
+    finally:
+        nodes.kill(silent.port, signal.SIGCONT)
+    claimed: list[Any] = []
+    until("the entry claimed", lambda: claimed.extend(consumer.claim_stale()[0]) or claimed, AGAIN_S)
+    assert [e.id for e in claimed] == [entry_id.decode()]
+    consumer.ring.close()
+    fast.close()
+    r.close()
