@@ -43,7 +43,8 @@ class Reader:
         if time.monotonic() >= self._next_upkeep:
             self.upkeep()
             self._next_upkeep = time.monotonic() + self.refresh_s
-        self._readmit(self.consumer.lost(), "its pop's reply was lost with a master that stopped answering")
+        self._readmit(self.consumer.lost(known=set(self.ledger.entries()) | set(self.held)),
+                      "its pop's reply was lost with a master that stopped answering")
         for entry in [e for e in self.held.values() if not self.consumer.masters.is_down(e.stream)]:
             self._admit(entry)
         if self.ledger.has_room(ROOM_WAIT_S):

@@ -35,6 +35,12 @@ SILENT = (redis.ConnectionError, redis.TimeoutError, OSError)
 REDIRECTED = (MovedError, AskError)  # a reply from a master the slot left (a failover): the map is read again
 
 
+def silent(exc: BaseException) -> bool:
+    """Whether the error says a master did not answer (SILENT; a cluster client that reached no node raises it as
+    the cause of a RedisClusterUnreachableError)."""
+    return isinstance(exc, SILENT) or isinstance(exc.__cause__, SILENT)
+
+
 def fail_fast(url: str) -> redis.Redis | None:
     """For a cluster's URL, a client that does not retry and waits FAST_TIMEOUT_S at most for a reply (bytes, as
     the workers read): what a consumer of every partition reads each master with. None for a single Redis."""
@@ -55,6 +61,10 @@ class Masters:
         self._missed: set[str] = set()
         self._back: set[str] = set()  # of those, the ones that answered since (`take_back`)
         self.last_missed: str | None = None  # the master that missed a call last: asked last for the slot map
+        # when a master that missed calls last answered again, or was found replaced (time.monotonic()): its
+        # workers' heartbeats and refreshes were held back meanwhile, so nothing idle is taken for a dead
+        # worker's for a while after (`StreamConsumer.claim_stale`)
+        self.back_at = float("-inf")
 
     def node(self, key: str) -> Any:
         """The master of the key's slot in the client's map (None: a single Redis, or none known)."""
@@ -83,6 +93,18 @@ class Masters:
             out.setdefault(node.name, (node, []))[1].append(item)
         return list(out.values())
 
+    def pipeline(self, key: str) -> Any:
+        """A plain pipeline to the master of the key's slot (the client's own on a single Redis), for one
+        partition's commands: a master that does not answer fails it once, for its timeout (a cluster client's
+        pipeline sends each command of a failed node again, one by one, each waiting out the timeout). Its
+        `execute` raises the first error reply (a redirection among them: see `redirected`)."""
+        if not self.cluster:
+            return self.client.pipeline(transaction=False)
+        node = self.node(key)
+        if node is None:
+            raise redis.ConnectionError(f"no master known for {key!r}")
+        return self.client.get_redis_connection(node).pipeline(transaction=False)
+
     def send(self, node: Any, fill: Callable[[Any], None]) -> list[Any] | None:
         """The commands `fill` queues, in one plain pipeline to `node` (the client's own on a single Redis): their
         replies, errors as exceptions (a redirection among them: the slot map is read again); None when the master
@@ -90,11 +112,11 @@ class Masters:
         pipe = self.client.pipeline(transaction=False) if node is None else \
             self.client.get_redis_connection(node).pipeline(transaction=False)
         fill(pipe)
-        if node is None:
-            return list(pipe.execute(raise_on_error=False))
         try:
             replies = list(pipe.execute(raise_on_error=False))
         except RETRYABLE as exc:
+            if node is None:
+                raise
             self.fail(node, exc)
             return None
         self.answered(node)
@@ -109,6 +131,7 @@ class Masters:
                 return
             self._missed.discard(node.name)
             self._back.add(node.name)
+            self.back_at = time.monotonic()
         log.info("master %s answers again", node.name)
 
     def take_back(self) -> set[str]:
@@ -118,12 +141,18 @@ class Masters:
             back, self._back = self._back, set()
         return back
 
+    def look_again(self, masters: Iterable[str]) -> None:
+        """Masters whose lost replies were not all read back (no reply, or an error): looked for again."""
+        with self._lock:
+            self._back.update(masters)
+
     def fail(self, node: Any, exc: BaseException) -> None:
         """After a failed call to the master: pass it over where it did not answer (SILENT) until its probe finds
         it answering, or not a master any more; read the slot map again."""
         if node is None:
+            heal(self.client)  # (no master known for the slot: the map has a gap)
             return
-        if isinstance(exc, SILENT):
+        if silent(exc):
             with self._lock:
                 self.last_missed = node.name
                 self._missed.add(node.name)
@@ -142,8 +171,10 @@ class Masters:
             time.sleep(PROBE_S)
             try:
                 self.client.get_redis_connection(node).ping()
+                with self._lock:  # (answering: read again, its lost replies looked for, in that order)
+                    self._down.discard(node.name)
                 self.answered(node)
-                break
+                return
             except Exception:  # noqa: BLE001 - anything but an answer: probed again
                 if time.monotonic() - healed < HEAL_S:
                     continue
@@ -156,6 +187,7 @@ class Masters:
                     pass
         with self._lock:
             self._down.discard(node.name)
+            self.back_at = time.monotonic()
 
     def failed_key(self, key: str, exc: BaseException) -> None:
         """As `fail`, for the master of the key's slot."""

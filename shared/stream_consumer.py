@@ -24,17 +24,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import redis
 
 from shared import names
-from shared.masters import REDIRECTED, SILENT, Masters
-from shared.redis_client import CLUSTER_TYPES, heal, text
+from shared.masters import REDIRECTED, Masters
+from shared.redis_client import CLUSTER_TYPES, RETRYABLE, heal, text
 from shared.ring import Ring
-from shared.signals import read_live
+from shared.signals import parse_registry
 
 if TYPE_CHECKING:
     from redis.typing import EncodableT, FieldT, StreamIdT, XReadGroupResponse
@@ -168,19 +168,44 @@ class StreamConsumer:
                            if not isinstance(replies[at], REDIRECTED))
         return out
 
-    def lost(self) -> list[Entry]:
+    def lost(self, known: Container[Ref] = ()) -> list[Entry]:
         """This consumer's own pending entries in the streams of masters that answer again after missing a call
-        (shared/masters.py): a read or a pop that timed out may have run all the same once its master went on, and
-        its entries are pending here, their reply gone with the connection. Read from this consumer's history
-        (XREADGROUP from 0): every entry it holds there, the caller's own among them (those it works on already,
-        to leave out)."""
+        (shared/masters.py), those in `known` (held or worked on already) left out: a read or a pop that timed out
+        may have run all the same once its master went on, and its entries are pending here, their reply gone
+        with the connection. Listed by XPENDING and read by XRANGE, which leave their delivery counts alone (a
+        read of this consumer's history, XREADGROUP from 0, would count one more delivery of each, the running
+        ones' too). A master whose list or entries were not all read is looked for again next time."""
         back = self.masters.take_back()
         if not back:
             return []
         streams = [s for s in self.streams if (node := self.masters.node(s)) is not None and node.name in back]
-        replies = self._each_master(streams, lambda pipe, stream: pipe.xreadgroup(
-            self.group, self.consumer, {stream: "0"}, count=LOST_COUNT))
-        return [e for reply in replies.values() if not isinstance(reply, Exception) for e in self._entries(reply)]
+        listed = self._each_master(streams, lambda pipe, stream: pipe.xpending_range(
+            stream, self.group, min="-", max="+", count=LOST_COUNT, consumername=self.consumer))
+        wanted = {s: [r for r in cast(list[Pending], rows) if (s, text(r["message_id"])) not in known]
+                  for s, rows in listed.items() if not isinstance(rows, Exception)}
+        entries: list[Entry] = []
+        read = {s for s, rows in wanted.items() if not rows}
+        for node, group in self.masters.groups([s for s, rows in wanted.items() if rows], key=lambda s: s):
+            asked: list[tuple[str, Pending]] = []
+
+            def fill(pipe: Any, group: list[str] = group, asked: list[tuple[str, Pending]] = asked) -> None:
+                asked.clear()
+                for stream in group:
+                    for row in wanted[stream]:
+                        eid = text(row["message_id"])
+                        pipe.xrange(stream, eid, eid)
+                        asked.append((stream, row))
+            replies = self.masters.send(node, fill)
+            if replies is None:
+                continue
+            failed = {stream for (stream, _), reply in zip(asked, replies) if isinstance(reply, Exception)}
+            read.update(set(group) - failed)
+            entries += [Entry(text(reply[0][0]), reply[0][1], int(row["times_delivered"]), stream)
+                        for (stream, row), reply in zip(asked, replies)
+                        if stream not in failed and reply]  # (an entry deleted since: nothing to take)
+        self.masters.look_again({node.name for s in streams if s not in read
+                                 and (node := self.masters.node(s)) is not None})
+        return entries
 
     @staticmethod
     def _entries(reply: XReadGroupResponse | None) -> list[Entry]:
@@ -212,8 +237,8 @@ class StreamConsumer:
     def claim_stale(self, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take over entries idle past the deadline whose consumer is not a live worker of the pool.
         Returns (to process, dead-lettered)."""
-        if time.monotonic() < self._quiet_until:
-            return [], []
+        if time.monotonic() < max(self._quiet_until, self.masters.back_at + self.claim_idle_ms / 1000):
+            return [], []  # (after an outage, or a master's: live owners refresh their entries and heartbeats)
         rows = self._pending(count * 4, self.claim_idle_ms)
         owners = {text(r["consumer"]) for _, r in rows} - {self.consumer}
         if not owners:
@@ -240,12 +265,15 @@ class StreamConsumer:
         if self.masters.is_down(registry):
             return None
         try:
-            return set(read_live(self.masters.client, (self.pool,))[self.pool])
-        except SILENT as exc:
+            pipe = self.masters.pipeline(registry)
+            pipe.zrange(registry, 0, -1, withscores=True)
+            reply = pipe.execute()[0]
+        except (*RETRYABLE, *REDIRECTED) as exc:
             if not self.masters.cluster:
                 raise
             self.masters.failed_key(registry, exc)
             return None
+        return set(parse_registry(reply, time.time()))
 
     def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)
@@ -280,8 +308,10 @@ class StreamConsumer:
         replies = self._each_master(list(ids), lambda pipe, stream: pipe.xclaim(
             stream, self.group, self.consumer, 0, ids[stream], justid=True))
         errors = [reply for reply in replies.values() if isinstance(reply, Exception)]
-        if errors:
+        if errors and not self.masters.cluster:
             raise errors[0]
+        for error in errors[:1]:  # (a master refusing writes, say: its entries are refreshed next time, the
+            log.warning("some entries not refreshed: %s", error)  # others' now; nobody can claim them there)
 
     def hand_back(self, refs: list[Ref], idle_ms: int) -> None:
         """Make entries claimable by other workers at once (as if idle for idle_ms)."""

@@ -32,7 +32,7 @@ from shared.grammar import GrammarError
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps, publish_command
 from shared.limits import context_problem
-from shared.masters import fail_fast
+from shared.masters import REDIRECTED, fail_fast
 from shared.model_config import model_context
 from shared.redis_client import RETRYABLE, sync_client, text
 from shared.retry import run_loop
@@ -112,8 +112,9 @@ class TokenizerWorker:
         if time.monotonic() >= self.next_claim:
             self._recover()
             self.next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
+        # (a read whose reply was lost: its entries held before anything else can fail this step)
+        self.held.update((e.ref, e) for e in self.consumer.lost(known=self.held))
         held = [e for e in self.held.values() if not self.consumer.masters.is_down(e.stream)]
-        held += [e for e in self.consumer.lost() if e.ref not in self.held]  # (a read whose reply was lost)
         entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=100 if self.held else 500)
         if held or entries:
             self.process(held + entries)
@@ -155,7 +156,7 @@ class TokenizerWorker:
                     self._answer(stream, group)
                 else:
                     self._process(stream, group)
-            except RETRYABLE as exc:
+            except (*RETRYABLE, *REDIRECTED) as exc:
                 if not self.consumer.cluster:
                     raise
                 self.consumer.masters.failed_key(stream, exc)
@@ -169,7 +170,7 @@ class TokenizerWorker:
     def _answer(self, stream: str, entries: list[Entry]) -> None:
         """Answer one partition's tokenize calls (those whose caller still waits), then acknowledge and delete
         them: a call is answered at most once more after a crash, which its caller reads the same."""
-        pipe = (self.fast or self.client).pipeline(transaction=False)
+        pipe = self.consumer.masters.pipeline(stream)  # (its calls' keys are in its slot)
         publish = publish_command(self.client)
         for entry in entries:
             call_id = _field(entry.fields, "call_id") or ""
@@ -229,12 +230,18 @@ class TokenizerWorker:
     def _process(self, stream: str, entries: list[Entry]) -> None:
         """Tokenize one partition's entries, model by model (the record's `base_model`), and queue each job in
         its model's fair queue of the partition. A job for a model not served here fails alone."""
-        job_ids = [_field(e.fields, "job_id") for e in entries]
-        pipe = (self.fast or self.client).pipeline(transaction=False)
+        partition = names.stream_partition(stream)
+        # (an entry naming a job of another partition is damaged: no such job here, acknowledged)
+        job_ids = [j if j and names.job_partition(j) == partition else None
+                   for j in (_field(e.fields, "job_id") for e in entries)]
+        pipe = self.consumer.masters.pipeline(stream)  # (its jobs' keys are in its slot)
         for job_id in job_ids:
-            pipe.hmget(names.job_key(job_id or "?"), "status", "cancel_requested", "trace", "created_at", "base_model")
+            if job_id:
+                pipe.hmget(names.job_key(job_id), "status", "cancel_requested", "trace", "created_at", "base_model")
+        states = iter(pipe.execute() if pipe.command_stack else [])
         by_model: dict[str, list[tuple[Entry, str | None, list[Any]]]] = {}
-        for entry, job_id, state in zip(entries, job_ids, pipe.execute()):
+        for entry, job_id in zip(entries, job_ids):
+            state = next(states) if job_id else [None] * 5
             by_model.setdefault(text(state[4]), []).append((entry, job_id, state[:4]))
         for key, group in by_model.items():
             served = self.models.get(key)
