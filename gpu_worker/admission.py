@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING
 from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
+from shared import names
 from shared.job_ops import JobOps, unpack_ids
 from shared.jobs import FinishReason
 from shared.lora import LoraModule, registered
+from shared.masters import Elsewhere
+from shared.redis_client import RETRYABLE
 from shared.schemas import Request, decode_request
 from shared.scripts.codes import StartCode, StartReply
 from shared.stream_consumer import Entry, StreamConsumer
@@ -63,6 +66,8 @@ class Admission:
         if self.ledger.join(entry.ref, req.id):  # handed out again while it runs here (a failover lost the first)
             log.warning("job %s handed out again (entry %s) while it runs here: it goes on", req.id, entry.id)
             return
+        if req.lora and req.lora not in self.loras and self.consumer.masters.is_down(names.LORAS):
+            raise Elsewhere(names.LORAS)  # (its adapter is read there once it answers: not started meanwhile)
         took = self.starts.start(req.id, self.worker_id)
         if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
             self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)
@@ -104,8 +109,10 @@ class Admission:
                 if self._new_loader is None:
                     raise RuntimeError("this worker takes no grammars")
                 self._loader = self._new_loader()
-            req.compiled_grammar = self._loader.load(spec.key, spec)
+            req.compiled_grammar = self._loader.load(spec.key, spec, names.job_partition(req.id))
             return True
+        except RETRYABLE:
+            raise  # (its master does not answer: the entry is held, and admitted again once it does)
         except Exception as exc:  # noqa: BLE001 - this job fails alone
             log.exception("job %s: its grammar could not be loaded", req.id)
             self.jobs.fail(req.id, f"the grammar could not be loaded: {exc}", self.worker_id)
@@ -116,7 +123,15 @@ class Admission:
         served (unloaded after the job was accepted) fails its job alone. The engine reads its files."""
         if not req.lora:
             return True
-        module = self.loras.get(req.lora) or registered(self.jobs.client, req.lora)
+        module = self.loras.get(req.lora)
+        if module is None:
+            try:
+                module = registered(self.starts.client, req.lora)
+            except RETRYABLE as exc:
+                if not self.consumer.masters.cluster:
+                    raise
+                self.consumer.masters.failed_key(names.LORAS, exc)
+                raise Elsewhere(names.LORAS) from exc
         if module is None:
             self.jobs.fail(req.id, f"the LoRA adapter {req.lora!r} is no longer served (unloaded)", self.worker_id)
             return False

@@ -40,14 +40,15 @@ class GrammarLoader:
         self._info: Any = None
         self._compiler: Any = None
 
-    def load(self, spec_key: str, spec: GrammarSpec) -> Any:
-        """The spec's xgrammar CompiledGrammar; GrammarError when it can be neither loaded nor compiled."""
+    def load(self, spec_key: str, spec: GrammarSpec, partition: int = 0) -> Any:
+        """The spec's xgrammar CompiledGrammar (stored for the jobs of `partition`); GrammarError when it can be
+        neither loaded nor compiled; Redis's errors are raised."""
         with self._lock:
             compiled = self.cache.get(spec_key)
             if compiled is not None:
                 self.cache.move_to_end(spec_key)
                 return compiled
-            compiled = self._fetch(spec_key)
+            compiled = self._fetch(spec_key, partition)
             if compiled is None:
                 compiled = self._compile(spec)
             self.cache[spec_key] = compiled
@@ -55,11 +56,11 @@ class GrammarLoader:
                 self.cache.popitem(last=False)
             return compiled
 
-    def _fetch(self, spec_key: str) -> Any:
+    def _fetch(self, spec_key: str, partition: int) -> Any:
         """The stored copy, deserialized; None when there is none that this xgrammar can read."""
         import xgrammar as xgr
 
-        data = self.client.get(names.grammar_key(spec_key, self.model))
+        data = self.client.get(names.grammar_key(spec_key, self.model, partition))
         if not data:
             return None
         try:

@@ -14,6 +14,7 @@ from gpu_worker.admission import Admission, entry_request
 from gpu_worker.ledger import EntryLedger
 from shared.fair_queue import FairQueue
 from shared.job_ops import JobOps
+from shared.masters import Elsewhere
 from shared.redis_client import RETRYABLE
 from shared.retry import run_loop
 from shared.stream_consumer import Entry, Ref, StreamConsumer
@@ -67,6 +68,10 @@ class Reader:
             return
         try:
             self.admission.admit(entry)
+        except Elsewhere as exc:  # (a registry's master does not answer: this entry's own is not blamed)
+            if entry.ref not in self.held:
+                log.warning("admission of %s held until the master of %s answers", entry.id, exc)
+            self.held[entry.ref] = entry
         except RETRYABLE as exc:
             if not self.consumer.cluster:
                 raise

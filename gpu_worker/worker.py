@@ -125,7 +125,9 @@ class InferenceWorker:
                 from gpu_worker.grammar import GrammarLoader  # xgrammar loads only once a grammar arrives
 
                 path = self.settings.model_path
-                self._loader = GrammarLoader(path, self.client, vocab_size(path) or 0, self.settings.model_key)
+                # (on the starts' client: a job's grammar is in its partition's slot, read right after its start)
+                self._loader = GrammarLoader(path, self.admission.starts.client, vocab_size(path) or 0,
+                                             self.settings.model_key)
             return self._loader
 
     def run(self) -> int:

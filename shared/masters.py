@@ -35,6 +35,11 @@ SILENT = (redis.ConnectionError, redis.TimeoutError, OSError)
 REDIRECTED = (MovedError, AskError)  # a reply from a master the slot left (a failover): the map is read again
 
 
+class Elsewhere(Exception):
+    """A partition's work needs a key of another master (one not partitioned: a registry), which does not answer
+    now (noted: `Masters.fail`): the work waits for it, its own partition's master not blamed."""
+
+
 def silent(exc: BaseException) -> bool:
     """Whether the error says a master did not answer (SILENT; a cluster client that reached no node raises it as
     the cause of a RedisClusterUnreachableError)."""

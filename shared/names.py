@@ -254,11 +254,12 @@ def prompt_logprobs_key(job_id: str) -> str:
     return f"{_job_prefix(job_id)}:plogprobs:{job_id}"
 
 
-def grammar_key(spec_key: str, model: str = "") -> str:
+def grammar_key(spec_key: str, model: str = "", partition: int = 0) -> str:
     """A compiled grammar (xgrammar's serialized form), by the hash of its spec: the tokenizer pool writes it,
-    inference workers read it. One key per distinct grammar and model (a grammar is compiled for a vocabulary;
-    `model` '' the first), with a TTL."""
-    return f"{PREFIX}:grammar:{spec_key}" + (f":{model}" if model else "")
+    inference workers read it. One key per distinct grammar, model (a grammar is compiled for a vocabulary;
+    `model` '' the first) and partition of the jobs that use it, with a TTL: a job's grammar is in its
+    partition's slot, so a master that does not answer holds back its own partitions' jobs only."""
+    return f"{model_prefix(partition, model)}:grammar:{spec_key}"
 
 
 def file_key(file_id: str, part: str) -> str:

@@ -2,7 +2,8 @@
 Messages API's `count_tokens`), since the API never loads a tokenizer.
 
 The mechanism, one round trip through Redis:
-- The API picks a partition at random and a call id in it (`names.tokenize_call_id`), subscribes to the call's
+- The API picks a partition (a call about a job, `stop_sequence`: the job's, whose ids it reads; any other: one at
+  random) and a call id in it (`names.tokenize_call_id`), subscribes to the call's
   channel through its relay (the channel is `names.job_channel(call_id)`: one pub/sub connection per node, as
   for jobs), then XADDs the call to the partition's `tokenize` stream (approximately capped at STREAM_MAXLEN).
 - Tokenizer workers read every `tokenize` stream in the same XREADGROUP call as their `jobs` streams (same

@@ -31,9 +31,10 @@ from shared import fair_queue, names
 from shared.fair_queue import FairQueue
 from shared.job_ops import JobOps
 from shared.jobs import new_record
+from shared.lora import LoraModule
 from shared.masters import FAST_TIMEOUT_S, fail_fast
 from shared.redis_client import sync_client
-from shared.schemas import Request, encode_request
+from shared.schemas import GenerationRequest, Grammar, Request, encode_request
 from shared.settings import Settings
 from shared.stream_consumer import StreamConsumer
 from tests.helpers import master_of, partitions_elsewhere, until
@@ -237,5 +238,92 @@ def test_a_claim_answers_at_once_while_the_pools_registry_master_is_silent(nodes
     until("the entry claimed", lambda: claimed.extend(consumer.claim_stale()[0]) or claimed, AGAIN_S)
     assert [e.id for e in claimed] == [entry_id.decode()]
     consumer.ring.close()
+    fast.close()
+    r.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_job_with_a_grammar_is_queued_while_every_other_master_is_silent(nodes: LocalCluster,
+                                                                         model_path: str) -> None:
+    """A job's compiled grammar is kept in its partition's slot: while every master but its partition's is
+    silent, the job is tokenized, its grammar compiled and stored, and queued, in one client timeout per master
+    met. (A grammar kept under one key for every partition sat on one master: every partition's structured jobs
+    waited on it, 10 s a try, and then failed.)"""
+    settings = Settings(redis_url=nodes.seed_url, model=model_path, max_model_len=1024)
+    w = TokenizerWorker(settings)
+    r = sync_client(nodes.seed_url)
+    w.consumer.ensure_group()
+    request = GenerationRequest(prompt="Hello there", max_tokens=4, grammar=Grammar(kind="regex", source="[0-9]+"))
+    spec = request.grammar
+    assert spec is not None
+    shared_key = r.get_node_from_key(f"{names.PREFIX}:grammar:{spec.spec.key}")  # (where one key for all sat)
+    p = next(q for q in names.partitions() if master_of(r, q).name != shared_key.name)
+    own = master_of(r, p)
+    others = [n for n in r.get_primaries() if n.name != own.name]
+    job_id = names.job_id_in(p, uuid.uuid4().hex)
+    body = request.model_dump_json()
+    r.hset(names.job_key(job_id), mapping={k: v for k, v in new_record(job_id, "m", body).items() if k != "request"})
+    r.xadd(names.stream(names.JOBS, p), {"job_id": job_id, "request": body})
+    for node in others:
+        nodes.kill(node.port, signal.SIGSTOP)
+    try:
+        entries = _answered(lambda: w.consumer.read(64, block_ms=None))
+        assert [e.fields[b"job_id"] for e in entries] == [job_id.encode()]
+        _answered(lambda: w.process(entries))
+        assert r.hexists(names.fair_key(p, "payload"), job_id), r.hget(names.job_key(job_id), "error")
+        assert r.exists(names.grammar_key(spec.spec.key, "", p))
+    finally:
+        for node in others:
+            nodes.kill(node.port, signal.SIGCONT)
+    w.consumer.ring.close()
+    for m in w.models.values():
+        if m.compiler is not None:
+            m.compiler.close()
+    r.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_lora_job_waits_for_the_adapter_registrys_master_and_only_that(nodes: LocalCluster) -> None:
+    """A job on an adapter loaded at run time reads it from the registry at its admission: while the registry's
+    master is silent, the job is held without a start (its own master is not passed over: the other jobs of its
+    partition go on), and admitted once the registry's master answers."""
+    model = "adapted"
+    r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
+    assert fast is not None
+    registry = r.get_node_from_key(names.LORAS)
+    p = next(q for q in names.partitions() if master_of(r, q).name != registry.name)
+    consumer = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
+                              names.INFERENCE_GROUP, "w-lora", names.inference_pool(model), fast=fast)
+    consumer.ensure_group()
+    ledger = EntryLedger(consumer, max_jobs=8)
+    inbox: SimpleQueue[Any] = SimpleQueue()
+    jobs = JobOps(r, 60, model)
+    admission = Admission(consumer, jobs, ledger, "w-lora", inbox, queue.Queue(), WorkerStats(),  # type: ignore[arg-type]
+                          starts=JobOps(fast, 60, model))
+    reader = Reader(r, consumer, jobs, ledger, admission, 60.0, threading.Event())
+    r.hset(names.LORAS, "sql-adapter", LoraModule("sql-adapter", "/adapters/sql").to_json())
+    adapted, plain = names.job_id_in(p, uuid.uuid4().hex), names.job_id_in(p, uuid.uuid4().hex)
+    for job_id, lora in ((adapted, "sql-adapter"), (plain, "")):
+        r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
+        row = encode_request(Request(job_id, [5, 6, 7], max_tokens=4, lora=lora))
+        assert fair_queue.push(r, p, [], [(job_id, 0, 3, row)], model=model)
+    entries = reader.queue.pop(8, None)
+    assert {entry_request(e).id for e in entries} == {adapted, plain}
+    nodes.kill(registry.port, signal.SIGSTOP)
+    try:
+        _answered(lambda: [reader._admit(e) for e in entries])
+        assert [inbox.get_nowait().request.id] == [plain] and inbox.empty()
+        assert [entry_request(e).id for e in reader.held.values()] == [adapted]
+        assert not consumer.masters.is_down(names.stream(names.TOKENIZED, p, model))
+        _answered(reader.step)  # held: not started again while the registry's master is silent
+        assert inbox.empty()
+    finally:
+        nodes.kill(registry.port, signal.SIGCONT)
+    until("the held job admitted", lambda: reader.step() or not inbox.empty(), AGAIN_S)
+    added = inbox.get_nowait().request
+    assert added.id == adapted and added.lora_path == "/adapters/sql" and not reader.held
+    r.hdel(names.LORAS, "sql-adapter")
+    consumer.ring.close()
+    reader.queue.ring.close()
     fast.close()
     r.close()

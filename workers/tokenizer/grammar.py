@@ -1,6 +1,6 @@
 """Grammar compilation in the tokenizer pool (the CPU stage): each distinct grammar is compiled once and stored
-in Redis by its spec's hash (`names.grammar_key`), as xgrammar's serialized JSON, for the inference workers to
-load (gpu_worker/grammar.py).
+in Redis by its spec's hash and its jobs' partition (`names.grammar_key`), as xgrammar's serialized JSON, for the
+inference workers to load (gpu_worker/grammar.py).
 
 The compile runs in a child process with a time bound: a grammar that does not compile in COMPILE_TIMEOUT_S
 fails its own job, the child is killed and a fresh one takes the next grammar, and the tokenizer process never
@@ -69,10 +69,11 @@ class GrammarCompiler:
             if self._proc is None:
                 self._start()
 
-    def prepare(self, spec: GrammarSpec) -> None:
-        """Make sure the compiled grammar is in Redis, its TTL refreshed: compiled here if it is not there.
-        GrammarError, with a message for the client, when it does not compile, not in time, or is too large."""
-        key = names.grammar_key(spec.key, self.model)
+    def prepare(self, spec: GrammarSpec, partition: int = 0) -> None:
+        """Make sure the compiled grammar is in Redis for the jobs of `partition`, its TTL refreshed: compiled here
+        if it is not there (the child's cache has one compiled for another partition). GrammarError, with a message
+        for the client, when it does not compile, not in time, or is too large; Redis's errors are raised."""
+        key = names.grammar_key(spec.key, self.model, partition)
         with self._lock:
             now = time.monotonic()
             if now - self._recent.get(key, -self.recent_s) < self.recent_s:

@@ -218,7 +218,8 @@ class TokenizerWorker:
 
     def _stop_of(self, call: TokenizeCall, prompts: PromptBuilder) -> str | None:
         """Which stop string followed the job's text in its generated ids (None: it ended otherwise)."""
-        raw = self.client.get(names.tokens_key(call.job_id or "?"))
+        # (the call is in the job's partition, api/routes/tokenize.py: its master answered the read)
+        raw = (self.fast or self.client).get(names.tokens_key(call.job_id or "?"))
         if not raw or not call.stops:
             return None
         data = raw if isinstance(raw, bytes) else str(raw).encode("latin-1")
@@ -302,8 +303,10 @@ class TokenizerWorker:
             req = GenerationRequest.from_wire(_field(entry.fields, "request") or "")
             prompt = None if req.prompt_token_ids is not None else served.prompts.render(req)
             if req.grammar is not None:
-                self._grammars(served).prepare(req.grammar.spec)
+                self._grammars(served).prepare(req.grammar.spec, names.job_partition(job_id))
             return req, prompt
+        except RETRYABLE:
+            raise  # (its partition's master does not answer: its entries are held, `process`)
         except GrammarError as exc:
             self._fail(job_id, f"invalid grammar: {exc}")
         except ValueError as exc:  # not a request the API writes (PromptError too: the template refused it)
@@ -334,7 +337,8 @@ class TokenizerWorker:
     def _grammars(self, served: ModelTokens) -> GrammarCompiler:
         """A model's grammar compiler (workers/tokenizer/grammar.py), made when its first grammar arrives."""
         if served.compiler is None:
-            served.compiler = GrammarCompiler(served.path, self.client, self.settings.job_ttl_s, model=served.key)
+            served.compiler = GrammarCompiler(served.path, self.fast or self.client, self.settings.job_ttl_s,
+                                              model=served.key)
         return served.compiler
 
     @staticmethod
