@@ -72,7 +72,7 @@ class Admission:
         if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
             self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)
         if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req) or not self._attach_lora(req):
-            self.consumer.ack([entry.ref])  # the job already ended (or was cancelled) elsewhere, or failed here
+            self.consumer.ack_each([entry.ref])  # the job already ended (or was cancelled) elsewhere, or failed here
             return
         # everything read from Redis before the ledger holds the entry: a failure here (Redis gone) leaves nothing
         # held, and the reader admits the entry again once Redis answers (`Reader.held`, `readmit_forgotten`)

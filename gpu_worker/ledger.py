@@ -93,6 +93,11 @@ class EntryLedger:
         refs = self._leave(job_id)
         if not refs:
             return
+        if self.consumer.cluster:  # (master by master: one that does not answer holds no other's acks, nor the
+            missed = self.consumer.ack_each(refs)  # lane's reports behind them)
+            if missed:
+                log.warning("entries %s not acknowledged (their master does not answer); they stay pending", missed)
+            return
         try:
             call(lambda: self.consumer.ack(refs), attempts=ACK_ATTEMPTS, log=log, name="ack",
                  on_outage=self.consumer.note_outage)

@@ -322,6 +322,17 @@ class StreamConsumer:
         for stream, ids in _by_stream(refs).items():
             self.client.xack(stream, self.group, *ids)
 
+    def ack_each(self, refs: list[Ref]) -> list[Ref]:
+        """Acknowledge entries master by master (a single Redis's failure raises, as `ack`'s): those of a master
+        that does not answer now, or refuses, are answered (they stay pending: `retry_own` finds them)."""
+        ids = _by_stream(refs)
+        replies = self._each_master(list(ids), lambda pipe, stream: pipe.xack(stream, self.group, *ids[stream]))
+        errors = [reply for reply in replies.values() if isinstance(reply, Exception)]
+        if errors and not self.masters.cluster:
+            raise errors[0]
+        done = {stream for stream, reply in replies.items() if not isinstance(reply, Exception)}
+        return [ref for ref in refs if ref[0] not in done]
+
     def dead_letter(self, entry: Entry, reason: str) -> None:
         """Move the entry to its partition's dead-letter stream (one transaction: one slot)."""
         stream = entry.stream or self.streams[0]

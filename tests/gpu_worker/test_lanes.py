@@ -146,6 +146,8 @@ def test_engine_loop_fails_a_request_the_engine_refuses() -> None:
 
 
 class FakeConsumer:
+    cluster = False  # (one Redis: acknowledged in one call, retried through an outage)
+
     def __init__(self, fail: int = 0) -> None:
         self.acked: list[str] = []
         self.fail = fail

@@ -7,6 +7,8 @@ from gpu_worker.ledger import EntryLedger
 
 
 class Consumer:
+    cluster = False  # (one Redis: acknowledged in one call, retried through an outage)
+
     def __init__(self) -> None:
         self.acked: list[str] = []
 

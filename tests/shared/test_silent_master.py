@@ -327,3 +327,37 @@ def test_a_lora_job_waits_for_the_adapter_registrys_master_and_only_that(nodes: 
     reader.queue.ring.close()
     fast.close()
     r.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_jobs_end_is_acknowledged_master_by_master(nodes: LocalCluster) -> None:
+    """Two jobs end together, one on a master that has gone silent: the other's entry is acknowledged at once, the
+    silent one's is left pending (taken back later by the worker's own retry) without holding the worker's
+    reports behind it."""
+    model = "acked"
+    r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
+    assert fast is not None
+    silent, other = master_of(r, 3), partitions_elsewhere(r, 3)[0]
+    consumer = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
+                              names.INFERENCE_GROUP, "w-ack", names.inference_pool(model), fast=fast)
+    consumer.ensure_group()
+    ledger = EntryLedger(consumer, max_jobs=8)
+    refs, jobs = {}, {}
+    for p in (3, other):
+        stream = names.stream(names.TOKENIZED, p, model)
+        r.xadd(stream, {"batch": b"x"})
+        [(_, [(eid, _)])] = r.xreadgroup(names.INFERENCE_GROUP, "w-ack", {stream: ">"})
+        jobs[p], refs[p] = names.job_id_in(p, uuid.uuid4().hex), (stream, eid.decode())
+        ledger.open(refs[p], jobs[p])
+        ledger.take_slot(jobs[p], "t", 0)
+    nodes.kill(silent.port, signal.SIGSTOP)
+    try:
+        _answered(lambda: [ledger.close(jobs[p]) for p in (3, other)])
+    finally:
+        nodes.kill(silent.port, signal.SIGCONT)
+    assert r.xpending(refs[other][0], names.INFERENCE_GROUP)["pending"] == 0
+    assert r.xpending(refs[3][0], names.INFERENCE_GROUP)["pending"] == 1
+    assert not ledger.entries()
+    consumer.ring.close()
+    fast.close()
+    r.close()
