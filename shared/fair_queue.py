@@ -149,8 +149,9 @@ class FairQueue:
                 def flags(pipe: Any, keys: list[str] = keys) -> None:
                     for k in keys:
                         self.ring.arm(pipe, k)
-                if self.masters.send(node, flags) is not None:
-                    armed += keys
+                replies = self.masters.send(node, flags)
+                if replies is not None:  # (a flag not set is set again next time: `to_arm`)
+                    armed += [k for k, reply in zip(keys, replies) if not isinstance(reply, Exception)]
             entries = self._pop_each([self._partition[key] for key in armed], count, skip)  # what came before each
             if entries:
                 return entries

@@ -37,7 +37,8 @@ import redis
 from shared import batch_ops, names, scripts
 from shared.heartbeat import beat, forget
 from shared.job_ops import queue_account, queue_note_failure
-from shared.redis_client import RETRYABLE, text
+from shared.masters import fail_fast
+from shared.redis_client import CLUSTER_TYPES, RETRYABLE, text
 from shared.retry import Backoff
 from shared.scripts.codes import AccountReply
 from shared.settings import Settings
@@ -93,9 +94,12 @@ class AfterJob:
     def __init__(self, client: redis.Redis, settings: Settings, consumer: str | None = None,
                  parallel: int = 16) -> None:
         self.client, self.settings = client, settings
+        # (a cluster's) reads and upkeep master by master on a client that does not retry: a master that does not
+        # answer costs the drain one short wait, not its retries, and holds back only its own partitions' ends
+        fast = fail_fast(settings.redis_url) if isinstance(client, CLUSTER_TYPES) else None
         self.consumer = _EndedConsumer(client, names.streams(names.ENDED), names.AFTER_JOB_GROUP,
                                        consumer or f"after-{socket.gethostname()}-{os.getpid()}",
-                                       names.CELERY_POOL, settings.claim_idle_ms, settings.delivery_limit)
+                                       names.CELERY_POOL, settings.claim_idle_ms, settings.delivery_limit, fast=fast)
         self.consumer.ensure_group()
         self.webhooks = WebhookSender(client, settings, parallel)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="webhook")
