@@ -741,7 +741,11 @@ class NsClusterNode(ClusterNode):
         path = super().write_config()
         with open(path, "a") as f:  # (later lines win)
             binds = self.host if self.ns is not None else f"127.0.0.1 {self.host}"
-            f.write(f"bind {binds}\ncluster-announce-ip {self.host}\n")
+            # its own connections (cluster bus, replication) from `host`: the kernel's choice for one started
+            # during a cut (the sink route has no source) is another address, which the namespace cannot answer
+            # once healed, and a bus link stuck so keeps a healed node flagged as failing (its FAIL is cleared
+            # only by a PONG on that link)
+            f.write(f"bind {binds}\ncluster-announce-ip {self.host}\nbind-source-addr {self.host}\n")
         return path
 
     def command(self) -> list[str]:

@@ -81,6 +81,8 @@ class ClusterNode(RedisServer):
         conf.update({
             "cluster-enabled": "yes", "cluster-config-file": NODES_FILE, "cluster-port": str(self.cluster_port),
             "cluster-node-timeout": str(self.node_timeout_ms), "cluster-allow-reads-when-down": "no",
+            # while a master's slots are not served (failing over; down with no replica), the others serve theirs
+            "cluster-require-full-coverage": "no",
             "masterauth": self.password,
             "repl-diskless-sync-delay": "0",  # 7.0 waits 5 s for more replicas before a full sync otherwise
         })

@@ -102,7 +102,7 @@ class Masters:
         """A plain pipeline to the master of the key's slot (the client's own on a single Redis), for one
         partition's commands: a master that does not answer fails it once, for its timeout (a cluster client's
         pipeline sends each command of a failed node again, one by one, each waiting out the timeout). Its
-        `execute` raises the first error reply (a redirection among them: see `redirected`)."""
+        `execute` raises the first error reply (a redirection among them: REDIRECTED)."""
         if not self.cluster:
             return self.client.pipeline(transaction=False)
         node = self.node(key)

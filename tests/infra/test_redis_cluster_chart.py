@@ -416,6 +416,7 @@ def test_a_node_runs_with_durable_writes_a_short_node_timeout_and_a_memory_cap()
     # shorter than the local cluster's (infra/redis_cluster.py) invites failovers of a node that is only slow
     assert 2000 <= int(config["cluster-node-timeout"]) < OPERATOR_NODE_TIMEOUT_MS
     assert config["maxmemory-policy"] == "noeviction", "evicting would drop jobs"
+    assert config["cluster-require-full-coverage"] == "no", "a master failing over would stop every other one"
     assert 0 < int(config["maxmemory"]) <= 0.8 * limit, "no room under the limit for the AOF rewrite's fork"
     assert config["requirepass"] == PASSWORD, "the values override the password the operator sets"
     requests = merged["redisCluster"]["resources"]["requests"]

@@ -4,8 +4,12 @@ worker's pop and their upkeep, each over every partition, take and keep the othe
 - Paused (its connections stay open, nothing comes back), on a cluster whose node timeout outlasts the test (no
   failover): the silent master's jobs come once it answers again. Before, each call waited on the silent node (10 s
   a try, tried again) for every partition.
+- Dead with no replica to take over (for good): the other masters' jobs go on being read and taken once the cluster
+  has marked it failed (the cluster serves the slots it can: `cluster-require-full-coverage no`). Before, every
+  call failed for good: the dead node's connection, then CLUSTERDOWN from every node.
 - Silent between a read (or a pop) and its jobs' queueing (or start): the other master's job goes on at once, the
-  silent one's is held until its master answers.
+  silent one's is held until its master answers. So with what a job needs beyond its own keys (its grammar, its
+  adapter's registry) and with its end's acknowledgement.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from queue import SimpleQueue
 from typing import Any, TypeVar
 
@@ -361,3 +366,43 @@ def test_a_jobs_end_is_acknowledged_master_by_master(nodes: LocalCluster) -> Non
     consumer.ring.close()
     fast.close()
     r.close()
+
+
+@pytest.mark.usefixtures("twelve")
+def test_a_dead_master_with_no_replica_holds_back_only_its_own_partitions_jobs(tmp_path: Path) -> None:
+    nodes = LocalCluster(tmp_path, masters=3, replicas=0, appendfsync="no", node_timeout_ms=1000)
+    nodes.start()
+    r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
+    try:
+        model, stream = "dead", lambda p: names.stream(names.JOBS, p, "dead")
+        dead, live = master_of(r, 0), partitions_elsewhere(r, 0)
+        for q in names.partitions():
+            r.xgroup_create(names.stream(names.TOKENIZED, q, model), names.INFERENCE_GROUP, id="0", mkstream=True)
+        consumer = StreamConsumer(r, [stream(q) for q in names.partitions()], "dead-tokenizers", "tok-d",
+                                  names.TOKENIZER_POOL, fast=fast)
+        consumer.ensure_group()
+        queue = FairQueue(r, "w-dead", model, consumer.masters)
+        nodes.kill(dead.port)
+        until("the dead master marked failed", lambda: any(
+            e.port == dead.port and "fail" in e.flags for e in nodes._view()), 30, every=0.1)
+        jobs = [names.job_id_in(p, uuid.uuid4().hex) for p in live[:3]]
+        for job_id in jobs:  # submitted after it died, to the partitions of the masters alive
+            p = names.job_partition(job_id)
+            r.xadd(stream(p), {"job_id": job_id})
+            r.hset(names.job_key(job_id), mapping={"status": "queued"})
+            assert fair_queue.push(r, p, [], [(job_id, 0, 10, job_id.encode())], model=model)
+        read: list[bytes] = []
+        until("the live masters' jobs read", lambda: read.extend(
+            e.fields[b"job_id"] for e in _answered(lambda: consumer.read(10, block_ms=300))) or len(read) >= 3, 10)
+        popped: list[bytes] = []
+        until("the live masters' jobs popped", lambda: popped.extend(
+            e.fields[b"batch"] for e in _answered(lambda: queue.pop(4, block_ms=300))) or len(popped) >= 3, 10)
+        assert sorted(read) == sorted(popped) == sorted(j.encode() for j in jobs)
+        assert _answered(lambda: consumer.claim_stale()) == ([], [])
+        consumer.ring.close()
+        queue.ring.close()
+    finally:
+        r.close()
+        if fast is not None:
+            fast.close()
+        nodes.stop()
