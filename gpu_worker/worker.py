@@ -108,10 +108,10 @@ class InferenceWorker:
         self.ledger = EntryLedger(self.consumer, settings.max_num_seqs + extra, spare=extra)
         jobs = JobOps(self.client, settings.job_ttl_s, settings.model_key)
         loras = {n: m for n, m in settings.loras.items() if m.base_model_name == settings.served_model_name}
-        admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane, self.stats,
-                              self._grammar_loader, loras,
-                              JobOps(fast, settings.job_ttl_s, settings.model_key) if fast is not None else None)
-        self.reader = Reader(self.client, self.consumer, jobs, self.ledger, admission, settings.refresh_s,
+        self.admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane,
+                                   self.stats, self._grammar_loader, loras,
+                                   JobOps(fast, settings.job_ttl_s, settings.model_key) if fast is not None else None)
+        self.reader = Reader(self.client, self.consumer, jobs, self.ledger, self.admission, settings.refresh_s,
                              self.stopping)
         self.control = ControlLane(self.client, self.inbox, self.closed)
         self.feedback = Feedback(self.from_lane, self.inbox, self.ledger)
