@@ -1,13 +1,14 @@
-"""What batch invariance costs: the engine as it is against the engine without its three mechanisms, interleaved in one
+"""What batch invariance costs: the engine as it is against the engine without its mechanisms, interleaved in one
 process so that a shared machine's drift hits both alike.
 
     git archive <commit before> | tar -x -C /tmp/before     # the sampler before (its top-p candidates in topk's order)
     .venv/bin/python -m bench engine invariance --against /tmp/before --dtypes bfloat16,float32
     .venv/bin/python -m bench engine invariance --quick            # seconds: a tiny random model
 
-"before" is this engine with a single row over a long K not split in two (gemm.ONE_ROW_MAX_K), the other tree's top-p
-draw (`_draw_nucleus` of its gpu_worker/engine/sampler.py; without --against, this tree's) and generated positions
-computed again by the prefill kernel (`generated_by_decode` off). Per dtype:
+"before" is this engine with a single row over a long K not split in two (gemm.ONE_ROW_MAX_K), with AMX a batch's rows
+in one call (gemm.AMX_MAX_ROWS), the other tree's top-p draw (`_draw_nucleus` of its gpu_worker/engine/sampler.py;
+without --against, this tree's) and generated positions computed again by the prefill kernel (`generated_by_decode`
+off). Per dtype:
 - decode: step times at 1 and 32 running sequences of --prompt-len tokens, seeded (temperature 1, top-p 0.9) and
   greedy, the two engines alternating step by step on the same running sequences; medians of --steps each;
 - the prefill burst: --burst distinct prompts of --burst-len token ids, 1 new token each, prefix caching off, all
@@ -41,13 +42,19 @@ class Switch:
         from gpu_worker.engine import gemm, sampler
 
         self.engine, self.gemm, self.sampler = engine, gemm, sampler
-        self.saved = (gemm.ONE_ROW_MAX_K, sampler._draw_nucleus, engine.runner.generated_by_decode)  # type: ignore[attr-defined]
+        model = engine.runner.model  # type: ignore[attr-defined]
+        self.gemms = [g for g in {id(g): g for g in (model.gemm, model.head_gemm)}.values() if hasattr(g, "max_rows")]
+        self.saved = (gemm.ONE_ROW_MAX_K, sampler._draw_nucleus, engine.runner.generated_by_decode,  # type: ignore[attr-defined]
+                      [g.max_rows for g in self.gemms])
         self.before_nucleus = before_nucleus
 
     def set(self, now: bool) -> None:
-        k, nucleus, by_decode = self.saved if now else (1 << 62, self.before_nucleus, False)
+        off = (1 << 62, self.before_nucleus, False, [0] * len(self.gemms))
+        k, nucleus, by_decode, rows = self.saved if now else off
         self.gemm.ONE_ROW_MAX_K, self.sampler._draw_nucleus = k, nucleus
         self.engine.runner.generated_by_decode = by_decode  # type: ignore[attr-defined]
+        for g, max_rows in zip(self.gemms, rows, strict=True):
+            g.max_rows = max_rows  # (AMX: calls of at most 32 rows; 0, one call)
 
 
 def decode(model: str, dtype: str, rows: int, steps: int, prompt_len: int, seeded: bool,

@@ -34,18 +34,24 @@ class Gemm:
 # a row alone would get other bits than among others (every row in float32, ~10% of rows in bfloat16, at K 1,032
 # and up; none at 1,024 and below). From two rows on, one blocking at every row count (tested up to 4,130).
 ONE_ROW_MAX_K = 1024
+# oneDNN's AMX kernels (bfloat16 on Intel Xeon since Sapphire Rapids) compute a call of up to 32 rows one way and a
+# longer one another: a row among 33 or more gets other bits than alone (every shape tested, from 33 rows on; at 32
+# and below every row count agrees). Calls of at most 32 rows keep a row's bits whatever its batch; a prefill's
+# GEMMs take ~2x an unsplit call's time that way, still 3-5x faster than without AMX (docs/bench-log.md).
+AMX_MAX_ROWS = 32
 
 
 class OneDnnGemm(Gemm):
     """CPU matmuls on weights reordered once into oneDNN's blocked layout. torch's own CPU bf16
     linear calls the same oneDNN kernel but reorders the weight on every call; reordering once
     makes bf16 GEMMs ~1.5x faster here with bit-identical results. A row's bits do not depend on the
-    rows beside it: a single row over a long K is computed as two (ONE_ROW_MAX_K)."""
+    rows beside it: a single row over a long K is computed as two (ONE_ROW_MAX_K), and with AMX a batch in calls of
+    at most `max_rows` (AMX_MAX_ROWS)."""
 
     copies_weights = True  # the model's own linear layers are emptied once their copies exist
 
-    def __init__(self, batch_hint: int) -> None:
-        self.batch_hint = batch_hint
+    def __init__(self, batch_hint: int, max_rows: int = 0) -> None:
+        self.batch_hint, self.max_rows = batch_hint, max_rows
 
     # torch.ops resolves its operators at run time: their results are typed Any, named Tensor here
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
@@ -53,6 +59,17 @@ class OneDnnGemm(Gemm):
         return out
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if self.max_rows and x.shape[0] > self.max_rows:
+            return torch.cat([self._linear(part, w, b) for part in torch.split(x, self.max_rows)])
+        return self._linear(x, w, b)
+
+    def linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.max_rows and x.shape[0] > self.max_rows:
+            return torch.cat([self._linear_add(part, w, res) for part, res in
+                              zip(torch.split(x, self.max_rows), torch.split(residual, self.max_rows), strict=True)])
+        return self._linear_add(x, w, residual)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         out: torch.Tensor
         if x.shape[0] == 1 and x.shape[1] > ONE_ROW_MAX_K:
             out = torch.ops.mkldnn._linear_pointwise(torch.cat((x, x)), w, b, "none", [], "")[:1]
@@ -60,7 +77,7 @@ class OneDnnGemm(Gemm):
             out = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         return out
 
-    def linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         if x.shape[0] == 1 and x.shape[1] > ONE_ROW_MAX_K:
             out = torch.ops.mkldnn._linear_pointwise.binary(torch.cat((x, x)), torch.cat((residual, residual)), w,
@@ -73,6 +90,11 @@ class OneDnnGemm(Gemm):
 def _onednn_ok(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _has_amx() -> bool:
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check is not None and check())
 
 
 def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) -> tuple[Gemm, Gemm]:
@@ -92,6 +114,6 @@ def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) 
     supported = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     check = getattr(torch.ops.mkldnn, supported, None)
     if check is not None and check():  # the CPU has the instructions (AVX512-BF16 / AMX / AVX512-FP16)
-        onednn = OneDnnGemm(batch_hint)
+        onednn = OneDnnGemm(batch_hint, AMX_MAX_ROWS if _has_amx() else 0)
         return onednn, onednn
     return Gemm(), Gemm()

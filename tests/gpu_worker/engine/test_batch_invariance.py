@@ -18,7 +18,7 @@ import torch
 
 from gpu_worker.engine import cpu_kernels as ck
 from gpu_worker.engine.device import cpu_has_bf16
-from gpu_worker.engine.gemm import choose_gemm
+from gpu_worker.engine.gemm import OneDnnGemm, choose_gemm
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.sequence import Sequence
 from shared.schemas import Request
@@ -66,6 +66,19 @@ def gemm_rows_that_differ(dtype: torch.dtype) -> list[str]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_layers_give_a_row_the_same_bits_whatever_the_batch(dtype: torch.dtype) -> None:
     assert gemm_rows_that_differ(dtype) == []
+
+
+def test_a_batch_split_into_calls_of_a_few_rows_gives_each_row_its_own_output() -> None:
+    """With AMX a batch goes in calls of at most 32 rows (gemm.AMX_MAX_ROWS); here 7, in float32 (a row's bits there
+    whatever the batch): each row's output, and its residual's sum, is the one it gets in one call."""
+    g = torch.Generator().manual_seed(3)
+    whole, split = OneDnnGemm(32), OneDnnGemm(32, max_rows=7)
+    w = whole.prepare(torch.randn(96, 64, generator=g))
+    x, res, b = torch.randn(30, 64, generator=g), torch.randn(30, 96, generator=g), torch.randn(96, generator=g)
+    with torch.inference_mode():
+        assert torch.equal(split.linear(x, w, b), whole.linear(x, w, b))
+        assert torch.equal(split.linear_add(x, w, res), whole.linear_add(x, w, res))
+        assert split.linear(x[:7], w).shape == (7, 96)
 
 
 def test_linear_layers_held_to_avx2_give_a_row_the_same_bits_whatever_the_batch() -> None:
