@@ -32,7 +32,9 @@ class EngineConfig:
 
 
 class Engine(Protocol):
-    max_model_len: int
+    @property
+    def max_model_len(self) -> int:
+        """The context served, in tokens."""
 
     def add_request(self, req: Request) -> None:
         """Queue a request; a request that cannot run ends in the next step's outputs."""

@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -53,6 +54,7 @@ class PromptBuilder:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = _tojson
         self.template = env.from_string(source) if isinstance(source, str) else None
+        self.tool_template: Template | None
         if tool_template:
             self.tool_template = env.from_string(Path(tool_template).read_text())
         elif isinstance(source, str) and "tools" in source:
