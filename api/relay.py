@@ -49,6 +49,7 @@ ROUTE_BACKOFF_S = 1.0  # the longest wait between two tries to route channels wh
 SETTLE_S = 6.0  # after a link is lost or a slot moves, the slot map is read again for this long (a failover settles)
 SETTLE_EVERY_S = 1.0  # ... this often
 STOP_S = 2.0  # how long stopping waits for the relay's tasks to end
+STOP_AGAIN_S = 0.1  # how often it cancels again those that have not
 
 
 class Subscription:
@@ -105,6 +106,7 @@ class Link:
         self.last_rx = loop.time()
         self.pinged = 0.0
         self.task: asyncio.Task[None] | None = None
+        self.writer: asyncio.Task[None] | None = None  # once connected
         self.connected: asyncio.Future[bool] = loop.create_future()  # True once connected; False if it never was
         self._outbox: list[tuple[Any, ...]] = []
         self._ready = asyncio.Event()
@@ -229,11 +231,18 @@ class Relay:
             link.close()
             if link.task is not None:
                 link.task.cancel()
-        tasks = [*self._tasks, *(link.task for link in links if link.task)]
-        # bounded: the server's shutdown must not wait on a task whose cancellation something swallowed
-        _, pending = await asyncio.wait(tasks, timeout=STOP_S)
-        if pending:
-            log.warning("pub/sub: %d tasks still stopping", len(pending))
+        pending = {*self._tasks, *(t for link in links for t in (link.task, link.writer) if t is not None)}
+        # cancelled again until they end: redis-py can turn a cancellation into its own error, and a task that
+        # took it for one goes on (a router, reading the slot map from the next node); bounded, as the server's
+        # shutdown must not wait on a task that never ends
+        deadline = asyncio.get_running_loop().time() + STOP_S
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=STOP_AGAIN_S)
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("pub/sub: %d tasks still stopping", len(pending))
+                break
+            for task in pending:
+                task.cancel()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_result(None)
@@ -354,7 +363,7 @@ class Relay:
             link.wake.clear()
             link.connected.set_result(True)
             self._connected.set()
-            writer = asyncio.create_task(link.write(), name=f"relay-write-{link.node}")
+            writer = link.writer = asyncio.create_task(link.write(), name=f"relay-write-{link.node}")
             writer.add_done_callback(lambda t: None if t.cancelled() else self._lose(link, t.exception()))
             try:
                 await link.read()
@@ -416,7 +425,7 @@ class Relay:
         backoff = Backoff(0.1, ROUTE_BACKOFF_S)
         loop = asyncio.get_running_loop()
         last = -math.inf
-        while True:
+        while not self._stopped.is_set():
             await self._dirty.wait()
             await asyncio.sleep(max(0.0, last + ROUTE_EVERY_S - loop.time()))  # (a slot map still settling)
             last = self._routed_at = loop.time()
