@@ -106,7 +106,6 @@ class Link:
         self.last_rx = loop.time()
         self.pinged = 0.0
         self.task: asyncio.Task[None] | None = None
-        self.writer: asyncio.Task[None] | None = None  # once connected
         self.connected: asyncio.Future[bool] = loop.create_future()  # True once connected; False if it never was
         self._outbox: list[tuple[Any, ...]] = []
         self._ready = asyncio.Event()
@@ -198,6 +197,8 @@ class Relay:
         self._pending: dict[bytes, asyncio.Future[None]] = {}  # channel -> its SUBSCRIBE confirmation
         self._connected = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._link_tasks: set[asyncio.Task[None]] = set()  # every link's task and writer until it ends (a link given
+        # up leaves `_links` at once, while its task may still be closing its connection)
         self._stopped = asyncio.Event()
         self.stopping = False  # the server is shutting down: streams end (clients resume elsewhere)
 
@@ -223,26 +224,22 @@ class Relay:
     async def stop(self) -> None:
         sse.forget_shutdown(self.drain)
         self._stopped.set()
-        for task in self._tasks:
-            task.cancel()
         links, self._links = list(self._links.values()), {}
         self._route.clear()
         for link in links:
             link.close()
-            if link.task is not None:
-                link.task.cancel()
-        pending = {*self._tasks, *(t for link in links for t in (link.task, link.writer) if t is not None)}
-        # cancelled again until they end: redis-py can turn a cancellation into its own error, and a task that
-        # took it for one goes on (a router, reading the slot map from the next node); bounded, as the server's
-        # shutdown must not wait on a task that never ends
-        deadline = asyncio.get_running_loop().time() + STOP_S
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=STOP_AGAIN_S)
-            if asyncio.get_running_loop().time() >= deadline:
+        # every task, links given up and opened meanwhile included, cancelled again until it ends: redis-py can turn
+        # a cancellation into its own error, and a task that took it for one goes on (a router, reading the slot map
+        # from the next node); bounded, as the server's shutdown must not wait on a task that never ends
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_S
+        while pending := {t for t in (*self._tasks, *self._link_tasks) if not t.done()}:
+            if loop.time() >= deadline:
                 log.warning("pub/sub: %d tasks still stopping", len(pending))
                 break
             for task in pending:
                 task.cancel()
+            await asyncio.wait(pending, timeout=STOP_AGAIN_S)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_result(None)
@@ -329,8 +326,13 @@ class Relay:
 
     def _open(self, node: str) -> Link:
         link = self._links[node] = Link(self, node)  # no connection yet: it subscribes its channels when it has one
-        link.task = asyncio.create_task(self._link(link), name=f"relay-link-{node}")
+        link.task = self._track(asyncio.create_task(self._link(link), name=f"relay-link-{node}"))
         return link
+
+    def _track(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        self._link_tasks.add(task)
+        task.add_done_callback(self._link_tasks.discard)
+        return task
 
     async def _link(self, link: Link) -> None:
         """Connect to the link's node, subscribe the channels routed to it, read until lost."""
@@ -363,7 +365,7 @@ class Relay:
             link.wake.clear()
             link.connected.set_result(True)
             self._connected.set()
-            writer = link.writer = asyncio.create_task(link.write(), name=f"relay-write-{link.node}")
+            writer = self._track(asyncio.create_task(link.write(), name=f"relay-write-{link.node}"))
             writer.add_done_callback(lambda t: None if t.cancelled() else self._lose(link, t.exception()))
             try:
                 await link.read()
