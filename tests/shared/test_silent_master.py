@@ -74,6 +74,21 @@ def _answered(call: Callable[[], T]) -> T:
         return pool.submit(call).result(timeout=ANSWERED_S)
 
 
+def _reader(r: Any, fast: Any, model: str, worker: str) -> tuple[StreamConsumer, EntryLedger, SimpleQueue[Any],
+                                                                 Reader]:
+    """An inference worker's reader lane for `model`'s queue on every partition, starting jobs on the fail-fast
+    client (as the worker does): its consumer, ledger, the engine's inbox and the reader."""
+    consumer = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
+                              names.INFERENCE_GROUP, worker, names.inference_pool(model), fast=fast)
+    consumer.ensure_group()
+    ledger = EntryLedger(consumer, max_jobs=8)
+    inbox: SimpleQueue[Any] = SimpleQueue()
+    jobs = JobOps(r, 60, model)
+    admission = Admission(consumer, jobs, ledger, worker, inbox, queue.Queue(), WorkerStats(),  # type: ignore[arg-type]
+                          starts=JobOps(fast, 60, model))
+    return consumer, ledger, inbox, Reader(r, consumer, jobs, ledger, admission, 60.0, threading.Event())
+
+
 @pytest.mark.usefixtures("twelve")
 def test_a_silent_master_holds_back_only_its_own_partitions_jobs(nodes: LocalCluster) -> None:
     r = sync_client(nodes.seed_url, decode=False)
@@ -183,15 +198,7 @@ def test_an_inference_worker_starts_a_pops_jobs_though_one_master_goes_silent_mi
     r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
     assert fast is not None
     silent, other = master_of(r, 2), partitions_elsewhere(r, 2)[0]
-    consumer = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
-                              names.INFERENCE_GROUP, "w-admit", names.inference_pool(model), fast=fast)
-    consumer.ensure_group()
-    ledger = EntryLedger(consumer, max_jobs=8)
-    inbox: SimpleQueue[Any] = SimpleQueue()
-    jobs = JobOps(r, 60, model)
-    admission = Admission(consumer, jobs, ledger, "w-admit", inbox, queue.Queue(), WorkerStats(),  # type: ignore[arg-type]
-                          starts=JobOps(fast, 60, model))
-    reader = Reader(r, consumer, jobs, ledger, admission, 60.0, threading.Event())
+    consumer, ledger, inbox, reader = _reader(r, fast, model, "w-admit")
     held, free = names.job_id_in(2, uuid.uuid4().hex), names.job_id_in(other, uuid.uuid4().hex)
     for job_id in (held, free):
         r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
@@ -300,15 +307,7 @@ def test_a_lora_job_waits_for_the_adapter_registrys_master_and_only_that(nodes: 
     assert fast is not None
     registry = r.get_node_from_key(names.LORAS)
     p = next(q for q in names.partitions() if master_of(r, q).name != registry.name)
-    consumer = StreamConsumer(r, [names.stream(names.TOKENIZED, q, model) for q in names.partitions()],
-                              names.INFERENCE_GROUP, "w-lora", names.inference_pool(model), fast=fast)
-    consumer.ensure_group()
-    ledger = EntryLedger(consumer, max_jobs=8)
-    inbox: SimpleQueue[Any] = SimpleQueue()
-    jobs = JobOps(r, 60, model)
-    admission = Admission(consumer, jobs, ledger, "w-lora", inbox, queue.Queue(), WorkerStats(),  # type: ignore[arg-type]
-                          starts=JobOps(fast, 60, model))
-    reader = Reader(r, consumer, jobs, ledger, admission, 60.0, threading.Event())
+    consumer, ledger, inbox, reader = _reader(r, fast, model, "w-lora")
     r.hset(names.LORAS, "sql-adapter", LoraModule("sql-adapter", "/adapters/sql").to_json())
     adapted, plain = names.job_id_in(p, uuid.uuid4().hex), names.job_id_in(p, uuid.uuid4().hex)
     for job_id, lora in ((adapted, "sql-adapter"), (plain, "")):
