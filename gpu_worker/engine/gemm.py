@@ -36,8 +36,8 @@ class Gemm:
 ONE_ROW_MAX_K = 1024
 # oneDNN's AMX kernels (bfloat16 on Intel Xeon since Sapphire Rapids) compute a call of up to 32 rows one way and a
 # longer one another: a row among 33 or more gets other bits than alone (every shape tested, from 33 rows on; at 32
-# and below every row count agrees). Calls of at most 32 rows keep a row's bits whatever its batch; a prefill's
-# GEMMs take ~2x an unsplit call's time that way, still 3-5x faster than without AMX (docs/bench-log.md).
+# and below every row count agrees). Calls of at most 32 rows keep a row's bits whatever its batch: a prefill burst
+# takes 1.9x its time that way, against 4.5x with oneDNN held to AVX512-BF16 (BENCHMARKS.md, "Batch invariance").
 AMX_MAX_ROWS = 32
 
 
