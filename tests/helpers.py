@@ -10,7 +10,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from unittest import mock
 
 import httpx
@@ -122,7 +122,10 @@ async def in_process_api(settings: Settings,
 
 
 def fill(r: redis.Redis) -> list[str]:
-    """Write junk until Redis (at its maxmemory, noeviction) refuses even a small write; the junk's keys."""
+    """Write junk until Redis (at its maxmemory, noeviction) refuses even a small write; the junk's keys. Its
+    maxmemory is then lowered by FILL_MARGIN below what it uses: Redis frees an idle client's query buffer (the
+    filler's held a 1 MiB value) a moment later, which took it back under its limit, and a write a test expected
+    refused went through (once, in a fresh-clone run). The caller restores maxmemory, where it outlives the test."""
     keys: list[str] = []
     for size in (1 << 20, 1 << 14, 1 << 8):
         try:
@@ -131,7 +134,12 @@ def fill(r: redis.Redis) -> list[str]:
                 r.set(keys[-1], b"x" * size)
         except redis.exceptions.OutOfMemoryError:
             keys.pop()
+    used = int(cast(dict[str, Any], r.info("memory"))["used_memory"])
+    r.config_set("maxmemory", max(1 << 20, used - FILL_MARGIN))
     return keys
+
+
+FILL_MARGIN = 4 << 20
 
 
 @contextlib.contextmanager
@@ -142,6 +150,7 @@ def writes_refused(r: redis.Redis, how: str, scratch: Path | None = None) -> Ite
     directory that does not exist yet)."""
     junk: list[str] = []
     [old_dir] = map(text, r.config_get("dir").values())
+    [old_max] = map(text, r.config_get("maxmemory").values())
     if how == "full":
         junk = fill(r)
     elif how == "no replicas":
@@ -160,6 +169,7 @@ def writes_refused(r: redis.Redis, how: str, scratch: Path | None = None) -> Ite
     finally:
         if junk:
             r.delete(*junk)
+            r.config_set("maxmemory", old_max)
         r.config_set("min-replicas-to-write", 0)
         if how == "failed save":
             r.config_set("dir", old_dir)
