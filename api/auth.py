@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, cast
 
 import redis.asyncio as aredis
 from fastapi import Depends, Request
@@ -16,6 +16,7 @@ from api.errors import ApiError, too_many
 from shared import names
 from shared.job_ops import stream_open
 from shared.jobs import Job
+from shared.redis_client import text
 from shared.scripts.codes import StreamOpenCode
 from shared.tenants import STREAM_LEASE_S, Tenant, hash_key
 
@@ -42,7 +43,7 @@ class KeyCache:
     Submits re-check the tenant inside the submit script."""
 
     def __init__(self, client: aredis.Redis) -> None:
-        self.r = client
+        self.r = client  # a decoding client: replies are text
         self._entries: dict[str, tuple[float, Tenant | None]] = {}
 
     async def lookup(self, key: str) -> Tenant | None:
@@ -51,10 +52,10 @@ class KeyCache:
         hit = self._entries.get(digest)
         if hit is not None and hit[0] > now:
             return hit[1]
-        name = await self.r.get(names.api_key_index(digest))
+        name = text(await self.r.get(names.api_key_index(digest)))
         tenant = None
         if name:
-            rec = await self.r.hgetall(names.tenant_key(name))
+            rec = cast("dict[str, str]", await self.r.hgetall(names.tenant_key(name)))
             if rec and rec.get("key_sha256") == digest and rec.get("disabled") != "1":
                 tenant = Tenant.from_record(name, rec)
         if len(self._entries) >= CACHE_MAX:

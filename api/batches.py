@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis.asyncio as aredis
@@ -109,7 +109,7 @@ def batch_object(rec: dict[str, Any]) -> dict[str, Any]:
 
 class Batches:
     def __init__(self, client: aredis.Redis, files: FileStore, settings: Settings) -> None:
-        self.r, self.files, self.settings = client, files, settings
+        self.r, self.files, self.settings = client, files, settings  # a decoding client: replies are text
 
     async def create(self, tenant: Tenant | None, input_file_id: str, endpoint: str,
                      metadata: dict[str, str] | None, webhook_url: str | None = None) -> dict[str, Any]:
@@ -136,6 +136,7 @@ class Batches:
             await self.r.zrem(names.batches_open(owner), batch_id)
             raise
         now = time.time()
+        rec: dict[str, str | float]
         rec = {"id": batch_id, "owner": owner, "endpoint": endpoint, "input_file_id": input_file_id,
                "completion_window": "24h", "status": "in_progress", "created_at": now, "in_progress_at": now,
                "expires_at": now + window, "total": total, "completed": 0, "failed": total - good,
@@ -143,7 +144,8 @@ class Batches:
                "webhook_url": webhook_url or "", "trace": tracing.carrier()}  # its lines' jobs join its trace
         await pipe.execute()  # its last lines (the record's promise covers them: a replica receives writes in order)
         writes = Writes()
-        writes.hset(names.batch_key(batch_id), mapping=rec)
+        # redis-py types `mapping` as Mapping[FieldT, ...], whose key (a union) is invariant: no dict[str, ...] fits
+        writes.hset(names.batch_key(batch_id), mapping=rec)  # type: ignore[arg-type]
         for key in (names.batch_key(batch_id), lines_key, err_key):
             writes.expire(key, ttl)
         writes.zadd(names.batches_index(owner), {batch_id: now})
@@ -211,7 +213,7 @@ class Batches:
         return good, total
 
     async def get(self, batch_id: str, owner: str) -> dict[str, Any] | None:
-        rec = await self.r.hgetall(names.batch_key(batch_id))
+        rec = cast("dict[str, str]", await self.r.hgetall(names.batch_key(batch_id)))
         if not rec or (rec.get("owner") or "") != owner:
             return None
         return rec
@@ -228,7 +230,7 @@ class Batches:
         return rec
 
     async def listing(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
-        ids = await self.r.zrevrange(names.batches_index(owner), 0, -1)
+        ids = cast("list[str]", await self.r.zrevrange(names.batches_index(owner), 0, -1))
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         out = []

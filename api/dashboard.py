@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import orjson
 import redis
@@ -34,6 +34,7 @@ import redis.asyncio as aredis
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from redis.exceptions import RedisError
+from redis.typing import KeyT, StreamIdT
 
 from api import sse
 from api.errors import ApiError, error_body, not_found
@@ -64,6 +65,8 @@ FOLLOWED = 100
 CLUSTER_IDLE_S = 0.25  # on a cluster, the wait between rounds of reads that found nothing new
 ACTIVE_STATUSES = frozenset(s.value for s in ACTIVE)
 JOB_FIELDS = ("status", "created_at", "first_token_at", "finished_at", "completion_tokens", "finish_reason")
+# an XREAD's reply (None: no new entry), from a decoding client: per stream, its entries (id, fields)
+StreamsRead = list[tuple[str, list[tuple[str, dict[str, str]]]]] | None
 
 def quantile(bounds: tuple[float, ...], counts: list[float], q: float) -> float | None:
     """The q-quantile of non-cumulative bucket counts, interpolated in its bucket (as Prometheus'
@@ -206,6 +209,7 @@ class JobFollower:
         self.active: OrderedDict[str, None] = OrderedDict()
         self.ended: deque[str] = deque(maxlen=ENDED_JOBS)
         self.jobs_streams = frozenset(names.streams(names.JOBS))
+        self.last: dict[KeyT, StreamIdT]  # each stream's last entry id read (as XREAD takes them)
         self.last = dict.fromkeys([*names.streams(names.JOBS), *names.streams(names.ENDED)], "0-0")
         self.cluster = isinstance(client, CLUSTER_TYPES)
         self.seeded = False
@@ -242,7 +246,7 @@ class JobFollower:
             replies = await pipe.execute()
             if not any(replies):
                 await asyncio.sleep(CLUSTER_IDLE_S)
-        for reply in replies:
+        for reply in cast("list[StreamsRead]", replies):
             for stream, entries in reply or []:
                 for entry_id, fields in entries:
                     self.last[stream] = entry_id

@@ -37,6 +37,10 @@ def _object(line: str) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else {}
 
 
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def _json(value: Any) -> str | None:
     return None if value is None else orjson.dumps(value).decode()
 
@@ -47,8 +51,8 @@ def _text(value: Any) -> str | None:
 
 def result_row(line: str) -> Row:
     obj = _object(line)
-    response = obj.get("response") if isinstance(obj.get("response"), dict) else {}
-    error = obj.get("error") if isinstance(obj.get("error"), dict) else {}
+    response = _dict(obj.get("response"))
+    error = _dict(obj.get("error"))
     code = response.get("status_code")
     return {"id": _text(obj.get("id")), "custom_id": _text(obj.get("custom_id")),
             "status_code": code if isinstance(code, int) else None, "request_id": _text(response.get("request_id")),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aredis
 
@@ -30,7 +30,7 @@ class TooLarge(ValueError):
 
 class FileStore:
     def __init__(self, client: aredis.Redis, ttl_s: int) -> None:
-        self.r, self.ttl_s = client, ttl_s
+        self.r, self.ttl_s = client, ttl_s  # a decoding client: replies are text
 
     async def upload(self, owner: str, purpose: str, filename: str, chunks: AsyncIterator[bytes],
                      max_stored: int = 0) -> dict[str, Any]:
@@ -109,7 +109,7 @@ class FileStore:
 
     async def meta(self, file_id: str, owner: str) -> dict[str, Any] | None:
         """The caller's file's record; another tenant's file is as absent as one that never was."""
-        meta = await self.r.hgetall(names.file_key(file_id, "meta"))
+        meta = cast("dict[str, str]", await self.r.hgetall(names.file_key(file_id, "meta")))
         if not meta or (meta.get("owner") or "") != owner:
             return None
         return meta
@@ -119,12 +119,12 @@ class FileStore:
         if meta["kind"] == "lines":  # a batch's results, in index order
             keys = sorted(int(k) for k in await self.r.hkeys(meta["source"]))
             for i in range(0, len(keys), 256):
-                for line in await self.r.hmget(meta["source"], keys[i:i + 256]):
+                for line in cast("list[str | None]", await self.r.hmget(meta["source"], keys[i:i + 256])):
                     if line is not None:
                         yield line
             return
         at = 0
-        while page := await self.r.lrange(meta["source"], at, at + 999):
+        while page := cast("list[str]", await self.r.lrange(meta["source"], at, at + 999)):
             for line in page:
                 yield line
             at += len(page)
@@ -153,7 +153,7 @@ class FileStore:
             raise NotCopied(f"the deletion of file {meta['id']}")
 
     async def listing(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
-        ids = await self.r.zrevrange(names.files_index(owner), 0, -1)
+        ids = cast("list[str]", await self.r.zrevrange(names.files_index(owner), 0, -1))
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         out = []

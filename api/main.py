@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.telemetry import TelemetryConfig
 
 from api import dashboard, errors, metrics
 from api.auth import KeyCache
@@ -80,7 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 TRACED = ("/v1/", "/tokenize", "/detokenize")
 
 
-def _telemetry() -> dict[str, Any]:
+def _telemetry() -> TelemetryConfig:
     """FastAPI's telemetry settings: request spans only, and only when tracing is on (shared/tracing.py)."""
     on = tracing.setup("api")
     return {"tracing": on, "metrics": False, "logs": False, "operation_spans": False, "auto_configure": False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import redis
 from fastapi import APIRouter, Request
@@ -122,8 +122,8 @@ def engine_metrics(inf: list[WorkerBeat]) -> Iterator[Metric]:
 
 
 def totals(r: redis.Redis) -> Iterator[Metric]:
-    """Tokens and finished requests since the service began, and the latency histograms."""
-    stats = r.hgetall(names.STATS_KEY)
+    """Tokens and finished requests since the service began, and the latency histograms. `r`: a decoding client."""
+    stats = cast("dict[str, str]", r.hgetall(names.STATS_KEY))
     for name, help_ in ((m.PROMPT_TOKENS, "Prompt tokens processed"),
                         (m.GENERATION_TOKENS, "Tokens generated")):
         c = CounterMetricFamily(name, help_)
@@ -135,7 +135,7 @@ def totals(r: redis.Redis) -> Iterator[Metric]:
             success.add_metric([key.split(":")[-1]], float(v))
     yield success
     for name in m.HISTOGRAMS:
-        buckets, total = m.read_histogram(r.hgetall(names.hist_key(name)), name)
+        buckets, total = m.read_histogram(cast("dict[str, str]", r.hgetall(names.hist_key(name))), name)
         h = HistogramMetricFamily(name, name.split(":")[1].replace("_", " "))
         h.add_metric([], buckets, total)
         yield h
@@ -208,7 +208,7 @@ async def metrics(request: Request) -> Response:
 
     def render() -> bytes:
         registry = CollectorRegistry()
-        registry.register(SystemCollector(state.metrics_client, state.metrics_raw, state.relay.active,  # type: ignore[arg-type]
+        registry.register(SystemCollector(state.metrics_client, state.metrics_raw, state.relay.active,
                                           state.settings.model_keys, state.settings.max_num_seqs))
         return generate_latest(registry)
 

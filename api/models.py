@@ -95,6 +95,7 @@ async def listing(redis: aredis.Redis, settings: Settings, tenant: Tenant | None
     """/v1/models' entries as vLLM shapes them: each served model (root: itself), the default first, then each
     adapter (root: its directory, parent: its model); only those the caller's key may name."""
     context = {m.name: model_context(m.path, settings.max_model_len) for m in settings.served.values()}
+    out: list[dict[str, Any]]
     out = [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor", "root": name, "parent": None,
             "max_model_len": n} for name, n in context.items()]
     for m in await adapters(redis, settings):

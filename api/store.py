@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aredis
 from redis.exceptions import RedisError, ResponseError
@@ -39,7 +40,7 @@ class Admission:
 
 class JobStore:
     def __init__(self, client: aredis.Redis, settings: Settings) -> None:
-        self.r, self.settings = client, settings
+        self.r, self.settings = client, settings  # a decoding client: replies are text
         # the last guard on the jobs stream's length, far past MAX_QUEUED (admission refuses long before):
         # XADD trims the oldest entries, normally long consumed, past it
         self.jobs_maxlen = 4 * settings.max_queued + 10_000
@@ -140,7 +141,8 @@ class JobStore:
     async def read_events(self, job_id: str, after: int, count: int = 1000) -> list[tuple[int, str, str, str]]:
         """Events with seq > after, in order: (seq, type, text, logprob entries as lines of JSON, '' none)."""
         try:
-            items = await self.r.xrange(names.events_key(job_id), min=f"(0-{after}", max="+", count=count)
+            items = cast("list[tuple[str, dict[str, str]]]",
+                         await self.r.xrange(names.events_key(job_id), min=f"(0-{after}", max="+", count=count))
         except ResponseError as exc:
             raise (of_another_type(exc, job_id, "event stream") or exc) from exc
         return [(int(eid.split("-")[1]), f.get("type", ""), f.get("text", ""), f.get("logprobs", ""))

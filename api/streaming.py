@@ -153,13 +153,13 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                         continue  # it ended just now: replay what came
                     yield DoneEvent(last, job)
                     return
-            if last == 0:
-                if job.status.value == "queued":
-                    job.queue_position = await store.queue_position(job_id)
-                key = (job.status.value, job.queue_position)
-                if key != status_sent and not job.ended:
-                    status_sent = key
-                    yield StatusEvent(job)
+                if last == 0:  # (an event replayed above leaves `last` past 0: seqs start at 1)
+                    if job.status.value == "queued":
+                        job.queue_position = await store.queue_position(job_id)
+                    key = (job.status.value, job.queue_position)
+                    if key != status_sent and not job.ended:
+                        status_sent = key
+                        yield StatusEvent(job)
             while True:
                 if sub.items:
                     data = sub.items.popleft()

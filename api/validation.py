@@ -83,6 +83,7 @@ def document_bounds(schema: dict[str, Any], settings: Settings) -> dict[str, Any
 
 
 # OpenAI options this server refuses (with a 400 naming the option): the schema says which values pass
+_ONLY: dict[str, dict[str, Any]]
 _ONLY = {"functions": {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]},
          "function_call": {"enum": [None]}, "suffix": {"enum": ["", None]}}
 

@@ -18,12 +18,13 @@ import logging
 import struct
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import redis
 import redis.asyncio as aredis
 import redis.asyncio.cluster as acluster
 from redis.commands.core import DataAccessCommands
+from redis.event import EventDispatcherInterface
 from redis.exceptions import AskError, ClusterDownError, ConnectionError, TryAgainError
 
 from shared import names, scripts, tracing
@@ -205,6 +206,11 @@ class NotCopied(ConnectionError):
 class Writes(DataAccessCommands):
     """Writes gathered for one promise (`execute_copied`): redis-py's command methods (hset, expire, zadd, ...),
     recorded rather than sent. Each command's first argument is its key."""
+
+    # what redis-py's command methods ask of the object they are called on (their typed overloads): a client that
+    # is not asyncio's (each call returns at once); and an event dispatcher, declared only (no command uses one)
+    _is_async_client: Literal[False] = False
+    _event_dispatcher: EventDispatcherInterface
 
     def __init__(self) -> None:
         self.commands: list[tuple[Any, ...]] = []

@@ -1,5 +1,5 @@
-"""Types: mypy, run as pyproject.toml's [tool.mypy] configures it (strict, on shared/, gpu_worker/ and workers/;
-api/ not yet), reports no error. Its cache (.mypy_cache/) keeps a run after the first to the
+"""Types: mypy, run as pyproject.toml's [tool.mypy] configures it (strict, on api/, shared/, gpu_worker/ and
+workers/), reports no error. Its cache (.mypy_cache/) keeps a run after the first to the
 files that changed."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Response
 
@@ -24,7 +24,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 _SSE_EVENT = {"type": "object", "required": ["data"],
               "properties": {"event": {"type": "string", "enum": ["token", "status", "done", "error"]},
                              "id": {"type": "string"}, "data": {"type": "string"}}}
-_NOT_FOUND = {404: {"model": ErrorResponse, "description": "No such job"}}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorResponse, "description": "No such job"}}
 _JOB_ID = {"job_id": "$response.body#/id"}
 # OpenAPI links: where a submitted job's id leads (clients and schema-driven tools follow them)
 _LINKS = {"PollJob": {"operationId": "poll_job", "parameters": _JOB_ID},

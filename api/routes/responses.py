@@ -30,7 +30,6 @@ from api.responses import (
     delta_event,
     head_events,
     job_id_of,
-    response_object,
     tail_events,
 )
 from api.sse import EventStream
@@ -38,6 +37,7 @@ from api.store import JobStore
 from api.streaming import DoneEvent, TokenEvent, job_events
 from api.validation import check_request
 from shared.jobs import Job
+from shared.openai_bodies import response_object
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
