@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -47,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for name, argv in runs.items():
         print(f"[quick] {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
+        started, cpu = time.monotonic(), time.process_time()
         code, why = run_one(argv, outdir / f"{name}.out")
+        print(f"[quick] {name}: {time.monotonic() - started:.1f} s, {time.process_time() - cpu:.1f} CPU-s",
+              file=sys.stderr, flush=True)  # what each costs the suite
         (outdir / f"{name}.rc").write_text(f"{code}\n{why}")
         if code:
             print(f"[quick] {name} failed (exit {code})\n{why}", file=sys.stderr, flush=True)
