@@ -7,7 +7,8 @@
 A call is a JSON object with a string `name` and an `arguments` value (`parameters` is read the same way), between
 `<tool_call>` and `</tool_call>`; a closing tag left out ends the call at its object's end. The content is the text
 outside the calls, less the whitespace just before a call and just after one. A block that is not such a call (no
-name, not an object) is content, markup and all.
+name, not an object) is content, markup and all; one the text stops in before its name is whole (max_tokens) is
+dropped: it is neither a call nor the model's prose.
 
 The stream holds back what might still become markup (a partial `<tool_call>`, whitespace that may precede one),
 so that raw markup never reaches a client as content, and it emits a call's name once the name is whole and its
@@ -197,8 +198,9 @@ class HermesStream:
     def _close(self, block: str, obj: str, out: list[StreamEvent], ended: bool) -> None:
         """The current call is over (`ended`: its object closed; else the text stopped inside it)."""
         self.body = None
-        if not self.named:  # never a call: its text is content
-            self._emit(START + block, out)
+        if not self.named:  # never a call: its text is content, unless the text stopped in it (markup cut short)
+            if ended:
+                self._emit(START + block, out)
             return
         if self.sent == 0 and (ended or scan(obj).args is None):
             out.append(ArgumentsDelta(self.index, "{}"))

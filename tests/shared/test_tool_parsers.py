@@ -26,6 +26,8 @@ TEXTS = [
     '<tool_call>{"name": "f", "arguments": {"x": 1}}',  # no closing tag
     '<tool_call>{"name": "f", "parameters": {"x": true}}</tool_call> done',
     "ends on a partial tag <tool_",
+    '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>\n{"na',  # cut before the 2nd's name
+    'Hi.\n<tool_call>\n{"',
 ]
 
 
@@ -65,6 +67,9 @@ def test_whole_texts() -> None:
     assert parse("hermes", TEXTS[7]) == Parsed(None, [ToolCall("f", '{"x": 1}')])
     assert parse("hermes", TEXTS[8]) == Parsed("done", [ToolCall("f", '{"x": true}')])
     assert parse("hermes", TEXTS[9]) == Parsed("ends on a partial tag <tool_")
+    # a call the text stopped in before its name was whole is no call and no content: its markup is dropped
+    assert parse("hermes", TEXTS[10]) == Parsed(None, [ToolCall("f", "{}")])
+    assert parse("hermes", TEXTS[11]) == Parsed("Hi.")
 
 
 @pytest.mark.parametrize("text", TEXTS)
