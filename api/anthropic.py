@@ -244,7 +244,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
 def message_body(job: Job, stop_sequence: str | None) -> dict[str, Any]:
     """Anthropic's `message` object for an ended job: its text block, then a tool_use block per call."""
     calls = job.tool_calls or []
-    text = job.content if calls else job.text
+    text = job.content or ""
     content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
     content += [{"type": "tool_use", "id": tool_use_id(job, i), "name": c["function"]["name"],
                  "input": tool_input(c["function"]["arguments"])} for i, c in enumerate(calls)]

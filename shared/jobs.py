@@ -80,7 +80,8 @@ class Job(BaseModel):
     entries: list[Any] | None = Field(None, exclude=True)
     prompt: tuple[str, list[Any]] | None = Field(None, exclude=True)
     # the tool calls its text holds (a job that offered tools: its record names the parser), in OpenAI's shape;
-    # `text` stays as the model wrote it, and `content` is the text outside the calls (None when there is none)
+    # `text` stays as the model wrote it, and `content` is what a client is shown as its answer: the text outside the
+    # calls (None when there is none; markup of a call cut short is neither), the text itself when no tools were offered
     tool_calls: list[dict[str, Any]] | None = None
     content: str | None = Field(None, exclude=True)
 

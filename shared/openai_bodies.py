@@ -49,7 +49,7 @@ class Shape:
     def choice(self, i: int, end: Job) -> dict[str, Any]:
         if self.chat:
             lp = {"content": [chat_item(e) for e in end.entries or []]} if self.logprobs else None
-            said: dict[str, Any] = {"role": "assistant", "content": end.text}
+            said: dict[str, Any] = {"role": "assistant", "content": end.content or ""}
             if end.tool_calls:
                 said = {"role": "assistant", "content": end.content, "tool_calls": end.tool_calls}
             return {"index": i, "message": said, "logprobs": lp, "finish_reason": finish_reason(end)}
@@ -126,7 +126,7 @@ def function_call(job: Job, index: int, name: str, arguments: str, done: bool) -
 def output_items(job: Job) -> list[dict[str, Any]]:
     """An ended job's output items: its message (when it said anything), then a function_call per call."""
     calls = job.tool_calls or []
-    text = job.content if calls else job.text
+    text = job.content
     items = [message(job, text, True)] if text else []
     return items + [function_call(job, i, c["function"]["name"], c["function"]["arguments"], True)
                     for i, c in enumerate(calls)]

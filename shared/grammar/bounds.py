@@ -8,7 +8,7 @@ from functools import lru_cache
 from shared.grammar.choice import check_choices
 from shared.grammar.cost import Cost
 from shared.grammar.ebnf import check_ebnf
-from shared.grammar.limits import MAX_SOURCE_BYTES
+from shared.grammar.limits import MAX_SOURCE_BYTES, MAX_TOOLS_SOURCE_BYTES
 from shared.grammar.regex import check_regex
 from shared.grammar.schema import check_schema
 from shared.grammar.spec import KINDS, GrammarError, GrammarSpec
@@ -29,9 +29,10 @@ def check(spec: GrammarSpec) -> None:
 def _check(kind: str, source: str) -> None:
     if kind not in KINDS:
         raise GrammarError(f"unknown structured output kind {kind!r}: one of {', '.join(KINDS)}")
-    size = len(source.encode())
-    if size > MAX_SOURCE_BYTES:
-        raise GrammarError(f"the {_NOUN[kind]} is {size} bytes; at most {MAX_SOURCE_BYTES}")
+    size, limit = len(source.encode()), MAX_TOOLS_SOURCE_BYTES if kind == "tool_calls" else MAX_SOURCE_BYTES
+    if size > limit:
+        raise GrammarError(f"the {_NOUN[kind]} ({size} bytes without descriptions) exceed {limit} bytes"
+                           if kind == "tool_calls" else f"the {_NOUN[kind]} is {size} bytes; at most {limit}")
     cost = Cost()
     if kind == "json_schema":
         check_schema(source, cost)

@@ -4,6 +4,9 @@ its cost estimate may reach (cost.py)."""
 from __future__ import annotations
 
 MAX_SOURCE_BYTES = 32 * 1024  # a schema, regex or grammar (UTF-8); far beyond any hand-written one
+# the tools of one request, each within MAX_SOURCE_BYTES, their descriptions left out (the compile budget below
+# bounds them together)
+MAX_TOOLS_SOURCE_BYTES = 8 * MAX_SOURCE_BYTES
 MAX_DEPTH = 24  # subschemas inside subschemas; also keeps the recursive checks well inside Python's stack
 MAX_ENTRIES = 1024  # enum and const values in one schema (20,000 compile in 13 s; the cost grows faster than n)
 MAX_REGEX_CHARS = 2000

@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 from shared.grammar.cost import Cost
+from shared.grammar.limits import MAX_SOURCE_BYTES
 from shared.grammar.schema import check_schema
 from shared.grammar.spec import GrammarError, GrammarSpec, canonical
 
@@ -71,7 +72,34 @@ def _declared(tools: list[Any]) -> dict[str, Any]:
         params = fn.get("parameters", _ANY_OBJECT)
         if not isinstance(params, dict):
             raise GrammarError(f"{where}.function.parameters must be a JSON schema object")
-        out[name] = params
+        out[name] = _constraints(params)
+    return out
+
+
+# keywords that say what a value means without constraining it: the prompt shows them (the tools as sent), the
+# grammar has no use for them, and an agent's tools carry kilobytes of them
+ANNOTATIONS = frozenset(("description", "title", "examples", "$comment", "deprecated", "readOnly", "writeOnly"))
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+
+
+def _constraints(schema: Any) -> Any:
+    """A JSON schema less its annotations (ANNOTATIONS), at every subschema; property names, enum and const values
+    left as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in ANNOTATIONS and not isinstance(value, dict):
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _constraints(v) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_constraints(v) for v in value]
+        elif key in ("enum", "const", "default", "required"):
+            out[key] = value
+        else:
+            out[key] = _constraints(value)  # items, additionalProperties, not, if/then/else, ... (a subschema)
     return out
 
 
@@ -102,7 +130,10 @@ def check_tool_calls(source: str, cost: Cost) -> None:
         raise GrammarError(f"a tool_calls spec needs 1-{MAX_TOOLS} tools")
     for i, tool in enumerate(tools):
         try:
-            check_schema(canonical(tool["parameters"]), cost)
+            source = canonical(tool["parameters"])
+            if len(source.encode()) > MAX_SOURCE_BYTES:
+                raise GrammarError(f"{len(source.encode())} bytes without its descriptions; at most {MAX_SOURCE_BYTES}")
+            check_schema(source, cost)
         except GrammarError as exc:
             raise GrammarError(f"tools[{i}].function.parameters: {exc}") from None
 

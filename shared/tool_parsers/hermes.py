@@ -6,7 +6,8 @@
 
 A call is a JSON object with a string `name` and an `arguments` value (`parameters` is read the same way), between
 `<tool_call>` and `</tool_call>`; a closing tag left out ends the call at its object's end. The content is the text
-outside the calls, less the whitespace just before a call and just after one. A block that is not such a call (no
+outside the calls, less the whitespace just before a call and just after one (text on both sides of a call keeps
+one of the two as its separator). A block that is not such a call (no
 name, not an object) is content, markup and all; one the text stops in before its name is whole (max_tokens) is
 dropped: it is neither a call nor the model's prose.
 
@@ -113,6 +114,8 @@ class HermesStream:
     def __init__(self) -> None:
         self.held = ""  # content not yet emitted: trailing whitespace and a partial START
         self.after_call = False  # content since the last call's end starts after its whitespace
+        self.said = False  # some content is out: content after a call keeps one separator from it
+        self.gap = ""  # the whitespace just before the last call (the separator when none follows it)
         self.body: str | None = None  # inside a call: its text after START
         self.index = 0  # the next call's index
         self.named = False  # the current call's CallStart is out
@@ -139,7 +142,9 @@ class HermesStream:
         s = self.held + text
         at = s.find(START)
         if at >= 0:
-            self._emit(s[:at].rstrip(), out)
+            before = s[:at]
+            self._emit(before.rstrip(), out)
+            self.gap = before[len(before.rstrip()):]
             self.held, self.body, self.named, self.sent = "", "", False, 0
             return s[at + len(START):]
         keep = next((k for k in range(min(len(START) - 1, len(s)), 0, -1) if START.startswith(s[-k:])), 0)
@@ -150,11 +155,13 @@ class HermesStream:
         return ""
 
     def _emit(self, text: str, out: list[StreamEvent]) -> None:
-        if self.after_call:
-            text = text.lstrip()
+        if self.after_call:  # the whitespace around a call goes, but text on both sides stays apart
+            body = text.lstrip()
+            text = (text[:len(text) - len(body)] or self.gap) + body if body and self.said else body
         if text:
             out.append(ContentDelta(text))
             self.after_call = False
+            self.said = True
 
     def _call(self, text: str, out: list[StreamEvent]) -> str:
         """A call's text; what follows its end goes back to content."""

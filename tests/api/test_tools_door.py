@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -80,3 +81,31 @@ async def test_jobs_take_the_same_fields(app_client: httpx.AsyncClient) -> None:
     assert r.status_code == 422 and "tools[1].function.parameters" in r.text
     r = await app_client.post("/v1/jobs", json={"prompt": "hi", "tools": [OK_TOOL]})
     assert r.status_code == 422 and "tools need 'messages'" in r.text
+
+
+async def test_an_agents_many_described_tools_are_taken(app_client: httpx.AsyncClient) -> None:
+    """40 tools of ~1 KB each, most of it descriptions (an agent's file tools): the grammar holds their
+    constraints only, so they pass the size bound, and the job is queued."""
+    prose = "Read part of a file in the workspace; paths are relative to its root. " * 6
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "description": prose, "parameters": {
+        "type": "object", "title": "Arguments", "required": ["path"], "properties": {
+            "path": {"type": "string", "description": prose},
+            "description": {"type": "string", "description": "a property named like a keyword stays"},
+            "lines": {"type": "array", "items": {"type": "integer", "description": prose}}}}}} for i in range(40)]
+    assert len(str(tools)) > 40_000
+    r = await app_client.post("/v1/jobs", json={"messages": ASK, "max_tokens": 8, "tools": tools})
+    assert r.status_code == 202, r.text
+
+
+def test_the_grammar_keeps_constraints_and_property_names() -> None:
+    from shared.grammar.tools import tools_spec
+
+    schema = {"type": "object", "description": "d", "title": "t", "required": ["description"], "properties": {
+        "description": {"type": "string", "description": "x", "enum": ["a", "b"]},
+        "n": {"anyOf": [{"type": "integer", "title": "i"}, {"type": "null"}], "examples": [1]}}}
+    spec = tools_spec([{"type": "function", "function": {"name": "f", "parameters": schema}}], "auto")
+    assert spec is not None
+    assert json.loads(spec.source)["tools"][0]["parameters"] == {
+        "type": "object", "required": ["description"], "properties": {
+            "description": {"type": "string", "enum": ["a", "b"]},
+            "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}

@@ -28,6 +28,7 @@ TEXTS = [
     "ends on a partial tag <tool_",
     '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>\n{"na',  # cut before the 2nd's name
     'Hi.\n<tool_call>\n{"',
+    'Let me look.\n<tool_call>{"name": "f"}</tool_call>\n\nWhile that runs: <tool_call>{"name": "g"}</tool_call>ok',
 ]
 
 
@@ -70,6 +71,9 @@ def test_whole_texts() -> None:
     # a call the text stopped in before its name was whole is no call and no content: its markup is dropped
     assert parse("hermes", TEXTS[10]) == Parsed(None, [ToolCall("f", "{}")])
     assert parse("hermes", TEXTS[11]) == Parsed("Hi.")
+    # text on both sides of a call stays apart: the whitespace after the call, else the whitespace before it
+    assert parse("hermes", TEXTS[12]) == Parsed("Let me look.\n\nWhile that runs: ok",
+                                                [ToolCall("f", "{}"), ToolCall("g", "{}")])
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -119,3 +123,22 @@ def test_generated_calls_read_back_exactly_however_cut(prefix: str, made: list[t
     assert got.content == (prefix.rstrip() or None)
     assert [(c.name, json.loads(c.arguments)) for c in got.calls] == made
     assert got == parse("hermes", text)
+
+
+def test_every_body_shows_the_answer_without_markup_cut_short() -> None:
+    """A job that offered tools and whose text max_tokens cut inside a call: each API's body shows the text before
+    it, as its stream did, and no markup; a job that offered none shows its text as written."""
+    from api.anthropic import message_body
+    from shared.jobs import Job
+    from shared.openai_bodies import Shape, output_items
+
+    rec = {"id": "job_1", "status": "succeeded", "model": "m", "finish_reason": "length", "created_at": "1.0",
+           "text": 'Let me check.\n<tool_call>\n{"name": "get_wea', "tool_parser": "hermes"}
+    job = Job.from_record(rec)
+    chat = Shape(chat=True, logprobs=False, echo=False, prompts=[None]).choice(0, job)
+    assert chat["message"] == {"role": "assistant", "content": "Let me check."}
+    assert message_body(job, None)["content"] == [{"type": "text", "text": "Let me check."}]
+    assert [c["text"] for item in output_items(job) for c in item["content"]] == ["Let me check."]
+    plain = Job.from_record({**rec, "tool_parser": ""})
+    assert Shape(chat=True, logprobs=False, echo=False, prompts=[None]).choice(0, plain)["message"]["content"] \
+        == rec["text"]

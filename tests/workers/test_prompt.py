@@ -39,3 +39,20 @@ def test_a_final_assistant_message_is_left_open(model_path: str) -> None:
     answered = pb.render(GenerationRequest(messages=[ASK]))
     assert pb.render(req) == answered + "It is"
     assert GenerationRequest.from_wire(req.model_dump_json(exclude_defaults=True)).continue_final_message
+
+
+def test_a_models_own_tool_template_gets_arguments_as_objects(model_path: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A template that renders `tools` itself (Qwen's, Llama 3's) takes a call's arguments as an object and writes
+    them with `tojson`, as transformers passes them: JSON text would come out encoded twice."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_path}/{name}", tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}:{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+        "<call>{{ c.function.arguments | tojson }}</call>{% endfor %}\n{% endfor %}{% if tools %}[tools]{% endif %}")
+    pb = PromptBuilder(tmp_path)
+    text = pb.render(GenerationRequest(messages=[ASK, {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                                                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+                                       tools=[TOOL]))
+    assert '<call>{"city": "Paris"}</call>' in text and "[tools]" in text

@@ -37,6 +37,20 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
+def _for_template(message: Message) -> dict[str, Any]:
+    """A message as chat templates take it: an assistant's tool calls' arguments as objects, not JSON text
+    (transformers' convention, which tool templates follow: `arguments | tojson`; vLLM converts them the same way)."""
+    out = message.model_dump(exclude_none=True, warnings=False)
+    for call in out.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+            except ValueError:  # the door lets only an object's JSON text through; left as it came otherwise
+                pass
+    return out
+
+
 class PromptBuilder:
     def __init__(self, model_dir: str | Path, tool_template: str | Path = "") -> None:
         model_dir = Path(model_dir)
@@ -89,7 +103,7 @@ class PromptBuilder:
         if template is None:
             raise PromptError("this model has no chat template: send 'prompt' instead of 'messages'")
         try:
-            return template.render(messages=[m.model_dump(exclude_none=True, warnings=False) for m in messages],
+            return template.render(messages=[_for_template(m) for m in messages],
                                    tools=tools or None, add_generation_prompt=add_generation_prompt, **self.special)
         except TemplateError as exc:
             raise PromptError(f"chat template rejected the messages: {exc}") from exc
