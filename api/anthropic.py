@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api import sse
 from api.errors import ApiError, anthropic_body
-from api.openai_schemas import request_error
+from api.openai_schemas import ClientBody, request_error
 from shared import tool_parsers
 from shared.jobs import FinishReason, Job
 from shared.limits import MAX_MESSAGES, Content, MaxTokens, Name, StopList, Temperature, TopK, TopP
@@ -128,7 +128,7 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool]:
     return mapped, parallel
 
 
-class CountTokensRequest(BaseModel):
+class CountTokensRequest(ClientBody):
     """The body of `/v1/messages/count_tokens`: what a Messages request's prompt is made of."""
 
     model_config = ConfigDict(extra="allow")

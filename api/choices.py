@@ -25,6 +25,15 @@ from shared.schemas import GenerationRequest
 from shared.settings import Settings
 
 
+def failure(job: Job) -> ApiError:
+    """A failed job as the OpenAI routes answer it: a 400 when it was refused before generation (the request
+    itself was the problem: a prompt over the context, say), else a 503 to retry."""
+    if job.started_at is None:
+        return ApiError(400, job.error or "invalid request", type_="invalid_request_error")
+    return ApiError(503, f"generation failed: {job.error or 'unknown error'}", type_="generation_failed",
+                    headers={"Retry-After": "1"})
+
+
 def choice_requests(prompts: list[GenerationRequest], n: int) -> list[GenerationRequest]:
     """Each prompt's request n times; a given seed becomes seed + choice, so every choice has its own
     seeded stream (without one, each job draws its own)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -111,17 +112,26 @@ def _validation_status(request: Request) -> int:
     return 400 if request.url.path.startswith(BAD_REQUEST_PATHS) else 422
 
 
+# the parts of a pydantic error's location that name a union's branch or a dict's key, not a field:
+# `function-after[...]`, `list[str]`, `[key]`, `constrained-str`, `int`
+_BRANCH = re.compile(r"[\[(]|^(constrained-)?(str|int|float|bool|bytes|none|dict|list)$")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
+    """The errors as one message, each under its field's path (a union's branches' errors joined under one), and
+    the first path as the `param`."""
+    by_where: dict[str, list[str]] = {}
     for e in exc.errors():
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        param = param or where or None
+        where = ".".join(loc[:1] + [x for x in loc[1:] if not _BRANCH.search(x)])
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
         if e.get("type") == "json_invalid":
             return f"the body is not valid JSON: {e.get('ctx', {}).get('error', msg)}", None
-        parts.append(f"{where}: {msg}" if where else msg)
-    return "; ".join(parts) or "invalid request", param
+        said = by_where.setdefault(where, [])
+        if msg not in said:
+            said.append(msg)
+    parts = [f"{where}: {' or '.join(msgs)}" if where else " or ".join(msgs) for where, msgs in by_where.items()]
+    return "; ".join(parts) or "invalid request", next((w for w in by_where if w), None)
 
 
 def install(app: FastAPI) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from api.errors import ApiError
 from shared.grammar import GrammarError
@@ -40,11 +40,24 @@ from shared.limits import (
 from shared.schemas import GRAMMAR_PARAMS, GenerationRequest, Grammar, Message, grammar_of
 
 
-class StreamOptions(BaseModel):
+class ClientBody(BaseModel):
+    """A client's request body, as OpenAI's and Anthropic's APIs read one: JSON null for a field that is not
+    required means the field's default (SDKs send a None they are given); a required field's null is refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+
+
+class StreamOptions(ClientBody):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(ClientBody):
     model_config = ConfigDict(extra="allow")
     model: Name | None = None
     max_tokens: MaxTokens | None = None

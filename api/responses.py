@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from api.errors import ApiError
-from api.openai_schemas import request_error
+from api.openai_schemas import ClientBody, request_error
 from shared import tool_parsers
 from shared.grammar.tools import MAX_TOOLS
 from shared.jobs import Job
@@ -26,7 +26,7 @@ HEAD = 4  # created, in_progress, output_item.added, content_part.added: sequenc
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-class ResponseRequest(BaseModel):
+class ResponseRequest(ClientBody):
     model_config = ConfigDict(extra="allow")
     model: Name | None = None
     input: Content | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]

@@ -25,13 +25,17 @@ def deployment(settings: Settings, model: str | None = None) -> Deployment:
                       max_prompt_chars=settings.max_prompt_chars, vocab_size=vocab_size(settings.path_of(model)))
 
 
-def check_request(req: GenerationRequest, settings: Settings) -> GenerationRequest:
+def check_request(req: GenerationRequest, settings: Settings,
+                  sent_as: dict[str, str] | None = None) -> GenerationRequest:
     """Apply server defaults and the deployment's bounds for the model the request runs on (its `base_model`, set
-    by `Target.apply` before); 413/422 with the offending field."""
+    by `Target.apply` before); 413/422 with the offending field, by the name the client sent it under (`sent_as`:
+    e.g. max_tokens came as max_completion_tokens)."""
     try:
         return req.bounded(deployment(settings, req.base_model))
     except LimitError as exc:
-        raise ApiError(exc.status, exc.message, param=exc.param) from None
+        param = (sent_as or {}).get(exc.param, exc.param)
+        message = param + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) else exc.message
+        raise ApiError(exc.status, message, param=param) from None
 
 
 def _vocab_bound(schema: dict[str, Any], vocab: int) -> None:

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 from api import models as served
 from api import sse
 from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
-from api.choices import Cutoff, admit_all, cancel_all, choice_requests, merged_events, wait_all
+from api.choices import Cutoff, admit_all, cancel_all, choice_requests, failure, merged_events, wait_all
 from api.deps import RelayDep, SettingsDep, StoreDep
-from api.errors import ApiError, error_body
+from api.errors import error_body
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.quota import Throughput, ThroughputDep
 from api.relay import Relay
@@ -37,13 +37,6 @@ from shared.tool_parsers import CallStart, StreamEvent
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-def _failure(job: Job) -> ApiError:
-    if job.started_at is None:  # refused before generation: the request itself was the problem
-        return ApiError(400, job.error or "invalid request", type_="invalid_request_error")
-    return ApiError(503, f"generation failed: {job.error or 'unknown error'}", type_="generation_failed",
-                    headers={"Retry-After": "1"})
-
-
 @router.get("/models")
 async def models(request: Request, settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
     """The served models, then their LoRA adapters (`parent`: the model), each with its `max_model_len`, as vLLM
@@ -51,11 +44,21 @@ async def models(request: Request, settings: SettingsDep, caller: CallerDep) -> 
     return {"object": "list", "data": await served.listing(request.app.state.redis, settings, caller.tenant)}
 
 
+@router.get("/models/{model:path}")
+async def model(model: str, request: Request, settings: SettingsDep, caller: CallerDep) -> dict[str, Any]:
+    """One entry of /v1/models: a served model or an adapter the caller may name; 404 otherwise."""
+    for entry in await served.listing(request.app.state.redis, settings, caller.tenant):
+        if entry["id"] == model:
+            return entry
+    raise served.not_found(model, settings)
+
+
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,
                  relay: Relay, settings: Settings, caller: Caller, throughput: Throughput, chat: bool) -> Any:
     """Both endpoints: a job per choice per prompt, streamed as chunks or awaited; only the shapes differ."""
     target = await served.resolve(request.app.state.redis, settings, body.model, caller.tenant)
-    prompts = [check_request(target.apply(g, settings), settings) for g in body.to_generation()]
+    sent_as = {"max_tokens": "max_completion_tokens"} if getattr(body, "max_completion_tokens", None) else None
+    prompts = [check_request(target.apply(g, settings), settings, sent_as) for g in body.to_generation()]
     runs = choice_requests(prompts, body.n)
     echo = bool(getattr(body, "echo", False))
     logprobs = bool(body.logprobs is not None and body.logprobs is not False)
@@ -88,7 +91,7 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
     ends = await wait_all(store, relay, jobs, request)
     failed = next((e for e in ends if e.status is JobStatus.failed), None)
     if failed is not None:
-        raise _failure(failed)
+        raise failure(failed)
     return JSONResponse(completion_object(cid, created, ends, shape, body.n), headers=limits)
 
 
@@ -146,11 +149,10 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
     started = [False] * len(jobs)
     ends: list[Job | None] = [None] * len(jobs)
     async for i, ev in merged_events(store, relay, jobs):
-        if isinstance(ev, Cutoff):
-            if ev.error is not None:
-                raise ev.error
-            yield sse.encode(orjson.dumps(error_body(503, "the server is shutting down; the generation was "
-                                                          "cancelled"))), None
+        if isinstance(ev, Cutoff):  # an error chunk, as the stream's last: its headers went out long ago
+            why = ("the job store is unavailable; the generation was cut short" if ev.error is not None
+                   else "the server is shutting down; the generation was cancelled")
+            yield sse.encode(orjson.dumps(error_body(503, why))), None
             return
         if not started[i] and shape.echo and not shape.chat:  # the prompt first
             started[i] = True
@@ -168,7 +170,7 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
             continue
         end = ev.job
         if end.status is JobStatus.failed:
-            err = _failure(end)
+            err = failure(end)
             yield sse.encode(orjson.dumps(error_body(err.status, err.message, err.type))), end.id
             return
         ends[i] = end

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from api import models as served
 from api import sse
 from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
-from api.choices import wait_all
+from api.choices import failure, wait_all
 from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError
 from api.openai_schemas import list_page
@@ -36,7 +36,7 @@ from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, TokenEvent, job_events
 from api.validation import check_request
-from shared.jobs import Job
+from shared.jobs import Job, JobStatus
 from shared.openai_bodies import response_object
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
@@ -80,7 +80,8 @@ async def create(body: ResponseRequest, request: Request, store: StoreDep, relay
     target = await served.resolve(redis, settings, body.model, caller.tenant)
     body.check()
     conversation = await _conversation(store, body, caller)
-    gen = check_request(target.apply(body.generation(conversation), settings), settings)
+    gen = check_request(target.apply(body.generation(conversation), settings), settings,
+                        {"max_tokens": "max_output_tokens"})
     meta_json = body.meta(conversation, settings.tool_call_parser if gen.calls_tools else None)
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(redis, caller, slot):
@@ -102,6 +103,8 @@ async def create(body: ResponseRequest, request: Request, store: StoreDep, relay
     if body.background:
         return JSONResponse(response_object(job, meta), headers=limits)
     [end] = await wait_all(store, relay, [job], request)
+    if end.status is JobStatus.failed and end.started_at is None:  # refused: the request's fault, as on chat
+        raise failure(end)
     if not body.store:
         await store.delete(job.id)
     return JSONResponse(response_object(end, meta), headers=limits)
@@ -149,17 +152,34 @@ async def delete(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
 
 
 @router.get("/{response_id}/input_items", response_model=None)
-async def input_items(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
-    """The response's input items, as messages."""
+async def input_items(response_id: str, store: StoreDep, caller: CallerDep,
+                      order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+                      limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> Any:
+    """The response's input items as OpenAI lists them (newest first unless `order=asc`, `limit` a page, from
+    `after` an item's id): messages with their content parts, function calls and their outputs as given."""
     job, meta = await _owned(store, response_id, caller)
-    items = []
-    for i, item in enumerate(meta["input"]):
-        content = item.get("content")
-        if isinstance(content, str):
-            content = [{"type": "input_text", "text": content}]
-        items.append({"id": f"msg_{job.id.removeprefix('job_')}_{i}", "type": "message", "status": "completed",
-                      "role": item.get("role", "user"), "content": content})
-    return list_page(items, False)
+    items = [_input_item(job, i, item) for i, item in enumerate(meta["input"])]
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        at = next((k for k, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise ApiError(404, f"no input item {after!r} in this response", param="after")
+        items = items[at + 1:]
+    return list_page(items[:limit], len(items) > limit)
+
+
+def _input_item(job: Job, i: int, item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    if kind != "message":  # function_call, function_call_output: as the client sent them
+        return {**item, "id": item.get("id") or f"{kind[:2]}_{job.id.removeprefix('job_')}_{i}",
+                "status": item.get("status", "completed")}
+    role = item.get("role", "user")
+    content = item.get("content")
+    if isinstance(content, str):
+        content = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
+    return {"id": item.get("id") or f"msg_{job.id.removeprefix('job_')}_{i}", "type": "message",
+            "status": "completed", "role": role, "content": content or []}
 
 
 async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any], after: int,

@@ -176,3 +176,73 @@ def test_the_schema_states_the_bounds(model_path: str) -> None:
     for path in ("/v1/jobs", "/v1/completions", "/v1/chat/completions"):
         assert schema["paths"][path]["post"]["responses"]["422"]["content"]["application/json"]["schema"] == \
                {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def test_null_means_the_default_on_optional_fields() -> None:
+    """The SDKs send a None they are given as JSON null: an optional field's null reads as its default (a required
+    field's stays refused)."""
+    import pydantic
+
+    from api.anthropic import MessagesRequest
+    from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+    from api.responses import ResponseRequest
+
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": None,
+                                                 "presence_penalty": None, "frequency_penalty": None, "stream": None,
+                                                 "parallel_tool_calls": None, "stream_options": {"include_usage": None}})
+    assert (chat.n, chat.presence_penalty, chat.stream, chat.parallel_tool_calls) == (1, 0.0, False, True)
+    assert chat.stream_options is not None and chat.stream_options.include_usage is False
+    assert CompletionRequest.model_validate({"prompt": "hi", "echo": None, "n": None}).echo is False
+    resp = ResponseRequest.model_validate({"input": "hi", "store": None, "background": None, "stream": None})
+    assert resp.store is True and resp.background is False
+    msg = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                                          "stream": None, "temperature": None})
+    assert msg.stream is False
+    with pytest.raises(pydantic.ValidationError):
+        ChatCompletionRequest.model_validate({"messages": None})
+
+
+async def test_a_model_is_retrieved_by_name(api: httpx.AsyncClient) -> None:
+    """`client.models.retrieve(name)`: the entry /v1/models lists, or a 404 model_not_found."""
+    listed = (await api.get("/v1/models")).json()["data"][0]
+    r = await api.get(f"/v1/models/{listed['id']}")
+    assert r.status_code == 200 and r.json() == listed
+    r = await api.get("/v1/models/no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("path", "field", "body"), [
+    ("/v1/chat/completions", "max_completion_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", "max_output_tokens", {"input": "hi"})])
+async def test_a_limit_names_the_field_the_client_sent(api: httpx.AsyncClient, path: str, field: str,
+                                                       body: dict[str, str]) -> None:
+    r = await api.post(path, json={**body, field: 10**6})
+    assert r.status_code == 422 and r.json()["error"]["param"] == field, r.text
+    assert r.json()["error"]["message"].startswith(field)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"stop": ["a"] * 9}, "stop"), ({"logit_bias": {"x": 1}}, "logit_bias.x"), ({"stop": 5}, "stop")])
+async def test_a_refusal_names_the_field_not_a_union_branch(api: httpx.AsyncClient, body: dict[str, object],
+                                                           param: str) -> None:
+    r = await api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
+    error = r.json()["error"]
+    assert r.status_code in (400, 422) and error["param"] == param, error
+    assert "[" not in error["message"].split(":")[0], error
+
+
+async def test_input_items_list_calls_as_calls_newest_first_by_page(api: httpx.AsyncClient) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    given = [{"role": "user", "content": "Weather?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    r = await api.post("/v1/responses", json={"input": given, "tools": [tool], "background": True})
+    assert r.status_code == 200, r.text
+    page = (await api.get(f"/v1/responses/{r.json()['id']}/input_items")).json()
+    assert [i["type"] for i in page["data"]] == ["function_call_output", "function_call", "message"]
+    assert page["data"][0]["output"] == "sunny" and page["data"][2]["content"][0]["text"] == "Weather?"
+    first = (await api.get(f"/v1/responses/{r.json()['id']}/input_items", params={"order": "asc", "limit": 1})).json()
+    assert first["has_more"] and [i["type"] for i in first["data"]] == ["message"]
+    rest = (await api.get(f"/v1/responses/{r.json()['id']}/input_items",
+                          params={"order": "asc", "after": first["last_id"]})).json()
+    assert [i["type"] for i in rest["data"]] == ["function_call", "function_call_output"] and not rest["has_more"]
