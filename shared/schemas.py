@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from shared.grammar import GrammarError, GrammarSpec, check, from_openai, tools_spec
-from shared.grammar.tools import MAX_TOOLS
+from shared.grammar.tools import MAX_TOOLS, answer_of
 from shared.limits import (
     BIAS_MAX,
     BIAS_MIN,
@@ -211,11 +211,11 @@ class GenerationRequest(SamplingParams):
             return self
         if self.prompt is not None or self.prompt_token_ids is not None:
             raise GrammarError("tools: tools need 'messages' (a raw prompt has no tool template)")
-        spec = tools_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        answer = None  # the structured output beside the tools (kept when validated again)
+        if self.grammar is not None:
+            answer = answer_of(self.grammar.source) if self.grammar.kind == "tool_calls" else self.grammar.spec
+        spec = tools_spec(self.tools, self.tool_choice, self.parallel_tool_calls, answer)
         if spec is not None:
-            if self.grammar is not None and self.grammar.kind != "tool_calls":
-                raise GrammarError("tools: give either tools or structured output (response_format, guided_*), "
-                                   "not both")
             try:
                 check(spec)
             except GrammarError as exc:

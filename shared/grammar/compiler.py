@@ -42,12 +42,14 @@ _LOOSE_CHARS = r'[^\"\\\r\n]'
 _JSON_CHARS = r'[^\0-\x1f\"\\]'
 
 
-def json_schema_ebnf(schema: str) -> str:
+def json_schema_ebnf(schema: str, strict: bool = True) -> str:
     """A JSON schema's grammar as compile_with holds it: no free whitespace, ", " and ": " as separators, no
-    properties it does not name (OpenAI's strict mode), every string of JSON's characters."""
+    properties it does not name (OpenAI's strict mode; `strict` false: any, as json_object takes), every string
+    of JSON's characters."""
     import xgrammar as xgr
 
-    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True, separators=(", ", ": ")))
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict,
+                                            separators=(", ", ": ")))
     return ebnf.replace(_LOOSE_CHARS, _JSON_CHARS)
 
 
@@ -58,8 +60,9 @@ def _schemas_as_grammars(node: Any) -> Any:
         return [_schemas_as_grammars(x) for x in node]
     if not isinstance(node, dict):
         return node
-    if node.get("type") == "json_schema":
-        return {"type": "grammar", "grammar": json_schema_ebnf(json.dumps(node["json_schema"]))}
+    if node.get("type") == "json_schema":  # `strict` false: any object (json_object), as compile_with holds one
+        return {"type": "grammar", "grammar": json_schema_ebnf(json.dumps(node["json_schema"]),
+                                                                node.get("strict", True))}
     return {k: _schemas_as_grammars(v) for k, v in node.items()}
 
 

@@ -12,6 +12,9 @@ format the parser reads (shared/tool_parsers/hermes.py):
 - a named function: exactly one call of that tool;
 - `none`: no spec (and no tools in the prompt).
 
+With a `response_format` (a JSON schema, or json_object) beside `auto`, the reply is either calls or the answer in
+that form, nothing else (what OpenAI's API gives an agent that has tools and a structured output type).
+
 `parallel_tool_calls: false` stops the output after the first call. The spec's source is canonical JSON of the
 mode and the tools; `structural_tag` turns it into xgrammar's structural tag (built here as plain data: this
 module does not import xgrammar)."""
@@ -33,9 +36,18 @@ _NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012345678
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def tools_spec(tools: list[Any] | None, choice: Any, parallel: bool = True) -> GrammarSpec | None:
+ANSWER_KINDS = ("json_schema", "json_object")  # the structured outputs a final answer may be held to beside tools
+
+
+def tools_spec(tools: list[Any] | None, choice: Any, parallel: bool = True,
+               answer: GrammarSpec | None = None) -> GrammarSpec | None:
     """The spec OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` ask for; None when no call is wanted
-    (no tools, or `none`). GrammarError naming the parameter when they do not fit together."""
+    (no tools, or `none`). `answer`: the structured output (`response_format`) a reply other than calls must
+    match (`auto` only: with `required` or a named function the reply is calls). GrammarError naming the parameter
+    when they do not fit together."""
+    if answer is not None and answer.kind not in ANSWER_KINDS:
+        raise GrammarError("tools: with tools, the answer can be held to a JSON schema or json_object only "
+                           "(not a regex, choice or grammar)")
     declared = _declared(tools or [])
     mode = _mode(choice, bool(declared))
     if mode is None:
@@ -47,9 +59,17 @@ def tools_spec(tools: list[Any] | None, choice: Any, parallel: bool = True) -> G
         chosen, mode = {name: declared[name]}, "named"
     else:
         chosen = declared
-    source = {"mode": mode, "parallel": bool(parallel),
-              "tools": [{"name": n, "parameters": p} for n, p in chosen.items()]}
+    source: dict[str, Any] = {"mode": mode, "parallel": bool(parallel),
+                              "tools": [{"name": n, "parameters": p} for n, p in chosen.items()]}
+    if answer is not None and mode == "auto":
+        source["answer"] = {"kind": answer.kind, "source": answer.source}
     return GrammarSpec("tool_calls", canonical(source))
+
+
+def answer_of(source: str) -> GrammarSpec | None:
+    """The structured output a tool_calls spec holds a reply other than calls to, if any."""
+    answer = json.loads(source).get("answer")
+    return GrammarSpec(answer["kind"], answer["source"]) if answer else None
 
 
 def _declared(tools: list[Any]) -> dict[str, Any]:
@@ -136,6 +156,12 @@ def check_tool_calls(source: str, cost: Cost) -> None:
             check_schema(source, cost)
         except GrammarError as exc:
             raise GrammarError(f"tools[{i}].function.parameters: {exc}") from None
+    answer = spec.get("answer")
+    if answer is not None:
+        if not isinstance(answer, dict) or answer.get("kind") not in ANSWER_KINDS or spec["mode"] != "auto":
+            raise GrammarError(f"a tool_calls spec's answer is {' or '.join(ANSWER_KINDS)}, beside the auto mode")
+        if answer["kind"] == "json_schema":
+            check_schema(answer.get("source", ""), cost)
 
 
 def structural_tag(source: str) -> dict[str, Any]:
@@ -146,9 +172,16 @@ def structural_tag(source: str) -> dict[str, Any]:
              "content": {"type": "json_schema", "json_schema": t["parameters"]}, "end": f"}}\n{END}"}
             for t in spec["tools"]]
     once = not spec["parallel"]
-    if spec["mode"] == "auto":
-        fmt: dict[str, Any] = {"type": "triggered_tags", "triggers": [START], "tags": tags,
-                               "at_least_one": False, "stop_after_first": once}
+    answer = spec.get("answer")
+    if spec["mode"] == "auto" and answer:  # calls, or the answer in its structured form
+        schema = json.loads(answer["source"]) if answer["kind"] == "json_schema" else {"type": "object"}
+        fmt: dict[str, Any] = {"type": "or", "elements": [
+            {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+             "stop_after_first": once},
+            {"type": "json_schema", "json_schema": schema, "strict": answer["kind"] == "json_schema"}]}
+    elif spec["mode"] == "auto":
+        fmt = {"type": "triggered_tags", "triggers": [START], "tags": tags,
+               "at_least_one": False, "stop_after_first": once}
     elif spec["mode"] == "required":
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
                "stop_after_first": once}

@@ -187,16 +187,17 @@ def test_null_means_the_default_on_optional_fields() -> None:
     from api.openai_schemas import ChatCompletionRequest, CompletionRequest
     from api.responses import ResponseRequest
 
-    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "n": None,
-                                                 "presence_penalty": None, "frequency_penalty": None, "stream": None,
-                                                 "parallel_tool_calls": None, "stream_options": {"include_usage": None}})
+    hi = [{"role": "user", "content": "hi"}]
+    chat = ChatCompletionRequest.model_validate({"messages": hi, "n": None, "presence_penalty": None,
+                                                 "frequency_penalty": None, "stream": None, "parallel_tool_calls": None,
+                                                 "stream_options": {"include_usage": None}})
     assert (chat.n, chat.presence_penalty, chat.stream, chat.parallel_tool_calls) == (1, 0.0, False, True)
     assert chat.stream_options is not None and chat.stream_options.include_usage is False
     assert CompletionRequest.model_validate({"prompt": "hi", "echo": None, "n": None}).echo is False
     resp = ResponseRequest.model_validate({"input": "hi", "store": None, "background": None, "stream": None})
     assert resp.store is True and resp.background is False
-    msg = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
-                                          "stream": None, "temperature": None})
+    msg = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": hi, "stream": None,
+                                          "temperature": None})
     assert msg.stream is False
     with pytest.raises(pydantic.ValidationError):
         ChatCompletionRequest.model_validate({"messages": None})

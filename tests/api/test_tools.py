@@ -189,3 +189,30 @@ def test_instructor_tools_mode(stack) -> None:  # type: ignore[no-untyped-def]
                                            max_tokens=80,
                                            messages=[{"role": "user", "content": "Tell me about Paris."}])
     assert isinstance(city, City) and city.name
+
+
+def test_tools_beside_a_response_format_give_calls_or_the_answer_in_form(client: openai.OpenAI) -> None:
+    """What an agent with tools and a structured output type sends (the Agents SDK's `output_type`): the reply is
+    calls to declared tools, or the answer held to the schema, whole and streamed alike."""
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    turns = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": answer, "strict": True}}
+    for messages in (ASK, turns):
+        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                               response_format=fmt, **GREEDY).choices[0]  # type: ignore[arg-type]
+        if reply.message.tool_calls:
+            assert reply.finish_reason == "tool_calls" and not reply.message.content
+            for call in reply.message.tool_calls:
+                _valid(call.function.name, call.function.arguments)
+        else:
+            assert reply.finish_reason == "stop"
+            jsonschema.validate(json.loads(reply.message.content or ""), answer)
+        streamed = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                                  response_format=fmt, stream=True, **GREEDY)  # type: ignore[arg-type]
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == (reply.message.content or "")

@@ -25,7 +25,7 @@ CHAT_REFUSED = [
     ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [OK_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [OK_TOOL], "response_format": {"type": "json_object"}}, "tools"),
+    ({"tools": [OK_TOOL], "guided_regex": "a+"}, "tools"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}]}, "messages[1].tool_call_id"),
     ({"messages": [*ASK, {"role": "tool", "content": "sunny"}]}, "messages[1].tool_call_id"),
     ({"messages": [*ASK, {**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {  # type: ignore[index]

@@ -187,3 +187,30 @@ def test_a_required_call_always_parses_and_fits_its_schema(sampler: Any) -> None
         assert collect(events) == whole
 
     check_one()
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.mark.parametrize(("answer", "taken"), [
+    # text alone, a call, two calls, the answer in its form, another object, the answer after text
+    (("json_schema", PERSON), [False, True, True, True, False, False]),
+    (("json_object", None), [False, True, True, True, True, False]),
+])
+def test_beside_a_response_format_the_reply_is_calls_or_the_answer_in_form(compiled: Any, answer: Any,
+                                                                          taken: list[bool]) -> None:
+    """Tools with a response_format (an agent with a structured output type): calls, or the final answer held to
+    the format; with `required` or a named tool, calls only."""
+    from shared.grammar import GrammarSpec
+
+    kind, schema = answer
+    given = GrammarSpec(kind, json.dumps(schema) if schema else "")
+    spec = tools_spec([WEATHER, NOW], "auto", True, given)
+    check(spec)
+    texts = ["Hello there.", CALL, CALL + "\n" + CALL, '{"name": "Ann", "age": 7}', '{"x": 1}',
+             'Sure. {"name": "Ann", "age": 7}']
+    assert [compiled(spec, t) for t in texts] == taken
+    assert json.loads(tools_spec([WEATHER], "required", True, given).source).get("answer") is None
+    with pytest.raises(GrammarError, match="JSON schema or json_object only"):
+        tools_spec([WEATHER], "auto", True, GrammarSpec("regex", "a+"))
