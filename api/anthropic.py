@@ -64,9 +64,10 @@ def _text(content: str | list[ContentBlock], param: str) -> str:
     return "".join(b.text or "" for b in content)
 
 
-def _turns(i: int, m: InputMessage) -> list[Message]:
-    """One Anthropic message as the job's messages: an assistant's text and `tool_use` blocks (its calls); a
-    user's `tool_result` blocks (each a `tool` message, in order) and its text."""
+def _turns(i: int, m: InputMessage, used: set[str]) -> list[Message]:
+    """One Anthropic message as the job's messages: an assistant's text and `tool_use` blocks (its calls, their ids
+    added to `used`); a user's `tool_result` blocks (each a `tool` message, in order; 400 naming the block when it
+    answers no earlier tool_use) and its text."""
     if isinstance(m.content, str):
         return [Message(role=m.role, content=m.content)]
     text, calls, results = [], [], []
@@ -79,9 +80,13 @@ def _turns(i: int, m: InputMessage) -> list[Message]:
                 raise ApiError(400, f"{where}: a tool_use block needs an id and a name", param=where)
             calls.append({"id": b.id, "type": "function",
                           "function": {"name": b.name, "arguments": orjson.dumps(b.input or {}).decode()}})
+            used.add(b.id)
         elif b.type == "tool_result" and m.role == "user":
             if not b.tool_use_id:
                 raise ApiError(400, f"{where}: a tool_result block needs its tool_use_id", param=where)
+            if b.tool_use_id not in used:
+                raise ApiError(400, f"{where}.tool_use_id: {b.tool_use_id!r} answers no earlier tool_use block",
+                               param=f"{where}.tool_use_id")
             body = b.content if isinstance(b.content, str) else _result_text(b.content or [], where)
             results.append(Message(role="tool", content=("Error: " if b.is_error else "") + body,
                                    tool_call_id=b.tool_use_id))
@@ -155,8 +160,9 @@ class CountTokensRequest(ClientBody):
         out = []
         if self.system:
             out.append(Message(role="system", content=_text(self.system, "system")))
+        used: set[str] = set()
         for i, m in enumerate(self.messages):
-            out.extend(_turns(i, m))
+            out.extend(_turns(i, m, used))
         return out
 
     def tool_fields(self) -> dict[str, Any]:

@@ -139,7 +139,12 @@ async def test_refusals_are_anthropic_errors(door: anthropic.AsyncAnthropic) -> 
     ({"messages": ASK}, "max_tokens"),
     ({"max_tokens": 8, "messages": ASK, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}, "'t1' answers no earlier tool call"),
+        {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]},
+     "messages.0.content.0.tool_use_id: 't1' answers no earlier tool_use block"),
+    ({"max_tokens": 8, "messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}, {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "42"},
+            {"type": "tool_result", "tool_use_id": "t2", "content": "43"}]}]}, "messages.2.content.1.tool_use_id"),
     ({"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]}, "messages.0"),
     ({"max_tokens": 8, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
