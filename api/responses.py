@@ -8,7 +8,7 @@ Response object itself is shared/openai_bodies.py's (a batch line's body is one 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 import orjson
 from pydantic import ConfigDict, Field, ValidationError
@@ -18,7 +18,8 @@ from api.openai_schemas import ClientBody, request_error
 from shared import tool_parsers
 from shared.grammar.tools import MAX_TOOLS
 from shared.jobs import Job
-from shared.limits import MAX_MESSAGES, Content, MaxTokens, Name, Temperature, TopP
+from shared.limits import MAX_MESSAGES, Content, Logprobs, MaxTokens, Name, Temperature, TopP
+from shared.logprobs import Entry, chat_item
 from shared.openai_bodies import function_call, message, response_object, response_status
 from shared.schemas import GenerationRequest, Message
 
@@ -44,9 +45,16 @@ class ResponseRequest(ClientBody):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     ignore_eos: bool = False  # vLLM's
+    include: Annotated[list[Name], Field(max_length=16)] | None = None
+    top_logprobs: Logprobs | None = None
 
-    _IGNORED = {"reasoning", "include", "truncation", "service_tier", "user", "prompt_cache_key",
-                "safety_identifier", "top_logprobs", "max_tool_calls"}
+    _IGNORED = {"reasoning", "truncation", "service_tier", "user", "prompt_cache_key", "safety_identifier",
+                "max_tool_calls"}
+    LOGPROBS: ClassVar[str] = "message.output_text.logprobs"  # what `include` names to have each output_text's logprobs
+
+    @property
+    def logprobs(self) -> bool:
+        return self.LOGPROBS in (self.include or [])
 
     def check(self) -> None:
         for name in self.model_extra or {}:
@@ -85,6 +93,7 @@ class ResponseRequest(ClientBody):
         except ValidationError as exc:
             raise ApiError(400, f"input: {exc.errors()[0].get('msg', 'invalid')}", param="input") from None
         fields: dict[str, Any] = {"messages": turns, "ignore_eos": self.ignore_eos, "tool_choice": self.tool_choice,
+                                  "logprobs": self.logprobs, "top_logprobs": self.top_logprobs or 0,
                                   "parallel_tool_calls": self.parallel_tool_calls,
                                   "tools": [_function_tool(t, k) for k, t in enumerate(self.tools or [])] or None}
         for ours, theirs in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
@@ -172,20 +181,20 @@ def head_events(job: Job, meta: dict[str, Any]) -> Iterator[tuple[int, str, dict
                                              "part": {"type": "output_text", "text": "", "annotations": []}}
 
 
-def delta_event(job: Job, seq: int, text: str) -> tuple[int, str, dict[str, Any]]:
-    """The job's token event `seq` (1, 2, ...) as an output_text.delta."""
+def delta_event(job: Job, seq: int, text: str, logprobs: list[Entry] | None = None) -> tuple[int, str, dict[str, Any]]:
+    """The job's token event `seq` (1, 2, ...) as an output_text.delta (with its tokens' logprobs, when asked)."""
     return HEAD - 1 + seq, "response.output_text.delta", {
         "item_id": "msg_" + job.id.removeprefix("job_"), "output_index": 0, "content_index": 0, "delta": text,
-        "logprobs": []}
+        "logprobs": [chat_item(e) for e in logprobs or []]}
 
 
 def tail_events(end: Job, meta: dict[str, Any], done_seq: int) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """The closing events after the job's `done` event (its seq): text, part and item done, then the end."""
     item_id = "msg_" + end.id.removeprefix("job_")
-    part = {"type": "output_text", "text": end.text, "annotations": [], "logprobs": []}
+    part = {"type": "output_text", "text": end.text, "annotations": [], "logprobs": end.logprobs or []}
     n = HEAD - 1 + done_seq
     yield n, "response.output_text.done", {"item_id": item_id, "output_index": 0, "content_index": 0,
-                                           "text": end.text, "logprobs": []}
+                                           "text": end.text, "logprobs": end.logprobs or []}
     yield n + 1, "response.content_part.done", {"item_id": item_id, "output_index": 0, "content_index": 0,
                                                 "part": part}
     yield n + 2, "response.output_item.done", {"output_index": 0, "item": message(end, end.text, True)}

@@ -114,7 +114,8 @@ def response_status(job: Job) -> str:
 def message(job: Job, text: str, done: bool, item_id: str = "") -> dict[str, Any]:
     return {"type": "message", "id": item_id or "msg_" + job.id.removeprefix("job_"), "role": "assistant",
             "status": "completed" if done else "in_progress",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []}
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": (job.logprobs or []) if text == job.text else []}] if done else []}
 
 
 def function_call(job: Job, index: int, name: str, arguments: str, done: bool) -> dict[str, Any]:

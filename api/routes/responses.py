@@ -204,7 +204,7 @@ async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any],
         try:
             async for ev in job_events(store, relay, job.id, max(0, after - (HEAD - 1))):
                 if isinstance(ev, TokenEvent):
-                    seq, kind, data = delta_event(job, ev.seq, ev.text)
+                    seq, kind, data = delta_event(job, ev.seq, ev.text, ev.logprobs)
                     if seq > after:
                         yield frame(seq, kind, data)
                 elif isinstance(ev, DoneEvent):

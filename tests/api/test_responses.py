@@ -110,3 +110,19 @@ def test_store_false_is_not_kept_and_bad_requests(oai: openai.OpenAI) -> None:
         oai.responses.create(model=MODEL, input=[{"type": "function_call_output", "call_id": "x", "output": "y"}])
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve("resp_nothing")
+
+
+def test_logprobs_when_included_whole_and_streamed(oai: openai.OpenAI) -> None:
+    """`include: ["message.output_text.logprobs"]` (with `top_logprobs`): each output token's logprob, whole and
+    in the stream's deltas alike; without it, none."""
+    ask = {"model": MODEL, "input": "Say hi.", "temperature": 0, "max_output_tokens": 5}
+    r = oai.responses.create(**ask, include=["message.output_text.logprobs"], top_logprobs=2)  # type: ignore[call-overload]
+    lps = r.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert lps and "".join(lp.token for lp in lps) == r.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    streamed = [e.logprobs for e in oai.responses.create(**ask, include=["message.output_text.logprobs"],  # type: ignore[call-overload]
+                                                         top_logprobs=2, stream=True)
+                if e.type == "response.output_text.delta"]
+    assert [lp.token for d in streamed for lp in d] == [lp.token for lp in lps]
+    plain = oai.responses.create(**ask)  # type: ignore[call-overload]
+    assert not plain.output[0].content[0].logprobs  # type: ignore[union-attr]
