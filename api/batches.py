@@ -27,8 +27,8 @@ from api.models import resolve_static
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest
 from api.validation import check_request
-from shared import names, tracing
-from shared.job_ops import NotCopied, Writes, execute_copied, write_copied
+from shared import batch_ops, names, tracing
+from shared.job_ops import NotCopied, Writes, execute_copied
 from shared.limits import PRIORITY_MAX
 from shared.openai_bodies import line_error
 from shared.settings import Settings
@@ -222,11 +222,9 @@ class Batches:
         rec = await self.get(batch_id, owner)
         if rec is None:
             return None
-        if rec["status"] in ("validating", "in_progress"):  # on a replica before the answer (the driver cancels it)
-            writes = Writes()
-            writes.hset(names.batch_key(batch_id), mapping={"status": "cancelling", "cancelling_at": time.time()})
-            await write_copied(self.r, writes, f"the cancel of batch {batch_id}")
-            rec = await self.get(batch_id, owner) or rec
+        if rec["status"] in ("validating", "in_progress") and await batch_ops.request_cancel(self.r, batch_id,
+                                                                                              time.time()):
+            rec = await self.get(batch_id, owner) or rec  # (its driver cancels it; one that just ended stays so)
         return rec
 
     async def listing(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:

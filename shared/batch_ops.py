@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis.asyncio import cluster as acluster
+
 from shared import names, scripts
-from shared.job_ops import Write, note_failure_on
+from shared.job_ops import NotCopied, Write, apromise, note_failure_on
 from shared.scripts.codes import BatchResultCode
 
 
@@ -21,6 +23,23 @@ def result_write(batch_id: str, index: str, line: bytes, ok: bool) -> Write:
 async def record_result(client: Any, batch_id: str, index: str, line: bytes, ok: bool) -> BatchResultCode:
     """Record a line's result exactly once (see BatchResultCode)."""
     return BatchResultCode(int(await scripts.BATCH_RESULT.acall(client, *result_write(batch_id, index, line, ok))))
+
+
+def cancel_write(batch_id: str, now: float) -> Write:
+    """A batch_cancel call (batch_cancel.lua): the batch `cancelling` if it is still running."""
+    return [names.batch_key(batch_id)], [now]
+
+
+async def request_cancel(client: Any, batch_id: str, now: float) -> bool:
+    """Mark the batch `cancelling` if it is still validating or in progress (whether it was), on a replica before
+    the answer on a cluster (NotCopied otherwise: a failover must not undo the cancel a client was told of)."""
+    write = cancel_write(batch_id, now)
+    if not isinstance(client, acluster.RedisCluster):
+        return bool(await scripts.BATCH_CANCEL.acall(client, *write))
+    reply, copied = await apromise(client, scripts.BATCH_CANCEL, write, f"the cancel of batch {batch_id}")
+    if reply and not copied:
+        raise NotCopied(f"the cancel of batch {batch_id}")
+    return bool(reply)
 
 
 def queue_result(pipe: Any, batch_id: str, index: str, line: bytes, ok: bool) -> None:

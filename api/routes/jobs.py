@@ -89,9 +89,10 @@ async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: Settin
                  redis: RedisDep, after: Annotated[int | None, Query(ge=0)] = None,
                  last_event_id: Annotated[str | None, Header()] = None) -> EventStream:
     """Server-sent events: `token` per chunk (id = seq), `status` while queued, then `done`.
-    Resume with Last-Event-ID or ?after=."""
+    Resume with Last-Event-ID or ?after= (both: the later, as a browser's EventSource resends the URL it opened
+    with its Last-Event-ID)."""
     await get_job_or_404(store, job_id, caller)
-    start = after if after is not None else _parse_seq(last_event_id)
+    start = max(after or 0, _parse_seq(last_event_id))
     slot = uuid.uuid4().hex
     if not await require_stream_slot(redis, caller, slot):
         raise stream_refused(caller)

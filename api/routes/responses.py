@@ -143,10 +143,15 @@ async def cancel(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
 
 @router.delete("/{response_id}", response_model=None)
 async def delete(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
-    """Delete a stored response (one still running is cancelled first)."""
+    """Delete a stored response. One still running is cancelled first and deleted once it has ended (its end gives
+    back the tenant's unfinished-job slot, which a deleted record could not); a 409 to try again if that takes
+    longer than the cancel's wait."""
     job, _ = await _owned(store, response_id, caller)
     if not job.ended:
-        await store.cancel(job.id, wait_s=0)
+        ended, _ = await store.cancel(job.id)
+        if ended is not None and not ended.ended:
+            raise ApiError(409, "the response is being cancelled; delete it again once it has ended",
+                           headers={"Retry-After": "1"})
     await store.delete(job.id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 

@@ -84,8 +84,9 @@ FAIR_PUSH = Script("fair_push")
 FAIR_POP = Script("fair_pop")
 BATCH_RESULT = Script("batch_result")
 FILE_BYTES = Script("file_bytes")
+BATCH_CANCEL = Script("batch_cancel")
 ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL, FAIR_PUSH,
-       FAIR_POP, BATCH_RESULT, FILE_BYTES)
+       FAIR_POP, BATCH_RESULT, FILE_BYTES, BATCH_CANCEL)
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:

@@ -80,6 +80,9 @@ def test_resume_with_last_event_id_and_after(client: httpx.Client) -> None:
     assert tokens_text(first) + tokens_text(rest) == wait(client, job["id"])["text"]
     again = read_events(client, job["id"], params={"after": 2})
     assert int(again[0]["id"]) == 3 and again[-1]["event"] == "done"
+    # an EventSource reconnecting to the URL it opened (?after=2) with its Last-Event-ID: the later of the two
+    both = read_events(client, job["id"], params={"after": 2}, headers={"Last-Event-ID": "4"})
+    assert int(both[0]["id"]) == 5 and both[-1]["event"] == "done"
 
 
 def test_replay_after_the_job_ended(client: httpx.Client) -> None:

@@ -142,6 +142,11 @@ def test_batch_and_file_scripts_touch_only_their_keys(declared: Declared) -> Non
     assert got == BatchResultCode.recorded
     note = job_ops.note_failure_on(names.batch_key(batch), "refused")
     assert declared(scripts.NOTE_FAILURE, note) == NoteFailureCode.noted
+    assert declared(scripts.BATCH_CANCEL, batch_ops.cancel_write(batch, 1.0)) == 1
+    assert r.hget(names.batch_key(batch), "status") == b"cancelling"
+    r.hset(names.batch_key(batch), "status", "completed")  # a cancel that meets the batch's end changes nothing
+    assert declared(scripts.BATCH_CANCEL, batch_ops.cancel_write(batch, 2.0)) == 0
+    assert r.hget(names.batch_key(batch), "status") == b"completed"
     assert declared(scripts.FILE_BYTES, file_ops.file_bytes_write("acme", "file-1", 10, 60, 100)) == [1, 10]
     assert declared(scripts.FILE_BYTES, file_ops.file_bytes_write("acme", "file-2", 95, 60, 100)) == [0, 10]
 
