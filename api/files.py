@@ -152,14 +152,18 @@ class FileStore:
         if promised and not copied:
             raise NotCopied(f"the deletion of file {meta['id']}")
 
-    async def listing(self, owner: str, limit: int, after: str | None) -> tuple[list[dict[str, Any]], bool]:
-        ids = cast("list[str]", await self.r.zrevrange(names.files_index(owner), 0, -1))
+    async def listing(self, owner: str, limit: int, after: str | None, purpose: str | None = None,
+                      newest_first: bool = True) -> tuple[list[dict[str, Any]], bool]:
+        """A page of the owner's files (of `purpose` only, when given), after the file `after`; whether more
+        follow."""
+        index = names.files_index(owner)
+        ids = cast("list[str]", await (self.r.zrevrange(index, 0, -1) if newest_first else self.r.zrange(index, 0, -1)))
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         out = []
         for file_id in ids:
             meta = await self.meta(file_id, owner)
-            if meta is not None:
+            if meta is not None and (purpose is None or meta["purpose"] == purpose):
                 out.append(file_object(meta))
             if len(out) > limit:
                 break

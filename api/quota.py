@@ -67,7 +67,8 @@ def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:
     if code is SubmitCode.request_over_tpm:
         return ApiError(429, f"this request reserves more tokens than the key may use in a minute ({reply.tpm}); "
                              "lower max_tokens or shorten the prompt", type_="rate_limit_error",
-                        code="request_too_large")
+                        code="request_too_large", headers={"x-should-retry": "false"})  # (the SDKs read it: waiting
+        # cannot help this request, so no Retry-After)
     raise AssertionError(f"not a refusal: submit code {code!r}")
 
 

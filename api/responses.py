@@ -18,7 +18,7 @@ from api.openai_schemas import ClientBody, request_error
 from shared import tool_parsers
 from shared.grammar.tools import MAX_TOOLS
 from shared.jobs import Job
-from shared.limits import MAX_MESSAGES, Content, Logprobs, MaxTokens, Name, Temperature, TopP
+from shared.limits import MAX_MESSAGES, Content, Logprobs, MaxTokens, Metadata, Name, Temperature, TopP
 from shared.logprobs import Entry, chat_item
 from shared.openai_bodies import function_call, message, response_object, response_status
 from shared.schemas import GenerationRequest, Message
@@ -39,7 +39,7 @@ class ResponseRequest(ClientBody):
     store: bool = True
     background: bool = False
     previous_response_id: Name | None = None
-    metadata: Annotated[dict[Name, Name], Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     text: dict[str, Any] | None = None
     tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None  # function tools
     tool_choice: str | dict[str, Any] | None = None

@@ -79,6 +79,9 @@ def http_url(v: str) -> str:
 Text = Annotated[str, AfterValidator(clean_text)]
 Content = Annotated[str, Field(max_length=MAX_CONTENT_CHARS), AfterValidator(clean_text)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS), AfterValidator(clean_text)]
+# OpenAI's `metadata`: up to 16 pairs, keys of 64 characters at most, values of 512
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64), AfterValidator(clean_text)],
+                          Annotated[str, Field(max_length=512), AfterValidator(clean_text)]], Field(max_length=16)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(clean_text)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]

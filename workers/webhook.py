@@ -188,12 +188,15 @@ class WebhookSender:
         pipe = self.client.pipeline(transaction=False)
         pipe.hgetall(names.job_key(job_id))
         pipe.get(names.text_key(job_id))
+        pipe.get(names.logprobs_key(job_id))  # (the record's side keys, as a poll reads them: JobOps.read)
+        pipe.get(names.prompt_logprobs_key(job_id))
         if owner:
             pipe.hget(names.tenant_key(owner), "webhook_secret")
-        raw, job_text, *tenant_secret = pipe.execute()
+        raw, job_text, logprobs, prompt_logprobs, *tenant_secret = pipe.execute()
         if not raw:
             return None  # expired meanwhile: nothing left to send
-        rec = {text(k): text(v) for k, v in raw.items()} | {"text": text(job_text)}
+        rec = {text(k): text(v) for k, v in raw.items()} | {
+            "text": text(job_text), "logprobs": text(logprobs), "prompt_logprobs": text(prompt_logprobs)}
         secret = text(tenant_secret[0]) if tenant_secret and tenant_secret[0] else self.settings.webhook_secret
         return self.post(url, Job.from_record(rec).model_dump_json().encode(), job_id, secret)
 

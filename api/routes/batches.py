@@ -7,15 +7,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
 from api import file_parquet
 from api.auth import CallerDep
 from api.batches import Batches, batch_object
 from api.errors import ApiError
-from api.files import PURPOSES, FileStore, TooLarge, file_object
+from api.files import FileStore, TooLarge, file_object
 from api.openai_schemas import list_page
-from shared.limits import Name, WebhookUrl
+from shared.limits import Metadata, Name, WebhookUrl
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 UPLOAD_CHUNK = 256 * 1024
@@ -55,10 +55,11 @@ async def upload(request: Request, caller: CallerDep, file: Annotated[UploadFile
 
 @router.get("/files", response_model=None)
 async def list_files(request: Request, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-                     after: str | None = None, purpose: str | None = None) -> Any:
-    data, more = await _files(request).listing(caller.owner, limit, after)
-    if purpose in PURPOSES:
-        data = [f for f in data if f["purpose"] == purpose]
+                     after: str | None = None, purpose: str | None = None,
+                     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc") -> Any:
+    """The caller's files, newest first unless `order=asc`; of one `purpose` when given (none of a purpose this
+    server does not hold)."""
+    data, more = await _files(request).listing(caller.owner, limit, after, purpose, order == "desc")
     return list_page(data, more)
 
 
@@ -100,7 +101,7 @@ class BatchRequest(BaseModel):
     input_file_id: Name
     endpoint: Name
     completion_window: str = "24h"
-    metadata: Annotated[dict[Name, Name], Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     webhook_url: WebhookUrl | None = None  # POSTed an event (batch.completed, ...) once the batch ends
 
 

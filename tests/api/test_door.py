@@ -247,3 +247,22 @@ async def test_input_items_list_calls_as_calls_newest_first_by_page(api: httpx.A
     rest = (await api.get(f"/v1/responses/{r.json()['id']}/input_items",
                           params={"order": "asc", "after": first["last_id"]})).json()
     assert [i["type"] for i in rest["data"]] == ["function_call", "function_call_output"] and not rest["has_more"]
+
+
+async def test_files_list_filters_by_purpose_before_the_page(api: httpx.AsyncClient) -> None:
+    """A page of one purpose holds that purpose's files, however many of another came later; a purpose this server
+    holds none of lists none; `order=asc` oldest first."""
+    ids = []
+    for i in range(3):
+        r = await api.post("/v1/files", files={"file": (f"in{i}.jsonl", b"{}\n")}, data={"purpose": "batch"})
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    page = (await api.get("/v1/files", params={"limit": 2, "purpose": "batch_output"})).json()
+    assert page["data"] == [] and not page["has_more"]
+    assert (await api.get("/v1/files", params={"purpose": "fine-tune"})).json()["data"] == []
+    first = (await api.get("/v1/files", params={"limit": 2, "purpose": "batch"})).json()
+    rest = (await api.get("/v1/files", params={"purpose": "batch", "after": first["last_id"]})).json()
+    newest = [f["id"] for f in first["data"] + rest["data"]]
+    assert first["has_more"] and not rest["has_more"] and sorted(newest) == sorted(ids)
+    oldest = (await api.get("/v1/files", params={"order": "asc"})).json()
+    assert [f["id"] for f in oldest["data"]] == newest[::-1]

@@ -148,6 +148,7 @@ async def test_token_reservations_come_back_when_a_job_ends_early(api: httpx.Asy
     assert int(second.headers["retry-after"]) >= 1
     too_big = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 200}, headers=bearer(key))
     assert too_big.status_code == 429 and too_big.json()["error"]["code"] == "request_too_large"
+    assert too_big.headers["x-should-retry"] == "false" and "retry-after" not in too_big.headers
     await api.post(f"/v1/jobs/{first.json()['id']}/cancel", headers=bearer(key))  # it ends without a token
     third = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 60}, headers=bearer(key))
     assert third.status_code == 202, third.text

@@ -76,6 +76,16 @@ def test_webhook_gets_the_polled_job_signed(redis_db: redis.Redis) -> None:
     assert abs(int(headers["x-conveyor-timestamp"]) - time.time()) < 60
 
 
+def test_a_webhook_carries_the_logprobs_a_poll_shows(redis_db: redis.Redis) -> None:
+    entries = [[1, "Paris", -0.1, [[1, "Paris", -0.1]]], [2, ".", -0.5, [[2, ".", -0.5]]]]
+    redis_db.set(names.logprobs_key("job_lp"), "\n".join(json.dumps(e) for e in entries))
+    with webhook_server() as hooks:
+        end_job(redis_db, "job_lp", hooks.url)
+        assert after(redis_db).drain()["done"] == 1
+        [(_, body, _)] = hooks.wait_for(1, timeout=5)
+    assert [lp["token"] for lp in body["logprobs"]] == ["Paris", "."] and body["logprobs"][1]["logprob"] == -0.5
+
+
 def test_a_tenants_job_is_signed_with_the_tenants_secret(redis_db: redis.Redis) -> None:
     redis_db.hset(names.tenant_key("acme"), mapping={"key_sha256": "ab" * 32, "webhook_secret": "s1"})
     redis_db.hset(names.tenant_key("plain"), mapping={"key_sha256": "cd" * 32})  # no secret of its own
