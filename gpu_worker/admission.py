@@ -92,7 +92,8 @@ class Admission:
             self.stats.jobs_resumed += 1
         self.stats.jobs_started += 1
         return Register(
-            job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, prompt_tokens=len(req.prompt_ids),
+            job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, min_tokens=req.min_tokens,
+            prompt_tokens=len(req.prompt_ids),
             started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
             tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes, worker=self.worker_id,
             owner=took.owner, trace=req.trace, tokenize_at=req.tokenize_at, tokenized_at=req.tokenized_at,

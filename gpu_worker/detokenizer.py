@@ -40,12 +40,16 @@ class StopMatcher:
 
 
 class Detokenizer:
-    """Token ids in, safe-to-stream text out."""
+    """Token ids in, safe-to-stream text out. Stop strings are looked for token by token, as a step of one token
+    would show them: a speculative step's several tokens end the text (and are counted) where one at a time
+    would. Before `min_tokens` tokens, no stop string ends it (vLLM's meaning: the text passes as it is)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stream = DecodeStream(skip_special_tokens=True)
         self.matcher = StopMatcher(stops)
+        self.min_tokens = min_tokens
+        self.generated = 0  # tokens decoded so far
 
     def decode(self, token_ids: list[int]) -> str:
         parts = []
@@ -55,10 +59,24 @@ class Detokenizer:
                 parts.append(piece)
         return "".join(parts)
 
-    def push(self, token_ids: list[int]) -> tuple[str, bool]:
-        return self.matcher.push(self.decode(token_ids))
+    def push(self, token_ids: list[int]) -> tuple[str, bool, int]:
+        """A step's new tokens: (text safe to emit now, whether a stop string was hit, how many of the tokens
+        count: all of them, or those up to the one that completed the stop string)."""
+        out = []
+        for n, t in enumerate(token_ids, 1):
+            piece = self.stream.step(self.tokenizer, t) or ""
+            self.generated += 1
+            if self.generated < self.min_tokens:
+                out.append(self.matcher.flush() + piece)
+                continue
+            emit, hit = self.matcher.push(piece)
+            out.append(emit)
+            if hit:
+                return "".join(out), True, n
+        return "".join(out), False, len(token_ids)
 
     def resume(self, token_ids: list[int], emitted: str) -> None:
         """Rebuild state for a job continued from `token_ids` of which `emitted` was already streamed."""
         text = self.decode(token_ids)
+        self.generated = len(token_ids)
         self.matcher.pending = text[len(emitted) :] if text.startswith(emitted) else ""

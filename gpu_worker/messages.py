@@ -57,6 +57,7 @@ class Register:
     tokenize_at: float = 0.0
     tokenized_at: float = 0.0
     admitted_at: float = 0.0
+    min_tokens: int = 0  # no stop string ends it before this many tokens
 
 
 # One engine step, per job: its new token ids, its end (finish_reason, error), and, for jobs that ask, per token

@@ -176,7 +176,7 @@ class OutputLane:
             self.feedback.put(Done(job.job_id) if mine else Dropped(job.job_id))
 
     def _register(self, job: Register) -> None:
-        detok = Detokenizer(self.tokenizer, list(job.stop))
+        detok = Detokenizer(self.tokenizer, list(job.stop), job.min_tokens)
         if job.resume_ids:
             detok.resume(list(job.resume_ids), job.emitted)
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),
@@ -225,7 +225,7 @@ class OutputLane:
             if ids and not st.trace.first_token_at:  # this attempt's first (a resumed job's too)
                 st.trace.first_token(wall)
         try:
-            emit, hit = st.detok.push(ids) if ids else ("", False)
+            emit, hit, used = st.detok.push(ids) if ids else ("", False, 0)
         except Exception as exc:  # noqa: BLE001 - this job ends with an error, the step goes on
             log.exception("job %s: detokenizing failed", job_id)
             if reason is None:
@@ -233,7 +233,7 @@ class OutputLane:
             step.end(job_id, FinishReason.error, f"detokenizing failed: {exc}", st)
             return
         if ids:
-            flags |= self._hold(row, st, emit, wall)
+            flags |= self._hold(row, ids[:used], st, emit, wall)  # (a stop string's token the last counted)
         if row["prompt_logprobs"] is not None:
             step.prompts.append((job_id, self._prompt_document(row)))
         if hit:
@@ -254,9 +254,9 @@ class OutputLane:
             self.metrics.inc(PROMPT_TOKENS, st.prompt_tokens)
             self.metrics.inc(f"{REQUEST_SUCCESS}:{FinishReason(reason).value}")
 
-    def _hold(self, row: dict[str, Any], st: JobState, emit: str, wall: float) -> int:
-        """Keep the job's new tokens, their text and logprob entries until written; FIRST_TOKEN for its first."""
-        ids = row["token_ids"]
+    def _hold(self, row: dict[str, Any], ids: list[int], st: JobState, emit: str, wall: float) -> int:
+        """Keep the job's new tokens `ids` (the row's, or its first ones), their text and logprob entries until
+        written; FIRST_TOKEN for its first."""
         first = st.n_tokens == 0
         if first:
             self.metrics.observe(TTFT, wall - st.created_at)

@@ -118,7 +118,8 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _min_within_max(self) -> SamplingParams:
-        if self.min_tokens > self.max_tokens:
+        """(A max_tokens left out is the deployment's default, known at `bounded`, which checks again.)"""
+        if "max_tokens" in self.model_fields_set and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         return self
 
@@ -249,6 +250,8 @@ class GenerationRequest(SamplingParams):
             self.max_tokens = deployment.default_max_tokens
         if self.max_tokens > deployment.max_tokens_cap:
             raise LimitError(f"max_tokens must be at most {deployment.max_tokens_cap}", "max_tokens")
+        if self.min_tokens > self.max_tokens:  # (again: max_tokens may be the deployment's default only now)
+            raise LimitError(f"min_tokens must not exceed max_tokens ({self.max_tokens})", "min_tokens")
         size = self.prompt_chars()
         if size > deployment.max_prompt_chars:
             raise LimitError(f"the prompt has {size} characters; the limit is {deployment.max_prompt_chars}",

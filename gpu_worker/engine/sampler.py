@@ -159,12 +159,12 @@ def _draw_nucleus(probs: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> 
         idx = torch.topk(keys, k, dim=-1).indices if k < vocab else keys.argsort(dim=-1, descending=True)
         vals = probs.gather(1, idx)
         cum = vals.cumsum(dim=-1, dtype=torch.float64)
-        if k == vocab or bool((cum[:, -1:] > top_p).all()):
+        if k == vocab or bool((cum[:, -1:] >= top_p).all()):
             break
         missing = (top_p - cum[:, -1:]).clamp(min=0) / vals[:, -1:].double().clamp(min=1e-30)
         k = max(k * 8, k + int(missing.max().ceil().clamp(max=vocab).item()))
         k = vocab if k > vocab // 2 else k
-    kept = vals.masked_fill(cum - vals > top_p, 0.0).cumsum(dim=-1, dtype=torch.float64)
+    kept = vals.masked_fill(cum - vals >= top_p, 0.0).cumsum(dim=-1, dtype=torch.float64)
     return idx.gather(1, _pick(kept, u * kept[:, -1:]))
 
 

@@ -266,3 +266,17 @@ async def test_files_list_filters_by_purpose_before_the_page(api: httpx.AsyncCli
     assert first["has_more"] and not rest["has_more"] and sorted(newest) == sorted(ids)
     oldest = (await api.get("/v1/files", params={"order": "asc"})).json()
     assert [f["id"] for f in oldest["data"]] == newest[::-1]
+
+
+async def test_top_k_minus_one_is_all_and_min_tokens_meets_the_default_max(redis_server, model_path: str) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's `top_k: -1` (every token) is taken as 0; `min_tokens` without `max_tokens` is held to the deployment's
+    default max_tokens (DEFAULT_MAX_TOKENS, 512 here), not the schema's (256)."""
+    settings = Settings(redis_url=redis_server.url.rsplit("/", 1)[0] + "/13", model=model_path, max_tokens_cap=1000,
+                        default_max_tokens=512)
+    async with in_process_api(settings) as api:
+        r = await api.post("/v1/jobs", json={"prompt": "hi", "top_k": -1, "max_tokens": 4})
+        assert r.status_code == 202, r.text
+        r = await api.post("/v1/jobs", json={"prompt": "hi", "min_tokens": 300})
+        assert r.status_code == 202, r.text
+        r = await api.post("/v1/jobs", json={"prompt": "hi", "min_tokens": 600})
+        assert r.status_code == 422 and "min_tokens" in r.text, r.text

@@ -65,6 +65,17 @@ def test_completions_and_stop(oai: openai.OpenAI) -> None:
     assert cut.choices[0].finish_reason == "stop" and text.strip()[:3] not in cut.choices[0].text
 
 
+def test_a_stop_string_ends_the_count_at_its_token_under_speculation(oai: openai.OpenAI) -> None:
+    """The stack decodes speculatively (a step may carry several tokens): the tokens counted and given logprobs end
+    with the one that completed the stop string, as steps of one token would."""
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3,"  # (drafts the model takes)
+    r = oai.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=30, stop=["8"], logprobs=1)
+    choice = r.choices[0]
+    tokens = choice.logprobs.tokens  # type: ignore[union-attr]
+    assert choice.finish_reason == "stop" and r.usage.completion_tokens == len(tokens)
+    assert "8" in "".join(tokens) and "8" not in "".join(tokens[:-1])
+
+
 def test_max_completion_tokens_and_length(oai: openai.OpenAI) -> None:
     r = oai.chat.completions.create(model=MODEL, messages=MSG, max_completion_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"

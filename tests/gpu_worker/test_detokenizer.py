@@ -27,7 +27,8 @@ def test_stop_string_split_across_tokens_is_held_back(tok: Tokenizer) -> None:
     d = Detokenizer(tok, ["END of"])
     streamed, hit = [], False
     for i in ids:
-        chunk, hit = d.push([i])
+        chunk, hit, used = d.push([i])
+        assert used == 1
         streamed.append(chunk)
         assert "END" not in chunk
         if hit:
@@ -68,5 +69,24 @@ def test_resume_restores_held_text(tok: Tokenizer) -> None:
     ids = tok.encode("Hello world and more", add_special_tokens=False).ids
     d = Detokenizer(tok, [])
     d.resume(ids[:2], "Hello")
-    rest, _ = d.push(ids[2:])
+    rest, _, _ = d.push(ids[2:])
     assert "Hello" + rest + d.matcher.flush() == "Hello world and more"
+
+
+def test_a_step_of_several_tokens_ends_where_one_at_a_time_would(tok: Tokenizer) -> None:
+    """A speculative step hands several tokens at once: the text, and the tokens that count, end at the token that
+    completed the stop string, as steps of one token each would."""
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text, add_special_tokens=False).ids
+    one = Detokenizer(tok, ["fox"])
+    n = next(n for n, i in enumerate(ids, 1) if one.push([i])[1])  # the token that completes "fox"
+    whole, hit_whole, used = Detokenizer(tok, ["fox"]).push(ids)
+    assert hit_whole and used == n < len(ids) and whole == "The quick brown "
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("a b a b a b", add_special_tokens=False).ids
+    out, hit, used = Detokenizer(tok, ["b"], min_tokens=4).push(ids)
+    assert hit and used == 4 and out == "a b a "  # (the 2nd " b" was let through)
+    out, hit, used = Detokenizer(tok, ["b"]).push(ids)
+    assert hit and used == 2 and out == "a "

@@ -50,6 +50,13 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     assert abs(f[1] - 0.625) < 0.03 and abs(f[3] - 0.375) < 0.03
 
 
+def test_top_p_stops_at_the_token_whose_mass_reaches_p_exactly() -> None:
+    """Four tokens of 0.25 with top_p 0.5: the first two reach it, so the third is out (vLLM's and transformers'
+    nucleus), however many draws."""
+    tokens, _, _ = Sampler()(torch.zeros(4).repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.5))
+    assert set(tokens) == {0, 1}
+
+
 def test_top_p_over_a_flat_vocabulary_reaches_past_its_first_candidates() -> None:
     vocab = 3000  # nearly flat: the nucleus holds most of the vocabulary, far more than 512 candidates
     logits = torch.zeros(vocab)
