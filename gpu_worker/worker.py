@@ -42,7 +42,7 @@ from gpu_worker.stats import WorkerStats
 from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
-from shared.lifecycle import name_thread, named
+from shared.lifecycle import LANE_STOP_S, name_thread, named
 from shared.masters import fail_fast
 from shared.model_config import checkpoint_dtype, model_context, vocab_size
 from shared.redis_client import sync_client
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("conveyor.inference")
 
-LANE_STOP_S = 10  # how long the output lane may take to write what it holds at exit
 LANE_BEHIND_MAX = 64  # messages the output lane may be behind before the engine waits for it (backpressure)
 
 

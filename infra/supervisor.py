@@ -36,7 +36,7 @@ from infra.autoscale import Autoscaler
 from infra.embedded_redis import EmbeddedRedis
 from infra.redis_server import CONNECTION_FILE
 from shared import names
-from shared.lifecycle import preexec_die_with_parent
+from shared.lifecycle import preexec_die_with_parent, worker_stop_s
 from shared.settings import Settings
 
 log = logging.getLogger("conveyor.supervisor")
@@ -117,7 +117,8 @@ class Pool:
                 c.proc.wait(left)
             except subprocess.TimeoutExpired:
                 log.warning("%s: pid %d did not stop in time; killing it", self.name, c.proc.pid)
-                os.killpg(c.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # (it ended just now)
+                    os.killpg(c.proc.pid, signal.SIGKILL)
                 c.proc.wait()
             else:
                 try:
@@ -210,7 +211,7 @@ class Pools:
             p.stop()
         for p in self.celery:
             p.wait(time.monotonic() + 10)
-        deadline = time.monotonic() + grace_s + 5
+        deadline = time.monotonic() + worker_stop_s(grace_s) + 5
         for p in self.workers.values():
             p.wait(deadline)
         for p in self.traces:
@@ -259,7 +260,8 @@ def _embedded_redis(settings: Settings, redis_cluster: int, lock: StackLock, env
         return None, None
     # the guard first: from then on Redis outlives the supervisor only until the rest has gone
     guard = subprocess.Popen([sys.executable, "-m", "infra.redis_guard", str(lock.path),
-                              str(settings.redis_data_dir / CONNECTION_FILE), str(settings.drain_grace_s + 15)],
+                              str(settings.redis_data_dir / CONNECTION_FILE),
+                              str(worker_stop_s(settings.drain_grace_s) + 15)],
                              preexec_fn=preexec_die_with_parent(signal.SIGTERM))
     embedded = EmbeddedRedis(settings, redis_cluster)
     # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis in its connection file

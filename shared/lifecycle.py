@@ -14,6 +14,15 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+LANE_STOP_S = 10  # how long an inference worker's output lane may take to write what it holds at exit (twice: the
+# stop's hand-over, then its join)
+
+
+def worker_stop_s(drain_grace_s: float) -> float:
+    """The longest a worker may take to stop once told: its drain, then its output lane's stop."""
+    return drain_grace_s + 2 * LANE_STOP_S
+
+
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 _prctl: Callable[..., int] | None

@@ -32,10 +32,12 @@ async def health(redis: RedisDep, request: Request, settings: SettingsDep) -> JS
 
 
 @router.get("/readyz")
-async def readyz(redis: RedisDep, request: Request, settings: SettingsDep) -> JSONResponse:
-    """Ready when Redis answers and each pool has a live worker. When keys are required, the public
-    port says only ready or not; the internal port adds the details."""
-    answer = await _readiness(redis, settings)
+async def readyz(redis: RedisDep, request: Request, settings: SettingsDep, pools: bool = True) -> JSONResponse:
+    """Ready when Redis answers and each pool has a live worker; with `pools=false`, when Redis answers (an API
+    process can take jobs, which wait queued for a worker: the readiness of an API pod behind a Service, which
+    must not turn the door, and the autoscaler's /scaling behind it, away while a pool starts). When keys are
+    required, the public port says only ready or not; the internal port adds the details."""
+    answer = await _readiness(redis, settings, pools)
     if settings.auth_required and not on_internal_port(request.scope, settings.internal_port_number):
         body = {"status": answer.status_code == 200 and "ready" or "not_ready"}
         return JSONResponse(body, answer.status_code, headers={"Retry-After": "2"} if answer.status_code != 200
@@ -43,7 +45,7 @@ async def readyz(redis: RedisDep, request: Request, settings: SettingsDep) -> JS
     return answer
 
 
-async def _readiness(redis: RedisDep, settings: SettingsDep) -> JSONResponse:
+async def _readiness(redis: RedisDep, settings: SettingsDep, pools_too: bool = True) -> JSONResponse:
     """Ready when Redis answers and every pool that is never empty has a live worker: with INFERENCE_MIN=0 the
     inference pool may be at zero (or a model's whose `min_replicas` is 0), and a job waits, queued, until a worker
     starts."""
@@ -53,6 +55,6 @@ async def _readiness(redis: RedisDep, settings: SettingsDep) -> JSONResponse:
         return JSONResponse({"status": "unavailable", "redis": False, "error": type(exc).__name__}, 503,
                             headers={"Retry-After": "2"})
     may_be_empty = {names.inference_pool(settings.key_of(m)) for m in settings.served if settings.bounds_of(m)[0] == 0}
-    ready = all(n or pool in may_be_empty for pool, n in pools.items())
+    ready = not pools_too or all(n or pool in may_be_empty for pool, n in pools.items())
     return JSONResponse({"status": "ready" if ready else "not_ready", "redis": True, "workers": pools},
                         200 if ready else 503)

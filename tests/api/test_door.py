@@ -280,3 +280,12 @@ async def test_top_k_minus_one_is_all_and_min_tokens_meets_the_default_max(redis
         assert r.status_code == 202, r.text
         r = await api.post("/v1/jobs", json={"prompt": "hi", "min_tokens": 600})
         assert r.status_code == 422 and "min_tokens" in r.text, r.text
+
+
+async def test_an_api_without_workers_takes_jobs_and_says_so(api: httpx.AsyncClient) -> None:
+    """No worker runs here: the stack is not ready (/readyz), but this API process is (`pools=false`: its pod's
+    readiness behind a Service), and it takes a job, which waits queued."""
+    assert (await api.get("/readyz")).status_code == 503
+    r = await api.get("/readyz", params={"pools": "false"})
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    assert (await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})).status_code == 202

@@ -136,7 +136,7 @@ def test_probes() -> None:
             checked += 1
             where = f"{name}/{kind}"
             if "httpGet" in probe:
-                path, port = probe["httpGet"]["path"], probe["httpGet"]["port"]
+                path, port = probe["httpGet"]["path"].split("?")[0], probe["httpGet"]["port"]
                 port = ports[port] if isinstance(port, str) else port
                 assert api_serves(path), f"{where}: the API has no GET {path}"
                 served = {settings.port, settings.internal_port_number} if settings.auth_required else {settings.port}

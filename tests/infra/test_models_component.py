@@ -20,8 +20,8 @@ from tests.infra.deploy_files import CORE_KINDS, K8S, KUBERNETES_VERSION, KUSTOM
 from tests.infra.test_k8s import secret_references
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def build(tmp_path_factory: pytest.TempPathFactory, components: list[str]) -> list[dict[str, Any]]:
+    """The manifests `kubectl kustomize` makes with `components` turned on."""
     if shutil.which("kubectl") is None:
         pytest.skip("no kubectl")
     build = tmp_path_factory.mktemp("k8s-models") / "k8s"
@@ -31,10 +31,24 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         for env_file in gen["envs"]:
             (build / env_file).write_text("".join(f"{key}={PASSWORD}\n" for key in sorted(refs[gen["name"]])))
     kustomization = yaml.safe_load((build / "kustomization.yaml").read_text())
-    (build / "kustomization.yaml").write_text(yaml.safe_dump({**kustomization, "components": ["models"]}))
+    (build / "kustomization.yaml").write_text(yaml.safe_dump({**kustomization, "components": components}))
     out = subprocess.run(["kubectl", "kustomize", str(build)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return build(tmp_path_factory, ["models"])
+
+
+def test_with_the_redis_cluster_every_models_pool_reads_the_cluster(tmp_path_factory: pytest.TempPathFactory) -> None:
+    docs = build(tmp_path_factory, ["models", "redis-cluster"])
+    pools = [d for d in docs if d["kind"] == "Deployment"
+             and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "inference"]
+    assert {d["metadata"]["name"] for d in pools} == {"inference", "inference-second"}
+    for d in pools:
+        assert "conveyor-redis-leader.redis-cluster" in _env(d)["REDIS_URL"], d["metadata"]["name"]
 
 
 def _env(deployment: dict[str, Any]) -> dict[str, str]:
@@ -48,6 +62,8 @@ def test_each_model_has_a_deployment_and_a_scaled_object(built: list[dict[str, A
             kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     config = next(d["data"] for d in built if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "conveyor")
     settings = Settings(**{k.lower(): v for k, v in config.items() if v != ""})
+    # the default model where its pods' `conveyor model pull` puts it (CONVEYOR_CACHE/models/<name>)
+    assert settings.served[settings.default_model].path == f"{config['CONVEYOR_CACHE']}/models/{settings.default_model}"
     inference = {d["metadata"]["name"]: d for d in built if d["kind"] == "Deployment"
                  and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "inference"}
     served = {_env(d).get("MODEL_NAME") or settings.default_model: name for name, d in inference.items()}
