@@ -149,6 +149,7 @@ class Batches:
         for key in (names.batch_key(batch_id), lines_key, err_key):
             writes.expire(key, ttl)
         writes.zadd(names.batches_index(owner), {batch_id: now})
+        writes.zremrangebyscore(names.batches_index(owner), 0, now - ttl)  # expired batches leave the index
         writes.expire(names.batches_index(owner), ttl)
         copied = False
         try:  # the record first, then the driver's set: a driver that finds the id finds its record

@@ -25,6 +25,7 @@ log = logging.getLogger("conveyor.api")
 
 # with several partitions, how long the other partitions' depths (for queue positions) are reused
 DEPTHS_MAX_AGE_S = 1.0
+DEPTHS_READ_S = 0.5  # a queue position is a best-effort figure: not worth a submit's wait on a silent master
 
 
 @dataclass
@@ -179,11 +180,14 @@ class JobStore:
         return own + sum(min(d, own - 1) for p, d in enumerate(depths) if p != mine)
 
     async def partition_depths(self) -> list[int]:
-        """Each partition's queue depth (submitted - dequeued: read_counters), reused for DEPTHS_MAX_AGE_S."""
+        """Each partition's queue depth (submitted - dequeued: read_counters), reused for DEPTHS_MAX_AGE_S. One
+        read at a time, of DEPTHS_READ_S at most; one that fails is not tried again by each waiter in turn (a
+        silent master would otherwise queue every submit behind one read timeout after another): they take the
+        last figures until DEPTHS_MAX_AGE_S has passed again."""
         async with self._depths_lock:
             if time.monotonic() - self._depths_at > DEPTHS_MAX_AGE_S:
-                self._depths = [c.depth for c in await read_counters(self.r)]
                 self._depths_at = time.monotonic()
+                self._depths = [c.depth for c in await asyncio.wait_for(read_counters(self.r), DEPTHS_READ_S)]
             return self._depths
 
 

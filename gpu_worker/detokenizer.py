@@ -14,6 +14,15 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
         self.pending = ""
+        # per stop string, by character, the lengths k of its proper prefixes that end in it, longest first: the text
+        # held back is the longest such prefix the text ends with, and only those ending in its last character can
+        # (a check per token in time with few candidates, not with the stop strings' lengths)
+        self._ends: list[tuple[str, dict[str, list[int]]]] = []
+        for stop in self.stops:
+            ends: dict[str, list[int]] = {}
+            for k in range(len(stop) - 1, 0, -1):
+                ends.setdefault(stop[k - 1], []).append(k)
+            self._ends.append((stop, ends))
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add generated text; return (text safe to emit now, whether a stop string was hit)."""
@@ -26,9 +35,10 @@ class StopMatcher:
             self.pending = ""
             return buf[: min(hits)], True
         hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), 0, -1):
-                if buf.endswith(s[:k]):
+        last = buf[-1:]
+        for s, ends in self._ends:
+            for k in ends.get(last, ()):
+                if k <= len(buf) and buf.endswith(s[:k]):
                     hold = max(hold, k)
                     break
         self.pending = buf[len(buf) - hold :]

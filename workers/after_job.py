@@ -30,7 +30,8 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import redis
 
@@ -42,7 +43,7 @@ from shared.redis_client import CLUSTER_TYPES, RETRYABLE, text
 from shared.retry import Backoff
 from shared.scripts.codes import AccountReply
 from shared.settings import Settings
-from shared.stream_consumer import Entry, StreamConsumer
+from shared.stream_consumer import Entry, Ref, StreamConsumer
 from workers.webhook import WebhookSender, redact
 
 log = logging.getLogger("conveyor.after_job")
@@ -103,6 +104,10 @@ class AfterJob:
         self.consumer.ensure_group()
         self.webhooks = WebhookSender(client, settings, parallel)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="webhook")
+        # deliveries not yet finished, by entry: an entry seen again (a retry) while its delivery goes on waits for
+        # that one rather than queueing another (an endpoint that hangs would otherwise grow the pool's queue by its
+        # whole backlog at each retry, ahead of every other tenant's deliveries)
+        self._inflight: dict[Ref, Future[str | None]] = {}
         self.stopping = threading.Event()  # set: a waiting drain returns after its current wait
 
     def drain(self, budget_s: float = 10.0, batch: int = 200, wait_ms: int = 0) -> dict[str, int]:
@@ -157,6 +162,13 @@ class AfterJob:
                 self.client.xgroup_delconsumer(stream, c.group, c.consumer)
         forget(self.client, names.CELERY_POOL, c.consumer)
 
+    def _deliver(self, ref: Ref, send: Callable[..., str | None], *args: str) -> Future[str | None]:
+        """The entry's delivery: the one an earlier try started, while it goes on, else a new one."""
+        future = self._inflight.get(ref)
+        if future is None or future.done():
+            future = self._inflight[ref] = self._pool.submit(send, *args)
+        return future
+
     def _beat(self) -> None:
         beat(self.client, names.CELERY_POOL, self.consumer.consumer, "1", max(self.settings.claim_idle_ms, 10_000))
 
@@ -166,18 +178,21 @@ class AfterJob:
         its record; nothing in one entry stops the others."""
         jobs = [e for e in entries if not _batch_id(e)]
         ids = [_job_id(e) for e in jobs]
-        hooks, unaccounted = {}, set()
+        hooks: dict[Ref, tuple[str, str, Future[str | None]]] = {}
+        unaccounted = set()
         for entry, job_id, found in zip(jobs, ids, account(self.client, ids)):
             if isinstance(found, Exception):
                 log.warning("accounting %s failed: %s; will retry", job_id, found)
                 unaccounted.add(entry.ref)
             elif found.webhook_url:
-                hooks[entry.ref] = (job_id, redact(found.webhook_url),
-                                    self._pool.submit(self.webhooks.send, job_id, found.webhook_url, found.owner))
+                hooks[entry.ref] = (job_id, redact(found.webhook_url), self._deliver(
+                    entry.ref, self.webhooks.send, job_id, found.webhook_url, found.owner))
         for entry in entries:
             if batch_id := _batch_id(entry):
-                hooks[entry.ref] = (batch_id, "its webhook", self._pool.submit(self.webhooks.send_batch, batch_id))
+                hooks[entry.ref] = (batch_id, "its webhook",
+                                    self._deliver(entry.ref, self.webhooks.send_batch, batch_id))
         wait([f for *_, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
+        self._inflight = {ref: f for ref, f in self._inflight.items() if not f.done()}
         done, failures = [], {}
         for entry in entries:
             if entry.ref in unaccounted:

@@ -227,3 +227,22 @@ def test_a_waiting_drain_outlives_a_redis_outage(tmp_path: Path, caplog: pytest.
         client.close()
     finally:
         server.stop()
+
+
+def test_an_entry_retried_while_its_delivery_waits_is_not_sent_twice(redis_db: redis.Redis) -> None:
+    """A slow endpoint's backlog outlasts a round's wait: its deliveries still queued or running when their entries
+    come back (a retry) are the ones waited for, not queued again ahead of every other delivery."""
+    worker = AfterJob(redis_db, Settings(webhook_allow_private=True), consumer="after-slow", parallel=1)
+    release, calls = threading.Event(), []
+
+    def slow(job_id: str) -> str | None:
+        calls.append(job_id)
+        release.wait(10)
+        return None
+
+    first = [worker._deliver(("s", f"{i}-0"), slow, f"job_{i}") for i in range(3)]
+    again = [worker._deliver(("s", f"{i}-0"), slow, f"job_{i}") for i in range(3)]
+    assert again == first  # the same deliveries, none queued twice
+    release.set()
+    assert [f.result(timeout=10) for f in first] == [None] * 3 and calls == ["job_0", "job_1", "job_2"]
+    worker.close()
