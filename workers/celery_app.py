@@ -80,9 +80,12 @@ def client() -> Any:
 
 @app.task(name="conveyor.trim_streams")
 def trim_streams() -> dict[str, int]:
-    """Drop stream entries that every consumer has finished with; in an outage, nothing until the next run."""
+    """Drop stream entries that every consumer has finished with, and consumers gone that hold none; in an outage,
+    nothing until the next run."""
     try:
-        return upkeep.trim_all(client(), settings.model_keys)
+        trimmed = upkeep.trim_all(client(), settings.model_keys)
+        upkeep.prune_all(client(), settings.model_keys)  # the consumers of workers gone, as their entries go
+        return trimmed
     except RETRYABLE as exc:
         log.warning("streams not trimmed this run: redis unavailable (%s)", exc)
         heal(client())

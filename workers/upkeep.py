@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import redis
 
-from shared import names
+from shared import names, scripts
 from shared.redis_client import text
 
 
@@ -45,3 +45,17 @@ def trim_all(client: redis.Redis, models: Sequence[str] = ("",)) -> dict[str, in
     """Trim every stream with a consumer group (each served model's `tokenized` streams among them: `models`,
     their queue names); entries removed, per stream."""
     return {stream: trim_consumed(client, stream, group) for stream, group in names.stream_groups(models).items()}
+
+
+CONSUMER_IDLE_MS = 3_600_000  # a consumer that holds nothing and has not read for an hour is a worker gone
+
+
+def prune_consumers(client: redis.Redis, stream: str, group: str, idle_ms: int = CONSUMER_IDLE_MS) -> int:
+    """Remove the group's consumers that hold no entry and have not read for `idle_ms` (prune_consumers.lua)."""
+    return int(scripts.PRUNE_CONSUMERS(client, [stream], [group, idle_ms]))
+
+
+def prune_all(client: redis.Redis, models: Sequence[str] = ("",), idle_ms: int = CONSUMER_IDLE_MS) -> int:
+    """`prune_consumers` on every stream with a consumer group; how many were removed in all."""
+    return sum(prune_consumers(client, stream, group, idle_ms)
+               for stream, group in names.stream_groups(models).items())

@@ -85,8 +85,9 @@ FAIR_POP = Script("fair_pop")
 BATCH_RESULT = Script("batch_result")
 FILE_BYTES = Script("file_bytes")
 BATCH_CANCEL = Script("batch_cancel")
+PRUNE_CONSUMERS = Script("prune_consumers")
 ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL, FAIR_PUSH,
-       FAIR_POP, BATCH_RESULT, FILE_BYTES, BATCH_CANCEL)
+       FAIR_POP, BATCH_RESULT, FILE_BYTES, BATCH_CANCEL, PRUNE_CONSUMERS)
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:

@@ -147,6 +147,10 @@ def test_batch_and_file_scripts_touch_only_their_keys(declared: Declared) -> Non
     r.hset(names.batch_key(batch), "status", "completed")  # a cancel that meets the batch's end changes nothing
     assert declared(scripts.BATCH_CANCEL, batch_ops.cancel_write(batch, 2.0)) == 0
     assert r.hget(names.batch_key(batch), "status") == b"completed"
+    stream = names.stream(names.JOBS, 0)
+    r.xgroup_create(stream, names.TOKENIZER_GROUP, id="0", mkstream=True)
+    r.xgroup_createconsumer(stream, names.TOKENIZER_GROUP, "gone")
+    assert declared(scripts.PRUNE_CONSUMERS, ([stream], [names.TOKENIZER_GROUP, 0])) == 1
     assert declared(scripts.FILE_BYTES, file_ops.file_bytes_write("acme", "file-1", 10, 60, 100)) == [1, 10]
     assert declared(scripts.FILE_BYTES, file_ops.file_bytes_write("acme", "file-2", 95, 60, 100)) == [0, 10]
 

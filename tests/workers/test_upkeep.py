@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 
 from shared import names
-from workers.upkeep import trim_all, trim_consumed
+from workers.upkeep import prune_all, prune_consumers, trim_all, trim_consumed
 
 
 def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
@@ -25,6 +25,21 @@ def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
     r.xack(s, g, *ids[6:])
     assert trim_all(r)[s] == 4 and r.xlen(s) == 0
     assert trim_consumed(r, f"{names.PREFIX}:none", g) == 0
+
+
+def test_consumers_gone_are_pruned_but_never_one_that_holds_entries(redis_db: redis.Redis) -> None:
+    r = redis_db
+    s, g = names.stream(names.JOBS, 0), names.TOKENIZER_GROUP
+    r.xgroup_create(s, g, id="0", mkstream=True)
+    r.xadd(s, {"n": 1})
+    r.xadd(s, {"n": 2})
+    [(_, [(done, _)])] = r.xreadgroup(g, "gone", {s: ">"}, count=1)
+    r.xack(s, g, done)
+    r.xreadgroup(g, "holds", {s: ">"}, count=1)  # pending, unacknowledged: its worker may have died with it
+    assert prune_consumers(r, s, g) == 0  # both read just now
+    assert prune_consumers(r, s, g, idle_ms=0) == 1
+    assert [c["name"] for c in r.xinfo_consumers(s, g)] == ["holds"]
+    assert prune_all(r, idle_ms=0) == 0 and prune_consumers(r, f"{names.PREFIX}:none", g, idle_ms=0) == 0
 
 
 def test_celery_app_registers_tasks() -> None:
