@@ -25,16 +25,20 @@ from shared.grammar import GrammarError, GrammarSpec, compile_with, tokenizer_in
 log = logging.getLogger("conveyor.inference")
 
 CACHED = 64  # compiled grammars held (a typical one ~0.1-2 MB in memory)
+CACHED_BYTES = 256 * 2**20  # and their memory together (the door admits grammars of up to ~25-30 MB each)
 COMPILE_THREADS = 2  # a fallback compile shares the CPU with the engine loop
 
 
 class GrammarLoader:
     def __init__(self, model_path: str, client: redis.Redis, vocab_size: int, model: str = "",
-                 capacity: int = CACHED) -> None:
-        """`model`: the served model's queue name ('' the default), whose compiled grammars it reads."""
+                 capacity: int = CACHED, capacity_bytes: int = CACHED_BYTES) -> None:
+        """`model`: the served model's queue name ('' the default), whose compiled grammars it reads. The cache
+        holds `capacity` grammars and `capacity_bytes` of them at most (the last one loaded always)."""
         self.model_path, self.client, self.capacity, self.model = model_path, client, capacity, model
+        self.capacity_bytes = capacity_bytes
         self.vocab_size = vocab_size or None  # the model's logits' width (0: config.json's)
-        self.cache: OrderedDict[str, Any] = OrderedDict()
+        self.cache: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # spec key -> (compiled, its bytes)
+        self.cached_bytes = 0
         self.loaded = self.compiled = 0  # how each grammar not in the cache was made (from Redis, compiled here)
         self._lock = threading.Lock()
         self._info: Any = None
@@ -44,16 +48,18 @@ class GrammarLoader:
         """The spec's xgrammar CompiledGrammar (stored for the jobs of `partition`); GrammarError when it can be
         neither loaded nor compiled; Redis's errors are raised."""
         with self._lock:
-            compiled = self.cache.get(spec_key)
-            if compiled is not None:
+            held = self.cache.get(spec_key)
+            if held is not None:
                 self.cache.move_to_end(spec_key)
-                return compiled
+                return held[0]
             compiled = self._fetch(spec_key, partition)
             if compiled is None:
                 compiled = self._compile(spec)
-            self.cache[spec_key] = compiled
-            while len(self.cache) > self.capacity:
-                self.cache.popitem(last=False)
+            size = int(getattr(compiled, "memory_size_bytes", 0))
+            self.cache[spec_key] = (compiled, size)
+            self.cached_bytes += size
+            while len(self.cache) > 1 and (len(self.cache) > self.capacity or self.cached_bytes > self.capacity_bytes):
+                self.cached_bytes -= self.cache.popitem(last=False)[1][1]
             return compiled
 
     def _fetch(self, spec_key: str, partition: int) -> Any:

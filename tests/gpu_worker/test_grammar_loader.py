@@ -92,3 +92,14 @@ def test_the_cache_is_bounded(loader: GrammarLoader) -> None:
 def test_a_grammar_that_does_not_compile_here_raises(loader: GrammarLoader) -> None:
     with pytest.raises(GrammarError, match='Rule "foo" is not defined'):
         loader.load("x" * 64, GrammarSpec("grammar", "root ::= foo"))
+
+
+def test_the_cache_is_bounded_by_bytes_too(loader: GrammarLoader) -> None:
+    """Grammars held past the byte budget go, oldest first; the one just loaded stays, however large."""
+    specs = [grammar_spec(guided_choice=[f"a{i}", f"b{i}"]) for i in range(2)]
+    first = loader.load(specs[0].key, specs[0])
+    loader.capacity_bytes = first.memory_size_bytes  # room for one such grammar
+    loader.load(specs[1].key, specs[1])
+    assert list(loader.cache) == [specs[1].key] and loader.cached_bytes == loader.cache[specs[1].key][1] > 0
+    loader.capacity_bytes = 1
+    assert loader.load(specs[0].key, specs[0]) is not None and list(loader.cache) == [specs[0].key]
