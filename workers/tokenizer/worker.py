@@ -256,10 +256,11 @@ class TokenizerWorker:
 
     def _tokenize(self, stream: str, served: ModelTokens, group: list[tuple[Entry, str | None, list[Any]]]) -> None:
         """Tokenize one partition's entries of one model (their texts in one call) and queue each job's record in
-        the model's fair queue. A job that cannot be tokenized fails alone, with its reason; nothing a request
-        holds can stop this loop."""
+        the model's fair queue: the jobs without a grammar first, then those whose grammar had to be compiled (a
+        compile takes up to seconds: their batch-mates do not wait for it). A job that cannot be tokenized fails
+        alone, with its reason; nothing a request holds can stop this loop."""
         started = time.time()
-        prepared: list[tuple[str, GenerationRequest, str | None]] = []  # (job, request, prompt text or None: ids)
+        prepared: list[tuple[Entry, str, GenerationRequest, str | None]] = []  # (entry, job, request, prompt text)
         traces: dict[str, tuple[str, float]] = {}  # traced jobs: (carrier, created_at)
         for entry, job_id, (status, cancel, trace, created) in group:
             if not job_id or status != b"queued" or cancel == b"1":
@@ -268,19 +269,34 @@ class TokenizerWorker:
                 traces[job_id] = (trace.decode(), float(created or started))
             ready = self._prepare(job_id, entry, served)
             if ready is not None:
-                prepared.append((job_id, *ready))
-        texts = [(p, req.prompt is not None) for _, req, p in prepared if p is not None]
+                prepared.append((entry, job_id, *ready))
+        shaped = [p for p in prepared if p[2].grammar is not None]
+        waiting = {p[0].id for p in shaped}
+        acked = [e.id for e, _, _ in group if e.id not in waiting]
+        if acked:
+            self._queue(stream, served, acked, [p for p in prepared if p[2].grammar is None], traces, started)
+        if shaped:
+            compiled = [p for p in shaped if self._compile(p[1], p[2], served)]
+            self._queue(stream, served, [p[0].id for p in shaped], compiled, traces, started)
+
+    def _queue(self, stream: str, served: ModelTokens, acked: list[str],
+               prepared: list[tuple[Entry, str, GenerationRequest, str | None]],
+               traces: dict[str, tuple[str, float]], started: float) -> None:
+        """The prepared jobs' texts tokenized together, their records pushed to the fair queue with `acked` (the
+        entries done with) acknowledged in the same step."""
+        texts = [(p, req.prompt is not None) for _, _, req, p in prepared if p is not None]
         encoded = iter(self._encode(served.prompts, [t for t, _ in texts], [raw for _, raw in texts]) if texts else [])
-        ids = [req.prompt_token_ids if p is None else next(encoded) for _, req, p in prepared]
+        ids = [req.prompt_token_ids if p is None else next(encoded) for _, _, req, p in prepared]
         now = time.time()
-        queued = [q for (job_id, req, _), prompt_ids in zip(prepared, ids)
+        queued = [q for (_, job_id, req, _), prompt_ids in zip(prepared, ids)
                   if (q := self._record(job_id, req, prompt_ids, served.context, traces.get(job_id, ("",))[0],
                                         (started, now))) is not None]
-        fair_queue.push(self.writer, names.stream_partition(stream), [e.id for e, _, _ in group], queued,
+        fair_queue.push(self.writer, names.stream_partition(stream), acked, queued,
                         self.settings.fair_share, self.settings.job_ttl_s, served.key)
         self.counters["processed"] += len(queued)
         self.counters["batches"] += 1
-        self._trace(traces, prepared, ids, started, now)
+        self._trace({j: t for j, t in traces.items() if any(p[1] == j for p in prepared)},
+                    [(job_id, req, p) for _, job_id, req, p in prepared], ids, started, now)
 
     def _trace(self, traces: dict[str, tuple[str, float]], prepared: list[tuple[str, GenerationRequest, str | None]],
                ids: list[list[int] | None], started: float, done: float) -> None:
@@ -297,24 +313,34 @@ class TokenizerWorker:
                             len(prepared)})
 
     def _prepare(self, job_id: str, entry: Entry, served: ModelTokens) -> tuple[GenerationRequest, str | None] | None:
-        """The job's request and its prompt text (None: given as token ids), its grammar compiled for its model;
-        None when the job failed instead."""
+        """The job's request and its prompt text (None: given as token ids); None when the job failed instead."""
         try:
             req = GenerationRequest.from_wire(_field(entry.fields, "request") or "")
-            prompt = None if req.prompt_token_ids is not None else served.prompts.render(req)
-            if req.grammar is not None:
-                self._grammars(served).prepare(req.grammar.spec, names.job_partition(job_id))
-            return req, prompt
+            return req, None if req.prompt_token_ids is not None else served.prompts.render(req)
         except RETRYABLE:
             raise  # (its partition's master does not answer: its entries are held, `process`)
-        except GrammarError as exc:
-            self._fail(job_id, f"invalid grammar: {exc}")
         except ValueError as exc:  # not a request the API writes (PromptError too: the template refused it)
             self._fail(job_id, f"invalid request: {exc}")
         except Exception as exc:  # noqa: BLE001 - one job's failure is that job's alone
             log.exception("job %s could not be prepared", job_id)
             self._fail(job_id, f"the request could not be tokenized ({type(exc).__name__})")
         return None
+
+    def _compile(self, job_id: str, req: GenerationRequest, served: ModelTokens) -> bool:
+        """The job's grammar compiled for its model and stored for the inference workers; False when the job
+        failed instead."""
+        assert req.grammar is not None
+        try:
+            self._grammars(served).prepare(req.grammar.spec, names.job_partition(job_id))
+            return True
+        except RETRYABLE:
+            raise
+        except GrammarError as exc:
+            self._fail(job_id, f"invalid grammar: {exc}")
+        except Exception as exc:  # noqa: BLE001 - one job's failure is that job's alone
+            log.exception("job %s: its grammar could not be compiled", job_id)
+            self._fail(job_id, f"the grammar could not be compiled ({type(exc).__name__})")
+        return False
 
     def _record(self, job_id: str, req: GenerationRequest, prompt_ids: list[int] | None, context: int,
                 trace: str = "", times: tuple[float, float] = (0.0, 0.0)) -> tuple[str, int, int, bytes] | None:
