@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -47,6 +48,7 @@ class Child:
     proc: subprocess.Popen[bytes]
     started: float = field(default_factory=time.monotonic)
     stopping: bool = False
+    stop_by: float = math.inf  # when draining: the moment it is killed if it has not exited
 
 
 def _kill_group(pgid: int) -> None:
@@ -82,6 +84,10 @@ class Pool:
         for c in list(self.children):
             code = c.proc.poll()
             if code is None:
+                if now > c.stop_by:  # drained past its deadline (scaled down): wedged; its jobs are claimed
+                    log.warning("%s: pid %d did not stop in time; killing it", self.name, c.proc.pid)
+                    _kill_group(c.proc.pid)
+                    c.stop_by = math.inf
                 continue
             self.children.remove(c)
             _kill_group(c.proc.pid)  # what it left in its group (Celery's beat, a killed worker's children)
@@ -101,6 +107,7 @@ class Pool:
 
     def _drain(self, c: Child) -> None:
         c.stopping = True
+        c.stop_by = time.monotonic() + worker_stop_s(self.grace_s) + 5
         log.info("%s: draining pid %d", self.name, c.proc.pid)
         c.proc.send_signal(signal.SIGTERM)
 

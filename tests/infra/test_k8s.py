@@ -192,8 +192,11 @@ def test_inference_has_a_gpu_and_time_to_drain() -> None:
     inference = workloads()[names.INFERENCE_POOL]
     gpus = container(inference)["resources"]["limits"]["nvidia.com/gpu"]
     assert isinstance(gpus, int) and gpus >= 1
+    from shared.lifecycle import worker_stop_s
+
     drain = settings_from(container_env(container(inference))).drain_grace_s
-    assert inference["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
+    # its drain, then its output lane's last writes
+    assert inference["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > worker_stop_s(drain)
 
 
 def test_configmap_holds_settings_and_no_secret() -> None:

@@ -104,3 +104,33 @@ def test_a_child_that_dies_takes_what_it_left_in_its_group_along() -> None:
     finally:
         pool.stop()
         pool.wait(time.monotonic() + 10)
+
+
+def test_a_child_drained_on_scale_down_is_killed_past_its_deadline() -> None:
+    """Scaled down, a worker drains; one that never exits (wedged, or ignoring SIGTERM) is killed once its drain and
+    its lane's stop are past, rather than left beside its replacement."""
+    from infra.supervisor import Pool
+
+    pool = Pool("test", [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                                "time.sleep(300)"], {}, 1, grace_s=0)
+    pool.reconcile()
+    child = pool.children[0]
+    try:
+        def ignores_sigterm() -> bool:  # its SIGTERM handler set (SigIgn in /proc: a mask of signals ignored)
+            status = Path(f"/proc/{child.proc.pid}/status").read_text()
+            return bool(int(status.split("SigIgn:")[1].split()[0], 16) & (1 << (signal.SIGTERM - 1)))
+
+        deadline = time.monotonic() + 30
+        while not ignores_sigterm() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pool.target = 0
+        pool.reconcile()
+        assert child.stopping and child.proc.poll() is None  # told, and ignoring it
+        child.stop_by = time.monotonic() - 1  # its deadline passed
+        pool.reconcile()
+        assert child.proc.wait(10) == -signal.SIGKILL
+        pool.reconcile()
+        assert pool.children == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            child.proc.kill()
