@@ -248,12 +248,18 @@ def tool_input(arguments: str) -> dict[str, Any]:
 
 
 def message_body(job: Job, stop_sequence: str | None) -> dict[str, Any]:
-    """Anthropic's `message` object for an ended job: its text block, then a tool_use block per call."""
+    """Anthropic's `message` object for an ended job: its text and tool_use blocks in the order its text has them
+    (as its stream opens them); one empty text block when it said nothing."""
     calls = job.tool_calls or []
-    text = job.content or ""
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}] if text or not calls else []
-    content += [{"type": "tool_use", "id": tool_use_id(job, i), "name": c["function"]["name"],
-                 "input": tool_input(c["function"]["arguments"])} for i, c in enumerate(calls)]
+    content: list[dict[str, Any]] = []
+    for part in job.parts if job.parts is not None else [job.content or ""]:
+        if isinstance(part, int):
+            c = calls[part]
+            content.append({"type": "tool_use", "id": tool_use_id(job, part), "name": c["function"]["name"],
+                            "input": tool_input(c["function"]["arguments"])})
+        elif part:
+            content.append({"type": "text", "text": part})
+    content = content or [{"type": "text", "text": ""}]
     return {"id": message_id(job), "type": "message", "role": "assistant", "model": job.model,
             "content": content, "stop_reason": stop_reason(job, stop_sequence, bool(calls)),
             "stop_sequence": stop_sequence,

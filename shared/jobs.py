@@ -84,6 +84,8 @@ class Job(BaseModel):
     # calls (None when there is none; markup of a call cut short is neither), the text itself when no tools were offered
     tool_calls: list[dict[str, Any]] | None = None
     content: str | None = Field(None, exclude=True)
+    # with a tool parser: the text's pieces outside the calls and the calls' indices, in the text's order
+    parts: list[str | int] | None = Field(None, exclude=True)
 
     @classmethod
     def from_record(cls, rec: dict[str, str], job_id: str = "") -> Job:
@@ -112,12 +114,14 @@ class Job(BaseModel):
         text = rec.get("text", "")
         calls: list[dict[str, Any]] | None = None
         content: str | None = text
+        parts: list[str | int] | None = None
         if rec.get("tool_parser"):
             parsed = parse(rec["tool_parser"], text)
-            calls, content = (openai_calls(rec["id"], parsed.calls) or None), parsed.content
+            calls, content, parts = (openai_calls(rec["id"], parsed.calls) or None), parsed.content, parsed.order
         return cls(
             tool_calls=calls,
             content=content,
+            parts=parts,
             logprobs=None if entries is None else [chat_item(e) for e in entries],
             prompt_logprobs=None if prompt_doc is None else [
                 None if e[2] is None else chat_item(e) for e in prompt_doc[1]],

@@ -125,12 +125,18 @@ def function_call(job: Job, index: int, name: str, arguments: str, done: bool) -
 
 
 def output_items(job: Job) -> list[dict[str, Any]]:
-    """An ended job's output items: its message (when it said anything), then a function_call per call."""
+    """An ended job's output items in the order its text has them, as its stream adds them (api/responses.py
+    `ToolEvents`): a message per piece of text (the first `msg_<job>`, a later one `msg_<job>_<its index>`) and a
+    function_call per call."""
     calls = job.tool_calls or []
-    text = job.content
-    items = [message(job, text, True)] if text else []
-    return items + [function_call(job, i, c["function"]["name"], c["function"]["arguments"], True)
-                    for i, c in enumerate(calls)]
+    base, items = "msg_" + job.id.removeprefix("job_"), []
+    for part in job.parts if job.parts is not None else [job.content or ""]:
+        if isinstance(part, int):
+            c = calls[part]
+            items.append(function_call(job, part, c["function"]["name"], c["function"]["arguments"], True))
+        elif part:
+            items.append(message(job, part, True, f"{base}_{len(items)}" if items else base))
+    return items
 
 
 def response_object(job: Job, meta: dict[str, Any], state: str | None = None) -> dict[str, Any]:

@@ -16,6 +16,8 @@ class ToolCall:
 class Parsed:
     content: str | None  # the text outside the calls; None when there is none
     calls: list[ToolCall] = field(default_factory=list)
+    # the text's pieces and the calls' indices in the order the text has them (a stream's blocks, in order)
+    order: list[str | int] = field(default_factory=list, compare=False)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,16 @@ def collect(events: list[StreamEvent]) -> Parsed:
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     names = {e.index: e.name for e in events if isinstance(e, CallStart)}
     args = {i: "".join(e.fragment for e in events if isinstance(e, ArgumentsDelta) and e.index == i) for i in names}
-    return Parsed(content or None, [ToolCall(names[i], args[i]) for i in sorted(names)])
+    order: list[str | int] = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            if order and isinstance(order[-1], str):
+                order[-1] += e.text
+            else:
+                order.append(e.text)
+        elif isinstance(e, CallStart):
+            order.append(e.index)
+    return Parsed(content or None, [ToolCall(names[i], args[i]) for i in sorted(names)], order)
 
 
 def call_id(job_id: str, index: int, prefix: str = "call_") -> str:

@@ -142,3 +142,25 @@ def test_every_body_shows_the_answer_without_markup_cut_short() -> None:
     plain = Job.from_record({**rec, "tool_parser": ""})
     assert Shape(chat=True, logprobs=False, echo=False, prompts=[None]).choice(0, plain)["message"]["content"] \
         == rec["text"]
+
+
+def test_bodies_keep_the_texts_order_as_the_streams_do() -> None:
+    """Text, a call, more text: Anthropic's blocks and the Responses items come in that order, whole as streamed
+    (the Responses stream's items and ids: api/responses.py ToolEvents)."""
+    from api.anthropic import message_body
+    from api.responses import ToolEvents
+    from shared.jobs import Job
+    from shared.openai_bodies import output_items
+
+    text = 'Let me look.\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\nWhile that runs: done.'
+    job = Job.from_record({"id": "job_1", "status": "succeeded", "model": "m", "finish_reason": "stop",
+                           "created_at": "1.0", "text": text, "tool_parser": "hermes"})
+    blocks = message_body(job, None)["content"]
+    assert [b["type"] for b in blocks] == ["text", "tool_use", "text"]
+    assert blocks[0]["text"] == "Let me look." and blocks[2]["text"] == "\nWhile that runs: done."
+    items = output_items(job)
+    events = ToolEvents(job, {"tool_parser": "hermes"})
+    streamed = [data["item"] for ev in ([*events.text(text), *events.end(job)]) for _, kind, data in [ev]
+                if kind == "response.output_item.done"]
+    assert [(i["type"], i["id"]) for i in items] == [(i["type"], i["id"]) for i in streamed]
+    assert [i["type"] for i in items] == ["message", "function_call", "message"]
