@@ -133,6 +133,12 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool]:
     return mapped, parallel
 
 
+def continues(messages: list[Message]) -> bool:
+    """Whether the conversation's last message is the assistant's text, which the output continues (a prefill)
+    rather than answers."""
+    return messages[-1].role == "assistant" and not messages[-1].tool_calls
+
+
 class CountTokensRequest(ClientBody):
     """The body of `/v1/messages/count_tokens`: what a Messages request's prompt is made of."""
 
@@ -194,7 +200,7 @@ class MessagesRequest(CountTokensRequest):
         sampling = {k: getattr(self, k) for k in ("temperature", "top_p", "top_k") if getattr(self, k) is not None}
         try:
             messages = self.chat()
-            prefill = messages[-1].role == "assistant" and not messages[-1].tool_calls  # continued, not answered
+            prefill = continues(messages)
             return GenerationRequest(messages=messages, max_tokens=self.max_tokens, stop=self.stop_sequences or [],
                                      continue_final_message=prefill, **sampling, **self.tool_fields())
         except ValidationError as exc:

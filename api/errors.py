@@ -88,7 +88,7 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    529: "overloaded_error"}
 ANTHROPIC_PREFIX = "/v1/messages"
 # routes whose malformed bodies answer 400 (as vLLM's and Anthropic's do) rather than 422
-BAD_REQUEST_PATHS = (ANTHROPIC_PREFIX, "/tokenize", "/detokenize")
+BAD_REQUEST_PATHS = (ANTHROPIC_PREFIX, "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def anthropic_body(status: int, message: str) -> dict[str, object]:

@@ -5,6 +5,7 @@ answers 404 model_not_found."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,8 +121,10 @@ async def load(redis: aredis.Redis, settings: Settings, name: str, path: str, ba
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     try:
         check_adapter(path, Dims.of(settings.path_of(base)), settings.max_lora_rank)
-    except (AdapterError, KeyError, ValueError) as exc:
-        raise ApiError(400, f"the LoRA adapter '{name}' cannot be loaded: {exc}", param="lora_path") from None
+    except (AdapterError, KeyError, ValueError, TypeError, AttributeError, OSError, re.error) as exc:
+        # (a config or header of the wrong shapes: `r: {}`, `rank_pattern: ["x"]`, a pattern that is no regex, ...)
+        raise ApiError(400, f"the LoRA adapter '{name}' cannot be loaded: {type(exc).__name__}: {exc}",
+                       param="lora_path") from None
     module = LoraModule(name, path, base)
     if not await redis.hsetnx(names.LORAS, name, module.to_json()):
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")

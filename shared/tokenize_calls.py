@@ -54,6 +54,7 @@ class TokenizeCall(BaseModel):
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # shown in the prompt
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open, as a request continues it
     return_token_strs: bool = False
     tokens: CallIds | None = None
     job_id: Annotated[str, Field(max_length=64)] | None = None

@@ -22,6 +22,7 @@ from api.anthropic import (
     MessagesRequest,
     MessageStream,
     StopOf,
+    continues,
     error_event,
     message_body,
 )
@@ -103,8 +104,11 @@ async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayD
     """The prompt's tokens as a Messages request with this body would count them (the chat template's)."""
     target = await served.resolve(client, settings, body.model, caller.tenant)
     body.refuse_unsupported()
-    call = TokenizeCall(kind="tokenize", messages=body.chat(), tools=body.prompt_tools(), add_special_tokens=False,
-                        add_generation_prompt=True, base_model=target.key(settings))
+    messages = body.chat()
+    prefill = continues(messages)  # continued, as /v1/messages does
+    call = TokenizeCall(kind="tokenize", messages=messages, tools=body.prompt_tools(), add_special_tokens=False,
+                        add_generation_prompt=not prefill, continue_final_message=prefill,
+                        base_model=target.key(settings))
     reply = await ask(client, relay, call)
     return {"input_tokens": len(reply.tokens or [])}
 

@@ -105,6 +105,9 @@ def test_system_prompt_counts_as_the_message_does(claude: anthropic.Anthropic) -
                                           messages=[{"role": "user", "content": [{"type": "text",
                                                                                    "text": ASK[0]["content"]}]}])
     assert blocks.input_tokens == counted.input_tokens
+    prefilled = [*ASK, {"role": "assistant", "content": "The answer is"}]  # continued, not answered
+    msg = claude.messages.create(model=MODEL, max_tokens=4, extra_body=GREEDY, messages=prefilled)  # type: ignore[arg-type]
+    assert claude.messages.count_tokens(model=MODEL, messages=prefilled).input_tokens == msg.usage.input_tokens  # type: ignore[arg-type]
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(claude: anthropic.Anthropic) -> None:

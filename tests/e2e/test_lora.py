@@ -7,6 +7,8 @@ model: its adapter's chat answer equals PEFT's."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from functools import cache
 from typing import Any
 
@@ -117,6 +119,12 @@ async def test_an_adapter_loaded_at_run_time_is_served_until_unloaded(plumbing_s
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
         again = await api.post("/v1/load_lora_adapter", json={"lora_name": "tiny-all", "lora_path": str(tmp_path)})
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        malformed = shutil.copytree(tiny_loras["tiny-late"], tmp_path / "malformed")
+        config = json.loads((malformed / "adapter_config.json").read_text())
+        (malformed / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": ["x"]}))
+        for body in ({"lora_name": "malformed", "lora_path": str(malformed)}, {"lora_name": "no-path"}):
+            r = await api.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 400, r.text  # a config of the wrong shapes, a body without its path: as vLLM
         r = await api.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": tiny_loras["tiny-late"]})
         assert r.status_code == 200, r.text
         try:

@@ -205,8 +205,12 @@ class TokenizerWorker:
                 return TokenizeReply(prompt=prompts.decode(call.tokens or []))
             if call.kind == "stop_sequence":
                 return TokenizeReply(stop_sequence=self._stop_of(call, prompts))
-            source = call.prompt or "" if call.messages is None else prompts.chat(
-                call.messages, call.add_generation_prompt, call.tools)
+            if call.messages is None:
+                source = call.prompt or ""
+            elif call.continue_final_message:
+                source = prompts.continued(call.messages, call.tools)
+            else:
+                source = prompts.chat(call.messages, call.add_generation_prompt, call.tools)
             ids = prompts.encode(source, call.add_special_tokens)
             strs = prompts.token_strs(ids) if call.return_token_strs else None
             return TokenizeReply(tokens=ids, token_strs=strs)
