@@ -29,12 +29,24 @@ import torch
 from safetensors.torch import load_file
 
 from gpu_worker.engine.gemm import Gemm
-from shared.lora import KEY, WEIGHTS_FILE, AdapterError, Dims, check_adapter
+from shared.lora import CONFIG_FILE, KEY, WEIGHTS_FILE, AdapterError, Dims, check_adapter
 
 log = logging.getLogger("conveyor.engine")
 
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
          "down": ("down_proj",)}
+
+
+def files_stamp(path: str) -> tuple[int, ...]:
+    """When and how large an adapter's files are (its config and weights): what tells files written anew."""
+    out: list[int] = []
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            st = (Path(path) / name).stat()
+            out += [st.st_mtime_ns, st.st_size]
+        except OSError:
+            out += [0, 0]
+    return tuple(out)
 
 
 class LoraAdapter:
@@ -44,7 +56,9 @@ class LoraAdapter:
     def __init__(self, name: str, path: str, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         self.name, self.path, self.layers = name, path, layers
         self.slot = -1
-        self.salt = hash(("lora", name, str(Path(path).resolve())))  # seeds its sequences' prefix-cache hashes
+        self.stamp = files_stamp(path)  # its files as read: files changed since (retrained) are another adapter
+        # seeds its sequences' prefix-cache hashes
+        self.salt = hash(("lora", name, str(Path(path).resolve()), self.stamp))
 
     @classmethod
     def load(cls, name: str, path: str, dims: Dims, max_rank: int) -> LoraAdapter:
@@ -159,7 +173,8 @@ class LoraManager:
         """The adapter, resident and held once more; None when it must wait (every resident one held);
         AdapterError when its files are bad."""
         a = self.resident.get(name)
-        if a is not None and a.path != path:  # unloaded and loaded again from elsewhere: the new one
+        if a is not None and (a.path != path or a.stamp != files_stamp(path)):  # loaded again from elsewhere, or
+            # its files written anew (a retrained adapter unloaded and loaded again): the new one
             if self.held.get(name):
                 return None
             self._evict(name)

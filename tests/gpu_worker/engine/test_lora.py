@@ -145,6 +145,26 @@ def test_at_most_max_loras_resident_and_a_request_waits_for_a_slot(tiny_model_di
     assert engine.loras.held == {}
 
 
+def test_an_adapter_written_anew_in_its_folder_is_read_again(tiny_model_dir: str, adapters: dict[str, str],
+                                                              reference: Reference, tmp_path: Path) -> None:
+    """A retrained adapter saved over the old one (unloaded, then loaded again from the same folder): its next
+    request reads the new files (vLLM's unload drops the old weights), and no prefix-cache entry of the old one
+    serves it."""
+    folder = tmp_path / "retrained"
+    shutil.copytree(adapters["all"], folder)
+    paths = {"all": str(folder)}
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=32, max_loras=2,
+                                    max_lora_rank=64))
+    engine.add_request(on("all", paths, "a", PROMPTS[0]))
+    assert drain(engine)["a"] == reference[("all", 0)]
+    old_salt = engine.loras.resident["all"].salt
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["attn"], folder)  # other weights, the same folder and name
+    engine.add_request(on("all", paths, "b", PROMPTS[1]))
+    assert drain(engine)["b"] == reference[("attn", 1)]
+    assert engine.loras.loads == 2 and engine.loras.resident["all"].salt != old_salt
+
+
 def _broken(src: str, tmp: Path, name: str) -> str:
     out = tmp / name
     shutil.copytree(src, out)
