@@ -11,6 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.telemetry import TelemetryConfig
 
 from api import dashboard, errors, metrics
+from api import models as served
 from api.auth import KeyCache
 from api.batches import Batches
 from api.files import FileStore
@@ -31,6 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        served.check_static(settings)  # as vLLM, a LORA_MODULES adapter that cannot be served stops the start
         client = async_client(settings.redis_url)
         app.state.settings = settings
         app.state.redis = client

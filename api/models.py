@@ -130,6 +130,18 @@ async def load(redis: aredis.Redis, settings: Settings, name: str, path: str, ba
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
 
 
+def check_static(settings: Settings) -> None:
+    """Every adapter LORA_MODULES names checked against its model, as a runtime load is (SystemExit saying which
+    and why): one that cannot be served would otherwise be listed, take jobs, and fail each on a worker."""
+    for m in settings.loras.values():
+        base = m.base_model_name or settings.default_model
+        try:
+            check_adapter(m.path, Dims.of(settings.path_of(base)), settings.max_lora_rank)
+        except (AdapterError, KeyError, ValueError, TypeError, AttributeError, OSError, re.error) as exc:
+            raise SystemExit(f"LORA_MODULES: the adapter '{m.name}' at {m.path} cannot be served: "
+                             f"{type(exc).__name__}: {exc}") from None
+
+
 async def unload(redis: aredis.Redis, settings: Settings, name: str) -> None:
     """Remove an adapter loaded at run time (one of LORA_MODULES stays: 400); 404 when none has the name. Jobs
     already queued for it fail at their worker."""

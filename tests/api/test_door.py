@@ -289,3 +289,14 @@ async def test_an_api_without_workers_takes_jobs_and_says_so(api: httpx.AsyncCli
     r = await api.get("/readyz", params={"pools": "false"})
     assert r.status_code == 200 and r.json()["status"] == "ready"
     assert (await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})).status_code == 202
+
+
+async def test_an_adapter_of_lora_modules_that_cannot_be_served_stops_the_start(redis_server, model_path: str,  # type: ignore[no-untyped-def]
+                                                                                tmp_path) -> None:
+    """As vLLM: a LORA_MODULES adapter whose files are missing or do not fit stops the API's start, saying which;
+    it was listed and took jobs that each failed on a worker."""
+    settings = Settings(redis_url=redis_server.url.rsplit("/", 1)[0] + "/13", model=model_path,
+                        lora_modules=f"bad={tmp_path}")
+    with pytest.raises(SystemExit, match="LORA_MODULES: the adapter 'bad'"):
+        async with in_process_api(settings):
+            pass
