@@ -18,12 +18,13 @@ from api import models as served
 from api.auth import CallerDep
 from api.deps import RedisDep, RelayDep, SettingsDep
 from api.errors import ApiError
+from api.openai_schemas import ChatMessage
 from api.relay import Relay
 from shared import names
+from shared.grammar.tools import MAX_TOOLS
 from shared.limits import MAX_MESSAGES, Content, Name
 from shared.model_config import model_context
 from shared.ring import channel_of
-from shared.schemas import Message
 from shared.tokenize_calls import (
     CALL_TIMEOUT_S,
     POLL_S,
@@ -95,18 +96,27 @@ class TokenizeRequest(BaseModel):
                               json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: Name | None = None
     prompt: Content | None = None
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    # as the chat route takes them: text or text parts, an assistant's tool_calls, a tool's tool_call_id
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # shown as a request shows them
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open, as a request continues it
     return_token_strs: bool = False
 
     def call(self, model: str | None = None) -> TokenizeCall:
         """The call for the tokenizer of `model` (a served model's queue name; None the default)."""
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        messages = None if self.messages is None else [m.to_message(i) for i, m in enumerate(self.messages)]
+        if self.continue_final_message and (self.add_generation_prompt or not messages
+                                            or messages[-1].role != "assistant"):
+            raise ApiError(400, "continue_final_message needs a last message from the assistant and "
+                                "add_generation_prompt: false", param="continue_final_message")
         special = self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
-        return TokenizeCall(kind="tokenize", prompt=self.prompt, messages=self.messages, add_special_tokens=special,
-                            add_generation_prompt=self.add_generation_prompt,
+        return TokenizeCall(kind="tokenize", prompt=self.prompt, messages=messages, tools=self.tools,
+                            add_special_tokens=special, add_generation_prompt=self.add_generation_prompt,
+                            continue_final_message=self.continue_final_message,
                             return_token_strs=self.return_token_strs, base_model=model)
 
 

@@ -55,6 +55,28 @@ def test_messages_have_the_chat_templates_ids(api: httpx.Client, model_path: str
     assert with_prompt["count"] > without["count"]
 
 
+def test_messages_take_the_chat_routes_shapes(api: httpx.Client, model_path: str) -> None:
+    """Text parts, an assistant's tool calls with no content, `tools`, and a last assistant message continued
+    (`continue_final_message`), as vLLM's /tokenize takes them."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_path)
+    ask = CHAT[-1]["content"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": ask[:5]}, {"type": "text", "text": ask[5:]}]}]
+    assert api.post("/tokenize", json={"messages": parts}).json() == api.post(
+        "/tokenize", json={"messages": [{"role": "user", "content": ask}]}).json()
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    turns = [{"role": "user", "content": ask}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    r = api.post("/tokenize", json={"messages": turns, "tools": [tool]})
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
+    prefill = [{"role": "user", "content": ask}, {"role": "assistant", "content": "The answer is"}]
+    r = api.post("/tokenize", json={"messages": prefill, "add_generation_prompt": False,
+                                    "continue_final_message": True})
+    assert r.json()["tokens"] == hf.apply_chat_template(prefill, continue_final_message=True, tokenize=True,
+                                                         return_dict=False)
+
+
 def test_detokenize_round_trips(api: httpx.Client, reference: Tokenizer) -> None:
     ids = api.post("/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()["tokens"]
     r = api.post("/detokenize", json={"tokens": ids})
