@@ -23,13 +23,14 @@ from pydantic import ValidationError
 
 from api.errors import ApiError, too_many
 from api.files import FileStore
-from api.models import resolve_static
+from api.models import resolve_static, runtime_adapters
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
 from api.responses import ResponseRequest
 from api.validation import check_request
 from shared import batch_ops, names, tracing
 from shared.job_ops import NotCopied, Writes, execute_copied
 from shared.limits import PRIORITY_MAX
+from shared.lora import LoraModule
 from shared.openai_bodies import line_error
 from shared.settings import Settings
 from shared.tenants import Tenant
@@ -45,7 +46,8 @@ class LineError(Exception):
         self.code, self.message = code, message
 
 
-def parse_line(raw: str, endpoint: str, settings: Settings, tenant: Tenant | None = None) -> dict[str, Any]:
+def parse_line(raw: str, endpoint: str, settings: Settings, tenant: Tenant | None = None,
+               loaded: dict[str, LoraModule] | None = None) -> dict[str, Any]:
     """A line's custom_id and what its job runs; LineError when it is not a valid request for the endpoint."""
     try:
         obj = orjson.loads(raw)
@@ -76,7 +78,8 @@ def parse_line(raw: str, endpoint: str, settings: Settings, tenant: Tenant | Non
                 raise ApiError(400, "a batch line runs one prompt, one choice, without echo")
             gen = gens[0]
             out["logprobs"] = oai.logprobs is not None and oai.logprobs is not False
-        gen = check_request(resolve_static(settings, body.get("model"), tenant).apply(gen, settings), settings)
+        gen = check_request(resolve_static(settings, body.get("model"), tenant, loaded).apply(gen, settings),
+                            settings)
     except ApiError as exc:
         raise LineError("invalid_request", exc.message) from None
     except ValidationError as exc:
@@ -192,6 +195,7 @@ class Batches:
         seen: set[str] = set()
         good, total = 0, 0
         limit, whose = max_lines
+        loaded = await runtime_adapters(self.r)  # a line may name an adapter loaded at run time, as a request may
         async for raw in self.files.lines(meta):
             if not raw.strip():
                 continue
@@ -200,7 +204,7 @@ class Batches:
                 raise ApiError(400, f"a batch holds at most {limit} lines ({whose})", param="input_file_id",
                                code="too_many_lines")
             try:
-                line = parse_line(raw, endpoint, self.settings, tenant)
+                line = parse_line(raw, endpoint, self.settings, tenant, loaded)
                 if line["custom_id"] in seen:
                     raise LineError("duplicate_custom_id", f"custom_id {line['custom_id']!r} appears twice")
                 seen.add(line["custom_id"])

@@ -76,18 +76,28 @@ async def resolve(redis: aredis.Redis, settings: Settings, requested: str | None
     return target
 
 
-def resolve_static(settings: Settings, requested: str | None, tenant: Tenant | None = None) -> Target:
-    """`resolve` for the models and the adapters of LORA_MODULES alone (a batch line, checked at upload)."""
+def resolve_static(settings: Settings, requested: str | None, tenant: Tenant | None = None,
+                   loaded: dict[str, LoraModule] | None = None) -> Target:
+    """`resolve` without a read of Redis (a batch's lines, checked at upload): the models, the adapters of
+    LORA_MODULES and those of `loaded` (the runtime adapters, read once for all the lines: `runtime_adapters`)."""
     name = _allowed(settings, requested, tenant)
     target = _static(settings, name)
+    module = (loaded or {}).get(name)
+    if target is None and module is not None and module.base_model_name in settings.served:
+        target = Target(module.base_model_name, name)
     if target is None:
         raise not_found(name, settings)
     return target
 
 
+async def runtime_adapters(redis: aredis.Redis) -> dict[str, LoraModule]:
+    """The adapters loaded at run time, by name."""
+    return {m.name: m for m in map(LoraModule.from_json, (await redis.hgetall(names.LORAS)).values())}
+
+
 async def adapters(redis: aredis.Redis, settings: Settings) -> list[LoraModule]:
     """Every adapter served: LORA_MODULES', then those loaded at run time, by name."""
-    loaded = [LoraModule.from_json(v) for v in (await redis.hgetall(names.LORAS)).values()]
+    loaded = (await runtime_adapters(redis)).values()
     return [*settings.loras.values(), *sorted((m for m in loaded if m.name not in settings.loras),
                                               key=lambda m: m.name)]
 

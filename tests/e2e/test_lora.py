@@ -131,6 +131,14 @@ async def test_an_adapter_loaded_at_run_time_is_served_until_unloaded(plumbing_s
             assert _model_ids(plumbing_stack.url)["late"]["root"] == tiny_loras["tiny-late"]
             got = await _complete(plumbing_oai, "late", PROMPTS[2])
             assert got == peft_text(tiny_model_dir, tiny_loras["tiny-late"], PROMPTS[2])
+            line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "late", "prompt": "x", "max_tokens": 1}}  # a batch line may name it too
+            f = await api.post("/v1/files", files={"file": ("in.jsonl", json.dumps(line).encode() + b"\n")},
+                               data={"purpose": "batch"})
+            batch = (await api.post("/v1/batches", json={"input_file_id": f.json()["id"], "endpoint": "/v1/completions",
+                                                         "completion_window": "24h"})).json()
+            assert batch["request_counts"] == {"total": 1, "completed": 0, "failed": 0}, batch
+            await api.post(f"/v1/batches/{batch['id']}/cancel")
         finally:
             assert (await api.post("/v1/unload_lora_adapter", json={"lora_name": "late"})).status_code == 200
         assert "late" not in _model_ids(plumbing_stack.url)
