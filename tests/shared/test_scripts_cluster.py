@@ -178,3 +178,39 @@ def test_a_master_refusing_writes_holds_back_only_its_own_partitions_jobs(cluste
     assert [e.fields[b"batch"] for e in queue.pop(4, None)] == [held.encode()]
     consumer.ring.close()
     queue.ring.close()
+
+
+def test_upkeeps_consumer_pruning_and_a_batch_cancel_run_on_a_cluster(cluster: redis.Redis) -> None:
+    """The scripts upkeep and the Batch API's cancel call, on a cluster: each stream's group on its own master, the
+    cancel's promise (its call and WAIT on the batch's master)."""
+    import asyncio
+
+    from shared import batch_ops
+    from shared.redis_client import async_client
+    from workers.upkeep import prune_all
+
+    streams = [names.stream(names.JOBS, p) for p in names.partitions()]
+    for stream in streams:
+        try:
+            cluster.xgroup_create(stream, names.TOKENIZER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError:
+            pass  # (made by an earlier test)
+        cluster.xgroup_createconsumer(stream, names.TOKENIZER_GROUP, f"gone-{uuid.uuid4().hex[:6]}")
+    assert prune_all(cluster, idle_ms=0) >= len(streams)
+    assert all(not cluster.xinfo_consumers(s, names.TOKENIZER_GROUP) for s in streams)
+
+    batch_id = f"batch_{uuid.uuid4().hex}"
+    cluster.hset(names.batch_key(batch_id), "status", "in_progress")
+
+    async def cancel() -> None:
+        node = cluster.get_default_node()  # type: ignore[attr-defined]
+        password = node.redis_connection.connection_pool.connection_kwargs.get("password") or ""
+        client = async_client(f"redis://:{password}@{node.host}:{node.port}/0")
+        try:
+            with pytest.raises(batch_ops.NotCopied):  # no replicas here: the cancel is made, and not promised
+                await batch_ops.request_cancel(client, batch_id, 1.0)
+        finally:
+            await client.aclose()
+
+    asyncio.run(cancel())
+    assert cluster.hget(names.batch_key(batch_id), "status") == b"cancelling"
