@@ -244,6 +244,9 @@ def request_error(exc: ValidationError) -> ApiError:
 _PARAM = re.compile(r"(tools|tool_choice|messages)(\[\d+\])?(\.\w+(\[\d+\])?)*")
 
 
+Order = Literal["asc", "desc"]  # a list's `order` query parameter: oldest or newest first
+
+
 def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     """OpenAI's cursor-paginated list: `data` with its first and last ids."""
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,

@@ -14,7 +14,7 @@ from api.auth import CallerDep
 from api.batches import Batches, batch_object
 from api.errors import ApiError
 from api.files import FileStore, TooLarge, file_object
-from api.openai_schemas import list_page
+from api.openai_schemas import Order, list_page
 from shared.limits import Metadata, Name, WebhookUrl
 
 router = APIRouter(prefix="/v1", tags=["batches"])
@@ -56,7 +56,7 @@ async def upload(request: Request, caller: CallerDep, file: Annotated[UploadFile
 @router.get("/files", response_model=None)
 async def list_files(request: Request, caller: CallerDep, limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
                      after: str | None = None, purpose: str | None = None,
-                     order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc") -> Any:
+                     order: Order = "desc") -> Any:
     """The caller's files, newest first unless `order=asc`; of one `purpose` when given (none of a purpose this
     server does not hold)."""
     data, more = await _files(request).listing(caller.owner, limit, after, purpose, order == "desc")

@@ -20,7 +20,7 @@ from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot
 from api.choices import failure, wait_all
 from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError
-from api.openai_schemas import list_page
+from api.openai_schemas import Order, list_page
 from api.quota import ThroughputDep, admit
 from api.relay import Relay
 from api.responses import (
@@ -158,7 +158,7 @@ async def delete(response_id: str, store: StoreDep, caller: CallerDep) -> Any:
 
 @router.get("/{response_id}/input_items", response_model=None)
 async def input_items(response_id: str, store: StoreDep, caller: CallerDep,
-                      order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc",
+                      order: Order = "desc",
                       limit: Annotated[int, Query(ge=1, le=100)] = 20, after: str | None = None) -> Any:
     """The response's input items as OpenAI lists them (newest first unless `order=asc`, `limit` a page, from
     `after` an item's id): messages with their content parts, function calls and their outputs as given."""
