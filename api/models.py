@@ -19,6 +19,10 @@ from shared.schemas import GenerationRequest
 from shared.settings import Settings
 from shared.tenants import Tenant
 
+# what checking an adapter's files raises when it cannot be served: AdapterError saying why, and a config or header
+# of the wrong shapes (`r: {}`, `rank_pattern: ["x"]`, a pattern that is no regex, ...) or unreadable files
+NOT_SERVABLE = (AdapterError, KeyError, ValueError, TypeError, AttributeError, OSError, re.error)
+
 
 def not_found(requested: str, settings: Settings) -> ApiError:
     runs = ", ".join(map(repr, settings.served))
@@ -131,8 +135,7 @@ async def load(redis: aredis.Redis, settings: Settings, name: str, path: str, ba
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     try:
         check_adapter(path, Dims.of(settings.path_of(base)), settings.max_lora_rank)
-    except (AdapterError, KeyError, ValueError, TypeError, AttributeError, OSError, re.error) as exc:
-        # (a config or header of the wrong shapes: `r: {}`, `rank_pattern: ["x"]`, a pattern that is no regex, ...)
+    except NOT_SERVABLE as exc:
         raise ApiError(400, f"the LoRA adapter '{name}' cannot be loaded: {type(exc).__name__}: {exc}",
                        param="lora_path") from None
     module = LoraModule(name, path, base)
@@ -147,7 +150,7 @@ def check_static(settings: Settings) -> None:
         base = m.base_model_name or settings.default_model
         try:
             check_adapter(m.path, Dims.of(settings.path_of(base)), settings.max_lora_rank)
-        except (AdapterError, KeyError, ValueError, TypeError, AttributeError, OSError, re.error) as exc:
+        except NOT_SERVABLE as exc:
             raise SystemExit(f"LORA_MODULES: the adapter '{m.name}' at {m.path} cannot be served: "
                              f"{type(exc).__name__}: {exc}") from None
 
