@@ -42,6 +42,11 @@ class LLMEngine:
         cache = self.runner.cache
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, config.prefix_caching,
                                    self.runner.generated_by_decode)
+        if self.blocks.blocks_for(self.runner.max_model_len) > self.blocks.usable_blocks:  # as vLLM, refused at the
+            # start: a request the door accepts would otherwise fail part-way through its output
+            raise ValueError(f"the KV cache holds {self.blocks.usable_blocks * cache.block_size} tokens, less than one "
+                             f"context of {self.runner.max_model_len} (MAX_MODEL_LEN): raise KV_CACHE_MB or lower "
+                             "MAX_MODEL_LEN")
         device = self.runner.device.type
         # tokens per step while some sequence decodes, and while none does: one budget when configured
         batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device, 512)

@@ -200,16 +200,20 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: StepBatch, inputs: StepInputs, h: torch.Tensor) -> None:
         """For sequences that want their prompt's logprobs (echo): each chunk's rows give the logprobs of
         the prompt tokens that follow them (the last prompt token's row is the first sampled one instead).
-        A chunk computed again (after preemption) adds nothing: its entries are already there."""
+        A chunk computed again (after a preemption, in other chunks than the first time) adds only the entries
+        not there yet."""
         for (s, n), chunk in zip(batch.chunks, inputs.attn.chunks):
-            p = s.num_computed
-            if s.prompt_lp is None or len(s.prompt_lp) != p:
+            if s.prompt_lp is None:
                 continue
-            m = min(p + n, s.num_prompt - 1) - p  # rows p .. p+m-1 predict prompt tokens p+1 .. p+m
+            p, have = s.num_computed, len(s.prompt_lp)
+            if not p <= have < p + n:
+                continue
+            m = min(p + n, s.num_prompt - 1) - have  # rows have .. have+m-1 predict prompt tokens have+1 .. have+m
             if m <= 0:
                 continue
-            logits = self.model.compute_logits(h[chunk.offset : chunk.offset + m])
-            for one in token_logprobs(logits, s.token_ids[p + 1 : p + 1 + m], [s.req.prompt_logprobs] * m):
+            at = chunk.offset + have - p
+            logits = self.model.compute_logits(h[at : at + m])
+            for one in token_logprobs(logits, s.token_ids[have + 1 : have + 1 + m], [s.req.prompt_logprobs] * m):
                 s.prompt_lp.extend(one)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:

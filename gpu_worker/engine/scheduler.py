@@ -228,8 +228,8 @@ class Scheduler:
             return False
         bs, ids = self.blocks.block_size, seq.token_ids
         for r in self.running:
-            if r.num_computed >= r.num_tokens - 1:
-                continue  # decoding: whatever it shares is cached already
+            if r.num_computed >= r.num_tokens - 1 or r.hash_seed != seq.hash_seed:
+                continue  # decoding: whatever it shares is cached already; or under another adapter: it never will be
             shared = 0
             limit = min(len(ids) - 1, r.num_tokens) // bs  # its last token's block is never taken from the cache
             while shared < limit and ids[shared * bs : (shared + 1) * bs] == r.token_ids[shared * bs:(shared + 1) * bs]:

@@ -129,7 +129,7 @@ def test_preempted_sequences_resume_to_the_same_tokens(tiny_model_dir: str, pree
                                                        prefix_caching: bool) -> None:
     """A pool too small for every sequence at once: the newest are preempted by blocks and finish
     with the tokens they produce alone."""
-    small = LLMEngine(EngineConfig(model=tiny_model_dir, **PREEMPT_CFG, kv_cache_mb=1,  # type: ignore[arg-type]
+    small = LLMEngine(EngineConfig(model=tiny_model_dir, **PREEMPT_CFG, kv_cache_mb=8,  # type: ignore[arg-type]
                                    prefix_caching=prefix_caching))
     small.blocks = small.scheduler.blocks = BlockManager(40, small.runner.block_size, prefix_caching)
     out, _ = _drive(small, [Request(f"r{i}", p, max_tokens=24, temperature=0, ignore_eos=True)
@@ -137,3 +137,10 @@ def test_preempted_sequences_resume_to_the_same_tokens(tiny_model_dir: str, pree
     assert small.scheduler.num_preemptions > 0
     assert out == preempt_ref
     assert small.blocks.num_used == 0
+
+
+def test_an_engine_whose_cache_cannot_hold_one_context_refuses_to_start(tiny_model_dir: str) -> None:
+    """A request the door accepts (up to MAX_MODEL_LEN) must fit the cache alone, or it would fail part-way."""
+    with pytest.raises(ValueError, match="KV_CACHE_MB"):
+        LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=1, kv_cache_mb=1,
+                               max_model_len=100_000))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import EngineConfig, LLMEngine
+from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.step import StepOutput
 from shared.schemas import Request
 from tests.gpu_worker.engine.test_engine import QUESTIONS, prompt_ids, reference_model
@@ -21,7 +22,7 @@ def drive(engine: LLMEngine, reqs: list[Request]) -> dict[str, list[StepOutput]]
     while engine.has_unfinished():
         for o in engine.step():
             assert o.error is None, o.error
-            out[o.id].append(o)
+            out.setdefault(o.id, []).append(o)
     return out
 
 
@@ -78,6 +79,32 @@ def test_prompt_logprobs_are_whole_when_the_prompt_is_cached_and_chunked(model_p
     pa, pb = (next(o.prompt_logprobs for o in x if o.prompt_logprobs) for x in (a, b))
     assert len(pa) == len(pb) == len(prompt) - 1
     assert torch.allclose(torch.tensor(pa.chosen), torch.tensor(pb.chosen), atol=1e-5)
+
+
+def test_prompt_logprobs_are_whole_after_a_preemption_in_the_prompt(tiny_model_dir: str) -> None:
+    """A sequence preempted while its prompt is computed in chunks computes it again in other chunks (the budget
+    depends on the rows decoding beside it): its echo still covers every prompt position, as alone."""
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                                      max_model_len=256))
+
+    def echo() -> Request:
+        return Request("b", [100 + (i * 13) % 500 for i in range(100)], max_tokens=4, temperature=0, ignore_eos=True,
+                       prompt_logprobs=1)
+
+    alone = drive(engine(), [echo()])["b"]
+    small = engine()
+    small.blocks = small.scheduler.blocks = BlockManager(10, small.runner.block_size, True,
+                                                         small.runner.generated_by_decode)  # 9 blocks of 16 tokens
+    first = Request("a", [11 + i % 7 for i in range(30)], max_tokens=10, temperature=0, ignore_eos=True)
+    small.add_request(first)
+    small.step()  # "a" runs; "b" arrives and takes blocks until "a"'s decode needs one back
+    out = drive(small, [echo()])["b"]
+    assert small.scheduler.num_preemptions >= 1
+    want, got = (next(o.prompt_logprobs for o in x if o.prompt_logprobs) for x in (alone, out))
+    assert len(want) == len(got) == 99
+    assert torch.allclose(torch.tensor(want.chosen), torch.tensor(got.chosen), atol=1e-5)
+    assert tokens(out) == tokens(alone)
 
 
 # --- penalties, bias, min_tokens: greedy runs of the default model ------------------------------------

@@ -254,3 +254,18 @@ def test_an_adapter_rows_update_has_the_same_bits_whatever_its_slot_and_the_rows
             if rows > 1:
                 assert beside[0] is None and torch.equal(y[1], y0[1])  # a row without an adapter: unchanged
         loras.release(adapter)
+
+
+def test_a_request_does_not_wait_for_another_adapters_prefill_of_its_prompt(tiny_model_dir: str,
+                                                                           adapters: dict[str, str]) -> None:
+    """A request waits a step for a running prefill of its own prompt only when it could take those blocks from the
+    prefix cache: never beside the same prompt under another adapter (their K/V differ)."""
+    prompt = [100 + (i * 31) % 800 for i in range(200)]
+    for first_under, waits in ((None, True), ("all", False)):
+        engine = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=4,
+                                        max_num_batched_tokens=32, max_lora_rank=64))
+        engine.add_request(on(first_under, adapters, "first", prompt, 2, priority=10))
+        engine.step()  # its first chunk of 32
+        engine.add_request(on(None, adapters, "base", prompt, 2))
+        engine.step()
+        assert (engine.seqs["base"].num_computed == 0) is waits, first_under
