@@ -11,7 +11,9 @@ by shared/scripts/stream_open.lua.
 The Batch API has limits of its own: `batch_tpm` is a separate token bucket for batch lines (the
 driver's submits charge it instead of `rpm` and `tpm`, so a batch never spends the key's interactive
 allowance; 0, the default, leaves batch lines unmetered: they run at the lowest priority, behind the
-key's own interactive jobs, and the fair queue shields other tenants); `max_file_bytes` caps the bytes
+key's own interactive jobs, and the fair queue shields other tenants). Batch lines are not counted in the key's
+`max_queued` nor in the service's queue cap (submit.lua): the driver's window and `max_open_batches` bound
+them, and no interactive request waits behind them. `max_file_bytes` caps the bytes
 of the key's stored files, `max_open_batches` its batches not yet ended, `max_batch_lines` the lines of
 one batch (api/files.py, api/batches.py check them).
 """

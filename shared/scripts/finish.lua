@@ -32,7 +32,8 @@ local active, tenant_key, tokens_bucket, batch_bucket = KEYS[12], KEYS[13], KEYS
 local required, job_id, ended_cap, named_owner, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local worker, named_model = ARGV[12], ARGV[13]
 -- (a record damaged by hand into a key of another type is no job: nothing is written, its caller goes on)
-local rec = redis.pcall('HMGET', job, 'status', 'worker', 'owner', 'base_model', 'seq', 'completion_tokens')
+local rec = redis.pcall('HMGET', job, 'status', 'worker', 'owner', 'base_model', 'seq', 'completion_tokens',
+                        'counted')
 if rec.err then return -1 end
 local st = rec[1]
 if not st then return -1 end
@@ -43,8 +44,9 @@ if required ~= '' and st ~= required then return 0 end
 local owner = rec[3] or ''
 if owner ~= named_owner or (rec[4] or '') ~= named_model then return -3 end
 if tonumber(rec[5] or '0') < tonumber(ARGV[14]) or tonumber(rec[6] or '0') < tonumber(ARGV[15]) then return -4 end
+local counted = rec[7] ~= '0' -- a batch line is in neither the depth nor the unfinished jobs (submit.lua)
 if st == 'queued' then
-  redis.call('INCR', dequeued)
+  if counted then redis.call('INCR', dequeued) end
   if redis.call('HDEL', payloads, job_id) == 1 then -- waiting in the fair queue: leave it
     local tenant = redis.call('HGET', job, 'fair_queued') or ''
     local _, _, order, created = string.find(redis.call('HGET', places, job_id) or '', '^(%x+):(%d+):')
@@ -70,7 +72,7 @@ redis.call('XADD', ended, 'MAXLEN', '~', ended_cap, '*', 'job_id', job_id)
 local drain = redis.call('GETDEL', KEYS[16]) -- an after-job drain sleeps: wake it
 if drain then redis.call('PUBLISH', drain, KEYS[16]) end
 if owner ~= '' then
-  redis.call('DECR', active)
+  if counted then redis.call('DECR', active) end
   local rec = redis.call('HMGET', job, 'reserved_tokens', 'prompt_tokens', 'completion_tokens', 'budget')
   local refund = (tonumber(rec[1]) or 0) - (tonumber(rec[2]) or 0) - (tonumber(rec[3]) or 0)
   local cap, bucket = 'tpm', tokens_bucket

@@ -12,7 +12,7 @@ local now, worker, ttl = ARGV[1], ARGV[2], ARGV[3]
 local st = redis.call('HGET', job, 'status')
 if not st then return {-1, 0, '', '', '1', ''} end
 local seq = tonumber(redis.call('HGET', job, 'seq') or '0')
-local rec = redis.call('HMGET', job, 'created_at', 'cancel_requested', 'fair_queued', 'weight', 'owner')
+local rec = redis.call('HMGET', job, 'created_at', 'cancel_requested', 'fair_queued', 'weight', 'owner', 'counted')
 local created, tenant, weight, owner = rec[1] or '', rec[3] or '', rec[4] or '1', rec[5] or ''
 if rec[2] == '1' then
   return {(st == 'queued' or st == 'running') and 3 or 0, seq, created, tenant, weight, owner}
@@ -20,7 +20,7 @@ end
 if st == 'queued' then
   redis.call('HSET', job, 'status', 'running', 'started_at', now, 'worker', worker)
   redis.call('EXPIRE', job, ttl)
-  redis.call('INCR', dequeued)
+  if rec[6] ~= '0' then redis.call('INCR', dequeued) end -- a batch line never counted in the depth (submit.lua)
   return {1, seq, created, tenant, weight, owner}
 end
 if st == 'running' then

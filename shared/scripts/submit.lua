@@ -11,6 +11,11 @@
 --       12 budget: 'interactive' (rpm and tpm) or 'batch' (no rpm; tokens from KEYS[7] at the tenant's
 --       batch_tpm, a line costlier than a whole minute's waits for a full bucket; recorded as the job's
 --       `budget`, so finish.lua refunds to that bucket), 13.. record field/value pairs
+-- A batch line is outside the key's unfinished jobs (max_queued: its batches never take its interactive
+-- requests' room; the driver's window and max_open_batches bound them) and outside the queue's depth (the
+-- submitted and dequeued counters: it waits behind every interactive job, at the lowest priority, so counting it
+-- would refuse interactive requests that would not wait for it); its record says so (`counted` 0), which
+-- start.lua and finish.lua read.
 -- One key is not in KEYS: the job an idempotency key names (KEYS[9]'s value), checked for existence, so that a
 -- key outliving its job admits the request anew. Its id is known only from that value: naming it up front
 -- would cost every keyed submit a read first (one more round trip), and making ids follow from keys would
@@ -27,6 +32,7 @@ local requests_bucket, tokens_bucket, active, idem = KEYS[6], KEYS[7], KEYS[8], 
 local ttl, now, owner, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local max_waiting, idem_ttl, digest, jobs_cap = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local job_prefix, job_id, request, budget = ARGV[9], ARGV[10], ARGV[11], ARGV[12]
+local line = budget == 'batch'
 -- the same call sent again (its reply was lost to a dropped connection) finds its job: enqueued and
 -- charged once; the caller knows the id for its own
 if redis.call('EXISTS', job) == 1 then return {2, job_id} end
@@ -60,7 +66,7 @@ if owner ~= '' then
     if tpm > 0 then cost = math.min(cost, tpm) end
   end
   local maxq = tonumber(t[4]) or 0
-  if maxq > 0 and tonumber(redis.call('GET', active) or '0') >= maxq then return {-4, maxq} end
+  if maxq > 0 and not line and tonumber(redis.call('GET', active) or '0') >= maxq then return {-4, maxq} end
   local ok, retry
   ok, r_left, r_reset, retry = bucket(requests_bucket, rpm, 1)
   if not ok then return {-2, math.ceil(retry * 1000), rpm, math.ceil(r_reset * 1000)} end
@@ -82,14 +88,17 @@ if owner ~= '' then
     redis.call('HSET', tokens_bucket, 't', t_left, 'ts', now)
     redis.call('EXPIRE', tokens_bucket, 120)
   end
-  redis.call('INCR', active)
-  redis.call('EXPIRE', active, ttl)
+  if not line then
+    redis.call('INCR', active)
+    redis.call('EXPIRE', active, ttl)
+  end
 end
 if idem_ttl ~= '0' then redis.call('SET', idem, job_id .. ':' .. digest, 'EX', tonumber(idem_ttl)) end
-local ordinal = redis.call('INCR', submitted)
+local ordinal -- a batch line's: the interactive jobs submitted before it
+if line then ordinal = tonumber(redis.call('GET', submitted) or '0') else ordinal = redis.call('INCR', submitted) end
 for i = 13, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 redis.call('HSET', job, 'ordinal', ordinal, 'owner', owner, 'reserved_tokens', cost, 'weight', weight)
-if budget == 'batch' then redis.call('HSET', job, 'budget', budget) end
+if line then redis.call('HSET', job, 'budget', budget, 'counted', '0') end
 redis.call('EXPIRE', job, ttl)
 redis.call('XADD', jobs, 'MAXLEN', '~', jobs_cap, '*', 'job_id', job_id, 'request', request)
 local channel = redis.call('GETDEL', KEYS[10]) -- a tokenizer sleeps: wake it

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from infra.redis_server import RedisServer
-from shared import names
+from shared import names, tenants
 from shared.job_ops import JobOps
 from shared.jobs import FinishReason
 from shared.redis_client import sync_client
@@ -219,3 +219,32 @@ async def test_a_batch_past_its_window_expires_and_is_announced(r: redis.Redis, 
         ended = [f for s in names.streams(names.ENDED) for _, f in r.xrange(s)]
         assert {"batch_id": batch_id} in ended  # for the after-job drain, which calls the webhook
         assert not r.zscore(names.batches_open(""), batch_id)
+
+
+async def test_batch_lines_take_neither_the_keys_unfinished_jobs_nor_the_services_queue(r: redis.Redis,
+                                                                                      settings: Settings) -> None:
+    """A key's batch lines in flight count neither against its max_queued nor against the service's queue cap
+    (MAX_QUEUED): they wait behind every interactive job, at the lowest priority, so the key's own interactive
+    requests and other keys' are still accepted while its batches run; the counts stay right as the lines end."""
+    s = settings.model_copy(update={"auth": "required", "max_queued": 8})
+    key, _ = tenants.create(r, "team", max_queued=4)
+    other, _ = tenants.create(r, "other")
+    async with in_process_api(s) as api:
+        api.headers["Authorization"] = f"Bearer {key}"
+        batch_id = await _batch(api, WINDOW + 6)
+        driver = BatchDriver(r, s)
+        driver.tick()
+        assert len(_inflight(r, batch_id)) == WINDOW  # past the key's max_queued (4) and MAX_QUEUED (8)
+        for who in (key, other):
+            got = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 2},
+                                 headers={"Authorization": f"Bearer {who}"})
+            assert got.status_code == 202, got.text
+        assert r.get(names.tenant_active_key("team")) == "1"  # its interactive job alone
+        depth = sum(int(r.get(names.submitted_counter(p)) or 0) - int(r.get(names.dequeued_counter(p)) or 0)
+                    for p in names.partitions())
+        assert depth == 2  # the two interactive jobs
+        rec = _run_out(driver, r, s, batch_id)
+        assert rec["status"] == "completed"
+        assert r.get(names.tenant_active_key("team")) == "1" and depth == sum(
+            int(r.get(names.submitted_counter(p)) or 0) - int(r.get(names.dequeued_counter(p)) or 0)
+            for p in names.partitions())
