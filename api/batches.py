@@ -38,6 +38,7 @@ from shared.tenants import Tenant
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 MAX_LINES = 50_000  # lines in one batch, whatever the key (a key's max_batch_lines may allow fewer)
 STALE_OPEN_S = 3600  # a batch this long past its expiry no longer counts as open (a driver has ended it)
+CREATING_S = 600  # how long a batch being made (its lines checked) holds an open place and its lines' copy
 
 
 class LineError(Exception):
@@ -132,7 +133,7 @@ class Batches:
             await self._open(tenant, batch_id, ttl)
         pipe = self.r.pipeline(transaction=False)
         try:
-            good, total = await self._check_lines(meta, endpoint, pipe, lines_key, err_key, _max_lines(tenant),
+            good, total = await self._check_lines(meta, endpoint, pipe, (lines_key, err_key), _max_lines(tenant),
                                                   tenant)
         except BaseException:
             await self.r.delete(lines_key, err_key)  # nothing of a refused batch stays behind
@@ -152,6 +153,8 @@ class Batches:
         for key in (names.batch_key(batch_id), lines_key, err_key):
             writes.expire(key, ttl)
         writes.zadd(names.batches_index(owner), {batch_id: now})
+        if tenant is not None:
+            writes.zadd(names.batches_open(owner), {batch_id: now + window})  # open until it ends (the driver's)
         writes.zremrangebyscore(names.batches_index(owner), 0, now - ttl)  # expired batches leave the index
         writes.expire(names.batches_index(owner), ttl)
         copied = False
@@ -179,7 +182,7 @@ class Batches:
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
         pipe.zremrangebyscore(key, "-inf", now - STALE_OPEN_S)
-        pipe.zadd(key, {batch_id: now + self.settings.batch_window_s})
+        pipe.zadd(key, {batch_id: now + CREATING_S})  # its window once made: an API killed meanwhile holds it briefly
         pipe.zcard(key)
         pipe.expire(key, ttl)
         _, _, n, _ = await pipe.execute()
@@ -189,9 +192,12 @@ class Batches:
             raise too_many(f"this key has {cap} batches not yet ended, its limit (max_open_batches); wait for "
                            "one to end, or cancel one", 60_000)
 
-    async def _check_lines(self, meta: dict[str, Any], endpoint: str, pipe: Any, lines_key: str,
-                           err_key: str, max_lines: tuple[int, str], tenant: Tenant | None) -> tuple[int, int]:
-        """Check each line of the input file: good ones to `lines` (dense indexes), bad ones to `err`."""
+    async def _check_lines(self, meta: dict[str, Any], endpoint: str, pipe: Any, keys: tuple[str, str],
+                           max_lines: tuple[int, str], tenant: Tenant | None) -> tuple[int, int]:
+        """Check each line of the input file: good ones to `lines` (dense indexes), bad ones to `err` (`keys`), each
+        flush with an expiry of CREATING_S (the record's write gives them the batch's): an API killed meanwhile
+        leaves nothing for long."""
+        lines_key, err_key = keys
         seen: set[str] = set()
         good, total = 0, 0
         limit, whose = max_lines
@@ -214,7 +220,9 @@ class Batches:
                 pipe.hset(err_key, 1_000_000 + total,
                           orjson.dumps(line_error(_custom_id(raw), exc.code, f"line {total}: {exc.message}")))
             if len(pipe) >= 500:
+                _expire(pipe, keys, CREATING_S)
                 await pipe.execute()
+        _expire(pipe, keys, CREATING_S)
         return good, total
 
     async def get(self, batch_id: str, owner: str) -> dict[str, Any] | None:
@@ -242,6 +250,11 @@ class Batches:
             if rec is not None:
                 out.append(batch_object(rec))
         return out[:limit], len(out) > limit
+
+
+def _expire(pipe: Any, keys: tuple[str, ...], ttl: int) -> None:
+    for key in keys:
+        pipe.expire(key, ttl)
 
 
 def _max_lines(tenant: Tenant | None) -> tuple[int, str]:

@@ -144,7 +144,7 @@ class FileStore:
         DELETE): on a cluster, on a replica before the answer (NotCopied otherwise)."""
         writes = Writes()
         writes.delete(names.file_key(meta["id"], "meta"))
-        if meta["kind"] == "list":
+        if meta.get("source"):  # its lines (uploaded), or the results of the batch that ended with it
             writes.delete(meta["source"])
         writes.zrem(names.files_index(meta.get("owner") or ""), meta["id"])
         writes.hdel(names.file_bytes_key(meta.get("owner") or ""), meta["id"])

@@ -281,6 +281,7 @@ class BatchDriver:
                 self._file_of_lines(file_id, owner, f"{batch_id}_{suffix}.jsonl", key, size)
                 fields["output_file_id" if part == "out" else "error_file_id"] = file_id
         self.r.hset(names.batch_key(batch_id), mapping=fields)
+        self.r.delete(names.batch_key(batch_id, "lines"))  # its copy of the input: nothing reads it once ended
         self._close(batch_id, {**rec, **fields})
 
     def _file_of_lines(self, file_id: str, owner: str, filename: str, lines_key: str, size: int) -> None:

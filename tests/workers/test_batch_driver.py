@@ -248,3 +248,45 @@ async def test_batch_lines_take_neither_the_keys_unfinished_jobs_nor_the_service
         assert r.get(names.tenant_active_key("team")) == "1" and depth == sum(
             int(r.get(names.submitted_counter(p)) or 0) - int(r.get(names.dequeued_counter(p)) or 0)
             for p in names.partitions())
+
+
+async def test_an_ended_batch_keeps_only_its_results_and_a_deleted_result_file_frees_them(
+        api: httpx.AsyncClient, r: redis.Redis, settings: Settings) -> None:
+    """Once a batch ends its copy of the input lines goes (the input file is the client's to keep or delete);
+    deleting its output file deletes the results it was made of, not only the file's record."""
+    batch_id = await _batch(api, 3)
+    assert r.exists(names.batch_key(batch_id, "lines"))
+    rec = _run_out(BatchDriver(r, settings), r, settings, batch_id)
+    assert not r.exists(names.batch_key(batch_id, "lines"))
+    assert r.hlen(names.batch_key(batch_id, "out")) == 3
+    gone = await api.delete(f"/v1/files/{rec['output_file_id']}")
+    assert gone.status_code == 200 and gone.json()["deleted"] is True
+    assert not r.exists(names.batch_key(batch_id, "out"))
+
+
+async def test_a_batch_being_made_holds_its_lines_and_its_open_place_briefly(
+        r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An API process killed while it checks a big input file leaves what it wrote so far to expire soon (not the
+    batch's 48 h), and the key's open place it took ends soon too; a batch made holds them for its window."""
+    from api import batches
+
+    s = settings.model_copy(update={"auth": "required"})
+    key, _ = tenants.create(r, "team", max_open_batches=2)
+    seen: list[tuple[int, float]] = []
+    parse = batches.parse_line
+
+    def checked(*args: Any) -> Any:
+        lines = [k for k in r.scan_iter(match=names.batch_key("*", "lines")) if not k.endswith("inflight")]
+        if lines:
+            [(_, score)] = r.zrange(names.batches_open("team"), 0, -1, withscores=True)
+            seen.append((int(r.ttl(lines[0])), score - time.time()))
+        return parse(*args)
+
+    monkeypatch.setattr(batches, "parse_line", checked)
+    async with in_process_api(s) as api:
+        api.headers["Authorization"] = f"Bearer {key}"
+        batch_id = await _batch(api, 1_200)  # flushed every 500 lines
+        assert seen and all(0 < ttl <= batches.CREATING_S and left <= batches.CREATING_S for ttl, left in seen)
+        assert r.ttl(names.batch_key(batch_id, "lines")) > settings.batch_window_s
+        [(_, score)] = r.zrange(names.batches_open("team"), 0, -1, withscores=True)
+        assert score > time.time() + settings.batch_window_s - 60
