@@ -20,13 +20,14 @@ class Server(uvicorn.Server):
 
 
 def serve(settings: Settings) -> None:
-    """PORT serves clients; when keys are required, INTERNAL_PORT (default PORT + 1) also serves the
-    operator's pages (/metrics, /scaling, /docs), which PORT then refuses."""
+    """PORT serves clients; when keys are required, INTERNAL_PORT (default PORT + 1) on INTERNAL_HOST (loopback
+    by default: it asks no key) also serves the operator's pages (/metrics, /scaling, /docs), which PORT then
+    refuses."""
     config = uvicorn.Config("api.main:app", host=settings.host, port=settings.port, log_level="warning",
                             loop="uvloop", http="httptools", lifespan="on")
     sockets = None
     if settings.auth_required:
-        sockets = [_bind(settings.host, settings.port), _bind(settings.host, settings.internal_port_number)]
+        sockets = [_bind(settings.host, settings.port), _bind(settings.internal_host, settings.internal_port_number)]
     Server(config).run(sockets=sockets)
 
 

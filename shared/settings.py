@@ -69,6 +69,8 @@ class Settings(BaseSettings):
     allow_insecure: bool = Field(False, description="let `conveyor up` serve a non-loopback HOST with auth off")
     internal_port: int = Field(0, description="port for /metrics, /scaling and /docs when auth is required; "
                                               "0: PORT + 1")
+    internal_host: str = Field("127.0.0.1", description="address INTERNAL_PORT listens on: it answers without a key, "
+                               "so loopback unless a network policy guards it (the Kubernetes manifests: 0.0.0.0)")
     max_queued: int = Field(10_000, ge=1, description="jobs waiting at once, service-wide, before submit answers 429")
     max_queue_wait_s: float = Field(300.0, gt=0, description="estimated wait past which submit answers 429")
     redis_maxmemory_mb: int = Field(1024, ge=16, description="maxmemory of the embedded redis-server (noeviction)")

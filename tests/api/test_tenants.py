@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import redis
 
@@ -217,8 +218,8 @@ def auth_stack(tmp_path_factory: pytest.TempPathFactory, redis_server, tiny_mode
     redis.Redis.from_url(url).flushdb()
     internal = free_port()
     s = start_stack(tmp_path_factory.mktemp("auth-stack"), url, tiny_model_dir,
-                    extra={"AUTH": "required", "INTERNAL_PORT": str(internal), "MAX_TOKENS_CAP": "64",
-                           "DEFAULT_MAX_TOKENS": "16", **lora_env(tiny_loras, ["tiny-all"])})
+                    extra={"AUTH": "required", "HOST": "0.0.0.0", "INTERNAL_PORT": str(internal),
+                           "MAX_TOKENS_CAP": "64", "DEFAULT_MAX_TOKENS": "16", **lora_env(tiny_loras, ["tiny-all"])})
     s.internal_url = f"http://127.0.0.1:{internal}"  # type: ignore[attr-defined]
     yield s
     stop_stack(s)
@@ -329,7 +330,12 @@ def test_open_streams_per_key_are_capped(auth_stack: Stack) -> None:
 
 
 def test_operator_pages_only_on_the_internal_port(auth_stack: Stack) -> None:
+    """The operator's pages answer on the internal port only, and it listens on loopback (INTERNAL_HOST) though
+    HOST opens the public port to every address: it asks no key."""
     internal = auth_stack.internal_url  # type: ignore[attr-defined]
+    [api] = auth_stack.by_role("api")
+    listening = {c.laddr.port: c.laddr.ip for c in api.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert listening == {auth_stack.port: "0.0.0.0", int(internal.rsplit(":", 1)[1]): "127.0.0.1"}
     for path in ("/metrics", "/scaling", "/docs", "/openapi.json"):
         assert httpx.get(auth_stack.url + path).status_code == 404, path
         assert httpx.get(internal + path).status_code == 200, path
