@@ -47,7 +47,7 @@ from shared.fair_queue import read_tenants, tenant_rows
 from shared.job_ops import tail
 from shared.jobs import ACTIVE, STAGE_FIELDS, stages
 from shared.policy import pool_load
-from shared.redis_client import CLUSTER_TYPES, aheal
+from shared.redis_client import CLUSTER_TYPES, UNAVAILABLE, aheal
 from shared.retry import arun_loop
 from shared.settings import Settings
 from shared.signals import WorkerBeat, lag_per_replica, pool_groups, read_snapshot
@@ -328,7 +328,7 @@ class SnapshotHub:
                 snap = await asyncio.to_thread(self.reader.read, ids)
                 snap["jobs"] = self.follower.settle(snap["jobs"], ids)
                 event = sse.encode(orjson.dumps(snap), "snapshot")
-            except RedisError as exc:
+            except (RedisError, *UNAVAILABLE) as exc:
                 event = sse.encode(orjson.dumps(error_body(503, f"Redis: {exc}")), "error")
             except Exception:  # noqa: BLE001 - a bad reading must not end every dashboard's stream
                 log.exception("dashboard snapshot failed")

@@ -19,12 +19,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from api.errors import ApiError
 from shared import metrics as m
 from shared import names
-from shared.fair_queue import TenantLoad, read_tenants
+from shared.fair_queue import OTHERS, TenantLoad, read_tenants
 from shared.policy import pool_load
 from shared.redis_client import sync_client
 from shared.signals import Snapshot, WorkerBeat, lag_per_replica, pool_groups, read_snapshot
 
 router = APIRouter(tags=["metrics"])
+READ_S = 3.0  # the operator pages' Redis reads: each is a few commands in one or two round trips
+WAITING_KINDS = (names.JOBS, names.TOKENIZED)  # the streams whose lag is jobs waiting (not `ended`, not `tokenize`)
 
 
 class SystemCollector:
@@ -41,9 +43,10 @@ class SystemCollector:
         running = GaugeMetricFamily("conveyor:num_requests_running", "Sequences in engine batches")
         running.add_metric([], sum(w.running for w in inf))
         yield running
-        waiting = GaugeMetricFamily("conveyor:num_requests_waiting",
-                                    "Jobs waiting: in engine queues plus stream entries not yet delivered")
-        waiting.add_metric([], sum(w.waiting for w in inf) + sum(lag for lag, _ in snap.lags.values()))
+        waiting = GaugeMetricFamily("conveyor:num_requests_waiting", "Jobs waiting: in engine queues, in the fair "
+                                    "queues and on the `jobs` and `tokenized` streams, not yet delivered")
+        queued = sum(lag for stream, (lag, _) in snap.lags.items() if names.stream_kind(stream) in WAITING_KINDS)
+        waiting.add_metric([], sum(w.waiting for w in inf) + queued)
         yield waiting
         yield from engine_metrics(inf)
         yield from self._pools(snap, groups)
@@ -84,10 +87,11 @@ class SystemCollector:
 
 
 def engine_metrics(inf: list[WorkerBeat]) -> Iterator[Metric]:
-    """The inference workers' gauges and counters, by worker: KV cache, preemptions, speculation, LoRA."""
+    """The inference workers' gauges and counters, by worker: KV cache, preemptions, speculation, LoRA. A worker is
+    labelled by its id (pool, host, pid and a random part): a pid alone repeats across pods (each is pid 1)."""
     kv = GaugeMetricFamily("conveyor:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels=["worker"])
     for w in inf:
-        kv.add_metric([str(w.pid)], w.kv_cache_usage)
+        kv.add_metric([w.worker_id], w.kv_cache_usage)
     yield kv
     pre = CounterMetricFamily("conveyor:num_preemptions", "Sequences preempted (recomputed later), by why: "
                               "KV blocks ran out, a tenant with none running, a better priority",
@@ -96,15 +100,15 @@ def engine_metrics(inf: list[WorkerBeat]) -> Iterator[Metric]:
         memory = w.preemptions - w.fair_preemptions - w.priority_preemptions
         for reason, n in (("memory", memory), ("fair_share", w.fair_preemptions),
                           ("priority", w.priority_preemptions)):
-            pre.add_metric([str(w.pid), reason], n)
+            pre.add_metric([w.worker_id, reason], n)
     yield pre
     drafts = CounterMetricFamily("conveyor:spec_decode_num_draft_tokens", "Speculative draft tokens computed "
                                  "(SPECULATIVE=ngram)", labels=["worker"])
     kept = CounterMetricFamily("conveyor:spec_decode_num_accepted_tokens", "Speculative draft tokens kept: "
                                "each a decode step saved", labels=["worker"])
     for w in inf:
-        drafts.add_metric([str(w.pid)], w.draft_tokens)
-        kept.add_metric([str(w.pid)], w.accepted_tokens)
+        drafts.add_metric([w.worker_id], w.draft_tokens)
+        kept.add_metric([w.worker_id], w.accepted_tokens)
     yield drafts
     yield kept
     resident = GaugeMetricFamily("conveyor:lora_adapters_resident", "LoRA adapters resident (MAX_LORAS at most)",
@@ -113,9 +117,9 @@ def engine_metrics(inf: list[WorkerBeat]) -> Iterator[Metric]:
     evictions = CounterMetricFamily("conveyor:lora_evictions", "LoRA adapters evicted (least recently used) to "
                                     "make room", labels=["worker"])
     for w in inf:
-        resident.add_metric([str(w.pid)], w.lora_resident)
-        loads.add_metric([str(w.pid)], w.lora_loads)
-        evictions.add_metric([str(w.pid)], w.lora_evictions)
+        resident.add_metric([w.worker_id], w.lora_resident)
+        loads.add_metric([w.worker_id], w.lora_loads)
+        evictions.add_metric([w.worker_id], w.lora_evictions)
     yield resident
     yield loads
     yield evictions
@@ -142,8 +146,9 @@ def totals(r: redis.Redis) -> Iterator[Metric]:
 
 
 def tenant_metrics(rows: list[TenantLoad]) -> Iterator[Metric]:
-    """The fair queue by tenant: the top tenants by name, the rest summed as `_other` (its counter can step
-    back when a tenant moves into the top); `_` is the jobs without a key."""
+    """The fair queue by tenant: the top tenants by name, the rest summed as `_other` in the gauges; `_` is the jobs
+    without a key. The served-tokens counter names the top tenants only: each tenant's count only grows, but a sum
+    over whoever is not in the top would step back as tenants move in and out of it (Prometheus reads a reset)."""
     waiting = GaugeMetricFamily("conveyor:tenant_jobs_waiting", "Jobs waiting in the fair queue, by tenant",
                                 labels=["tenant"])
     oldest = GaugeMetricFamily("conveyor:tenant_oldest_wait_seconds",
@@ -153,7 +158,8 @@ def tenant_metrics(rows: list[TenantLoad]) -> Iterator[Metric]:
     for row in rows:
         waiting.add_metric([row.tenant], row.waiting)
         oldest.add_metric([row.tenant], row.oldest_wait_s)
-        served.add_metric([row.tenant], row.served_tokens)
+        if row.tenant != OTHERS:
+            served.add_metric([row.tenant], row.served_tokens)
     yield from (waiting, oldest, served)
 
 
@@ -166,9 +172,11 @@ def dead_letters(client: redis.Redis) -> int:
 
 
 def _clients(state: Any) -> None:
+    """The blocking clients of /metrics, /scaling and the dashboard: a reply waited for READ_S, once retried, so a
+    Redis that stopped answering is a 503 within Prometheus' scrape timeout (10 s), not after 20 s."""
     if not hasattr(state, "metrics_client"):
-        state.metrics_client = sync_client(state.settings.redis_url, retries=1)
-        state.metrics_raw = sync_client(state.settings.redis_url, decode=False, retries=1)
+        state.metrics_client = sync_client(state.settings.redis_url, retries=1, timeout=READ_S)
+        state.metrics_raw = sync_client(state.settings.redis_url, decode=False, retries=1, timeout=READ_S)
 
 
 @router.get("/scaling")

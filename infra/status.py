@@ -15,11 +15,14 @@ import redis
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from shared import names
 from shared.fair_queue import read_tenants, tenant_rows
-from shared.redis_client import sync_client
+from shared.redis_client import RETRYABLE, sync_client
 from shared.signals import read_snapshot
+
+READ_S = 3.0  # a reply waited for: a Redis that stopped answering is said within seconds
 
 
 def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir: Path,
@@ -85,20 +88,33 @@ def render(snap: dict[str, Any]) -> Group:
 
 def run(url: str, max_num_seqs: int, cache_dir: Path, watch: bool, models: Sequence[str] = ("",),
         every_s: float = 1.0) -> int:
-    client = sync_client(url)
-    raw = sync_client(url, decode=False)
+    """Print the stack's state once (1 and one line when Redis does not answer), or keep it on screen (`watch`:
+    a Redis that stops answering is said in place of the tables until it answers again)."""
     console = Console()
     if not console.is_terminal:  # piped: no terminal width to fit, so do not squeeze the columns
         console = Console(width=160)
+    clients: list[redis.Redis] = []  # made again after a failure (a cluster down at the first try looked single)
+
+    def view() -> Any:
+        try:
+            if not clients:
+                client = sync_client(url, retries=1, timeout=READ_S, wait_s=READ_S)
+                client.ping()  # (answered: the second client knows the kind at once)
+                clients[:] = [client, sync_client(url, decode=False, retries=1, timeout=READ_S)]
+            return render(snapshot(clients[0], clients[1], max_num_seqs, cache_dir, models))
+        except (redis.RedisError, *RETRYABLE) as exc:
+            clients.clear()
+            return Text(f"Redis does not answer: {exc}", style="red")
+
+    first = view()
     if not watch:
-        console.print(render(snapshot(client, raw, max_num_seqs, cache_dir, models)))
-        return 0
-    first = render(snapshot(client, raw, max_num_seqs, cache_dir, models))
+        console.print(first)
+        return 1 if isinstance(first, Text) else 0
     with Live(first, console=console, refresh_per_second=4) as live:
         try:
             while True:
                 time.sleep(every_s)
-                live.update(render(snapshot(client, raw, max_num_seqs, cache_dir, models)))
+                live.update(view())
         except KeyboardInterrupt:
             pass
     return 0

@@ -96,10 +96,15 @@ DEAD = "dead"  # entries delivered too often, with why
 # after-job work in workers/after_job.py (usage accounting, the client's webhook); so is every batch that
 # ends with a webhook to call (entries with `batch_id` instead of `job_id`, by workers/batch_driver.py)
 ENDED = "ended"
+# tokenize calls (shared/tokenize_calls.py): `/tokenize`, `/detokenize` and the Messages API's token counts, answered
+# by the tokenizer pool. A call goes on its partition's `tokenize` stream (read with `jobs`, by the same group); its
+# reply is a key with a TTL and a message on the call's channel (`job_channel` of its id, so the API's relay
+# subscribes to it as to a job's), both in the call's partition.
+TOKENIZE = "tokenize"
 TOKENIZER_GROUP = "tokenizers"
 INFERENCE_GROUP = "inference"
 AFTER_JOB_GROUP = "after-job"
-GROUPS = {JOBS: TOKENIZER_GROUP, TOKENIZED: INFERENCE_GROUP, ENDED: AFTER_JOB_GROUP}
+GROUPS = {JOBS: TOKENIZER_GROUP, TOKENIZE: TOKENIZER_GROUP, TOKENIZED: INFERENCE_GROUP, ENDED: AFTER_JOB_GROUP}
 ENDED_MAXLEN = 100_000  # approximate cap per partition: bounded even when no Celery worker consumes it
 
 
@@ -371,12 +376,6 @@ def usage_key(day: str | None = None, partition: int = 0) -> str:
     per partition (the accounting script adds a job's usage in its partition)."""
     return f"{partition_prefix(partition)}:usage:{day or time.strftime('%Y-%m-%d', time.gmtime())}"
 
-
-# tokenize calls (shared/tokenize_calls.py): `/tokenize`, `/detokenize` and the Messages API's token counts, answered
-# by the tokenizer pool. A call goes on its partition's `tokenize` stream (read with `jobs`, by the same group); its
-# reply is a key with a TTL and a message on the call's channel (`job_channel` of its id, so the API's relay
-# subscribes to it as to a job's), both in the call's partition.
-TOKENIZE = "tokenize"
 
 
 def stream_kind(name: bytes | str) -> str:

@@ -32,6 +32,7 @@ from redis.exceptions import (
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
+    RedisClusterUnreachableError,
     ResponseError,
     SlotNotCoveredError,
     TimeoutError,
@@ -45,9 +46,10 @@ from shared.redis_errors import WritesRefusedError, refused
 # Redis cannot answer now, but will: down or unreachable, a cluster in a failover (no master for a slot
 # yet, a write that met a demoted master, a slot in migration), full (at its maxmemory, with noeviction: a
 # write refused until TTLs, trimming or an operator free memory), or refusing writes (too few replicas, a failing
-# save: a full disk); a script's refusal is the command's (shared/redis_errors.py)
+# save: a full disk), or a cluster none of whose nodes answers (every one down or cut off); a script's refusal is
+# the command's (shared/redis_errors.py)
 UNAVAILABLE = (ConnectionError, TimeoutError, ClusterError, TryAgainError, SlotNotCoveredError, ReadOnlyError,
-               OutOfMemoryError, WritesRefusedError)
+               OutOfMemoryError, WritesRefusedError, RedisClusterUnreachableError)
 # and a cluster client that found no node to ask at all (every one it knows is down or cut off)
 RETRYABLE = (*UNAVAILABLE, RedisClusterException, ConnectionResetError, OSError)
 CLUSTER_TYPES = (redis.cluster.RedisCluster, acluster.RedisCluster)
@@ -194,11 +196,13 @@ class Redis(redis.Redis):
         return scripts.Pipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
 
 
-def sync_client(url: str, decode: bool = True, retries: int = 8, timeout: float = READ_TIMEOUT_S) -> redis.Redis:
+def sync_client(url: str, decode: bool = True, retries: int = 8, timeout: float = READ_TIMEOUT_S,
+                wait_s: float = 10.0) -> redis.Redis:
     """A blocking client. `retries`: how often a failed connection or redirection is tried again; `timeout`: how
-    long a reply is waited for."""
+    long a reply is waited for; `wait_s`: how long a Redis that does not answer yet is waited for to tell a cluster
+    from a single node (`is_cluster`)."""
     retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=2.0), retries)
-    if is_cluster(url):
+    if is_cluster(url, wait_s):
         # a failover takes the cluster a few seconds: redirections and reconnects are retried for that long;
         # the cluster client stands in for a Redis one (the same commands), which its class does not derive from
         return _sync_cluster(  # type: ignore[return-value]

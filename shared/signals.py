@@ -40,8 +40,9 @@ WATCHED_POOLS = (*names.POOLS, names.CELERY_POOL)  # the pools a snapshot lists 
 
 def pool_streams(models: Sequence[str] = ("",)) -> dict[str, tuple[list[str], str]]:
     """Each scaled pool of a deployment serving `models` (their queue names, '' the default) -> (the streams it
-    reads, every partition's, and its group): the tokenizer pool reads `jobs`, each model's pool its `tokenized`."""
-    out = {names.TOKENIZER_POOL: (names.streams(names.JOBS), names.TOKENIZER_GROUP)}
+    reads, every partition's, and its group): the tokenizer pool reads `jobs` and `tokenize` (the /tokenize and
+    count_tokens calls), each model's pool its `tokenized`."""
+    out = {names.TOKENIZER_POOL: (names.streams(names.JOBS) + names.streams(names.TOKENIZE), names.TOKENIZER_GROUP)}
     for model in models:
         out[names.inference_pool(model)] = (names.streams(names.TOKENIZED, model), names.INFERENCE_GROUP)
     return out

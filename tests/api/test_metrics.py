@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import submit, until, wait
+from api.main import create_app
+from infra.redis_cluster import LocalCluster
+from shared import names
+from shared.heartbeat import beat
+from shared.settings import Settings
+from tests.helpers import in_process_api, submit, until, wait
 
 NAMES = [
     "conveyor:num_requests_waiting", "conveyor:num_requests_running", "conveyor:kv_cache_usage_perc",
@@ -73,3 +82,50 @@ def test_scaling_counts_what_the_engines_hold(plumbing_stack) -> None:  # type: 
         c.post(f"/v1/jobs/{job['id']}/cancel")
     assert seen["running"] >= 1
     assert seen["load"] == seen["lag"] + seen["running"] * 64 / 64  # 64 waiting jobs per replica, MAX_NUM_SEQS 64
+
+
+async def test_metrics_count_what_waits_and_tell_workers_apart(redis_db: redis.Redis, model_path: str) -> None:
+    """On an API in process: jobs that ended (the `ended` stream, without a Celery worker to read it) are not
+    waiting; tokenize calls are the tokenizer pool's lag; two inference pods, each pid 1, are two series; the
+    tenants past the top ten are one `_other` row in the gauges, none in the served-tokens counter (a sum over a
+    changing set would step back)."""
+    url = redis_db.connection_pool.connection_kwargs
+    settings = Settings(redis_url=f"redis://:{url['password']}@{url['host']}:{url['port']}/{url['db']}",
+                        model=model_path)
+    for i in range(3):
+        redis_db.xadd(names.stream(names.JOBS, 0), {"job_id": f"job_{i}"})
+    redis_db.xadd(names.stream(names.TOKENIZE, 0), {"call": "x"})
+    for i in range(40):
+        redis_db.xadd(names.stream(names.ENDED, 0), {"job_id": f"done_{i}"})
+    for host, usage in (("pod-a", 0.9), ("pod-b", 0.1)):
+        beat(redis_db, names.INFERENCE_POOL, f"inference-{host}-1-abcdef",
+             json.dumps({"pid": 1, "host": host, "kv_cache_usage": usage}), 60_000)
+    redis_db.hset(names.fair_key(0, "served"), mapping={f"t{i:02}": 100 + i for i in range(12)})
+    async with in_process_api(settings) as api:
+        text = (await api.get("/metrics")).text
+    samples = _samples(text)
+    served = {dict(labels)["tenant"] for (name, labels) in samples if name == "conveyor:tenant_served_tokens_total"}
+    assert served == {f"t{i:02}" for i in range(2, 12)}  # the most served first (none waits)
+    assert ("conveyor:tenant_jobs_waiting", (("tenant", "_other"),)) in samples
+    assert samples[("conveyor:num_requests_waiting", ())] == 3
+    assert samples[("conveyor:pool_lag", (("pool", "tokenizer"),))] == 4
+    usage = {labels: v for (name, labels), v in samples.items() if name == "conveyor:kv_cache_usage_perc"}
+    assert usage == {(("worker", "inference-pod-a-1-abcdef"),): 0.9, (("worker", "inference-pod-b-1-abcdef"),): 0.1}
+
+
+async def test_a_cluster_none_of_whose_nodes_answers_is_a_503(tmp_path: Path, model_path: str) -> None:
+    """Every node of the cluster down: the operator's pages and a client's poll answer 503 (retry), not 500."""
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0)
+    url = cluster.start()
+    try:
+        app = create_app(Settings(redis_url=url, model=model_path))
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                for node in cluster.nodes:  # before the first scrape makes its clients (they ask a node at once)
+                    node.stop()
+                for path in ("/metrics", "/scaling", f"/v1/jobs/job_{'0' * 32}"):
+                    got = await c.get(path)
+                    assert got.status_code == 503, (path, got.status_code, got.text)
+    finally:
+        cluster.stop()

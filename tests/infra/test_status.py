@@ -29,3 +29,10 @@ def test_status_shows_the_pools_and_the_tenants_share(redis_server, tmp_path: Pa
     assert "inference" in out and "tokenizer" in out and "dead letters: 0" in out
     [row] = [line for line in out.splitlines() if "team-a" in line]
     assert "1200" in row and "80%" in row and " 1 " in row and "3." in row  # waiting 1, oldest ~3.2 s
+
+
+def test_status_without_redis_says_so_in_a_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """No Redis at the URL: one line saying so and exit code 1, not a traceback."""
+    assert status.run("redis://127.0.0.1:1/0", 64, tmp_path, watch=False) == 1
+    out = capsys.readouterr().out
+    assert "Redis does not answer" in out and "Traceback" not in out and len(out.strip().splitlines()) <= 2

@@ -141,14 +141,17 @@ def test_other_groups_do_not_interfere(client: redis.Redis) -> None:
     assert group_lag(client, STREAM, "others") == (0, 4)
 
 
-def test_pool_signals_read_both_pool_streams(client: redis.Redis) -> None:
+def test_pool_signals_read_every_pool_stream(client: redis.Redis) -> None:
+    """The tokenizer pool's load is its jobs and its tokenize calls (/tokenize, count_tokens): a flood of either
+    scales it."""
     client.xgroup_create(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP, id="0", mkstream=True)
     add(client, 3, stream=names.stream(names.JOBS, 0))
+    add(client, 2, stream=names.stream(names.TOKENIZE, 0))
     add(client, 1, stream=names.stream(names.TOKENIZED, 0))
     snap = read_snapshot(client)
-    assert snap.lags == {names.stream(names.JOBS, 0): (3, 0), names.stream(names.TOKENIZED, 0): (1, 0),
-                         names.stream(names.ENDED, 0): (0, 0)}
-    assert snap.pool_signals(64) == {names.TOKENIZER_POOL: PoolSignals(3, 0),
+    assert snap.lags == {names.stream(names.JOBS, 0): (3, 0), names.stream(names.TOKENIZE, 0): (2, 0),
+                         names.stream(names.TOKENIZED, 0): (1, 0), names.stream(names.ENDED, 0): (0, 0)}
+    assert snap.pool_signals(64) == {names.TOKENIZER_POOL: PoolSignals(5, 0),
                                      names.INFERENCE_POOL: PoolSignals(1, 0, 0, 64)}
 
 
