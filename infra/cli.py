@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "up" and args.redis_cluster and not os.environ.get("REDIS_PARTITIONS"):
         # a few partitions per master, so resharding moves whole partitions (before shared.names reads it)
         os.environ["REDIS_PARTITIONS"] = str(4 * args.redis_cluster)
+    if args.cmd in ("status", "keys") and not os.environ.get("REDIS_URL"):
+        from shared.paths import adopt_stack_env, cache_dir
+
+        adopt_stack_env(cache_dir())  # the local stack's partitions and models, as `conveyor up` set them
     from shared.settings import get_settings
 
     command = {"model": _model, "up": _up, "api": _api, "tokenizer": _worker, "inference": _worker,

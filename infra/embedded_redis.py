@@ -17,6 +17,7 @@ import os
 
 from infra.redis_cluster import LocalCluster
 from infra.redis_server import CONNECTION_FILE, RedisServer, _write_private
+from shared.paths import stack_env
 from shared.settings import Settings
 
 log = logging.getLogger("conveyor.supervisor")
@@ -61,11 +62,13 @@ class EmbeddedRedis:
         return [p.pid for p in procs if p is not None and p.poll() is None]
 
     def write_connection_file(self) -> None:
-        """{"url", "password", "pid", "pids", "cluster"}: the first pid is the server's (or first node's)."""
+        """{"url", "password", "pid", "pids", "cluster", "env"}: the first pid is the server's (or first node's);
+        `env` the stack's partitions and models (shared/paths.py), for `conveyor status` and `keys` in another
+        shell."""
         pids = self.pids()
         info = {"url": self.url, "password": self.servers[0].password if self.cluster is None else
                 self.cluster.password, "pid": pids[0] if pids else None, "pids": pids,
-                "cluster": self.cluster is not None}
+                "cluster": self.cluster is not None, "env": stack_env()}
         self.data_dir.mkdir(parents=True, exist_ok=True)
         _write_private(self.connection_file, json.dumps(info) + "\n")
 

@@ -27,9 +27,9 @@ from urllib.parse import quote
 import redis
 
 from shared.lifecycle import preexec_die_with_parent
+from shared.paths import CONNECTION_FILE, read_connection
 from shared.settings import Settings
 
-CONNECTION_FILE = "connection.json"  # in the data directory, <cache_dir>/redis
 CONFIG_FILE = "redis.conf"
 
 
@@ -182,11 +182,7 @@ class RedisServer:
 def read_local_redis_url(cache_dir: Path | str) -> str | None:
     """The URL (with its password) of the embedded Redis that uses `<cache_dir>/redis`, from its
     connection file; None when there is none (or it cannot be read)."""
-    try:
-        info = json.loads((Path(cache_dir) / "redis" / CONNECTION_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    url = info.get("url") if isinstance(info, dict) else None
+    url = read_connection(cache_dir).get("url")
     return url if isinstance(url, str) and url else None
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal
@@ -12,6 +11,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.lora import LoraModule, static_modules
+from shared.paths import default_cache_dir
 from shared.served import ServedModel, parse_models
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -24,10 +24,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "conveyor"
 
 
 class Settings(BaseSettings):

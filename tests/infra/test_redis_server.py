@@ -140,3 +140,22 @@ def test_run_foreground_prints_the_url_and_leaves_the_connection_file(tmp_path: 
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_stacks_connection_file_names_its_partitions_and_models(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`conveyor up --redis-cluster N` and `--model` set REDIS_PARTITIONS and MODELS in the stack's environment:
+    its Redis's connection file carries them for the commands run from another shell (shared/paths.py)."""
+    from infra.embedded_redis import EmbeddedRedis
+    from shared.paths import read_connection
+    from shared.settings import Settings
+
+    monkeypatch.setenv("REDIS_PARTITIONS", "12")
+    monkeypatch.setenv("MODELS", f"a={tmp_path}")
+    embedded = EmbeddedRedis(Settings(CONVEYOR_CACHE=tmp_path))  # type: ignore[call-arg]
+    embedded.start()
+    try:
+        info = read_connection(tmp_path)
+        assert info["url"] == embedded.url and info["env"] == {"REDIS_PARTITIONS": "12", "MODELS": f"a={tmp_path}"}
+    finally:
+        embedded.stop()
