@@ -56,7 +56,12 @@ log = logging.getLogger("conveyor.batch_driver")
 WINDOW = 64  # a batch's jobs in flight at once: twice an engine's slots, so a freed slot finds one waiting
 LEASE_MS = 5000  # a driver that stops renewing (killed) hands the batch to another within this
 TICK_S = 0.25
+CANCEL_WAIT_S = 600  # a cancelled batch waits this long for its running lines' jobs to stop (OpenAI: "up to 10 min")
 ACTIVE = frozenset({JobStatus.queued.value, JobStatus.running.value})
+
+
+class LeaseLost(Exception):
+    """Another driver holds the batch now (this one's lease ran out mid-step): this one's step stops."""
 
 
 class BatchDriver:
@@ -96,6 +101,8 @@ class BatchDriver:
                     advanced += 1
             except (RedisError, OSError) as exc:
                 log.warning("batch driver, %s: %s", batch_id, exc)
+            except LeaseLost:
+                log.warning("batch driver, %s: another driver took the batch over mid-step", batch_id)
             except Exception:  # noqa: BLE001 - one batch's trouble must not stop the driver
                 log.exception("batch driver, %s: the step failed", batch_id)
         return advanced
@@ -108,6 +115,11 @@ class BatchDriver:
             self.r.pexpire(key, LEASE_MS)
             return True
         return False
+
+    def _hold(self, batch_id: str) -> None:
+        """Renew this driver's lease within a long step; LeaseLost (the step stops) when another driver holds it."""
+        if not self._lease(batch_id):
+            raise LeaseLost(batch_id)
 
     def release(self) -> None:
         """Give up this driver's leases (a warm shutdown), so that another driver takes its batches over at its
@@ -137,6 +149,9 @@ class BatchDriver:
         if expired:
             self._expire(batch_id, rec, list(running))
         elif rec["status"] == "cancelling":
+            if running and time.time() >= float(rec.get("cancelling_at") or 0) + CANCEL_WAIT_S:
+                self._give_up(batch_id, running)  # jobs no engine stops (theirs died, none of their model runs)
+                running = {}
             if not running:
                 self._finish(batch_id, rec, "cancelled")
         elif self._submit_more(batch_id, rec, running) >= lines and not running:
@@ -251,12 +266,25 @@ class BatchDriver:
         if ended is None or ended.code is not FinishCode.finished:
             scripts.REQUEST_CANCEL(self.r, *request_cancel_write(job_id))
 
+    def _give_up(self, batch_id: str, running: dict[str, str]) -> None:
+        """A cancelled batch's lines whose jobs did not end within CANCEL_WAIT_S end in the error file as
+        batch_cancelled (each once); their cancels stay requested."""
+        lines = self.r.hmget(names.batch_key(batch_id, "lines"), list(running))
+        pipe = self.r.pipeline(transaction=False)
+        for idx, raw in zip(running, lines):
+            custom = orjson.loads(raw).get("custom_id") if raw else None
+            result = line_error(custom, "batch_cancelled", "the batch was cancelled and this line's job did not "
+                                f"stop within {CANCEL_WAIT_S} s")
+            batch_ops.queue_result(pipe, batch_id, idx, orjson.dumps(result), False)
+        scripts.execute(pipe)
+
     def _expire(self, batch_id: str, rec: dict[str, str], running: list[str]) -> None:
         """Past its window: the lines still running (their jobs cancelled just now) and those never submitted
         end in the error file as batch_expired (each once: a driver that stops midway leaves the rest to the
         next), and the batch ends expired."""
         left = [*running, *(str(i) for i in range(int(rec["next"]), int(rec["lines"])))]
         for at in range(0, len(left), 500):
+            self._hold(batch_id)  # a big batch's expiry takes seconds (~10 s for 50,000 lines): past LEASE_MS
             part = left[at:at + 500]
             lines = self.r.hmget(names.batch_key(batch_id, "lines"), part)
             pipe = self.r.pipeline(transaction=False)
@@ -269,6 +297,7 @@ class BatchDriver:
 
     def _finish(self, batch_id: str, rec: dict[str, str], status: str) -> None:
         """Make the results into the output and error files, end the batch as `status`, then announce it."""
+        self._hold(batch_id)
         owner = rec.get("owner") or ""
         now = time.time()
         # (keyed Any: redis-py's hset takes a Mapping over a union of key types, which dict[str, ...] is not)

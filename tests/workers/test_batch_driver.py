@@ -23,7 +23,7 @@ from shared.jobs import FinishReason
 from shared.redis_client import sync_client
 from shared.settings import Settings
 from tests.helpers import in_process_api, until
-from workers.batch_driver import LEASE_MS, WINDOW, BatchDriver
+from workers.batch_driver import CANCEL_WAIT_S, LEASE_MS, WINDOW, BatchDriver
 
 DB = 8  # this module's database, emptied around each test
 
@@ -290,3 +290,56 @@ async def test_a_batch_being_made_holds_its_lines_and_its_open_place_briefly(
         assert r.ttl(names.batch_key(batch_id, "lines")) > settings.batch_window_s
         [(_, score)] = r.zrange(names.batches_open("team"), 0, -1, withscores=True)
         assert score > time.time() + settings.batch_window_s - 60
+
+
+async def test_a_cancelled_batch_whose_jobs_never_stop_ends_after_the_wait(api: httpx.AsyncClient, r: redis.Redis,
+                                                                          settings: Settings) -> None:
+    """A line's job that no engine stops (its engine died, none of its model runs): the cancelled batch waits
+    CANCEL_WAIT_S for it, then ends `cancelled` with that line in the error file, not `cancelling` for good."""
+    batch_id = await _batch(api, 3)
+    driver = BatchDriver(r, settings)
+    driver.tick()
+    inflight = _inflight(r, batch_id)
+    ops = JobOps(r, settings.job_ttl_s)
+    for job_id in inflight.values():
+        assert ops.start(job_id, "a-worker-gone").code.value == 1  # running, on an engine that is gone
+    _end(r, settings, [inflight["0"]])
+    assert (await api.post(f"/v1/batches/{batch_id}/cancel")).json()["status"] == "cancelling"
+    for _ in range(3):
+        driver.tick()
+    assert r.hget(names.batch_key(batch_id), "status") == "cancelling"  # waits for its running jobs to stop
+    r.hset(names.batch_key(batch_id), "cancelling_at", time.time() - CANCEL_WAIT_S - 1)
+    driver.tick()
+    rec = r.hgetall(names.batch_key(batch_id))
+    assert (rec["status"], rec["completed"], rec["failed"]) == ("cancelled", "1", "2")
+    errors = await _file(api, rec["error_file_id"])
+    assert sorted(e["custom_id"] for e in errors) == ["req-1", "req-2"]
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+
+
+async def test_a_long_step_keeps_its_lease(api: httpx.AsyncClient, r: redis.Redis, settings: Settings,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big batch's expiry takes seconds, past LEASE_MS: the driver renews its lease as it goes, so another
+    driver does not take the batch over and run the same step beside it (announcing the batch twice)."""
+    from shared import scripts
+    from workers import batch_driver
+
+    monkeypatch.setattr(batch_driver, "LEASE_MS", 400)
+    batch_id = await _batch(api, 1_200)  # expired in three parts of at most 500 lines
+    r.hset(names.batch_key(batch_id), "expires_at", time.time() - 1)
+    a, b = BatchDriver(r, settings), BatchDriver(r, settings)
+    execute, calls, beside = scripts.execute, [], []
+
+    def slow(pipe: Any, *args: Any) -> Any:
+        calls.append(1)
+        if len(calls) <= 3:  # a's parts, each 250 ms: the lease taken at the tick's start would run out by the 2nd
+            time.sleep(0.25)
+            if len(calls) == 2:
+                beside.append(b.tick())
+        return execute(pipe, *args)
+
+    monkeypatch.setattr(scripts, "execute", slow)
+    assert a.tick() == 1
+    assert beside == [0]  # b found the lease held
+    rec = r.hgetall(names.batch_key(batch_id))
+    assert (rec["status"], rec["failed"]) == ("expired", "1200")
