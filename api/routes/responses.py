@@ -5,6 +5,7 @@ background nor stored belongs to its connection: a client that goes away cancels
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
@@ -38,7 +39,9 @@ from api.streaming import DoneEvent, TokenEvent, job_events
 from api.validation import check_request
 from shared.jobs import Job, JobStatus
 from shared.openai_bodies import response_object
+from shared.redis_client import UNAVAILABLE
 
+log = logging.getLogger("conveyor.api")
 router = APIRouter(prefix="/v1/responses", tags=["responses"])
 
 
@@ -97,17 +100,33 @@ async def create(body: ResponseRequest, request: Request, store: StoreDep, relay
         async def close(reached_end: bool) -> None:
             if not reached_end and not body.background:  # it belongs to this connection
                 await store.cancel(job.id, wait_s=0)
+            if not body.store:
+                await _discard(store, job.id)
             await release_stream_slot(redis, caller, slot)
 
         return EventStream(_events(store, relay, job, meta, -1, close), settings.sse_ping_s, limits)
     if body.background:
         return JSONResponse(response_object(job, meta), headers=limits)
-    [end] = await wait_all(store, relay, [job], request)
-    if end.status is JobStatus.failed and end.started_at is None:  # refused: the request's fault, as on chat
-        raise failure(end)
-    if not body.store:
-        await store.delete(job.id)
-    return JSONResponse(response_object(end, meta), headers=limits)
+    try:
+        [end] = await wait_all(store, relay, [job], request)
+        if end.status is JobStatus.failed and end.started_at is None:  # refused: the request's fault, as on chat
+            raise failure(end)
+        return JSONResponse(response_object(end, meta), headers=limits)
+    finally:  # answered, refused or its client gone: nothing of it stays
+        if not body.store:
+            await asyncio.shield(_discard(store, job.id))
+
+
+async def _discard(store: JobStore, job_id: str) -> None:
+    """A `store: false` response's record and events, once its job has ended: a running one is cancelled first and
+    waited for as a DELETE waits (its end gives back the tenant's unfinished-job slot). Left to its TTL when it does
+    not end in that wait or Redis fails: a cleanup must not raise."""
+    try:
+        ended, _ = await store.cancel(job_id)  # (an ended job: nothing to cancel, answered as it is)
+        if ended is not None and ended.ended:
+            await store.delete(job_id)
+    except (RedisError, *UNAVAILABLE) as exc:
+        log.warning("response %s (store: false) is left to its TTL: %s", job_id, exc)
 
 
 @router.get("/{response_id}", response_model=None)
@@ -207,7 +226,10 @@ async def _events(store: JobStore, relay: Relay, job: Job, meta: dict[str, Any],
             if seq > after:
                 yield frame(seq, kind, data)
         try:
-            async for ev in job_events(store, relay, job.id, max(0, after - (HEAD - 1))):
+            # from three job events before the client's place: the closing events number on from the job's `done`, so
+            # a client past the last delta (or at the very end) must meet that `done` again, not a made-up end at its
+            # own place (the events it has are dropped below)
+            async for ev in job_events(store, relay, job.id, max(0, after - (HEAD - 1) - 3)):
                 if isinstance(ev, TokenEvent):
                     seq, kind, data = delta_event(job, ev.seq, ev.text, ev.logprobs)
                     if seq > after:

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from shared import names
 from tests.helpers import iter_sse, until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -126,3 +127,34 @@ def test_logprobs_when_included_whole_and_streamed(oai: openai.OpenAI) -> None:
     assert [lp.token for d in streamed for lp in d] == [lp.token for lp in lps]
     plain = oai.responses.create(**ask)  # type: ignore[call-overload]
     assert not plain.output[0].content[0].logprobs  # type: ignore[union-attr]
+
+
+def test_a_stream_resumed_anywhere_near_its_end_sends_exactly_what_follows(oai: openai.OpenAI) -> None:
+    """Resumed after any event, the closing ones included (or at the very end), a stream sends the events that
+    followed that one in the whole stream, numbered as there: never the closing events again, never a second end."""
+    r = oai.responses.create(model=MODEL, input="Say hi.", temperature=0, max_output_tokens=6)
+    whole = [(e.sequence_number, e.type) for e in oai.responses.retrieve(r.id, stream=True)]
+    last = whole[-1][0]
+    assert [s for s, _ in whole] == list(range(last + 1))
+    for after in range(last - 5, last + 1):
+        got = [(e.sequence_number, e.type) for e in oai.responses.retrieve(r.id, stream=True, starting_after=after)]
+        assert got == [ev for ev in whole if ev[0] > after], after
+
+
+def test_a_response_not_stored_leaves_nothing_behind(oai: openai.OpenAI, stack) -> None:  # type: ignore[no-untyped-def]
+    """`store: false`: nothing of the response stays in the store once it is answered: streamed, or refused (a
+    prompt over the context) as well as answered whole."""
+    r = stack.redis()
+
+    def unstored() -> set[str]:
+        keys = {k.decode() if isinstance(k, bytes) else k for k in r.scan_iter(match=names.job_key("*"), count=1000)}
+        return {k for k in keys if (meta := r.hget(k, "response")) and not json.loads(meta)["store"]}
+
+    before = unstored()
+    events = list(oai.responses.create(model=MODEL, input="Say hi.", store=False, stream=True, max_output_tokens=4))
+    job = names.job_key("job_" + events[-1].response.id.removeprefix("resp_"))
+    until("the streamed response's record gone", lambda: not r.exists(job), timeout=15)
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=MODEL, input="word " * 6000, store=False)  # over the model's context
+    oai.responses.create(model=MODEL, input="Say hi.", store=False, max_output_tokens=4)
+    assert unstored() <= before
