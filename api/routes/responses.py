@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
@@ -78,8 +78,10 @@ async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) 
 
 @router.post("", response_model=None)
 async def create(body: ResponseRequest, request: Request, store: StoreDep, relay: RelayDep, settings: SettingsDep,
-                 caller: CallerDep, throughput: ThroughputDep, redis: RedisDep) -> Any:
-    """Create a response: answered when done, streamed (`stream`), or at once with status `queued` (`background`)."""
+                 caller: CallerDep, throughput: ThroughputDep, redis: RedisDep,
+                 idempotency_key: Annotated[str | None, Header(max_length=255)] = None) -> Any:
+    """Create a response: answered when done, streamed (`stream`), or at once with status `queued` (`background`).
+    A retry with the same `Idempotency-Key` (and body) is answered from the response the first made."""
     target = await served.resolve(redis, settings, body.model, caller.tenant)
     body.check()
     conversation = await _conversation(store, body, caller)
@@ -90,12 +92,15 @@ async def create(body: ResponseRequest, request: Request, store: StoreDep, relay
     if body.stream and not await require_stream_slot(redis, caller, slot):
         raise stream_refused(caller)
     try:
-        job, _, limits = await admit(store, throughput, settings, caller, gen, fields={"response": meta_json})
+        job, replayed, limits = await admit(store, throughput, settings, caller, gen, idempotency_key,
+                                            fields={"response": meta_json})
     except BaseException:
         if body.stream:
             await release_stream_slot(redis, caller, slot)
         raise
     meta = orjson.loads(meta_json)
+    if replayed:
+        limits = {**limits, "Idempotent-Replayed": "true"}
     if body.stream:
         async def close(reached_end: bool) -> None:
             if not reached_end and not body.background:  # it belongs to this connection

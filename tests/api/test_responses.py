@@ -158,3 +158,17 @@ def test_a_response_not_stored_leaves_nothing_behind(oai: openai.OpenAI, stack) 
         oai.responses.create(model=MODEL, input="word " * 6000, store=False)  # over the model's context
     oai.responses.create(model=MODEL, input="Say hi.", store=False, max_output_tokens=4)
     assert unstored() <= before
+
+
+def test_a_create_sent_again_with_its_idempotency_key_is_the_same_response(stack) -> None:  # type: ignore[no-untyped-def]
+    """The retry the README promises after a 503: the same Idempotency-Key and body answer the response the first
+    call made (`Idempotent-Replayed`), another body under that key is refused."""
+    body = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 4, "background": True}
+    headers = {"Idempotency-Key": "resp-retry-1"}
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        first = c.post("/v1/responses", json=body, headers=headers)
+        again = c.post("/v1/responses", json=body, headers=headers)
+        other = c.post("/v1/responses", json={**body, "input": "Say bye."}, headers=headers)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
+    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
