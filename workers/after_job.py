@@ -89,6 +89,11 @@ class _EndedConsumer(StreamConsumer):
         super().dead_letter(entry, reason)
 
 
+def _delivered(future: Future[str | None]) -> bool:
+    """A finished delivery that succeeded (a failed one answers why, or raised)."""
+    return future.exception() is None and future.result() is None
+
+
 class AfterJob:
     """The after-job drain of one process: accounts ended jobs and sends their webhooks."""
 
@@ -137,6 +142,7 @@ class AfterJob:
         """Retries and dead workers' entries, then new ends while they come; True when the drain is over."""
         c = self.consumer
         self._beat()
+        self._hold_queued()
         retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch)
         stale, dead_stale = c.claim_stale(count=batch)
         counts["dead"] += len(dead) + len(dead_stale)
@@ -163,11 +169,20 @@ class AfterJob:
         forget(self.client, names.CELERY_POOL, c.consumer)
 
     def _deliver(self, ref: Ref, send: Callable[..., str | None], *args: str) -> Future[str | None]:
-        """The entry's delivery: the one an earlier try started, while it goes on, else a new one."""
+        """The entry's delivery: the one an earlier try started, while it goes on or if it succeeded after that try
+        stopped waiting (sending it again would post it twice), else a new one."""
         future = self._inflight.get(ref)
-        if future is None or future.done():
+        if future is None or (future.done() and not _delivered(future)):
             future = self._inflight[ref] = self._pool.submit(send, *args)
         return future
+
+    def _hold_queued(self) -> None:
+        """Keep the entries whose delivery still waits for a thread from going idle: a retry would count a try that
+        never happened (one endpoint that hangs fills the pool; the others' deliveries wait behind it, and were
+        dead-lettered for the wait)."""
+        queued = [ref for ref, f in self._inflight.items() if not f.running() and not f.done()]
+        if queued:
+            self.consumer.refresh(queued)
 
     def _beat(self) -> None:
         beat(self.client, names.CELERY_POOL, self.consumer.consumer, "1", max(self.settings.claim_idle_ms, 10_000))
@@ -192,7 +207,6 @@ class AfterJob:
                 hooks[entry.ref] = (batch_id, "its webhook",
                                     self._deliver(entry.ref, self.webhooks.send_batch, batch_id))
         wait([f for *_, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
-        self._inflight = {ref: f for ref, f in self._inflight.items() if not f.done()}
         done, failures = [], {}
         for entry in entries:
             if entry.ref in unaccounted:
@@ -201,6 +215,8 @@ class AfterJob:
                 done.append(entry.ref)
                 continue
             what, where, future = hooks[entry.ref]
+            if not future.done() and not future.running():
+                continue  # still waiting for a thread: no try yet (kept from going idle, _hold_queued)
             if not future.done():
                 why = "did not finish in time"
             elif future.exception() is not None:
@@ -213,6 +229,9 @@ class AfterJob:
             failures[entry.ref] = (entry, why)
             log.warning("webhook for %s to %s: %s; will retry", what, where, why)
         self.consumer.ack(done)
+        acked = set(done)  # kept: deliveries going on, and those that succeeded after their round stopped waiting
+        self._inflight = {ref: f for ref, f in self._inflight.items()
+                          if ref not in acked and (not f.done() or _delivered(f))}
         if failures:
             pipe = self.client.pipeline(transaction=False)
             for entry, why in failures.values():

@@ -1,8 +1,8 @@
 """The Batch API's driver (OpenAI's Batch API; api/batches.py creates a batch, checks its lines and stores the
 good ones in its `lines` hash). A batch is durable work in Redis: a driver holds a lease per batch (LEASE_MS,
-renewed each tick and within a long step), so any number of them may run, in any Celery worker, and one that is killed hands its
-batches over within LEASE_MS. Each tick, for each batch it holds, the driver records the lines whose jobs
-ended (once each: batch_result.lua), submits more as jobs of the batch's tenant (at most WINDOW in flight, at
+renewed each tick and within a long step), so any number of them may run, in any Celery worker, and one that is
+killed hands its batches over within LEASE_MS. Each tick, for each batch it holds, the driver records the lines
+whose jobs ended (once each: batch_result.lua), submits more as jobs of the batch's tenant (at most WINDOW in flight, at
 the priority the line was stored with, PRIORITY_MAX), cancels the rest of a batch being cancelled (a line whose
 job has not stopped CANCEL_WAIT_S after the cancel ends as batch_cancelled), and ends a batch once every line is
 done.

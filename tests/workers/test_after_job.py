@@ -19,7 +19,7 @@ from infra.redis_server import RedisServer
 from shared import names
 from shared.job_ops import JobOps
 from shared.jobs import FinishReason, Job, JobStatus, new_record
-from shared.redis_client import sync_client
+from shared.redis_client import sync_client, text
 from shared.settings import Settings
 from tests.helpers import blocked_on, until
 from tests.webhook_server import webhook_server
@@ -246,3 +246,37 @@ def test_an_entry_retried_while_its_delivery_waits_is_not_sent_twice(redis_db: r
     release.set()
     assert [f.result(timeout=10) for f in first] == [None] * 3 and calls == ["job_0", "job_1", "job_2"]
     worker.close()
+
+
+
+def test_a_webhook_waiting_behind_a_hanging_endpoint_is_sent_once_not_dead_lettered(redis_db: redis.Redis) -> None:
+    """One tenant's endpoint hangs and its deliveries fill the pool: another tenant's delivery waits for a thread,
+    and that wait is no failed try (it was dead-lettered unsent); sent once, it is acknowledged, never sent again."""
+    hanging = socket.create_server(("127.0.0.1", 0), backlog=100)
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(hanging.accept()[0])
+
+    threading.Thread(target=hold, daemon=True).start()
+    worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=0.5, delivery_limit=2,
+                                         webhook_allow_private=True), consumer="after-hol", parallel=2)
+    stream = names.stream(names.ENDED, 0)
+
+    def settled() -> bool:  # the other tenant's entry acknowledged, or dead-lettered
+        worker.drain(budget_s=1, wait_ms=200)
+        pending = {text(p["message_id"]) for p in redis_db.xpending_range(stream, names.AFTER_JOB_GROUP, "-", "+", 100)}
+        other = next(eid for eid, m in redis_db.xrange(stream) if m["job_id"] == "job_other")
+        return other not in pending
+
+    with webhook_server() as hooks:
+        for i in range(24):  # 6 s of the two threads' time, past several retries of the waiting delivery
+            end_job(redis_db, f"job_hang_{i}", f"http://127.0.0.1:{hanging.getsockname()[1]}/hook", owner="a")
+        end_job(redis_db, "job_other", hooks.url, owner="b")
+        until("the other tenant's entry settled", settled, timeout=60, every=0)
+        assert "job_other" not in [m["job_id"] for _, m in redis_db.xrange(names.stream(names.DEAD, 0))]
+        assert [body["id"] for _, body, _ in hooks.received] == ["job_other"]
+    worker.close()
+    hanging.close()
