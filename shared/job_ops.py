@@ -53,6 +53,7 @@ STATUS_FOR = {
 }
 
 REPLICA_WAIT_MS = 1000  # how long a cluster write that promises something waits for a replica
+USAGE_TTL_S = 35 * 86400  # a day's usage totals are kept this long
 OWNER_READS = 3  # how many times a finish names its job's owner before it gives up (owner_changed each time)
 
 # step flags (added together): the lane's first write for the job (set its keys' TTLs); its first token
@@ -177,12 +178,13 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
     tenant, _, _, active = tenant_keys(owner, names.job_key(job_id))
     buckets = ([names.tenant_bucket_key(owner, "tokens"), names.tenant_bucket_key(owner, "batch_tokens")] if owner
                else [names.job_key(job_id)] * 2)
+    now = time.time()
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.dequeued_counter(p),
             names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets,
-            names.ring_key(p, names.AFTER_JOB_GROUP)]
-    args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(time.time()), ttl_s,
+            names.ring_key(p, names.AFTER_JOB_GROUP), names.usage_key(_day(now), p)]
+    args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(now), ttl_s,
                        names.job_channel(job_id), required_status, job_id, names.ENDED_MAXLEN, owner, publish,
-                       worker, model, *written]
+                       worker, model, *written, USAGE_TTL_S]
     for k, v in (fields or {}).items():
         args += [k, v]
     return keys, args
@@ -318,8 +320,14 @@ def request_cancel_write(job_id: str) -> Write:
     return [names.job_key(job_id)], [names.CONTROL_CHANNEL, job_id]
 
 
+def _day(at: float) -> str:
+    """The UTC day (YYYY-MM-DD) of a unix time: the usage key a job's end counts in."""
+    return time.strftime("%Y-%m-%d", time.gmtime(at))
+
+
 def account_write(job_id: str, usage_ttl_s: int) -> Write:
-    """An account call (account.lua): the job's usage onto today's totals, kept `usage_ttl_s`."""
+    """An account call (account.lua): the usage of a job that its end did not count (one ended by an earlier
+    version) onto today's totals, kept `usage_ttl_s`; the job's webhook target either way."""
     return [names.job_key(job_id), names.usage_key(partition=names.job_partition(job_id))], [usage_ttl_s]
 
 

@@ -6,9 +6,10 @@ same atomic step as the end itself, so none is missed. `drain` reads it through 
 consumer group (a Celery task that beat starts every 30 s and that waits on Redis for ends for
 28 s, with the batch driver running beside it: see workers/celery_app.py), in batches:
 
-- usage is added to the day's totals (`names.usage_key()`, the date of the drain, per model) once
-  per job: one script call per job (shared/scripts/account.lua), pipelined per batch; a marker
-  field on the job's record makes a second delivery a no-op;
+- usage: a job's tokens went onto the totals of the day it ended (per model) with its end, in the finish script
+  (shared/scripts/finish.lua), once; the drain's call per job (shared/scripts/account.lua, pipelined per batch)
+  reads its webhook target, and counts a job that an earlier version ended without counting (the record's
+  `accounted` marker makes each count happen once);
 - the webhook gets the job (workers/webhook.py: what is sent, how it is signed, where it may not
   go), the batch's calls in parallel. A failure (no answer within WEBHOOK_TIMEOUT_S, a status other
   than 2xx, a redirect, an address refused) leaves the entry pending, to be tried again after
@@ -37,7 +38,7 @@ import redis
 
 from shared import batch_ops, names, scripts
 from shared.heartbeat import beat, forget
-from shared.job_ops import queue_account, queue_note_failure
+from shared.job_ops import USAGE_TTL_S, queue_account, queue_note_failure
 from shared.masters import fail_fast
 from shared.redis_client import CLUSTER_TYPES, RETRYABLE, text
 from shared.retry import Backoff
@@ -48,7 +49,6 @@ from workers.webhook import WebhookSender, redact
 
 log = logging.getLogger("conveyor.after_job")
 
-USAGE_TTL_S = 35 * 86400
 OUTAGE_BACKOFF_S = 2.0  # the longest wait between two tries while Redis is unreachable
 
 

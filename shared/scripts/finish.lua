@@ -3,14 +3,16 @@
 --       partition's fair queue of the job's model: backlogged tenants, payloads, waiting jobs, the same by
 --       submit time, each waiting job's place (fair_push.lua), 12-15 the owner's unfinished jobs, tenant hash, `tokens` and
 --       `batch_tokens` buckets (for a job without an owner, its own key stands in for each), 16 the partition's
---       ring flag of the after-job drain (shared/ring.py)
+--       ring flag of the after-job drain (shared/ring.py), 17 the partition's usage of the day the job ends
 -- ARGV: 1 status, 2 finish reason, 3 error, 4 now (unix s), 5 ttl (s), 6 the job's channel,
 --       7 required current status ('' any active one), 8 job id, 9 the ended stream's approximate cap,
 --       10 the owner KEYS 12-15 are named for ('' none), 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
 --       12 the ending worker ('' any: the API, a failure outside a worker's run): a worker ends only a job
 --       whose record names it (start.lua's `worker`), 13 the model queue KEYS 7-11 are named for (the record's
 --       `base_model`, '' the default model), 14 15 the chunk seq and the completion tokens the record must
---       show already (0 0: any), 16.. field/value pairs to set on the record
+--       show already (0 0: any), 16 the usage hash's ttl (s), 17.. field/value pairs to set on the record
+-- A job's tokens go onto its day's usage (per model) with its end, once (its record's `accounted` marks it: a job
+-- ended before this script counted, by shared/scripts/account.lua, is counted there, once too).
 -- A job still waiting in the fair queue (shared/fair_queue.py) leaves it. Sets the terminal state, appends
 -- `done` to the event stream and publishes it, starts the retention clock of the job's keys and appends the
 -- job to the ended stream (the after-job work). A tenant's job leaves its unfinished count and gives back the
@@ -60,7 +62,15 @@ if st == 'queued' then
   end
 end
 redis.call('HSET', job, 'status', status, 'finish_reason', reason, 'error', err, 'finished_at', now)
-for i = 16, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+for i = 17, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+if redis.call('HSETNX', job, 'accounted', '1') == 1 then
+  local use = redis.call('HMGET', job, 'model', 'prompt_tokens', 'completion_tokens')
+  local model, usage = use[1] or '', KEYS[17]
+  redis.call('HINCRBY', usage, model .. ':prompt_tokens', tonumber(use[2] or '0') or 0)
+  redis.call('HINCRBY', usage, model .. ':completion_tokens', tonumber(use[3] or '0') or 0)
+  redis.call('HINCRBY', usage, model .. ':jobs', 1)
+  redis.call('EXPIRE', usage, ARGV[16])
+end
 local seq = redis.call('HINCRBY', job, 'seq', 1)
 redis.pcall('XADD', events, '0-' .. seq, 'type', 'done') -- (an event stream damaged by hand ends the job all the same)
 redis.call('EXPIRE', job, ttl)
