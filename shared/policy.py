@@ -12,13 +12,14 @@ Kubernetes HPA, so the local supervisor and a cluster make the same decisions fr
   the highest one wanted during the last `scale_in_cooldown_s`, so a pool shrinks only once the
   cooldown has passed since a higher count was last wanted (KEDA's `cooldownPeriod` for 1 -> 0).
 
-Load. For the tokenizer pool the load is the lag of `jobs`. For the inference pool it is the lag of
+Load. For the tokenizer pool the load is the lag of `jobs` and `tokenize`, plus the entries in work. For the inference pool it is the lag of
 `tokenized` (the jobs waiting in the fair queue before it, one each: shared/fair_queue.py) plus the
 occupancy of the running batches, expressed in lag units:
 
-    load = lag + running * lag_per_replica / capacity_per_replica
+    load = lag + max(0, pending - running) + running * lag_per_replica / capacity_per_replica
 
-so that `ceil(load / lag_per_replica) = ceil(lag / lag_per_replica + running / capacity_per_replica)`:
+(`pending - running`: entries taken that no live engine holds, a worker stopped or gone: they wait as lag does) so
+that `ceil(load / lag_per_replica) = ceil(lag / lag_per_replica + running / capacity_per_replica)`:
 each full batch (`capacity_per_replica` = MAX_NUM_SEQS sequences, running or waiting in an engine)
 keeps one replica busy, and the queued lag asks for replicas on top of those. Without this term a
 pool whose engines are full but whose stream is drained would shrink under its own running work.
@@ -90,8 +91,10 @@ class Decision:
 
 
 def pool_load(signals: PoolSignals, lag_per_replica: int) -> Fraction:
-    """The pool's load in lag units: lag plus running occupancy (see the module docstring)."""
-    load = Fraction(signals.lag)
+    """The pool's load in lag units: lag plus running occupancy (see the module docstring), plus the entries taken
+    that no live engine holds (pending past running: a worker stopped, or gone and not yet claimed from): they
+    need a worker as a queued job does, and KEDA, which reads only this load, must not scale their pool to zero."""
+    load = Fraction(signals.lag) + max(0, signals.pending - signals.running)
     if signals.capacity_per_replica > 0:
         load += Fraction(signals.running * lag_per_replica, signals.capacity_per_replica)
     return load

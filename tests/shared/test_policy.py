@@ -8,7 +8,15 @@ from dataclasses import replace
 import pytest
 
 from shared import names
-from shared.policy import DEFAULT_POLICIES, Decision, PolicyState, PoolPolicy, PoolSignals, desired_replicas
+from shared.policy import (
+    DEFAULT_POLICIES,
+    Decision,
+    PolicyState,
+    PoolPolicy,
+    PoolSignals,
+    desired_replicas,
+    pool_load,
+)
 
 POLICY = PoolPolicy(min_replicas=1, max_replicas=20, lag_per_replica=5, scale_in_cooldown_s=300)
 ZERO = replace(POLICY, min_replicas=0, activation_lag=3)
@@ -59,9 +67,9 @@ def test_one_decision(policy: PoolPolicy, signals: PoolSignals, current: int, ex
 
 
 def test_reason_names_the_inputs() -> None:
-    d = decide(POLICY, PoolSignals(lag=50, pending=4), 1)
+    d = decide(POLICY, PoolSignals(lag=46, pending=4), 1)  # 4 taken and held by no live engine: load as lag
     assert d.reason.startswith("scale out 1 -> 10")
-    for part in ("lag=50", "pending=4", "running=0", "load=50.0", "lag_per_replica=5", "ceil(50.0/5)=10"):
+    for part in ("lag=46", "pending=4", "running=0", "load=50.0", "lag_per_replica=5", "ceil(50.0/5)=10"):
         assert part in d.reason
     assert "clamped to [1, 20]" in decide(POLICY, PoolSignals(lag=500), 1).reason
     assert "tolerance" in decide(POLICY, PoolSignals(lag=52), 10).reason
@@ -163,3 +171,11 @@ def test_policy_rejects_nonsense(kwargs: dict[str, float]) -> None:
 
 def test_defaults_cover_every_pool() -> None:
     assert set(DEFAULT_POLICIES) == set(names.POOLS)
+
+
+def test_an_entry_no_live_engine_holds_is_load() -> None:
+    """What KEDA reads (`load`, /scaling): a job taken by a worker that stopped or died, held by no live engine
+    (pending past running), is load, so its pool at zero's minimum is not scaled to zero under it."""
+    assert pool_load(PoolSignals(lag=0, pending=1, running=0, capacity_per_replica=64), 64) == 1
+    assert pool_load(PoolSignals(lag=0, pending=1, running=1, capacity_per_replica=64), 64) == 1  # held: occupancy
+    assert pool_load(PoolSignals(lag=2, pending=0), 8) == 2
