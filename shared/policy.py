@@ -12,9 +12,9 @@ Kubernetes HPA, so the local supervisor and a cluster make the same decisions fr
   the highest one wanted during the last `scale_in_cooldown_s`, so a pool shrinks only once the
   cooldown has passed since a higher count was last wanted (KEDA's `cooldownPeriod` for 1 -> 0).
 
-Load. For the tokenizer pool the load is the lag of `jobs` and `tokenize`, plus the entries in work. For the inference pool it is the lag of
-`tokenized` (the jobs waiting in the fair queue before it, one each: shared/fair_queue.py) plus the
-occupancy of the running batches, expressed in lag units:
+Load. For the tokenizer pool the load is the lag of `jobs` and `tokenize`, plus the entries in work. For the
+inference pool it is the lag of `tokenized` (the jobs waiting in the fair queue before it, one each:
+shared/fair_queue.py) plus the occupancy of the running batches, expressed in lag units:
 
     load = lag + max(0, pending - running) + running * lag_per_replica / capacity_per_replica
 
