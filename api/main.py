@@ -39,7 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.store = JobStore(client, settings)
         app.state.relay = Relay(client, settings.sse_queue_size)
         app.state.keys = KeyCache(client)
-        app.state.throughput = Throughput(client)
+        app.state.throughput = Throughput(client, settings.model_keys)
         app.state.files = FileStore(client, settings.job_ttl_s + settings.batch_window_s)
         app.state.batches = Batches(client, app.state.files, settings)  # driven by the Celery worker
         await app.state.relay.start()

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from typing import Annotated
 
 import redis.asyncio as aredis
@@ -77,8 +78,9 @@ class Throughput:
     from the counters the workers keep, summed over the partitions: the basis of the service-wide
     wait estimate."""
 
-    def __init__(self, client: aredis.Redis, period_s: float = 2.0) -> None:
-        self.r, self.period_s = client, period_s
+    def __init__(self, client: aredis.Redis, models: Sequence[str] = ("",), period_s: float = 2.0) -> None:
+        """`models`: the served models' queues ('' the default's), whose counters it sums."""
+        self.r, self.models, self.period_s = client, tuple(models), period_s
         self.rate: float | None = None
         self.depth = 0  # jobs waiting service-wide at the latest sample
         self._task: asyncio.Task[None] | None = None
@@ -98,7 +100,7 @@ class Throughput:
 
     async def counters(self) -> tuple[int, int]:
         """Jobs submitted and jobs dequeued since the service began, over all partitions (read_counters)."""
-        parts = await read_counters(self.r)
+        parts = await read_counters(self.r, self.models)
         return sum(c.submitted for c in parts), sum(c.dequeued for c in parts)
 
     async def _run(self) -> None:
@@ -124,7 +126,7 @@ class Throughput:
         of 0 (workers stopped, or not yet measured) leaves only MAX_QUEUED: readiness reports the rest."""
         if not self.rate:
             return max_queued
-        return max(floor, min(max_queued, int(max_wait_s * self.rate)))
+        return min(max_queued, max(floor, int(max_wait_s * self.rate)))  # (the floor never past MAX_QUEUED)
 
     def retry_ms(self, depth_over: int) -> int:
         if not self.rate:

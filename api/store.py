@@ -46,8 +46,8 @@ class JobStore:
         # XADD trims the oldest entries, normally long consumed, past it
         self.jobs_maxlen = 4 * settings.max_queued + 10_000
         self.jobs = AsyncJobOps(client, settings.job_ttl_s)
-        self._depths: list[int] = []  # each partition's depth (submitted - dequeued), read at _depths_at
-        self._depths_at = -math.inf
+        # each partition's depth (submitted - dequeued) of a model's queue, read at its time
+        self._depths: dict[str, tuple[float, list[int]]] = {}
         self._depths_lock = asyncio.Lock()
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, owner: str = "",
@@ -74,7 +74,8 @@ class JobStore:
             log.info("job %s accepted: request %s, trace %s", job_id, request_id.get(), tracing.trace_id())
         job = Job.from_record({k: str(v) for k, v in record.items()})
         job.owner = owner
-        job.queue_position = await self._position(job_id, reply.ordinal - reply.dequeued)
+        job.queue_position = await self._position(job_id, str(record.get("base_model") or ""),
+                                                  reply.ordinal - reply.dequeued)
         return Admission(job, False, reply)
 
     async def trace_of(self, job_id: str) -> str:
@@ -154,16 +155,16 @@ class JobStore:
         have left its partition's queue (started, failed or cancelled) since the service began; exact
         with one partition. With several, workers take the partitions in turn, so the jobs ahead in each
         other partition, up to as many as are ahead in its own, are added: an estimate (`_position`)."""
-        p = names.job_partition(job_id)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.hget(names.job_key(job_id), "ordinal")
-        pipe.get(names.dequeued_counter(p))
-        ordinal, dequeued = await pipe.execute()
-        if ordinal is None or not ordinal.isdigit() or not (dequeued or "0").isdigit():
+        ordinal, queue = await self.r.hmget(names.job_key(job_id), "ordinal", "base_model")
+        if ordinal is None or not ordinal.isdigit():
             return None  # none, or not a number (a damaged record): no position to tell
-        return await self._position(job_id, int(ordinal) - int(dequeued or 0))
+        model = str(queue or "")  # (a decoding client: text) its model's queue, whose depth it is in
+        dequeued = await self.r.get(names.dequeued_counter(names.job_partition(job_id), model))
+        if not (dequeued or "0").isdigit():
+            return None
+        return await self._position(job_id, model, int(ordinal) - int(dequeued or 0))
 
-    async def _position(self, job_id: str, ahead_in_partition: int) -> int:
+    async def _position(self, job_id: str, model: str, ahead_in_partition: int) -> int:
         """A queued job's position from its place in its partition (ordinal - dequeued: exact): that, plus,
         with several partitions, min(depth, jobs ahead in its own) of every other partition's depth (as
         read within DEPTHS_MAX_AGE_S; when they cannot be read, its partition's place alone)."""
@@ -171,7 +172,7 @@ class JobStore:
         if names.partition_count() == 1:
             return own
         try:
-            depths = await self.partition_depths()
+            depths = await self.partition_depths(model)
         except Exception:  # noqa: BLE001 - the job is accepted already: its position is a best-effort figure
             # (Redis errors; and redis-py's cluster pipeline raises AttributeError when a node's connection is torn
             # down mid-send, as when a master is killed: that once turned an accepted job's 202 into a 500)
@@ -179,16 +180,18 @@ class JobStore:
         mine = names.job_partition(job_id)
         return own + sum(min(d, own - 1) for p, d in enumerate(depths) if p != mine)
 
-    async def partition_depths(self) -> list[int]:
-        """Each partition's queue depth (submitted - dequeued: read_counters), reused for DEPTHS_MAX_AGE_S. One
-        read at a time, of DEPTHS_READ_S at most; one that fails is not tried again by each waiter in turn (a
-        silent master would otherwise queue every submit behind one read timeout after another): they take the
-        last figures until DEPTHS_MAX_AGE_S has passed again."""
+    async def partition_depths(self, model: str = "") -> list[int]:
+        """Each partition's depth of a model's queue (submitted - dequeued: read_counters), reused for
+        DEPTHS_MAX_AGE_S. One read at a time, of DEPTHS_READ_S at most; one that fails is not tried again by each
+        waiter in turn (a silent master would otherwise queue every submit behind one read timeout after another):
+        they take the last figures until DEPTHS_MAX_AGE_S has passed again."""
         async with self._depths_lock:
-            if time.monotonic() - self._depths_at > DEPTHS_MAX_AGE_S:
-                self._depths_at = time.monotonic()
-                self._depths = [c.depth for c in await asyncio.wait_for(read_counters(self.r), DEPTHS_READ_S)]
-            return self._depths
+            at, depths = self._depths.get(model, (-math.inf, []))
+            if time.monotonic() - at > DEPTHS_MAX_AGE_S:
+                self._depths[model] = (time.monotonic(), depths)  # (a failed read below keeps the last figures)
+                depths = [c.depth for c in await asyncio.wait_for(read_counters(self.r, (model,)), DEPTHS_READ_S)]
+                self._depths[model] = (time.monotonic(), depths)
+            return depths
 
 
 def partition_cap(max_waiting: int) -> int:

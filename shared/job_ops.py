@@ -74,8 +74,10 @@ def unpack_ids(data: bytes | None) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}i", data[: len(data) // 4 * 4]))
 
 
-def start_write(job_id: str, worker_id: str, ttl_s: int) -> Write:
-    return ([names.job_key(job_id), names.dequeued_counter(names.job_partition(job_id))],
+def start_write(job_id: str, worker_id: str, ttl_s: int, model: str = "") -> Write:
+    """A start call (start.lua) by a worker of `model`'s queue ('' the default's), whose depth it takes the job
+    from."""
+    return ([names.job_key(job_id), names.dequeued_counter(names.job_partition(job_id), model)],
             [repr(time.time()), worker_id, ttl_s])
 
 
@@ -141,10 +143,11 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
     """A submit call (submit.lua). `idempotency_key` is the client's key (scoped to the owner here);
     `record` is the job hash without its request; `budget`: 'interactive' (the tenant's rpm and tpm) or
     'batch' (a batch line: its batch_tpm bucket only)."""
-    p = names.job_partition(job_id)
+    p, model = names.job_partition(job_id), str(record.get("base_model") or "")  # (its queue's depth)
     idem = names.idempotency_key(owner, idempotency_key) if idempotency_key else names.job_key(job_id)
     tenant = tenant_keys(owner, names.job_key(job_id), "batch_tokens" if budget == "batch" else "tokens")
-    keys = [names.job_key(job_id), names.stream(names.JOBS, p), names.submitted_counter(p), names.dequeued_counter(p),
+    keys = [names.job_key(job_id), names.stream(names.JOBS, p), names.submitted_counter(p, model),
+            names.dequeued_counter(p, model),
             *tenant, idem, names.ring_key(p, names.TOKENIZER_GROUP)]
     args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
                        idempotency_ttl_s if idempotency_key else 0, hashlib.sha256(request_json.encode()).hexdigest(),
@@ -179,7 +182,7 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
     buckets = ([names.tenant_bucket_key(owner, "tokens"), names.tenant_bucket_key(owner, "batch_tokens")] if owner
                else [names.job_key(job_id)] * 2)
     now = time.time()
-    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.dequeued_counter(p),
+    keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.dequeued_counter(p, model),
             names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets,
             names.ring_key(p, names.AFTER_JOB_GROUP), names.usage_key(_day(now), p)]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(now), ttl_s,
@@ -379,7 +382,7 @@ class JobOps:
 
     def start(self, job_id: str, worker_id: str) -> StartReply:
         """Take the job (see StartCode for what the code says)."""
-        return StartReply.parse(scripts.START(self.client, *start_write(job_id, worker_id, self.ttl_s)))
+        return StartReply.parse(scripts.START(self.client, *start_write(job_id, worker_id, self.ttl_s, self.model)))
 
     def step(self, keys: list[str], args: list[Any], pipe: Any) -> None:
         """Queue one engine step's writes for many jobs of one partition (`step_write` parts joined) on

@@ -210,12 +210,15 @@ SCALING_DECISIONS_STREAM = f"{PREFIX}:scaling:decisions"
 
 
 # queue position: ordinal of a job at submit, minus how many jobs have left the queue since (per partition)
-def submitted_counter(partition: int) -> str:
-    return f"{partition_prefix(partition)}:submitted"
+def submitted_counter(partition: int, model: str = "") -> str:
+    """The jobs submitted for a model's queue in a partition since the service began (the first model's: the
+    partition's own counter); with `dequeued_counter`, the depth of that queue: each model's is its own, so one
+    model's backlog neither fills another's queue cap nor moves its jobs' queue positions."""
+    return f"{model_prefix(partition, model)}:submitted"
 
 
-def dequeued_counter(partition: int) -> str:
-    return f"{partition_prefix(partition)}:dequeued"
+def dequeued_counter(partition: int, model: str = "") -> str:
+    return f"{model_prefix(partition, model)}:dequeued"
 
 
 def fence_key(key: str) -> str:

@@ -1,10 +1,11 @@
-"""The queue's depth, read in one place: per partition, the jobs submitted (submit.lua counts them) and the
-jobs that have left the queue (started, failed or cancelled: start.lua and finish.lua count them) since the
-service began. The API's wait estimate (api/quota.py) sums them; its queue positions (api/store.py) use each
-partition's depth."""
+"""The queue's depth, read in one place: per partition and model queue, the jobs submitted (submit.lua counts them)
+and the jobs that have left the queue (started, failed or cancelled: start.lua and finish.lua count them) since the
+service began. The API's wait estimate (api/quota.py) sums them over every model; its queue positions
+(api/store.py) use each partition's depth of the job's model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +23,15 @@ class PartitionCounters:
         return max(0, self.submitted - self.dequeued)
 
 
-async def read_counters(client: Any) -> list[PartitionCounters]:
-    """Every partition's counters, in partition order: one GET a key in one pipeline (on a cluster each key is
-    in its partition's slot, so no MGET across them)."""
+async def read_counters(client: Any, models: Sequence[str] = ("",)) -> list[PartitionCounters]:
+    """Every partition's counters summed over the queues of `models` ('' the default's), in partition order: one
+    GET a key in one pipeline (on a cluster each key is in its partition's slot, so no MGET across them)."""
     pipe = client.pipeline(transaction=False)
     for p in names.partitions():
-        pipe.get(names.submitted_counter(p))
-        pipe.get(names.dequeued_counter(p))
-    got = await pipe.execute()
-    return [PartitionCounters(int(s or 0), int(d or 0)) for s, d in zip(got[::2], got[1::2])]
+        for model in models:
+            pipe.get(names.submitted_counter(p, model))
+            pipe.get(names.dequeued_counter(p, model))
+    got = [int(n or 0) for n in await pipe.execute()]
+    step = 2 * len(models)
+    return [PartitionCounters(sum(got[at:at + step:2]), sum(got[at + 1:at + step:2]))
+            for at in range(0, len(got), step)]

@@ -300,3 +300,19 @@ async def test_an_adapter_of_lora_modules_that_cannot_be_served_stops_the_start(
     with pytest.raises(SystemExit, match="LORA_MODULES: the adapter 'bad'"):
         async with in_process_api(settings):
             pass
+
+
+async def test_one_models_backlog_neither_fills_nor_moves_another_models_queue(redis_server,  # type: ignore[no-untyped-def]
+                                                                              model_path: str) -> None:
+    """Each model's queue has its own depth: a backlog of one (its workers down) refuses that model's next jobs at
+    MAX_QUEUED, not the other models' (idle, at position 1); a small MAX_QUEUED holds below the rate's floor."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/13"
+    settings = Settings(redis_url=url, models=f"a={model_path},x={model_path}", max_queued=3)
+    async with in_process_api(settings) as api:
+        for _ in range(3):
+            assert (await api.post("/v1/jobs", json={"prompt": "hi", "model": "x"})).status_code == 202
+        over = await api.post("/v1/jobs", json={"prompt": "hi", "model": "x"})
+        assert over.status_code == 429 and "capacity" in over.json()["error"]["message"]
+        other = await api.post("/v1/jobs", json={"prompt": "hi", "model": "a"})
+        assert other.status_code == 202 and other.json()["queue_position"] == 1, other.text
+        assert (await api.get(f"/v1/jobs/{other.json()['id']}")).json()["queue_position"] == 1
