@@ -132,7 +132,11 @@ class Settings(BaseSettings):
     claim_idle_ms: int = Field(30_000, description="pending entries idle this long are taken from dead consumers")
     refresh_s: float = Field(5.0, description="how often a worker marks its in-flight entries as alive")
     webhook_timeout_s: float = Field(5.0, gt=0, description="how long a job's webhook may take to answer")
-    webhook_retry_s: float = Field(10.0, ge=0, description="wait before a failed webhook is tried again")
+    webhook_retry_s: float = Field(10.0, ge=0, description="wait before a failed webhook is tried again, doubling "
+                                   "after each further failure up to WEBHOOK_RETRY_MAX_S")
+    webhook_retry_max_s: float = Field(3600.0, ge=0, description="the longest wait between two tries of a webhook")
+    webhook_attempts: int = Field(16, ge=1, description="tries of a webhook before it goes to the dead-letter stream "
+                                  "(16 with the defaults: the last some 8 hours after the job ended)")
     webhook_secret: str = Field("", description="when set, webhooks carry X-Conveyor-Signature (HMAC-SHA256); "
                                 "a job submitted with an API key is signed with that key's own secret instead")
     webhook_allow_private: bool = Field(False, description="let webhooks reach loopback and private addresses "

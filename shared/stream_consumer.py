@@ -275,10 +275,14 @@ class StreamConsumer:
             return None
         return set(parse_registry(reply, time.time()))
 
-    def retry_own(self, idle_ms: int, count: int = 64) -> tuple[list[Entry], list[Entry]]:
+    def retry_own(self, idle_ms: int, count: int = 64,
+                  due_ms: Callable[[int], int] | None = None) -> tuple[list[Entry], list[Entry]]:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)
-        for idle_ms or more, for another try. Returns (to process, dead-lettered)."""
+        for idle_ms or more (`due_ms(deliveries so far)`, where given: a backoff), for another try. Returns (to
+        process, dead-lettered)."""
         rows = self._pending(count, idle_ms, self.consumer)
+        if due_ms is not None:
+            rows = [(s, r) for s, r in rows if int(r["time_since_delivered"]) >= due_ms(int(r["times_delivered"]))]
         return self._claim(rows[:count], idle_ms) if rows else ([], [])
 
     def _claim(self, rows: list[tuple[str, Pending]], idle_ms: int) -> tuple[list[Entry], list[Entry]]:

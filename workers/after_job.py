@@ -13,7 +13,8 @@ consumer group (a Celery task that beat starts every 30 s and that waits on Redi
 - the webhook gets the job (workers/webhook.py: what is sent, how it is signed, where it may not
   go), the batch's calls in parallel. A failure (no answer within WEBHOOK_TIMEOUT_S, a status other
   than 2xx, a redirect, an address refused) leaves the entry pending, to be tried again after
-  WEBHOOK_RETRY_S, up to DELIVERY_LIMIT tries; then it goes to the dead-letter stream, with the
+  WEBHOOK_RETRY_S, then twice as long after each failure (up to WEBHOOK_RETRY_MAX_S), up to WEBHOOK_ATTEMPTS
+  tries (some 8 hours with the defaults); then it goes to the dead-letter stream, with the
   last failure's reason (also noted on the job record as `webhook_error`). Delivery is at least
   once: receivers deduplicate on `X-Conveyor-Job`;
 - an entry with a `batch_id` instead of a `job_id` is a batch that ended with a webhook to call
@@ -105,7 +106,7 @@ class AfterJob:
         fast = fail_fast(settings.redis_url) if isinstance(client, CLUSTER_TYPES) else None
         self.consumer = _EndedConsumer(client, names.streams(names.ENDED), names.AFTER_JOB_GROUP,
                                        consumer or f"after-{socket.gethostname()}-{os.getpid()}",
-                                       names.CELERY_POOL, settings.claim_idle_ms, settings.delivery_limit, fast=fast)
+                                       names.CELERY_POOL, settings.claim_idle_ms, settings.webhook_attempts, fast=fast)
         self.consumer.ensure_group()
         self.webhooks = WebhookSender(client, settings, parallel)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="webhook")
@@ -143,7 +144,7 @@ class AfterJob:
         c = self.consumer
         self._beat()
         self._hold_queued()
-        retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch)
+        retry, dead = c.retry_own(int(self.settings.webhook_retry_s * 1000), count=batch, due_ms=self._backoff_ms)
         stale, dead_stale = c.claim_stale(count=batch)
         counts["dead"] += len(dead) + len(dead_stale)
         todo = retry + stale
@@ -175,6 +176,12 @@ class AfterJob:
         if future is None or (future.done() and not _delivered(future)):
             future = self._inflight[ref] = self._pool.submit(send, *args)
         return future
+
+    def _backoff_ms(self, tries: int) -> int:
+        """How long after its `tries`-th try a failed webhook is tried again: WEBHOOK_RETRY_S, doubling, up to
+        WEBHOOK_RETRY_MAX_S (a receiver down for hours still gets its webhooks)."""
+        s = self.settings
+        return int(min(s.webhook_retry_max_s, s.webhook_retry_s * 2 ** min(max(tries - 1, 0), 30)) * 1000)
 
     def _hold_queued(self) -> None:
         """Keep the entries whose delivery still waits for a thread from going idle: a retry would count a try that

@@ -42,7 +42,7 @@ def end_job(r: redis.Redis, job_id: str, webhook_url: str | None = None, text: s
 
 def after(r: redis.Redis, **settings: Any) -> AfterJob:
     """An after-job worker; its webhooks may reach the receivers of these tests, on loopback."""
-    defaults: dict[str, Any] = {"webhook_retry_s": 0, "delivery_limit": 3, "webhook_allow_private": True}
+    defaults: dict[str, Any] = {"webhook_retry_s": 0, "webhook_attempts": 3, "webhook_allow_private": True}
     return AfterJob(r, Settings(**(defaults | settings)), consumer="after-test")
 
 
@@ -266,7 +266,7 @@ def test_a_webhook_waiting_behind_a_hanging_endpoint_is_sent_once_not_dead_lette
                 held.append(hanging.accept()[0])
 
     threading.Thread(target=hold, daemon=True).start()
-    worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=0.5, delivery_limit=2,
+    worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=0.5, webhook_attempts=2,
                                          webhook_allow_private=True), consumer="after-hol", parallel=2)
     stream = names.stream(names.ENDED, 0)
 
@@ -285,3 +285,27 @@ def test_a_webhook_waiting_behind_a_hanging_endpoint_is_sent_once_not_dead_lette
         assert [body["id"] for _, body, _ in hooks.received] == ["job_other"]
     worker.close()
     hanging.close()
+
+
+def test_a_failed_webhook_is_tried_again_later_and_later(redis_db: redis.Redis) -> None:
+    """A receiver down for a while gets its webhook when it is back: tries WEBHOOK_RETRY_S apart at first, then twice
+    as far each time (up to WEBHOOK_RETRY_MAX_S), WEBHOOK_ATTEMPTS in all; a try not yet due is not made."""
+    worker = AfterJob(redis_db, Settings(webhook_retry_s=0.2, webhook_retry_max_s=0.8, webhook_attempts=6,
+                                         webhook_allow_private=True), consumer="after-backoff")
+    assert [worker._backoff_ms(n) for n in range(1, 6)] == [200, 400, 800, 800, 800]
+    with webhook_server() as hooks:
+        hooks.fail_first = 4
+        end_job(redis_db, "job_later", hooks.url)
+        tries: list[float] = []
+        start = time.monotonic()
+        while len(hooks.received) < 5 and time.monotonic() - start < 20:
+            before = len(hooks.received)
+            worker.drain(budget_s=0.05)
+            if len(hooks.received) > before:
+                tries.append(time.monotonic() - start)
+        assert len(hooks.received) == 5, tries  # four failures, then it went through
+        gaps = [b - a for a, b in zip(tries, tries[1:])]
+        assert all(gap >= want - 0.05 for gap, want in zip(gaps, (0.2, 0.4, 0.8, 0.8))), gaps
+    assert not redis_db.xrange(names.stream(names.DEAD, 0))
+    assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
+    worker.close()

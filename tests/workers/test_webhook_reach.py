@@ -28,7 +28,7 @@ from workers.webhook import IPAddress, WebhookSender, address_refusal, redact
 
 
 def settings_for(allow_private: bool, **settings: Any) -> Settings:
-    return Settings(webhook_retry_s=0, delivery_limit=3, webhook_allow_private=allow_private, **settings)
+    return Settings(webhook_retry_s=0, webhook_attempts=3, webhook_allow_private=allow_private, **settings)
 
 
 def after(r: redis.Redis, allow_private: bool, **settings: Any) -> AfterJob:
