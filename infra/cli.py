@@ -132,6 +132,7 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
     if not settings.auth_required and not is_loopback(settings.host) and not settings.allow_insecure:
         sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
                  "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
+    settings.require_models()
     inference = settings.inference_min if args.inference is None else args.inference
     return run_supervisor(settings, args.tokenizers, inference, autoscale=not args.no_autoscale,
                           celery=bool(args.celery), redis_cluster=args.redis_cluster,

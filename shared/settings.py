@@ -26,6 +26,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _require(path_text: str, weights: bool, what: str = "") -> str:
+    """A model directory that holds what a worker loads (its tokenizer; its config and weights too, with `weights`),
+    or SystemExit naming what is missing and how to get it."""
+    path = Path(path_text)
+    needed = ["tokenizer.json"] + (["config.json"] if weights else [])
+    missing = [name for name in needed if not (path / name).is_file()]
+    if weights and not missing and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        missing.append("weights (*.safetensors)")
+    if missing:
+        raise SystemExit(f"{what}no model at {path} ({', '.join(missing)} missing): run `conveyor model pull` "
+                         "(make run does), or set MODEL to a local model directory")
+    return str(path)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore", protected_namespaces=())
 
@@ -243,13 +257,13 @@ class Settings(BaseSettings):
     def require_model(self, weights: bool = True) -> str:
         """The local model directory, or exit saying what to do: a worker started without its model
         would otherwise die on a bare file-not-found (or an attempt to reach a model hub)."""
-        path = Path(self.model_path)
-        needed = ["tokenizer.json"] + (["config.json"] if weights else [])
-        missing = [name for name in needed if not (path / name).is_file()]
-        if missing:
-            raise SystemExit(f"no model at {path} ({', '.join(missing)} missing): run `conveyor model pull` "
-                             "(make run does), or set MODEL to a local model directory")
-        return str(path)
+        return _require(self.model_path, weights)
+
+    def require_models(self) -> None:
+        """Every served model's directory whole (`conveyor up`: a model without its weights would take jobs that
+        wait for good while its workers fail to start, again and again), or exit saying which and what to do."""
+        for m in self.served.values():
+            _require(m.path, self.engine != "synthetic", f"MODELS: {m.name}: ")
 
     @cached_property
     def served_model_name(self) -> str:

@@ -50,3 +50,34 @@ def test_commands_beside_a_stack_take_its_partitions_and_models(redis_server, tm
             assert r.exists(names.tenant_key("team-x"))
     finally:
         r.flushdb()
+
+
+def test_up_refuses_a_model_without_its_weights(tmp_path: Path, model_path: str) -> None:
+    """`conveyor up` with a model whose directory lacks its weights says which, before anything starts: its jobs
+    would otherwise wait for good while its workers fail to load, again and again."""
+    import shutil
+
+    from tests.helpers import conveyor
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(Path(model_path) / name, bare / name)
+    env = {"MODELS": f"a={model_path},b={bare}", "CONVEYOR_CACHE": str(tmp_path / "cache"), "REDIS_URL": ""}
+    out = conveyor("up", "--no-autoscale", env=env)
+    assert out.returncode == 1 and f"MODELS: b: no model at {bare} (weights" in out.stderr, out.stderr
+
+
+def test_a_model_that_may_scale_to_zero_runs_one_worker_without_the_autoscaler(model_path: str) -> None:
+    """`conveyor up --no-autoscale` and a model whose MODELS entry says min_replicas 0: nothing would ever scale
+    it up, so its pool runs one worker (its jobs would otherwise wait for good); with the autoscaler it starts at 0."""
+    import json
+
+    from infra.supervisor import _pools
+    from shared.settings import Settings
+
+    models = json.dumps([{"name": "a", "path": model_path}, {"name": "b", "path": model_path, "min_replicas": 0}])
+    for autoscale, want in ((False, (1, 1)), (True, (0, 0))):
+        pools = _pools(Settings(MODELS=models), {}, (), 1, 1, autoscale, celery=False, traces_port=0)  # type: ignore[call-arg]
+        b = pools.workers["inference:b"]
+        assert (b.target, b.min_size) == want, autoscale
