@@ -38,6 +38,9 @@ def _bound(item: dict[str, Any], field: str) -> int | None:
     return value
 
 
+FIELDS = {"name", "path", "min_replicas", "max_replicas"}  # a MODELS object's
+
+
 def parse_models(value: str) -> list[ServedModel]:
     """`MODELS` as a list, the default first; ValueError naming the item at fault."""
     out: list[ServedModel] = []
@@ -48,7 +51,12 @@ def parse_models(value: str) -> list[ServedModel]:
                 raise ValueError(f"MODELS: {item!r} is not name=path")
             model = ServedModel(name, path)
         elif isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("path"), str):
+            if unknown := sorted(set(item) - FIELDS):  # a misspelt bound would be ignored silently
+                raise ValueError(f"MODELS: {item['name']!r} has unknown fields {unknown}; known: {sorted(FIELDS)}")
             model = ServedModel(item["name"], item["path"], _bound(item, "min_replicas"), _bound(item, "max_replicas"))
+            if model.max_replicas == 0 or (model.min_replicas or 0) > (model.max_replicas or 1 << 30):
+                raise ValueError(f"MODELS: {model.name!r}: max_replicas must be at least 1 and at least min_replicas "
+                                 f"(got {model.min_replicas}, {model.max_replicas})")
         else:
             raise ValueError(f"MODELS: {item!r} has no string 'name' and 'path'")
         if not NAME.match(model.name):

@@ -28,6 +28,9 @@ def test_models_are_read_in_each_form() -> None:
     ("a:b=/x", "must be 1-64 letters"),
     ('{"name": "a"}', "no string 'name' and 'path'"),
     ('{"name": "a", "path": "/x", "min_replicas": -1}', "min_replicas must be an integer"),
+    ('{"name": "a", "path": "/x", "min_replica": 0}', r"unknown fields \['min_replica'\]"),  # scale to zero lost
+    ('{"name": "a", "path": "/x", "min_replicas": 3, "max_replicas": 1}', "at least min_replicas"),
+    ('{"name": "a", "path": "/x", "max_replicas": 0}', "max_replicas must be at least 1"),
 ])
 def test_a_malformed_models_value_names_its_item(value: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
