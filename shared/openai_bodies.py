@@ -112,8 +112,11 @@ def response_status(job: Job) -> str:
 
 
 def message(job: Job, text: str, done: bool, item_id: str = "") -> dict[str, Any]:
+    """A Responses `message` output item; one whose job ended short of its stop (max_output_tokens, a cancel, an
+    error) is `incomplete`, as OpenAI marks it."""
+    whole = job.finish_reason in (None, FinishReason.stop)
     return {"type": "message", "id": item_id or "msg_" + job.id.removeprefix("job_"), "role": "assistant",
-            "status": "completed" if done else "in_progress",
+            "status": ("completed" if whole else "incomplete") if done else "in_progress",
             "content": [{"type": "output_text", "text": text, "annotations": [],
                          "logprobs": (job.logprobs or []) if text == job.text else []}] if done else []}
 
@@ -157,8 +160,9 @@ def response_object(job: Job, meta: dict[str, Any], state: str | None = None) ->
         out["usage"] = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                         "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                         "total_tokens": u.total_tokens}
-    if state == "failed":
-        out["error"] = {"code": "server_error", "message": job.error or "generation failed"}
+    if state == "failed":  # refused before it started (a prompt over the context): the request's fault
+        code = "invalid_prompt" if job.started_at is None else "server_error"
+        out["error"] = {"code": code, "message": job.error or "generation failed"}
     if state == "incomplete":
         out["incomplete_details"] = {"reason": "max_output_tokens"}
     return out

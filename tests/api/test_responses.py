@@ -33,6 +33,10 @@ def test_create_and_retrieve(oai: openai.OpenAI) -> None:
     assert [i.role for i in items.data] == ["user"]
     short = oai.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].status == "completed" and short.output[0].status == "incomplete"  # the message item too
+    refused = oai.responses.create(model=MODEL, input="word " * 6000, background=True)  # over the context
+    until("refused", lambda: oai.responses.retrieve(refused.id).status == "failed", timeout=60)
+    assert oai.responses.retrieve(refused.id).error.code == "invalid_prompt"  # the request's fault, not the server's
 
 
 def test_background_poll_and_cancel_twice_then_delete(oai: openai.OpenAI) -> None:
