@@ -8,7 +8,7 @@ Response object itself is shared/openai_bodies.py's (a batch line's body is one 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
 from pydantic import ConfigDict, Field, ValidationError
@@ -47,8 +47,9 @@ class ResponseRequest(ClientBody):
     ignore_eos: bool = False  # vLLM's
     include: Annotated[list[Name], Field(max_length=16)] | None = None
     top_logprobs: Logprobs | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest turns go until the context holds it
 
-    _IGNORED = {"reasoning", "truncation", "service_tier", "user", "prompt_cache_key", "safety_identifier",
+    _IGNORED = {"reasoning", "service_tier", "user", "prompt_cache_key", "safety_identifier",
                 "max_tool_calls"}
     LOGPROBS: ClassVar[str] = "message.output_text.logprobs"  # what `include` names to have each output_text's logprobs
 
@@ -95,6 +96,7 @@ class ResponseRequest(ClientBody):
         fields: dict[str, Any] = {"messages": turns, "ignore_eos": self.ignore_eos, "tool_choice": self.tool_choice,
                                   "logprobs": self.logprobs, "top_logprobs": self.top_logprobs or 0,
                                   "parallel_tool_calls": self.parallel_tool_calls,
+                                  "truncation": self.truncation or "disabled",
                                   "tools": [_function_tool(t, k) for k, t in enumerate(self.tools or [])] or None}
         for ours, theirs in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
                              ("top_p", self.top_p)):

@@ -178,6 +178,9 @@ class GenerationRequest(SamplingParams):
     parallel_tool_calls: bool = True  # false: the output ends after its first call
     # vLLM's: the last message, an assistant's, is continued (its turn left open) instead of answered
     continue_final_message: bool = False
+    # OpenAI Responses': with `messages`, `auto` drops the oldest turns (after the leading system messages; never the
+    # last) until the prompt and max_tokens fit the model's context (the tokenizer pool: the API never tokenizes)
+    truncation: Literal["disabled", "auto"] = "disabled"
 
     @model_validator(mode="before")
     @classmethod
@@ -359,6 +362,8 @@ def _json_types(annotation: Any) -> tuple[type, ...]:
         return tuple(t for arg in get_args(annotation) for t in _json_types(arg))
     if annotation is float:
         return (int, float)
+    if origin is Literal:  # its values' types (which value it holds is the API's to have checked)
+        return tuple({type(value) for value in get_args(annotation)})
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return (dict,)
     return (origin or annotation,)

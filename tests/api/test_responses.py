@@ -176,3 +176,20 @@ def test_a_create_sent_again_with_its_idempotency_key_is_the_same_response(stack
     assert first.status_code == again.status_code == 200, (first.text, again.text)
     assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
     assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_context_holds_it(oai: openai.OpenAI) -> None:
+    """OpenAI's `truncation: auto`: a conversation over the model's context loses its oldest turns (never the
+    instructions nor the last turn) until it fits; `disabled` (the default) refuses it."""
+    context = oai.models.retrieve(MODEL).max_model_len  # type: ignore[attr-defined]
+    turns = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"Turn {k}: " + "word " * (context // 4)}
+             for k in range(10)] + [{"role": "user", "content": "Say hi."}]
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=MODEL, input=turns, max_output_tokens=8)  # type: ignore[arg-type]
+    r = oai.responses.create(model=MODEL, input=turns, instructions="Be brief.", max_output_tokens=8,  # type: ignore[arg-type]
+                             truncation="auto")
+    assert r.status in ("completed", "incomplete") and r.usage is not None
+    # the fewest turns dropped: the newest kept fill the context but for less than one more turn
+    assert context - 8 - context // 4 - 10 < r.usage.input_tokens <= context - 8
+    with pytest.raises(openai.UnprocessableEntityError, match="truncation"):  # (a value out of the field's, as others)
+        oai.responses.create(model=MODEL, input="hi", truncation="sometimes")  # type: ignore[arg-type]

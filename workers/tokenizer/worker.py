@@ -291,6 +291,7 @@ class TokenizerWorker:
         texts = [(p, req.prompt is not None) for _, _, req, p in prepared if p is not None]
         encoded = iter(self._encode(served.prompts, [t for t, _ in texts], [raw for _, raw in texts]) if texts else [])
         ids = [req.prompt_token_ids if p is None else next(encoded) for _, _, req, p in prepared]
+        ids = [self._fit(served, req, i) for (_, _, req, _), i in zip(prepared, ids)]
         now = time.time()
         queued = [q for (_, job_id, req, _), prompt_ids in zip(prepared, ids)
                   if (q := self._record(job_id, req, prompt_ids, served.context, traces.get(job_id, ("",))[0],
@@ -363,6 +364,36 @@ class TokenizerWorker:
             problem = f"invalid request: {exc}"
         self._fail(job_id, problem)
         return None
+
+    @staticmethod
+    def _fit(served: ModelTokens, req: GenerationRequest, ids: list[int] | None) -> list[int] | None:
+        """`truncation: auto`: a prompt over its model's context without its oldest turns (after the leading system
+        messages, never the last; a tool result never without its call), the fewest that fit, found in a binary
+        search (a few renders). As it is when it fits, or when nothing dropped makes it fit (the job then fails)."""
+        if ids is None or req.truncation != "auto" or not req.messages or len(ids) + req.max_tokens <= served.context:
+            return ids
+        turns = req.messages
+        lead = next((i for i, m in enumerate(turns) if m.role != "system"), len(turns))
+
+        def without(k: int) -> list[int] | None:  # the prompt with the k oldest turns dropped (None: not rendered)
+            start = lead + k
+            while start < len(turns) - 1 and turns[start].role == "tool":
+                start += 1
+            try:
+                text = served.prompts.render(req.model_copy(update={"messages": turns[:lead] + turns[start:]}))
+                return served.prompts.encode_batch([text], [False])[0]
+            except Exception:  # noqa: BLE001 - a template that refuses what is left: not a fit
+                return None
+
+        low, high, best = 1, len(turns) - lead - 1, None
+        while low <= high:
+            mid = (low + high) // 2
+            got = without(mid)
+            if got is not None and len(got) + req.max_tokens <= served.context:
+                best, high = got, mid - 1
+            else:
+                low = mid + 1
+        return best if best is not None else ids
 
     def _grammars(self, served: ModelTokens) -> GrammarCompiler:
         """A model's grammar compiler (workers/tokenizer/grammar.py), made when its first grammar arrives."""
