@@ -83,7 +83,8 @@ def hash_key(key: str) -> str:
 
 def create(client: redis.Redis, name: str, weight: float = 1.0, models: tuple[str, ...] = (),
            **limits: int | None) -> tuple[str, str]:
-    """Make a tenant with a new key. Returns (key, webhook secret); neither is stored in clear. `weight`:
+    """Make a tenant with a new key. Returns (key, webhook secret): the key is stored as its digest only, the
+    secret as it is (signing needs it), and neither is shown again. `weight`:
     its fair share against other backlogged tenants (WEIGHT_MIN..WEIGHT_MAX; a tenant of weight 2 is
     served twice the tokens of one of weight 1 while both wait). `models`: the models and LoRA adapters its
     key may name (empty: all; any other answers 404 for it). The functions here take a client that
