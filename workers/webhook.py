@@ -33,7 +33,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 from urllib.parse import urlsplit
@@ -177,8 +177,12 @@ class WebhookSender:
 
     def __init__(self, client: redis.Redis, settings: Settings, parallel: int = 16) -> None:
         self.client, self.settings = client, settings
-        # lookups run apart, so one that hangs (getaddrinfo has no timeout) still ends the delivery on time
+        # lookups run apart, so one that hangs (getaddrinfo has no timeout) still ends the delivery on time; one at
+        # a time per host and port, shared by its deliveries: a name whose servers never answer holds one thread,
+        # not every one (each other tenant's lookup waited behind them, and failed)
         self._lookups = ThreadPoolExecutor(parallel, thread_name_prefix="webhook-dns")
+        self._resolving: dict[tuple[str, int], Future[list[IPAddress]]] = {}
+        self._resolving_lock = threading.RLock()  # (a lookup done at once calls back under it)
         self.resolve: Callable[[str, int], list[IPAddress]] = resolve
         self.tls = ssl.create_default_context()
 
@@ -253,6 +257,21 @@ class WebhookSender:
         """Stop the lookup threads; a lookup under way is left to finish alone."""
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
+    def _lookup(self, host: str, port: int) -> Future[list[IPAddress]]:
+        """The host's lookup: the one under way, else a new one."""
+        key = (host, port)
+        with self._resolving_lock:
+            lookup = self._resolving.get(key)
+            if lookup is None or lookup.done():
+                lookup = self._resolving[key] = self._lookups.submit(self.resolve, host, port)
+                lookup.add_done_callback(lambda done: self._forget_lookup(key, done))
+            return lookup
+
+    def _forget_lookup(self, key: tuple[str, int], done: Future[list[IPAddress]]) -> None:
+        with self._resolving_lock:
+            if self._resolving.get(key) is done:
+                del self._resolving[key]
+
     def _connection(self, url: str, deadline: float) -> tuple[_PinnedConnection, str]:
         """A connection to the webhook's host pinned to its checked addresses, and the request path."""
         try:
@@ -269,11 +288,10 @@ class WebhookSender:
         except UnicodeError:
             raise NotSent("webhook host is not a valid name; refused") from None
         port = port or (443 if parts.scheme == "https" else 80)
-        lookup = self._lookups.submit(self.resolve, host, port)
+        lookup = self._lookup(host, port)
         try:
             addresses = lookup.result(timeout=max(deadline - time.monotonic(), 0.0))
         except FutureTimeout:
-            lookup.cancel()
             raise NotSent(f"webhook host {host} did not resolve within {self.settings.webhook_timeout_s:g} s") from None
         except (OSError, UnicodeError, ValueError) as exc:
             raise NotSent(f"webhook host {host} did not resolve ({exc})") from None

@@ -255,3 +255,31 @@ def test_https_checks_the_certificate_against_the_name(redis_db: redis.Redis,
         assert "CERTIFICATE_VERIFY_FAILED" in (worker.post(hooks.url, b"{}", "job_x") or "")  # by IP: no match
         [(headers, _, _)] = hooks.wait_for(1, timeout=5)
     assert headers["host"] == f"hooks.example.test:{hooks.port}" and headers["x-conveyor-job"] == "job_tls"
+
+
+def test_a_name_whose_servers_never_answer_holds_one_lookup_not_all(redis_db: redis.Redis) -> None:
+    """One tenant's webhook host does not resolve in time (its name servers never answer; getaddrinfo has no
+    timeout): its deliveries share one lookup under way, so another tenant's webhook still resolves and goes."""
+    release = threading.Event()
+    calls: list[str] = []
+
+    def resolve(host: str, port: int) -> list[IPAddress]:
+        calls.append(host)
+        if host == "slow.example.test":
+            release.wait(20)
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return [ipaddress.ip_address("127.0.0.1")]
+
+    worker = AfterJob(redis_db, settings_for(True, webhook_timeout_s=1), consumer="after-dns", parallel=4)
+    worker.webhooks.resolve = resolve
+    try:
+        with webhook_server() as hooks:
+            for i in range(6):
+                end_job(redis_db, f"job_slow_{i}", "http://slow.example.test/hook", owner="a")
+            end_job(redis_db, "job_good", hooks.url.replace("127.0.0.1", "good.example.test"), owner="b")
+            counts = worker.drain()
+            assert [body["id"] for _, body, _ in hooks.received] == ["job_good"], counts
+            assert calls.count("slow.example.test") == 1  # one lookup, shared by its six deliveries
+    finally:
+        release.set()
+        worker.close()
