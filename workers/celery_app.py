@@ -21,6 +21,7 @@ it: the drain's consumer group and the driver's leases share the work out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -137,8 +138,9 @@ def after_jobs() -> dict[str, int]:
 
 def run_lanes(after: AfterJob, driver: BatchDriver, budget_s: float, wait_ms: int = 2000) -> dict[str, int]:
     """One run: the drain here for `budget_s` (waiting `wait_ms` at a time for ends), the driver ticking in a
-    thread of its own until the drain returns (at its budget, at a warm shutdown, or raising). The drain's
-    counts, and the driver's ticks."""
+    thread of its own until the drain returns (at its budget, at a warm shutdown, or raising), then giving up its
+    batches' leases (the next run may land in another prefork child, a driver of its own: it takes them over at
+    its first tick, not LEASE_MS later). The drain's counts, and the driver's ticks."""
     done = threading.Event()
     ticks: list[int] = []
     lane = threading.Thread(target=lambda: ticks.append(driver.run(done)), name="batch-driver", daemon=True)
@@ -148,4 +150,6 @@ def run_lanes(after: AfterJob, driver: BatchDriver, budget_s: float, wait_ms: in
     finally:
         done.set()
         lane.join()
+        with contextlib.suppress(redis.RedisError):  # (unreleased, they lapse by themselves)
+            driver.release()
     return {**counts, "batch_ticks": sum(ticks)}

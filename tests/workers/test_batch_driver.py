@@ -343,3 +343,21 @@ async def test_a_long_step_keeps_its_lease(api: httpx.AsyncClient, r: redis.Redi
     assert beside == [0]  # b found the lease held
     rec = r.hgetall(names.batch_key(batch_id))
     assert (rec["status"], rec["failed"]) == ("expired", "1200")
+
+
+async def test_a_run_gives_up_its_leases_for_the_next_run_wherever_it_lands(api: httpx.AsyncClient, r: redis.Redis,
+                                                                           settings: Settings) -> None:
+    """A Celery run (the drain and the driver beside it) ends by giving up its batches' leases: the next run may land
+    in another prefork child, whose driver takes the batch at its first tick rather than LEASE_MS later."""
+    from workers.after_job import AfterJob
+    from workers.celery_app import run_lanes
+
+    batch_id = await _batch(api, 3)
+    first, second = BatchDriver(r, settings), BatchDriver(r, settings)
+    after = AfterJob(r, settings, consumer="after-lanes")
+    try:
+        assert run_lanes(after, first, budget_s=0.3, wait_ms=100)["batch_ticks"] >= 1
+        assert len(_inflight(r, batch_id)) == 3 and not r.exists(names.batch_key(batch_id, "lease"))
+        assert second.tick() == 1  # at once
+    finally:
+        after.close()
