@@ -148,7 +148,7 @@ class SnapshotReader:
             pools[pool].update(running=sum(w.running for w in inference), waiting=sum(w.waiting for w in inference),
                                capacity=self.settings.max_num_seqs * len(inference),
                                kv_cache=sum(kv) / len(kv) if kv else None, kv_cache_max=max(kv, default=None),
-                               per_worker=[{"pid": w.pid, "running": w.running, "waiting": w.waiting,
+                               per_worker=[{"pid": w.pid, "host": w.host, "running": w.running, "waiting": w.waiting,
                                             "kv_cache": w.kv_cache_usage, "steps": w.steps} for w in inference])
         ended = sum(float(v) for k, v in stats.items() if k.startswith(m.REQUEST_SUCCESS + ":"))
         return {

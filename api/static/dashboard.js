@@ -138,7 +138,7 @@ function renderPools(snap) {
       setField(card, "kv_cache", kv == null ? "–" : fmt.pct(kv) + most);
       card.querySelector('[data-field="kv-fill"]').style.width = `${Math.min(100, (kv || 0) * 100)}%`;
       setField(card, "celery", `celery workers: ${snap.celery_workers}` +
-        (p.per_worker.length ? ` · pids ${p.per_worker.map((w) => w.pid).join(", ")}` : ""));
+        (p.per_worker.length ? ` · ${p.per_worker.map((w) => (w.host ? `${w.host}:` : "") + w.pid).join(", ")}` : ""));
     }
   }
 }
