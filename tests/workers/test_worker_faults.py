@@ -4,7 +4,9 @@ fair queue, each as its own `tokenized` record. Real Redis (a database of its ow
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -13,6 +15,7 @@ from shared import names
 from shared.jobs import new_record
 from shared.schemas import decode_request
 from shared.settings import Settings
+from tests.helpers import until
 from workers.tokenizer.worker import TokenizerWorker
 
 
@@ -84,4 +87,41 @@ def test_an_entry_our_api_did_not_write_fails_its_job_alone_with_its_reason(sett
     assert set(r.hkeys(names.fair_key(0, "payload"))) == {"job_a", "job_hot"}
     hot = decode_request(redis.Redis.from_url(settings.redis_url).hget(names.fair_key(0, "payload"), "job_hot"))
     assert hot.temperature == 50.0 and hot.out_of_bounds() == "temperature is out of its bounds"
+    assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
+
+
+def test_a_grammar_compiling_holds_no_other_job(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running worker compiles grammars in its compile lane: while one compiles (up to seconds), the jobs read
+    after it, of any tenant or model, are queued; the job with the grammar is queued once compiled, its entry
+    kept from going idle meanwhile (here CLAIM_IDLE_MS is 50 ms: it was taken up again and dead-lettered)."""
+    from shared.schemas import GenerationRequest
+
+    w = TokenizerWorker(settings)
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    compiling, release = threading.Event(), threading.Event()
+    compile_one = w._compile
+
+    def slow(job_id: str, req: GenerationRequest, served: Any) -> bool:
+        compiling.set()
+        release.wait(30)
+        return compile_one(job_id, req, served)
+
+    monkeypatch.setattr(w, "_compile", slow)
+    shaped = GenerationRequest(prompt="Name a color.", max_tokens=8, response_format={"type": "json_object"})
+    runner = threading.Thread(target=w.run, daemon=True)
+    runner.start()
+    try:
+        enqueue(r, "job_shaped", shaped.model_dump_json(exclude_none=True))
+        assert compiling.wait(30)
+        enqueue(r, "job_plain", json.dumps({"prompt": "Hello there", "max_tokens": 4}))
+        until("the plain job queued while the grammar compiles", lambda: r.hexists(names.fair_key(0, "payload"),
+                                                                                    "job_plain"), timeout=30)
+        assert not r.hexists(names.fair_key(0, "payload"), "job_shaped")
+        release.set()
+        until("the job with the grammar queued", lambda: r.hexists(names.fair_key(0, "payload"), "job_shaped"),
+              timeout=60)
+    finally:
+        release.set()
+        w.stop_event.set()
+        runner.join(60)
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0

@@ -13,11 +13,15 @@ not validated again. An entry the API did not write fails its own job, with the 
 
 An entry is acknowledged only in the same script call that queues its job, so a worker that dies
 mid-batch leaves its entries pending for another worker to claim.
+
+A job with a grammar (structured output, tools) is compiled and queued by the worker's compile lane, a thread beside
+the loop: a compile takes up to seconds, and the jobs read meanwhile, of every tenant and model, go on.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import signal
 import struct
 import threading
@@ -40,10 +44,16 @@ from shared.schemas import GenerationRequest, encode_request
 from shared.settings import Settings
 from shared.stream_consumer import Entry, Ref, StreamConsumer
 from shared.tokenize_calls import REPLY_TTL_S, TokenizeCall, TokenizeReply
-from workers.tokenizer.grammar import GrammarCompiler
+from workers.tokenizer.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
 from workers.tokenizer.prompt import PromptBuilder, PromptError
 
 log = logging.getLogger("conveyor.tokenizer")
+
+SHAPED_WAITING = 8  # reads' batches of jobs with a grammar waiting for the compile lane
+# a read's jobs with a grammar, for the compile lane: (stream, model, [(entry, job id, request, prompt text)],
+# traced jobs' (carrier, created at), when the read's tokenizing started)
+Shaped = tuple[str, "ModelTokens", list[tuple[Entry, str, GenerationRequest, str | None]],
+               dict[str, tuple[str, float]], float]
 
 
 @dataclass
@@ -87,6 +97,13 @@ class TokenizerWorker:
         # (a cluster's) entries read whose partition's master did not answer when they were to be queued: tokenized
         # again once it answers (pending here meanwhile; another worker claims them if this one dies)
         self.held: dict[Ref, Entry] = {}
+        # the jobs with a grammar, a read's batch at a time, for the compile lane (`run` starts it; without it, as a
+        # library, `process` compiles in place); bounded: past it the loop waits, as it did for every compile
+        self._shaped: queue.Queue[Shaped | None] = queue.Queue(maxsize=SHAPED_WAITING)
+        self._lane: threading.Thread | None = None
+        self._in_lane: set[Ref] = set()  # the entries handed to it, kept from going idle meanwhile (`step`)
+        self._in_lane_lock = threading.Lock()
+        self._compilers_lock = threading.Lock()
 
     def run(self) -> None:
         self.consumer.ensure_group()
@@ -95,11 +112,15 @@ class TokenizerWorker:
         hb.start()
         if self.settings.grammar_warm:  # its child starts (~2 s until it is forked) beside this loop
             threading.Thread(target=self._grammars(self.models[""]).warm, name="grammar-warm", daemon=True).start()
+        self._lane = threading.Thread(target=self._compile_lane, name="grammar-compile", daemon=True)
+        self._lane.start()
         log.info("tokenizer worker %s ready (%s)", self.worker_id,
                  ", ".join(f"{m.path}: context {m.context} tokens" for m in self.models.values()))
         try:
             run_loop(self.step, self.stop_event, log, "tokenizer", on_outage=self.consumer.note_outage)
         finally:
+            self._shaped.put(None)  # the lane ends once the compiles handed to it are done
+            self._lane.join(COMPILE_TIMEOUT_S * (SHAPED_WAITING + 1))
             hb.stop()
             for m in self.models.values():
                 if m.compiler is not None:
@@ -110,6 +131,10 @@ class TokenizerWorker:
         """Take over what dead workers left (now and then), then tokenize one read's entries (and those held for
         their master, once it answers)."""
         if time.monotonic() >= self.next_claim:
+            with self._in_lane_lock:
+                in_lane = list(self._in_lane)
+            if in_lane:  # still compiling (or waiting to): not left for a retry here, nor taken by another worker
+                self.consumer.refresh(in_lane)
             self._recover()
             self.next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
         # (a read whose reply was lost: its entries held before anything else can fail this step)
@@ -279,9 +304,32 @@ class TokenizerWorker:
         acked = [e.id for e, _, _ in group if e.id not in waiting]
         if acked:
             self._queue(stream, served, acked, [p for p in prepared if p[2].grammar is None], traces, started)
-        if shaped:
-            compiled = [p for p in shaped if self._compile(p[1], p[2], served)]
-            self._queue(stream, served, [p[0].id for p in shaped], compiled, traces, started)
+        if shaped and self._lane is not None:
+            with self._in_lane_lock:
+                self._in_lane.update(p[0].ref for p in shaped)
+            self._shaped.put((stream, served, shaped, traces, started))  # the loop reads on meanwhile
+        elif shaped:
+            self._compile_queue((stream, served, shaped, traces, started))
+
+    def _compile_lane(self) -> None:
+        """The jobs with a grammar, compiled and queued beside the loop: a compile takes up to COMPILE_TIMEOUT_S (the
+        first of a worker more: xgrammar loads), and the jobs read meanwhile, of every tenant and model, do not wait
+        for it. A batch that meets an outage stays pending (`_recover` takes it up again)."""
+        while (shaped := self._shaped.get()) is not None:
+            try:
+                self._compile_queue(shaped)
+            except RETRYABLE as exc:
+                log.warning("jobs with a grammar left pending for a retry: %s", exc)
+            except Exception:  # noqa: BLE001 - the lane outlives any batch's trouble; its entries stay pending
+                log.exception("jobs with a grammar could not be queued; left pending for a retry")
+            finally:
+                with self._in_lane_lock:
+                    self._in_lane.difference_update(p[0].ref for p in shaped[2])
+
+    def _compile_queue(self, shaped: Shaped) -> None:
+        stream, served, prepared, traces, started = shaped
+        compiled = [p for p in prepared if self._compile(p[1], p[2], served)]
+        self._queue(stream, served, [p[0].id for p in prepared], compiled, traces, started)
 
     def _queue(self, stream: str, served: ModelTokens, acked: list[str],
                prepared: list[tuple[Entry, str, GenerationRequest, str | None]],
@@ -396,11 +444,13 @@ class TokenizerWorker:
         return best if best is not None else ids
 
     def _grammars(self, served: ModelTokens) -> GrammarCompiler:
-        """A model's grammar compiler (workers/tokenizer/grammar.py), made when its first grammar arrives."""
-        if served.compiler is None:
-            served.compiler = GrammarCompiler(served.path, self.fast or self.client, self.settings.job_ttl_s,
-                                              model=served.key)
-        return served.compiler
+        """A model's grammar compiler (workers/tokenizer/grammar.py), made when its first grammar arrives (by the
+        compile lane, or the warm-up thread: one of them)."""
+        with self._compilers_lock:
+            if served.compiler is None:
+                served.compiler = GrammarCompiler(served.path, self.fast or self.client, self.settings.job_ttl_s,
+                                                  model=served.key)
+            return served.compiler
 
     @staticmethod
     def _encode(prompts: PromptBuilder, texts: list[str], raw: list[bool]) -> list[list[int] | None]:
