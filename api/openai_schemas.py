@@ -92,9 +92,13 @@ class _Common(ClientBody):
                 "guided_decoding_backend", "guided_whitespace_pattern"}
 
     def refuse_unsupported(self) -> None:
+        """400 for a parameter this service does not take, and for stream_options without stream (OpenAI's and
+        vLLM's: it would be taken and ignored)."""
         for name in self.model_extra or {}:
             if name not in self._IGNORED:
                 raise ApiError(400, f"unsupported parameter: {name}", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
     def grammar(self) -> Grammar | None:
         """The structured output asked for; a bad or oversized schema, regex or grammar answers 400."""
@@ -198,7 +202,7 @@ class CompletionRequest(_Common):
         self.refuse_unsupported()
         if self.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        if self.best_of not in (None, 1, self.n):
+        if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, "best_of must equal n (choices are not ranked)", param="best_of")
         p = self.prompt
         prompts: list[dict[str, Any]]

@@ -19,10 +19,13 @@ from shared.tool_parsers import CallStart, ContentDelta, StreamEvent, call_id
 
 def finish_reason(job: Job, called: bool | None = None) -> str | None:
     """OpenAI's finish reason: `tool_calls` for a job that stopped after making calls (`called`: whether it
-    made any, when a stream knows better than the record)."""
+    made any, when a stream knows better than the record); a job cancelled (by another caller: the completion's id
+    is its job's) is vLLM's `abort`, a value OpenAI clients meet from vLLM servers, not the native `cancelled`."""
     made_calls = bool(job.tool_calls) if called is None else called
     if made_calls and job.finish_reason is FinishReason.stop:
         return "tool_calls"
+    if job.finish_reason is FinishReason.cancelled:
+        return "abort"
     return job.finish_reason.value if job.finish_reason else None
 
 

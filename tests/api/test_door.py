@@ -78,6 +78,10 @@ RAW_JSON_REFUSED = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\u0000"}]}]}',
      422),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', 422),
+    # taken and ignored before (OpenAI and vLLM refuse both)
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stream_options": '
+                             '{"include_usage": true}}', 400),
+    ("/v1/completions", '{"prompt": "hi", "n": 2, "best_of": 1}', 400),
 ]
 
 

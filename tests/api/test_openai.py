@@ -119,6 +119,26 @@ def _running(stack) -> int:  # type: ignore[no-untyped-def]
     return sum(w.running for w in read_snapshot(r, (names.INFERENCE_POOL,), {}).workers[names.INFERENCE_POOL])
 
 
+def test_a_chat_cancelled_by_another_caller_ends_with_vllms_abort(stack) -> None:  # type: ignore[no-untyped-def]
+    """The completion's id is its job's: a cancel of that job (POST /v1/jobs/{id}/cancel) ends the chat stream with
+    vLLM's `abort`, a finish reason OpenAI clients meet from vLLM servers, not the native `cancelled`."""
+    import json
+
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    reasons = []
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if not reasons:
+                    reasons.append(None)
+                    assert c.post(f"/v1/jobs/job_{chunk['id'].removeprefix('chatcmpl-')}/cancel").status_code == 200
+                reasons += [choice["finish_reason"] for choice in chunk["choices"] if choice["finish_reason"]]
+    assert reasons[1:] == ["abort"]
+
+
 def test_disconnect_cancels_streaming_request(stack) -> None:  # type: ignore[no-untyped-def]
     body = {"model": MODEL, "messages": MSG, "max_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=stack.url, timeout=60) as c:
