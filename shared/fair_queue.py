@@ -87,7 +87,7 @@ def pop_write(partition: int, consumer: str, count: int, skip: Mapping[str, int]
     """A fair_pop call: up to `count` jobs of `model`'s queue for `consumer`, as `tokenized` entries; a tenant in
     `skip` is passed over unless its next job's priority is lower than the one given (PRIORITY_MIN: always)."""
     keys = [names.fair_key(partition, part, model) for part in ("tenants", "vtc", "payload", "bell")]
-    keys += [names.stream(names.TOKENIZED, partition, model), names.fair_key(partition, "served", model),
+    keys += [names.stream(names.TOKENIZED, partition, model), names.fair_key(partition, "served_by", model),
              *(names.fair_key(partition, part, model) for part in WAITING),
              names.ring_key(partition, names.INFERENCE_GROUP, model)]
     below = [x for tenant, priority in sorted((skip or {}).items()) for x in (tenant, priority)]
@@ -209,38 +209,50 @@ class TenantLoad:
 
 def read_tenants(client: redis.Redis, top: int = TOP_TENANTS, models: Sequence[str] = ("",)) -> list[TenantLoad]:
     """The `top` tenants with the most jobs waiting (then the most served), over the queues of `models`, and
-    the rest summed as one OTHERS row when there are any: label cardinality stays bounded. Two round trips.
-    `ANONYMOUS_TENANT` is the jobs without a key."""
+    the rest summed as one OTHERS row when there are any: label cardinality stays bounded. Two round trips, and
+    work in the tenants waiting and `top`, not in every tenant ever served (each queue's `served_by` is read by its
+    top and its sum). `ANONYMOUS_TENANT` is the jobs without a key."""
     now = time.time()
     queues = [(p, m) for m in models for p in names.partitions()]
     pipe = client.pipeline(transaction=False)
     for p, m in queues:
         pipe.zrange(names.fair_key(p, "tenants", m), 0, -1)
-        pipe.hgetall(names.fair_key(p, "served", m))
+        pipe.zrevrange(names.fair_key(p, "served_by", m), 0, top, withscores=True)  # (the sum first, then the top)
     first = pipe.execute()
     served: dict[str, int] = defaultdict(int)
+    total = 0
     backlogged: list[tuple[tuple[int, str], str]] = []
+    read: set[tuple[tuple[int, str], str]] = set()  # (queue, tenant) whose served tokens the top gave
     for q, (tenants, counts) in zip(queues, zip(first[::2], first[1::2])):
         backlogged += [(q, text(t)) for t in tenants]
-        for t, n in counts.items():
-            served[text(t)] += int(n)
+        for t, n in counts:
+            if text(t) == names.SERVED_TOTAL:
+                total += int(n)
+            else:
+                served[text(t)] += int(n)
+                read.add((q, text(t)))
     pipe = client.pipeline(transaction=False)
     for (p, m), t in backlogged:
         pipe.zlexcount(names.fair_key(p, "queue", m), *tenant_range(t))
         pipe.zrangebylex(names.fair_key(p, "age", m), *tenant_range(t), start=0, num=1)
+        pipe.zscore(names.fair_key(p, "served_by", m), t)
     second = pipe.execute() if backlogged else []
     waiting: dict[str, int] = defaultdict(int)
     oldest: dict[str, float] = defaultdict(float)
-    for (_, t), n, head in zip(backlogged, second[::2], second[1::2]):
+    for (q, t), n, head, score in zip(backlogged, second[::3], second[1::3], second[2::3]):
         waiting[t] += int(n)
         if head:  # '<tenant>:<submitted at, ms>:<job id>'
             oldest[t] = max(oldest[t], now - int(text(head[0]).split(":")[1]) / 1000)
+        if score is not None and (q, t) not in read:
+            served[t] += int(score)
     rows = sorted((TenantLoad(t, waiting[t], round(oldest[t], 3), served[t]) for t in set(served) | set(waiting)),
                   key=lambda r: (-r.waiting, -r.served_tokens, r.tenant))
     rest = rows[top:]
-    if rest:
-        rows = rows[:top] + [TenantLoad(OTHERS, sum(r.waiting for r in rest), max(r.oldest_wait_s for r in rest),
-                                        sum(r.served_tokens for r in rest))]
+    named = rows[:top]
+    others = max(0, total - sum(r.served_tokens for r in named))  # every tenant not named, read or not
+    if rest or others:
+        rows = named + [TenantLoad(OTHERS, sum(r.waiting for r in rest), max((r.oldest_wait_s for r in rest),
+                                                                             default=0.0), others)]
     return rows
 
 

@@ -103,7 +103,7 @@ def step_call(keys: list[str], args: list[Any], ttl_s: int, publish: str = "PUBL
     arguments they share (the partition's fair-queue counters of the jobs' `model`, which their charges go on).
     `publish`: PUBLISH, or SPUBLISH on a cluster (`publish_command`)."""
     p = names.stream_partition(keys[0])  # the jobs' partition, where their tenants' fair-queue counters are
-    shared = [names.fair_key(p, part, model) for part in ("vtc", "tenants", "served")]
+    shared = [names.fair_key(p, part, model) for part in ("vtc", "tenants", "served_by")]
     return [*shared, *keys], [ttl_s, repr(time.time()), publish, *args]
 
 

@@ -154,7 +154,8 @@ def stream_groups(models: Iterable[str] = ("",)) -> dict[str, str]:
 # per partition: the backlogged tenants scored by virtual counter; the counters; the queued jobs' tokenized
 # rows; an arrival counter; a doorbell; tokens served per tenant; every waiting job in one sorted set by
 # (tenant, priority, arrival) and in one by (tenant, submit time); and each waiting job's place in both
-FAIR_PARTS = ("tenants", "vtc", "payload", "arrivals", "bell", "served", "queue", "age", "waiting")
+FAIR_PARTS = ("tenants", "vtc", "payload", "arrivals", "bell", "served_by", "queue", "age", "waiting")
+SERVED_TOTAL = "~"  # the member of `served_by` (a sorted set: tenant -> tokens served) that sums every tenant's
 ANONYMOUS_TENANT = "_"  # the fair queue's tenant for jobs without one (no tenant name starts so)
 
 

@@ -4,8 +4,8 @@
 -- pending there (redelivered if the worker dies) exactly like any entry. Taking a job charges its tenant
 -- its prompt tokens over its weight; step.lua charges the tokens it generates (2 each, over its weight).
 -- KEYS: 1 backlogged tenants (zset), 2 virtual counters (hash), 3 payloads (hash), 4 doorbell (list),
---       5 the `tokenized` stream, 6 served tokens per tenant (hash), 7 the waiting jobs, 8 the same by submit
---       time, 9 each waiting job's place (fair_push.lua names their members and values), 10 the ring flag of
+--       5 the `tokenized` stream, 6 served tokens per tenant (zset: tenant -> tokens, and '~' their sum),
+--       7 the waiting jobs, 8 the same by submit time, 9 each waiting job's place (fair_push.lua names their members and values), 10 the ring flag of
 --       the model's inference workers (shared/ring.py)
 -- ARGV: 1 the inference group, 2 consumer, 3 how many jobs at most, 4 the stream's approximate cap,
 --       5.. pairs of a tenant and a priority: that tenant is passed over unless its next job's priority is
@@ -54,7 +54,8 @@ while taken < count do
       local cost = n / (tonumber(weight) or 1)
       redis.call('ZINCRBY', backlog, cost, tenant)
       redis.call('HINCRBYFLOAT', counters, tenant, cost)
-      redis.call('HINCRBY', served, tenant, n)
+      redis.call('ZINCRBY', served, n, tenant)
+      redis.call('ZINCRBY', served, n, '~')
       taken = taken + 1
     end
   end

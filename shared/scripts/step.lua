@@ -1,6 +1,6 @@
 -- step: one engine step's output for many jobs in one call (the output lane's per-step write).
 -- KEYS: 1-3 the jobs' partition's fair-queue virtual counters (hash), backlogged tenants (zset) and tokens
---   served (hash) (one call per partition), then 5 per job: job hash, event stream, token ids, text, logprob entries
+--   served (zset: tenant -> tokens, and '~' their sum) (one call per partition), then 5 per job: job hash, event stream, token ids, text, logprob entries
 -- ARGV: 1 ttl (s), 2 now (unix s), 3 how to publish (PUBLISH, or SPUBLISH on a cluster), then 15 per job, in the
 --   order of its keys:
 --   flags     sum of FRESH (1: the lane's first write for the job: set the TTLs of its keys and its record) and
@@ -112,9 +112,12 @@ for k = 4, #KEYS, 5 do
   codes[#codes + 1] = code
   a = a + 15
 end
+local all = 0
 for _, tenant in ipairs(charged) do -- per tenant, in the order of its first job
   redis.call('HINCRBYFLOAT', vtc, tenant, costs[tenant])
   redis.call('ZADD', backlog, 'XX', 'INCR', costs[tenant], tenant)
-  redis.call('HINCRBY', served, tenant, tokens[tenant])
+  redis.call('ZINCRBY', served, tokens[tenant], tenant)
+  all = all + tokens[tenant]
 end
+if all > 0 then redis.call('ZINCRBY', served, all, '~') end
 return codes

@@ -100,7 +100,8 @@ async def test_metrics_count_what_waits_and_tell_workers_apart(redis_db: redis.R
     for host, usage in (("pod-a", 0.9), ("pod-b", 0.1)):
         beat(redis_db, names.INFERENCE_POOL, f"inference-{host}-1-abcdef",
              json.dumps({"pid": 1, "host": host, "kv_cache_usage": usage}), 60_000)
-    redis_db.hset(names.fair_key(0, "served"), mapping={f"t{i:02}": 100 + i for i in range(12)})
+    redis_db.zadd(names.fair_key(0, "served_by"), {f"t{i:02}": 100 + i for i in range(12)} | {
+        names.SERVED_TOTAL: sum(100 + i for i in range(12))})
     async with in_process_api(settings) as api:
         text = (await api.get("/metrics")).text
     samples = _samples(text)

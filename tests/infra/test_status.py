@@ -17,7 +17,7 @@ def test_status_shows_the_pools_and_the_tenants_share(redis_server, tmp_path: Pa
     c, raw = sync_client(url), sync_client(url, decode=False)
     c.flushdb()
     try:
-        c.hset(names.fair_key(0, "served"), mapping={"team-a": 1200, names.ANONYMOUS_TENANT: 300})
+        c.zadd(names.fair_key(0, "served_by"), {"team-a": 1200, names.ANONYMOUS_TENANT: 300, names.SERVED_TOTAL: 1500})
         c.zadd(names.fair_key(0, "tenants"), {"team-a": 10})
         c.zadd(names.fair_key(0, "queue"), {"team-a:03e800000000001:job_1": 0})
         c.zadd(names.fair_key(0, "age"), {f"team-a:{int((time.time() - 3.2) * 1000):013d}:job_1": 0})

@@ -104,7 +104,7 @@ def test_a_job_touches_only_the_keys_each_call_declares(declared: Declared) -> N
                               b"{}", 1, worker="w", charge=(owner, 1.0, 1))
     got = declared(scripts.STEP, job_ops.step_call(*step, 60))
     assert StepReply.parse(got).codes == (StepCode.written,)
-    assert r.hget(names.fair_key(p, "served"), owner) == b"11"
+    assert r.zscore(names.fair_key(p, "served_by"), owner) == 11
     end = job_ops.finish_write(job_id, FinishReason.stop, "", 60, worker="w", owner=owner)
     assert FinishReply.parse(declared(scripts.FINISH, end)) == FinishReply(FinishCode.finished, 2)
     assert r.get(names.tenant_active_key(owner)) == b"0"

@@ -232,7 +232,7 @@ def test_a_step_charges_a_tenant_only_for_its_jobs_written(raw: redis.Redis) -> 
                           charge=("acme", 1.5, 2))
         keys += k
         args += a
-    vtc, served = (names.fair_key(names.job_partition("ja"), part) for part in ("vtc", "served"))
+    vtc, served = (names.fair_key(names.job_partition("ja"), part) for part in ("vtc", "served_by"))
 
     def step() -> list[StepCode]:
         pipe = raw.pipeline(transaction=False)
@@ -241,12 +241,12 @@ def test_a_step_charges_a_tenant_only_for_its_jobs_written(raw: redis.Redis) -> 
         return list(StepReply.parse(reply).codes)
 
     assert step() == [StepCode.written, StepCode.not_owner]
-    assert (raw.hget(vtc, "acme"), raw.hget(served, "acme")) == (b"1.5", b"2")
+    assert (raw.hget(vtc, "acme"), raw.zscore(served, "acme"), raw.zscore(served, names.SERVED_TOTAL)) == (b"1.5", 2, 2)
     raw.hset(names.job_key("jb"), "worker", "w")
     assert step() == [StepCode.replayed, StepCode.written]
-    assert (raw.hget(vtc, "acme"), raw.hget(served, "acme")) == (b"3", b"4")
+    assert (raw.hget(vtc, "acme"), raw.zscore(served, "acme"), raw.zscore(served, names.SERVED_TOTAL)) == (b"3", 4, 4)
     assert step() == [StepCode.replayed, StepCode.replayed]
-    assert (raw.hget(vtc, "acme"), raw.hget(served, "acme")) == (b"3", b"4")
+    assert (raw.hget(vtc, "acme"), raw.zscore(served, "acme"), raw.zscore(served, names.SERVED_TOTAL)) == (b"3", 4, 4)
 
 
 def test_step_flags_fresh_and_first_token(raw: redis.Redis) -> None:
