@@ -17,7 +17,7 @@
 -- `done` to the event stream and publishes it, starts the retention clock of the job's keys and appends the
 -- job to the ended stream (the after-job work). A tenant's job leaves its unfinished count and gives back the
 -- tokens it reserved and did not use (to the bucket it reserved from: `tokens`, or `batch_tokens` for a batch
--- line, whose record says budget=batch). The owner's keys come from the caller, who reads the record's owner
+-- line, whose record says budget=batch), or is charged those it used past its reservation. The owner's keys come from the caller, who reads the record's owner
 -- first (or knows it): a record that names another owner has nothing written, and the caller reads it again.
 -- A job that does not exist, or is another worker's, has nothing written. A worker's finish names what its
 -- job's last step wrote (ARGV 14, 15): until the record shows it, the job is not ended (that step was lost in a
@@ -90,5 +90,11 @@ if owner ~= '' then
   local tpm = tonumber(redis.call('HGET', tenant_key, cap) or '0') or 0
   local left = tonumber(redis.call('HGET', bucket, 't') or '')
   if refund > 0 and tpm > 0 and left then redis.call('HSET', bucket, 't', math.min(tpm, left + refund)) end
+  if refund < 0 and tpm > 0 then -- it used more than it reserved (a prompt denser in tokens than estimated): the
+    -- rest is charged too, the bucket down to -tpm at most (an expired bucket was full); the next requests wait
+    local at = tonumber(redis.call('HGET', bucket, 'ts') or '') or tonumber(now)
+    redis.call('HSET', bucket, 't', math.max(-tpm, (left or tpm) + refund), 'ts', at)
+    redis.call('EXPIRE', bucket, 120)
+  end
 end
 return seq

@@ -25,6 +25,8 @@ from api.main import create_app
 from api.store import partition_cap
 from infra.redis_server import free_port
 from shared import names, tenants
+from shared.job_ops import JobOps
+from shared.jobs import FinishReason
 from shared.settings import Settings
 from tests.conftest import ROOT, Stack, lora_env, start_stack, stop_stack
 from tests.helpers import conveyor, iter_sse
@@ -154,6 +156,22 @@ async def test_token_reservations_come_back_when_a_job_ends_early(api: httpx.Asy
     third = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 60}, headers=bearer(key))
     assert third.status_code == 202, third.text
     assert int(third.headers["x-ratelimit-remaining-tokens"]) >= 100 - 61 - 1
+
+
+async def test_tokens_used_past_the_reservation_are_charged_when_a_job_ends(api: httpx.AsyncClient,
+                                                                           r: redis.Redis) -> None:
+    """The door reserves a prompt's tokens by its characters (it never tokenizes): a prompt denser in tokens (emoji,
+    say) used more than it reserved, and the rest was never charged. Its end charges it, down to -tpm at most: the
+    key's next requests wait for the bucket to refill."""
+    key, _ = tenants.create(r, "dense", rpm=0, tpm=1000)
+    first = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 10}, headers=bearer(key))
+    assert first.status_code == 202
+    job_id = first.json()["id"]
+    JobOps(r, 60).finish(job_id, FinishReason.stop, fields={"prompt_tokens": 1500, "completion_tokens": 10})
+    left = float(r.hget(names.tenant_bucket_key("dense", "tokens"), "t"))
+    assert -1000 <= left < -500  # 11 reserved, 1,510 used
+    later = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 10}, headers=bearer(key))
+    assert later.status_code == 429 and int(later.headers["retry-after"]) >= 30
 
 
 async def test_unfinished_jobs_per_key_are_capped(api: httpx.AsyncClient, r: redis.Redis) -> None:
