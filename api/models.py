@@ -24,9 +24,11 @@ from shared.tenants import Tenant
 NOT_SERVABLE = (AdapterError, KeyError, ValueError, TypeError, AttributeError, OSError, re.error)
 
 
-def not_found(requested: str, settings: Settings) -> ApiError:
-    runs = ", ".join(map(repr, settings.served))
-    return ApiError(404, f"the model '{requested}' does not exist; this server runs {runs} and the adapters "
+def not_found(requested: str, settings: Settings, tenant: Tenant | None = None) -> ApiError:
+    """404 model_not_found naming the models the caller may use (a key limited to some: those only)."""
+    runs = ", ".join(repr(m) for m in settings.served if tenant is None or tenant.may_use(m)) or "no model"
+    whose = " for this key" if tenant is not None and tenant.models else ""
+    return ApiError(404, f"the model '{requested}' does not exist; this server runs {runs}{whose} and the adapters "
                          "/v1/models lists", type_="model_not_found", param="model")
 
 
@@ -53,7 +55,7 @@ def _allowed(settings: Settings, requested: str | None, tenant: Tenant | None) -
     (`conveyor keys create --models`): to that key, a model it may not use does not exist."""
     name = requested or settings.default_model
     if tenant is not None and not tenant.may_use(name):
-        raise not_found(name, settings)
+        raise not_found(name, settings, tenant)
     return name
 
 
@@ -76,7 +78,7 @@ async def resolve(redis: aredis.Redis, settings: Settings, requested: str | None
         if module.base_model_name in settings.served:
             target = Target(module.base_model_name, name)
     if target is None:
-        raise not_found(name, settings)
+        raise not_found(name, settings, tenant)
     return target
 
 
@@ -90,7 +92,7 @@ def resolve_static(settings: Settings, requested: str | None, tenant: Tenant | N
     if target is None and module is not None and module.base_model_name in settings.served:
         target = Target(module.base_model_name, name)
     if target is None:
-        raise not_found(name, settings)
+        raise not_found(name, settings, tenant)
     return target
 
 

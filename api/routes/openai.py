@@ -50,7 +50,7 @@ async def model(model: str, request: Request, settings: SettingsDep, caller: Cal
     for entry in await served.listing(request.app.state.redis, settings, caller.tenant):
         if entry["id"] == model:
             return entry
-    raise served.not_found(model, settings)
+    raise served.not_found(model, settings, caller.tenant)
 
 
 async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Request, store: JobStore,

@@ -260,6 +260,7 @@ def test_a_key_limited_to_some_models_finds_no_other(auth_stack: Stack, tiny_lor
     h = {"Authorization": f"Bearer {narrow}"}
     job = httpx.post(f"{auth_stack.url}/v1/jobs", json={"prompt": "Hi", "max_tokens": 2}, headers=h)
     assert job.status_code == 404 and job.json()["error"]["type"] == "model_not_found"
+    assert base not in job.json()["error"]["message"].split("does not exist", 1)[1]  # nor named as one it runs
     body = {"lora_name": "late", "lora_path": tiny_loras["tiny-late"]}
     assert httpx.post(f"{auth_stack.url}/v1/load_lora_adapter", json=body, headers=h).status_code == 404
     internal = auth_stack.internal_url  # type: ignore[attr-defined]
