@@ -61,6 +61,10 @@ CANCEL_WAIT_S = 600  # a cancelled batch waits this long for its running lines' 
 ACTIVE = frozenset({JobStatus.queued.value, JobStatus.running.value})
 
 
+class KeyRevoked(Exception):
+    """The batch's key was revoked (or its tenant deleted): its lines are refused for good."""
+
+
 class LeaseLost(Exception):
     """Another driver holds the batch now (this one's lease ran out mid-step): this one's step stops."""
 
@@ -213,8 +217,13 @@ class BatchDriver:
         while cap > 0 and nxt < lines:
             raw = self.r.hget(names.batch_key(batch_id, "lines"), nxt)
             line = orjson.loads(raw) if raw else {}
-            job_id = self._submit(line, f"{batch_id}:{nxt}", rec.get("owner") or "", batch_id,
-                                  rec.get("trace") or "") if raw else None
+            try:
+                job_id = self._submit(line, f"{batch_id}:{nxt}", rec.get("owner") or "", batch_id,
+                                      rec.get("trace") or "") if raw else None
+            except KeyRevoked:  # its key was revoked: no line of it will be taken again; it ends as cancelled
+                log.warning("batch %s: its key was revoked; the batch is cancelled", batch_id)
+                scripts.BATCH_CANCEL(self.r, *batch_ops.cancel_write(batch_id, time.time()))
+                break
             if raw and job_id is None:
                 break  # refused for now (the key's batch_tpm, its unfinished jobs): the next tick tries again
             pipe = self.r.pipeline(transaction=True)  # one slot: the line in flight and `next` land together
@@ -248,6 +257,8 @@ class BatchDriver:
         reply = SubmitReply.parse(self._promised(scripts.SUBMIT, write, f"job {job_id} of {idempotency_key}"))
         if reply.code is SubmitCode.replay:
             return reply.job_id or None
+        if reply.code is SubmitCode.unknown_tenant:
+            raise KeyRevoked(owner)
         return job_id if reply.code is SubmitCode.accepted else None
 
     def _promised(self, script: scripts.Script, write: Write, what: str) -> Any:

@@ -361,3 +361,19 @@ async def test_a_run_gives_up_its_leases_for_the_next_run_wherever_it_lands(api:
         assert second.tick() == 1  # at once
     finally:
         after.close()
+
+
+async def test_a_batch_of_a_revoked_key_is_cancelled_not_left_running_to_its_window(r: redis.Redis,
+                                                                                   settings: Settings) -> None:
+    """A key revoked while its batch runs: its lines are refused for good, so the batch ends `cancelled` (its
+    finished lines kept) rather than staying in progress, retried every tick, until it expires a day later."""
+    s = settings.model_copy(update={"auth": "required"})
+    key, _ = tenants.create(r, "gone")
+    async with in_process_api(s) as api:
+        api.headers["Authorization"] = f"Bearer {key}"
+        batch_id = await _batch(api, WINDOW + 4)
+        driver = BatchDriver(r, s)
+        driver.tick()
+        tenants.revoke(r, "gone")
+        rec = _run_out(driver, r, s, batch_id, ticks=5)
+    assert (rec["status"], rec["completed"]) == ("cancelled", str(WINDOW))
