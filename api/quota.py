@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from api.auth import Caller
 from api.errors import ApiError, too_many
 from api.store import JobStore, partition_cap
-from shared import names
+from shared import names, scripts
 from shared.jobs import Job
 from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
@@ -43,6 +43,18 @@ def rate_headers(rpm: int, requests_left: int, requests_reset_ms: int, tpm: int,
         out |= {"x-ratelimit-limit-tokens": str(tpm), "x-ratelimit-remaining-tokens": str(max(0, tokens_left)),
                 "x-ratelimit-reset-tokens": _duration(tokens_reset_ms)}
     return out
+
+
+async def take_request(client: aredis.Redis, caller: Caller) -> None:
+    """One request of the caller's key's requests per minute, for a call that is no job (a tokenize call, a token
+    count: the tokenizer pool every tenant shares answers it); 429 or 401 as a submit's would be."""
+    t = caller.tenant
+    if t is None:
+        return
+    raw = await scripts.TAKE_REQUEST.acall(client, [names.tenant_key(t.name),
+                                                    names.tenant_bucket_key(t.name, "requests")], [time.time()])
+    if int(raw[0]) != 1:
+        raise refusal(SubmitReply.parse(raw), 0)
 
 
 def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:

@@ -30,7 +30,7 @@ from api.auth import CallerDep, release_stream_slot, require_stream_slot, stream
 from api.choices import admit_all, cancel_all, wait_all
 from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError
-from api.quota import ThroughputDep
+from api.quota import ThroughputDep, take_request
 from api.relay import Relay
 from api.routes.tokenize import ask
 from api.sse import EventStream
@@ -109,6 +109,7 @@ async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayD
     call = TokenizeCall(kind="tokenize", messages=messages, tools=body.prompt_tools(), add_special_tokens=False,
                         add_generation_prompt=not prefill, continue_final_message=prefill,
                         base_model=target.key(settings))
+    await take_request(client, caller)
     reply = await ask(client, relay, call)
     return {"input_tokens": len(reply.tokens or [])}
 

@@ -19,6 +19,7 @@ from api.auth import CallerDep
 from api.deps import RedisDep, RelayDep, SettingsDep
 from api.errors import ApiError
 from api.openai_schemas import ChatMessage
+from api.quota import take_request
 from api.relay import Relay
 from shared import names
 from shared.grammar.tools import MAX_TOOLS
@@ -142,6 +143,7 @@ async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, set
                    caller: CallerDep) -> Any:
     """The prompt's or the chat's token ids, as the model's tokenizer gives them."""
     target = await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer: its model's
+    await take_request(client, caller)
     reply = await ask(client, relay, body.call(target.key(settings)))
     tokens = reply.tokens or []
     context = model_context(settings.path_of(target.model), settings.max_model_len)
@@ -154,6 +156,7 @@ async def detokenize(body: DetokenizeRequest, client: RedisDep, relay: RelayDep,
                      caller: CallerDep) -> Any:
     """The text of token ids."""
     target = await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer: its model's
+    await take_request(client, caller)
     reply = await ask(client, relay, TokenizeCall(kind="detokenize", tokens=body.tokens,
                                                   base_model=target.key(settings)))
     return DetokenizeResponse(prompt=reply.prompt or "")

@@ -86,8 +86,9 @@ BATCH_RESULT = Script("batch_result")
 FILE_BYTES = Script("file_bytes")
 BATCH_CANCEL = Script("batch_cancel")
 PRUNE_CONSUMERS = Script("prune_consumers")
+TAKE_REQUEST = Script("take_request")
 ALL = (START, STEP, FINISH, SUBMIT, REQUEST_CANCEL, ACCOUNT, NOTE_FAILURE, COUNT_AFTER, STREAM_OPEN, TAIL, FAIR_PUSH,
-       FAIR_POP, BATCH_RESULT, FILE_BYTES, BATCH_CANCEL, PRUNE_CONSUMERS)
+       FAIR_POP, BATCH_RESULT, FILE_BYTES, BATCH_CANCEL, PRUNE_CONSUMERS, TAKE_REQUEST)
 
 
 def load(client: redis.Redis | redis.client.Pipeline) -> None:

@@ -174,6 +174,18 @@ async def test_tokens_used_past_the_reservation_are_charged_when_a_job_ends(api:
     assert later.status_code == 429 and int(later.headers["retry-after"]) >= 30
 
 
+async def test_tokenize_calls_spend_the_keys_requests_per_minute(api: httpx.AsyncClient, r: redis.Redis) -> None:
+    """/tokenize, /detokenize and count_tokens are answered by the tokenizer pool every tenant shares: each spends a
+    request of its key's rpm, as a job does, so a key over its limit cannot flood that pool with calls."""
+    key, _ = tenants.create(r, "counter", rpm=1, tpm=0)
+    assert (await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 2}, headers=bearer(key))).status_code == 202
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]}),
+                       ("/v1/messages/count_tokens", {"model": "SmolLM2-135M-Instruct",
+                                                      "messages": [{"role": "user", "content": "hi"}]})):
+        got = await api.post(path, json=body, headers=bearer(key))
+        assert got.status_code == 429 and "requests per minute" in got.json()["error"]["message"], (path, got.text)
+
+
 async def test_unfinished_jobs_per_key_are_capped(api: httpx.AsyncClient, r: redis.Redis) -> None:
     key, _ = tenants.create(r, "q", max_queued=2)
     ids = [(await api.post("/v1/jobs", json=JOB, headers=bearer(key))).json()["id"] for _ in range(2)]

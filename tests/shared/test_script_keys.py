@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from infra.redis_server import RedisServer
-from shared import batch_ops, fair_queue, file_ops, job_ops, names, scripts
+from shared import batch_ops, fair_queue, file_ops, job_ops, names, scripts, tenants
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.redis_client import sync_client
 from shared.scripts.codes import (
@@ -151,6 +151,10 @@ def test_batch_and_file_scripts_touch_only_their_keys(declared: Declared) -> Non
     r.xgroup_create(stream, names.TOKENIZER_GROUP, id="0", mkstream=True)
     r.xgroup_createconsumer(stream, names.TOKENIZER_GROUP, "gone")
     assert declared(scripts.PRUNE_CONSUMERS, ([stream], [names.TOKENIZER_GROUP, 0])) == 1
+    tenants.create(r, "caller", rpm=1)  # a tokenize call's request, from its key's requests per minute
+    took = ([names.tenant_key("caller"), names.tenant_bucket_key("caller", "requests")], [1000.0])
+    assert declared(scripts.TAKE_REQUEST, took)[:3] == [1, 1, 0]
+    assert declared(scripts.TAKE_REQUEST, took)[:2] == [-2, 60000]
     assert declared(scripts.FILE_BYTES, file_ops.file_bytes_write("acme", "file-1", 10, 60, 100)) == [1, 10]
     assert declared(scripts.FILE_BYTES, file_ops.file_bytes_write("acme", "file-2", 95, 60, 100)) == [0, 10]
 
