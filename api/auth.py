@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 
 from api.deps import SettingsDep
 from api.errors import ApiError, too_many
+from api.guard import bearer_of
 from shared import names
 from shared.job_ops import stream_open
 from shared.jobs import Job
@@ -65,11 +66,10 @@ class KeyCache:
 
 
 def _bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization", "")
-    scheme, _, token = value.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return request.headers.get("x-api-key", "").strip() or None  # Anthropic's clients send it so
+    return bearer_of(request.headers.get("authorization", ""), request.headers.get("x-api-key", ""))
+
+
+
 
 
 async def get_caller(request: Request, settings: SettingsDep) -> Caller:

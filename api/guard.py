@@ -43,8 +43,12 @@ def on_internal_port(scope: Scope, internal_port: int | None) -> bool:
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, max_body_bytes: int, internal_port: int | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, internal_port: int | None = None,
+                 keys_required: bool = False) -> None:
+        """`keys_required`: an upload (64 MiB at most) is read only for a valid key (the app's `keys`, KeyCache): the
+        route's own check comes after its form is parsed, the whole file spooled to disk."""
         self.app, self.max_body, self.internal_port = app, max_body_bytes, internal_port
+        self.keys_required = keys_required
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -82,6 +86,10 @@ class RequestGuard:
         if self.internal_port is not None and path.startswith(INTERNAL_PATHS) and \
                 not on_internal_port(scope, self.internal_port):
             await self._reply(send_with_id, 404, f"no route {path}", path)
+            return
+        if path == "/v1/files" and scope.get("method") == "POST" and self.keys_required and \
+                not await _known_key(scope, headers):
+            await self._reply(send_with_id, 401, "invalid, revoked or missing API key", path)  # its body left unread
             return
         length = headers.get(b"content-length")
         cap = FILE_BYTES if path == "/v1/files" else self.max_body  # an upload is streamed to Redis, not held
@@ -142,6 +150,21 @@ class RequestGuard:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 *([(b"connection", b"close")] if close else [])]})
         await send({"type": "http.response.body", "body": body})
+
+
+def bearer_of(authorization: str, x_api_key: str) -> str | None:
+    """The key a request carries: `Authorization: Bearer <key>`, or `x-api-key` (Anthropic's clients send it so)."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return x_api_key.strip() or None
+
+
+async def _known_key(scope: Scope, headers: dict[bytes, bytes]) -> bool:
+    """Whether the request carries a key of a tenant (one that is not revoked)."""
+    key = bearer_of(headers.get(b"authorization", b"").decode("latin-1"),
+                    headers.get(b"x-api-key", b"").decode("latin-1"))
+    return key is not None and await scope["app"].state.keys.lookup(key) is not None
 
 
 async def _drain(receive: Receive, read: int) -> bool:

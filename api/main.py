@@ -54,7 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="conveyor", version="0.1.0", lifespan=lifespan, responses=errors.COMMON_ERRORS,
                   description="LLM generation as a distributed worker system", telemetry=_telemetry())
     app.add_middleware(RequestGuard, max_body_bytes=MAX_BODY_BYTES,
-                       internal_port=settings.internal_port_number if settings.auth_required else None)
+                       internal_port=settings.internal_port_number if settings.auth_required else None,
+                       keys_required=settings.auth_required)
     errors.install(app)
     app.include_router(health.router)
     app.include_router(jobs.router)

@@ -186,6 +186,30 @@ async def test_tokenize_calls_spend_the_keys_requests_per_minute(api: httpx.Asyn
         assert got.status_code == 429 and "requests per minute" in got.json()["error"]["message"], (path, got.text)
 
 
+async def test_an_upload_without_a_valid_key_is_refused_before_its_body_is_read(api: httpx.AsyncClient,
+                                                                                r: redis.Redis) -> None:
+    """An upload may be 64 MiB: without a valid key it is refused before its body is read (the route's own check
+    came after its form was parsed, the whole file spooled to disk by anyone who could reach the port)."""
+    pulled: list[int] = []
+
+    head = b'--b\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
+
+    async def body() -> AsyncIterator[bytes]:  # a file part that goes on and on
+        for i in range(64):
+            pulled.append(i)
+            yield (head if i == 0 else b"") + b"x" * 65536
+
+    headers = {"content-type": "multipart/form-data; boundary=b", "content-length": str(len(head) + 64 * 65536)}
+    for auth in ({}, bearer("cvk_not-a-key")):
+        pulled.clear()
+        got = await api.post("/v1/files", content=body(), headers={**headers, **auth})
+        assert got.status_code == 401 and len(pulled) <= 1, (got.status_code, len(pulled))
+    key, _ = tenants.create(r, "uploader")
+    up = await api.post("/v1/files", files={"file": ("in.jsonl", b'{"a": 1}\n')}, data={"purpose": "batch"},
+                        headers=bearer(key))
+    assert up.status_code == 200, up.text
+
+
 async def test_unfinished_jobs_per_key_are_capped(api: httpx.AsyncClient, r: redis.Redis) -> None:
     key, _ = tenants.create(r, "q", max_queued=2)
     ids = [(await api.post("/v1/jobs", json=JOB, headers=bearer(key))).json()["id"] for _ in range(2)]
