@@ -41,7 +41,10 @@ def fuzz(tmp: Path, redis_url: str, tiny_model_dir: str, seed: str) -> subproces
 
 def test_schemathesis_finds_no_server_error_and_no_schema_mismatch(tmp_path: Path, redis_url: str,
                                                                    tiny_model_dir: str) -> None:
-    proc = fuzz(tmp_path, redis_url, tiny_model_dir, os.environ.get("FUZZ_SEED", "1"))
+    # (the seed picks the scenarios: a link to cancel is usable only while its job runs, and a tiny model's job ends in
+    # milliseconds, so whether the stateful phase meets a running one depends on the seed and on the schema, which
+    # shapes what is generated; seed 1 stopped meeting one when the schema grew)
+    proc = fuzz(tmp_path, redis_url, tiny_model_dir, os.environ.get("FUZZ_SEED", "2"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     tried = re.search(r"(\d+) generated", out)
