@@ -9,7 +9,6 @@ Tools are OpenAI's underneath: Anthropic's `tools` ({name, description, input_sc
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -112,6 +111,9 @@ def _function_tools(tools: list[Any]) -> list[dict[str, Any]]:
         if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
             raise ApiError(400, "only client tools ({name, description, input_schema}) are supported",
                            param=f"tools.{k}")
+        schema = t["input_schema"]
+        if not isinstance(schema, dict) or schema.get("type") != "object":  # a tool's input is an object
+            raise ApiError(400, "input_schema.type must be 'object'", param=f"tools.{k}.input_schema.type")
         fn = {"name": t.get("name"), "parameters": t["input_schema"]}
         if t.get("description"):
             fn["description"] = t["description"]
@@ -232,12 +234,13 @@ def message_id(job: Job) -> str:
     return "msg_" + job.id.removeprefix("job_")
 
 
-def stop_reason(job: Job, stop_sequence: str | None, called: bool = False) -> str:
+def stop_reason(job: Job, called: bool = False) -> str:
+    """A succeeded job's: a stop sequence outranks a tool call (the call it cut short is no call to run)."""
     if job.finish_reason is FinishReason.length:
         return "max_tokens"
-    if called:
-        return "tool_use"
-    return "stop_sequence" if stop_sequence is not None else "end_turn"
+    if job.stop_sequence is not None:
+        return "stop_sequence"
+    return "tool_use" if called else "end_turn"
 
 
 def tool_use_id(job: Job, index: int) -> str:
@@ -253,7 +256,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def message_body(job: Job, stop_sequence: str | None) -> dict[str, Any]:
+def message_body(job: Job) -> dict[str, Any]:
     """Anthropic's `message` object for an ended job: its text and tool_use blocks in the order its text has them
     (as its stream opens them); one empty text block when it said nothing."""
     calls = job.tool_calls or []
@@ -267,8 +270,7 @@ def message_body(job: Job, stop_sequence: str | None) -> dict[str, Any]:
             content.append({"type": "text", "text": part})
     content = content or [{"type": "text", "text": ""}]
     return {"id": message_id(job), "type": "message", "role": "assistant", "model": job.model,
-            "content": content, "stop_reason": stop_reason(job, stop_sequence, bool(calls)),
-            "stop_sequence": stop_sequence,
+            "content": content, "stop_reason": stop_reason(job, bool(calls)), "stop_sequence": job.stop_sequence,
             "usage": {"input_tokens": job.usage.prompt_tokens, "output_tokens": job.usage.completion_tokens}}
 
 
@@ -283,7 +285,7 @@ def error_event(status: int, message: str) -> bytes:
 
 class MessageStream:
     """One message's stream events, for a job: `start` once its prompt is counted, `text` per chunk of text,
-    `end` once it ended (`stop_sequence` as found). Without tools, one text block, opened at the start; with a
+    `end` once it ended. Without tools, one text block, opened at the start; with a
     tool parser (TOOL_CALL_PARSER), blocks open as the text shows them: text, then a tool_use block per call
     (its `input` as input_json_delta fragments)."""
 
@@ -312,7 +314,7 @@ class MessageStream:
             out += self._event(ev)
         return out
 
-    def end(self, job: Job, stop_sequence: str | None) -> list[bytes]:
+    def end(self, job: Job) -> list[bytes]:
         out: list[bytes] = []
         if self.parser is not None:
             for ev in self.parser.finish():
@@ -321,8 +323,8 @@ class MessageStream:
             out += self._open("text", {"type": "text", "text": ""})
         usage = {"input_tokens": job.usage.prompt_tokens, "output_tokens": job.usage.completion_tokens}
         return [*out, *self._close(),
-                event("message_delta", delta={"stop_reason": stop_reason(job, stop_sequence, self.called),
-                                              "stop_sequence": stop_sequence}, usage=usage),
+                event("message_delta", delta={"stop_reason": stop_reason(job, self.called),
+                                              "stop_sequence": job.stop_sequence}, usage=usage),
                 event("message_stop")]
 
     def _event(self, ev: StreamEvent) -> list[bytes]:
@@ -350,5 +352,3 @@ class MessageStream:
         self.open = None
         return [event("content_block_stop", index=self.index)]
 
-
-StopOf = Callable[[Job], Awaitable[str | None]]

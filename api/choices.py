@@ -7,8 +7,10 @@ prefix cache."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from redis.exceptions import RedisError
@@ -19,7 +21,7 @@ from api.quota import Throughput, admit
 from api.relay import Relay
 from api.store import JobStore
 from api.streaming import DoneEvent, Event, StatusEvent, job_events
-from shared.jobs import Job
+from shared.jobs import Job, JobStatus
 from shared.limits import SEED_MAX
 from shared.schemas import GenerationRequest
 from shared.settings import Settings
@@ -76,19 +78,45 @@ async def wait_all(store: JobStore, relay: Relay, jobs: list[Job], request: Requ
                 return ev.job
         return None
 
-    tasks = [asyncio.create_task(end_of(j.id)) for j in jobs]
+    ends = await _each(store, jobs, request, end_of)
+    if any(e is None for e in ends):
+        raise ApiError(503, "the job expired before it ended")
+    return ends  # type: ignore[return-value]
+
+
+async def refused(store: JobStore, relay: Relay, jobs: list[Job], request: Request, wait_s: float) -> Job | None:
+    """Before a stream's first byte: wait (at most `wait_s`) until each job has left the queue, and answer the
+    first refused before it started (a prompt over the context, a grammar that does not compile: the request's
+    fault, a 4xx rather than a stream that fails), else None. The client going away cancels them all (499)."""
+    async def left_queue(job_id: str) -> Job | None:
+        async for ev in job_events(store, relay, job_id):
+            if isinstance(ev, StatusEvent) and not ev.job.ended and ev.job.started_at is None:
+                continue
+            return ev.job if isinstance(ev, DoneEvent) else None
+        return None
+
+    for job in await _each(store, jobs, request, left_queue, wait_s):
+        if job is not None and job.status is JobStatus.failed and job.started_at is None:
+            return job
+    return None
+
+
+async def _each(store: JobStore, jobs: list[Job], request: Request,
+                until: Callable[[str], Coroutine[Any, Any, Job | None]],
+                wait_s: float | None = None) -> list[Job | None]:
+    """`until(job_id)` for every job, in order, at once (None for each not done within `wait_s`); the client going
+    away cancels them all (499)."""
+    tasks = [asyncio.create_task(until(j.id)) for j in jobs]
+    loop = asyncio.get_running_loop()
+    deadline = math.inf if wait_s is None else loop.time() + wait_s
     try:
         while True:
-            _, pending = await asyncio.wait(tasks, timeout=0.25)
-            if not pending:
-                break
+            _, pending = await asyncio.wait(tasks, timeout=min(0.25, max(0.0, deadline - loop.time())))
+            if not pending or loop.time() >= deadline:
+                return [t.result() if t.done() else None for t in tasks]
             if await request.is_disconnected():
                 await cancel_all(store, jobs)
                 raise ApiError(499, "client closed the request")
-        ends = [t.result() for t in tasks]
-        if any(e is None for e in ends):
-            raise ApiError(503, "the job expired before it ended")
-        return ends  # type: ignore[return-value]
     except asyncio.CancelledError:
         await asyncio.shield(cancel_all(store, jobs))
         raise

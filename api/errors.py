@@ -102,6 +102,8 @@ def _answer(request: Request, status: int, message: str, type_: str | None = Non
     """The error response in the shape of the route the request was for."""
     if request.url.path.startswith(ANTHROPIC_PREFIX):
         status = 400 if status == 422 else status  # Anthropic's invalid requests are all 400s
+        if status == 503 or code == "server_overloaded":  # the service (not the key) is full or unavailable:
+            status = 529  # Anthropic's overloaded_error, which its SDKs raise as OverloadedError
         if param and param not in message:
             message = f"{param}: {message}"
         return JSONResponse(anthropic_body(status, message), status, headers=headers)

@@ -24,16 +24,18 @@ class StopMatcher:
                 ends.setdefault(stop[k - 1], []).append(k)
             self._ends.append((stop, ends))
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add generated text; return (text safe to emit now, whether a stop string was hit)."""
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Add generated text; return (text safe to emit now, the stop string hit: the one that begins first,
+        the first listed of those that begin there; None while none is)."""
         buf = self.pending + text
         if not self.stops:
             self.pending = ""
-            return buf, False
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+            return buf, None
+        hits = [(i, n) for n, i in enumerate(buf.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return buf[: min(hits)], True
+            at, n = min(hits)
+            return buf[:at], self.stops[n]
         hold = 0
         last = buf[-1:]
         for s, ends in self._ends:
@@ -42,7 +44,7 @@ class StopMatcher:
                     hold = max(hold, k)
                     break
         self.pending = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold], False
+        return buf[: len(buf) - hold], None
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
@@ -69,8 +71,8 @@ class Detokenizer:
                 parts.append(piece)
         return "".join(parts)
 
-    def push(self, token_ids: list[int]) -> tuple[str, bool, int]:
-        """A step's new tokens: (text safe to emit now, whether a stop string was hit, how many of the tokens
+    def push(self, token_ids: list[int]) -> tuple[str, str | None, int]:
+        """A step's new tokens: (text safe to emit now, the stop string hit (None: none), how many of the tokens
         count: all of them, or those up to the one that completed the stop string)."""
         out = []
         for n, t in enumerate(token_ids, 1):
@@ -81,9 +83,9 @@ class Detokenizer:
                 continue
             emit, hit = self.matcher.push(piece)
             out.append(emit)
-            if hit:
-                return "".join(out), True, n
-        return "".join(out), False, len(token_ids)
+            if hit is not None:
+                return "".join(out), hit, n
+        return "".join(out), None, len(token_ids)
 
     def resume(self, token_ids: list[int], emitted: str) -> None:
         """Rebuild state for a job continued from `token_ids` of which `emitted` was already streamed."""

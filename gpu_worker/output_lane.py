@@ -97,6 +97,7 @@ class JobState:
     worker: str = ""  # the worker that took it: its writes are refused once the record names another
     owner: str = ""  # the tenant that submitted it: its finish names that tenant's keys
     trace: JobTrace | None = None  # a traced job's spans (gpu_worker/job_trace.py)
+    stop: str = ""  # the stop string that ended it ('' none): its record's `stop_sequence`
     ended: bool = False  # its end is written, or waits to be (held by an outage): later rows of it are late
     # its stages' times (unix s), kept in its record at its end (the dashboard's timeline): tokenizing began, it
     # was queued, the engine first scheduled it (this worker's attempt)
@@ -127,6 +128,8 @@ class StepWrites:
         st.ended = True
         fields: dict[str, Any] = {"completion_tokens": st.n_tokens}
         fields.update((k, repr(v)) for k, v in st.stages.items() if v)
+        if st.stop:
+            fields["stop_sequence"] = st.stop
         self.finishes.append((job_id, reason, error, fields, st.worker, st.owner, (st.seq, st.written)))
         self.done.append(job_id)
 
@@ -225,7 +228,7 @@ class OutputLane:
             if ids and not st.trace.first_token_at:  # this attempt's first (a resumed job's too)
                 st.trace.first_token(wall)
         try:
-            emit, hit, used = st.detok.push(ids) if ids else ("", False, 0)
+            emit, hit, used = st.detok.push(ids) if ids else ("", None, 0)
         except Exception as exc:  # noqa: BLE001 - this job ends with an error, the step goes on
             log.exception("job %s: detokenizing failed", job_id)
             if reason is None:
@@ -236,7 +239,8 @@ class OutputLane:
             flags |= self._hold(row, ids[:used], st, emit, wall)  # (a stop string's token the last counted)
         if row["prompt_logprobs"] is not None:
             step.prompts.append((job_id, self._prompt_document(row)))
-        if hit:
+        if hit is not None:
+            st.stop = hit
             if reason is None:
                 self.feedback.put(Abort(job_id, FinishReason.stop))
             reason = FinishReason.stop.value

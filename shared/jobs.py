@@ -86,6 +86,8 @@ class Job(BaseModel):
     content: str | None = Field(None, exclude=True)
     # with a tool parser: the text's pieces outside the calls and the calls' indices, in the text's order
     parts: list[str | int] | None = Field(None, exclude=True)
+    # the stop string that ended it (the output lane's match; None: it ended otherwise), for the routes that name it
+    stop_sequence: str | None = Field(None, exclude=True)
 
     @classmethod
     def from_record(cls, rec: dict[str, str], job_id: str = "") -> Job:
@@ -139,6 +141,7 @@ class Job(BaseModel):
             first_token_at=num("first_token_at"),
             finished_at=num("finished_at"),
             owner=rec.get("owner") or "",
+            stop_sequence=rec.get("stop_sequence") or None,
         )
 
     @property

@@ -2,8 +2,7 @@
 Messages API's `count_tokens`), since the API never loads a tokenizer.
 
 The mechanism, one round trip through Redis:
-- The API picks a partition (a call about a job, `stop_sequence`: the job's, whose ids it reads; any other: one at
-  random) and a call id in it (`names.tokenize_call_id`), subscribes to the call's
+- The API picks a partition (one at random) and a call id in it (`names.tokenize_call_id`), subscribes to the call's
   channel through its relay (the channel is `names.job_channel(call_id)`: one pub/sub connection per node, as
   for jobs), then XADDs the call to the partition's `tokenize` stream (approximately capped at STREAM_MAXLEN).
 - Tokenizer workers read every `tokenize` stream in the same XREADGROUP call as their `jobs` streams (same
@@ -27,7 +26,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shared.grammar.tools import MAX_TOOLS
-from shared.limits import MAX_CONTENT_CHARS, MAX_PROMPT_TOKEN_IDS, Content, StopList, TokenId
+from shared.limits import MAX_PROMPT_TOKEN_IDS, Content, TokenId
 from shared.schemas import Message
 
 CALL_TIMEOUT_S = 5.0  # no reply this long after the call: 503
@@ -35,7 +34,6 @@ POLL_S = 0.5  # silence this long: read the reply key (a message missed during a
 REPLY_TTL_S = 30  # a reply key outlives its caller's wait
 STREAM_MAXLEN = 10_000  # per partition, approximate: bounded while no tokenizer runs
 MAX_CALL_TOKENS = MAX_PROMPT_TOKEN_IDS  # ids in one detokenize call, and in one tokenize reply
-MAX_STOP_TEXT = MAX_CONTENT_CHARS  # the generated text a `stop_sequence` call is given
 
 CallIds = Annotated[list[TokenId], Field(max_length=MAX_CALL_TOKENS)]
 
@@ -43,12 +41,10 @@ CallIds = Annotated[list[TokenId], Field(max_length=MAX_CALL_TOKENS)]
 class TokenizeCall(BaseModel):
     """One call. `tokenize`: `prompt` (with the tokenizer's special tokens when `add_special_tokens`) or
     `messages` (the chat template, its generation prompt when `add_generation_prompt`; `tools` as a request
-    with them shows them); `detokenize`: `tokens`;
-    `stop_sequence`: which of `stops` ended job `job_id`, whose output `text` is cut before it (read from the
-    job's generated ids; None when it ended otherwise)."""
+    with them shows them); `detokenize`: `tokens`."""
 
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["tokenize", "detokenize", "stop_sequence"]
+    kind: Literal["tokenize", "detokenize"]
     prompt: Content | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # shown in the prompt
@@ -57,9 +53,6 @@ class TokenizeCall(BaseModel):
     continue_final_message: bool = False  # the last (assistant) message left open, as a request continues it
     return_token_strs: bool = False
     tokens: CallIds | None = None
-    job_id: Annotated[str, Field(max_length=64)] | None = None
-    text: Annotated[str, Field(max_length=MAX_STOP_TEXT)] | None = None
-    stops: StopList | None = None
     deadline: float = 0.0  # unix s: past it, the caller no longer waits
     # whose tokenizer: a served model's queue name (shared/served.py); None the default model's
     base_model: Annotated[str, Field(max_length=64)] | None = None
@@ -86,7 +79,6 @@ class TokenizeReply(BaseModel):
     tokens: list[int] | None = None
     token_strs: list[str] | None = None
     prompt: str | None = None
-    stop_sequence: str | None = None
     error: str | None = None
     param: str | None = None
 

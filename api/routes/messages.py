@@ -12,7 +12,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from api import models as served
@@ -21,13 +20,12 @@ from api.anthropic import (
     CountTokensRequest,
     MessagesRequest,
     MessageStream,
-    StopOf,
     continues,
     error_event,
     message_body,
 )
 from api.auth import CallerDep, release_stream_slot, require_stream_slot, stream_refused
-from api.choices import admit_all, cancel_all, wait_all
+from api.choices import admit_all, cancel_all, refused, wait_all
 from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError
 from api.quota import ThroughputDep, take_request
@@ -37,7 +35,7 @@ from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
 from api.validation import check_request
-from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus
+from shared.jobs import DamagedRecord, Job, JobStatus
 from shared.tokenize_calls import TokenizeCall
 
 router = APIRouter(prefix="/v1", tags=["anthropic"], responses=ERRORS)
@@ -49,19 +47,14 @@ def _failure(job: Job) -> ApiError:
     return ApiError(500, f"generation failed: {job.error or 'unknown error'}")
 
 
-def _stop_finder(client: Any, relay: Relay, stops: list[str], model: str | None = None) -> StopOf:
-    """Which stop sequence ended a job of `model` (its queue name; None the default), asked of the tokenizer pool
-    (it reads the job's generated ids with that model's tokenizer); None when it ended otherwise, or when that
-    cannot be known now."""
-    async def stop_of(job: Job) -> str | None:
-        if job.finish_reason is not FinishReason.stop or not stops:
-            return None
-        try:
-            call = TokenizeCall(kind="stop_sequence", job_id=job.id, text=job.text, stops=stops, base_model=model)
-            return (await ask(client, relay, call)).stop_sequence
-        except (ApiError, ValidationError, RedisError):
-            return None
-    return stop_of
+def _unfinished(job: Job) -> ApiError | None:
+    """A job that ended without its message, as the error it answers (None: its message is whole). Cancelled (by a
+    `POST /v1/jobs/{id}/cancel` of its job) is no `end_turn`: Anthropic has no stop reason for it."""
+    if job.status is JobStatus.failed:
+        return _failure(job)
+    if job.status is JobStatus.cancelled:
+        return ApiError(409, "the message's generation was cancelled before it ended")
+    return None
 
 
 @router.post("/messages", response_model=None)
@@ -80,9 +73,16 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
         if body.stream:
             await release_stream_slot(client, caller, slot)
         raise
-    stop_of = _stop_finder(client, relay, list(req.stop), req.base_model)
     if body.stream:
         ended: list[bool] = []
+        try:
+            refusal = await refused(store, relay, jobs, request, settings.sse_ping_s)
+        except BaseException:
+            await release_stream_slot(client, caller, slot)
+            raise
+        if refusal is not None:
+            await release_stream_slot(client, caller, slot)
+            raise _failure(refusal)
 
         async def close() -> None:
             if not ended:
@@ -90,12 +90,13 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
             await release_stream_slot(client, caller, slot)
 
         parser = settings.tool_call_parser if req.calls_tools else None
-        return EventStream(_closing(_stream(store, relay, jobs[0], stop_of, parser), ended, close),
+        return EventStream(_closing(_stream(store, relay, jobs[0], parser), ended, close),
                            settings.sse_ping_s, limits)
     end = (await wait_all(store, relay, jobs, request))[0]
-    if end.status is JobStatus.failed:
-        raise _failure(end)
-    return JSONResponse(message_body(end, await stop_of(end)), headers=limits)
+    err = _unfinished(end)
+    if err is not None:
+        raise err
+    return JSONResponse(message_body(end), headers=limits)
 
 
 @router.post("/messages/count_tokens")
@@ -135,18 +136,18 @@ async def _input_tokens(store: JobStore, job_id: str) -> int:
     return job.usage.prompt_tokens if job is not None else 0
 
 
-async def _stream(store: JobStore, relay: Relay, job: Job, stop_of: StopOf,
+async def _stream(store: JobStore, relay: Relay, job: Job,
                   tool_parser: str | None) -> AsyncIterator[tuple[bytes, bool]]:
     """Anthropic's events for the job, opened at its first event (its prompt counted by then); an error event
-    when it fails or its stream is cut short. Yields (frame, whether the job has ended)."""
+    when it fails, is cancelled or its stream is cut short. Yields (frame, whether the job has ended)."""
     message = MessageStream(job, tool_parser)
     opened = False
     try:
         async for ev in job_events(store, relay, job.id):
             if isinstance(ev, StatusEvent):
                 continue
-            if isinstance(ev, DoneEvent) and ev.job.status is JobStatus.failed:
-                err = _failure(ev.job)
+            err = _unfinished(ev.job) if isinstance(ev, DoneEvent) else None
+            if err is not None:
                 yield error_event(err.status, err.message), True
                 return
             if not opened:
@@ -157,7 +158,7 @@ async def _stream(store: JobStore, relay: Relay, job: Job, stop_of: StopOf,
                 for frame in message.text(ev.text):
                     yield frame, False
                 continue
-            for frame in message.end(ev.job, await stop_of(ev.job)):
+            for frame in message.end(ev.job):
                 yield frame, True
             return
     except RedisError:

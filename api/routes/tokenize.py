@@ -42,8 +42,7 @@ async def ask(client: aredis.Redis, relay: Relay, call: TokenizeCall,
               timeout_s: float = CALL_TIMEOUT_S) -> TokenizeReply:
     """The tokenizer pool's reply to `call`; 503 when none comes within `timeout_s`, 400 naming the field when
     the call could not be answered."""
-    # a call about a job goes in the job's partition (its ids are read there: one master), any other anywhere
-    p = names.job_partition(call.job_id) if call.job_id else random.randrange(names.partition_count())
+    p = random.randrange(names.partition_count())
     call_id = names.tokenize_call_id(p, uuid.uuid4().hex)
     call = call.model_copy(update={"deadline": time.time() + timeout_s})
     loop = asyncio.get_running_loop()

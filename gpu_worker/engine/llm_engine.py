@@ -218,7 +218,7 @@ class LLMEngine:
         """Drafts for the decoding sequences that speculate (ngram.py), never past their max_tokens or the
         context; the scheduler trims them to the step's budget and free blocks."""
         for s in self.scheduler.running:
-            if s.ngrams is not None and s.num_uncomputed == 1:
+            if s.ngrams is not None and s.decoding:
                 room = min(s.req.max_tokens - s.num_generated, self.max_model_len - s.num_tokens) - 1
                 s.draft = s.ngrams.propose(s.token_ids, room)
 

@@ -152,15 +152,10 @@ class Scheduler:
         self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
         budget = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
-        for seq in decode:  # draft tokens (speculation) before prefill, while budget and free blocks last
-            if seq.draft:
-                seq.draft = seq.draft[: max(budget, 0)]
-                if seq.draft and not self.blocks.reserve(seq, seq.num_tokens + len(seq.draft)):
-                    seq.draft = []
-                budget -= len(seq.draft)
         chunks: list[tuple[Sequence, int]] = []
         # prefill by priority; within one, the sequences already prefilling before new admissions
-        prefilling = deque(sorted((s for s in self.running if s.num_uncomputed > 1), key=lambda s: s.req.priority))
+        prefilling = deque(sorted((s for s in self.running if s.num_uncomputed and not s.decoding),
+                                  key=lambda s: s.req.priority))
         deferred: list[Sequence] = []
         admitting = True
         while budget > 0:
@@ -183,7 +178,7 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 seq.scheduled_at = seq.scheduled_at or time.time()
-                if seq.num_uncomputed == 1:
+                if seq.decoding:  # (a resumed job whose prompt and ids but its last were cached)
                     decode.append(seq)
                     budget -= 1
                     continue
@@ -195,6 +190,12 @@ class Scheduler:
                 seq.timeline.append(("prefill_chunk", time.time(), n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+        for seq in decode:  # draft tokens (speculation: a bet) after prefill, while budget and free blocks last
+            if seq.draft:
+                seq.draft = seq.draft[: max(budget, 0)]
+                if seq.draft and not self.blocks.reserve(seq, seq.num_tokens + len(seq.draft)):
+                    seq.draft = []
+                budget -= len(seq.draft)
         return StepBatch(decode=decode, chunks=chunks), rejected
 
     def _decodes(self, rejected: list[Sequence]) -> list[Sequence]:
@@ -202,7 +203,7 @@ class Scheduler:
         the newest's tenant gives one up (preempted); a sequence alone that still finds none is `rejected`."""
         decode: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+            if seq.status is not SeqStatus.RUNNING or not seq.decoding:
                 continue
             while not self.blocks.can_append(seq):
                 victim = self._worst()[self.running[-1].req.tenant]

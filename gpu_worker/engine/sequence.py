@@ -58,6 +58,14 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     @property
+    def decoding(self) -> bool:
+        """Whether its next step is a decode row: one token left to compute, a generated one. A prompt's last
+        token is prefilled, never decoded (a 1-token chunk where the prefix cache or a chunk boundary left it
+        alone): the prefill kernel computes every prompt position, so its K/V and the first token's logits are the
+        same bits however its chunks fell (the seed's promise, with speculation or a cached prefix)."""
+        return self.num_uncomputed == 1 and self.num_tokens > self.num_prompt
+
+    @property
     def greedy(self) -> bool:
         return self.req.greedy
 

@@ -3,7 +3,9 @@ model) for generation, and against the API in process (no workers) for what the 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import anthropic
@@ -13,7 +15,7 @@ import pytest
 import redis
 
 from api.main import create_app
-from shared import tenants
+from shared import names, tenants
 from shared.limits import MAX_BODY_BYTES
 from shared.settings import Settings
 from tests.helpers import iter_sse
@@ -155,6 +157,10 @@ async def test_refusals_are_anthropic_errors(door: anthropic.AsyncAnthropic) -> 
     ({"max_tokens": 8, "messages": ASK, "temperature": "hot"}, "temperature"),
     ({"max_tokens": 8, "messages": ASK, "stop_sequences": [""]}, "stop_sequences"),
     ({"max_tokens": 8, "messages": []}, "messages"),
+    ({"max_tokens": 8, "messages": ASK, "tools": [{"name": "f", "input_schema": {"type": "string"}}]},
+     "tools.0.input_schema.type"),  # a tool's input is an object (the SDK parses it as one)
+    ({"max_tokens": 8, "messages": ASK, "tools": [{"name": "f", "input_schema": {"properties": {}}}]},
+     "tools.0.input_schema.type"),
 ])
 async def test_a_bad_body_is_a_400_in_anthropics_shape_naming_the_field(app_client: httpx.AsyncClient,
                                                                         body: dict[str, object], param: str) -> None:
@@ -164,6 +170,23 @@ async def test_a_bad_body_is_a_400_in_anthropics_shape_naming_the_field(app_clie
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert param in err["error"]["message"]
+
+
+async def test_the_service_at_capacity_is_a_529_overloaded_error(redis_server, model_path: str,  # type: ignore[no-untyped-def]
+                                                                r: redis.Redis) -> None:
+    """Anthropic's 529 `overloaded_error` (the SDK's OverloadedError, which a client falls back on), not a 429:
+    no key is over its limits, the service is full (no workers here: the queue only grows)."""
+    app = create_app(Settings(redis_url=redis_server.url.rsplit("/", 1)[0] + f"/{DB}", model=model_path,
+                              max_queued=1))
+    async with app.router.lifespan_context(app):
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app), base_url="http://test") as http:
+            claude = anthropic.AsyncAnthropic(base_url="http://test", api_key="unused", max_retries=0,
+                                              http_client=http)
+            assert (await http.post("/v1/jobs", json={"prompt": "Hi", "max_tokens": 4})).status_code == 202
+            with pytest.raises(anthropic.APIStatusError) as e:
+                await claude.messages.create(model=MODEL, max_tokens=8, messages=ASK)
+    assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    assert e.value.response.headers["retry-after"]
 
 
 async def test_a_body_over_the_cap_is_a_413_in_anthropics_shape(app_client: httpx.AsyncClient) -> None:
@@ -195,20 +218,56 @@ async def test_the_key_is_read_from_x_api_key(keyed: httpx2.AsyncClient, r: redi
     assert (await keyed.get("/v1/models", headers={"x-api-key": key})).status_code == 200
 
 
-def test_a_request_the_pool_refuses_is_an_invalid_request_streamed_or_not(stack) -> None:  # type: ignore[no-untyped-def]
-    """A prompt longer than the context fails its job in the tokenizer pool: a 400, or in a stream Anthropic's
-    `error` event, never a message."""
+def test_a_request_the_pool_refuses_is_a_400_streamed_or_not(claude: anthropic.Anthropic) -> None:
+    """A prompt longer than the context fails its job in the tokenizer pool before it starts: a 400 whether it
+    streams or not (a stream opens once its job has left the queue), which the SDK raises as BadRequestError."""
     long = [{"role": "user", "content": "word " * 3000}]
+    with pytest.raises(anthropic.BadRequestError) as whole:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=long)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.BadRequestError) as streamed:
+        with claude.messages.stream(model=MODEL, max_tokens=8, messages=long) as s:  # type: ignore[arg-type]
+            s.get_final_message()
+    assert streamed.value.body == whole.value.body
+    assert whole.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_a_cancelled_message_is_an_error_not_an_end_turn(stack) -> None:  # type: ignore[no-untyped-def]
+    """A message whose job another caller cancels (`POST /v1/jobs/job_.../cancel`: a message's id is its job's) is
+    cut short: an `error` event in its stream, a 409 without one, never `end_turn`."""
+    ask = {"model": MODEL, "max_tokens": 600, "temperature": 1.0,
+           "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
     with httpx.Client(base_url=stack.url, timeout=120) as client:
-        r = client.post("/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": long})
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
-        body = {"model": MODEL, "max_tokens": 8, "messages": long, "stream": True}
-        with client.stream("POST", "/v1/messages", json=body) as s:
-            events = list(iter_sse(s))
-    assert [e["event"] for e in events] == ["error"], events
-    error = json.loads(events[0]["data"])
-    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-    assert error["error"]["message"] == r.json()["error"]["message"]
+        with client.stream("POST", "/v1/messages", json={**ask, "stream": True}) as s:
+            events = iter_sse(s)
+            start = next(e for e in events if e["event"] == "message_start")
+            job = "job_" + json.loads(start["data"])["message"]["id"].removeprefix("msg_")
+            assert client.post(f"/v1/jobs/{job}/cancel").status_code == 200
+            rest = list(events)
+        assert rest[-1]["event"] == "error" and not any(e["event"] == "message_stop" for e in rest), rest[-3:]
+
+        async def cancelled_while_it_runs() -> httpx.Response:
+            """The request without a stream, its job (found by its prompt) cancelled before it ends (again, should
+            the model end it first)."""
+            store = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+            async with httpx.AsyncClient(base_url=stack.url, timeout=120) as a:
+                for attempt in range(5):
+                    mark = f"(cancel {attempt} {uuid.uuid4().hex[:8]})"
+                    story = f"Write a long story about a dragon. {mark}"
+                    marked = {**ask, "messages": [{"role": "user", "content": story}]}
+                    sent = asyncio.create_task(a.post("/v1/messages", json=marked))
+                    job = None
+                    while job is None and not sent.done():  # its entry on its partition's `jobs` stream
+                        await asyncio.sleep(0.02)
+                        job = next((f["job_id"] for p in range(names.partition_count())
+                                    for _, f in store.xrevrange(names.stream(names.JOBS, p), count=20)
+                                    if mark in f.get("request", "")), None)
+                    if job is not None and (await a.post(f"/v1/jobs/{job}/cancel")).status_code == 200:
+                        return await sent
+                    await sent
+            raise AssertionError("every job ended before its cancel")
+
+    got = asyncio.run(cancelled_while_it_runs())
+    assert got.status_code == 409 and got.json()["error"]["type"] == "invalid_request_error", got.text
 
 
 def test_a_trailing_assistant_message_is_continued(claude: anthropic.Anthropic) -> None:

@@ -38,15 +38,17 @@ def test_stop_string_split_across_tokens_is_held_back(tok: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize("pieces,stops,emitted,hit", [
-    (["Hel", "lo wor", "ld"], ["world"], "Hello ", True),
-    (["ab", "c"], ["bd"], "abc", False),
-    (["x<", "/s", ">y"], ["</s>"], "x", True),
-    (["a", "b"], [], "ab", False),
-    (["tic", "-tac-", "toe"], ["tac", "toe"], "tic-", True),
+    (["Hel", "lo wor", "ld"], ["world"], "Hello ", "world"),
+    (["ab", "c"], ["bd"], "abc", None),
+    (["x<", "/s", ">y"], ["</s>"], "x", "</s>"),
+    (["a", "b"], [], "ab", None),
+    (["tic", "-tac-", "toe"], ["tac", "toe"], "tic-", "tac"),
+    (["a", "-toe-tac"], ["tac", "toe"], "a-", "toe"),  # the one that begins first, not the first listed
+    (["xab"], ["ab", "a"], "x", "ab"),  # both begin there: the first listed
 ])
-def test_stop_matcher(pieces: list[str], stops: list[str], emitted: str, hit: bool) -> None:
+def test_stop_matcher(pieces: list[str], stops: list[str], emitted: str, hit: str | None) -> None:
     m = StopMatcher(stops)
-    out, got_hit = "", False
+    out, got_hit = "", None
     for p in pieces:
         chunk, got_hit = m.push(p)
         out += chunk
@@ -59,10 +61,10 @@ def test_stop_matcher(pieces: list[str], stops: list[str], emitted: str, hit: bo
 
 def test_nothing_streamed_is_retracted() -> None:
     m = StopMatcher(["STOP"])
-    assert m.push("ST") == ("", False)   # might be the start of STOP: held
-    assert m.push("AR") == ("STAR", False)  # it was not: released
-    assert m.push("S") == ("", False)
-    assert m.push("TOP") == ("", True)
+    assert m.push("ST") == ("", None)   # might be the start of STOP: held
+    assert m.push("AR") == ("STAR", None)  # it was not: released
+    assert m.push("S") == ("", None)
+    assert m.push("TOP") == ("", "STOP")
 
 
 def test_resume_restores_held_text(tok: Tokenizer) -> None:
@@ -81,12 +83,12 @@ def test_a_step_of_several_tokens_ends_where_one_at_a_time_would(tok: Tokenizer)
     one = Detokenizer(tok, ["fox"])
     n = next(n for n, i in enumerate(ids, 1) if one.push([i])[1])  # the token that completes "fox"
     whole, hit_whole, used = Detokenizer(tok, ["fox"]).push(ids)
-    assert hit_whole and used == n < len(ids) and whole == "The quick brown "
+    assert hit_whole == "fox" and used == n < len(ids) and whole == "The quick brown "
 
 
 def test_no_stop_string_ends_the_text_before_min_tokens(tok: Tokenizer) -> None:
     ids = tok.encode("a b a b a b", add_special_tokens=False).ids
     out, hit, used = Detokenizer(tok, ["b"], min_tokens=4).push(ids)
-    assert hit and used == 4 and out == "a b a "  # (the 2nd " b" was let through)
+    assert hit == "b" and used == 4 and out == "a b a "  # (the 2nd " b" was let through)
     out, hit, used = Detokenizer(tok, ["b"]).push(ids)
-    assert hit and used == 2 and out == "a "
+    assert hit == "b" and used == 2 and out == "a "

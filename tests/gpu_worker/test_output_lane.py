@@ -16,7 +16,7 @@ from gpu_worker.messages import DELTA_SCHEMA, Abort, Done, Dropped, Ended, LaneR
 from gpu_worker.output_lane import OutputLane
 from shared import names
 from shared.job_ops import JobOps, unpack_ids
-from shared.jobs import FinishReason, JobStatus, new_record
+from shared.jobs import FinishReason, Job, JobStatus, new_record
 from shared.schemas import to_ipc
 from shared.settings import Settings
 
@@ -101,7 +101,7 @@ def test_stream_and_record_per_interval(redis_url: str, model_path: str, tokeniz
 def test_stop_string_is_caught_at_its_step_when_tokens_are_held(redis_url: str, model_path: str,
                                                                tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
-    lane = Lane(redis_url, model_path, 8, "job_lane_stop", ["Eiffel"])
+    lane = Lane(redis_url, model_path, 8, "job_lane_stop", ["never written", "Eiffel"])
     prefix = next(n for n in range(len(ids)) if "Eiffel" in tokenizer.decode(ids[:n]))
     for n in range(1, prefix + 1):
         lane.step(ids[n - 1:n])
@@ -110,6 +110,9 @@ def test_stop_string_is_caught_at_its_step_when_tokens_are_held(redis_url: str, 
     assert lane.feedback.get_nowait() == Abort("job_lane_stop", FinishReason.stop)  # at the step that completed it
     assert "".join(lane.token_events()) == TEXT[:TEXT.index("Eiffel")]
     assert lane.status() == JobStatus.succeeded.value
+    # the record names the stop string that ended it (Anthropic's `stop_sequence`, vLLM's `stop_reason`)
+    job = Job.from_record({k.decode(): v.decode() for k, v in lane.r.hgetall(names.job_key(lane.job_id)).items()})
+    assert job.stop_sequence == "Eiffel" and job.finish_reason is FinishReason.stop
 
 
 def test_a_job_another_worker_took_over_is_aborted_and_forgotten(redis_url: str, model_path: str,

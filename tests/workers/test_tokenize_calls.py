@@ -4,7 +4,6 @@ with the model's own tokenizer and chat template, bad calls answered with an err
 from __future__ import annotations
 
 import json
-import struct
 import time
 import uuid
 from collections.abc import Iterator
@@ -149,17 +148,3 @@ def test_calls_and_jobs_share_a_read_and_the_jobs_go_on(worker: TokenizerWorker,
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
     (reply,) = [TokenizeReply.from_wire(r.get(names.tokenize_reply_key(call_id)) or b"")]
     assert reply.tokens and int(r.hget(names.job_key(job_id), "prompt_tokens") or 0) == len(reply.tokens)
-
-
-def test_the_stop_sequence_that_ended_a_job_is_read_from_its_ids(worker: TokenizerWorker, r: redis.Redis,
-                                                                 reference: Tokenizer) -> None:
-    job_id = names.job_id_in(0, "cd" * 16)
-    ids = reference.encode("Paris is nice. END of it", add_special_tokens=False).ids
-    r.set(names.tokens_key(job_id), struct.pack(f"<{len(ids)}i", *ids))
-    ask = {"kind": "stop_sequence", "job_id": job_id, "stops": ["never", "END"]}
-    hit, eos, none = answer(worker, r, send(r, TokenizeCall.model_validate({**ask, "text": "Paris is nice. "})),
-                            send(r, TokenizeCall.model_validate({**ask, "text": "Paris is nice. END of it"})),
-                            send(r, TokenizeCall.model_validate({**ask, "job_id": "job_gone", "text": ""})))
-    assert hit.stop_sequence == "END"
-    assert eos.stop_sequence is None and eos.error is None
-    assert none.stop_sequence is None and none.error is None

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import queue
 import signal
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -228,8 +227,6 @@ class TokenizerWorker:
         try:
             if call.kind == "detokenize":
                 return TokenizeReply(prompt=prompts.decode(call.tokens or []))
-            if call.kind == "stop_sequence":
-                return TokenizeReply(stop_sequence=self._stop_of(call, prompts))
             if call.messages is None:
                 source = call.prompt or ""
             elif call.continue_final_message:
@@ -244,18 +241,6 @@ class TokenizerWorker:
         except Exception as exc:  # noqa: BLE001 - one call's failure is that call's alone
             log.exception("a tokenize call failed")
             return TokenizeReply(error=f"the call could not be answered ({type(exc).__name__})")
-
-    def _stop_of(self, call: TokenizeCall, prompts: PromptBuilder) -> str | None:
-        """Which stop string followed the job's text in its generated ids (None: it ended otherwise)."""
-        # (the call is in the job's partition, api/routes/tokenize.py: its master answered the read)
-        raw = (self.fast or self.client).get(names.tokens_key(call.job_id or "?"))
-        if not raw or not call.stops:
-            return None
-        data = raw if isinstance(raw, bytes) else str(raw).encode("latin-1")
-        ids = list(struct.unpack(f"<{len(data) // 4}i", data[:len(data) // 4 * 4]))
-        full = prompts.decode(ids, skip_special_tokens=True)
-        at = len(call.text or "")
-        return next((s for s in call.stops if full.startswith(s, at)), None)
 
     def _process(self, stream: str, entries: list[Entry]) -> None:
         """Tokenize one partition's entries, model by model (the record's `base_model`), and queue each job in

@@ -189,3 +189,35 @@ def test_real_model_copying_matches_generate_in_fewer_steps(model_path: str) -> 
                                                    pad_token_id=2)[0, len(prompt):].tolist()
     assert out == ref[: len(out)] and len(out) >= 24
     assert len(steps) * 2 < len(out) and engine.num_accepted_tokens * 2 > len(out)
+
+
+# --- drafts in the step's budget ------------------------------------------------------------------
+
+
+def test_drafts_take_only_what_prefill_leaves_of_a_step() -> None:
+    """A draft is a bet: a prompt being prefilled gets the step's budget first (its first token waits on it), the
+    drafts what it leaves; with no prompt to prefill, they are kept."""
+    from gpu_worker.engine.scheduler import Scheduler
+    from gpu_worker.engine.sequence import Sequence
+    from tests.gpu_worker.engine.test_scheduler_fair import _run_step
+
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=4), 8, 32, 1024)
+    decoding = [Sequence(Request(f"d{i}", [10 + i, 1, 2], max_tokens=64)) for i in range(4)]
+    for s in decoding:
+        sched.add(s)
+    _run_step(sched)  # prefilled, each with its first token: decoding from here
+    prompt = Sequence(Request("long", list(range(100, 160)), max_tokens=4))
+    sched.add(prompt)
+    for _ in range(2):
+        for s in decoding:
+            s.draft = [5, 5, 5, 5]
+        batch, _ = sched.schedule()
+        assert batch.chunks == [(prompt, 32 - len(decoding))] and all(not s.draft for s in decoding)
+        prompt.num_computed += 32 - len(decoding)
+        for s in decoding:
+            s.num_computed = s.num_tokens
+            s.token_ids.append(7)
+    for s in decoding:
+        s.draft = [5, 5, 5, 5]
+    batch, _ = sched.schedule()  # the prompt's last 4 tokens, and room for every draft
+    assert batch.chunks == [(prompt, 4)] and all(s.draft == [5, 5, 5, 5] for s in decoding)
