@@ -35,6 +35,8 @@ from shared.retry import Backoff
 log = logging.getLogger("conveyor.api")
 
 CATCH_UP_S = 5.0  # silence this long: re-read the event stream (a lost message, a Redis restart)
+REPLAY_PAGE = 1000  # events read from the event stream at a time
+SEQ_MAX = 2**63 - 1  # the largest event seq a client may resume after (an event stream id's part is 64 bits)
 QUEUED_POLL_S = 2.0  # while queued: how often the status and position are re-read for `status` events
 
 
@@ -134,7 +136,11 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
     status_sent: tuple[str, int | None] | None = None
     try:
         while True:
-            events = await store.read_events(job_id, last)
+            # what is published from here on is heard live; what was before is in the event stream, read now (the
+            # lane writes an entry and publishes it in one call): a message that comes while the replay is read or
+            # sent waits in the queue, not dropped
+            sub.reset()
+            events = await store.read_events(job_id, last, count=REPLAY_PAGE)
             for seq, kind, text, logprobs in events:
                 if kind == "done":
                     job = await store.get(job_id)
@@ -143,7 +149,8 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                     return
                 last = seq
                 yield TokenEvent(seq, text, parse_lines(logprobs) if logprobs else None)
-            sub.reset()
+            if len(events) == REPLAY_PAGE:
+                continue  # more to replay: the next page now, not after a silence
             if not events:
                 job = await store.get(job_id)
                 if job is None:

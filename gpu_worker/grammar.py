@@ -82,7 +82,8 @@ class GrammarLoader:
         import xgrammar as xgr
 
         if self._compiler is None:
-            self._compiler = xgr.GrammarCompiler(self.info(), max_threads=COMPILE_THREADS)
+            # (no cache of its own: xgrammar's is unbounded by default, and this loader keeps its own, bounded)
+            self._compiler = xgr.GrammarCompiler(self.info(), max_threads=COMPILE_THREADS, cache_enabled=False)
         try:
             compiled = compile_with(self._compiler, spec)
         except (RuntimeError, ValueError) as exc:

@@ -13,7 +13,7 @@ from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError, ErrorResponse, not_found
 from api.quota import ThroughputDep, admit
 from api.sse import EventStream
-from api.streaming import Cut, JobFraming, sse_job_events
+from api.streaming import SEQ_MAX, Cut, JobFraming, sse_job_events
 from api.validation import check_request
 from shared.jobs import Job
 from shared.schemas import GenerationRequest
@@ -86,7 +86,7 @@ async def cancel(job_id: str, store: StoreDep, caller: CallerDep) -> Job:
             responses={**_NOT_FOUND, 200: {"description": "Server-sent events",
                                            "content": {"text/event-stream": {"schema": _SSE_EVENT}}}})
 async def events(job_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep, caller: CallerDep,
-                 redis: RedisDep, after: Annotated[int | None, Query(ge=0)] = None,
+                 redis: RedisDep, after: Annotated[int | None, Query(ge=0, le=SEQ_MAX)] = None,
                  last_event_id: Annotated[str | None, Header()] = None) -> EventStream:
     """Server-sent events: `token` per chunk (id = seq), `status` while queued, then `done`.
     Resume with Last-Event-ID or ?after= (both: the later, as a browser's EventSource resends the URL it opened
@@ -107,6 +107,9 @@ def _parse_seq(value: str | None) -> int:
     if not value:
         return 0
     try:
-        return max(0, int(value))
+        seq = max(0, int(value))
     except ValueError:
-        raise ApiError(400, "Last-Event-ID must be an event seq (an integer)") from None
+        seq = -1
+    if not 0 <= seq <= SEQ_MAX:
+        raise ApiError(400, f"Last-Event-ID must be an event seq (an integer up to {SEQ_MAX})")
+    return seq

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from api import models as served
 from api import sse
 from api.auth import Caller, CallerDep, release_stream_slot, require_stream_slot, stream_refused
-from api.choices import Cutoff, admit_all, cancel_all, choice_requests, failure, merged_events, wait_all
+from api.choices import Cutoff, admit_all, cancel_all, choice_requests, failure, merged_events, refused, wait_all
 from api.deps import RelayDep, SettingsDep, StoreDep
 from api.errors import error_body
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -78,6 +78,14 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
     head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": jobs[0].model}
     if body.stream:
+        try:  # a choice refused before it started (its prompt over the context): a 400, as without a stream
+            refusal = await refused(store, relay, jobs, request, settings.sse_ping_s)
+            if refusal is not None:
+                await cancel_all(store, jobs)
+                raise failure(refusal)
+        except BaseException:
+            await release_stream_slot(redis, caller, slot)
+            raise
         usage = bool(body.stream_options and body.stream_options.include_usage)
         parser = settings.tool_call_parser if runs[0].calls_tools else None
         frames = _stream(store, relay, jobs, shape, head, body.n, usage, parser)

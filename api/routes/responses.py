@@ -1,6 +1,7 @@
 """OpenAI's Responses API (api/responses.py): create (waited for, streamed, or in the background), retrieve
-and resume its stream on any API process, cancel, delete, list its input items. A response that is neither
-background nor stored belongs to its connection: a client that goes away cancels it."""
+and resume its stream on any API process, cancel, delete, list its input items. A response that is not
+background belongs to its connection, as OpenAI's: a client that goes away cancels it (stored, what it wrote
+stays readable)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from api.responses import (
 )
 from api.sse import EventStream
 from api.store import JobStore
-from api.streaming import DoneEvent, TokenEvent, job_events
+from api.streaming import SEQ_MAX, DoneEvent, TokenEvent, job_events
 from api.validation import check_request
 from shared.jobs import Job, JobStatus
 from shared.openai_bodies import response_object
@@ -137,7 +138,7 @@ async def _discard(store: JobStore, job_id: str) -> None:
 @router.get("/{response_id}", response_model=None)
 async def retrieve(response_id: str, store: StoreDep, relay: RelayDep, settings: SettingsDep, caller: CallerDep,
                    redis: RedisDep, stream: bool = False,
-                   starting_after: Annotated[int | None, Query(ge=-1)] = None) -> Any:
+                   starting_after: Annotated[int | None, Query(ge=-1, le=SEQ_MAX)] = None) -> Any:
     """The response as it stands; with `stream=true` its events after `starting_after` (a sequence number)."""
     job, meta = await _owned(store, response_id, caller)
     if not stream:

@@ -32,6 +32,17 @@ def test_chat_and_completions_streamed_equal_non_streamed(oai: openai.OpenAI) ->
         model=model, prompt="Rivers are", temperature=0, max_tokens=12, stream=True) if c.choices)
 
 
+def test_a_prompt_over_the_context_is_a_400_streamed_or_not(oai: openai.OpenAI) -> None:
+    """The tokenizer pool refuses it before it starts: a stream answers the same 400 (BadRequestError) as a
+    request without one, rather than a 200 whose stream fails."""
+    model, long = _model(oai), [{"role": "user", "content": "word " * 1500}]  # past the tests' 1,024 tokens
+    with pytest.raises(openai.BadRequestError) as whole:
+        oai.chat.completions.create(model=model, messages=long, max_tokens=8)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as streamed:
+        list(oai.chat.completions.create(model=model, messages=long, max_tokens=8, n=2, stream=True))  # type: ignore[call-overload]
+    assert streamed.value.body == whole.value.body
+
+
 def test_a_dropped_stream_cancels_its_job(plumbing_stack, oai: openai.OpenAI) -> None:  # type: ignore[no-untyped-def]
     body = {"model": _model(oai), "messages": [{"role": "user", "content": "Count:"}], "max_tokens": 900,
             "ignore_eos": True, "stream": True}
