@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import redis
 
@@ -50,6 +50,7 @@ from workers.webhook import WebhookSender, redact
 
 log = logging.getLogger("conveyor.after_job")
 
+OUTSTANDING_PER_THREAD = 4  # deliveries unfinished per delivery thread, at most, before new ends are read
 OUTAGE_BACKOFF_S = 2.0  # the longest wait between two tries while Redis is unreachable
 
 
@@ -110,6 +111,10 @@ class AfterJob:
         self.consumer.ensure_group()
         self.webhooks = WebhookSender(client, settings, parallel)
         self._pool = ThreadPoolExecutor(parallel, thread_name_prefix="webhook")
+        # deliveries unfinished at most (queued for a thread or running) before new ends are read: past it they wait
+        # in Redis, not in this process (an endpoint that hangs, its tenant ending jobs faster than the pool gives up
+        # on them, grew the pool's queue without end, every other tenant's webhooks behind it)
+        self.outstanding_max = OUTSTANDING_PER_THREAD * parallel
         # deliveries not yet finished, by entry: an entry seen again (a retry) while its delivery goes on waits for
         # that one rather than queueing another (an endpoint that hangs would otherwise grow the pool's queue by its
         # whole backlog at each retry, ahead of every other tenant's deliveries)
@@ -154,7 +159,13 @@ class AfterJob:
             left_ms = int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0 or self.stopping.is_set():
                 return True
-            todo = c.read(count=batch, block_ms=min(wait_ms, left_ms) if wait_ms else None)
+            unfinished = [f for f in self._inflight.values() if not f.done()]
+            room = self.outstanding_max - len(unfinished)
+            if room <= 0:  # the pool is behind: wait for a delivery to end, then a new round (retries, held entries)
+                wait(unfinished, timeout=min(left_ms / 1000, self.settings.webhook_timeout_s),
+                     return_when=FIRST_COMPLETED)
+                return False
+            todo = c.read(count=min(batch, room), block_ms=min(wait_ms, left_ms) if wait_ms else None)
             if not todo:
                 return not wait_ms  # nothing new: look at retries again, or stop
 

@@ -46,6 +46,7 @@ from shared.redis_client import text
 from shared.settings import Settings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+LOOKUPS_PER_THREAD = 4  # lookups of distinct hosts under way or waiting, per lookup thread, at most
 # instance metadata and host endpoints of the clouds; refused even with WEBHOOK_ALLOW_PRIVATE
 METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254",  # AWS, GCP, Azure, OpenStack, DigitalOcean, Oracle, ...
@@ -183,6 +184,9 @@ class WebhookSender:
         self._lookups = ThreadPoolExecutor(parallel, thread_name_prefix="webhook-dns")
         self._resolving: dict[tuple[str, int], Future[list[IPAddress]]] = {}
         self._resolving_lock = threading.RLock()  # (a lookup done at once calls back under it)
+        # lookups of distinct hosts under way or waiting, at most: names whose servers never answer (a domain's
+        # random subdomains) otherwise queued lookups without end, every other tenant's behind them
+        self.lookups_max = LOOKUPS_PER_THREAD * parallel
         self.resolve: Callable[[str, int], list[IPAddress]] = resolve
         self.tls = ssl.create_default_context()
 
@@ -263,6 +267,8 @@ class WebhookSender:
         with self._resolving_lock:
             lookup = self._resolving.get(key)
             if lookup is None or lookup.done():
+                if len(self._resolving) >= self.lookups_max:
+                    raise NotSent(f"webhook host {host} not looked up: {len(self._resolving)} lookups under way")
                 lookup = self._resolving[key] = self._lookups.submit(self.resolve, host, port)
                 lookup.add_done_callback(lambda done: self._forget_lookup(key, done))
             return lookup

@@ -23,7 +23,7 @@ from shared.redis_client import sync_client, text
 from shared.settings import Settings
 from tests.helpers import blocked_on, until
 from tests.webhook_server import webhook_server
-from workers.after_job import AfterJob
+from workers.after_job import OUTSTANDING_PER_THREAD, AfterJob
 from workers.webhook import sign
 
 
@@ -254,6 +254,13 @@ def test_an_entry_retried_while_its_delivery_waits_is_not_sent_twice(redis_db: r
 
 
 
+def _read(r: redis.Redis, stream: str, entry_id: str) -> bool:
+    """Whether the drain's group has read the entry (its last delivered id is at or past it)."""
+    group = next(g for g in r.xinfo_groups(stream) if text(g["name"]) == names.AFTER_JOB_GROUP)
+    last = text(group["last-delivered-id"])
+    return tuple(map(int, last.split("-"))) >= tuple(map(int, entry_id.split("-")))
+
+
 def test_a_webhook_waiting_behind_a_hanging_endpoint_is_sent_once_not_dead_lettered(redis_db: redis.Redis) -> None:
     """One tenant's endpoint hangs and its deliveries fill the pool: another tenant's delivery waits for a thread,
     and that wait is no failed try (it was dead-lettered unsent); sent once, it is acknowledged, never sent again."""
@@ -270,11 +277,11 @@ def test_a_webhook_waiting_behind_a_hanging_endpoint_is_sent_once_not_dead_lette
                                          webhook_allow_private=True), consumer="after-hol", parallel=2)
     stream = names.stream(names.ENDED, 0)
 
-    def settled() -> bool:  # the other tenant's entry acknowledged, or dead-lettered
+    def settled() -> bool:  # the other tenant's entry read and acknowledged, or dead-lettered
         worker.drain(budget_s=1, wait_ms=200)
         pending = {text(p["message_id"]) for p in redis_db.xpending_range(stream, names.AFTER_JOB_GROUP, "-", "+", 100)}
         other = next(eid for eid, m in redis_db.xrange(stream) if m["job_id"] == "job_other")
-        return other not in pending
+        return other not in pending and _read(redis_db, stream, other)
 
     with webhook_server() as hooks:
         for i in range(24):  # 6 s of the two threads' time, past several retries of the waiting delivery
@@ -309,3 +316,31 @@ def test_a_failed_webhook_is_tried_again_later_and_later(redis_db: redis.Redis) 
     assert not redis_db.xrange(names.stream(names.DEAD, 0))
     assert worker.drain() == {"done": 0, "failed": 0, "dead": 0}
     worker.close()
+
+
+def test_deliveries_a_hanging_endpoint_holds_wait_in_redis_not_in_memory(redis_db: redis.Redis) -> None:
+    """A tenant whose endpoint hangs ends jobs faster than the pool gives up on them: the drain reads new ends only
+    while its deliveries in hand are few (OUTSTANDING_PER_THREAD a thread); the rest wait on the stream."""
+    hanging = socket.create_server(("127.0.0.1", 0), backlog=200)
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(hanging.accept()[0])
+
+    threading.Thread(target=hold, daemon=True).start()
+    worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=30, webhook_allow_private=True),
+                      consumer="after-backlog", parallel=2)
+    for i in range(60):
+        end_job(redis_db, f"job_backlog_{i}", f"http://127.0.0.1:{hanging.getsockname()[1]}/hook", owner="a")
+    most = 0
+    for _ in range(6):
+        worker.drain(budget_s=0.5, wait_ms=100)
+        most = max(most, len(worker._inflight))
+    assert 0 < most <= worker.outstanding_max == OUTSTANDING_PER_THREAD * 2
+    stream = names.stream(names.ENDED, 0)
+    last = next(eid for eid, m in redis_db.xrange(stream) if m["job_id"] == "job_backlog_59")
+    assert not _read(redis_db, stream, last)  # the rest wait on the stream, unread
+    worker.close()
+    hanging.close()

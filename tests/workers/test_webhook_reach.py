@@ -24,7 +24,7 @@ from shared.settings import Settings
 from tests.webhook_server import webhook_server
 from tests.workers.test_after_job import end_job
 from workers.after_job import AfterJob
-from workers.webhook import IPAddress, WebhookSender, address_refusal, redact
+from workers.webhook import LOOKUPS_PER_THREAD, IPAddress, WebhookSender, address_refusal, redact
 
 
 def settings_for(allow_private: bool, **settings: Any) -> Settings:
@@ -280,6 +280,28 @@ def test_a_name_whose_servers_never_answer_holds_one_lookup_not_all(redis_db: re
             counts = worker.drain()
             assert [body["id"] for _, body, _ in hooks.received] == ["job_good"], counts
             assert calls.count("slow.example.test") == 1  # one lookup, shared by its six deliveries
+    finally:
+        release.set()
+        worker.close()
+
+
+def test_lookups_of_hosts_that_never_answer_are_bounded(redis_db: redis.Redis) -> None:
+    """Deliveries to many distinct names whose servers never answer (a domain's random subdomains): the lookups
+    under way or queued stay within LOOKUPS_PER_THREAD a thread; past it a delivery fails at once, to be tried
+    again later, rather than queueing a lookup behind the others."""
+    release = threading.Event()
+
+    def resolve(host: str, port: int) -> list[IPAddress]:
+        release.wait(20)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    worker = WebhookSender(redis_db, settings_for(True, webhook_timeout_s=0.05), parallel=2)
+    worker.resolve = resolve
+    try:
+        why = [worker.post(f"http://h{i}.slow.example.test/hook", b"{}", f"job_{i}") for i in range(30)]
+        assert len(worker._resolving) == worker.lookups_max == LOOKUPS_PER_THREAD * 2
+        assert why[0] == "webhook host h0.slow.example.test did not resolve within 0.05 s"
+        assert why[-1] == f"webhook host h29.slow.example.test not looked up: {worker.lookups_max} lookups under way"
     finally:
         release.set()
         worker.close()
