@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 from shared import names
+from shared.lifecycle import worker_stop_s
 from shared.settings import is_loopback
 from tests.infra.deploy_files import (
     COMPOSE,
@@ -147,6 +148,20 @@ def test_compose_redis_has_a_password() -> None:
     assert redis_env["REDIS_PASSWORD"] == PASSWORD
 
 
+def test_celery_workers_have_time_for_the_runs_under_way() -> None:
+    """A warm shutdown waits for the task under way (the after-job and batch run: AFTER_JOBS_RUN_S, and its
+    webhooks' last wait); killed before, its webhooks are sent again by the next run."""
+    from workers.celery_app import AFTER_JOBS_RUN_S
+
+    workers = {n: s for n, s in built_services().items() if compose_argv(s)[:4] == ["celery", "-A",
+                                                                                 "workers.celery_app", "worker"]}
+    assert workers
+    for name, service in workers.items():
+        settings = settings_from(compose_env(service, {"REDIS_PASSWORD": PASSWORD}))
+        grace = duration_s(str(service.get("stop_grace_period", "10s")))
+        assert grace > AFTER_JOBS_RUN_S + 3 * settings.webhook_timeout_s, name
+
+
 def test_compose_gpu_and_cpu_inference() -> None:
     dotenv = {"REDIS_PASSWORD": PASSWORD}
     inference = {n: s for n, s in built_services().items() if process_of(compose_argv(s)) == names.INFERENCE_POOL}
@@ -154,7 +169,8 @@ def test_compose_gpu_and_cpu_inference() -> None:
     assert gpu and len(inference) >= 2
     for name, service in inference.items():
         settings = settings_from(compose_env(service, dotenv))
-        assert duration_s(str(service.get("stop_grace_period", "10s"))) > settings.drain_grace_s, name
+        # its drain, then its output lane's last writes
+        assert duration_s(str(service.get("stop_grace_period", "10s"))) > worker_stop_s(settings.drain_grace_s), name
         if name in gpu:
             [device] = service["deploy"]["resources"]["reservations"]["devices"]
             assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]

@@ -180,6 +180,9 @@ def test_every_process_gets_settings_that_work() -> None:
         assert port == redis_listen_port(redis_script(k8s_argv(redis_c))), f"{where}: Redis does not listen on {port}"
     for name, volumes in model_volumes.items():  # the model the init container pulls is where the worker looks
         assert len(volumes) == 1 and None not in volumes, f"{name}: model on {volumes}"
+    # each process that reads the model's files (the API its config.json) has it pulled first, into its pod
+    pulled = {name for name, c, init in app_containers() if init and k8s_argv(c)[:3] == ["conveyor", "model", "pull"]}
+    assert {"api", "tokenizer", names.INFERENCE_POOL} <= pulled, pulled
     api = by_workload["api"]
     assert not is_loopback(api.host), "the API must listen where the Service reaches it"
     ports = {p["containerPort"] for p in container(workloads()["api"])["ports"]}
@@ -197,6 +200,16 @@ def test_inference_has_a_gpu_and_time_to_drain() -> None:
     drain = settings_from(container_env(container(inference))).drain_grace_s
     # its drain, then its output lane's last writes
     assert inference["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > worker_stop_s(drain)
+
+
+def test_celery_workers_have_time_for_the_runs_under_way() -> None:
+    """A warm shutdown waits for the task under way (the after-job and batch run, and its webhooks' last wait)."""
+    from workers.celery_app import AFTER_JOBS_RUN_S
+
+    worker = workloads()["celery-worker"]
+    settings = settings_from(container_env(container(worker)))
+    grace = worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > AFTER_JOBS_RUN_S + 3 * settings.webhook_timeout_s
 
 
 def test_configmap_holds_settings_and_no_secret() -> None:

@@ -87,3 +87,33 @@ def test_each_model_has_a_deployment_and_a_scaled_object(built: list[dict[str, A
                       and d["metadata"]["name"] == c for m in d["spec"]["template"]["spec"]["containers"][0]
                       ["volumeMounts"]}
             assert any(path.is_relative_to(m) for m in mounts)  # the API and the tokenizer pool read its files
+
+
+def test_every_model_pull_reaches_every_model_it_checks(built: list[dict[str, Any]]) -> None:
+    """A `conveyor model pull` without a MODEL of its own pulls or checks every model of MODELS: each directory not
+    in its pod's cache is on one of its mounts (else the init container fails, and its pod never starts)."""
+    config = next(d["data"] for d in built if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "conveyor")
+    settings = Settings(**{k.lower(): v for k, v in config.items() if v != ""})
+    for d in built:
+        if d["kind"] != "Deployment":
+            continue
+        for c in d["spec"]["template"]["spec"].get("initContainers", []):
+            if c.get("command", [])[:3] != ["conveyor", "model", "pull"]:
+                continue
+            own = {e["name"]: e.get("value") for e in c.get("env", [])}.get("MODEL")
+            paths = [Path(own)] if own else [Path(m.path) for m in settings.served.values()]
+            mounts = [Path(m["mountPath"]) for m in c.get("volumeMounts", [])]
+            for path in paths:
+                assert any(path.is_relative_to(m) for m in mounts), (d["metadata"]["name"], str(path))
+
+
+def test_every_inference_pool_has_time_to_drain(built: list[dict[str, Any]]) -> None:
+    from shared.lifecycle import worker_stop_s
+
+    config = next(d["data"] for d in built if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "conveyor")
+    drain = Settings(**{k.lower(): v for k, v in config.items() if v != ""}).drain_grace_s
+    pools = [d for d in built if d["kind"] == "Deployment"
+             and d["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component") == "inference"]
+    assert len(pools) == 2
+    for d in pools:  # its drain, then its output lane's last writes
+        assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > worker_stop_s(drain), d["metadata"]

