@@ -41,7 +41,8 @@ async def test_a_full_store_answers_503_stores_nothing_and_recovers(full: Full) 
                        ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4}),
                        ("/v1/messages", {"model": model, "max_tokens": 4, "messages": chat})):
         resp = await client.post(path, json=body)
-        assert resp.status_code == 503, (path, resp.text)
+        # (Anthropic's overloaded status on its route)
+        assert resp.status_code == (529 if path == "/v1/messages" else 503), (path, resp.text)
         assert resp.headers["retry-after"] == "10"
         assert "full" in resp.text, resp.text
     assert set(r.keys()) == before  # nothing of them stored

@@ -137,7 +137,7 @@ def test_every_body_shows_the_answer_without_markup_cut_short() -> None:
     job = Job.from_record(rec)
     chat = Shape(chat=True, logprobs=False, echo=False, prompts=[None]).choice(0, job)
     assert chat["message"] == {"role": "assistant", "content": "Let me check."}
-    assert message_body(job, None)["content"] == [{"type": "text", "text": "Let me check."}]
+    assert message_body(job)["content"] == [{"type": "text", "text": "Let me check."}]
     assert [c["text"] for item in output_items(job) for c in item["content"]] == ["Let me check."]
     plain = Job.from_record({**rec, "tool_parser": ""})
     assert Shape(chat=True, logprobs=False, echo=False, prompts=[None]).choice(0, plain)["message"]["content"] \
@@ -155,7 +155,7 @@ def test_bodies_keep_the_texts_order_as_the_streams_do() -> None:
     text = 'Let me look.\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\nWhile that runs: done.'
     job = Job.from_record({"id": "job_1", "status": "succeeded", "model": "m", "finish_reason": "stop",
                            "created_at": "1.0", "text": text, "tool_parser": "hermes"})
-    blocks = message_body(job, None)["content"]
+    blocks = message_body(job)["content"]
     assert [b["type"] for b in blocks] == ["text", "tool_use", "text"]
     assert blocks[0]["text"] == "Let me look." and blocks[2]["text"] == "\nWhile that runs: done."
     items = output_items(job)
