@@ -92,11 +92,13 @@ def forget(client: redis.Redis, pool: str, worker_id: str) -> None:
 
 
 def check_pool(settings: Settings, pool: str) -> bool:
-    """For probes: is a worker of this pool alive on this host (this container or pod)?"""
+    """For probes (liveness, compose's health): is a worker of this pool alive on this host (this container or
+    pod)? Redis out of reach says nothing of it: yes (a restart would meet the same Redis; a Redis outage past the
+    probes' patience restarted every worker, dropping its drain and reloading its model)."""
     try:
         client = sync_client(settings.redis_url or "redis://127.0.0.1:6379/0", retries=1)
         workers = read_snapshot(client, (pool,), {}).workers[pool]
     except redis.RedisError:
-        return False
+        return True
     host = socket.gethostname()
     return any(w.host == host for w in workers)

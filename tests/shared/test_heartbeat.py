@@ -75,6 +75,13 @@ def test_live_workers_and_the_probe_read_the_same_beats(redis_db: redis.Redis, r
     assert not check_pool(settings, "inference")
 
 
+def test_the_probe_restarts_no_worker_for_a_redis_out_of_reach() -> None:
+    """A Redis outage is no worker's fault: the probe passes (its beats were unreadable, not missing)."""
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    assert check_pool(Settings(redis_url=f"redis://127.0.0.1:{port}/0"), "inference")
+
+
 def test_readers_of_live_workers_never_scan_the_keyspace(redis_db: redis.Redis, redis_server: RedisServer) -> None:
     """/readyz, /metrics, /scaling and the signals read the pools' registries, never SCAN or KEYS."""
     import asyncio
