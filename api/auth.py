@@ -4,12 +4,15 @@ tenant without per-key limits."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Annotated, cast
 
 import redis.asyncio as aredis
 from fastapi import Depends, Request
+from redis.exceptions import RedisError
 
 from api.deps import SettingsDep
 from api.errors import ApiError, too_many
@@ -19,7 +22,7 @@ from shared.job_ops import stream_open
 from shared.jobs import Job
 from shared.redis_client import text
 from shared.scripts.codes import StreamOpenCode
-from shared.tenants import STREAM_LEASE_S, Tenant, hash_key
+from shared.tenants import STREAM_LEASE_S, STREAM_RENEW_S, Tenant, hash_key
 
 CACHE_S = 2.0  # a revoked key stops working within this long
 CACHE_MAX = 10_000
@@ -91,17 +94,51 @@ async def get_caller(request: Request, settings: SettingsDep) -> Caller:
 CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
+# this process's open streams' slots, by tenant: their leases (STREAM_LEASE_S) are renewed while they stay open
+# (`renew_stream_leases`), so a slot outlives its stream by at most one lease when the process dies
+log = logging.getLogger("conveyor.api")
+
+_held: dict[str, set[str]] = {}
+
+
 async def require_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> bool:
     """Take one of the tenant's stream slots; False when it has none free."""
     t = caller.tenant
     if t is None or t.max_streams <= 0:
         return True
-    return await stream_open(client, t.name, stream_id, STREAM_LEASE_S, t.max_streams) is StreamOpenCode.opened
+    if await stream_open(client, t.name, stream_id, STREAM_LEASE_S, t.max_streams) is not StreamOpenCode.opened:
+        return False
+    _held.setdefault(t.name, set()).add(stream_id)
+    return True
 
 
 async def release_stream_slot(client: aredis.Redis, caller: Caller, stream_id: str) -> None:
     if caller.tenant is not None and caller.tenant.max_streams > 0:
+        held = _held.get(caller.tenant.name)
+        if held is not None:
+            held.discard(stream_id)
+            if not held:
+                del _held[caller.tenant.name]
         await client.zrem(names.tenant_streams_key(caller.tenant.name), stream_id)
+
+
+async def renew_stream_leases(client: aredis.Redis, every_s: float = STREAM_RENEW_S) -> None:
+    """Every `every_s`, push the leases of this process's open streams a lease ahead (a task of the API's life)."""
+    while True:
+        await asyncio.sleep(every_s)
+        held = {tenant: list(ids) for tenant, ids in _held.items() if ids}
+        if not held:
+            continue
+        until = time.time() + STREAM_LEASE_S
+        pipe = client.pipeline(transaction=False)
+        for tenant, ids in held.items():
+            key = names.tenant_streams_key(tenant)
+            pipe.zadd(key, dict.fromkeys(ids, until), xx=True)  # (a slot released meanwhile stays released)
+            pipe.expire(key, STREAM_LEASE_S)
+        try:
+            await pipe.execute()
+        except RedisError as exc:  # the next round tries again; a lease runs out only after STREAM_LEASE_S
+            log.warning("renewing %d stream leases failed: %s", sum(map(len, held.values())), exc)
 
 
 def stream_refused(caller: Caller) -> ApiError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,7 +13,7 @@ from fastapi.telemetry import TelemetryConfig
 
 from api import dashboard, errors, metrics
 from api import models as served
-from api.auth import KeyCache
+from api.auth import KeyCache, renew_stream_leases
 from api.batches import Batches
 from api.files import FileStore
 from api.guard import RequestGuard
@@ -44,9 +45,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.batches = Batches(client, app.state.files, settings)  # driven by the Celery worker
         await app.state.relay.start()
         app.state.throughput.start()
+        leases = asyncio.create_task(renew_stream_leases(client), name="stream-leases")
         try:
             yield
         finally:
+            leases.cancel()
             await app.state.throughput.stop()
             await app.state.relay.stop()
             await client.aclose()

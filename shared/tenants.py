@@ -41,7 +41,10 @@ LIMITS = ("rpm", "tpm", "max_queued", "max_streams", "batch_tpm", "max_file_byte
 DEFAULT_LIMITS = {"rpm": 600, "tpm": 1_000_000, "max_queued": 256, "max_streams": 256, "batch_tpm": 0,
                   "max_file_bytes": 2**30, "max_open_batches": 16, "max_batch_lines": 50_000}
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-STREAM_LEASE_S = 3600  # an open stream's slot is held this long at most (an API process that died frees it)
+# an open stream's slot is leased this long, the lease renewed every STREAM_RENEW_S by the API process that holds it
+# while the stream is open: a process that dies (kill -9, a crash) leaves its streams' slots for one lease at most
+STREAM_LEASE_S = 60
+STREAM_RENEW_S = 15.0
 
 
 class TenantError(ValueError):
