@@ -59,17 +59,19 @@ class RequestGuard:
         rid = given if _SANE_ID.fullmatch(given) else uuid.uuid4().hex
         request_id.set(rid)
         scope.setdefault("state", {})["request_id"] = rid
-        rid_header = (b"x-request-id", rid.encode())
+        path = scope.get("path", "")
+        rid_headers = [(b"x-request-id", rid.encode())]
+        if path.startswith("/v1/messages"):  # Anthropic's SDKs read it as `request-id` (`_request_id`)
+            rid_headers.append((b"request-id", rid.encode()))
         started = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", []), rid_header]
+                message["headers"] = [*message.get("headers", []), *rid_headers]
             await send(message)
 
-        path = scope.get("path", "")
         try:
             await self._dispatch(scope, receive, send_with_id, headers, path)
         except Exception as exc:

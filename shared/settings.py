@@ -131,7 +131,8 @@ class Settings(BaseSettings):
     max_lora_rank: int = Field(16, ge=1, le=512, description="highest LoRA rank served (vLLM's default): every "
                                "resident adapter takes a slot this wide in each projection's stack")
     allow_runtime_lora_updating: bool = Field(False, description="POST /v1/load_lora_adapter and "
-                                              "/v1/unload_lora_adapter (an admin key's, where keys are required)")
+                                              "/v1/unload_lora_adapter (where keys are required, on the internal "
+                                              "port only, unauthenticated: the operator's, as /metrics)")
     torch_threads: int = 0
     grammar_warm: bool = Field(False, description="load xgrammar and the tokenizer's description for it when a "
                                "worker starts (the tokenizer's compiler child, the inference worker's loader) rather "

@@ -131,6 +131,7 @@ async def test_refusals_are_anthropic_errors(door: anthropic.AsyncAnthropic) -> 
     with pytest.raises(anthropic.NotFoundError) as e:
         await door.messages.create(model="claude-unknown", max_tokens=8, messages=ASK)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    assert e.value.request_id and e.value.request_id == e.value.response.headers["x-request-id"]  # (`request-id`)
     tool = {"name": "get_weather", "description": "weather", "input_schema": {"type": "object", "not": {}}}
     with pytest.raises(anthropic.BadRequestError) as e:
         await door.messages.create(model=MODEL, max_tokens=8, messages=ASK, tools=[tool])  # type: ignore[list-item]

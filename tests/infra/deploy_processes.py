@@ -11,6 +11,7 @@ import functools
 import importlib
 import importlib.metadata
 import io
+import math
 import re
 import shlex
 import shutil
@@ -196,10 +197,25 @@ def container_env(c: dict[str, Any], config_maps: Mapping[str, dict[str, Any]] |
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = expand(str(e["value"]), env)
+        elif "resourceFieldRef" in e["valueFrom"]:
+            env[e["name"]] = resource_value(c, e["valueFrom"]["resourceFieldRef"])
         else:
             ref = e["valueFrom"]["secretKeyRef"]
             env[e["name"]] = secret_value(ref["name"], ref["key"])
     return env
+
+
+def resource_value(c: dict[str, Any], ref: dict[str, Any]) -> str:
+    """A resourceFieldRef as the kubelet resolves it: the container's CPU request or limit in units of `divisor`,
+    rounded up (only CPU here)."""
+    assert ref.get("containerName", c["name"]) == c["name"], ref
+    kind, _, resource = ref["resource"].partition(".")
+    assert resource == "cpu", ref
+    quantity = str(c["resources"][{"requests": "requests", "limits": "limits"}[kind]]["cpu"])
+    cores = int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+    divisor = str(ref.get("divisor", "1"))
+    unit = int(divisor[:-1]) / 1000 if divisor.endswith("m") else float(divisor)
+    return str(math.ceil(cores / unit))
 
 
 def mount_of(c: dict[str, Any], path: str | Path) -> str | None:

@@ -4,6 +4,7 @@ locked (as docker compose starts it too), no secret is committed, and every pod 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -197,7 +198,10 @@ def test_inference_has_a_gpu_and_time_to_drain() -> None:
     assert isinstance(gpus, int) and gpus >= 1
     from shared.lifecycle import worker_stop_s
 
-    drain = settings_from(container_env(container(inference))).drain_grace_s
+    settings = settings_from(container_env(container(inference)))
+    drain = settings.drain_grace_s
+    # its compute threads are the CPUs its request pays for, not one per core of the node it lands on
+    assert settings.torch_threads == math.ceil(float(container(inference)["resources"]["requests"]["cpu"])) >= 1
     # its drain, then its output lane's last writes
     assert inference["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > worker_stop_s(drain)
 
@@ -364,7 +368,7 @@ def secret_references() -> dict[str, set[str]]:
     for name in workloads():
         for c in all_containers(pod_spec(name)):
             for e in c.get("env", []):
-                if "valueFrom" in e:
+                if "secretKeyRef" in e.get("valueFrom", {}):
                     ref = e["valueFrom"]["secretKeyRef"]
                     refs.setdefault(ref["name"], set()).add(ref["key"])
     for auth in of_kind("TriggerAuthentication").values():

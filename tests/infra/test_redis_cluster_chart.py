@@ -312,7 +312,7 @@ def test_the_password_comes_from_the_secret_conveyor_reads() -> None:
     # the chart renders redisSecret only when both are set: otherwise the cluster runs without a password
     assert secret["secretName"] and secret["secretKey"]
     read = {(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
-            for _, c, _ in app_containers() for e in c.get("env", []) if "valueFrom" in e}
+            for _, c, _ in app_containers() for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     assert (secret["secretName"], secret["secretKey"]) in read, "not the password conveyor's URLs carry"
     generated = {g["name"] for g in KUSTOMIZATION["secretGenerator"]}
     assert secret["secretName"] in generated

@@ -370,6 +370,10 @@ def test_a_batch_result_for_a_batch_that_is_gone_writes_nothing(raw: redis.Redis
     assert scripts.BATCH_RESULT(raw, keys, ["0", b"{}", "completed"]) == BatchResultCode.recorded
     assert scripts.BATCH_RESULT(raw, keys, ["0", b"{}", "completed"]) == BatchResultCode.already_recorded
     assert raw.hget(keys[0], "completed") == b"1" and not raw.exists(keys[2])
+    assert raw.ttl(keys[1]) == -1  # a record without a TTL: none for its results either
+    raw.expire(keys[0], 600)
+    assert scripts.BATCH_RESULT(raw, keys, ["1", b"{}", "completed"]) == BatchResultCode.recorded
+    assert 0 < raw.ttl(keys[1]) <= 600  # its results go with the record, lost or expired
 
 
 def _state(r: redis.Redis, job_id: str) -> tuple[Any, ...]:
