@@ -11,10 +11,12 @@ from contextvars import ContextVar
 
 import anyio
 import orjson
+from sse_starlette.sse import SendTimeoutError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import ANTHROPIC_PREFIX, anthropic_body, error_body
 from api.files import MAX_FILE_BYTES as FILE_BYTES
+from api.sse import SEND_TIMEOUT_S
 
 log = logging.getLogger("conveyor.api")
 request_id: ContextVar[str] = ContextVar("request_id", default="-")
@@ -78,6 +80,10 @@ class RequestGuard:
             # answered here, not by Starlette's outermost handler, which re-raises once it has answered: uvicorn
             # then closes the connection under the answer, and a client that sent a body read a reset, not the 500
             if started:
+                if isinstance(exc, SendTimeoutError):  # a client that stopped reading, let go (api/sse.py): a line,
+                    log.info("request %s: its client read nothing for %g s; its stream was let go", rid,
+                             SEND_TIMEOUT_S)  # not a traceback per such client (uvicorn closes the connection)
+                    return
                 raise  # a stream cut midway: the connection closes, and the client resumes
             log.error("unhandled error in request %s (%s %s)", rid, scope.get("method"), path, exc_info=exc)
             await self._reply(send_with_id, 500, f"internal error; quote request id {rid} when reporting it", path,

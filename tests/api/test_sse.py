@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -160,3 +161,31 @@ def test_encode() -> None:
     assert sse.encode(b'{"a": 1}') == sse.encode('{"a": 1}') == b'data: {"a": 1}\r\n\r\n'
     assert sse.encode(b"x\ny", "token", 7) == b"event: token\r\nid: 7\r\ndata: x\r\ndata: y\r\n\r\n"
     assert sse.encode("[DONE]") == b"data: [DONE]\r\n\r\n"
+
+
+async def test_a_client_let_go_for_reading_nothing_is_one_line_not_a_traceback(caplog: pytest.LogCaptureFixture
+                                                                               ) -> None:
+    """A stream whose client stopped reading ends in sse-starlette's SendTimeoutError once its answer has begun:
+    the guard notes it in one line and lets the connection close, instead of raising it to uvicorn (which logged a
+    150-line traceback per such client)."""
+    from sse_starlette.sse import SendTimeoutError
+
+    from api.guard import RequestGuard
+
+    async def stalled(scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise SendTimeoutError()
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message) -> None:  # type: ignore[no-untyped-def]
+        sent.append(message)
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "method": "GET", "path": "/v1/jobs/job_x/events", "headers": [], "query_string": b""}
+    with caplog.at_level(logging.INFO, logger="conveyor.api"):
+        await RequestGuard(stalled, 1024)(scope, receive, send)
+    assert [m["type"] for m in sent] == ["http.response.start"]
+    assert any("read nothing" in r.getMessage() for r in caplog.records)
