@@ -159,7 +159,8 @@ async def _stream(store: JobStore, relay: Relay, jobs: list[Job], shape: Shape, 
     async for i, ev in merged_events(store, relay, jobs):
         if isinstance(ev, Cutoff):  # an error chunk, as the stream's last: its headers went out long ago
             why = ("the job store is unavailable; the generation was cut short" if ev.error is not None
-                   else "the server is shutting down; the generation was cancelled")
+                   else "the server is shutting down; the generation was cancelled" if relay.stopping
+                   else "the generation's job is gone (expired, or its record damaged); it was cut short")
             yield sse.encode(orjson.dumps(error_body(503, why))), None
             return
         if not started[i] and shape.echo and not shape.chat:  # the prompt first
