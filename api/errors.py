@@ -101,7 +101,8 @@ def _answer(request: Request, status: int, message: str, type_: str | None = Non
             code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The error response in the shape of the route the request was for."""
     if request.url.path.startswith(ANTHROPIC_PREFIX):
-        status = 400 if status == 422 else status  # Anthropic's invalid requests are all 400s
+        # Anthropic's invalid requests are all 400s, a prompt too long among them (its 413 is the body's size)
+        status = 400 if status == 422 or (status == 413 and param) else status
         if status == 503 or code == "server_overloaded":  # the service (not the key) is full or unavailable:
             status = 529  # Anthropic's overloaded_error, which its SDKs raise as OverloadedError
         if param and param not in message:

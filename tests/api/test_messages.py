@@ -195,6 +195,11 @@ async def test_a_body_over_the_cap_is_a_413_in_anthropics_shape(app_client: http
     r = await app_client.post("/v1/messages", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+    # a prompt over MAX_PROMPT_CHARS in a body within the cap: Anthropic's 400 for a prompt too long
+    long = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "a" * 240_000}]}
+    r = await app_client.post("/v1/messages", json=long)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert "characters" in r.json()["error"]["message"]
 
 
 async def test_tool_choice_auto_without_tools_is_accepted(app_client: httpx.AsyncClient) -> None:
