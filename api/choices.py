@@ -89,7 +89,7 @@ async def refused(store: JobStore, relay: Relay, jobs: list[Job], request: Reque
     first refused before it started (a prompt over the context, a grammar that does not compile: the request's
     fault, a 4xx rather than a stream that fails), else None. The client going away cancels them all (499)."""
     async def left_queue(job_id: str) -> Job | None:
-        async for ev in job_events(store, relay, job_id):
+        async for ev in job_events(store, relay, job_id, traced=False):  # (the relay span is the stream's)
             if isinstance(ev, StatusEvent) and not ev.job.ended and ev.job.started_at is None:
                 continue
             return ev.job if isinstance(ev, DoneEvent) else None

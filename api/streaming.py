@@ -98,13 +98,15 @@ class StatusEvent:
 Event = TokenEvent | DoneEvent | StatusEvent
 
 
-async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0) -> AsyncIterator[Event]:
+async def job_events(store: JobStore, relay: Relay, job_id: str, after: int = 0,
+                     traced: bool = True) -> AsyncIterator[Event]:
     """Events after `after`; a Redis error mid-stream is retried (with backoff) from the last seq sent. A job
     whose record turns out damaged (shared/jobs.py: `DamagedRecord`) ends its events as one that expired. A
-    traced job's stream (every route's) is its `conveyor.relay` span, recorded when the stream ends."""
+    traced job's stream (every route's) is its `conveyor.relay` span, recorded when the stream ends (`traced`
+    False: a look at its first events before its stream opens, no span of its own)."""
     last = after
     backoff = Backoff(0.1, 2.0)
-    trace = await store.trace_of(job_id) if tracing.enabled() else ""
+    trace = await store.trace_of(job_id) if traced and tracing.enabled() else ""
     started, events, done = time.time(), 0, False
     try:
         while backoff.failures < 8:

@@ -108,10 +108,11 @@ def test_a_streamed_chat_is_one_trace_from_the_door_to_its_last_chunk(traced: tu
                             "messages": [{"role": "user", "content": "Hi"}]}) as r:
         assert r.status_code == 200
         assert "data: [DONE]" in list(r.iter_lines())
-    got = spans.wait_for(lambda ss: {s.name for s in ss if s.trace_id == trace_id} >= {*STAGES}, 30)
-    root = next(s for s in got if s.trace_id == trace_id and s.name == "POST /v1/chat/completions")
+    door = "POST /v1/chat/completions"
+    got = spans.wait_for(lambda ss: {s.name for s in ss if s.trace_id == trace_id} >= {*STAGES, door}, 30)
+    root = next(s for s in got if s.trace_id == trace_id and s.name == door)
     assert root.parent_id == client_span
-    relay = next(s for s in got if s.trace_id == trace_id and s.name == "conveyor.relay")
+    [relay] = [s for s in got if s.trace_id == trace_id and s.name == "conveyor.relay"]  # one: the stream's
     assert root.start <= relay.start and relay.end <= root.end + 1e-3  # the request's span covers its stream
 
 
