@@ -188,6 +188,8 @@ def test_every_process_gets_settings_that_work() -> None:
     assert not is_loopback(api.host), "the API must listen where the Service reaches it"
     ports = {p["containerPort"] for p in container(workloads()["api"])["ports"]}
     assert {api.port, api.internal_port_number} <= ports
+    scrape = workloads()["api"]["spec"]["template"]["metadata"]["annotations"]  # where /metrics answers
+    assert (scrape["prometheus.io/port"], scrape["prometheus.io/path"]) == (str(api.internal_port_number), "/metrics")
     # /scaling counts occupancy in shares of MAX_NUM_SEQS: the API must count with the engines' number
     assert api.max_num_seqs == by_workload[names.INFERENCE_POOL].max_num_seqs
 
