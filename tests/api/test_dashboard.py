@@ -177,7 +177,8 @@ def test_dashboard_in_a_browser(tiny_stack: Stack, tmp_path: Path) -> None:
         driver.save_screenshot(str(out / "dashboard-1280x800-live.png"))
         _until("tokens/s above 0", lambda: _number(text("#stat-tokens-rate")) > 0, 15)
         _until("the tenants' share in the fair-queue table", lambda: "(no key)" in text("#tenants"), 10)
-        _until("TTFT and ITL in the tiles", lambda: "–" not in text("#stat-ttft") + text("#stat-itl"), 10)
+        # (30 s: once in four fresh-clone runs, on a loaded machine, 10 s was not enough; the race is not found yet)
+        _until("TTFT and ITL in the tiles", lambda: "–" not in text("#stat-ttft") + text("#stat-itl"), 30)
 
         # the page under load, without the live view
         driver.find_element(By.ID, "live-close").click()
