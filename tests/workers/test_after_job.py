@@ -254,6 +254,20 @@ def test_an_entry_retried_while_its_delivery_waits_is_not_sent_twice(redis_db: r
 
 
 
+def _hanging_endpoint() -> socket.socket:
+    """A listening socket whose connections are accepted and never answered (close it when done)."""
+    hanging = socket.create_server(("127.0.0.1", 0), backlog=200)
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(hanging.accept()[0])
+
+    threading.Thread(target=hold, daemon=True).start()
+    return hanging
+
+
 def _read(r: redis.Redis, stream: str, entry_id: str) -> bool:
     """Whether the drain's group has read the entry (its last delivered id is at or past it)."""
     group = next(g for g in r.xinfo_groups(stream) if text(g["name"]) == names.AFTER_JOB_GROUP)
@@ -264,15 +278,7 @@ def _read(r: redis.Redis, stream: str, entry_id: str) -> bool:
 def test_a_webhook_waiting_behind_a_hanging_endpoint_is_sent_once_not_dead_lettered(redis_db: redis.Redis) -> None:
     """One tenant's endpoint hangs and its deliveries fill the pool: another tenant's delivery waits for a thread,
     and that wait is no failed try (it was dead-lettered unsent); sent once, it is acknowledged, never sent again."""
-    hanging = socket.create_server(("127.0.0.1", 0), backlog=100)
-    held: list[socket.socket] = []
-
-    def hold() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                held.append(hanging.accept()[0])
-
-    threading.Thread(target=hold, daemon=True).start()
+    hanging = _hanging_endpoint()
     worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=0.5, webhook_attempts=2,
                                          webhook_allow_private=True), consumer="after-hol", parallel=2)
     stream = names.stream(names.ENDED, 0)
@@ -321,15 +327,7 @@ def test_a_failed_webhook_is_tried_again_later_and_later(redis_db: redis.Redis) 
 def test_deliveries_a_hanging_endpoint_holds_wait_in_redis_not_in_memory(redis_db: redis.Redis) -> None:
     """A tenant whose endpoint hangs ends jobs faster than the pool gives up on them: the drain reads new ends only
     while its deliveries in hand are few (OUTSTANDING_PER_THREAD a thread); the rest wait on the stream."""
-    hanging = socket.create_server(("127.0.0.1", 0), backlog=200)
-    held: list[socket.socket] = []
-
-    def hold() -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                held.append(hanging.accept()[0])
-
-    threading.Thread(target=hold, daemon=True).start()
+    hanging = _hanging_endpoint()
     worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=30, webhook_allow_private=True),
                       consumer="after-backlog", parallel=2)
     for i in range(60):
