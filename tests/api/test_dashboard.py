@@ -178,8 +178,8 @@ def test_dashboard_in_a_browser(tiny_stack: Stack, tmp_path: Path) -> None:
         _until("tokens/s above 0", lambda: _number(text("#stat-tokens-rate")) > 0, 15)
         _until("the tenants' share in the fair-queue table", lambda: "(no key)" in text("#tenants"), 10)
         # the tiles cover the last WINDOW_S (15 s): on a loaded machine the jobs above may have had their first tokens
-        # longer ago than that, so one more job starts now (the long job's tokens keep ITL's window filled)
-        wait(http, submit(http, prompt="Hi.", max_tokens=2)["id"], timeout=30)
+        # longer ago than that, so one more job runs now (a few tokens: ITL too, should the long job be done)
+        wait(http, submit(http, prompt="Hi.", max_tokens=4, ignore_eos=True)["id"], timeout=30)
         _until("TTFT and ITL in the tiles", lambda: "–" not in text("#stat-ttft") + text("#stat-itl"), 10)
 
         # the page under load, without the live view
