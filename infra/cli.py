@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -82,7 +83,16 @@ def _keys_parser(keys: argparse.ArgumentParser) -> None:
     kr.add_argument("name")
 
 
+def _stop_while_starting(signum: int, _frame: object) -> None:
+    """SIGTERM (SIGINT raises KeyboardInterrupt) before a command installs a handler of its own: end now, as the
+    signal's default would. Nothing has been taken yet. A handler must be there all the same: in a container whose
+    command is `conveyor ...`, this process is PID 1, and the kernel drops any signal PID 1 has no handler for, so a
+    pod stopped while its API imported or its worker loaded the model waited out its whole grace period."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _stop_while_starting)  # until the command's own (uvicorn's, a worker's drain)
     args = _parser().parse_args(argv)
     _logging()
     if args.cmd == "up" and args.model:
