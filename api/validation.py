@@ -22,7 +22,8 @@ log = logging.getLogger("conveyor.api")
 def deployment(settings: Settings, model: str | None = None) -> Deployment:
     """The bounds of a request for `model` (a served model's queue name; None the default), its vocabulary's."""
     return Deployment(default_max_tokens=settings.default_max_tokens, max_tokens_cap=settings.max_tokens_cap,
-                      max_prompt_chars=settings.max_prompt_chars, vocab_size=vocab_size(settings.path_of(model)))
+                      max_prompt_chars=settings.max_prompt_chars, vocab_size=vocab_size(settings.path_of(model)),
+                      webhook_ports=settings.webhook_port_set)
 
 
 def check_request(req: GenerationRequest, settings: Settings,

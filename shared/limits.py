@@ -110,6 +110,20 @@ def effective_top_p(p: float) -> float:
     return max(p, TOP_P_FLOOR)
 
 
+def url_port(url: str) -> int:
+    """The port an http(s) URL reaches: the one it names, else its scheme's (80, 443)."""
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def webhook_port_refusal(url: str, ports: frozenset[int]) -> str | None:
+    """Why a webhook URL names a port this deployment does not send to (None: it may; no ports: any)."""
+    port = url_port(url)
+    if not ports or port in ports:
+        return None
+    return f"port {port} is not one webhooks are sent to here ({', '.join(map(str, sorted(ports)))}: WEBHOOK_PORTS)"
+
+
 class LimitError(ValueError):
     """A request past one of the deployment's bounds: the HTTP status it answers and the field it names."""
 
@@ -126,6 +140,7 @@ class Deployment:
     max_tokens_cap: int = 4096
     max_prompt_chars: int = 200_000  # a prompt of more text answers 413
     vocab_size: int | None = None  # token ids a request may name are below it (None: unknown, unchecked)
+    webhook_ports: frozenset[int] = frozenset()  # the ports a webhook_url may name (empty: any)
 
 
 def context_problem(prompt_tokens: int, max_tokens: int, context: int) -> str | None:

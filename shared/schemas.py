@@ -51,6 +51,7 @@ from shared.limits import (
     WebhookUrl,
     effective_temperature,
     effective_top_p,
+    webhook_port_refusal,
 )
 
 
@@ -259,6 +260,8 @@ class GenerationRequest(SamplingParams):
         if size > deployment.max_prompt_chars:
             raise LimitError(f"the prompt has {size} characters; the limit is {deployment.max_prompt_chars}",
                              "messages" if self.messages else "prompt", status=413)
+        if self.webhook_url and (why := webhook_port_refusal(self.webhook_url, deployment.webhook_ports)):
+            raise LimitError(f"webhook_url: {why}", "webhook_url")
         vocab = deployment.vocab_size
         if vocab is None:
             return self

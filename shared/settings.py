@@ -156,6 +156,10 @@ class Settings(BaseSettings):
                                 "a job submitted with an API key is signed with that key's own secret instead")
     webhook_allow_private: bool = Field(False, description="let webhooks reach loopback and private addresses "
                                         "(local development only)")
+    webhook_ports: str = Field("", pattern=r"^\s*(\d{1,5}\s*(,\s*\d{1,5}\s*)*)?$",
+                               description="the ports a webhook_url may name, comma-separated (empty: any): those the "
+                               "network lets the Celery worker reach (infra/k8s: 80,443). A URL with another port is "
+                               "refused when submitted (422), and not sent if it was accepted before")
     delivery_limit: int = Field(3, description="deliveries before an entry goes to the dead-letter stream")
     heartbeat_s: float = 5.0
     write_outage_s: float = Field(30.0, gt=0, description="an inference worker whose output lane has failed to "
@@ -209,6 +213,14 @@ class Settings(BaseSettings):
         """The models served, by name, the default first: MODELS', else the one MODEL names."""
         return ({m.name: m for m in self._listed} if self._listed
                 else {self.served_model_name: ServedModel(self.served_model_name, self.model_path)})
+
+    @property
+    def webhook_port_set(self) -> frozenset[int]:
+        """WEBHOOK_PORTS as ports (empty: any)."""
+        ports = frozenset(int(p) for p in self.webhook_ports.split(",") if p.strip())
+        if any(not 1 <= p <= 65535 for p in ports):
+            raise ValueError(f"WEBHOOK_PORTS: ports are between 1 and 65535; got {self.webhook_ports!r}")
+        return ports
 
     @property
     def default_model(self) -> str:

@@ -42,6 +42,7 @@ import redis
 
 from shared import names
 from shared.jobs import BATCH_ENDS, Job
+from shared.limits import webhook_port_refusal
 from shared.redis_client import text
 from shared.settings import Settings
 
@@ -294,6 +295,9 @@ class WebhookSender:
         except UnicodeError:
             raise NotSent("webhook host is not a valid name; refused") from None
         port = port or (443 if parts.scheme == "https" else 80)
+        why = webhook_port_refusal(url, self.settings.webhook_port_set)
+        if why:  # (accepted before WEBHOOK_PORTS was set: the network would not let it through)
+            raise NotSent(f"webhook {why}; refused")
         lookup = self._lookup(host, port)
         try:
             addresses = lookup.result(timeout=max(deadline - time.monotonic(), 0.0))

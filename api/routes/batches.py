@@ -15,7 +15,7 @@ from api.batches import Batches, batch_object
 from api.errors import ApiError
 from api.files import FileStore, TooLarge, file_object
 from api.openai_schemas import Order, list_page
-from shared.limits import Metadata, Name, WebhookUrl
+from shared.limits import Metadata, Name, WebhookUrl, webhook_port_refusal
 
 router = APIRouter(prefix="/v1", tags=["batches"])
 UPLOAD_CHUNK = 256 * 1024
@@ -115,6 +115,9 @@ async def create_batch(body: BatchRequest, request: Request, caller: CallerDep) 
     worker's batch driver runs them: a stack without one (`conveyor up --celery 0`) leaves the batch in progress."""
     if body.completion_window != "24h":
         raise ApiError(400, "completion_window must be '24h'", param="completion_window")
+    ports = request.app.state.settings.webhook_port_set
+    if body.webhook_url and (why := webhook_port_refusal(body.webhook_url, ports)):
+        raise ApiError(422, f"webhook_url: {why}", param="webhook_url")
     return await _batches(request).create(caller.tenant, body.input_file_id, body.endpoint, body.metadata,
                                           body.webhook_url)
 

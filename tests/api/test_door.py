@@ -286,6 +286,27 @@ async def test_top_k_minus_one_is_all_and_min_tokens_meets_the_default_max(redis
         assert r.status_code == 422 and "min_tokens" in r.text, r.text
 
 
+async def test_a_webhook_url_on_a_port_webhooks_cannot_reach_is_refused(redis_server, model_path: str) -> None:  # type: ignore[no-untyped-def]
+    """WEBHOOK_PORTS set (infra/k8s: 80,443, what its NetworkPolicy lets the Celery worker reach): a job or batch
+    whose webhook names another port is a 422 naming webhook_url, not a webhook that fails for hours unseen."""
+    settings = Settings(redis_url=redis_server.url.rsplit("/", 1)[0] + "/13", model=model_path, webhook_ports="80,443")
+    async with in_process_api(settings) as api:
+        for url in ("http://hooks.example.com:8080/h", "https://hooks.example.com:8443/h"):
+            r = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4, "webhook_url": url})
+            assert r.status_code == 422 and r.json()["error"]["param"] == "webhook_url", r.text
+            assert "WEBHOOK_PORTS" in r.json()["error"]["message"]
+            r = await api.post("/v1/batches", json={"input_file_id": "file_x", "endpoint": "/v1/chat/completions",
+                                                    "completion_window": "24h", "webhook_url": url})
+            assert r.status_code == 422 and r.json()["error"]["param"] == "webhook_url", r.text
+        for url in ("http://hooks.example.com/h", "https://hooks.example.com/h", "https://hooks.example.com:80/h"):
+            r = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4, "webhook_url": url})
+            assert r.status_code == 202, r.text
+    with pytest.raises(ValueError, match="WEBHOOK_PORTS"):
+        Settings(webhook_ports="443,70000").webhook_port_set
+    with pytest.raises(ValueError):
+        Settings(webhook_ports="https")
+
+
 async def test_an_api_without_workers_takes_jobs_and_says_so(api: httpx.AsyncClient) -> None:
     """No worker runs here: the stack is not ready (/readyz), but this API process is (`pools=false`: its pod's
     readiness behind a Service), and it takes a job, which waits queued."""

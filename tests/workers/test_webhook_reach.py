@@ -154,6 +154,19 @@ def test_one_refused_address_refuses_the_host(redis_db: redis.Redis) -> None:
     assert calls == ["mixed.example.test", "rebind.example.test", "nowhere.example.test"]
 
 
+def test_a_port_outside_webhook_ports_is_refused_before_any_lookup(redis_db: redis.Redis) -> None:
+    """WEBHOOK_PORTS (the ports the network lets the worker reach): a job accepted with another port before it was set
+    is not sent, saying why, rather than tried against a wall until its tries run out."""
+    calls: list[str] = []
+    worker = sender(redis_db, allow_private=True, webhook_ports="80, 443")
+    worker.resolve = pinned({"hooks.example.test": ["127.0.0.1"]}, calls)
+    assert worker.post("http://hooks.example.test:8080/hook", b"{}", "job_x") == (
+        "webhook port 8080 is not one webhooks are sent to here (80, 443: WEBHOOK_PORTS); refused")
+    assert worker.post("https://hooks.example.test:80/hook", b"{}", "job_x") != (  # the port named, not the scheme's
+        "webhook port 80 is not one webhooks are sent to here (80, 443: WEBHOOK_PORTS); refused")
+    assert calls == ["hooks.example.test"]
+
+
 def test_the_connection_goes_to_the_checked_address(redis_db: redis.Redis) -> None:
     """The name resolves once, through the check; the connection uses that address (this name is
     unknown to any real resolver) while the Host header carries the name."""
