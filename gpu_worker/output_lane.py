@@ -431,15 +431,19 @@ class OutputLane:
 
     def _entries(self, ids: list[int], chosen: list[float], top_ids: list[list[int]],
                  top_lps: list[list[float]]) -> list[list[Any]]:
-        """Per token [id, text, logprob, [[id, text, logprob] per alternative, most likely first]]."""
-        text = self.token_text
-        return [[t, text(t), lp, [[a, text(a), alp] for a, alp in zip(ai, al)]]
+        """Per token [id, text, logprob, [[id, text, logprob] per alternative, most likely first]], each followed by
+        the token's bytes when its text is not their UTF-8 (shared/logprobs.py)."""
+        return [self._entry(t, lp, [self._entry(a, alp) for a, alp in zip(ai, al)])
                 for t, lp, ai, al in zip(ids, chosen, top_ids, top_lps)]
+
+    def _entry(self, token_id: int, logprob: float | None, *top: list[Any]) -> list[Any]:
+        text, raw = self.token_text(token_id)
+        return [token_id, text, logprob, *top] + ([raw] if raw is not None else [])
 
     def _prompt_document(self, row: dict[str, Any]) -> bytes:
         """The prompt's text and its tokens' entries (the first token's logprob is null: nothing precedes it)."""
         ids = row["prompt_ids"] or []
-        first = [[ids[0], self.token_text(ids[0]), None, []]] if ids else []
+        first = [self._entry(ids[0], None, [])] if ids else []
         entries = first + self._entries(ids[1:], row["prompt_logprobs"], row["prompt_top_ids"],
                                         row["prompt_top_logprobs"])
         return orjson.dumps({"text": self.tokenizer.decode(ids, skip_special_tokens=False), "tokens": entries})

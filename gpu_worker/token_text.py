@@ -1,5 +1,7 @@
 """Each token's own text, as logprobs report it: a byte-level BPE token's bytes decoded as UTF-8 (a token
-that ends inside a character shows U+FFFD there, as vLLM's do), else the tokenizer's decoding of it alone."""
+that ends inside a character shows U+FFFD there, as vLLM's do), else the tokenizer's decoding of it alone; and, for
+a token whose text is not its bytes (a part of a character), the bytes themselves, which OpenAI's `bytes` carry so
+that a client can put such characters together again."""
 
 from __future__ import annotations
 
@@ -20,24 +22,27 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class TokenText:
-    """Token id -> text, cached (at most the vocabulary's size)."""
+    """Token id -> (text, its bytes when they are not the text's UTF-8, else None), cached (at most the vocabulary's
+    size)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.byte_level = isinstance(tokenizer.decoder, ByteLevel)
         self._bytes = _byte_decoder()
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
 
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._text(token_id)
-        return text
+    def __call__(self, token_id: int) -> tuple[str, list[int] | None]:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._text(token_id)
+        return found
 
-    def _text(self, token_id: int) -> str:
+    def _text(self, token_id: int) -> tuple[str, list[int] | None]:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is None:
-            return ""
+            return "", None
         if self.byte_level and all(c in self._bytes for c in piece):
-            return bytes(self._bytes[c] for c in piece).decode("utf-8", errors="replace")
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = bytes(self._bytes[c] for c in piece)
+            text = raw.decode("utf-8", errors="replace")
+            return text, None if text.encode() == raw else list(raw)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False), None

@@ -172,6 +172,22 @@ def test_jobs_api_logprobs_in_poll_and_events(client: httpx.Client) -> None:
     assert [e["logprob"] for e in streamed] == [e["logprob"] for e in done["logprobs"]]
 
 
+def test_logprobs_of_characters_split_over_tokens(oai: openai.OpenAI, client: httpx.Client) -> None:
+    """A character the tokenizer splits over two tokens (CJK, some symbols) shows U+FFFD in each token's text; their
+    `bytes` join into the character again, and legacy `text_offset` points each at the character's start."""
+    text = "Hi 🙂 你好 ∑ café"
+    done = wait(client, submit(client, prompt=text, max_tokens=1, temperature=0, prompt_logprobs=0)["id"])
+    tokens = done["prompt_logprobs"][1:]  # (the first has no logprob, and no entry)
+    assert any(t["token"] == "\ufffd" for t in tokens)
+    assert b"".join(bytes(t["bytes"]) for t in tokens) == text.encode()[len("Hi"):]
+    lp = oai.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0, echo=True,
+                                logprobs=0).choices[0].logprobs
+    assert lp is not None and lp.text_offset is not None
+    offsets = lp.text_offset[:10]
+    assert offsets == sorted(offsets) and offsets[-1] == text.index(" café"), offsets
+    assert [text[o] for o in offsets[3:7]] == ["你", "你", "好", "好"]
+
+
 def _kept_drafts(client: httpx.Client) -> float:
     fams = text_string_to_metric_families(client.get("/metrics").text)
     return sum(s.value for f in fams if f.name == "conveyor:spec_decode_num_accepted_tokens" for s in f.samples)
