@@ -5,6 +5,7 @@ answers 404 model_not_found."""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -122,18 +123,29 @@ async def listing(redis: aredis.Redis, settings: Settings, tenant: Tenant | None
     return [m for m in out if tenant is None or tenant.may_use(m["id"])]
 
 
-async def load(redis: aredis.Redis, settings: Settings, name: str, path: str, base: str | None = None) -> None:
+async def load(redis: aredis.Redis, settings: Settings, name: str, path: str, base: str | None = None,
+               inplace: bool = False) -> None:
     """Register an adapter of `base` (a served model; None the default) for its inference workers (each reads its
     files when a request first names it), after checking its files against that model: 400 saying what does not
-    fit."""
+    fit. `inplace` (vLLM's `load_inplace`): an adapter loaded at run time under this name is replaced (its workers
+    load the new files for the jobs they start from then on; those running keep the old)."""
     try:
         check_name(name)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="lora_name") from None
+    if not os.path.isabs(path):  # the API's and the workers' working directories need not be the same
+        raise ApiError(400, f"lora_path must be an absolute path; got '{path}'", param="lora_path")
     base = base or settings.default_model
     if base not in settings.served:
         raise ApiError(400, f"the base model '{base}' is not served", param="base_model_name")
-    if name in settings.served or name in settings.loras or await redis.hexists(names.LORAS, name):
+    if name in settings.served:
+        raise ApiError(400, f"'{name}' is a served model's name; an adapter needs a name of its own",
+                       param="lora_name")
+    if name in settings.loras:
+        raise ApiError(400, f"The lora adapter '{name}' has already been loaded (LORA_MODULES: it cannot be "
+                       "replaced)." if inplace else f"The lora adapter '{name}' has already been loaded.",
+                       param="lora_name")
+    if not inplace and await redis.hexists(names.LORAS, name):
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     try:
         check_adapter(path, Dims.of(settings.path_of(base)), settings.max_lora_rank)
@@ -141,7 +153,9 @@ async def load(redis: aredis.Redis, settings: Settings, name: str, path: str, ba
         raise ApiError(400, f"the LoRA adapter '{name}' cannot be loaded: {type(exc).__name__}: {exc}",
                        param="lora_path") from None
     module = LoraModule(name, path, base)
-    if not await redis.hsetnx(names.LORAS, name, module.to_json()):
+    if inplace:
+        await redis.hset(names.LORAS, name, module.to_json())
+    elif not await redis.hsetnx(names.LORAS, name, module.to_json()):
         raise ApiError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
 
 

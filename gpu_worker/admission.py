@@ -7,6 +7,7 @@ it, so the lane knows every job whose tokens it receives.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from multiprocessing.queues import Queue
@@ -46,13 +47,14 @@ class Admission:
     def __init__(self, consumer: StreamConsumer, jobs: JobOps, ledger: EntryLedger, worker_id: str,
                  inbox: SimpleQueue[EngineCommand], to_lane: Queue[LaneCommand], stats: WorkerStats,
                  grammars: Callable[[], GrammarLoader] | None = None,
-                 loras: Mapping[str, LoraModule] | None = None, starts: JobOps | None = None) -> None:
+                 loras: Mapping[str, LoraModule] | None = None, starts: JobOps | None = None, model: str = "") -> None:
         self.consumer, self.jobs, self.ledger = consumer, jobs, ledger
         # the job's start and what an earlier worker recorded of it: on a cluster, read on a client that does not
         # retry (shared/masters.py), so that a master that does not answer fails its own job's admission at once
         # (the reader holds that entry) rather than holding every partition's
         self.starts = starts or jobs
         self.loras = loras or {}  # LORA_MODULES; those loaded at run time are read from the registry
+        self.model = model  # the served model's name: an adapter of another model is not served here
         self.worker_id, self.inbox, self.to_lane, self.stats = worker_id, inbox, to_lane, stats
         self._new_loader = grammars
         self._loader: GrammarLoader | None = None  # made when the first grammar arrives
@@ -68,10 +70,15 @@ class Admission:
             return
         if req.lora and req.lora not in self.loras and self.consumer.masters.is_down(names.LORAS):
             raise Elsewhere(names.LORAS)  # (its adapter is read there once it answers: not started meanwhile)
+        refused = self._attach_lora(req)
+        if refused:  # before the job starts: the request's own error (a 400), not one to retry
+            self.jobs.fail(req.id, refused)
+            self.consumer.ack_each([entry.ref])
+            return
         took = self.starts.start(req.id, self.worker_id)
         if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
             self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)
-        if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req) or not self._attach_lora(req):
+        if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req):
             self.consumer.ack_each([entry.ref])  # the job already ended (or was cancelled) elsewhere, or failed here
             return
         # everything read from Redis before the ledger holds the entry: a failure here (Redis gone) leaves nothing
@@ -119,11 +126,12 @@ class Admission:
             self.jobs.fail(req.id, f"the grammar could not be loaded: {exc}", self.worker_id)
             return False
 
-    def _attach_lora(self, req: Request) -> bool:
-        """The directory of the request's adapter (LORA_MODULES', else the registry's); an adapter no longer
-        served (unloaded after the job was accepted) fails its job alone. The engine reads its files."""
+    def _attach_lora(self, req: Request) -> str | None:
+        """The directory of the request's adapter (LORA_MODULES', else the registry's), or why the job cannot run:
+        its adapter is no longer served (unloaded after the job was accepted, or loaded again for another model), or
+        its directory is not here (a volume the API has and this worker has not). The engine reads its files."""
         if not req.lora:
-            return True
+            return None
         module = self.loras.get(req.lora)
         if module is None:
             try:
@@ -133,11 +141,12 @@ class Admission:
                     raise
                 self.consumer.masters.failed_key(names.LORAS, exc)
                 raise Elsewhere(names.LORAS) from exc
-        if module is None:
-            self.jobs.fail(req.id, f"the LoRA adapter {req.lora!r} is no longer served (unloaded)", self.worker_id)
-            return False
+        if module is None or (self.model and module.base_model_name not in ("", self.model)):
+            return f"the LoRA adapter {req.lora!r} is no longer served (unloaded)"
+        if not os.path.isfile(os.path.join(module.path, "adapter_config.json")):
+            return f"the LoRA adapter {req.lora!r} cannot be read here: no adapter at {module.path}"
         req.lora_path = module.path
-        return True
+        return None
 
     def progress(self, job_id: str) -> tuple[list[int], str, int, int]:
         """What the job's earlier worker recorded: its token ids, their streamed text, the last event seq,

@@ -109,7 +109,8 @@ class InferenceWorker:
         loras = {n: m for n, m in settings.loras.items() if m.base_model_name == settings.served_model_name}
         self.admission = Admission(self.consumer, jobs, self.ledger, self.worker_id, self.inbox, self.to_lane,
                                    self.stats, self._grammar_loader, loras,
-                                   JobOps(fast, settings.job_ttl_s, settings.model_key) if fast is not None else None)
+                                   JobOps(fast, settings.job_ttl_s, settings.model_key) if fast is not None else None,
+                                   settings.served_model_name)
         self.reader = Reader(self.client, self.consumer, jobs, self.ledger, self.admission, settings.refresh_s,
                              self.stopping)
         self.control = ControlLane(self.client, self.inbox, self.closed)

@@ -18,9 +18,10 @@ router = APIRouter(prefix="/v1", tags=["lora"])
 
 
 class LoadLoraAdapter(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # vLLM's body also takes load_inplace; loading is by name here
+    model_config = ConfigDict(extra="ignore")
     lora_name: str = Field(min_length=1, max_length=128)
-    lora_path: str = Field(min_length=1, max_length=4096)
+    lora_path: str = Field(min_length=1, max_length=4096)  # absolute, readable where the API and the workers run
+    load_inplace: bool = False  # vLLM's: replace the adapter loaded at run time under this name
     # the served model it adapts (MODELS, shared/served.py); none: the default model
     base_model_name: str | None = Field(None, min_length=1, max_length=64)
 
@@ -40,7 +41,7 @@ def _enabled(settings: SettingsDep) -> None:
 async def load_lora_adapter(body: LoadLoraAdapter, redis: RedisDep, settings: SettingsDep) -> str:
     """Serve a PEFT LoRA adapter of the served model under `lora_name`, checked from its files first."""
     _enabled(settings)
-    await served.load(redis, settings, body.lora_name, body.lora_path, body.base_model_name)
+    await served.load(redis, settings, body.lora_name, body.lora_path, body.base_model_name, body.load_inplace)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 

@@ -160,3 +160,54 @@ def test_the_default_models_adapter_answers_as_peft_does(stack: Stack, model_pat
         r = oai.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24,
                                         extra_body={"ignore_eos": True})
         assert r.choices[0].message.content == peft_text(model_path, adapter, ids, 24).strip(), model
+
+
+async def test_an_adapter_replaced_unloaded_or_unreadable_answers_as_the_clients_error(
+        tiny_stack: Stack, tiny_model_dir: str, tiny_loras: dict[str, str], tmp_path: Any) -> None:
+    """vLLM's `load_inplace` replaces an adapter loaded at run time (the next jobs run the new one); a served model's
+    name and a relative path are refused with a reason; and jobs that can no longer run on their adapter (unloaded
+    while they waited, or whose directory this worker cannot read) fail as the request's error (a 400, never started:
+    not a 503 that clients retry), each alone."""
+    oai = openai.AsyncOpenAI(base_url=tiny_stack.url + "/v1", api_key="unused", max_retries=0)
+    async with httpx.AsyncClient(base_url=tiny_stack.url, timeout=60) as api:
+        async def load(name: str, path: str, **more: Any) -> httpx.Response:
+            return await api.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, **more})
+
+        r = await load(_model_ids(tiny_stack.url)["tiny-all"]["parent"], tiny_loras["tiny-late"])
+        assert r.status_code == 400 and "served model's name" in r.json()["error"]["message"], r.text
+        r = await load("relative", "tiny-late")
+        assert r.status_code == 400 and "absolute" in r.json()["error"]["message"], r.text
+        r = await load("tiny-all", tiny_loras["tiny-late"], load_inplace=True)
+        assert r.status_code == 400 and "LORA_MODULES" in r.json()["error"]["message"], r.text
+
+        assert (await load("swap", tiny_loras["tiny-late"])).status_code == 200
+        try:
+            assert await _complete(oai, "swap", PROMPTS[0]) == peft_text(tiny_model_dir, tiny_loras["tiny-late"],
+                                                                         PROMPTS[0])
+            assert (await load("swap", tiny_loras["tiny-attn"])).status_code == 400  # without load_inplace
+            assert (await load("swap", tiny_loras["tiny-attn"], load_inplace=True)).status_code == 200
+            assert await _complete(oai, "swap", PROMPTS[0]) == peft_text(tiny_model_dir, tiny_loras["tiny-attn"],
+                                                                         PROMPTS[0])
+            copy = shutil.copytree(tiny_loras["tiny-late"], tmp_path / "copy")
+            assert (await load("vanishing", str(copy))).status_code == 200
+            shutil.rmtree(copy)  # (as a volume the API has and the inference pods have not)
+            with pytest.raises(openai.BadRequestError, match="cannot be read here"):
+                await _complete(oai, "vanishing", PROMPTS[0])
+
+            # queued while the inference worker is held, then unloaded: they fail unstarted, the others run
+            sync = httpx.Client(base_url=tiny_stack.url, timeout=60)
+            tiny_stack.pause("inference")
+            try:
+                queued = [submit(sync, prompt=p, model="swap", max_tokens=4)["id"] for p in PROMPTS]
+                base = submit(sync, prompt=PROMPTS[0], max_tokens=4)["id"]
+                assert (await api.post("/v1/unload_lora_adapter", json={"lora_name": "swap"})).status_code == 200
+            finally:
+                tiny_stack.resume("inference")
+            for job_id in queued:
+                job = wait(sync, job_id)
+                assert job["status"] == "failed" and job["started_at"] is None, job
+                assert "no longer served" in job["error"]
+            assert wait(sync, base)["status"] == "succeeded"
+        finally:
+            for name in ("swap", "vanishing"):
+                await api.post("/v1/unload_lora_adapter", json={"lora_name": name})
