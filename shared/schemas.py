@@ -335,15 +335,15 @@ def _wire_message(m: dict[str, Any]) -> Message:
 
 
 def check_tool_turns(messages: list[Message]) -> None:
-    """Tool turns in order: an assistant's calls have ids of their own and arguments that are JSON objects; a
+    """Tool turns in order: an assistant's calls have ids of their own and arguments that are JSON objects (or ""); a
     tool message answers one of the calls before it. GrammarError naming the message at fault."""
     called: set[str] = set()
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":
             raise GrammarError(f"messages[{i}].tool_calls: only an assistant message makes tool calls")
         for j, call in enumerate(m.tool_calls or []):
-            try:
-                args = json.loads(call.function.arguments)
+            try:  # ("" is how some clients write a call without arguments: {}, as the prompt renders it)
+                args = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
             except ValueError:
                 args = None
             if not isinstance(args, dict):

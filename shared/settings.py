@@ -7,7 +7,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.lora import LoraModule, static_modules
@@ -214,13 +214,17 @@ class Settings(BaseSettings):
         return ({m.name: m for m in self._listed} if self._listed
                 else {self.served_model_name: ServedModel(self.served_model_name, self.model_path)})
 
+    @field_validator("webhook_ports")
+    @classmethod
+    def _ports(cls, value: str) -> str:
+        if any(not 1 <= int(p) <= 65535 for p in value.split(",") if p.strip()):
+            raise ValueError(f"WEBHOOK_PORTS: ports are between 1 and 65535; got {value!r}")
+        return value
+
     @property
     def webhook_port_set(self) -> frozenset[int]:
         """WEBHOOK_PORTS as ports (empty: any)."""
-        ports = frozenset(int(p) for p in self.webhook_ports.split(",") if p.strip())
-        if any(not 1 <= p <= 65535 for p in ports):
-            raise ValueError(f"WEBHOOK_PORTS: ports are between 1 and 65535; got {self.webhook_ports!r}")
-        return ports
+        return frozenset(int(p) for p in self.webhook_ports.split(",") if p.strip())
 
     @property
     def default_model(self) -> str:

@@ -92,7 +92,12 @@ def _declared(tools: list[Any]) -> dict[str, Any]:
         params = fn.get("parameters", _ANY_OBJECT)
         if not isinstance(params, dict):
             raise GrammarError(f"{where}.function.parameters must be a JSON schema object")
-        out[name] = _constraints(params)
+        if params.get("type", "object") != "object":
+            raise GrammarError(f"{where}.function.parameters must describe the arguments as an object "
+                               "(\"type\": \"object\", or no type)")
+        # arguments are an object's text whatever else the schema says: `{}` (no parameters) or properties without
+        # a type would otherwise let the grammar write `false` or a string, which no client can call with
+        out[name] = {**_constraints(params), "type": "object"}
     return out
 
 

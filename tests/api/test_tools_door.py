@@ -31,6 +31,8 @@ CHAT_REFUSED = [
     ({"messages": [*ASK, {**CALLED, "tool_calls": [{**CALLED["tool_calls"][0], "function": {  # type: ignore[index]
         "name": "get_weather", "arguments": "not json"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),  # arguments are an object
 ]
 
 
@@ -81,6 +83,12 @@ async def test_jobs_take_the_same_fields(app_client: httpx.AsyncClient) -> None:
     assert r.status_code == 422 and "tools[1].function.parameters" in r.text
     r = await app_client.post("/v1/jobs", json={"prompt": "hi", "tools": [OK_TOOL]})
     assert r.status_code == 422 and "tools need 'messages'" in r.text
+    # a call without arguments, written "" by some clients, goes back as {} (the prompt renders it so)
+    empty = {**CALLED, "content": "", "tool_calls": [{**CALLED["tool_calls"][0], "function": {  # type: ignore[index]
+        "name": "get_weather", "arguments": ""}}]}
+    r = await app_client.post("/v1/jobs", json={"messages": [*ASK, empty, {"role": "tool", "tool_call_id": "call_1",
+                                                                          "content": "sunny"}], "tools": [OK_TOOL]})
+    assert r.status_code == 202, r.text
 
 
 async def test_an_agents_many_described_tools_are_taken(app_client: httpx.AsyncClient) -> None:

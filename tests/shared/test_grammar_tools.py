@@ -189,6 +189,20 @@ def test_a_required_call_always_parses_and_fits_its_schema(sampler: Any) -> None
     check_one()
 
 
+@pytest.mark.parametrize("params", [{}, {"properties": {"city": {"type": "string"}}}])
+def test_arguments_are_an_object_whatever_the_schema_leaves_open(sampler: Any, params: dict[str, Any]) -> None:
+    """`parameters: {}` (a tool without parameters, as OpenAI reads it) or properties without a type: the arguments
+    are still an object's text. The grammar used to let `false`, `true` or a string through, which no client can call
+    with, and which the server then refused when the call was sent back."""
+    spec = tools_spec([{"type": "function", "function": {"name": "f", "parameters": params}}], "required",
+                      parallel=False)
+    assert spec is not None
+    for seed in range(8):
+        ids, tok = sampler(spec, seed)
+        [call] = parse("hermes", tok.decode(ids)).calls
+        assert isinstance(json.loads(call.arguments), dict), call.arguments
+
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
 
