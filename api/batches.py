@@ -245,10 +245,12 @@ class Batches:
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         out = []
-        for batch_id in ids[: limit + 1]:
+        for batch_id in ids:  # (a batch whose record expired is skipped: the page still fills)
             rec = await self.get(batch_id, owner)
             if rec is not None:
                 out.append(batch_object(rec))
+            if len(out) > limit:
+                break
         return out[:limit], len(out) > limit
 
 

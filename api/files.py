@@ -146,7 +146,8 @@ class FileStore:
         writes.delete(names.file_key(meta["id"], "meta"))
         if meta.get("source"):  # its lines (uploaded), or the results of the batch that ended with it
             writes.delete(meta["source"])
-        writes.zrem(names.files_index(meta.get("owner") or ""), meta["id"])
+        # (its place in its owner's index stays, a page cursor's, until uploads trim it with its TTL: the listing skips
+        # ids without a record, and a page `after` it goes on from there rather than from the start)
         writes.hdel(names.file_bytes_key(meta.get("owner") or ""), meta["id"])
         copied = (await execute_copied(self.r, writes))[1]
         if promised and not copied:

@@ -272,6 +272,25 @@ async def test_files_list_filters_by_purpose_before_the_page(api: httpx.AsyncCli
     assert [f["id"] for f in oldest["data"]] == newest[::-1]
 
 
+async def test_a_page_after_a_file_deleted_meanwhile_goes_on_from_it(api: httpx.AsyncClient) -> None:
+    """A client paging through its files and deleting some (the SDK sends the last id it saw as `after`) gets each
+    file once: the page after a deleted file goes on from where that file was, not from the first page again."""
+    for i in range(5):
+        assert (await api.post("/v1/files", files={"file": (f"d{i}.jsonl", b"{}\n")},
+                               data={"purpose": "batch"})).status_code == 200
+    seen: list[str] = []
+    after: str | None = None
+    while True:
+        page = (await api.get("/v1/files", params={"limit": 2, "purpose": "batch",
+                                                   **({"after": after} if after else {})})).json()
+        seen += [f["id"] for f in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+        assert (await api.delete(f"/v1/files/{after}")).status_code == 200
+    assert len(seen) == len(set(seen)) >= 5, seen
+
+
 async def test_top_k_minus_one_is_all_and_min_tokens_meets_the_default_max(redis_server, model_path: str) -> None:  # type: ignore[no-untyped-def]
     """vLLM's `top_k: -1` (every token) is taken as 0; `min_tokens` without `max_tokens` is held to the deployment's
     default max_tokens (DEFAULT_MAX_TOKENS, 512 here), not the schema's (256)."""
