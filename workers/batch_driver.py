@@ -4,8 +4,8 @@ renewed each tick and within a long step), so any number of them may run, in any
 killed hands its batches over within LEASE_MS. Each tick, for each batch it holds, the driver records the lines
 whose jobs ended (once each: batch_result.lua), submits more as jobs of the batch's tenant (at most WINDOW in flight, at
 the priority the line was stored with, PRIORITY_MAX), cancels the rest of a batch being cancelled (a line whose
-job has not stopped CANCEL_WAIT_S after the cancel ends as batch_cancelled), and ends a batch once every line is
-done.
+job has not stopped CANCEL_WAIT_S after the cancel ends as batch_cancelled, as do the lines never submitted), and
+ends a batch once every line is done.
 
 Every submit carries an idempotency key per line (`{batch_id}:{n}`), so a driver that dies between submitting
 and noting the job leaves nothing to run twice: the next one's submit finds the same job. A line's submit
@@ -157,7 +157,9 @@ class BatchDriver:
             if running and time.time() >= float(rec.get("cancelling_at") or 0) + CANCEL_WAIT_S:
                 self._give_up(batch_id, running)  # jobs no engine stops (theirs died, none of their model runs)
                 running = {}
-            if not running:
+            if not running:  # the lines never submitted end in the error file too: every line is in a file
+                self._end_lines(batch_id, [str(i) for i in range(nxt, lines)], "batch_cancelled",
+                                "the batch was cancelled before this line was run")
                 self._finish(batch_id, rec, "cancelled")
         elif self._submit_more(batch_id, rec, running) >= lines and not running:
             completed = int(self.r.hget(names.batch_key(batch_id), "completed") or 0)
@@ -295,17 +297,21 @@ class BatchDriver:
         end in the error file as batch_expired (each once: a driver that stops midway leaves the rest to the
         next), and the batch ends expired."""
         left = [*running, *(str(i) for i in range(int(rec["next"]), int(rec["lines"])))]
-        for at in range(0, len(left), 500):
-            self._hold(batch_id)  # a big batch's expiry takes seconds (~10 s for 50,000 lines): past LEASE_MS
-            part = left[at:at + 500]
+        self._end_lines(batch_id, left, "batch_expired", "the batch expired before this line ended")
+        self._finish(batch_id, rec, "expired")
+
+    def _end_lines(self, batch_id: str, idxs: list[str], code: str, message: str) -> None:
+        """These lines end in the error file with `code` (each once: a driver that stops midway leaves the rest to
+        the next)."""
+        for at in range(0, len(idxs), 500):
+            self._hold(batch_id)  # a big batch's end takes seconds (~10 s for 50,000 lines): past LEASE_MS
+            part = idxs[at:at + 500]
             lines = self.r.hmget(names.batch_key(batch_id, "lines"), part)
             pipe = self.r.pipeline(transaction=False)
             for idx, raw in zip(part, lines):
                 custom = orjson.loads(raw).get("custom_id") if raw else None
-                result = line_error(custom, "batch_expired", "the batch expired before this line ended")
-                batch_ops.queue_result(pipe, batch_id, idx, orjson.dumps(result), False)
+                batch_ops.queue_result(pipe, batch_id, idx, orjson.dumps(line_error(custom, code, message)), False)
             scripts.execute(pipe)
-        self._finish(batch_id, rec, "expired")
 
     def _finish(self, batch_id: str, rec: dict[str, str], status: str) -> None:
         """Make the results into the output and error files, end the batch as `status`, then announce it."""
