@@ -202,7 +202,11 @@ class Batches:
         good, total = 0, 0
         limit, whose = max_lines
         loaded = await runtime_adapters(self.r)  # a line may name an adapter loaded at run time, as a request may
+        number = 0  # the line's number in the file, blank lines counted (as an editor shows it)
         async for raw in self.files.lines(meta):
+            number += 1
+            if number == 1:
+                raw = raw.removeprefix("\ufeff")  # a byte-order mark, as Windows tools write
             if not raw.strip():
                 continue
             total += 1
@@ -218,7 +222,7 @@ class Batches:
                 good += 1
             except LineError as exc:
                 pipe.hset(err_key, 1_000_000 + total,
-                          orjson.dumps(line_error(_custom_id(raw), exc.code, f"line {total}: {exc.message}")))
+                          orjson.dumps(line_error(_custom_id(raw), exc.code, f"line {number}: {exc.message}")))
             if len(pipe) >= 500:
                 _expire(pipe, keys, CREATING_S)
                 await pipe.execute()

@@ -380,3 +380,20 @@ async def test_a_batch_of_a_revoked_key_is_cancelled_not_left_running_to_its_win
         tenants.revoke(r, "gone")
         rec = _run_out(driver, r, s, batch_id, ticks=5)
     assert (rec["status"], rec["completed"]) == ("cancelled", str(WINDOW))
+
+
+async def test_a_byte_order_mark_and_blank_lines_are_read_as_an_editor_shows_them(api: httpx.AsyncClient,
+                                                                                   r: redis.Redis) -> None:
+    """A file saved with a UTF-8 byte-order mark (Windows tools) has its first line taken; an error names the line
+    by its number in the file, blank lines counted."""
+    first, second = _lines(2).decode().splitlines()
+    data = ("\ufeff" + first + "\n\n" + second + "\n" + first + "\n").encode()  # line 4 repeats line 1's custom_id
+    up = await api.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+    made = await api.post("/v1/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"})
+    assert made.status_code == 200, made.text
+    batch_id = made.json()["id"]
+    assert made.json()["request_counts"]["total"] == 3
+    assert r.hlen(names.batch_key(batch_id, "lines")) == 2
+    [err] = [json.loads(v) for v in r.hvals(names.batch_key(batch_id, "err"))]
+    assert err["custom_id"] == "req-0" and err["error"]["message"].startswith("line 4: "), err
