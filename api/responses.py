@@ -20,7 +20,7 @@ from shared.grammar.tools import MAX_TOOLS
 from shared.jobs import Job
 from shared.limits import MAX_MESSAGES, Content, Logprobs, MaxTokens, Metadata, Name, Temperature, TopP
 from shared.logprobs import Entry, chat_item
-from shared.openai_bodies import function_call, message, response_object, response_status
+from shared.openai_bodies import call_status, function_call, message, response_object, response_status
 from shared.schemas import GenerationRequest, Message
 
 HEAD = 4  # created, in_progress, output_item.added, content_part.added: sequence numbers 0-3; token k is 3 + k
@@ -173,10 +173,15 @@ def job_id_of(resp_id: str) -> str | None:
     return "job_" + resp_id.removeprefix("resp_") if resp_id.startswith("resp_") else None
 
 
+def created_status(meta: dict[str, Any]) -> str:
+    """The status `response.created` shows, as OpenAI's: `queued` for a background response, else `in_progress`."""
+    return "queued" if meta.get("background") else "in_progress"
+
+
 def head_events(job: Job, meta: dict[str, Any]) -> Iterator[tuple[int, str, dict[str, Any]]]:
     """The opening events, sequence numbers 0-3."""
     item_id = "msg_" + job.id.removeprefix("job_")
-    yield 0, "response.created", {"response": response_object(job, meta, "queued")}
+    yield 0, "response.created", {"response": response_object(job, meta, created_status(meta))}
     yield 1, "response.in_progress", {"response": response_object(job, meta, "in_progress")}
     yield 2, "response.output_item.added", {"output_index": 0, "item": message(job, "", False)}
     yield 3, "response.content_part.added", {"item_id": item_id, "output_index": 0, "content_index": 0,
@@ -220,7 +225,8 @@ class ToolEvents:
         self.said = ""
 
     def head(self) -> list[tuple[int, str, dict[str, Any]]]:
-        return [self._next("response.created", {"response": response_object(self.job, self.meta, "queued")}),
+        return [self._next("response.created", {"response": response_object(self.job, self.meta,
+                                                                              created_status(self.meta))}),
                 self._next("response.in_progress", {"response": response_object(self.job, self.meta, "in_progress")})]
 
     def text(self, text: str) -> list[tuple[int, str, dict[str, Any]]]:
@@ -228,7 +234,7 @@ class ToolEvents:
 
     def end(self, end: Job) -> list[tuple[int, str, dict[str, Any]]]:
         out = [e for ev in self.parser.finish() for e in self._event(ev)]
-        out += self._close()
+        out += self._close(end)
         return [*out, self._next(f"response.{response_status(end)}", {"response": response_object(end, self.meta)})]
 
     def _next(self, kind: str, data: dict[str, Any]) -> tuple[int, str, dict[str, Any]]:
@@ -265,7 +271,8 @@ class ToolEvents:
         self.index, self.item, self.said = self.index + 1, item, ""
         return [*out, self._next("response.output_item.added", {"output_index": self.index, "item": item})]
 
-    def _close(self) -> list[tuple[int, str, dict[str, Any]]]:
+    def _close(self, ended: Job | None = None) -> list[tuple[int, str, dict[str, Any]]]:
+        """The open item's closing events; `ended`: the job, when this item is its output's last."""
         item, said = self.item, self.said
         if item is None:
             return []
@@ -279,6 +286,6 @@ class ToolEvents:
         else:
             out.append(self._next("response.function_call_arguments.done", {**at, "name": item["name"],
                                                                              "arguments": said}))
-            done = {**item, "arguments": said, "status": "completed"}
+            done = {**item, "arguments": said, "status": call_status(ended, said, True) if ended else "completed"}
         self.item = None
         return [*out, self._next("response.output_item.done", {"output_index": at["output_index"], "item": done})]

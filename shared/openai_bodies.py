@@ -6,6 +6,7 @@ and the batch driver (workers/batch_driver.py)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -124,10 +125,24 @@ def message(job: Job, text: str, done: bool, item_id: str = "") -> dict[str, Any
                          "logprobs": (job.logprobs or []) if text == job.text else []}] if done else []}
 
 
-def function_call(job: Job, index: int, name: str, arguments: str, done: bool) -> dict[str, Any]:
-    """A Responses `function_call` output item: the job's call `index`."""
+def function_call(job: Job, index: int, name: str, arguments: str, done: bool, last: bool = False) -> dict[str, Any]:
+    """A Responses `function_call` output item: the job's call `index` (`last`: its output's last item)."""
+    status = call_status(job, arguments, last) if done else "in_progress"
     return {"type": "function_call", "id": call_id(job.id, index, "fc_"), "call_id": call_id(job.id, index),
-            "name": name, "arguments": arguments, "status": "completed" if done else "in_progress"}
+            "name": name, "arguments": arguments, "status": status}
+
+
+def call_status(job: Job, arguments: str, last: bool) -> str:
+    """A finished function_call's status: `incomplete` when its job ended short of its stop (max_output_tokens, a
+    cancel) inside it, its arguments cut off before they made an object (an agent must not run it); else
+    `completed`."""
+    if not last or job.finish_reason in (None, FinishReason.stop):
+        return "completed"
+    try:
+        whole = isinstance(json.loads(arguments), dict)
+    except ValueError:
+        whole = False
+    return "completed" if whole else "incomplete"
 
 
 def output_items(job: Job) -> list[dict[str, Any]]:
@@ -136,10 +151,12 @@ def output_items(job: Job) -> list[dict[str, Any]]:
     function_call per call."""
     calls = job.tool_calls or []
     base, items = "msg_" + job.id.removeprefix("job_"), []
-    for part in job.parts if job.parts is not None else [job.content or ""]:
+    parts = job.parts if job.parts is not None else [job.content or ""]
+    for k, part in enumerate(parts):
         if isinstance(part, int):
             c = calls[part]
-            items.append(function_call(job, part, c["function"]["name"], c["function"]["arguments"], True))
+            items.append(function_call(job, part, c["function"]["name"], c["function"]["arguments"], True,
+                                       last=k == len(parts) - 1))
         elif part:
             items.append(message(job, part, True, f"{base}_{len(items)}" if items else base))
     return items

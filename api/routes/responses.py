@@ -67,7 +67,11 @@ async def _conversation(store: JobStore, body: ResponseRequest, caller: Caller) 
     this input."""
     before: list[dict[str, Any]] = []
     if body.previous_response_id:
-        prev, meta = await _owned(store, body.previous_response_id, caller)
+        try:
+            prev, meta = await _owned(store, body.previous_response_id, caller)
+        except ApiError:  # as OpenAI answers it, which agents (Codex) recover from by sending the whole conversation
+            raise ApiError(400, f"Previous response with id '{body.previous_response_id}' not found.",
+                           param="previous_response_id", code="previous_response_not_found") from None
         if not prev.ended:
             raise ApiError(400, "the previous response has not finished", param="previous_response_id")
         answer: dict[str, Any] = {"role": "assistant", "content": prev.text}

@@ -87,6 +87,7 @@ def test_streamed_create_and_previous_response_id(oai: openai.OpenAI) -> None:
                                        max_output_tokens=20, stream=True))
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert events[0].response.status == "in_progress"  # (as OpenAI's: `queued` is a background response's)
     first = events[-1].response
     follow = oai.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
                                   temperature=0, max_output_tokens=20)
@@ -193,3 +194,26 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_context_holds_it(oai: 
     assert context - 8 - context // 4 - 10 < r.usage.input_tokens <= context - 8
     with pytest.raises(openai.UnprocessableEntityError, match="truncation"):  # (a value out of the field's, as others)
         oai.responses.create(model=MODEL, input="hi", truncation="sometimes")  # type: ignore[arg-type]
+
+
+def test_a_function_call_cut_off_by_max_output_tokens_is_incomplete(oai: openai.OpenAI) -> None:
+    """A call whose arguments max_output_tokens cut off is `incomplete`, whole and streamed, as its response is: an
+    agent runs the `completed` ones, and this one's arguments are no object."""
+    tool = {"type": "function", "name": "spell", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string", "pattern": "^[a-z]{80}$"}}, "required": ["word"]}}
+    ask = {"model": MODEL, "input": "Spell a long word.", "tools": [tool], "tool_choice": "required",
+           "max_output_tokens": 24}
+    whole = oai.responses.create(**ask)  # type: ignore[call-overload]
+    [call] = [i for i in whole.output if i.type == "function_call"]
+    assert (whole.status, call.status) == ("incomplete", "incomplete"), (whole.status, call)
+    events = list(oai.responses.create(**ask, stream=True))  # type: ignore[call-overload]
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [c.status for c in done] == ["incomplete"] and events[-1].type == "response.incomplete"
+    assert [i.status for i in events[-1].response.output if i.type == "function_call"] == ["incomplete"]
+
+
+def test_an_unknown_previous_response_id_is_openais_previous_response_not_found(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.responses.create(model=MODEL, input="Go on.", previous_response_id="resp_0123456789abcdef",
+                             max_output_tokens=4)
+    assert refused.value.code == "previous_response_not_found" and refused.value.param == "previous_response_id"
