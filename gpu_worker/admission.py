@@ -19,12 +19,12 @@ from gpu_worker.messages import Add, EngineCommand, LaneCommand, Register
 from gpu_worker.stats import WorkerStats
 from shared import names
 from shared.job_ops import JobOps, unpack_ids
-from shared.jobs import FinishReason
+from shared.jobs import FinishReason, JobStatus
 from shared.lora import LoraModule, registered
 from shared.masters import Elsewhere
 from shared.redis_client import RETRYABLE
 from shared.schemas import Request, decode_request
-from shared.scripts.codes import StartCode, StartReply
+from shared.scripts.codes import FinishCode, StartCode, StartReply
 from shared.stream_consumer import Entry, StreamConsumer
 
 if TYPE_CHECKING:
@@ -71,14 +71,17 @@ class Admission:
         if req.lora and req.lora not in self.loras and self.consumer.masters.is_down(names.LORAS):
             raise Elsewhere(names.LORAS)  # (its adapter is read there once it answers: not started meanwhile)
         refused = self._attach_lora(req)
-        if refused:  # before the job starts: the request's own error (a 400), not one to retry
-            self.jobs.fail(req.id, refused)
-            self.consumer.ack_each([entry.ref])
-            return
+        if refused:  # a job still queued fails unstarted: the request's own error (a 400), not one to retry
+            ended = self.jobs.finish(req.id, FinishReason.error, refused, required_status=JobStatus.queued.value)
+            if ended is not None and ended.code is FinishCode.finished:
+                self.consumer.ack_each([entry.ref])
+                return
         took = self.starts.start(req.id, self.worker_id)
         if took.code is StartCode.cancel_requested:  # asked of an engine that died before it stopped the job
             self.jobs.finish(req.id, FinishReason.cancelled, owner=took.owner)
-        if took.code not in (STARTED, RESUMED) or not self._attach_grammar(req):
+        if took.code in (STARTED, RESUMED) and refused:  # one started before (resumed here) fails as it ran
+            self.jobs.fail(req.id, refused, self.worker_id)
+        if took.code not in (STARTED, RESUMED) or refused or not self._attach_grammar(req):
             self.consumer.ack_each([entry.ref])  # the job already ended (or was cancelled) elsewhere, or failed here
             return
         # everything read from Redis before the ledger holds the entry: a failure here (Redis gone) leaves nothing
