@@ -135,6 +135,9 @@ class Batches:
         try:
             good, total = await self._check_lines(meta, endpoint, pipe, (lines_key, err_key), _max_lines(tenant),
                                                   tenant)
+            if not total:  # (a batch of nothing would end `failed` at once, pointing at an error file it has not)
+                raise ApiError(400, "the input file holds no request: it is empty or has blank lines only",
+                               param="input_file_id", code="empty_file")
         except BaseException:
             await self.r.delete(lines_key, err_key)  # nothing of a refused batch stays behind
             await self.r.zrem(names.batches_open(owner), batch_id)

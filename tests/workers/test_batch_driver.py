@@ -397,3 +397,12 @@ async def test_a_byte_order_mark_and_blank_lines_are_read_as_an_editor_shows_the
     assert r.hlen(names.batch_key(batch_id, "lines")) == 2
     [err] = [json.loads(v) for v in r.hvals(names.batch_key(batch_id, "err"))]
     assert err["custom_id"] == "req-0" and err["error"]["message"].startswith("line 4: "), err
+
+
+async def test_an_input_file_without_a_request_is_refused(api: httpx.AsyncClient) -> None:
+    up = await api.post("/v1/files", files={"file": ("in.jsonl", b"\n  \n")}, data={"purpose": "batch"})
+    made = await api.post("/v1/batches", json={"input_file_id": up.json()["id"], "endpoint": "/v1/chat/completions",
+                                               "completion_window": "24h"})
+    assert made.status_code == 400 and made.json()["error"]["code"] == "empty_file", made.text
+    listed = (await api.get("/v1/batches", params={"limit": 100})).json()["data"]
+    assert all(b["input_file_id"] != up.json()["id"] for b in listed)  # nothing of it stays
