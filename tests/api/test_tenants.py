@@ -325,7 +325,8 @@ def test_openai_sdk_with_a_real_key_and_ownership_of_its_ids(auth_stack: Stack) 
 
 
 def test_a_response_belongs_to_its_key(auth_stack: Stack) -> None:
-    """Another key gets 404 for every Responses route, as for a response that never existed."""
+    """Another key gets 404 for every Responses route, and previous_response_not_found (a 400) naming it in a create,
+    as for a response that never existed."""
     r = auth_stack.redis()
     a, _ = tenants.create(r, "resp-a")
     b, _ = tenants.create(r, "resp-b")
@@ -335,10 +336,12 @@ def test_a_response_belongs_to_its_key(auth_stack: Stack) -> None:
     resp = mine.responses.create(model=model, input="Hi", background=True, max_output_tokens=4)
     assert mine.responses.retrieve(resp.id).id == resp.id
     for call in (lambda: theirs.responses.retrieve(resp.id), lambda: theirs.responses.cancel(resp.id),
-                 lambda: theirs.responses.delete(resp.id), lambda: theirs.responses.input_items.list(resp.id),
-                 lambda: theirs.responses.create(model=model, input="x", previous_response_id=resp.id)):
+                 lambda: theirs.responses.delete(resp.id), lambda: theirs.responses.input_items.list(resp.id)):
         with pytest.raises(openai.NotFoundError):
             call()
+    with pytest.raises(openai.BadRequestError) as refused:
+        theirs.responses.create(model=model, input="x", previous_response_id=resp.id)
+    assert refused.value.code == "previous_response_not_found"
     assert mine.responses.retrieve(resp.id).id == resp.id  # untouched
 
 
