@@ -85,6 +85,13 @@ def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:
     raise AssertionError(f"not a refusal: submit code {code!r}")
 
 
+def queue_floor() -> int:
+    """The fewest jobs the measured rate may leave waiting: 32, and 8 a partition. Each partition holds its share of
+    the cap (api/store.py `partition_cap`) and a burst spreads over them unevenly: with 12 partitions and a floor of
+    32, a partition's share was 3, and 16 jobs sent at once to an idle service were refused when 4 met in one."""
+    return max(32, 8 * names.partition_count())
+
+
 class Throughput:
     """Jobs leaving the queue per second while there is a queue (an EWMA over a few seconds), read
     from the counters the workers keep, summed over the partitions: the basis of the service-wide
@@ -133,12 +140,13 @@ class Throughput:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self.period_s)
 
-    def queue_cap(self, max_queued: int, max_wait_s: float, floor: int = 32) -> int:
-        """Jobs that may wait: MAX_QUEUED, and no more than MAX_QUEUE_WAIT_S at the measured rate. A rate
-        of 0 (workers stopped, or not yet measured) leaves only MAX_QUEUED: readiness reports the rest."""
+    def queue_cap(self, max_queued: int, max_wait_s: float) -> int:
+        """Jobs that may wait: MAX_QUEUED, and no more than MAX_QUEUE_WAIT_S at the measured rate, but never fewer
+        than QUEUE_FLOOR (the floor never past MAX_QUEUED). A rate of 0 (workers stopped, or not yet measured)
+        leaves only MAX_QUEUED: readiness reports the rest."""
         if not self.rate:
             return max_queued
-        return min(max_queued, max(floor, int(max_wait_s * self.rate)))  # (the floor never past MAX_QUEUED)
+        return min(max_queued, max(queue_floor(), int(max_wait_s * self.rate)))
 
     def retry_ms(self, depth_over: int) -> int:
         if not self.rate:

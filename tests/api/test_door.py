@@ -360,3 +360,19 @@ async def test_one_models_backlog_neither_fills_nor_moves_another_models_queue(r
         other = await api.post("/v1/jobs", json={"prompt": "hi", "model": "a"})
         assert other.status_code == 202 and other.json()["queue_position"] == 1, other.text
         assert (await api.get(f"/v1/jobs/{other.json()['id']}")).json()["queue_position"] == 1
+
+
+def test_the_rate_leaves_each_partition_room_for_a_burst() -> None:
+    """At a low measured rate the cap on waiting jobs falls to its floor; each partition holds its share of it, and a
+    burst spreads over them unevenly. The floor grows with the partitions so that each keeps room for 8 (16 jobs sent
+    at once to an idle cluster of 12 partitions were refused when 4 met in one); MAX_QUEUED still bounds it."""
+    from api.quota import Throughput
+    from api.store import partition_cap
+    from shared import names
+
+    slow = Throughput(None)  # type: ignore[arg-type]
+    slow.rate = 0.1
+    for n in (1, 12):
+        with names.partitions_as(n):
+            assert partition_cap(slow.queue_cap(10_000, 30)) >= (32 if n == 1 else 8)
+            assert partition_cap(slow.queue_cap(3, 30)) == partition_cap(3)  # an operator's MAX_QUEUED holds
