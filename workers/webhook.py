@@ -42,7 +42,7 @@ import redis
 
 from shared import names
 from shared.jobs import BATCH_ENDS, Job
-from shared.limits import webhook_port_refusal
+from shared.limits import url_port, webhook_port_refusal
 from shared.redis_client import text
 from shared.settings import Settings
 
@@ -283,7 +283,7 @@ class WebhookSender:
         """A connection to the webhook's host pinned to its checked addresses, and the request path."""
         try:
             parts = urlsplit(url)
-            host, port = parts.hostname, parts.port
+            host, port = parts.hostname, url_port(url)
         except ValueError:
             raise NotSent("invalid webhook URL; refused") from None
         if parts.scheme not in ("http", "https") or not host:
@@ -294,7 +294,6 @@ class WebhookSender:
             host = host.encode("idna").decode("ascii")
         except UnicodeError:
             raise NotSent("webhook host is not a valid name; refused") from None
-        port = port or (443 if parts.scheme == "https" else 80)
         why = webhook_port_refusal(url, self.settings.webhook_port_set)
         if why:  # (accepted before WEBHOOK_PORTS was set: the network would not let it through)
             raise NotSent(f"webhook {why}; refused")
