@@ -1,4 +1,4 @@
-# One image for every conveyor process: `conveyor api|tokenizer|inference`, and celery.
+# One image for every conveyor process: `conveyor api|tokenizer|inference|celery ...`.
 #   docker build -t conveyor:latest .
 # torch is installed first and on its own: the CPU build by default. For a GPU image, point the
 # build arguments at a CUDA build, e.g. --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128

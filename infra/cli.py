@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     inf = sub.add_parser("inference", help="run one inference worker")
     inf.add_argument("--check", action="store_true", help="exit 0 if a live inference worker is seen, else 1")
     sub.add_parser("redis", help="run the embedded redis-server in the foreground")
+    sub.add_parser("celery", add_help=False,
+                   help="run Celery's own command with the arguments that follow (`conveyor celery -A "
+                        "workers.celery_app worker ...`): what a container runs, so that a SIGTERM while it starts "
+                        "stops it")
 
     status = sub.add_parser("status", help="the stack at a glance: pools, workers, lag, running jobs, decisions")
     status.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
@@ -93,6 +97,9 @@ def _stop_while_starting(signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _stop_while_starting)  # until the command's own (uvicorn's, a worker's drain)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["celery"]:
+        _celery(argv[1:])
     args = _parser().parse_args(argv)
     _logging()
     if args.cmd == "up" and args.model:
@@ -111,6 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     code = command(args, get_settings())
     if code is not None:
         sys.exit(code)
+
+
+def _celery(argv: list[str]) -> None:
+    """Celery's command, as `celery ARGS` runs it, in this process: Celery installs its signal handlers only once
+    its worker or beat has started (a second or more), and until then this one stops it."""
+    from celery.__main__ import main as celery_main
+
+    sys.argv = ["celery", *argv]
+    celery_main()  # exits
 
 
 def _model(args: argparse.Namespace, settings: Settings) -> None:

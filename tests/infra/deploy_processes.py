@@ -110,18 +110,26 @@ def celery_refuses(argv: tuple[str, ...]) -> str:
     return "" if out.returncode == 0 else (out.stderr.strip() or out.stdout.strip())[-2000:]
 
 
+def celery_command(argv: list[str]) -> list[str] | None:
+    """The `celery ...` command line that `conveyor celery ...` runs, or None for another command."""
+    return ["celery", *argv[2:]] if argv[:2] == [CONVEYOR, "celery"] else None
+
+
 def process_of(argv: list[str]) -> str:
     """The process a command line starts, named as workloads are (`api`, `model-pull`, `celery-beat`);
-    fails when the image has no such command or refuses its arguments."""
+    fails when the image has no such command or refuses its arguments. Every process starts from `conveyor`,
+    which handles SIGTERM from its first line: a container's PID 1 drops any signal it has no handler for, and
+    Celery installs its own only once started."""
+    if celery := celery_command(argv):
+        why = celery_refuses(tuple(celery[1:]))
+        assert not why, f"`{shlex.join(argv)}`: {why}"
+        return f"celery-{celery_parts(celery)[1]}"
     if argv[0] == CONVEYOR:
         args = conveyor_args(argv[1:])
         sub = getattr(args, f"{args.cmd}_cmd", None)
         return f"{args.cmd}-{sub}" if sub else str(args.cmd)
-    if argv[0] == "celery":
-        why = celery_refuses(tuple(argv[1:]))
-        assert not why, f"`{shlex.join(argv)}`: {why}"
-        return f"celery-{celery_parts(argv)[1]}"
-    raise AssertionError(f"`{shlex.join(argv)}`: the image has no command {argv[0]!r}")
+    raise AssertionError(f"`{shlex.join(argv)}`: not a `{CONVEYOR}` command (as its container's PID 1, a SIGTERM "
+                         "while it starts would be lost)")
 
 
 def api_serves(path: str, method: str = "GET") -> bool:

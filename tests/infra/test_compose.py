@@ -153,8 +153,7 @@ def test_celery_workers_have_time_for_the_runs_under_way() -> None:
     webhooks' last wait); killed before, its webhooks are sent again by the next run."""
     from workers.celery_app import AFTER_JOBS_RUN_S
 
-    workers = {n: s for n, s in built_services().items() if compose_argv(s)[:4] == ["celery", "-A",
-                                                                                 "workers.celery_app", "worker"]}
+    workers = {n: s for n, s in built_services().items() if process_of(compose_argv(s)) == "celery-worker"}
     assert workers
     for name, service in workers.items():
         settings = settings_from(compose_env(service, {"REDIS_PASSWORD": PASSWORD}))

@@ -41,7 +41,7 @@ from tests.infra.deploy_files import (
     interpolate,
     k8s_argv,
 )
-from tests.infra.deploy_processes import app_containers, celery_parts
+from tests.infra.deploy_processes import app_containers, celery_command, celery_parts
 
 BASE_IMAGE_EXECUTABLES = {"python", "python3", "pip", "sh"}  # what a python:* base image has on its PATH
 
@@ -195,7 +195,7 @@ def entry_modules(image: Image) -> set[str]:
     """The modules the processes start from: the console script's, and each `celery -A` app."""
     commands = [k8s_argv(c) for _, c, _ in app_containers()] + [compose_argv(s) for s in built_services().values()]
     modules = {image.console_scripts[CONVEYOR].split(":")[0]}
-    modules |= {celery_parts(argv)[0] for argv in commands if argv[0] == "celery"}
+    modules |= {celery_parts(celery)[0] for argv in commands if (celery := celery_command(argv))}
     return modules
 
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -34,10 +35,15 @@ def _namespaces() -> bool:
 pytestmark = pytest.mark.skipif(not _namespaces(), reason="needs a PID namespace of its own (root, unshare)")
 
 
-def _as_init(role: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], psutil.Process]:
-    """`conveyor ROLE` as PID 1 of a new PID namespace: the unshare process and the role's own (seen from here)."""
+# what the Celery containers run (infra/k8s/celery.yaml), with a schedule file of the test's own
+CELERY = {"celery-worker": ["celery", "-A", "workers.celery_app", "worker", "--loglevel=INFO", "--concurrency=2"],
+          "celery-beat": ["celery", "-A", "workers.celery_app", "beat", "--loglevel=INFO"]}
+
+
+def _as_init(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], psutil.Process]:
+    """`conveyor ARGV` as PID 1 of a new PID namespace: the unshare process and the role's own (seen from here)."""
     outer = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m",
-                              "infra.cli", role], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              "infra.cli", *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while not (children := psutil.Process(outer.pid).children()):
@@ -46,13 +52,15 @@ def _as_init(role: str, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], p
     return outer, children[0]
 
 
-@pytest.mark.parametrize("role", ["api", "tokenizer", "inference"])
-def test_a_sigterm_while_starting_stops_the_role_as_pid_1(role: str, redis_server, tiny_model_dir: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("role", ["api", "tokenizer", "inference", *CELERY])
+def test_a_sigterm_while_starting_stops_the_role_as_pid_1(role: str, redis_server, tiny_model_dir: str,  # type: ignore[no-untyped-def]
+                                                          tmp_path: Path) -> None:
     url = redis_server.url.rsplit("/", 1)[0] + "/12"
     r = redis.Redis.from_url(url)
     r.flushdb()
     env = {**os.environ, "REDIS_URL": url, "MODEL": tiny_model_dir, "PORT": "0", "LOG_LEVEL": "INFO"}
-    outer, init = _as_init(role, env)
+    argv = [*CELERY[role], f"--schedule={tmp_path / 'beat'}"] if role == "celery-beat" else CELERY.get(role, [role])
+    outer, init = _as_init(argv, env)
     try:
         # told again and again from its first moments, as a kubelet is not: one SIGTERM sent before the
         # interpreter has run any of conveyor's code is lost whatever conveyor does
@@ -68,7 +76,8 @@ def test_a_sigterm_while_starting_stops_the_role_as_pid_1(role: str, redis_serve
         # unshare exits as its child did: 128 + SIGTERM, the code of a process ended by it (no traceback)
         assert outer.returncode == 128 + signal.SIGTERM, (outer.returncode, err[-3000:])
         assert "Traceback" not in err, err[-3000:]
-        assert "ready" not in err and "Uvicorn running" not in err, f"{role} went on to start: {err[-3000:]}"
+        assert "ready" not in err and "Uvicorn running" not in err and "beat: Starting" not in err, \
+            f"{role} went on to start: {err[-3000:]}"
         assert not [k for k in r.scan_iter(f"{names.PREFIX}:*workers*")], "a worker registered"
     finally:
         if outer.poll() is None:
