@@ -87,8 +87,10 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    422: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
                    529: "overloaded_error"}
 ANTHROPIC_PREFIX = "/v1/messages"
-# routes whose malformed bodies answer 400 (as vLLM's and Anthropic's do) rather than 422
-BAD_REQUEST_PATHS = (ANTHROPIC_PREFIX, "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# the native API, whose invalid requests answer 422 (its contract); on every other route (OpenAI's, vLLM's and
+# Anthropic's surfaces) an invalid request is a 400, as their own servers answer, which their SDKs raise as
+# BadRequestError (a 422 is another class, UnprocessableEntityError, that code written for them does not catch)
+UNPROCESSABLE_PREFIX = "/v1/jobs"
 
 
 def anthropic_body(status: int, message: str) -> dict[str, object]:
@@ -100,19 +102,17 @@ def anthropic_body(status: int, message: str) -> dict[str, object]:
 def _answer(request: Request, status: int, message: str, type_: str | None = None, param: str | None = None,
             code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The error response in the shape of the route the request was for."""
+    if status == 422 and not request.url.path.startswith(UNPROCESSABLE_PREFIX):
+        status = 400
     if request.url.path.startswith(ANTHROPIC_PREFIX):
-        # Anthropic's invalid requests are all 400s, a prompt too long among them (its 413 is the body's size)
-        status = 400 if status == 422 or (status == 413 and param) else status
+        # a prompt too long is a 400 there too (Anthropic's 413 is the body's size)
+        status = 400 if status == 413 and param else status
         if status == 503 or code == "server_overloaded":  # the service (not the key) is full or unavailable:
             status = 529  # Anthropic's overloaded_error, which its SDKs raise as OverloadedError
         if param and param not in message:
             message = f"{param}: {message}"
         return JSONResponse(anthropic_body(status, message), status, headers=headers)
     return JSONResponse(error_body(status, message, type_, param, code), status, headers=headers)
-
-
-def _validation_status(request: Request) -> int:
-    return 400 if request.url.path.startswith(BAD_REQUEST_PATHS) else 422
 
 
 # the parts of a pydantic error's location that name a union's branch or a dict's key, not a field:
@@ -152,14 +152,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         msg, param = _validation_message(exc)
-        status = _validation_status(request)
-        return _answer(request, status, msg, "invalid_request_error", param=param)
+        return _answer(request, 422, msg, "invalid_request_error", param=param)
 
     @app.exception_handler(ValidationError)
     async def _invalid_inner(request: Request, exc: ValidationError) -> JSONResponse:
         msg, param = _validation_message(RequestValidationError(exc.errors()))
-        status = _validation_status(request)
-        return _answer(request, status, msg, "invalid_request_error", param=param)
+        return _answer(request, 422, msg, "invalid_request_error", param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -224,7 +224,8 @@ class CompletionRequest(_Common):
 
 def _generation(**fields: Any) -> GenerationRequest:
     """Fields already hold their bounds; a rule across fields (tools, tool turns, structured output) broken is a
-    400 naming the parameter, what is left (joined content parts too long, say) a 422."""
+    400 naming the parameter, what is left (joined content parts too long, say) the field's refusal (a 400 on these
+    routes, api/errors.py)."""
     try:
         return GenerationRequest(**fields)
     except ValidationError as exc:
@@ -232,8 +233,8 @@ def _generation(**fields: Any) -> GenerationRequest:
 
 
 def request_error(exc: ValidationError) -> ApiError:
-    """A GenerationRequest's refusal as the API answers it: a field's bound a 422 naming it, a rule across fields
-    a 400 naming the parameter its message begins with."""
+    """A GenerationRequest's refusal as the API answers it: a field's bound a 422 naming it (a 400 but on
+    /v1/jobs: api/errors.py), a rule across fields a 400 naming the parameter its message begins with."""
     err = exc.errors()[0]
     where = ".".join(str(x) for x in err.get("loc", ()))
     message = str(err.get("msg", "invalid"))

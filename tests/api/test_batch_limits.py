@@ -267,7 +267,7 @@ async def test_an_ended_batch_calls_its_webhook_signed(tiny_stack: Stack, tiny_m
             failed = await _ended(client, bad.id)
             assert failed.status == "failed" and failed.failed_at and failed.errors.data[0].code
             await _ended(client, quiet.id)
-            with pytest.raises(openai.UnprocessableEntityError):
+            with pytest.raises(openai.BadRequestError):
                 await _batch(client, _lines(model, 1), webhook_url="ftp://example.com/hook")
         received = hooks.wait_for(2, timeout=60)
     events = {body["data"]["id"]: (headers, body, raw) for headers, body, raw in received}

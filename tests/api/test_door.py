@@ -66,18 +66,18 @@ RAW_JSON_REFUSED = [
     ("/v1/jobs", '{"prompt": "hi", "priority": 1001}', 422),
     ("/v1/jobs", '{"prompt": "hi", "priority": -1001}', 422),
     ("/v1/jobs", '{"prompt": "hi", "priority": 1.5}', 422),
-    ("/v1/completions", '{"prompt": "hi", "priority": 99999999999999999999}', 422),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "priority": "high"}', 422),
-    ("/v1/completions", '{"prompt": "hi", "stop": [""], "top_p": 5e-324}', 422),
-    ("/v1/completions", '{"prompt": "hi", "stop": [""]}', 422),
-    ("/v1/completions", '{"prompt": "\\ud800"}', 422),
-    ("/v1/completions", '{"prompt": "hi", "top_k": 3000000000}', 422),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 422),
+    ("/v1/completions", '{"prompt": "hi", "priority": 99999999999999999999}', 400),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "priority": "high"}', 400),
+    ("/v1/completions", '{"prompt": "hi", "stop": [""], "top_p": 5e-324}', 400),
+    ("/v1/completions", '{"prompt": "hi", "stop": [""]}', 400),
+    ("/v1/completions", '{"prompt": "\\ud800"}', 400),
+    ("/v1/completions", '{"prompt": "hi", "top_k": 3000000000}', 400),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [99999999999]}',
-     422),
+     400),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\u0000"}]}]}',
-     422),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', 422),
+     400),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "\\ud800": 1}', 400),
     # taken and ignored before (OpenAI and vLLM refuse both)
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stream_options": '
                              '{"include_usage": true}}', 400),
@@ -222,7 +222,7 @@ async def test_a_model_is_retrieved_by_name(api: httpx.AsyncClient) -> None:
 async def test_a_limit_names_the_field_the_client_sent(api: httpx.AsyncClient, path: str, field: str,
                                                        body: dict[str, str]) -> None:
     r = await api.post(path, json={**body, field: 10**6})
-    assert r.status_code == 422 and r.json()["error"]["param"] == field, r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert r.json()["error"]["message"].startswith(field)
 
 
@@ -232,7 +232,7 @@ async def test_a_refusal_names_the_field_not_a_union_branch(api: httpx.AsyncClie
                                                            param: str) -> None:
     r = await api.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **body})
     error = r.json()["error"]
-    assert r.status_code in (400, 422) and error["param"] == param, error
+    assert r.status_code == 400 and error["param"] == param, error
     assert "[" not in error["message"].split(":")[0], error
 
 
@@ -307,7 +307,8 @@ async def test_top_k_minus_one_is_all_and_min_tokens_meets_the_default_max(redis
 
 async def test_a_webhook_url_on_a_port_webhooks_cannot_reach_is_refused(redis_server, model_path: str) -> None:  # type: ignore[no-untyped-def]
     """WEBHOOK_PORTS set (infra/k8s: 80,443, what its NetworkPolicy lets the Celery worker reach): a job or batch
-    whose webhook names another port is a 422 naming webhook_url, not a webhook that fails for hours unseen."""
+    whose webhook names another port is refused naming webhook_url (a 422 for a job, a 400 for a batch), not a
+    webhook that fails for hours unseen."""
     settings = Settings(redis_url=redis_server.url.rsplit("/", 1)[0] + "/13", model=model_path, webhook_ports="80,443")
     async with in_process_api(settings) as api:
         for url in ("http://hooks.example.com:8080/h", "https://hooks.example.com:8443/h"):
@@ -316,7 +317,7 @@ async def test_a_webhook_url_on_a_port_webhooks_cannot_reach_is_refused(redis_se
             assert "WEBHOOK_PORTS" in r.json()["error"]["message"]
             r = await api.post("/v1/batches", json={"input_file_id": "file_x", "endpoint": "/v1/chat/completions",
                                                     "completion_window": "24h", "webhook_url": url})
-            assert r.status_code == 422 and r.json()["error"]["param"] == "webhook_url", r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == "webhook_url", r.text
         for url in ("http://hooks.example.com/h", "https://hooks.example.com/h", "https://hooks.example.com:80/h"):
             r = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4, "webhook_url": url})
             assert r.status_code == 202, r.text

@@ -176,7 +176,7 @@ def test_a_create_sent_again_with_its_idempotency_key_is_the_same_response(stack
         other = c.post("/v1/responses", json={**body, "input": "Say bye."}, headers=headers)
     assert first.status_code == again.status_code == 200, (first.text, again.text)
     assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
-    assert other.status_code == 422 and other.json()["error"]["code"] == "idempotency_key_reused"
+    assert other.status_code == 400 and other.json()["error"]["code"] == "idempotency_key_reused"
 
 
 def test_truncation_auto_drops_the_oldest_turns_until_the_context_holds_it(oai: openai.OpenAI) -> None:
@@ -192,7 +192,7 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_context_holds_it(oai: 
     assert r.status in ("completed", "incomplete") and r.usage is not None
     # the fewest turns dropped: the newest kept fill the context but for less than one more turn
     assert context - 8 - context // 4 - 10 < r.usage.input_tokens <= context - 8
-    with pytest.raises(openai.UnprocessableEntityError, match="truncation"):  # (a value out of the field's, as others)
+    with pytest.raises(openai.BadRequestError, match="truncation"):  # (a value out of the field's, as others)
         oai.responses.create(model=MODEL, input="hi", truncation="sometimes")  # type: ignore[arg-type]
 
 

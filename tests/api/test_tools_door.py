@@ -48,7 +48,7 @@ async def test_chat_refuses_naming_the_parameter(app_client: httpx.AsyncClient, 
 async def test_too_many_tools_are_refused(app_client: httpx.AsyncClient) -> None:
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
     r = await app_client.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": tools})
-    assert r.status_code in (400, 422) and "tools" in r.text
+    assert r.status_code == 400 and "tools" in r.text
 
 
 async def test_a_tool_schema_too_large_to_compile_quickly_is_refused(app_client: httpx.AsyncClient) -> None:
