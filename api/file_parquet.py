@@ -4,12 +4,13 @@ A batch's output and error files (purpose `batch_output`) give RESULT_SCHEMA: th
 the response's status code, request id and body (JSON text), and the error's code and message (null where the
 line has none). An input file (purpose `batch`) gives INPUT_SCHEMA: each request's custom_id, method, url and
 body (JSON text); a line that is not a JSON object gives a row of nulls. The table is built ROWS lines at a
-time as the lines are read from Redis (each record batch converted off the event loop) and written in memory:
-a file is at most MAX_FILE_BYTES (api/files.py)."""
+time as the lines are read from Redis (each record batch converted off the event loop) and streamed to the client
+as it is written."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -66,11 +67,15 @@ def input_row(line: str) -> Row:
             "url": _text(obj.get("url")), "body": _json(obj.get("body"))}
 
 
-async def parquet_of(lines: AsyncIterator[str], purpose: str) -> bytes:
-    """The lines (blank ones skipped) as a Parquet file of the purpose's schema."""
+async def parquet_of(lines: AsyncIterator[str], purpose: str) -> AsyncIterator[bytes]:
+    """The lines (blank ones skipped) as a Parquet file of the purpose's schema, sent as it is written: each record
+    batch's row group as soon as it is encoded, the footer last. The API holds one batch of lines at a time,
+    whatever the file's size."""
     schema, row = (INPUT_SCHEMA, input_row) if purpose == "batch" else (RESULT_SCHEMA, result_row)
-    sink = pa.BufferOutputStream()
-    with pq.ParquetWriter(sink, schema) as writer:
+    sink = _Sink()
+    writer = pq.ParquetWriter(pa.PythonFile(sink, mode="w"), schema)
+    try:
+        yield sink.take()  # the header
         chunk: list[str] = []
         async for line in lines:
             if line.strip():
@@ -78,9 +83,39 @@ async def parquet_of(lines: AsyncIterator[str], purpose: str) -> bytes:
             if len(chunk) >= ROWS:
                 await asyncio.to_thread(_write, writer, schema, row, chunk)
                 chunk = []
+                yield sink.take()
         if chunk:
             await asyncio.to_thread(_write, writer, schema, row, chunk)
-    return sink.getvalue().to_pybytes()  # type: ignore[no-any-return]
+    finally:
+        writer.close()  # the footer (or, for a client gone, nothing anyone reads)
+    yield sink.take()
+
+
+class _Sink(io.RawIOBase):
+    """Where the writer writes: bytes held only until taken, and the position counted over all of them (Parquet's
+    footer records where each column chunk starts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[bytes] = []
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self.parts.append(chunk)
+        self.written += len(chunk)
+        return len(chunk)
+
+    def tell(self) -> int:
+        return self.written
+
+    def take(self) -> bytes:
+        out = b"".join(self.parts)
+        self.parts.clear()
+        return out
 
 
 def _write(writer: pq.ParquetWriter, schema: pa.Schema, row: Callable[[str], Row], lines: list[str]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from api import file_parquet
@@ -82,8 +82,8 @@ async def file_content(file_id: str, request: Request, caller: CallerDep,
     if meta is None:
         raise _no_file(file_id)
     if fmt == "parquet":
-        return Response(await file_parquet.parquet_of(files.lines(meta), meta["purpose"]),
-                        media_type=file_parquet.MEDIA_TYPE)
+        return StreamingResponse(file_parquet.parquet_of(files.lines(meta), meta["purpose"]),
+                                 media_type=file_parquet.MEDIA_TYPE)
     return StreamingResponse(files.content(meta), media_type="application/jsonl")
 
 
