@@ -21,6 +21,7 @@ from api.quota import Throughput, admit
 from api.relay import Relay
 from api.store import JobStore
 from api.streaming import DoneEvent, Event, StatusEvent, job_events
+from shared.job_ops import CHARGED
 from shared.jobs import Job, JobStatus
 from shared.limits import SEED_MAX
 from shared.schemas import GenerationRequest
@@ -49,12 +50,17 @@ def choice_requests(prompts: list[GenerationRequest], n: int) -> list[Generation
 
 async def admit_all(store: JobStore, throughput: Throughput, settings: Settings, caller: Caller,
                     requests: list[GenerationRequest]) -> tuple[list[Job], dict[str, str]]:
-    """Admit every choice's job, or none: a refusal cancels those already admitted and is raised."""
+    """Admit every choice's job, or none: a refusal cancels those already admitted and is raised. The choices are
+    one request of the key's: the first job takes it and every choice's tokens, having checked room for them all
+    (submit.lua), so that a refusal mostly comes before any job; the rate-limit headers are the first job's."""
     jobs: list[Job] = []
     limits: dict[str, str] = {}
+    whole = (sum(req.reserved_tokens() for req in requests), len(requests))
     try:
         for req in requests:
-            job, _, limits = await admit(store, throughput, settings, caller, req)
+            job, _, headers = await admit(store, throughput, settings, caller, req,
+                                          request=(CHARGED, 1) if jobs else whole)
+            limits = limits or headers
             jobs.append(job)
     except BaseException:
         await asyncio.shield(cancel_all(store, jobs))

@@ -57,6 +57,13 @@ async def take_request(client: aredis.Redis, caller: Caller) -> None:
         raise refusal(SubmitReply.parse(raw), 0)
 
 
+def too_large(message: str) -> ApiError:
+    """A request no wait can admit: a 429 (a key's limit) without Retry-After, and `x-should-retry: false`, which
+    the OpenAI and Anthropic SDKs read."""
+    return ApiError(429, message, type_="rate_limit_error", code="request_too_large",
+                    headers={"x-should-retry": "false"})
+
+
 def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:
     """The submit script's refusals as errors (see SubmitCode)."""
     code = reply.code
@@ -78,10 +85,11 @@ def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:
         return ApiError(422, "this Idempotency-Key was used with a different request body", param="Idempotency-Key",
                         code="idempotency_key_reused")
     if code is SubmitCode.request_over_tpm:
-        return ApiError(429, f"this request reserves more tokens than the key may use in a minute ({reply.tpm}); "
-                             "lower max_tokens or shorten the prompt", type_="rate_limit_error",
-                        code="request_too_large", headers={"x-should-retry": "false"})  # (the SDKs read it: waiting
-        # cannot help this request, so no Retry-After)
+        return too_large(f"this request reserves more tokens than the key may use in a minute ({reply.tpm}); "
+                         "lower max_tokens, n or the prompts")
+    if code is SubmitCode.request_over_max_queued:
+        return too_large(f"this request's choices are more than the key's limit of {reply.limit} unfinished jobs; "
+                         "lower n or the prompts")
     raise AssertionError(f"not a refusal: submit code {code!r}")
 
 
@@ -177,12 +185,12 @@ def queue_full(reply: SubmitReply, cap: int, throughput: Throughput) -> tuple[Su
 
 
 async def admit(store: JobStore, throughput: Throughput, settings: Settings, caller: Caller, req: GenerationRequest,
-                idempotency_key: str | None = None, fields: dict[str, str] | None = None
-                ) -> tuple[Job, bool, dict[str, str]]:
+                idempotency_key: str | None = None, fields: dict[str, str] | None = None,
+                request: tuple[int | None, int] = (None, 1)) -> tuple[Job, bool, dict[str, str]]:
     """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError. `fields`
-    go into the job's record (JobStore.submit)."""
+    go into the job's record, `request` is the share of a request of several jobs (JobStore.submit)."""
     cap = partition_cap(throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s))
-    got = await store.submit(req, idempotency_key, caller.owner, cap, fields)
+    got = await store.submit(req, idempotency_key, caller.owner, cap, fields, request=request)
     reply = got.reply
     if got.job is None:
         if reply.code is SubmitCode.replay:

@@ -51,12 +51,13 @@ class JobStore:
         self._depths_lock = asyncio.Lock()
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, owner: str = "",
-                     max_waiting: int = 0, fields: dict[str, str] | None = None, budget: str = "interactive"
-                     ) -> Admission:
+                     max_waiting: int = 0, fields: dict[str, str] | None = None, budget: str = "interactive",
+                     request: tuple[int | None, int] = (None, 1)) -> Admission:
         """Admit, store and enqueue a job in one round trip (submit.lua): an idempotent replay, the
         tenant's limits and the queue cap are checked first; a refusal stores nothing. `max_waiting` caps
         the depth of the job's partition (0: no cap): the service-wide cap's share, `partition_cap`.
-        `budget` 'batch' (a batch line) charges the tenant's batch_tpm bucket instead of its rpm and tpm."""
+        `budget` 'batch' (a batch line) charges the tenant's batch_tpm bucket instead of its rpm and tpm.
+        `request`: (tokens, jobs) of the request this job is part of, as submit_write takes them."""
         model = req.model or req.base_model or self.settings.default_model  # the name asked for
         job_id, record, request_json = new_job(req, model, self.settings.tool_call_parser,
                                                owner, idempotency_key or "", fields)
@@ -64,7 +65,7 @@ class JobStore:
             job_id, record, request_json, owner=owner,
             reserve_tokens=req.reserved_tokens(), max_waiting=max_waiting,
             idempotency_key=idempotency_key or "", idempotency_ttl_s=self.settings.idempotency_ttl_s,
-            jobs_maxlen=self.jobs_maxlen, budget=budget)
+            jobs_maxlen=self.jobs_maxlen, budget=budget, request_tokens=request[0], request_jobs=request[1])
         if reply.code is SubmitCode.replay:  # another request's job, or this one's (a call sent again)
             return Admission(await self.get(reply.job_id), reply.job_id != job_id, reply)
         if reply.code is not SubmitCode.accepted:

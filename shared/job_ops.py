@@ -137,12 +137,19 @@ def job_attributes(job_id: str, model: str, req: GenerationRequest, owner: str) 
             "gen_ai.request.top_p": req.top_p, "gen_ai.request.seed": req.seed}
 
 
+# a later job of a request of several, whose first job took the request's rpm and tokens (submit_write)
+CHARGED = -1
+
+
 def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: int, owner: str = "",
                  reserve_tokens: int = 0, max_waiting: int = 0, idempotency_key: str = "", idempotency_ttl_s: int = 0,
-                 jobs_maxlen: int = 1_000_000, budget: str = "interactive") -> Write:
+                 jobs_maxlen: int = 1_000_000, budget: str = "interactive", request_tokens: int | None = None,
+                 request_jobs: int = 1) -> Write:
     """A submit call (submit.lua). `idempotency_key` is the client's key (scoped to the owner here);
     `record` is the job hash without its request; `budget`: 'interactive' (the tenant's rpm and tpm) or
-    'batch' (a batch line: its batch_tpm bucket only)."""
+    'batch' (a batch line: its batch_tpm bucket only). A request of several jobs (OpenAI's `n`) is one request:
+    its first job takes `request_tokens` (every job's reservation) and checks room for its `request_jobs`, each
+    later one passes CHARGED; a job alone takes its own `reserve_tokens`."""
     p, model = names.job_partition(job_id), str(record.get("base_model") or "")  # (its queue's depth)
     idem = names.idempotency_key(owner, idempotency_key) if idempotency_key else names.job_key(job_id)
     tenant = tenant_keys(owner, names.job_key(job_id), "batch_tokens" if budget == "batch" else "tokens")
@@ -151,7 +158,8 @@ def submit_write(job_id: str, record: dict[str, Any], request_json: str, ttl_s: 
             *tenant, idem, names.ring_key(p, names.TOKENIZER_GROUP)]
     args: list[Any] = [ttl_s, time.time(), owner, reserve_tokens, max_waiting,
                        idempotency_ttl_s if idempotency_key else 0, hashlib.sha256(request_json.encode()).hexdigest(),
-                       jobs_maxlen, names.job_key(job_id).removesuffix(job_id), job_id, request_json, budget]
+                       jobs_maxlen, names.job_key(job_id).removesuffix(job_id), job_id, request_json, budget,
+                       reserve_tokens if request_tokens is None else request_tokens, request_jobs]
     for k, v in record.items():
         if k != "request":
             args += [k, v]

@@ -45,6 +45,7 @@ class SubmitCode(IntEnum):
     queue_full = -5  # {-5, depth}: the service-wide queue is full
     idempotency_conflict = -6  # {-6}: the idempotency key was used with another body
     request_over_tpm = -7  # {-7, tpm}: the request alone needs more than the tenant's tokens per minute
+    request_over_max_queued = -8  # {-8, limit}: the request alone has more jobs than its unfinished-jobs limit
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class SubmitReply:
     tokens_left: int = 0  # accepted, over_tpm
     tokens_reset_ms: int = 0  # accepted, over_tpm: until the tokens bucket is full again
     retry_ms: int = 0  # over_rpm, over_tpm: until the request would fit
-    limit: int = 0  # max_queued: the tenant's unfinished-jobs limit
+    limit: int = 0  # max_queued, request_over_max_queued: the tenant's unfinished-jobs limit
     depth: int = 0  # queue_full: the jobs waiting service-wide
     job_id: str = ""  # replay: the job the idempotency key names
 
@@ -79,7 +80,7 @@ class SubmitReply:
         if code is SubmitCode.over_tpm:
             return cls(code, retry_ms=_int(raw, 1), tpm=_int(raw, 2), tokens_left=_int(raw, 3),
                        tokens_reset_ms=_int(raw, 4))
-        if code is SubmitCode.max_queued:
+        if code in (SubmitCode.max_queued, SubmitCode.request_over_max_queued):
             return cls(code, limit=_int(raw, 1))
         if code is SubmitCode.queue_full:
             return cls(code, depth=_int(raw, 1))

@@ -10,7 +10,12 @@
 --       8 the jobs stream's approximate cap, 9 job-hash key prefix, 10 job id, 11 request JSON,
 --       12 budget: 'interactive' (rpm and tpm) or 'batch' (no rpm; tokens from KEYS[7] at the tenant's
 --       batch_tpm, a line costlier than a whole minute's waits for a full bucket; recorded as the job's
---       `budget`, so finish.lua refunds to that bucket), 13.. record field/value pairs
+--       `budget`, so finish.lua refunds to that bucket), 13 the tokens the request takes (its every job's, for
+--       the first job of a request of several; -1 for each later one: its request and tokens were taken with the
+--       first, which also checked room for all of its jobs), 14 the request's jobs, 15.. record field/value pairs
+-- A request of several jobs (OpenAI's `n`, a list of prompts) is one request of the tenant's rpm, and its jobs'
+-- tokens are reserved at once by its first job; each job still records its own reservation (ARGV 4), so that
+-- finish.lua's refunds, job by job, add up to what was taken.
 -- A batch line is outside the key's unfinished jobs (max_queued: its batches never take its interactive
 -- requests' room; the driver's window and max_open_batches bound them) and outside the queue's depth (the
 -- submitted and dequeued counters: it waits behind every interactive job, at the lowest priority, so counting it
@@ -26,13 +31,15 @@
 --   {-2, retry ms, rpm, reset ms} over
 --   its requests per minute; {-3, retry ms, tpm, left, reset ms} over its tokens per minute; {-4, limit}
 --   at its unfinished-jobs limit; {-5, depth} the service-wide queue is full; {-6} the idempotency key
---   was used with another body; {-7, tpm} the request alone needs more than the tenant's tokens per minute.
+--   was used with another body; {-7, tpm} the request alone needs more than the tenant's tokens per minute;
+--   {-8, limit} the request alone has more jobs than the tenant's unfinished-jobs limit.
 local job, jobs, submitted, dequeued_key, tenant = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local requests_bucket, tokens_bucket, active, idem = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local ttl, now, owner, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
 local max_waiting, idem_ttl, digest, jobs_cap = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local job_prefix, job_id, request, budget = ARGV[9], ARGV[10], ARGV[11], ARGV[12]
-local line = budget == 'batch'
+local charge, request_jobs = tonumber(ARGV[13]), tonumber(ARGV[14])
+local line, charged = budget == 'batch', charge < 0
 -- the same call sent again (its reply was lost to a dropped connection) finds its job: enqueued and
 -- charged once; the caller knows the id for its own
 if redis.call('EXISTS', job) == 1 then return {2, job_id} end
@@ -63,16 +70,24 @@ if owner ~= '' then
   rpm, tpm = tonumber(t[2]) or 0, tonumber(t[3]) or 0
   if budget == 'batch' then
     rpm, tpm = 0, tonumber(t[6]) or 0
-    if tpm > 0 then cost = math.min(cost, tpm) end
+    if tpm > 0 then cost, charge = math.min(cost, tpm), math.min(charge, tpm) end
   end
   local maxq = tonumber(t[4]) or 0
-  if maxq > 0 and not line and tonumber(redis.call('GET', active) or '0') >= maxq then return {-4, maxq} end
-  local ok, retry
-  ok, r_left, r_reset, retry = bucket(requests_bucket, rpm, 1)
-  if not ok then return {-2, math.ceil(retry * 1000), rpm, math.ceil(r_reset * 1000)} end
-  if tpm > 0 and cost > tpm then return {-7, tpm} end
-  ok, t_left, t_reset, retry = bucket(tokens_bucket, tpm, cost)
-  if not ok then return {-3, math.ceil(retry * 1000), tpm, math.floor(t_left), math.ceil(t_reset * 1000)} end
+  if maxq > 0 and not line then
+    if not charged and request_jobs > maxq then return {-8, maxq} end
+    local room = charged and 1 or request_jobs
+    if tonumber(redis.call('GET', active) or '0') + room > maxq then return {-4, maxq} end
+  end
+  if charged then
+    rpm, tpm = 0, 0  -- taken with the request's first job
+  else
+    local ok, retry
+    ok, r_left, r_reset, retry = bucket(requests_bucket, rpm, 1)
+    if not ok then return {-2, math.ceil(retry * 1000), rpm, math.ceil(r_reset * 1000)} end
+    if tpm > 0 and charge > tpm then return {-7, tpm} end
+    ok, t_left, t_reset, retry = bucket(tokens_bucket, tpm, charge)
+    if not ok then return {-3, math.ceil(retry * 1000), tpm, math.floor(t_left), math.ceil(t_reset * 1000)} end
+  end
 end
 local dequeued = tonumber(redis.call('GET', dequeued_key) or '0')
 if max_waiting ~= '0' then
@@ -96,7 +111,7 @@ end
 if idem_ttl ~= '0' then redis.call('SET', idem, job_id .. ':' .. digest, 'EX', tonumber(idem_ttl)) end
 local ordinal -- a batch line's: the interactive jobs submitted before it
 if line then ordinal = tonumber(redis.call('GET', submitted) or '0') else ordinal = redis.call('INCR', submitted) end
-for i = 13, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
+for i = 15, #ARGV, 2 do redis.call('HSET', job, ARGV[i], ARGV[i + 1]) end
 redis.call('HSET', job, 'ordinal', ordinal, 'owner', owner, 'reserved_tokens', cost, 'weight', weight)
 if line then redis.call('HSET', job, 'budget', budget, 'counted', '0') end
 redis.call('EXPIRE', job, ttl)

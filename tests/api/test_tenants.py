@@ -210,6 +210,41 @@ async def test_an_upload_without_a_valid_key_is_refused_before_its_body_is_read(
     assert up.status_code == 200, up.text
 
 
+async def test_a_request_of_several_choices_is_one_request_and_fits_whole_or_not_at_all(
+        api: httpx.AsyncClient, r: redis.Redis) -> None:
+    """`n` choices (or a list of prompts) are one request of the key's requests per minute, whose tokens are
+    reserved together: one that can never fit, more tokens than a minute's or more choices than the key's unfinished
+    jobs, is `request_too_large` (no retry helps it), and a refusal charges nothing."""
+    chat = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    key, _ = tenants.create(r, "choosy", rpm=3, tpm=0, max_queued=3)
+    asked = asyncio.create_task(api.post("/v1/chat/completions", json={**chat, "n": 3}, headers=bearer(key)))
+    try:
+        for _ in range(500):  # the three choices queued (the request itself waits for them: no worker runs here)
+            if queued(r) == 3 or asked.done():
+                break
+            await asyncio.sleep(0.01)
+        assert queued(r) == 3 and not asked.done(), asked.result().text if asked.done() else queued(r)
+        one = await api.post("/v1/jobs", json=JOB, headers=bearer(key))  # over max_queued, not over rpm
+        assert one.status_code == 429 and "unfinished" in one.json()["error"]["message"], one.text
+        left = float(r.hget(names.tenant_bucket_key("choosy", "requests"), "t"))
+        assert 1.9 < left < 2.2, left  # one request of three taken, not three
+    finally:
+        asked.cancel()
+    too_many = await api.post("/v1/chat/completions", json={**chat, "n": 4}, headers=bearer(key))
+    assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "request_too_large", too_many.text
+    assert too_many.headers["x-should-retry"] == "false" and "retry-after" not in too_many.headers
+
+    key, _ = tenants.create(r, "wordy", rpm=100, tpm=300)
+    for path, body in (("/v1/chat/completions", {**chat, "max_tokens": 200, "n": 2}),
+                       ("/v1/completions", {"model": chat["model"], "prompt": ["a", "b", "c"], "max_tokens": 150})):
+        got = await api.post(path, json=body, headers=bearer(key))
+        assert got.status_code == 429 and got.json()["error"]["code"] == "request_too_large", (path, got.text)
+        assert got.headers["x-should-retry"] == "false"
+    fits = await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 250}, headers=bearer(key))
+    assert fits.status_code == 202, fits.text  # the refusals took none of the bucket's tokens nor its requests
+    assert fits.headers["x-ratelimit-remaining-requests"] == "99"
+
+
 async def test_unfinished_jobs_per_key_are_capped(api: httpx.AsyncClient, r: redis.Redis) -> None:
     key, _ = tenants.create(r, "q", max_queued=2)
     ids = [(await api.post("/v1/jobs", json=JOB, headers=bearer(key))).json()["id"] for _ in range(2)]
