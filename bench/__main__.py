@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, dict[str, tuple[str, str]]] = {
         "chaos": ("bench.chaos", "nothing lost or corrupted while processes die and Redis restarts"),
         "failover": ("bench.failover", "kill -9 of a Redis Cluster master under load, round after round"),
         "partitions": ("bench.partitions", "network partitions, each scenario repeated"),
+        "drain": ("bench.drain", "a job arriving as a worker drains: never held by the stopped worker"),
         "copies": ("bench.copies", "what the durable copies cost in accepted jobs/s on a Redis Cluster"),
     },
     "soak": {"soak": ("bench.soak", "memory of every process over many jobs")},

@@ -37,7 +37,7 @@ from gpu_worker.engine_loop import LANE_DIED, EngineLoop
 from gpu_worker.feedback import Feedback
 from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import EngineCommand, GraceOver, LaneCommand, LaneReport, Stop
-from gpu_worker.reader import Reader
+from gpu_worker.reader import READ_BLOCK_MS, Reader
 from gpu_worker.stats import WorkerStats
 from shared import names
 from shared.heartbeat import Heartbeat, new_worker_id
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("conveyor.inference")
 
+READER_STOP_S = 5  # beyond its pop's block: for the reader to admit what it took before the worker hands it back
 LANE_BEHIND_MAX = 64  # messages the output lane may be behind before the engine waits for it (backpressure)
 
 
@@ -138,9 +139,11 @@ class InferenceWorker:
                              daemon=True).start()
         loop = EngineLoop(build_engine(self.settings), self.inbox, self.send_to_lane, self.stats, self.stopping,
                           self.ledger.idle, self.lane.is_alive)
-        for name, target in (("control", self.control.run), ("feedback", self.feedback.run),
-                             ("reader", self.reader.run), ("drain-timer", self._drain_timer)):
-            threading.Thread(target=named(name, target), name=name, daemon=True).start()
+        lanes = {name: threading.Thread(target=named(name, target), name=name, daemon=True)
+                 for name, target in (("control", self.control.run), ("feedback", self.feedback.run),
+                                      ("reader", self.reader.run), ("drain-timer", self._drain_timer))}
+        for lane in lanes.values():
+            lane.start()
         hb = Heartbeat(self.client, self.pool, self.worker_id, self.settings.heartbeat_s,
                        self.stats.as_dict, self.lane_writes)
         hb.start()
@@ -150,8 +153,13 @@ class InferenceWorker:
         log.info("inference worker %s ready (%s engine, model %s)", self.worker_id, self.settings.engine,
                  self.settings.served_model_name)
         try:
-            if not loop.run():
-                self.ledger.hand_back(self.settings.claim_idle_ms + 1000)
+            loop.run()
+            # what this worker still holds goes back to the others now, rather than after CLAIM_IDLE_MS: the jobs
+            # running when the grace ran out, and any the reader took after the loop found nothing left to run
+            # (its pop was under way as the drain began: a job that arrived then would otherwise wait a claim
+            # timeout for a worker started for it)
+            lanes["reader"].join(timeout=READ_BLOCK_MS / 1000 + READER_STOP_S)
+            self.ledger.hand_back(self.settings.claim_idle_ms + 1000)
         finally:
             self.closed.set()
             with contextlib.suppress(queue.Full):  # the lane writes what it has, then exits

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -87,11 +88,20 @@ def _keys_parser(keys: argparse.ArgumentParser) -> None:
     kr.add_argument("name")
 
 
+STOP_FALLBACK_S = 3.0  # after a SIGTERM while starting, the most the process lives on (see _stop_while_starting)
+
+
 def _stop_while_starting(signum: int, _frame: object) -> None:
     """SIGTERM (SIGINT raises KeyboardInterrupt) before a command installs a handler of its own: end now, as the
     signal's default would. Nothing has been taken yet. A handler must be there all the same: in a container whose
     command is `conveyor ...`, this process is PID 1, and the kernel drops any signal PID 1 has no handler for, so a
-    pod stopped while its API imported or its worker loaded the model waited out its whole grace period."""
+    pod stopped while its API imported or its worker loaded the model waited out its whole grace period.
+    The exit is raised wherever the interpreter is; inside a finalizer or a weakref callback (an import's module
+    lock has one) Python prints it and goes on, and the process would go on starting: a timer ends it outright
+    STOP_FALLBACK_S later should the raise not have."""
+    fallback = threading.Timer(STOP_FALLBACK_S, os._exit, (128 + signum,))
+    fallback.daemon = True
+    fallback.start()
     raise SystemExit(128 + signum)
 
 

@@ -61,6 +61,7 @@ class QuickRuns:
             "vllm_lora": py + ["bench", "vllm", "lora", "--quick", "--model", tiny, "--workdir",
                                str(tmp / "vllm-lora")],
             "chaos": py + ["bench", "faults", "chaos", "--quick", "--workdir", str(tmp / "chaos")],
+            "drain": py + ["bench", "faults", "drain", "--quick"],
             "from_zero": py + ["bench", "cold-start", "from-zero", "--quick", "--model", tiny, "--workdir",
                                str(tmp / "from-zero")],
             "gpu_check": ["bash", "bench/gpu_check.sh", "--smoke"],
@@ -162,6 +163,11 @@ def test_soak(runs: QuickRuns) -> None:
 def test_chaos(runs: QuickRuns) -> None:
     out = runs.out("chaos")
     assert "| **lost** (never ended) | 0 |" in out
+
+
+def test_drain(runs: QuickRuns) -> None:
+    out = runs.out("drain")
+    assert "| where the job was once the worker stopped | rounds |" in out and "held by" not in out
 
 
 @pytest.mark.slow
