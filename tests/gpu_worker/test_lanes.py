@@ -42,12 +42,12 @@ from gpu_worker.messages import (
 from gpu_worker.output_lane import OutputLane
 from gpu_worker.stats import WorkerStats
 from infra.redis_server import RedisServer
-from shared import fair_queue, names
+from shared import names
 from shared.jobs import FinishReason, JobStatus, new_record
 from shared.schemas import Request, encode_request, from_ipc, to_ipc
 from shared.settings import Settings
 from tests.conftest import ROOT
-from tests.helpers import blocked_on, until
+from tests.helpers import until
 
 
 def test_lane_messages_pickle() -> None:
@@ -320,32 +320,3 @@ def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str,
                 proc.wait()
         log.close()
 
-
-def test_a_job_taken_as_the_worker_drains_is_handed_back_not_stranded(worker_env: dict[str, str],
-                                                                      tmp_path: Path) -> None:
-    """An idle worker told to stop while its reader waits for a job: a job arriving then may be taken after the
-    engine loop has found nothing left to run. It must not stay this stopped worker's until CLAIM_IDLE_MS (30 s by
-    default: a worker started for it, from zero, waited that long): it is handed back, or left in the queue."""
-    r = redis.Redis.from_url(worker_env["REDIS_URL"])
-    env = {**worker_env, "CLAIM_IDLE_MS": "60000"}  # far beyond the test: only a hand-back makes it claimable
-    log = open(tmp_path / "worker.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"], env=env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
-    try:
-        until("the idle worker's reader waiting for a job", lambda: blocked_on(r, "blpop"), 60)
-        job_id = "job_at_drain"
-        r.hset(names.job_key(job_id), mapping=new_record(job_id, "m", "{}"))
-        batch = encode_request(Request(job_id, [1, 2, 3], max_tokens=50, temperature=0.0, seed=1, ignore_eos=True))
-        proc.send_signal(signal.SIGTERM)
-        # as the tokenizer does, while the reader's pop waits
-        assert fair_queue.push(r, 0, [], [(job_id, 0, 3, batch)]) == 1
-        assert proc.wait(timeout=30) == 0
-        pending = r.xpending_range(names.stream(names.TOKENIZED, 0), names.INFERENCE_GROUP, "-", "+", 10)
-        assert pending or r.hexists(names.fair_key(0, "payload"), job_id), r.hgetall(names.job_key(job_id))
-        for entry in pending:  # taken: handed back, claimable by the next worker at once
-            assert entry["time_since_delivered"] >= 60000, entry
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
