@@ -191,7 +191,8 @@ async def scaling(request: Request, model: str | None = None) -> dict[str, dict[
     _clients(state)
     settings = state.settings
     if model is not None and model not in settings.served:
-        raise ApiError(404, f"the model '{model}' is not served", type_="model_not_found", param="model")
+        raise ApiError(404, f"the model '{model}' is not served", type_="invalid_request_error", param="model",
+                       code="model_not_found")
     per_replica = lag_per_replica(settings)
     models = settings.model_keys
 

@@ -26,11 +26,12 @@ NOT_SERVABLE = (AdapterError, KeyError, ValueError, TypeError, AttributeError, O
 
 
 def not_found(requested: str, settings: Settings, tenant: Tenant | None = None) -> ApiError:
-    """404 model_not_found naming the models the caller may use (a key limited to some: those only)."""
+    """404 naming the models the caller may use (a key limited to some: those only), in OpenAI's shape: type
+    `invalid_request_error`, code `model_not_found`."""
     runs = ", ".join(repr(m) for m in settings.served if tenant is None or tenant.may_use(m)) or "no model"
     whose = " for this key" if tenant is not None and tenant.models else ""
     return ApiError(404, f"the model '{requested}' does not exist; this server runs {runs}{whose} and the adapters "
-                         "/v1/models lists", type_="model_not_found", param="model")
+                         "/v1/models lists", type_="invalid_request_error", param="model", code="model_not_found")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Annotated
 
 import redis.asyncio as aredis
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 
 from api.auth import Caller
 from api.errors import ApiError, too_many
@@ -45,9 +45,10 @@ def rate_headers(rpm: int, requests_left: int, requests_reset_ms: int, tpm: int,
     return out
 
 
-async def take_request(client: aredis.Redis, caller: Caller) -> None:
+async def take_request(client: aredis.Redis, caller: Caller, response: Response) -> None:
     """One request of the caller's key's requests per minute, for a call that is no job (a tokenize call, a token
-    count: the tokenizer pool every tenant shares answers it); 429 or 401 as a submit's would be."""
+    count: the tokenizer pool every tenant shares answers it), its rate-limit headers set on `response`; 429 or 401
+    as a submit's would be."""
     t = caller.tenant
     if t is None:
         return
@@ -55,6 +56,8 @@ async def take_request(client: aredis.Redis, caller: Caller) -> None:
                                                     names.tenant_bucket_key(t.name, "requests")], [time.time()])
     if int(raw[0]) != 1:
         raise refusal(SubmitReply.parse(raw), 0)
+    rpm, left, reset_ms = (int(x) for x in raw[1:4])
+    response.headers.update(rate_headers(rpm, left, reset_ms, 0, 0, 0))
 
 
 def too_large(message: str) -> ApiError:

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 
@@ -101,7 +101,7 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
 
 @router.post("/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
-                       caller: CallerDep) -> dict[str, int]:
+                       caller: CallerDep, response: Response) -> dict[str, int]:
     """The prompt's tokens as a Messages request with this body would count them (the chat template's)."""
     target = await served.resolve(client, settings, body.model, caller.tenant)
     body.refuse_unsupported()
@@ -110,7 +110,7 @@ async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayD
     call = TokenizeCall(kind="tokenize", messages=messages, tools=body.prompt_tools(), add_special_tokens=False,
                         add_generation_prompt=not prefill, continue_final_message=prefill,
                         base_model=target.key(settings))
-    await take_request(client, caller)
+    await take_request(client, caller, response)
     reply = await ask(client, relay, call)
     return {"input_tokens": len(reply.tokens or [])}
 

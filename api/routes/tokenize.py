@@ -11,7 +11,7 @@ import uuid
 from typing import Annotated, Any
 
 import redis.asyncio as aredis
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import models as served
@@ -139,10 +139,10 @@ class DetokenizeResponse(BaseModel):
 
 @router.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True)
 async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
-                   caller: CallerDep) -> Any:
+                   caller: CallerDep, response: Response) -> Any:
     """The prompt's or the chat's token ids, as the model's tokenizer gives them."""
     target = await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer: its model's
-    await take_request(client, caller)
+    await take_request(client, caller, response)
     reply = await ask(client, relay, body.call(target.key(settings)))
     tokens = reply.tokens or []
     context = model_context(settings.path_of(target.model), settings.max_model_len)
@@ -152,10 +152,10 @@ async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, set
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, client: RedisDep, relay: RelayDep, settings: SettingsDep,
-                     caller: CallerDep) -> Any:
+                     caller: CallerDep, response: Response) -> Any:
     """The text of token ids."""
     target = await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer: its model's
-    await take_request(client, caller)
+    await take_request(client, caller, response)
     reply = await ask(client, relay, TokenizeCall(kind="detokenize", tokens=body.tokens,
                                                   base_model=target.key(settings)))
     return DetokenizeResponse(prompt=reply.prompt or "")

@@ -213,7 +213,8 @@ async def test_a_model_is_retrieved_by_name(api: httpx.AsyncClient) -> None:
     r = await api.get(f"/v1/models/{listed['id']}")
     assert r.status_code == 200 and r.json() == listed
     r = await api.get("/v1/models/no-such-model")
-    assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.json()["error"]["type"] == "invalid_request_error"  # OpenAI's shape for it
 
 
 @pytest.mark.parametrize(("path", "field", "body"), [

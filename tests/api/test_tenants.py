@@ -330,7 +330,7 @@ def test_a_key_limited_to_some_models_finds_no_other(auth_stack: Stack, tiny_lor
         oai.completions.create(model=base, prompt="Hi", max_tokens=2)
     h = {"Authorization": f"Bearer {narrow}"}
     job = httpx.post(f"{auth_stack.url}/v1/jobs", json={"prompt": "Hi", "max_tokens": 2}, headers=h)
-    assert job.status_code == 404 and job.json()["error"]["type"] == "model_not_found"
+    assert job.status_code == 404 and job.json()["error"]["code"] == "model_not_found"
     assert base not in job.json()["error"]["message"].split("does not exist", 1)[1]  # nor named as one it runs
     body = {"lora_name": "late", "lora_path": tiny_loras["tiny-late"]}
     assert httpx.post(f"{auth_stack.url}/v1/load_lora_adapter", json=body, headers=h).status_code == 404
@@ -357,6 +357,12 @@ def test_openai_sdk_with_a_real_key_and_ownership_of_its_ids(auth_stack: Stack) 
     assert httpx.get(f"{auth_stack.url}/v1/jobs/{job_id}", headers=bearer(b)).status_code == 404
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=auth_stack.url + "/v1", api_key="cvk_nope", max_retries=0).models.list()
+    # a call that is no job spends a request too, and says what is left as a job's answer does
+    c, _ = tenants.create(r, "sdk-c", rpm=10)
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        got = httpx.post(auth_stack.url + path, json=body, headers=bearer(c), timeout=30)
+        assert got.status_code == 200 and got.headers["x-ratelimit-limit-requests"] == "10", (path, got.text)
+    assert got.headers["x-ratelimit-remaining-requests"] == "8"
 
 
 def test_a_response_belongs_to_its_key(auth_stack: Stack) -> None:

@@ -105,7 +105,7 @@ async def test_an_adapter_is_named_in_model_on_every_route(plumbing_stack: Stack
                 {"role": "user", "content": "x"}]}), ("/v1/completions", {"prompt": "x"}),
                 ("/v1/responses", {"input": "x"}), ("/tokenize", {"prompt": "x"})):
             r = await api.post(route, json={**body, "model": "no-such-adapter"})
-            assert r.status_code == 404 and r.json()["error"]["type"] == "model_not_found", route
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", route
 
 
 @pytest.mark.parametrize("plumbing_stack", ["single", "cluster"], indirect=True)
