@@ -139,6 +139,10 @@ class InferenceWorker:
                              daemon=True).start()
         loop = EngineLoop(build_engine(self.settings), self.inbox, self.send_to_lane, self.stats, self.stopping,
                           self.ledger.idle, self.lane.is_alive)
+        # a drain from here on, before the reader takes a job: the handler of a process still starting ends it at
+        # once (infra/cli.py), which would leave whatever the reader had taken to wait out CLAIM_IDLE_MS
+        signal.signal(signal.SIGTERM, self._drain)
+        signal.signal(signal.SIGINT, self._drain)
         lanes = {name: threading.Thread(target=named(name, target), name=name, daemon=True)
                  for name, target in (("control", self.control.run), ("feedback", self.feedback.run),
                                       ("reader", self.reader.run), ("drain-timer", self._drain_timer))}
@@ -147,8 +151,6 @@ class InferenceWorker:
         hb = Heartbeat(self.client, self.pool, self.worker_id, self.settings.heartbeat_s,
                        self.stats.as_dict, self.lane_writes)
         hb.start()
-        signal.signal(signal.SIGTERM, self._drain)
-        signal.signal(signal.SIGINT, self._drain)
         name_thread("engine-loop")  # torch's compute threads, started with the engine, keep the process name
         log.info("inference worker %s ready (%s engine, model %s)", self.worker_id, self.settings.engine,
                  self.settings.served_model_name)
