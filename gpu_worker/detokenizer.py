@@ -24,14 +24,18 @@ class StopMatcher:
                 ends.setdefault(stop[k - 1], []).append(k)
             self._ends.append((stop, ends))
 
-    def push(self, text: str) -> tuple[str, str | None]:
+    def push(self, text: str, check: bool = True) -> tuple[str, str | None]:
         """Add generated text; return (text safe to emit now, the stop string hit: the one that begins first,
-        the first listed of those that begin there; None while none is)."""
+        the first listed of those that begin there; None while none is). A hit must end in `text` (one that ended
+        before was let through: below min_tokens); `check` False: none counts yet, but what might begin one is still
+        held back."""
+        held = len(self.pending)
         buf = self.pending + text
         if not self.stops:
             self.pending = ""
             return buf, None
-        hits = [(i, n) for n, i in enumerate(buf.find(s) for s in self.stops) if i >= 0]
+        found = ((n, buf.find(s, max(0, held - len(s) + 1))) for n, s in enumerate(self.stops)) if check else ()
+        hits = [(i, n) for n, i in found if i >= 0]
         if hits:
             self.pending = ""
             at, n = min(hits)
@@ -54,7 +58,8 @@ class StopMatcher:
 class Detokenizer:
     """Token ids in, safe-to-stream text out. Stop strings are looked for token by token, as a step of one token
     would show them: a speculative step's several tokens end the text (and are counted) where one at a time
-    would. Before `min_tokens` tokens, no stop string ends it (vLLM's meaning: the text passes as it is)."""
+    would. Before `min_tokens` tokens, no stop string ends it; from the min_tokens-th on, one ending there does,
+    wherever it began (vLLM's meaning: its check looks back a stop string's length into the text before)."""
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
@@ -78,10 +83,7 @@ class Detokenizer:
         for n, t in enumerate(token_ids, 1):
             piece = self.stream.step(self.tokenizer, t) or ""
             self.generated += 1
-            if self.generated < self.min_tokens:
-                out.append(self.matcher.flush() + piece)
-                continue
-            emit, hit = self.matcher.push(piece)
+            emit, hit = self.matcher.push(piece, check=self.generated >= self.min_tokens)
             out.append(emit)
             if hit is not None:
                 return "".join(out), hit, n

@@ -92,3 +92,22 @@ def test_no_stop_string_ends_the_text_before_min_tokens(tok: Tokenizer) -> None:
     assert hit == "b" and used == 4 and out == "a b a "  # (the 2nd " b" was let through)
     out, hit, used = Detokenizer(tok, ["b"]).push(ids)
     assert hit == "b" and used == 2 and out == "a "
+
+
+def test_a_stop_string_that_begins_before_min_tokens_and_ends_after_ends_the_text(tok: Tokenizer) -> None:
+    """vLLM's meaning: from the min_tokens-th token on, a stop string that ends in the new text ends it, wherever it
+    began; one that ended before is let through. The text that might begin one is held back, as always."""
+    ids = tok.encode(" girl named Emily who loved reading. But", add_special_tokens=False).ids
+    for stop, min_tokens in (("named Emily who", 3), ("named Emily", 3), ("named Emily", 2)):
+        d = Detokenizer(tok, [stop], min_tokens=min_tokens)
+        streamed, hit, used = [], None, 0
+        for i in ids:
+            chunk, hit, used = d.push([i])
+            streamed.append(chunk)
+            if hit:
+                break
+        assert hit == stop and "".join(streamed) == " girl ", (stop, min_tokens, streamed)
+    # ended before the min_tokens-th token: let through (the text holds it whole)
+    d = Detokenizer(tok, ["named"], min_tokens=4)
+    out, hit, _ = d.push(ids)
+    assert hit is None and (out + d.matcher.flush()).startswith(" girl named Emily")
