@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes at start")
     up.add_argument("--inference", type=int, default=None,
                     help="inference processes at start, and while idle (default INFERENCE_MIN, 1); 0: the pool "
-                         "scales to zero when idle and back when a job waits (with --no-autoscale: one)")
+                         "scales to zero when idle and back when a job waits (with --no-autoscale: none here, for "
+                         "workers started apart)")
     up.add_argument("--model", action="append", default=[], metavar="NAME=PATH",
                     help="a model to serve, with a queue and an inference pool of its own; repeat it for several, "
                          "the first the default (sets MODELS; default: MODEL alone)")

@@ -246,10 +246,12 @@ def _pools(settings: Settings, env: dict[str, str], keep: tuple[int, ...], token
     pinned = settings.model_copy(update={"inference_min": inference})  # `--inference`: each model's default minimum
     bounds = {name: pinned.bounds_of(name) for name in settings.served}
     for model in settings.served.values():
-        if not autoscale and bounds[model.name][0] == 0:  # it may scale to zero (its MODELS entry, `--inference 0`
-            bounds[model.name] = (1, max(1, bounds[model.name][1]))  # or INFERENCE_MIN), but without the autoscaler
-            log.warning("model %s: a minimum of 0 inference workers without the autoscaler, which would start one "
-                        "for its jobs: it runs one", model.name)  # nothing would start one: its jobs would wait
+        if not autoscale and model.min_replicas == 0:  # its MODELS entry may scale to zero, but nothing scales it up
+            bounds[model.name] = (1, max(1, bounds[model.name][1]))  # without the autoscaler: its jobs would wait
+            log.warning("model %s: min_replicas 0 without the autoscaler: it runs one inference worker", model.name)
+        elif not autoscale and bounds[model.name][0] == 0:  # `--inference 0`: the operator runs them (elsewhere)
+            log.warning("model %s: no inference worker here (--inference 0 without the autoscaler): its jobs wait "
+                        "for workers started apart (`conveyor inference` with this REDIS_URL)", model.name)
     inference_env = {**env, **one_worker_binds(env, sum(high if autoscale else low for low, high in bounds.values()))}
     for model in settings.served.values():  # a pool per model, each worker serving the one its MODEL names
         low, high = bounds[model.name]

@@ -127,6 +127,13 @@ async def test_submit_returns_every_code(raw: redis.Redis, api_client: aredis.Re
     _, got = await submit(owner=one)
     assert got == SubmitReply(SubmitCode.max_queued, limit=1)
     seen.add(got.code)
+    three = tenant(raw, "three", max_queued=3)  # a request of 4 jobs (n) can never fit; of 3, not beside one more
+    _, got = await submit(owner=three, request_jobs=4)
+    assert got == SubmitReply(SubmitCode.request_over_max_queued, limit=3)
+    seen.add(got.code)
+    assert (await submit(owner=three))[1].code is SubmitCode.accepted
+    _, got = await submit(owner=three, request_jobs=3)
+    assert got == SubmitReply(SubmitCode.max_queued, limit=3)
 
     waiting = int(raw.get(names.submitted_counter(0)) or 0)
     _, got = await submit(max_waiting=waiting)
