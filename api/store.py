@@ -118,8 +118,9 @@ class JobStore:
         await write_copied(self.r, writes, f"the deletion of job {job_id}")
 
     async def cancel(self, job_id: str, wait_s: float = 5.0) -> tuple[Job | None, bool]:
-        """Returns (job, changed). changed is False when the job had already ended. A damaged record reads as
-        no job (None) here: cancels run in cleanups (a stream's end), which must not raise."""
+        """Returns (job, changed). changed is False when the job had already ended, or reached its own end before
+        its worker heard of the cancel. A damaged record reads as no job (None) here: cancels run in cleanups (a
+        stream's end), which must not raise."""
         ended = await self.jobs.finish(job_id, FinishReason.cancelled, required_status=JobStatus.queued.value)
         if ended.code is FinishCode.finished:
             return await self._get_or_none(job_id), True
@@ -133,7 +134,7 @@ class JobStore:
         while job is not None and not job.ended and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
             job = await self._get_or_none(job_id)
-        return job, True
+        return job, job is None or not job.ended or job.status is JobStatus.cancelled
 
     async def _get_or_none(self, job_id: str) -> Job | None:
         try:

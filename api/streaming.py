@@ -182,6 +182,8 @@ async def _job_events(store: JobStore, relay: Relay, job_id: str, after: int) ->
                 if data is None or sub.overflowed:
                     break
                 seq, token = _message(data)
+                if token is None and seq <= last:
+                    break  # its end, before the client's resume point: read again, which answers `done` at once
                 if seq <= last:
                     continue
                 if seq != last + 1:

@@ -5,6 +5,7 @@ The API runs in process against the session's real Redis (a database of its own,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -378,3 +379,22 @@ def test_the_rate_leaves_each_partition_room_for_a_burst() -> None:
         with names.partitions_as(n):
             assert partition_cap(slow.queue_cap(10_000, 30)) >= (32 if n == 1 else 8)
             assert partition_cap(slow.queue_cap(3, 30)) == partition_cap(3)  # an operator's MAX_QUEUED holds
+
+
+async def test_a_cancel_that_a_jobs_own_end_overtakes_answers_409(api: httpx.AsyncClient, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """A running job whose cancel is asked, and which reaches its own end before its worker heard: the cancel changed
+    nothing, and says so as for any job already ended (409), not 200 with a job that succeeded."""
+    from shared.job_ops import JobOps
+    from shared.jobs import FinishReason
+
+    r = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13", decode_responses=True)
+    job_id = (await api.post("/v1/jobs", json={"prompt": "hi", "max_tokens": 4})).json()["id"]
+    r.hset(names.job_key(job_id), "status", "running")  # as its worker's start would leave it
+    asked = asyncio.create_task(api.post(f"/v1/jobs/{job_id}/cancel"))
+    for _ in range(500):
+        if r.hget(names.job_key(job_id), "cancel_requested"):
+            break
+        await asyncio.sleep(0.01)
+    JobOps(r, 60).finish(job_id, FinishReason.length)  # the worker's end: its max_tokens reached
+    got = await asked
+    assert got.status_code == 409 and "succeeded" in got.json()["error"]["message"], got.text

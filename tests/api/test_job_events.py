@@ -100,6 +100,30 @@ async def test_what_is_published_while_the_replay_is_read_is_not_dropped(parts: 
     assert await _all(store, relay, job_id) == [1, 2, 3, 4, 5, 6, 7]
 
 
+async def test_a_resume_point_past_a_running_jobs_end_gets_done_as_it_ends(parts: tuple[JobStore, Relay],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client resuming past where a running job will end (a seq it never sent, or a stale one) hears nothing until
+    the end, then `done` at once: the end's own seq is below the resume point, and was dropped with the tokens."""
+    store, relay = parts
+    job_id = await _job(store, JobStatus.running)
+    await _tokens(store, job_id, range(1, 3))
+    read = store.read_events
+    live = asyncio.Event()
+
+    async def noting_reads(jid: str, after: int, count: int = 1000) -> list[tuple[int, str, str, str]]:
+        got = await read(jid, after, count)
+        live.set()  # (its replay read: from here on what is published is heard live)
+        return got
+
+    monkeypatch.setattr(store, "read_events", noting_reads)
+    stream = asyncio.create_task(_all(store, relay, job_id, after=5000))
+    await live.wait()
+    await asyncio.sleep(0)
+    await _tokens(store, job_id, range(3, 5), publish=True)
+    await _end(store, job_id, 5)
+    assert await stream == [5000]  # its `done`, at the client's resume point
+
+
 async def test_a_resume_point_past_any_seq_is_refused(app_client) -> None:  # type: ignore[no-untyped-def]
     """An event seq is at most 2**63 - 1: a resume point past it is a 4xx at once, not retries against the event
     stream ending in "the job store is unavailable"."""
