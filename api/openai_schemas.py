@@ -75,6 +75,7 @@ class _Common(ClientBody):
     repetition_penalty: RepetitionPenalty = 1.0  # vLLM's
     logit_bias: LogitBias | None = None
     min_tokens: MinTokens = 0  # vLLM's
+    include_stop_str_in_output: bool = False  # vLLM's
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = None
     priority: Priority = 0  # vLLM's: among the tenant's waiting jobs, lower runs first
@@ -112,7 +113,8 @@ class _Common(ClientBody):
         out: dict[str, Any] = {"stop": self.stop, "ignore_eos": self.ignore_eos, "priority": self.priority,
                                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias or {},
-                               "min_tokens": self.min_tokens, "grammar": self.grammar()}
+                               "min_tokens": self.min_tokens, "grammar": self.grammar(),
+                               "include_stop_str_in_output": self.include_stop_str_in_output}
         for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)

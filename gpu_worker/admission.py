@@ -103,6 +103,7 @@ class Admission:
         self.stats.jobs_started += 1
         return Register(
             job_id=req.id, stop=tuple(req.stop), created_at=took.created_at, min_tokens=req.min_tokens,
+            include_stop=req.include_stop_str_in_output,
             prompt_tokens=len(req.prompt_ids),
             started=took.code == STARTED, seq=seq, resume_ids=tuple(req.resume_ids), emitted=emitted,
             tenant=took.tenant, weight=took.weight, logprob_bytes=lp_bytes, worker=self.worker_id,

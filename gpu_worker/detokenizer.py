@@ -11,8 +11,9 @@ from tokenizers.decoders import DecodeStream
 
 
 class StopMatcher:
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include  # the stop string hit is emitted too (what follows it in its token is not)
         self.pending = ""
         # per stop string, by character, the lengths k of its proper prefixes that end in it, longest first: the text
         # held back is the longest such prefix the text ends with, and only those ending in its last character can
@@ -39,7 +40,7 @@ class StopMatcher:
         if hits:
             self.pending = ""
             at, n = min(hits)
-            return buf[:at], self.stops[n]
+            return buf[:at + len(self.stops[n]) * self.include], self.stops[n]
         hold = 0
         last = buf[-1:]
         for s, ends in self._ends:
@@ -61,10 +62,10 @@ class Detokenizer:
     would. Before `min_tokens` tokens, no stop string ends it; from the min_tokens-th on, one ending there does,
     wherever it began (vLLM's meaning: its check looks back a stop string's length into the text before)."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: list[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], min_tokens: int = 0, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stream = DecodeStream(skip_special_tokens=True)
-        self.matcher = StopMatcher(stops)
+        self.matcher = StopMatcher(stops, include_stop)
         self.min_tokens = min_tokens
         self.generated = 0  # tokens decoded so far
 

@@ -58,6 +58,7 @@ class Register:
     tokenized_at: float = 0.0
     admitted_at: float = 0.0
     min_tokens: int = 0  # no stop string ends it before this many tokens
+    include_stop: bool = False  # the stop string that ends it stays at its end
 
 
 # One engine step, per job: its new token ids, its end (finish_reason, error), and, for jobs that ask, per token

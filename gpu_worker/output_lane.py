@@ -179,7 +179,7 @@ class OutputLane:
             self.feedback.put(Done(job.job_id) if mine else Dropped(job.job_id))
 
     def _register(self, job: Register) -> None:
-        detok = Detokenizer(self.tokenizer, list(job.stop), job.min_tokens)
+        detok = Detokenizer(self.tokenizer, list(job.stop), job.min_tokens, job.include_stop)
         if job.resume_ids:
             detok.resume(list(job.resume_ids), job.emitted)
         st = JobState(detok, job.seq, len(job.emitted.encode()), len(job.resume_ids), job.created_at or time.time(),

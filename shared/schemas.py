@@ -90,6 +90,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: StopTokenIds = Field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: MinTokens = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ends the text stays at its end
     presence_penalty: Penalty = 0.0  # subtracted once from the logit of every token the output holds
     frequency_penalty: Penalty = 0.0  # subtracted per occurrence in the output
     repetition_penalty: RepetitionPenalty = 1.0  # over prompt and output tokens: positive logits /, others *
@@ -401,6 +402,7 @@ class Request:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # for the output lane
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -398,3 +398,21 @@ async def test_a_cancel_that_a_jobs_own_end_overtakes_answers_409(api: httpx.Asy
     JobOps(r, 60).finish(job_id, FinishReason.length)  # the worker's end: its max_tokens reached
     got = await asked
     assert got.status_code == 409 and "succeeded" in got.json()["error"]["message"], got.text
+
+
+async def test_include_stop_str_in_output_reaches_the_engines_request(api: httpx.AsyncClient, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's `include_stop_str_in_output` is taken on the OpenAI routes and /v1/jobs (not refused, not dropped):
+    it rides the job to the request the output lane reads (gpu_worker/detokenizer.py keeps the stop string)."""
+    from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+    from shared.schemas import GenerationRequest
+
+    for body in (ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stop=["x"],
+                                       include_stop_str_in_output=True),  # type: ignore[list-item]
+                 CompletionRequest(prompt="hi", stop=["x"], include_stop_str_in_output=True)):
+        [req] = body.to_generation()
+        assert req.tokenized("job_x", [1]).include_stop_str_in_output
+    r = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13")
+    job = (await api.post("/v1/jobs", json={"prompt": "hi", "stop": ["x"], "include_stop_str_in_output": True})).json()
+    [(_, entry)] = r.xrange(names.stream(names.JOBS, names.job_partition(job["id"])))
+    wire = entry[b"request"]
+    assert GenerationRequest.from_wire(wire).tokenized(job["id"], [1]).include_stop_str_in_output

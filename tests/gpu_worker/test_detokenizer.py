@@ -111,3 +111,17 @@ def test_a_stop_string_that_begins_before_min_tokens_and_ends_after_ends_the_tex
     d = Detokenizer(tok, ["named"], min_tokens=4)
     out, hit, _ = d.push(ids)
     assert hit is None and (out + d.matcher.flush()).startswith(" girl named Emily")
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_drops_what_follows(tok: Tokenizer) -> None:
+    """vLLM's `include_stop_str_in_output`: the text ends with the stop string that ended it (held back like any
+    text that might begin one, then emitted); what its last token carried past it is not."""
+    ids = tok.encode("The answer is forty-two. END of story", add_special_tokens=False).ids
+    d = Detokenizer(tok, ["END o"], include_stop=True)
+    streamed, hit = [], None
+    for i in ids:
+        chunk, hit, _ = d.push([i])
+        streamed.append(chunk)
+        if hit:
+            break
+    assert hit == "END o" and "".join(streamed) == "The answer is forty-two. END o"
