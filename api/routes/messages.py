@@ -63,7 +63,8 @@ async def create_message(body: MessagesRequest, request: Request, store: StoreDe
     """Anthropic's Messages API, streaming or not."""
     client = request.app.state.redis
     target = await served.resolve(client, settings, body.model, caller.tenant)
-    req = check_request(target.apply(body.to_generation(), settings), settings)
+    # (checking tools' schemas is CPU work: off the event loop every request shares)
+    req = check_request(target.apply(await asyncio.to_thread(body.to_generation), settings), settings)
     slot = uuid.uuid4().hex
     if body.stream and not await require_stream_slot(client, caller, slot):
         raise stream_refused(caller)

@@ -58,7 +58,9 @@ async def _serve(body: ChatCompletionRequest | CompletionRequest, request: Reque
     """Both endpoints: a job per choice per prompt, streamed as chunks or awaited; only the shapes differ."""
     target = await served.resolve(request.app.state.redis, settings, body.model, caller.tenant)
     sent_as = {"max_tokens": "max_completion_tokens"} if getattr(body, "max_completion_tokens", None) else None
-    prompts = [check_request(target.apply(g, settings), settings, sent_as) for g in body.to_generation()]
+    # (checking tools' and structured outputs' schemas is CPU work: off the event loop every request shares)
+    generations = await asyncio.to_thread(body.to_generation)
+    prompts = [check_request(target.apply(g, settings), settings, sent_as) for g in generations]
     runs = choice_requests(prompts, body.n)
     echo = bool(getattr(body, "echo", False))
     logprobs = bool(body.logprobs is not None and body.logprobs is not False)

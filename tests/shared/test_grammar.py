@@ -107,7 +107,7 @@ def test_good_schemas_pass() -> None:
 
 
 def test_an_invalid_schema_is_refused() -> None:
-    _refused(r"the JSON schema is invalid at type: 'nonsense' is not valid", guided_json={"type": "nonsense"})
+    _refused(r'the JSON schema is invalid at type: "nonsense" is not valid here', guided_json={"type": "nonsense"})
     _refused("the JSON schema is invalid at properties/a/minimum", guided_json={"properties": {"a": {"minimum": "x"}}})
     _refused("allows no output", guided_json=False)
 
@@ -171,7 +171,7 @@ def test_a_bad_regex_is_refused() -> None:
     _refused(r"the regex is invalid: missing \), unterminated subpattern", guided_regex="(ab")
     _refused("the regex is 2001 characters; at most 2000", guided_regex="a" * 2001)
     _refused("the regex repeats 1001 times; at most 1000", guided_regex="a{1001}")
-    _refused("the JSON schema is invalid at properties/a/pattern: '\\[a-' is not a 'regex'",
+    _refused('the JSON schema is invalid at properties/a/pattern: "\\[a-" must be a valid regex',
              guided_json={"properties": {"a": {"pattern": "[a-"}}})
     _refused("the pattern at properties.a is 2001 characters",
              guided_json={"properties": {"a": {"pattern": "a" * 2001}}})
