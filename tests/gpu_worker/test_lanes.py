@@ -319,4 +319,3 @@ def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str,
                 proc.kill()
                 proc.wait()
         log.close()
-
