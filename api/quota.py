@@ -19,6 +19,7 @@ from api.errors import ApiError, too_many
 from api.store import JobStore, partition_cap
 from shared import names, scripts
 from shared.jobs import Job
+from shared.pool_fault import Fault
 from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import SubmitCode, SubmitReply
@@ -65,6 +66,15 @@ def too_large(message: str) -> ApiError:
     the OpenAI and Anthropic SDKs read."""
     return ApiError(429, message, type_="rate_limit_error", code="request_too_large",
                     headers={"x-should-retry": "false"})
+
+
+def unavailable(model: str, fault: Fault) -> ApiError:
+    """503 for a job of a model none of whose workers runs, the latest having failed to start (shared/pool_fault.py):
+    it would wait for a worker that may never come. The reason stays with operators (/readyz on the internal port,
+    `conveyor status`): it names files of the server."""
+    return ApiError(503, f"the model '{model}' is unavailable: its inference workers are failing to start; retry "
+                         "later", type_="service_unavailable", param="model", code="model_unavailable",
+                    headers={"Retry-After": "30"})
 
 
 def refusal(reply: SubmitReply, retry_global_ms: int) -> ApiError:
@@ -192,6 +202,8 @@ async def admit(store: JobStore, throughput: Throughput, settings: Settings, cal
                 request: tuple[int | None, int] = (None, 1)) -> tuple[Job, bool, dict[str, str]]:
     """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError. `fields`
     go into the job's record, `request` is the share of a request of several jobs (JobStore.submit)."""
+    if (fault := await store.fault_of(req.base_model or "")) is not None:
+        raise unavailable(req.base_model or settings.default_model, fault)
     cap = partition_cap(throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s))
     got = await store.submit(req, idempotency_key, caller.owner, cap, fields, request=request)
     reply = got.reply

@@ -13,9 +13,10 @@ import redis.asyncio as aredis
 from redis.exceptions import RedisError, ResponseError
 
 from api.guard import request_id
-from shared import names, tracing
+from shared import names, pool_fault, tracing
 from shared.job_ops import AsyncJobOps, Writes, new_job, of_another_type, write_copied
 from shared.jobs import DamagedRecord, FinishReason, Job, JobStatus
+from shared.pool_fault import Fault
 from shared.queue_depth import read_counters
 from shared.schemas import GenerationRequest
 from shared.scripts.codes import FinishCode, SubmitCode, SubmitReply
@@ -26,6 +27,7 @@ log = logging.getLogger("conveyor.api")
 # with several partitions, how long the other partitions' depths (for queue positions) are reused
 DEPTHS_MAX_AGE_S = 1.0
 DEPTHS_READ_S = 0.5  # a queue position is a best-effort figure: not worth a submit's wait on a silent master
+FAULTS_MAX_AGE_S = 2.0  # how long a model's pool fault (or its absence) is reused
 
 
 @dataclass
@@ -49,6 +51,7 @@ class JobStore:
         # each partition's depth (submitted - dequeued) of a model's queue, read at its time
         self._depths: dict[str, tuple[float, list[int]]] = {}
         self._depths_lock = asyncio.Lock()
+        self._faults: dict[str, tuple[float, Fault | None]] = {}  # each model's pool fault, read at its time
 
     async def submit(self, req: GenerationRequest, idempotency_key: str | None = None, owner: str = "",
                      max_waiting: int = 0, fields: dict[str, str] | None = None, budget: str = "interactive",
@@ -194,6 +197,22 @@ class JobStore:
                 depths = [c.depth for c in await asyncio.wait_for(read_counters(self.r, (model,)), DEPTHS_READ_S)]
                 self._depths[model] = (time.monotonic(), depths)
             return depths
+
+    async def fault_of(self, model: str = "") -> Fault | None:
+        """The start-up fault of a model's inference pool while none of its workers runs (shared/pool_fault.py),
+        read at most every FAULTS_MAX_AGE_S; a read that fails or is slow counts as none (a job then queues, as it
+        would without this check)."""
+        at, fault = self._faults.get(model, (-math.inf, None))
+        if time.monotonic() - at <= FAULTS_MAX_AGE_S:
+            return fault
+        self._faults[model] = (time.monotonic(), fault)  # one read at a time: the others take the last answer
+        try:
+            fault = await asyncio.wait_for(pool_fault.unavailable(self.r, names.inference_pool(model)),
+                                           DEPTHS_READ_S)
+        except Exception:  # noqa: BLE001 - a best-effort check, as partition_depths (cluster errors included)
+            fault = None
+        self._faults[model] = (time.monotonic(), fault)
+        return fault
 
 
 def partition_cap(max_waiting: int) -> int:

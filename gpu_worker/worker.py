@@ -39,7 +39,7 @@ from gpu_worker.ledger import EntryLedger
 from gpu_worker.messages import EngineCommand, GraceOver, LaneCommand, LaneReport, Stop
 from gpu_worker.reader import READ_BLOCK_MS, Reader
 from gpu_worker.stats import WorkerStats
-from shared import names
+from shared import names, pool_fault
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps
 from shared.lifecycle import LANE_STOP_S, name_thread, named
@@ -137,7 +137,13 @@ class InferenceWorker:
         if self.settings.grammar_warm:  # beside the engine's build
             threading.Thread(target=named("grammar-warm", lambda: self._grammar_loader().warm()), name="grammar-warm",
                              daemon=True).start()
-        loop = EngineLoop(build_engine(self.settings), self.inbox, self.send_to_lane, self.stats, self.stopping,
+        try:
+            engine = build_engine(self.settings)
+        except Exception as exc:  # its jobs' clients are told while no worker of the pool runs (shared/pool_fault.py)
+            pool_fault.report(self.client, self.pool, exc, f"loading {self.settings.model_path}: ")
+            raise
+        pool_fault.clear(self.client, self.pool)
+        loop = EngineLoop(engine, self.inbox, self.send_to_lane, self.stats, self.stopping,
                           self.ledger.idle, self.lane.is_alive)
         # a drain from here on, before the reader takes a job: the handler of a process still starting ends it at
         # once (infra/cli.py), which would leave whatever the reader had taken to wait out CLAIM_IDLE_MS
@@ -220,5 +226,9 @@ def lane_context() -> ForkContext | SpawnContext:
 
 
 def main(settings: Settings) -> int:
-    settings.require_model(weights=settings.engine != "synthetic")  # the synthetic engine still detokenizes
+    try:
+        settings.require_model(weights=settings.engine != "synthetic")  # the synthetic engine still detokenizes
+    except SystemExit as exc:
+        pool_fault.report(sync_client(settings.redis_url), names.inference_pool(settings.model_key), exc)
+        raise
     return InferenceWorker(settings).run()

@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from shared import names
+from shared import names, pool_fault
 from shared.fair_queue import read_tenants, tenant_rows
 from shared.redis_client import RETRYABLE, sync_client
 from shared.signals import read_snapshot
@@ -39,8 +39,9 @@ def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir
     state_path = cache_dir / "supervisor.json"
     supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
     decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]
-    return {"pools": pools, "supervisor": supervisor, "decisions": decisions,
-            "dead_letters": dead_letters(client), "tenants": tenant_rows(read_tenants(raw, models=models))}
+    return {"pools": pools, "faults": pool_fault.faults(client, list(pools)), "supervisor": supervisor,
+            "decisions": decisions, "dead_letters": dead_letters(client),
+            "tenants": tenant_rows(read_tenants(raw, models=models))}
 
 
 
@@ -67,6 +68,10 @@ def render(snap: dict[str, Any]) -> Group:
             table.add_row(pool, str(len(local.get("pids", []))), "", "", "", "", "",
                           " ".join(map(str, local.get("pids", []))), str(local.get("restarts", "")))
     parts: list[Any] = [table, f"dead letters: {snap['dead_letters']}"]
+    for pool, fault in snap.get("faults", {}).items():  # why its latest worker failed to start
+        ago = max(0.0, time.time() - fault.at)
+        parts.append(Text(f"{pool}: failing to start ({fault.failures} failures, the latest {ago:.0f} s ago): "
+                          f"{fault.reason}", style="red"))
     if snap["tenants"]:
         tenants = Table(title="tenants (fair queue)", title_justify="left")
         for col in ("tenant", "waiting", "oldest wait", "served tokens", "share"):

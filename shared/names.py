@@ -329,6 +329,11 @@ def heartbeat_key(pool: str, worker_id: str) -> str:
     return f"{PREFIX}:{{workers}}:hb:{pool}:{worker_id}"
 
 
+def fault_key(pool: str) -> str:
+    """Why a pool's latest worker failed to start (shared/pool_fault.py), beside its registry."""
+    return f"{PREFIX}:{{workers}}:fault:{pool}"
+
+
 def workers_key(pool: str) -> str:
     """A pool's live workers: a sorted set of worker ids scored by when their heartbeat runs out
     (unix seconds), so readers find them without scanning the keyspace."""

@@ -3,12 +3,13 @@ condition with a deadline instead of sleeping, and the API in this process."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 from unittest import mock
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 __all__ = ["blocked_on", "chat", "conveyor", "in_process_api", "iter_sse", "read_events", "submit", "tokens_text",
-           "until", "wait"]
+           "auntil", "until", "wait"]
 
 
 def submit(client: httpx.Client, **body: Any) -> dict[str, Any]:
@@ -64,6 +65,16 @@ T = TypeVar("T")
 def until(what: str, condition: Callable[[], T], timeout: float = 5.0, every: float = 0.01) -> T:
     """The first truthy value of `condition()`; fails the test naming `what` once `timeout` has passed."""
     return harness.stack.until(what, condition, timeout, every, error=AssertionError)
+
+
+async def auntil(what: str, condition: Callable[[], Awaitable[T]], timeout: float = 5.0, every: float = 0.05) -> T:
+    """`until` for a coroutine's answer, without blocking the event loop in between."""
+    deadline = time.monotonic() + timeout
+    while not (got := await condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(every)
+    return got
 
 
 def blocked_on(r: redis.Redis, command: str) -> list[dict[str, str]]:

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from api.deps import RedisDep, SettingsDep
 from api.guard import on_internal_port
 from shared import __version__, names
+from shared.pool_fault import read_faults
 from shared.signals import aread_live
 
 router = APIRouter(tags=["health"])
@@ -51,10 +52,13 @@ async def _readiness(redis: RedisDep, settings: SettingsDep, pools_too: bool = T
     starts."""
     try:
         pools = {pool: len(ids) for pool, ids in (await aread_live(redis, names.pools(settings.model_keys))).items()}
+        faults = await read_faults(redis, names.pools(settings.model_keys))
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return JSONResponse({"status": "unavailable", "redis": False, "error": type(exc).__name__}, 503,
                             headers={"Retry-After": "2"})
     may_be_empty = {names.inference_pool(settings.key_of(m)) for m in settings.served if settings.bounds_of(m)[0] == 0}
     ready = not pools_too or all(n or pool in may_be_empty for pool, n in pools.items())
-    return JSONResponse({"status": "ready" if ready else "not_ready", "redis": True, "workers": pools},
-                        200 if ready else 503)
+    body: dict[str, object] = {"status": "ready" if ready else "not_ready", "redis": True, "workers": pools}
+    if faults:  # why a pool's latest worker failed to start (shared/pool_fault.py)
+        body["faults"] = {pool: {"reason": f.reason, "failures": f.failures, "at": f.at} for pool, f in faults.items()}
+    return JSONResponse(body, 200 if ready else 503)

@@ -1,0 +1,89 @@
+"""A model whose workers cannot start: the failure is recorded (shared/pool_fault.py), the API refuses the model's
+new jobs 503 while none of its workers runs rather than queue them for a worker that never comes, /readyz says why,
+and the first worker that starts clears it.
+
+Real inference workers (`conveyor inference`) on db 9 of the session's Redis; the API in process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from harness.stack import ROOT
+from shared import names
+from shared.heartbeat import beat, forget
+from shared.pool_fault import Fault
+from shared.settings import Settings
+from tests.helpers import auntil, in_process_api, until
+
+
+@pytest.fixture
+def db(redis_server) -> str:  # type: ignore[no-untyped-def]
+    url = redis_server.url.rsplit("/", 1)[0] + "/9"
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+def broken_copy(tiny_model_dir: str, tmp_path: Path) -> str:
+    """The tiny model with its weights cut short, as a copy interrupted midway leaves them."""
+    path = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    return str(path)
+
+
+def worker(env: dict[str, str], tmp_path: Path) -> subprocess.Popen[bytes]:
+    log = open(tmp_path / "worker.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "infra.cli", "inference"], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=dict(os.environ) | {"CONVEYOR_CACHE": str(tmp_path)} | env)
+
+
+async def test_a_model_that_does_not_load_is_refused_until_a_worker_starts(
+        db: str, tiny_model_dir: str, tmp_path: Path) -> None:
+    r = redis.Redis.from_url(db)
+    broken = broken_copy(tiny_model_dir, tmp_path)
+    proc = worker({"REDIS_URL": db, "MODEL": broken, "MODEL_NAME": "tiny"}, tmp_path)
+    assert proc.wait(timeout=120) != 0
+    fault = Fault.parse(r.get(names.fault_key(names.INFERENCE_POOL)))
+    assert fault is not None and fault.failures == 1, fault
+    assert fault.reason.startswith(f"loading {broken}: SafetensorError"), fault
+    assert r.ttl(names.fault_key(names.INFERENCE_POOL)) > 0  # it does not outlive a pool nobody restarts
+
+    settings = Settings(redis_url=db, model=broken, model_name="tiny")
+    async with in_process_api(settings) as api:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        for path, body in (("/v1/jobs", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
+            got = await api.post(path, json=body)
+            assert got.status_code == 503, got.text
+            error = got.json()["error"]
+            assert error["code"] == "model_unavailable" and "tiny" in error["message"], error
+            assert got.headers["retry-after"] == "30"
+        assert not r.exists(names.job_key("x")) and not r.keys("*:jobs*")  # nothing was queued
+        ready = await api.get("/readyz")
+        assert ready.status_code == 503 and "SafetensorError" in ready.json()["faults"]["inference"]["reason"]
+
+        # a worker of the pool that runs serves its jobs, whatever another failed on
+        beat(r, names.INFERENCE_POOL, "inference-elsewhere", "{}", 60_000)
+
+        async def accepted() -> bool:
+            return (await api.post("/v1/jobs", json={"prompt": "hi"})).status_code == 202
+        await auntil("a job accepted beside a live worker", accepted)
+        forget(r, names.INFERENCE_POOL, "inference-elsewhere")
+
+    # a worker that starts ends the fault (the synthetic engine: its start is the same path, without weights)
+    proc = worker({"REDIS_URL": db, "MODEL": tiny_model_dir, "MODEL_NAME": "tiny", "ENGINE": "synthetic",
+                   "DRAIN_GRACE_S": "1"}, tmp_path)
+    try:
+        until("the started worker to clear the fault", lambda: not r.exists(names.fault_key(names.INFERENCE_POOL)), 60)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
