@@ -28,6 +28,8 @@ from queue import SimpleQueue
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from redis.exceptions import RedisError
+
 from gpu_worker import output_lane
 from gpu_worker.admission import Admission
 from gpu_worker.control import ControlLane
@@ -229,6 +231,8 @@ def main(settings: Settings) -> int:
     try:
         settings.require_model(weights=settings.engine != "synthetic")  # the synthetic engine still detokenizes
     except SystemExit as exc:
-        pool_fault.report(sync_client(settings.redis_url), names.inference_pool(settings.model_key), exc)
+        with contextlib.suppress(RedisError):  # (no Redis answers either: the log says it all)
+            pool_fault.report(sync_client(settings.redis_url, retries=0, wait_s=2),
+                              names.inference_pool(settings.model_key), exc)
         raise
     return InferenceWorker(settings).run()

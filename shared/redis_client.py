@@ -88,8 +88,10 @@ def seeds(url: str) -> list[str]:
 
 def is_cluster(url: str, wait_s: float = 10.0) -> bool:
     """Whether the Redis at `url` (any of its seeds) is a node of a cluster (`cluster_enabled:1`). Asked
-    once per URL; while no seed answers (a stack that is starting), asked again for up to wait_s, and
-    then taken for a single node until one answers."""
+    once per URL; while no seed answers (a stack that is starting, a seed node that is down), asked again for up to
+    wait_s, and then ConnectionError: a client of the wrong kind would never work (a single node's client, built
+    because a cluster's only seed was down as a process started, follows no MOVED once it is back: every call failed
+    for good), while a process that exits is started again (the supervisor, Kubernetes) and asks again."""
     if url in _KINDS:
         return _KINDS[url]
     deadline = time.monotonic() + wait_s
@@ -98,13 +100,18 @@ def is_cluster(url: str, wait_s: float = 10.0) -> bool:
             probe = redis.Redis.from_url(seed, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=5)
             try:
                 kind = _KINDS[url] = int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+                if kind and len(seeds(url)) == 1:
+                    log.warning("REDIS_URL names one node of a cluster: a process that starts while it is down "
+                                "cannot find the others; list several, comma-separated")
                 return kind
             except (ConnectionError, TimeoutError):
                 continue
             finally:
                 probe.close()
         if time.monotonic() >= deadline:
-            return False
+            hosts = ", ".join(urlsplit(s).netloc.rpartition("@")[2] for s in seeds(url))
+            raise ConnectionError(f"no Redis answers at {hosts} (REDIS_URL): cannot tell a cluster from a single "
+                                  f"node; waited {wait_s:.0f} s")
         time.sleep(0.2)
 
 

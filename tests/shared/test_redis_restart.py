@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.redis_client import async_client
+from shared.redis_client import async_client, sync_client
 
 
 def _free_port() -> int:
@@ -74,3 +74,15 @@ async def test_no_request_fails_once_redis_is_back(server: Server) -> None:
         assert not [g for g in got if isinstance(g, BaseException)]
     finally:
         await r.aclose()
+
+
+def test_a_client_made_while_no_node_answers_is_an_error_not_a_guess(server: Server) -> None:
+    """A process that starts while its Redis does not answer cannot tell a cluster from a single node: it says so
+    (ConnectionError, and it is started again) rather than take it for a single node, whose client would follow no
+    MOVED once a cluster's seed came back (every call failed for good). Once a node answers, it is asked again."""
+    url = f"redis://127.0.0.1:{server.port}/0"
+    server.stop()
+    with pytest.raises(redis.ConnectionError, match="cannot tell a cluster from a single node"):
+        sync_client(url, wait_s=0.3)
+    server.start()
+    assert sync_client(url, wait_s=0.3).ping()
