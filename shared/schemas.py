@@ -5,9 +5,9 @@ its fields). The engine's token deltas to the output lane are the inference work
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import random
 from dataclasses import dataclass, field, fields
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -310,9 +310,9 @@ class GenerationRequest(SamplingParams):
         return len(self.prompt_token_ids or []) + math.ceil(chars / CHARS_PER_TOKEN) + self.max_tokens
 
     def tokenized(self, job_id: str, prompt_ids: list[int]) -> Request:
-        """This request as the engine receives it; a missing seed is drawn here, once."""
+        """This request as the engine receives it; a missing seed is the job's own (`job_seed`)."""
         sampling = self.model_dump(include=_SAMPLING, warnings=False)  # (a wire request is not validated again)
-        seed = self.seed % (1 << 63) if self.seed is not None else random.getrandbits(63)
+        seed = self.seed % (1 << 63) if self.seed is not None else job_seed(job_id)
         bias = sampling.pop("logit_bias")
         wants = sampling.pop("logprobs") or self.top_logprobs > 0
         prompt_lp = sampling.pop("prompt_logprobs")
@@ -324,6 +324,13 @@ class GenerationRequest(SamplingParams):
                        bias_ids=list(bias), bias_values=[float(v) for v in bias.values()],
                        grammar_kind=g.kind if g else "", grammar=g.source if g else "", priority=self.priority,
                        lora=self.model or "")
+
+
+def job_seed(job_id: str) -> int:
+    """The seed of a job whose request names none: drawn from its id (random, and each choice a job of its own), so
+    that the job tokenized again (its tokenizer died before acknowledging it; a failover lost its queue entry) samples
+    the same tokens, rather than splice another generation onto what its client already has."""
+    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def _wire_message(m: dict[str, Any]) -> Message:

@@ -60,8 +60,10 @@ def test_the_door_makes_the_engine_request() -> None:
     assert req == Request("job_1", [1, 2], max_tokens=7, temperature=0.0, top_p=0.001, seed=2**63 - 1, stop=["END"],
                           stop_token_ids=[5], ignore_eos=True)
     assert req.greedy
-    seeds = {GenerationRequest(prompt="x").tokenized("j", [1]).seed for _ in range(4)}
+    # a missing seed is the job's: another for each job, the same each time a job is tokenized (again)
+    seeds = {GenerationRequest(prompt="x").tokenized(f"job_{i}", [1]).seed for i in range(4)}
     assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
+    assert GenerationRequest(prompt="y").tokenized("job_0", [2]).seed in seeds
 
 
 def test_the_wire_request_reads_back_as_the_door_made_it() -> None:
