@@ -105,7 +105,14 @@ TOKENIZER_GROUP = "tokenizers"
 INFERENCE_GROUP = "inference"
 AFTER_JOB_GROUP = "after-job"
 GROUPS = {JOBS: TOKENIZER_GROUP, TOKENIZE: TOKENIZER_GROUP, TOKENIZED: INFERENCE_GROUP, ENDED: AFTER_JOB_GROUP}
-ENDED_MAXLEN = 100_000  # approximate cap per partition: bounded even when no Celery worker consumes it
+
+
+def ended_min_id(now: float, ttl_s: int) -> str:
+    """The oldest `ended` entry kept (XADD ... MINID ~): one as old as the records it names, which expire `ttl_s`
+    after their end, so that even with no Celery worker consuming it the stream holds a TTL's worth of ends at most,
+    and an end not yet handled (a webhook waiting out its retries, a drain that is down) is never trimmed while its
+    record lives (a cap by count dropped those silently once the stream passed it)."""
+    return f"{max(0, int((now - ttl_s) * 1000))}-0"
 
 
 def model_prefix(partition: int, model: str = "") -> str:

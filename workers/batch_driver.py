@@ -352,8 +352,8 @@ class BatchDriver:
         if rec.get("webhook_url") and not rec.get("announced"):
             p = names.batch_partition(owner)
             pipe = self.r.pipeline(transaction=False)  # the entry, and a sleeping drain's flag (shared/ring.py)
-            pipe.xadd(names.stream(names.ENDED, p), {"batch_id": batch_id}, maxlen=names.ENDED_MAXLEN,
-                      approximate=True)
+            pipe.xadd(names.stream(names.ENDED, p), {"batch_id": batch_id},
+                      minid=names.ended_min_id(time.time(), self.settings.job_ttl_s), approximate=True)
             ring = names.ring_key(p, names.AFTER_JOB_GROUP)
             pipe.getdel(ring)
             _, flag = pipe.execute()

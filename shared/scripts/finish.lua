@@ -5,7 +5,7 @@
 --       `batch_tokens` buckets (for a job without an owner, its own key stands in for each), 16 the partition's
 --       ring flag of the after-job drain (shared/ring.py), 17 the partition's usage of the day the job ends
 -- ARGV: 1 status, 2 finish reason, 3 error, 4 now (unix s), 5 ttl (s), 6 the job's channel,
---       7 required current status ('' any active one), 8 job id, 9 the ended stream's approximate cap,
+--       7 required current status ('' any active one), 8 job id, 9 the ended stream's oldest id kept (MINID ~),
 --       10 the owner KEYS 12-15 are named for ('' none), 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
 --       12 the ending worker ('' any: the API, a failure outside a worker's run): a worker ends only a job
 --       whose record names it (start.lua's `worker`), 13 the model queue KEYS 7-11 are named for (the record's
@@ -31,7 +31,7 @@ local job, events, ids, dequeued, text, ended = KEYS[1], KEYS[2], KEYS[3], KEYS[
 local status, reason, err, now, ttl, channel = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local backlog, payloads, queue, ages, places = KEYS[7], KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local active, tenant_key, tokens_bucket, batch_bucket = KEYS[12], KEYS[13], KEYS[14], KEYS[15]
-local required, job_id, ended_cap, named_owner, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+local required, job_id, ended_min, named_owner, publish = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 local worker, named_model = ARGV[12], ARGV[13]
 -- (a record damaged by hand into a key of another type is no job: nothing is written, its caller goes on)
 local rec = redis.pcall('HMGET', job, 'status', 'worker', 'owner', 'base_model', 'seq', 'completion_tokens',
@@ -78,7 +78,7 @@ redis.call('EXPIRE', events, ttl)
 redis.call('EXPIRE', ids, ttl)
 redis.call('EXPIRE', text, ttl)
 redis.call(publish, channel, cjson.encode({seq = seq, type = 'done'}))
-redis.call('XADD', ended, 'MAXLEN', '~', ended_cap, '*', 'job_id', job_id)
+redis.call('XADD', ended, 'MINID', '~', ended_min, '*', 'job_id', job_id)
 local drain = redis.call('GETDEL', KEYS[16]) -- an after-job drain sleeps: wake it
 if drain then redis.call('PUBLISH', drain, KEYS[16]) end
 if owner ~= '' then

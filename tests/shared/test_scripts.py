@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -491,3 +492,20 @@ def test_one_step_call_writes_each_job_it_may(raw: redis.Redis) -> None:
     assert StepReply.parse(reply) == StepReply((StepCode.written, StepCode.no_such_job, StepCode.not_owner))
     assert raw.get(names.text_key("job_mix_0001")) == b"Hi"
     assert raw.exists(*job_keys("job_mix_gone"), names.text_key("job_mix_0002")) == 0
+
+
+def test_the_ended_stream_is_trimmed_by_age_never_by_count(raw: redis.Redis) -> None:
+    """An end that waits (its webhook retrying, no Celery worker reading) stays on `ended` while its record lives,
+    however many ends come after it; ends as old as the job TTL go with their records (MINID ~: whole nodes of
+    them). A cap by count dropped unhandled ends silently once the stream passed it."""
+    ended = names.stream(names.ENDED, 0)
+    ops, job_id = JobOps(raw, 3600), "job_aged_0001"
+    old = int((time.time() - 7200) * 1000)
+    for i in range(300):  # ends of two hours ago: their records, at a TTL of one hour, are gone
+        raw.xadd(ended, {"job_id": f"job_old_{i}"}, id=f"{old}-{i}")
+    recent = [raw.xadd(ended, {"job_id": f"job_waiting_{i}"}) for i in range(300)]
+    _running_job(raw, job_id)
+    assert ops.finish(job_id, FinishReason.stop, worker="w").code is FinishCode.finished
+    ids = [e for e, _ in raw.xrange(ended)]
+    assert set(recent) <= set(ids) and len(ids) < 600 + 1 - 100  # the recent ones all there, old nodes gone
+    assert ids[-1] > recent[-1] and raw.xrange(ended, ids[-1])[0][1] == {b"job_id": job_id.encode()}
