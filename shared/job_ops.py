@@ -194,8 +194,8 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
             names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets,
             names.ring_key(p, names.AFTER_JOB_GROUP), names.usage_key(_day(now), p)]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(now), ttl_s,
-                       names.job_channel(job_id), required_status, job_id, names.ended_min_id(now, ttl_s), owner, publish,
-                       worker, model, *written, USAGE_TTL_S]
+                       names.job_channel(job_id), required_status, job_id, names.ended_min_id(now, ttl_s), owner,
+                       publish, worker, model, *written, USAGE_TTL_S]
     for k, v in (fields or {}).items():
         args += [k, v]
     return keys, args

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, cast
@@ -48,6 +48,7 @@ ReadReply = list[tuple[bytes | str, list[tuple[bytes | str, Fields | None]]]]  #
 ClaimReply = list[tuple[bytes | str, Fields | None]]  # XCLAIM without JUSTID: fields None for an entry trimmed since
 IDLE_WAIT_S = 1.0  # on a cluster, a read that may block for ever waits on its ring this long at a time
 LOST_COUNT = 1024  # a stream's own pending entries read back at most, after its master missed a call (`lost`)
+RETRY_PAGES = 16  # pages of a consumer's own pending entries looked through for those due again (`retry_own`)
 
 
 @dataclass
@@ -212,11 +213,15 @@ class StreamConsumer:
         return [Entry(text(eid), fields, 1, text(stream)) for stream, items in cast(ReadReply, reply or [])
                 for eid, fields in items if fields is not None]
 
-    def _pending(self, count: int, idle_ms: int, consumer: str | None = None) -> list[tuple[str, Pending]]:
-        """Each stream's entries of the group pending for idle_ms or more (of `consumer` only, where given), up to
-        `count` a stream; a stream whose master does not answer now has none (it is asked again next time)."""
-        replies = self._each_master(self.streams, lambda pipe, stream: pipe.xpending_range(
-            stream, self.group, min="-", max="+", count=count, consumername=consumer, idle=idle_ms))
+    def _pending(self, count: int, idle_ms: int, consumer: str | None = None, streams: list[str] | None = None,
+                 after: dict[str, str] | None = None) -> list[tuple[str, Pending]]:
+        """Each stream's (of `streams`, default all) entries of the group pending for idle_ms or more (of `consumer`
+        only, where given; past the id `after` names for it, where given), up to `count` a stream; a stream whose
+        master does not answer now has none (it is asked again next time)."""
+        after = after or {}
+        replies = self._each_master(self.streams if streams is None else streams, lambda pipe, stream: (
+            pipe.xpending_range(stream, self.group, min=f"({after[stream]}" if stream in after else "-", max="+",
+                                count=count, consumername=consumer, idle=idle_ms)))
         rows: list[tuple[str, Pending]] = []
         for stream, reply in replies.items():
             if isinstance(reply, Exception):
@@ -239,15 +244,19 @@ class StreamConsumer:
         Returns (to process, dead-lettered)."""
         if time.monotonic() < max(self._quiet_until, self.masters.back_at + self.claim_idle_ms / 1000):
             return [], []  # (after an outage, or a master's: live owners refresh their entries and heartbeats)
-        rows = self._pending(count * 4, self.claim_idle_ms)
-        owners = {text(r["consumer"]) for _, r in rows} - {self.consumer}
+        holders = self._holders()
+        owners = set().union(*holders.values()) - {self.consumer}
         if not owners:
             return [], []
         live = self._live()
         if live is None:
             return [], []  # (who is alive cannot be told now: nothing is taken for a dead consumer's)
-        dead_owners = owners - live
-        stale = [(s, r) for s, r in rows if text(r["consumer"]) in dead_owners][:count]
+        stale: list[tuple[str, Pending]] = []
+        for owner in sorted(owners - live):  # each dead consumer's own entries (however many a live one holds)
+            stale += self._pending(count - len(stale), self.claim_idle_ms, owner,
+                                   [s for s, held in holders.items() if owner in held])
+            if len(stale) >= count:
+                break
         if not stale:
             return [], []
         # an entry delivered twice already may be what killed its workers: take such entries one
@@ -257,6 +266,20 @@ class StreamConsumer:
             stale = suspects[:1]
         # XCLAIM re-checks the idle time, so two workers claiming at once cannot both win
         return self._claim(stale, self.claim_idle_ms)
+
+    def _holders(self) -> dict[str, set[str]]:
+        """Per stream, the consumers that hold pending entries (XPENDING's summary; a stream whose master does not
+        answer now: none)."""
+        out: dict[str, set[str]] = {}
+        for stream, reply in self._each_master(self.streams, lambda pipe, stream: pipe.xpending(
+                stream, self.group)).items():
+            if isinstance(reply, Exception):
+                if "NOGROUP" not in str(reply):
+                    raise reply
+                self.ensure_group()
+                continue
+            out[stream] = {text(c["name"]) for c in reply.get("consumers") or () if int(c["pending"])}
+        return out
 
     def _live(self) -> set[str] | None:
         """The pool's live workers, read on the masters' client; None while the registry's master does not
@@ -280,9 +303,23 @@ class StreamConsumer:
         """Take back this consumer's own entries left pending (unacknowledged: their work failed)
         for idle_ms or more (`due_ms(deliveries so far)`, where given: a backoff), for another try. Returns (to
         process, dead-lettered)."""
-        rows = self._pending(count, idle_ms, self.consumer)
-        if due_ms is not None:
-            rows = [(s, r) for s, r in rows if int(r["time_since_delivered"]) >= due_ms(int(r["times_delivered"]))]
+        if due_ms is None:
+            own = self._pending(count, idle_ms, self.consumer)
+            return self._claim(own, idle_ms) if own else ([], [])
+        # the due among them, listed page after page: entries backed off for long, the oldest, must not hide
+        # one due now behind them
+        rows: list[tuple[str, Pending]] = []
+        after: dict[str, str] = {}
+        streams = list(self.streams)
+        for _ in range(RETRY_PAGES):
+            page = self._pending(count, idle_ms, self.consumer, streams, after)
+            rows += [(s, r) for s, r in page if int(r["time_since_delivered"]) >= due_ms(int(r["times_delivered"]))]
+            listed = Counter(s for s, _ in page)
+            full = {s for s, n in listed.items() if n == count}  # streams with more to list
+            after.update((s, text(r["message_id"])) for s, r in page)
+            streams = [s for s in streams if s in full]
+            if len(rows) >= count or not streams:
+                break
         return self._claim(rows[:count], idle_ms) if rows else ([], [])
 
     def _claim(self, rows: list[tuple[str, Pending]], idle_ms: int) -> tuple[list[Entry], list[Entry]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +15,7 @@ from typing import Any
 class Hooks:
     def __init__(self) -> None:
         self.received: list[tuple[dict[str, str], dict[str, Any], bytes]] = []
+        self.arrived_at: list[float] = []  # time.monotonic() of each request's arrival, beside `received`
         self.fail_first = 0  # answer 500 to this many requests first
         self.status = 204  # then this (a 3xx comes with a Location)
         self.arrived = threading.Condition()
@@ -33,8 +35,10 @@ def webhook_server(tls: ssl.SSLContext | None = None) -> Iterator[Hooks]:
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802
+            at = time.monotonic()
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             with hooks.arrived:
+                hooks.arrived_at.append(at)
                 hooks.received.append(({k.lower(): v for k, v in self.headers.items()}, json.loads(body), body))
                 fail = len(hooks.received) <= hooks.fail_first
                 hooks.arrived.notify_all()

@@ -145,3 +145,37 @@ def test_a_poison_entry_that_kills_its_workers_is_dead_lettered_alone(redis_db: 
             break
     assert dead_lettered == [poison]
     assert sorted(done) == sorted(i for i in ids if i != poison)
+
+
+def test_a_dead_consumers_entries_are_found_behind_a_live_ones_backlog(redis_db: redis.Redis) -> None:
+    """The oldest pending entries all a live worker's (a backlog of failing webhooks it retries): a dead worker's
+    entry, newer, is still taken over (the listing was of the group's oldest entries, whoever held them: past
+    a few hundred of a live worker's, a dead one's waited until those were gone)."""
+    a, b, c = consumer(redis_db, "a"), consumer(redis_db, "b"), consumer(redis_db, "c")
+    beat(redis_db, POOL, "a", "{}", 60_000)
+    redis_db.xadd(S, {"job_id": "first"})
+    for i in range(40):
+        redis_db.xadd(S, {"job_id": f"backlog_{i}"})
+    a.read(100, 100)  # a holds 41, alive
+    eid = redis_db.xadd(S, {"job_id": "orphan"})
+    assert [e.id for e in c.read(10, 100)] == [eid]  # c takes one, and dies
+    idle(redis_db)
+    keep, dead = b.claim_stale(count=5)
+    assert [e.id for e in keep] == [eid] and not dead
+
+
+def test_a_due_retry_is_found_behind_entries_not_yet_due(redis_db: redis.Redis) -> None:
+    """A consumer's own failed entries, the oldest not due again for long (backed off): one due now, newer, is
+    tried again now (only the first `count` were looked at: past them, a due retry waited for the oldest)."""
+    a = consumer(redis_db, "a", limit=100)
+    for i in range(30):
+        redis_db.xadd(S, {"job_id": f"backed_off_{i}"})
+    a.read(100, 100)
+    eid = redis_db.xadd(S, {"job_id": "due"})
+    a.read(10, 100)
+    idle(redis_db)
+    backed_off = {f"backed_off_{i}" for i in range(30)}
+    # the backed-off ones were tried twice already (their retry failed: XCLAIM counts a delivery), the due one once
+    redis_db.xclaim(S, G, "a", 0, [e for e, f in redis_db.xrange(S) if f["job_id"] in backed_off])
+    keep, _ = a.retry_own(0, count=5, due_ms=lambda tries: 0 if tries == 1 else 3_600_000)
+    assert [e.id for e in keep] == [eid]

@@ -309,13 +309,10 @@ def test_a_failed_webhook_is_tried_again_later_and_later(redis_db: redis.Redis) 
     with webhook_server() as hooks:
         hooks.fail_first = 4
         end_job(redis_db, "job_later", hooks.url)
-        tries: list[float] = []
         start = time.monotonic()
         while len(hooks.received) < 5 and time.monotonic() - start < 20:
-            before = len(hooks.received)
             worker.drain(budget_s=0.05)
-            if len(hooks.received) > before:
-                tries.append(time.monotonic() - start)
+        tries = hooks.arrived_at  # as the receiver saw them (the loop's own view lags by a drain, more under load)
         assert len(hooks.received) == 5, tries  # four failures, then it went through
         gaps = [b - a for a, b in zip(tries, tries[1:])]
         assert all(gap >= want - 0.05 for gap, want in zip(gaps, (0.2, 0.4, 0.8, 0.8))), gaps
