@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from api import sse
 from api.errors import ApiError, anthropic_body
 from api.openai_schemas import ClientBody, request_error
 from shared import tool_parsers
 from shared.jobs import FinishReason, Job
-from shared.limits import MAX_MESSAGES, Content, MaxTokens, Name, StopList, Temperature, TopK, TopP
+from shared.limits import MAX_MESSAGES, Content, MaxTokens, Name, StopList, Temperature, TopK, TopP, shallow
 from shared.schemas import GenerationRequest, Message
 from shared.tool_parsers import CallStart, ContentDelta, StreamEvent, call_id
 
@@ -148,7 +148,7 @@ class CountTokensRequest(ClientBody):
     model: Name
     messages: Annotated[list[InputMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: Content | Blocks | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], AfterValidator(shallow)] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from api.errors import ApiError
 from shared.grammar import GrammarError
@@ -36,6 +36,7 @@ from shared.limits import (
     Temperature,
     TopK,
     TopP,
+    shallow,
 )
 from shared.schemas import GRAMMAR_PARAMS, GenerationRequest, Grammar, Message, grammar_of
 
@@ -162,7 +163,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: MaxTokens | None = None
-    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS), AfterValidator(shallow)] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None

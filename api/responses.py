@@ -11,14 +11,14 @@ from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
 import orjson
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, ConfigDict, Field, ValidationError
 
 from api.errors import ApiError
 from api.openai_schemas import ClientBody, request_error
 from shared import tool_parsers
 from shared.grammar.tools import MAX_TOOLS
 from shared.jobs import Job
-from shared.limits import MAX_MESSAGES, Content, Logprobs, MaxTokens, Metadata, Name, Temperature, TopP
+from shared.limits import MAX_MESSAGES, Content, Logprobs, MaxTokens, Metadata, Name, Temperature, TopP, shallow
 from shared.logprobs import Entry, chat_item
 from shared.openai_bodies import call_status, function_call, message, response_object, response_status
 from shared.schemas import GenerationRequest, Message
@@ -41,7 +41,7 @@ class ResponseRequest(ClientBody):
     previous_response_id: Name | None = None
     metadata: Metadata | None = None
     text: dict[str, Any] | None = None
-    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None  # function tools
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS), AfterValidator(shallow)] | None = None  # function tools
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     ignore_eos: bool = False  # vLLM's

@@ -45,6 +45,23 @@ MAX_LOGIT_BIAS = 300  # entries (OpenAI's limit)
 PENALTY_MIN, PENALTY_MAX = -2.0, 2.0  # presence and frequency (OpenAI's range)
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 10.0  # multiplicative; 1 is off (vLLM's definition)
 BIAS_MIN, BIAS_MAX = -100.0, 100.0  # logit_bias values (OpenAI's range)
+MAX_JSON_DEPTH = 64  # objects and arrays inside one another in a free-form JSON value (a tool's definition)
+
+
+def shallow(value: object) -> object:
+    """A free-form JSON value nested at most MAX_JSON_DEPTH deep (a deeper one passed the body's parse but not the
+    JSON serializer's recursion limit on its way to Redis: a 500)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+        level = [v for item in level for v in (item.values() if isinstance(item, dict) else
+                                               item if isinstance(item, list) else ()) if isinstance(v, dict | list)]
+    return value
+
+
+JsonValue = Annotated[object, AfterValidator(shallow)]  # any JSON, nested at most MAX_JSON_DEPTH deep
 
 
 def clean_text(v: str) -> str:

@@ -13,7 +13,7 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from shared.grammar import GrammarError, GrammarSpec, check, from_openai, tools_spec
@@ -51,6 +51,7 @@ from shared.limits import (
     WebhookUrl,
     effective_temperature,
     effective_top_p,
+    shallow,
     webhook_port_refusal,
 )
 
@@ -175,7 +176,7 @@ class GenerationRequest(SamplingParams):
     webhook_url: WebhookUrl | None = None  # POSTed the job once it ends
     priority: Priority = 0  # among its tenant's waiting jobs, lower runs first; ties by arrival
     grammar: Grammar | None = None  # structured output; `response_format` or vLLM's `guided_*` set it
-    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # function tools
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS), AfterValidator(shallow)] | None = None
     tool_choice: str | dict[str, Any] | None = None  # none, auto (the default with tools), required, or a name
     parallel_tool_calls: bool = True  # false: the output ends after its first call
     # vLLM's: the last message, an assistant's, is continued (its turn left open) instead of answered
@@ -242,11 +243,7 @@ class GenerationRequest(SamplingParams):
 
     def prompt_chars(self) -> int:
         """The characters of its prompt text: messages (tool calls' arguments too) and the tools it shows."""
-        chars = len(self.prompt or "")
-        for m in self.messages or []:
-            chars += len(m.content) + sum(len(c.function.arguments) + len(c.function.name) for c in m.tool_calls or [])
-        tools = self.prompt_tools
-        return chars + (len(json.dumps(tools)) if tools else 0)
+        return prompt_chars(self.prompt, self.messages, self.prompt_tools)
 
     def bounded(self, deployment: Deployment) -> GenerationRequest:
         """This request within the deployment's bounds, its max_tokens defaulted when it gave none; LimitError
@@ -324,6 +321,15 @@ class GenerationRequest(SamplingParams):
                        bias_ids=list(bias), bias_values=[float(v) for v in bias.values()],
                        grammar_kind=g.kind if g else "", grammar=g.source if g else "", priority=self.priority,
                        lora=self.model or "")
+
+
+def prompt_chars(prompt: str | None, messages: list[Message] | None, tools: list[dict[str, Any]] | None) -> int:
+    """The characters of a prompt's text (what MAX_PROMPT_CHARS bounds): the prompt, or the messages (tool calls'
+    names and arguments too), and the tools it shows."""
+    chars = len(prompt or "")
+    for m in messages or []:
+        chars += len(m.content) + sum(len(c.function.arguments) + len(c.function.name) for c in m.tool_calls or [])
+    return chars + (len(json.dumps(tools)) if tools else 0)
 
 
 def job_seed(job_id: str) -> int:

@@ -12,9 +12,9 @@ The mechanism, one round trip through Redis:
 - The API takes the reply from its subscription, or, when a message may have been missed (nothing heard for
   POLL_S), from the reply key; no reply within CALL_TIMEOUT_S is a 503.
 
-Calls are small and bounded (the body cap, MAX_CALL_TOKENS ids), never a job: nothing of them touches a job's
-keys, the fair queue or admission. A bad call (wrong types, ids outside the vocabulary) is answered with an
-error naming the field, never raised in the worker.
+Calls are small and bounded (their text as a job's prompt, MAX_PROMPT_CHARS; MAX_CALL_TOKENS ids), never a job:
+nothing of them touches a job's keys, the fair queue or admission. A bad call (wrong types, ids outside the
+vocabulary) is answered with an error naming the field, never raised in the worker.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import time
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from shared.grammar.tools import MAX_TOOLS
-from shared.limits import MAX_PROMPT_TOKEN_IDS, Content, TokenId
-from shared.schemas import Message
+from shared.limits import MAX_PROMPT_TOKEN_IDS, Content, TokenId, shallow
+from shared.schemas import Message, prompt_chars
 
 CALL_TIMEOUT_S = 5.0  # no reply this long after the call: 503
 POLL_S = 0.5  # silence this long: read the reply key (a message missed during a relay reconnect)
@@ -47,7 +47,7 @@ class TokenizeCall(BaseModel):
     kind: Literal["tokenize", "detokenize"]
     prompt: Content | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # shown in the prompt
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS), AfterValidator(shallow)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message left open, as a request continues it
@@ -67,6 +67,10 @@ class TokenizeCall(BaseModel):
             return cls.model_validate_json(raw)
         except ValidationError as exc:
             raise ValueError(f"not a tokenize call: {exc.errors()[0].get('msg', 'invalid')}") from None
+
+    def prompt_chars(self) -> int:
+        """The characters of its text, as a job's are counted (`shared.schemas.prompt_chars`)."""
+        return prompt_chars(self.prompt, self.messages, self.tools)
 
     @property
     def expired(self) -> bool:

@@ -30,7 +30,7 @@ from api.deps import RedisDep, RelayDep, SettingsDep, StoreDep
 from api.errors import ApiError
 from api.quota import ThroughputDep, take_request
 from api.relay import Relay
-from api.routes.tokenize import ask
+from api.routes.tokenize import ask, bounded
 from api.sse import EventStream
 from api.store import JobStore
 from api.streaming import DoneEvent, StatusEvent, TokenEvent, job_events
@@ -111,6 +111,7 @@ async def count_tokens(body: CountTokensRequest, client: RedisDep, relay: RelayD
     call = TokenizeCall(kind="tokenize", messages=messages, tools=body.prompt_tools(), add_special_tokens=False,
                         add_generation_prompt=not prefill, continue_final_message=prefill,
                         base_model=target.key(settings))
+    bounded(call, settings.max_prompt_chars)
     await take_request(client, caller, response)
     reply = await ask(client, relay, call)
     return {"input_tokens": len(reply.tokens or [])}

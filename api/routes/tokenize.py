@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import redis.asyncio as aredis
 from fastapi import APIRouter, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from api import models as served
 from api.auth import CallerDep
@@ -23,7 +23,7 @@ from api.quota import take_request
 from api.relay import Relay
 from shared import names
 from shared.grammar.tools import MAX_TOOLS
-from shared.limits import MAX_MESSAGES, Content, Name
+from shared.limits import MAX_MESSAGES, Content, Name, shallow
 from shared.model_config import model_context
 from shared.ring import channel_of
 from shared.tokenize_calls import (
@@ -38,10 +38,19 @@ from shared.tokenize_calls import (
 router = APIRouter(tags=["tokenize"])
 
 
+def bounded(call: TokenizeCall, max_chars: int) -> TokenizeCall:
+    """The call, or 413 for one of more text than a job's prompt may have (`max_chars`, MAX_PROMPT_CHARS): each call
+    takes a tokenizer's loop, which jobs share, for the time its text takes."""
+    if (size := call.prompt_chars()) > max_chars:
+        raise ApiError(413, f"the prompt has {size} characters; the limit is {max_chars}",
+                       param="messages" if call.messages else "prompt")
+    return call
+
+
 async def ask(client: aredis.Redis, relay: Relay, call: TokenizeCall,
               timeout_s: float = CALL_TIMEOUT_S) -> TokenizeReply:
-    """The tokenizer pool's reply to `call`; 503 when none comes within `timeout_s`, 400 naming the field when
-    the call could not be answered."""
+    """The tokenizer pool's reply to `call` (`bounded` already); 503 when none comes within `timeout_s`, 400 naming
+    the field when the call could not be answered."""
     p = random.randrange(names.partition_count())
     call_id = names.tokenize_call_id(p, uuid.uuid4().hex)
     call = call.model_copy(update={"deadline": time.time() + timeout_s})
@@ -98,7 +107,7 @@ class TokenizeRequest(BaseModel):
     prompt: Content | None = None
     # as the chat route takes them: text or text parts, an assistant's tool_calls, a tool's tool_call_id
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None  # shown as a request shows them
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS), AfterValidator(shallow)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (as vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message left open, as a request continues it
@@ -142,8 +151,9 @@ async def tokenize(body: TokenizeRequest, client: RedisDep, relay: RelayDep, set
                    caller: CallerDep, response: Response) -> Any:
     """The prompt's or the chat's token ids, as the model's tokenizer gives them."""
     target = await served.resolve(client, settings, body.model, caller.tenant)  # an adapter's tokenizer: its model's
+    call = bounded(body.call(target.key(settings)), settings.max_prompt_chars)
     await take_request(client, caller, response)
-    reply = await ask(client, relay, body.call(target.key(settings)))
+    reply = await ask(client, relay, call)
     tokens = reply.tokens or []
     context = model_context(settings.path_of(target.model), settings.max_model_len)
     return TokenizeResponse(count=len(tokens), max_model_len=context,

@@ -42,7 +42,7 @@ from shared.retry import run_loop
 from shared.schemas import GenerationRequest, encode_request
 from shared.settings import Settings
 from shared.stream_consumer import Entry, Ref, StreamConsumer
-from shared.tokenize_calls import REPLY_TTL_S, TokenizeCall, TokenizeReply
+from shared.tokenize_calls import MAX_CALL_TOKENS, REPLY_TTL_S, TokenizeCall, TokenizeReply
 from workers.tokenizer.grammar import COMPILE_TIMEOUT_S, GrammarCompiler
 from workers.tokenizer.prompt import PromptBuilder, PromptError
 
@@ -234,6 +234,9 @@ class TokenizerWorker:
             else:
                 source = prompts.chat(call.messages, call.add_generation_prompt, call.tools)
             ids = prompts.encode(source, call.add_special_tokens)
+            if len(ids) > MAX_CALL_TOKENS:
+                return TokenizeReply(error=f"the prompt is {len(ids)} tokens; a tokenize call answers at most "
+                                           f"{MAX_CALL_TOKENS}", param="messages" if call.messages else "prompt")
             strs = prompts.token_strs(ids) if call.return_token_strs else None
             return TokenizeReply(tokens=ids, token_strs=strs)
         except PromptError as exc:
