@@ -143,11 +143,12 @@ class ChatMessage(BaseModel):
     tool_call_id: Name | None = None  # a tool message's: the call it answers
 
     def to_message(self, i: int) -> Message:
-        """This message as the job's (text parts joined); 400 naming it when it holds what cannot be."""
+        """This message as the job's (text parts joined by newlines, as vLLM joins them for a template of string
+        content); 400 naming it when it holds what cannot be."""
         if isinstance(self.content, list):
             if any(p.type != "text" for p in self.content):
                 raise ApiError(400, "only text content parts are supported", param=f"messages.{i}.content")
-            text = "".join(p.text or "" for p in self.content)
+            text = "\n".join(p.text or "" for p in self.content)
         else:
             text = self.content or ""
         role = "system" if self.role == "developer" else self.role

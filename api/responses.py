@@ -150,12 +150,12 @@ def _string(item: dict[str, Any], key: str, i: int) -> str:
 
 
 def _text_of(content: Any, param: str) -> str:
-    """A message's (or a call output's) text: a string, or text parts joined."""
+    """A message's (or a call output's) text: a string, or text parts joined by newlines (as vLLM joins them)."""
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
                    and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, "only text content parts are supported", param=param)
-        content = "".join(p["text"] for p in content)
+        content = "\n".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, "content must be text", param=param)
     return content
