@@ -161,10 +161,18 @@ class Deployment:
 
 
 def context_problem(prompt_tokens: int, max_tokens: int, context: int) -> str | None:
-    """Why a tokenized prompt cannot run in a context of `context` tokens (None: it can)."""
+    """Why a tokenized prompt cannot run in a context of `context` tokens (None: it can), in vLLM's words (clients
+    recognize a prompt too long by "maximum context length")."""
     if prompt_tokens == 0:
         return "the prompt is empty after tokenization"
     if prompt_tokens + max_tokens > context:
-        return (f"the prompt is {prompt_tokens} tokens; with max_tokens {max_tokens} it exceeds "
-                f"the model's context of {context} tokens")
+        return (f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.")
     return None
+
+
+def fitted_max_tokens(prompt_tokens: int, max_tokens: int, min_tokens: int, context: int) -> int:
+    """A defaulted max_tokens (the request gave none) lowered to what the context leaves after the prompt, as vLLM
+    defaults it, but never below min_tokens nor 1 (the prompt then does not fit: `context_problem` says so)."""
+    return max(min(max_tokens, context - prompt_tokens), min_tokens, 1)

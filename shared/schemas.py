@@ -170,6 +170,9 @@ class GenerationRequest(SamplingParams):
     # the model whose queue and pool run it, when not the default (shared/served.py): the door sets it, whatever a
     # client sent (api/models.py `Target.apply`)
     base_model: SkipJsonSchema[Name | None] = None
+    # max_tokens was left out: the deployment's default, lowered to what the context leaves after the prompt rather
+    # than refused (vLLM's); the door sets it, whatever a client sent (`bounded`)
+    max_tokens_defaulted: SkipJsonSchema[bool] = False
     prompt: Content | None = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt_token_ids: PromptTokenIds | None = None  # the prompt as token ids, used as given
@@ -248,7 +251,8 @@ class GenerationRequest(SamplingParams):
     def bounded(self, deployment: Deployment) -> GenerationRequest:
         """This request within the deployment's bounds, its max_tokens defaulted when it gave none; LimitError
         (a 413 for too much prompt text, a 422 otherwise, naming the field) when it is not."""
-        if "max_tokens" not in self.model_fields_set:
+        self.max_tokens_defaulted = "max_tokens" not in self.model_fields_set
+        if self.max_tokens_defaulted:
             self.max_tokens = deployment.default_max_tokens
         if self.max_tokens > deployment.max_tokens_cap:
             raise LimitError(f"max_tokens must be at most {deployment.max_tokens_cap}", "max_tokens")

@@ -90,8 +90,9 @@ RAW_JSON_REFUSED = [
                              '"function": {"name": "f", "parameters": {"type": "object", "properties": {"x": '
                              + DEEP + '}}}}]}', 400),
     ("/tokenize", '{"messages": [{"role": "user", "content": "hi"}], "tools": [' + DEEP + ']}', 400),
-    ("/v1/messages/count_tokens", '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": '
-                                  '"f", "input_schema": {"type": "object", "properties": {"x": ' + DEEP + '}}}]}', 400),
+    ("/v1/messages/count_tokens", '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": '
+                                  '"hi"}], "tools": [{"name": "f", "input_schema": {"type": "object", "properties": '
+                                  '{"x": ' + DEEP + '}}}]}', 400),
     # more text than a prompt may have: each tokenize call takes a tokenizer's loop, which jobs share, that long
     ("/tokenize", '{"messages": [' + ", ".join(['{"role": "user", "content": "' + "a" * 150_000 + '"}'] * 2) + "]}",
      413),

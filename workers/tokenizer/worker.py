@@ -34,7 +34,7 @@ from shared import fair_queue, names, tracing
 from shared.grammar import GrammarError
 from shared.heartbeat import Heartbeat, new_worker_id
 from shared.job_ops import JobOps, publish_command
-from shared.limits import context_problem
+from shared.limits import context_problem, fitted_max_tokens
 from shared.masters import REDIRECTED, fail_fast
 from shared.model_config import model_context
 from shared.redis_client import RETRYABLE, sync_client, text
@@ -391,6 +391,8 @@ class TokenizerWorker:
             self._fail(job_id, "the prompt could not be tokenized")
             return None
         try:
+            if req.max_tokens_defaulted:  # left out: what the context leaves, up to the default
+                req.max_tokens = fitted_max_tokens(len(prompt_ids), req.max_tokens, req.min_tokens, context)
             problem = context_problem(len(prompt_ids), req.max_tokens, context)
             if problem is None:
                 request = req.tokenized(job_id, prompt_ids)
