@@ -28,6 +28,7 @@ Entries of a Celery worker that died mid-drain are taken over once idle past CLA
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -120,6 +121,7 @@ class AfterJob:
         # whole backlog at each retry, ahead of every other tenant's deliveries)
         self._inflight: dict[Ref, Future[str | None]] = {}
         self.stopping = threading.Event()  # set: a waiting drain returns after its current wait
+        self._beat_at = -math.inf  # when this drain's heartbeat was last written (monotonic)
 
     def drain(self, budget_s: float = 10.0, batch: int = 200, wait_ms: int = 0) -> dict[str, int]:
         """Handle what is due: retries, entries of dead workers, then new ends. With wait_ms 0,
@@ -165,6 +167,7 @@ class AfterJob:
                 wait(unfinished, timeout=min(left_ms / 1000, self.settings.webhook_timeout_s),
                      return_when=FIRST_COMPLETED)
                 return False
+            self._beat(due=True)  # a drain that ends keep busy would otherwise beat once a run, and be taken for dead
             todo = c.read(count=min(batch, room), block_ms=min(wait_ms, left_ms) if wait_ms else None)
             if not todo:
                 return not wait_ms  # nothing new: look at retries again, or stop
@@ -202,8 +205,14 @@ class AfterJob:
         if queued:
             self.consumer.refresh(queued)
 
-    def _beat(self) -> None:
-        beat(self.client, names.CELERY_POOL, self.consumer.consumer, "1", max(self.settings.claim_idle_ms, 10_000))
+    def _beat(self, due: bool = False) -> None:
+        """This drain's heartbeat; with `due`, only once a quarter of its lifetime has passed since the last."""
+        ttl_ms = max(self.settings.claim_idle_ms, 10_000)
+        now = time.monotonic()
+        if due and now - self._beat_at < ttl_ms / 4000:
+            return
+        beat(self.client, names.CELERY_POOL, self.consumer.consumer, "1", ttl_ms)
+        self._beat_at = now
 
     def _handle(self, entries: list[Entry], counts: dict[str, int]) -> None:
         """Account every job of the batch (one pipeline), post the webhooks (jobs' and ended batches')
@@ -212,11 +221,17 @@ class AfterJob:
         jobs = [e for e in entries if not _batch_id(e)]
         ids = [_job_id(e) for e in jobs]
         hooks: dict[Ref, tuple[str, str, Future[str | None]]] = {}
-        unaccounted = set()
+        unaccounted, lettered = set(), set()
         for entry, job_id, found in zip(jobs, ids, account(self.client, ids)):
             if isinstance(found, Exception):
                 log.warning("accounting %s failed: %s; will retry", job_id, found)
                 unaccounted.add(entry.ref)
+            elif found.expired and entry.deliveries > 1:  # tried before (its webhook failed, most likely), and its
+                # record has expired since (JOB_TTL_S): the webhook cannot be sent. (Read first after the record
+                # expired, an end is done: its usage was counted with it, and whether it had a webhook is not known.)
+                self.consumer.dead_letter(entry, "its job's record expired before its end was handled (its webhook "
+                                                 "was not sent)")
+                lettered.add(entry.ref)
             elif found.webhook_url:
                 hooks[entry.ref] = (job_id, redact(found.webhook_url), self._deliver(
                     entry.ref, self.webhooks.send, job_id, found.webhook_url, found.owner))
@@ -227,7 +242,7 @@ class AfterJob:
         wait([f for *_, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
         done, failures = [], {}
         for entry in entries:
-            if entry.ref in unaccounted:
+            if entry.ref in unaccounted or entry.ref in lettered:
                 continue
             if entry.ref not in hooks:
                 done.append(entry.ref)
@@ -259,4 +274,5 @@ class AfterJob:
                     queue_note_failure(pipe, _job_id(entry), why)
             scripts.execute(pipe, raise_on_error=False)
         counts["done"] += len(done)
-        counts["failed"] += len(entries) - len(done)
+        counts["dead"] += len(lettered)
+        counts["failed"] += len(entries) - len(done) - len(lettered)

@@ -339,3 +339,45 @@ def test_deliveries_a_hanging_endpoint_holds_wait_in_redis_not_in_memory(redis_d
     assert not _read(redis_db, stream, last)  # the rest wait on the stream, unread
     worker.close()
     hanging.close()
+
+
+def test_an_end_handled_after_its_record_expired_is_dead_lettered(redis_db: redis.Redis) -> None:
+    """A webhook still being retried when its job's record expires cannot be sent: its end is dead-lettered, saying
+    so, not acknowledged as if delivered (it was, silently: never sent, no trace)."""
+    worker = after(redis_db)
+    with webhook_server() as hooks:
+        hooks.fail_first = 100
+        end_job(redis_db, "job_gone", hooks.url)
+        assert worker.drain() == {"done": 0, "failed": 1, "dead": 0}
+        redis_db.delete(names.job_key("job_gone"))  # its record expires (JOB_TTL_S) while the webhook waits
+        assert worker.drain() == {"done": 0, "failed": 0, "dead": 1}
+        assert len(hooks.received) == 1
+    [(_, dead)] = redis_db.xrange(names.stream(names.DEAD, 0))
+    assert dead["job_id"] == "job_gone" and "record expired" in dead["reason"], dead
+    assert not redis_db.xpending(names.stream(names.ENDED, 0), names.AFTER_JOB_GROUP)["pending"]
+    worker.close()
+
+
+def test_a_drain_kept_busy_by_ends_keeps_its_heartbeat(redis_db: redis.Redis) -> None:
+    """Ends arriving all through a drain's run: it beats as it goes, not once a run (its heartbeat, 10 s at least,
+    ran out during a run kept busy past it, and another worker took its entries for a dead one's)."""
+    worker = after(redis_db, claim_idle_ms=2000)
+    stop = threading.Event()
+
+    def feed() -> None:
+        i = 0
+        while not stop.wait(0.1):
+            end_job(redis_db, f"job_steady_{i}", None)
+            i += 1
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    started = time.time()
+    try:
+        worker.drain(budget_s=4, wait_ms=500)
+    finally:
+        stop.set()
+        feeder.join()
+    expiry = redis_db.zscore(names.workers_key(names.CELERY_POOL), worker.consumer.consumer)
+    assert expiry is not None and expiry >= started + 10 + 2.5, expiry - started  # beaten again 2.5 s on or later
+    worker.close()
