@@ -202,8 +202,10 @@ async def admit(store: JobStore, throughput: Throughput, settings: Settings, cal
                 request: tuple[int | None, int] = (None, 1)) -> tuple[Job, bool, dict[str, str]]:
     """Submit through admission: (job, replayed, rate-limit headers), or the refusal as an ApiError. `fields`
     go into the job's record, `request` is the share of a request of several jobs (JobStore.submit)."""
-    if (fault := await store.fault_of(req.base_model or "")) is not None:
-        raise unavailable(req.base_model or settings.default_model, fault)
+    model = req.base_model or settings.default_model
+    fault = await store.fault_of(req.base_model or "")
+    if fault is not None and fault.refuses(settings.bounds_of(model)[0] == 0, time.time()):
+        raise unavailable(model, fault)
     cap = partition_cap(throughput.queue_cap(settings.max_queued, settings.max_queue_wait_s))
     got = await store.submit(req, idempotency_key, caller.owner, cap, fields, request=request)
     reply = got.reply

@@ -2,7 +2,8 @@
 model directory), kept in Redis beside the pool's registry (`names.fault_key`) until a worker of the pool starts, or
 FAULT_TTL_S after the last failure. A worker that cannot start is restarted with backoff (the supervisor's, or a
 pod's CrashLoopBackOff); meanwhile a pool with a fault and no live worker is `unavailable`: the API refuses its
-model's new jobs 503 saying so, rather than queue them for a worker that never comes, and `/readyz` and
+model's new jobs 503 saying so, rather than queue them for a worker that never comes (a pool that scales to zero:
+for FROM_ZERO_RETRY_S after each failure, then a job may bring a worker up again), and `/readyz` and
 `conveyor status` name the fault. Jobs already queued stay queued: the first worker that starts runs them."""
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from shared.signals import parse_registry
 log = logging.getLogger(__name__)
 
 FAULT_TTL_S = 600  # beyond the longest restart backoff (Kubernetes' CrashLoopBackOff: 300 s)
+# a pool that scales to zero starts a worker only for a job that waits: its fault refuses jobs this long after the
+# latest failure, no longer, so that once the model is mended a job brings a worker up again
+FROM_ZERO_RETRY_S = 60
 REASON_MAX = 500  # characters of the error kept
 
 
@@ -30,6 +34,11 @@ class Fault:
     reason: str  # the exception's type and message
     at: float  # unix seconds of the latest failure
     failures: int  # failed starts since the fault was first recorded
+
+    def refuses(self, may_be_empty: bool, now: float) -> bool:
+        """Whether the pool's new jobs are refused: always while the fault lasts, but for a pool that scales to
+        zero (nothing restarts its workers but a job), FROM_ZERO_RETRY_S after the latest failure only."""
+        return not may_be_empty or now - self.at < FROM_ZERO_RETRY_S
 
     @classmethod
     def parse(cls, raw: bytes | str | None) -> Fault | None:

@@ -6,11 +6,13 @@ Real inference workers (`conveyor inference`) on db 9 of the session's Redis; th
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import redis
 from harness.stack import ROOT
 from shared import names
 from shared.heartbeat import beat, forget
-from shared.pool_fault import Fault
+from shared.pool_fault import FROM_ZERO_RETRY_S, Fault
 from shared.settings import Settings
 from tests.helpers import auntil, in_process_api, until
 
@@ -87,3 +89,20 @@ async def test_a_model_that_does_not_load_is_refused_until_a_worker_starts(
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
 
+
+
+async def test_a_pool_that_scales_to_zero_is_refused_only_just_after_a_failure(db: str, tiny_model_dir: str) -> None:
+    """Nothing restarts a pool at zero but a job that waits: its fault refuses jobs for FROM_ZERO_RETRY_S after the
+    latest failure, then a job is taken again (and brings a worker up), so a model mended meanwhile serves."""
+    r = redis.Redis.from_url(db)
+    settings = Settings(redis_url=db, model=tiny_model_dir, model_name="tiny", inference_min=0)
+    key = names.fault_key(names.INFERENCE_POOL)
+    async with in_process_api(settings) as api:
+        r.set(key, json.dumps({"reason": "OSError: gone", "at": time.time(), "failures": 1}), ex=600)
+        assert (await api.post("/v1/jobs", json={"prompt": "hi"})).status_code == 503
+        r.set(key, json.dumps({"reason": "OSError: gone", "at": time.time() - FROM_ZERO_RETRY_S - 1, "failures": 1}),
+              ex=600)
+
+        async def accepted() -> bool:
+            return (await api.post("/v1/jobs", json={"prompt": "hi"})).status_code == 202
+        await auntil("a job taken once the latest failure is old", accepted)
