@@ -339,7 +339,8 @@ class StreamConsumer:
         for entry in dead:
             if self.on_dead is not None:
                 self.on_dead(entry)
-            self.dead_letter(entry, f"delivered {entry.deliveries} times without completing")
+            # (its count takes in this claim, whose delivery it never gets)
+            self.dead_letter(entry, f"delivered {entry.deliveries - 1} times without completing")
         return keep, dead
 
     def refresh(self, refs: list[Ref]) -> None:

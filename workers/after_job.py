@@ -263,6 +263,13 @@ class AfterJob:
             log.warning("webhook for %s to %s: %s; will retry", what, where, why)
         self.consumer.ack(done)
         acked = set(done)  # kept: deliveries going on, and those that succeeded after their round stopped waiting
+        mended = [key for e in entries if e.ref in acked and e.ref in hooks and e.deliveries > 1
+                  and (key := _record_key(e))]
+        if mended:  # a retry went through: the last failure noted on its record is over
+            pipe = self.client.pipeline(transaction=False)
+            for key in mended:
+                pipe.hdel(key, "webhook_error")
+            pipe.execute(raise_on_error=False)
         self._inflight = {ref: f for ref, f in self._inflight.items()
                           if ref not in acked and (not f.done() or _delivered(f))}
         if failures:

@@ -123,8 +123,10 @@ def test_failing_webhook_retried_then_dead_lettered(redis_db: redis.Redis) -> No
         hooks.fail_first = 1
         end_job(redis_db, "job_flaky", hooks.url)
         assert worker.drain() == {"done": 0, "failed": 1, "dead": 0}
+        assert redis_db.hget(names.job_key("job_flaky"), "webhook_error") == "answered 500"
         assert worker.drain() == {"done": 1, "failed": 0, "dead": 0}  # the retry goes through
         assert len(hooks.received) == 2
+        assert redis_db.hget(names.job_key("job_flaky"), "webhook_error") is None  # over: not left on the record
 
         hooks.fail_first = 100
         end_job(redis_db, "job_down", hooks.url)

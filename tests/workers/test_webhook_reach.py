@@ -114,7 +114,7 @@ def test_inside_targets_are_refused_and_dead_lettered(redis_db: redis.Redis,
     dead = {d["job_id"]: d["reason"] for _, d in redis_db.xrange(names.stream(names.DEAD, 0))}
     assert set(dead) == set(targets)
     for job_id, (_, why) in targets.items():
-        assert dead[job_id].startswith("delivered 4 times without completing; last webhook failure: webhook ")
+        assert dead[job_id].startswith("delivered 3 times without completing; last webhook failure: webhook ")
         assert dead[job_id].endswith(why), dead[job_id]
         assert redis_db.hget(names.job_key(job_id), "webhook_error").endswith(why)  # type: ignore[union-attr]
     assert redis_db.hget(names.usage_key(), "m:jobs") == str(len(targets))  # accounted all the same
