@@ -86,8 +86,9 @@ def quantile(bounds: tuple[float, ...], counts: list[float], q: float) -> float 
 
 
 class LatencyWindow:
-    """A histogram's quantiles over the last `span` seconds: the bucket counts now minus those of the
-    oldest reading inside the span."""
+    """A histogram's quantiles over the last `span` seconds, or a little more: the bucket counts now minus those of
+    the newest reading at or before the span's start (the oldest there is, while none is that old). Readings far
+    apart (ticks that a loaded machine delayed) widen the window rather than leave out what came between them."""
 
     def __init__(self, name: str, span: float) -> None:
         self.bounds, self.span = m.HISTOGRAMS[name], span
@@ -98,7 +99,7 @@ class LatencyWindow:
         if self.readings and any(c < p for c, p in zip(counts, self.readings[-1][1])):
             self.readings.clear()  # the histogram was reset (a flushed Redis)
         self.readings.append((now, counts))
-        while self.readings[0][0] < now - self.span:
+        while len(self.readings) > 1 and self.readings[1][0] <= now - self.span:
             self.readings.popleft()
         base = self.readings[0][1]
         window = [c - b for c, b in zip(counts, base)]

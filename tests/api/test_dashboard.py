@@ -53,6 +53,9 @@ def test_latency_window_forgets_what_is_older_than_its_span() -> None:
     assert w.update(5.0, fast)["p50"] == pytest.approx(0.005)
     later = w.update(16.0, fast)  # the fast ones are now older than the span
     assert later["p50"] is None and later["n"] == 0
+    sparse = LatencyWindow(m.TTFT, span=10.0)  # readings further apart than the span: what came between them counts
+    sparse.update(0.0, slow)
+    assert sparse.update(30.0, fast)["n"] == 50
 
 
 def _chrome(tmp: Path) -> Any:
