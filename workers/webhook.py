@@ -48,6 +48,9 @@ from shared.settings import Settings
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 LOOKUPS_PER_THREAD = 4  # lookups of distinct hosts under way or waiting, per lookup thread, at most
+SILENT_S = 30.0  # a host that let a delivery time out is tried by one probe at a time this long after
+PROBE_EVERY_S = 5.0  # and by one probe this often at most
+SILENT_HOSTS_MAX = 1024  # such hosts remembered at most
 # instance metadata and host endpoints of the clouds; refused even with WEBHOOK_ALLOW_PRIVATE
 METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254",  # AWS, GCP, Azure, OpenStack, DigitalOcean, Oracle, ...
@@ -190,6 +193,13 @@ class WebhookSender:
         self.lookups_max = LOOKUPS_PER_THREAD * parallel
         self.resolve: Callable[[str, int], list[IPAddress]] = resolve
         self.tls = ssl.create_default_context()
+        # hosts that let a delivery time out: (until when, the next probe's time), monotonic: meanwhile one delivery
+        # at a time tries them, PROBE_EVERY_S apart at most (`_probing`), the others fail at once, each retried after
+        # its backoff as any failure; one endpoint that hangs held a delivery thread WEBHOOK_TIMEOUT_S per delivery,
+        # every tenant's webhooks behind them
+        self._silent: dict[tuple[str, int], tuple[float, float]] = {}
+        self._probing: set[tuple[str, int]] = set()
+        self._silent_lock = threading.Lock()
 
     def send(self, job_id: str, url: str, owner: str = "") -> str | None:
         """POST the job, as polled, to its webhook. Returns None once delivered (or when the job has
@@ -227,7 +237,8 @@ class WebhookSender:
              ) -> str | None:
         """POST `body` to `url` within WEBHOOK_TIMEOUT_S, all told, with `job_id` in `id_header`. Returns
         None on a 2xx answer, else why the delivery failed (a redirect is a failure: the target could be
-        anywhere)."""
+        anywhere). A host that let a delivery time out within SILENT_S is tried by one delivery at a time; the others
+        fail at once, without a connection."""
         timeout = self.settings.webhook_timeout_s
         deadline = time.monotonic() + timeout
         headers = {"Content-Type": "application/json", "User-Agent": "conveyor-webhook", id_header: job_id}
@@ -235,6 +246,21 @@ class WebhookSender:
             ts = str(int(time.time()))
             headers["X-Conveyor-Timestamp"] = ts
             headers["X-Conveyor-Signature"] = sign(body, secret, ts)
+        host = self._host(url)
+        probe = self._may_try(host) if host is not None else False
+        if probe is None:
+            return (f"webhook host {host[0] if host else ''} let a delivery time out within {SILENT_S:g} s; not tried "
+                    f"(one delivery tries it every {PROBE_EVERY_S:g} s)")
+        why: str | None = "not sent"
+        try:
+            why = self._post(url, body, headers, deadline)
+        finally:
+            if host is not None:
+                self._tried(host, why is not None and why.startswith("no answer within"), probe)
+        return why
+
+    def _post(self, url: str, body: bytes, headers: dict[str, str], deadline: float) -> str | None:
+        timeout = self.settings.webhook_timeout_s
         try:
             conn, path = self._connection(url, deadline)
         except NotSent as exc:
@@ -257,6 +283,43 @@ class WebhookSender:
         if 300 <= status < 400:
             return f"answered {status} (a redirect; not followed)"
         return None if 200 <= status < 300 else f"answered {status}"
+
+    @staticmethod
+    def _host(url: str) -> tuple[str, int] | None:
+        try:
+            host = urlsplit(url).hostname
+            return (host, url_port(url)) if host else None
+        except ValueError:
+            return None
+
+    def _may_try(self, host: tuple[str, int]) -> bool | None:
+        """Whether a delivery to `host` may go now: False (yes), unless it let one time out within SILENT_S: then True
+        as its one probe (at a time, PROBE_EVERY_S apart), None (no) otherwise."""
+        now = time.monotonic()
+        with self._silent_lock:
+            until, probe_at = self._silent.get(host, (0.0, 0.0))
+            if until <= now:
+                self._silent.pop(host, None)
+                return False
+            if host in self._probing or now < probe_at:
+                return None
+            self._probing.add(host)
+            self._silent[host] = (until, now + PROBE_EVERY_S)
+            return True
+
+    def _tried(self, host: tuple[str, int], timed_out: bool, probe: bool) -> None:
+        with self._silent_lock:
+            if probe:
+                self._probing.discard(host)
+            if timed_out:
+                if len(self._silent) >= SILENT_HOSTS_MAX:  # (bounded: the expired first, else the oldest)
+                    now = time.monotonic()
+                    for h in [h for h, (t, _) in self._silent.items() if t <= now] or list(self._silent)[:1]:
+                        del self._silent[h]
+                now = time.monotonic()
+                self._silent[host] = (now + SILENT_S, now + PROBE_EVERY_S)
+            else:
+                self._silent.pop(host, None)
 
     def close(self) -> None:
         """Stop the lookup threads; a lookup under way is left to finish alone."""

@@ -256,10 +256,10 @@ def test_an_entry_retried_while_its_delivery_waits_is_not_sent_twice(redis_db: r
 
 
 
-def _hanging_endpoint() -> socket.socket:
-    """A listening socket whose connections are accepted and never answered (close it when done)."""
+def _hanging_endpoint(held: list[socket.socket] | None = None) -> socket.socket:
+    """A listening socket whose connections are accepted (into `held`) and never answered (close it when done)."""
     hanging = socket.create_server(("127.0.0.1", 0), backlog=200)
-    held: list[socket.socket] = []
+    held = [] if held is None else held
 
     def hold() -> None:
         with contextlib.suppress(OSError):
@@ -323,14 +323,16 @@ def test_a_failed_webhook_is_tried_again_later_and_later(redis_db: redis.Redis) 
     worker.close()
 
 
-def test_deliveries_a_hanging_endpoint_holds_wait_in_redis_not_in_memory(redis_db: redis.Redis) -> None:
-    """A tenant whose endpoint hangs ends jobs faster than the pool gives up on them: the drain reads new ends only
-    while its deliveries in hand are few (OUTSTANDING_PER_THREAD a thread); the rest wait on the stream."""
-    hanging = _hanging_endpoint()
+def test_deliveries_hanging_endpoints_hold_wait_in_redis_not_in_memory(redis_db: redis.Redis) -> None:
+    """A tenant whose endpoints hang (one job each: an endpoint that let a delivery time out is tried by one at a
+    time, below) ends jobs faster than the pool gives up on them: the drain reads new ends only while its deliveries
+    in hand are few (OUTSTANDING_PER_THREAD a thread); the rest wait on the stream."""
+    endpoints = [_hanging_endpoint() for _ in range(60)]
     worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=30, webhook_allow_private=True),
                       consumer="after-backlog", parallel=2)
     for i in range(60):
-        end_job(redis_db, f"job_backlog_{i}", f"http://127.0.0.1:{hanging.getsockname()[1]}/hook", owner="a")
+        port = endpoints[i % len(endpoints)].getsockname()[1]
+        end_job(redis_db, f"job_backlog_{i}", f"http://127.0.0.1:{port}/hook", owner="a")
     most = 0
     for _ in range(6):
         worker.drain(budget_s=0.5, wait_ms=100)
@@ -339,6 +341,32 @@ def test_deliveries_a_hanging_endpoint_holds_wait_in_redis_not_in_memory(redis_d
     stream = names.stream(names.ENDED, 0)
     last = next(eid for eid, m in redis_db.xrange(stream) if m["job_id"] == "job_backlog_59")
     assert not _read(redis_db, stream, last)  # the rest wait on the stream, unread
+    worker.close()
+    for hanging in endpoints:
+        hanging.close()
+
+
+def test_an_endpoint_that_hangs_holds_one_delivery_thread_not_all(redis_db: redis.Redis) -> None:
+    """Once a host has let a delivery time out, one delivery at a time tries it, PROBE_EVERY_S apart (for SILENT_S);
+    the others fail at once and are retried after their backoff, as any failure: another tenant's webhook goes out
+    beside them, and the hanging host is not sent a connection per delivery (it held both threads WEBHOOK_TIMEOUT_S
+    each, every other tenant's webhooks behind them)."""
+    held: list[socket.socket] = []
+    hanging = _hanging_endpoint(held)
+    worker = AfterJob(redis_db, Settings(webhook_timeout_s=0.5, webhook_retry_s=30, webhook_allow_private=True),
+                      consumer="after-silent", parallel=2)
+    with webhook_server() as hooks:
+        end_job(redis_db, "job_hang_first", f"http://127.0.0.1:{hanging.getsockname()[1]}/hook", owner="a")
+        assert worker.drain() == {"done": 0, "failed": 1, "dead": 0}  # it timed out
+        for i in range(24):
+            end_job(redis_db, f"job_hang_{i}", f"http://127.0.0.1:{hanging.getsockname()[1]}/hook", owner="a")
+        end_job(redis_db, "job_other", hooks.url, owner="b")
+        counts = worker.drain()
+        assert counts["done"] == 1 and counts["failed"] == 24, counts
+        assert [body["id"] for _, body, _ in hooks.received] == ["job_other"]
+        assert len(held) <= 2  # the first delivery's connection, and one probe's
+        reasons = {redis_db.hget(names.job_key(f"job_hang_{i}"), "webhook_error") for i in range(24)}
+        assert any(r and "let a delivery time out" in r and "not tried" in r for r in reasons), reasons
     worker.close()
     hanging.close()
 
