@@ -9,16 +9,15 @@ line; a batch past its window expires; an ended batch's event reaches its webhoo
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
@@ -30,7 +29,7 @@ from shared import names, tenants
 from shared.redis_client import sync_client
 from shared.settings import Settings
 from tests.conftest import Stack
-from tests.helpers import conveyor
+from tests.helpers import auntil, conveyor
 from tests.webhook_server import webhook_server
 from workers.batch_driver import BatchDriver
 from workers.webhook import sign
@@ -38,7 +37,6 @@ from workers.webhook import sign
 DB = 6  # the worker-less tests' database
 WINDOW_S = 6  # the expiring batch's window
 LONG = 150  # its lines that cannot all run in the window
-T = TypeVar("T")
 
 
 @asynccontextmanager
@@ -48,16 +46,6 @@ async def sdk(redis_url: str, model: str, key: str, **overrides: Any) -> AsyncIt
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
             yield openai.AsyncOpenAI(base_url="http://test/v1", api_key=key, http_client=http, max_retries=0)
-
-
-async def until(what: str, condition: Callable[[], Awaitable[T]], timeout: float, every: float = 0.1) -> T:
-    """The first truthy value of `condition()`, awaited while the API in process serves."""
-    deadline = time.monotonic() + timeout
-    while not (value := await condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(every)
-    return value
 
 
 def _jsonl(lines: list[dict[str, Any]]) -> io.BytesIO:
@@ -80,7 +68,7 @@ async def _ended(client: openai.AsyncOpenAI, batch_id: str, timeout: float = 120
         b = await client.batches.retrieve(batch_id)
         return b if b.status in ("completed", "failed", "expired", "cancelled") else None
 
-    return await until(f"batch {batch_id} to end", ended, timeout)
+    return await auntil(f"batch {batch_id} to end", ended, timeout)
 
 
 def _tenant(r: redis.Redis, prefix: str, **limits: int) -> tuple[str, str, str]:
@@ -137,7 +125,7 @@ async def test_stored_bytes_are_given_back_when_files_expire(quiet: tuple[str, r
             except openai.NotFoundError:
                 return True
 
-        await until("the first file to expire", gone, timeout=10)
+        await auntil("the first file to expire", gone, timeout=10)
         assert (await client.files.create(file=("b.jsonl", io.BytesIO(data)), purpose="batch")).bytes == 200
 
 
@@ -160,7 +148,7 @@ async def test_lines_and_open_batches_per_key_are_capped(quiet: tuple[str, redis
             b = await client.batches.retrieve(first.id)
             return b if b.status == "cancelled" else None
 
-        await until("the cancelled batch to end", cancelled, timeout=30)
+        await auntil("the cancelled batch to end", cancelled, timeout=30)
         second = await _batch(client, _lines(model, 1))  # the cancelled batch no longer counts
         assert second.status == "in_progress"
 
@@ -244,7 +232,7 @@ async def test_a_batch_past_its_window_expires(tiny_stack: Stack, tiny_model_dir
             async def idle() -> bool:  # the lines that were running were cancelled: none of the key's jobs is left
                 return int(r.get(names.tenant_active_key(name)) or 0) == 0
 
-            await until("the expired batch's jobs to end", idle, timeout=30)
+            await auntil("the expired batch's jobs to end", idle, timeout=30)
         received = hooks.wait_for(1, timeout=60)
     # at least once (README, the Batch API): a driver that stops between announcing the end and noting it announces
     # it again; a repeat is the same event, signed alike
