@@ -22,12 +22,13 @@ def client(plumbing_stack) -> httpx.Client:  # type: ignore[no-untyped-def]
 
 
 def _subscribers(stack) -> list[int]:  # type: ignore[no-untyped-def]
-    """Channel counts of the stack's own connections subscribed to anything (`sub`, or `ssub` for sharded
-    channels, in CLIENT LIST), over every node of a cluster: stacks running beside share the session's Redis."""
+    """Channel counts of the stack's API's connections subscribed to anything (`sub`, or `ssub` for sharded
+    channels, in CLIENT LIST), over every node of a cluster: stacks running beside share the session's Redis, and the
+    stack's idle workers subscribe to their rings (shared/ring.py) as they sleep and wake, whenever they do."""
     r = stack.redis()
     nodes = [n.redis_connection for n in r.get_nodes()] if hasattr(r, "get_nodes") else [r]
     ours = set()
-    for _, proc in stack.tree():
+    for proc in stack.by_role("api"):
         with contextlib.suppress(psutil.Error):
             ours |= {f"{c.laddr.ip}:{c.laddr.port}" for c in proc.net_connections("tcp") if c.raddr}
     counts = [int(c.get("sub", 0)) + int(c.get("ssub", 0)) for node in nodes for c in node.client_list()
