@@ -151,7 +151,7 @@ STREAM_GROUPS = {stream(kind, p): group for kind, group in GROUPS.items() for p 
 def stream_groups(models: Iterable[str] = ("",)) -> dict[str, str]:
     """{stream: group} of every stream a deployment serving `models` (their queue names: '' the first) reads:
     STREAM_GROUPS, and each other model's `tokenized` streams."""
-    out = dict(STREAM_GROUPS)
+    out = {stream(kind, p): group for kind, group in GROUPS.items() for p in partitions()}
     for model in models:
         if model:
             out.update(dict.fromkeys(streams(TOKENIZED, model), INFERENCE_GROUP))

@@ -31,6 +31,7 @@ from celery import Celery
 from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from shared import names
+from shared.masters import fail_fast
 from shared.redis_client import RETRYABLE, heal, is_cluster, sync_client
 from shared.settings import get_settings
 from workers import upkeep
@@ -70,6 +71,7 @@ app.conf.update(
 )
 
 _client: Any = None
+_upkeep_client: Any = None
 
 
 def client() -> Any:
@@ -79,18 +81,31 @@ def client() -> Any:
     return _client
 
 
+def upkeep_client() -> Any:
+    """On a cluster, a client that does not retry and waits a moment at most (`fail_fast`): a master that does not
+    answer costs the run that moment once, not a retrying client's seconds for each of its partitions."""
+    global _upkeep_client
+    if _upkeep_client is None:
+        _upkeep_client = fail_fast(settings.redis_url) or client()
+    return _upkeep_client
+
+
 @app.task(name="conveyor.trim_streams")
 def trim_streams() -> dict[str, int]:
-    """Drop stream entries that every consumer has finished with, and consumers gone that hold none; in an outage,
+    """Drop stream entries that every consumer has finished with, and consumers gone that hold none; a partition
+    whose master does not answer waits for the next run (the others are trimmed), and in a single Redis's outage,
     nothing until the next run."""
     try:
-        trimmed = upkeep.trim_all(client(), settings.model_keys)
-        upkeep.prune_all(client(), settings.model_keys)  # the consumers of workers gone, as their entries go
-        return trimmed
+        done = upkeep.run(upkeep_client(), settings.model_keys)
     except RETRYABLE as exc:
         log.warning("streams not trimmed this run: redis unavailable (%s)", exc)
-        heal(client())
+        heal(upkeep_client())
         return {}
+    if done.missed:
+        log.warning("streams of partitions %s not trimmed this run: their master did not answer",
+                    ",".join(map(str, sorted(done.missed))))
+        heal(upkeep_client())
+    return done.trimmed
 
 
 _after: AfterJob | None = None

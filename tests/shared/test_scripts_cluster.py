@@ -187,7 +187,7 @@ def test_upkeeps_consumer_pruning_and_a_batch_cancel_run_on_a_cluster(cluster: r
 
     from shared import batch_ops
     from shared.redis_client import async_client
-    from workers.upkeep import prune_all
+    from workers import upkeep
 
     streams = [names.stream(names.JOBS, p) for p in names.partitions()]
     for stream in streams:
@@ -196,7 +196,7 @@ def test_upkeeps_consumer_pruning_and_a_batch_cancel_run_on_a_cluster(cluster: r
         except redis.ResponseError:
             pass  # (made by an earlier test)
         cluster.xgroup_createconsumer(stream, names.TOKENIZER_GROUP, f"gone-{uuid.uuid4().hex[:6]}")
-    assert prune_all(cluster, idle_ms=0) >= len(streams)
+    assert upkeep.run(cluster, idle_ms=0).pruned >= len(streams)
     assert all(not cluster.xinfo_consumers(s, names.TOKENIZER_GROUP) for s in streams)
 
     batch_id = f"batch_{uuid.uuid4().hex}"

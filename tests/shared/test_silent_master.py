@@ -255,6 +255,40 @@ def test_a_claim_answers_at_once_while_the_pools_registry_master_is_silent(nodes
 
 
 @pytest.mark.usefixtures("twelve")
+def test_the_upkeep_trims_every_other_masters_streams_while_one_is_silent(nodes: LocalCluster) -> None:
+    """Stream trimming (the Celery app's upkeep, on its fail-fast client): a silent master costs it one short wait,
+    and only its own partitions' streams wait for the next run. Before, the first of them ended the run, and no
+    stream after it in any partition was trimmed while the master stayed down."""
+    from workers import upkeep
+
+    r, fast = sync_client(nodes.seed_url, decode=False), fail_fast(nodes.seed_url)
+    assert fast is not None
+    streams = [names.stream(names.TOKENIZED, p) for p in names.partitions()]
+    for stream in streams:  # five entries each, read and acknowledged: consumed, as the workers leave them
+        r.xgroup_create(stream, names.INFERENCE_GROUP, id="0", mkstream=True)
+        for i in range(5):
+            r.xadd(stream, {"n": i})
+        [(_, got)] = r.xreadgroup(names.INFERENCE_GROUP, "w", {stream: ">"})
+        r.xack(stream, names.INFERENCE_GROUP, *[eid for eid, _ in got])
+    silent = master_of(r, 0)
+    held = {p for p in names.partitions() if master_of(r, p).name == silent.name}
+    nodes.kill(silent.port, signal.SIGSTOP)
+    try:
+        done = _answered(lambda: upkeep.run(fast))
+        assert done.missed == held
+        assert {names.stream_partition(s): n for s, n in done.trimmed.items() if s in streams} == {
+            p: 5 for p in names.partitions() if p not in held}
+    finally:
+        nodes.kill(silent.port, signal.SIGCONT)
+    assert {p: r.xlen(names.stream(names.TOKENIZED, p)) for p in names.partitions()} == {
+        p: 5 if p in held else 0 for p in names.partitions()}
+    until("the silent master's streams trimmed once it answers", lambda: not upkeep.run(fast).missed, AGAIN_S)
+    assert all(r.xlen(stream) == 0 for stream in streams)
+    fast.close()
+    r.close()
+
+
+@pytest.mark.usefixtures("twelve")
 def test_a_job_with_a_grammar_is_queued_while_every_other_master_is_silent(nodes: LocalCluster,
                                                                          model_path: str) -> None:
     """A job's compiled grammar is kept in its partition's slot: while every master but its partition's is

@@ -5,7 +5,8 @@ from __future__ import annotations
 import redis
 
 from shared import names
-from workers.upkeep import prune_all, prune_consumers, trim_all, trim_consumed
+from workers import upkeep
+from workers.upkeep import prune_consumers, trim_consumed
 
 
 def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
@@ -23,7 +24,7 @@ def test_trim_keeps_pending_and_undelivered(redis_db: redis.Redis) -> None:
     assert [e for e, _ in r.xrange(s)] == ids[6:]  # undelivered entries are never dropped
     r.xreadgroup(g, "c1", {s: ">"})
     r.xack(s, g, *ids[6:])
-    assert trim_all(r)[s] == 4 and r.xlen(s) == 0
+    assert upkeep.run(r).trimmed[s] == 4 and r.xlen(s) == 0
     assert trim_consumed(r, f"{names.PREFIX}:none", g) == 0
 
 
@@ -39,7 +40,7 @@ def test_consumers_gone_are_pruned_but_never_one_that_holds_entries(redis_db: re
     assert prune_consumers(r, s, g) == 0  # both read just now
     assert prune_consumers(r, s, g, idle_ms=0) == 1
     assert [c["name"] for c in r.xinfo_consumers(s, g)] == ["holds"]
-    assert prune_all(r, idle_ms=0) == 0 and prune_consumers(r, f"{names.PREFIX}:none", g, idle_ms=0) == 0
+    assert upkeep.run(r, idle_ms=0).pruned == 0 and prune_consumers(r, f"{names.PREFIX}:none", g, idle_ms=0) == 0
 
 
 def test_celery_app_registers_tasks() -> None:
