@@ -96,6 +96,9 @@ def create(client: redis.Redis, name: str, weight: float = 1.0, models: tuple[st
         raise TenantError("a name is 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     if not WEIGHT_MIN <= weight <= WEIGHT_MAX:
         raise TenantError(f"a weight is between {WEIGHT_MIN} and {WEIGHT_MAX:g} (got {weight:g})")
+    negative = [k for k, v in limits.items() if v is not None and v < 0]
+    if negative:  # the scripts read a cap <= 0 as none: -5 would have meant no limit at all
+        raise TenantError(f"a limit is 0 (no limit) or more; got {', '.join(f'{k}={limits[k]}' for k in negative)}")
     rec = client.hgetall(names.tenant_key(name))
     if rec and rec.get("disabled") != "1":
         raise TenantError(f"tenant {name!r} exists; revoke it first to issue a new key")

@@ -283,6 +283,10 @@ def test_conveyor_keys_create_list_revoke(redis_server, r: redis.Redis, tmp_path
     for weight in ("0", "-1", "101", "nan"):
         bad = run("create", "team-w", "--weight", weight)
         assert bad.returncode != 0 and "weight" in bad.stderr and not r.exists(names.tenant_key("team-w")), weight
+    for flag in ("--rpm", "--tpm", "--max-queued", "--max-streams", "--batch-tpm", "--max-file-bytes"):
+        bad = run("create", "team-n", flag, "-5")  # the scripts take a cap <= 0 for none: -5 was no limit at all
+        assert bad.returncode == 1 and "0 (no limit) or more" in bad.stderr, flag
+        assert not r.exists(names.tenant_key("team-n")), flag
     listed = run("list").stdout
     assert "team-a" in listed and " 7 " in listed and " 2.5 " in listed and key not in listed and "active" in listed
     assert run("revoke", "team-a").returncode == 0
