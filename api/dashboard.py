@@ -40,7 +40,7 @@ from api import sse
 from api.errors import ApiError, error_body, not_found
 from api.metrics import _clients
 from api.sse import EventStream
-from api.streaming import Cut, JobFraming, sse_job_events
+from api.streaming import SEQ_MAX, Cut, JobFraming, sse_job_events
 from shared import metrics as m
 from shared import names
 from shared.fair_queue import read_tenants, tenant_rows
@@ -400,7 +400,7 @@ LIVE_VIEW = JobFraming({Cut.EXPIRED: (404, "the job expired"), Cut.STOPPING: (40
 
 
 @router.get("/jobs/{job_id}/events")
-async def job_stream(job_id: str, request: Request, after: Annotated[int, Query(ge=0)] = 0) -> EventStream:
+async def job_stream(job_id: str, request: Request, after: Annotated[int, Query(ge=0, le=SEQ_MAX)] = 0) -> EventStream:
     """Any job's events (as GET /v1/jobs/{id}/events) for the live view, whoever owns the job."""
     state = request.app.state
     if await state.store.get(job_id) is None:
