@@ -7,7 +7,52 @@ so nothing streamed is ever retracted, and a stop string never reaches the clien
 from __future__ import annotations
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+
+HOLD_MAX = 8  # tokens an unfinished character may hold its text back: then it is let out as U+FFFD, as decode shows it
+CONTEXT = 4  # ids kept before the text not yet let out, for decoders that read a token by its neighbours
+WINDOW = 8  # ids decoded at most before the kept ones are cut back to CONTEXT
+
+
+class TextStream:
+    """A job's token ids in, its text out, a piece at a time: each new id decodes the few before it with it, and the
+    new characters are let out, except an unfinished one (a character's bytes split over tokens), held back for up
+    to HOLD_MAX tokens. Unlike tokenizers' DecodeStream, which holds every id while its text ends unfinished (a run
+    of lone byte tokens cost each step the decoding of the whole run, and its text never came out), the work per
+    token is bounded, and `rest` lets out what is held when the job ends."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.read = 0  # ids[:read] are let out: context only
+        self.prefix = ""  # their text
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        held = len(self.ids) - self.read
+        if len(text) <= len(self.prefix) or (text.endswith("\ufffd") and held < HOLD_MAX):
+            if held >= HOLD_MAX:  # nothing but tokens with no text (special ones, skipped)
+                self._cut()
+            return ""
+        piece = text[len(self.prefix):]
+        if len(self.ids) > WINDOW:
+            self._cut()
+        else:
+            self.read, self.prefix = len(self.ids), text
+        return piece
+
+    def rest(self) -> str:
+        """The text held back (an unfinished character, as U+FFFD), let out now: the job has ended."""
+        if len(self.ids) == self.read:
+            return ""
+        text, prefix = self.tokenizer.decode(self.ids, skip_special_tokens=True), self.prefix
+        self._cut()
+        return text[len(prefix):]
+
+    def _cut(self) -> None:
+        del self.ids[:max(0, len(self.ids) - CONTEXT)]
+        self.read = len(self.ids)
+        self.prefix = self.tokenizer.decode(self.ids, skip_special_tokens=True)
 
 
 class StopMatcher:
@@ -63,32 +108,30 @@ class Detokenizer:
     wherever it began (vLLM's meaning: its check looks back a stop string's length into the text before)."""
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str], min_tokens: int = 0, include_stop: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.stream = TextStream(tokenizer)
         self.matcher = StopMatcher(stops, include_stop)
         self.min_tokens = min_tokens
         self.generated = 0  # tokens decoded so far
 
     def decode(self, token_ids: list[int]) -> str:
-        parts = []
-        for t in token_ids:
-            piece = self.stream.step(self.tokenizer, t)
-            if piece:
-                parts.append(piece)
-        return "".join(parts)
+        return "".join(self.stream.step(t) for t in token_ids)
 
     def push(self, token_ids: list[int]) -> tuple[str, str | None, int]:
         """A step's new tokens: (text safe to emit now, the stop string hit (None: none), how many of the tokens
         count: all of them, or those up to the one that completed the stop string)."""
         out = []
         for n, t in enumerate(token_ids, 1):
-            piece = self.stream.step(self.tokenizer, t) or ""
+            piece = self.stream.step(t)
             self.generated += 1
             emit, hit = self.matcher.push(piece, check=self.generated >= self.min_tokens)
             out.append(emit)
             if hit is not None:
                 return "".join(out), hit, n
         return "".join(out), None, len(token_ids)
+
+    def flush(self) -> str:
+        """At the job's end: the text held back, for an unfinished character or a possible stop string."""
+        return self.matcher.flush() + self.stream.rest()
 
     def resume(self, token_ids: list[int], emitted: str) -> None:
         """Rebuild state for a job continued from `token_ids` of which `emitted` was already streamed."""

@@ -245,7 +245,7 @@ class OutputLane:
                 self.feedback.put(Abort(job_id, FinishReason.stop))
             reason = FinishReason.stop.value
         elif reason is not None:
-            st.held_text += st.detok.matcher.flush()
+            st.held_text += st.detok.flush()
         # Written now: the first token, the end, a fresh job's keys, else every `interval` tokens.
         if flags or reason is not None or st.n_tokens - st.written >= self.interval:
             self._write(job_id, st, flags, step)

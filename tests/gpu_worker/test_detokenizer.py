@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gpu_worker.detokenizer import Detokenizer, StopMatcher
+from gpu_worker.detokenizer import CONTEXT, HOLD_MAX, WINDOW, Detokenizer, StopMatcher
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +19,50 @@ def test_incremental_equals_full_decode(tok: Tokenizer) -> None:
     text = "Héllo, wörld! 你好，世界。 Emoji: 🚀🎉 done."
     ids = tok.encode(text, add_special_tokens=False).ids
     d = Detokenizer(tok, [])
-    out = "".join(d.push([i])[0] for i in ids) + d.matcher.flush()
+    out = "".join(d.push([i])[0] for i in ids) + d.flush()
     assert out == tok.decode(ids) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=80))
+def test_any_text_streams_as_it_decodes_whole(tok: Tokenizer, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assume(tok.decode(ids) == text)  # (the byte-level decoder does not give back every code point whole)
+    d = Detokenizer(tok, [])
+    assert "".join(d.push([i])[0] for i in ids) + d.flush() == text
+
+
+def test_lone_byte_tokens_come_out_as_replacement_characters_with_bounded_work(tok: Tokenizer) -> None:
+    """A run of tokens that are each a character's first byte (logit_bias can force one): tokenizers' DecodeStream
+    held every id while the text ended unfinished, decoding the whole run again at each token (a job of 3,000 such
+    tokens cost its output lane seconds, and every job beside it waited), and its text never came out."""
+    lead = tok.token_to_id("ð")  # byte 0xF0, the first of four
+    d = Detokenizer(tok, [])
+    out = ""
+    for n in range(1, 3001):
+        out += d.push([lead])[0]
+        assert len(d.stream.ids) <= WINDOW + HOLD_MAX
+        assert len(out) > n - HOLD_MAX  # let out as it goes
+    assert out + d.flush() == "\ufffd" * 3000 == tok.decode([lead] * 3000)
+
+
+def test_an_end_inside_a_character_shows_it_as_decode_does(tok: Tokenizer) -> None:
+    """max_tokens reached inside a character's bytes: its bytes come out as U+FFFD (they were dropped)."""
+    ids = tok.encode("I like 😀", add_special_tokens=False).ids
+    d = Detokenizer(tok, [])
+    out = "".join(d.push([i])[0] for i in ids[:-1]) + d.flush()
+    assert out == tok.decode(ids[:-1]) and out.endswith("\ufffd")
+
+
+def test_special_tokens_between_text_hold_nothing_back(tok: Tokenizer) -> None:
+    """Tokens with no text (special ones, skipped) keep at most CONTEXT ids after HOLD_MAX of them."""
+    eos = tok.token_to_id("<|im_end|>")
+    d = Detokenizer(tok, [])
+    for _ in range(100):
+        assert d.push([eos])[0] == ""
+        assert len(d.stream.ids) <= CONTEXT + HOLD_MAX
+    hello = tok.encode(" Hello", add_special_tokens=False).ids
+    assert "".join(d.push([i])[0] for i in hello) + d.flush() == " Hello"
 
 
 def test_stop_string_split_across_tokens_is_held_back(tok: Tokenizer) -> None:
