@@ -192,7 +192,8 @@ def finish_write(job_id: str, reason: FinishReason, error: str, ttl_s: int, requ
     now = time.time()
     keys = [names.job_key(job_id), names.events_key(job_id), names.tokens_key(job_id), names.dequeued_counter(p, model),
             names.text_key(job_id), names.stream(names.ENDED, p), *fair, active, tenant, *buckets,
-            names.ring_key(p, names.AFTER_JOB_GROUP), names.usage_key(_day(now), p)]
+            names.ring_key(p, names.AFTER_JOB_GROUP), names.usage_key(_day(now), p), names.logprobs_key(job_id),
+            names.prompt_logprobs_key(job_id)]
     args: list[Any] = [STATUS_FOR[reason].value, reason.value, error, repr(now), ttl_s,
                        names.job_channel(job_id), required_status, job_id, names.ended_min_id(now, ttl_s), owner,
                        publish, worker, model, *written, USAGE_TTL_S]

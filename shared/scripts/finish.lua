@@ -3,7 +3,8 @@
 --       partition's fair queue of the job's model: backlogged tenants, payloads, waiting jobs, the same by
 --       submit time, each waiting job's place (fair_push.lua), 12-15 the owner's unfinished jobs, tenant hash, `tokens` and
 --       `batch_tokens` buckets (for a job without an owner, its own key stands in for each), 16 the partition's
---       ring flag of the after-job drain (shared/ring.py), 17 the partition's usage of the day the job ends
+--       ring flag of the after-job drain (shared/ring.py), 17 the partition's usage of the day the job ends, 18 19
+--       the job's logprob entries and prompt logprobs (each kept as long as its record)
 -- ARGV: 1 status, 2 finish reason, 3 error, 4 now (unix s), 5 ttl (s), 6 the job's channel,
 --       7 required current status ('' any active one), 8 job id, 9 the ended stream's oldest id kept (MINID ~),
 --       10 the owner KEYS 12-15 are named for ('' none), 11 how to publish (PUBLISH, or SPUBLISH on a cluster),
@@ -77,6 +78,8 @@ redis.call('EXPIRE', job, ttl)
 redis.call('EXPIRE', events, ttl)
 redis.call('EXPIRE', ids, ttl)
 redis.call('EXPIRE', text, ttl)
+redis.call('EXPIRE', KEYS[18], ttl)
+redis.call('EXPIRE', KEYS[19], ttl)
 redis.call(publish, channel, cjson.encode({seq = seq, type = 'done'}))
 redis.call('XADD', ended, 'MINID', '~', ended_min, '*', 'job_id', job_id)
 local drain = redis.call('GETDEL', KEYS[16]) -- an after-job drain sleeps: wake it

@@ -295,6 +295,24 @@ def test_a_job_taken_and_written_counts_its_ttl_afresh(raw: redis.Redis) -> None
     assert raw.ttl(key) > 500
 
 
+def test_a_jobs_end_keeps_its_logprobs_as_long_as_its_record(raw: redis.Redis) -> None:
+    """Its logprob entries and prompt logprobs count the retention afresh with its end, as its record, text and
+    events do. Before, they kept the TTL of their first write: a job that ran a while was polled `succeeded` with its
+    text and no logprobs, for up to that while before its record went."""
+    ops = JobOps(raw, 600)
+    _running_job(raw, "j4")
+    keys, args = step_write("j4", FRESH | FIRST_TOKEN, 0, pack_ids([7]), 0, b"Hi", 1, b"{}", 1, 0, b'{"lp":1}\n',
+                            worker="w")
+    pipe = raw.pipeline(transaction=True)
+    ops.step(keys, args, pipe)
+    assert pipe.execute() == [[StepCode.written]]
+    raw.set(names.prompt_logprobs_key("j4"), b"[]", ex=600)
+    for key in (names.logprobs_key("j4"), names.prompt_logprobs_key("j4")):
+        raw.expire(key, 100)  # written long before the end
+    assert ops.finish("j4", FinishReason.stop, fields={"completion_tokens": 1}, worker="w")
+    assert all(raw.ttl(k) > 500 for k in job_keys("j4")), {k: raw.ttl(k) for k in job_keys("j4")}
+
+
 MARKER = b"marker: nothing was published before this"
 
 
