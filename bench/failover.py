@@ -68,7 +68,7 @@ from shared import names
 from shared.jobs import STAGE_FIELDS, TERMINAL, stages
 
 ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "LOG_LEVEL": "WARNING",
-       "REDIS_PARTITIONS": "12", "DTYPE": "float32"}  # float32: greedy texts compare exactly across batches
+       "REDIS_PARTITIONS": "12"}  # the default dtype: texts compare exactly across batches in either (invariance)
 DRAIN_S = 180.0
 PAUSE_S = 8.0
 

@@ -59,9 +59,9 @@ from shared import names
 from shared.jobs import TERMINAL
 from shared.lifecycle import preexec_die_with_parent
 
-# fast redelivery and heartbeats, float32 greedy (the suite's TEST_ENV, for callers that bring none)
+# fast redelivery and heartbeats, the default dtype (the suite's TEST_ENV, for callers that bring none)
 ENV = {"CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
-       "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING", "DTYPE": "float32",
+       "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING",
        "OMP_WAIT_POLICY": "PASSIVE"}  # (OpenMP threads that sleep while they wait: 2 cores, several stacks)
 # the longest a request to the cut-off API may take: one Redis call's read timeout (socket_timeout 10 s), its one
 # retry on a new connection (connect timeout 2 s) and the pool's wait (10 s) are the API's own bounds (shared/

@@ -208,10 +208,11 @@ TEST_ENV = {
     "CLAIM_IDLE_MS": "3000", "REFRESH_S": "0.5", "HEARTBEAT_S": "1", "MAX_MODEL_LEN": "1024",
     "MAX_TOKENS_CAP": "1000", "DRAIN_GRACE_S": "10", "LOG_LEVEL": "WARNING",
     "WEBHOOK_ALLOW_PRIVATE": "1",  # the tests' webhook receivers listen on 127.0.0.1
-    # the end-to-end tests compare texts across runs (resumes, redeliveries): float32 greedy decoding
-    # gives the same tokens whatever else shares a batch; bfloat16 (DTYPE=auto on such CPUs) need not
-    "DTYPE": "float32",
 }
+# DTYPE is left at its default (`auto`: bfloat16 on a CPU with AVX512-BF16 or AMX), so that the tests that compare
+# texts across batches, resumes and redeliveries hold the seed promise where users run it. The session's shared
+# stacks run float32: their tests also compare our texts with transformers' and PEFT's float32 references.
+REFERENCE_DTYPE = {"DTYPE": "float32"}
 
 
 def start_stack(tmp: Path, redis_url: str, model: str, extra: dict[str, str] | None = None,
@@ -237,7 +238,8 @@ Get = Callable[[str], Any]  # a session fixture's value by name
 def _launch_stack(get: Get) -> Stack:
     tmp, server = get("tmp_path_factory"), get("redis_server")
     return launch_stack(tmp.mktemp("stack"), server.url, get("model_path"),
-                        {**SHARED_STACK_ENV, "SPECULATIVE": "ngram", "LORA_MODULES": f"smol-lora={get('smol_lora')}"})
+                        {**SHARED_STACK_ENV, **REFERENCE_DTYPE, "SPECULATIVE": "ngram",
+                         "LORA_MODULES": f"smol-lora={get('smol_lora')}"})
 
 
 def _launch_tiny_stack(get: Get) -> Stack:
@@ -245,13 +247,14 @@ def _launch_tiny_stack(get: Get) -> Stack:
     url = server.url.rsplit("/", 1)[0] + "/1"
     redis.Redis.from_url(url).flushdb()
     loras = lora_env(get("tiny_loras"), ["tiny-all", "tiny-attn"])
-    return launch_stack(tmp.mktemp("tiny-stack"), url, get("tiny_model_dir"), {**SHARED_STACK_ENV, **loras})
+    return launch_stack(tmp.mktemp("tiny-stack"), url, get("tiny_model_dir"),
+                        {**SHARED_STACK_ENV, **REFERENCE_DTYPE, **loras})
 
 
 def _launch_cluster_stack(get: Get) -> Stack:
     loras = lora_env(get("tiny_loras"), ["tiny-all", "tiny-attn"])
     return launch_stack(get("tmp_path_factory").mktemp("cluster-stack"), "", get("tiny_model_dir"),
-                        {**SHARED_STACK_ENV, **loras}, args=["--redis-cluster", "3"])
+                        {**SHARED_STACK_ENV, **REFERENCE_DTYPE, **loras}, args=["--redis-cluster", "3"])
 
 
 # the session's shared stacks, by fixture; the tests on each form one group (`pytest_collection_modifyitems`)
