@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, dict[str, tuple[str, str]]] = {
         "redis": ("bench.redis_ops", "what each stage's Redis traffic costs Redis"),
         "tokenizer": ("bench.tokenizer", "the tokenizer stage alone"),
         "tools": ("bench.tools", "forced tool calls and JSON schemas against plain decoding at 32 streams"),
+        "seeds": ("bench.seeds", "the seed promise through the service: seeded texts alone and among others"),
     },
     "faults": {
         "chaos": ("bench.chaos", "nothing lost or corrupted while processes die and Redis restarts"),

@@ -62,6 +62,7 @@ class QuickRuns:
                                str(tmp / "vllm-lora")],
             "chaos": py + ["bench", "faults", "chaos", "--quick", "--workdir", str(tmp / "chaos")],
             "drain": py + ["bench", "faults", "drain", "--quick"],
+            "seeds": py + ["bench", "serve", "seeds", "--quick", "--model", tiny, "--jobs", "3", "--others", "9"],
             "from_zero": py + ["bench", "cold-start", "from-zero", "--quick", "--model", tiny, "--workdir",
                                str(tmp / "from-zero")],
             "gpu_check": ["bash", "bench/gpu_check.sh", "--smoke"],
@@ -168,6 +169,11 @@ def test_chaos(runs: QuickRuns) -> None:
 def test_drain(runs: QuickRuns) -> None:
     out = runs.out("drain")
     assert "| where the job was once the worker stopped | rounds |" in out and "held by" not in out
+
+
+def test_seeds(runs: QuickRuns) -> None:
+    out = runs.out("seeds")
+    assert "| round | jobs | wall s | seeded texts as alone | all succeeded |" in out and "2 / 2 rounds held" in out
 
 
 @pytest.mark.slow
