@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,10 +29,18 @@ from bench.common import PROMPTS, chosen_model, cpu_name, md_table, parser, tree
 from harness.stack import start_stack, stop_stack
 
 SAMPLED = {"temperature": 1.0, "top_p": 0.9}
+_local = threading.local()  # a client per thread: one httpx client shared by many threads met EBADF on its sockets
 
 
-def _run(client: httpx.Client, body: dict[str, Any]) -> Any:
+def _client(url: str) -> httpx.Client:
+    if getattr(_local, "client", None) is None:
+        _local.client = httpx.Client(base_url=url, timeout=120)
+    return _local.client  # type: ignore[no-any-return]
+
+
+def _run(url: str, body: dict[str, Any]) -> Any:
     """Submit a job and wait for its end; its final record."""
+    client = _client(url)
     while (resp := client.post("/v1/jobs", json=body)).status_code in (429, 503):
         time.sleep(float(resp.headers.get("retry-after", "1")))
     resp.raise_for_status()
@@ -74,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     rows, failed = [], 0
     try:
-        with httpx.Client(base_url=stack.url, timeout=120) as client, ThreadPoolExecutor(64) as pool:
+        with ThreadPoolExecutor(64) as pool:
             seeded = [_seeded(i, args.max_tokens) for i in range(args.jobs)]
-            reference = [_run(client, body)["text"] for body in seeded]
+            reference = [_run(stack.url, body)["text"] for body in seeded]
             for r in range(rounds):
                 others = _others(rng, args.others, args.jobs, args.max_tokens)
                 bodies = others[: len(others) // 2] + seeded + others[len(others) // 2:]
                 t0 = time.monotonic()
-                ended = list(pool.map(lambda b: _run(client, b), bodies))
+                ended = list(pool.map(lambda b: _run(stack.url, b), bodies))
                 wall = time.monotonic() - t0
                 got = ended[len(others) // 2: len(others) // 2 + args.jobs]
                 bad = [i for i, (job, ref) in enumerate(zip(got, reference)) if job.get("text") != ref]
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                              "yes" if ok else "**no**"])
                 print(f"round {r + 1}: {args.jobs - len(bad)}/{args.jobs} seeded texts as alone, "
                       f"{len(bodies)} jobs in {wall:.1f} s", flush=True)
-            resolved = client.get("/v1/models").json()["data"][0]["id"]
+            resolved = _client(stack.url).get("/v1/models").json()["data"][0]["id"]
     finally:
         stop_stack(stack)
     print(f"\n# the seed promise through the service: {args.jobs} seeded jobs among {args.others} others, {rounds} "
