@@ -125,3 +125,45 @@ def test_a_grammar_compiling_holds_no_other_job(settings: Settings, monkeypatch:
         w.stop_event.set()
         runner.join(60)
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
+
+
+def test_a_full_compile_lane_holds_no_other_job(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood of jobs with grammars (one tenant's distinct schemas, say) fills the compile lane: the loop goes on
+    reading and queuing the other jobs, and keeps the jobs with a grammar it has no room for pending (refreshed,
+    not taken up again) until the lane has room. Before, the loop waited for room, holding every client's jobs
+    behind the compiles."""
+    from shared.schemas import GenerationRequest
+    from workers.tokenizer.worker import SHAPED_WAITING
+
+    w = TokenizerWorker(settings)
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    release = threading.Event()
+    compile_one = w._compile
+
+    def held(job_id: str, req: GenerationRequest, served: Any) -> bool:
+        release.wait(60)
+        return compile_one(job_id, req, served)
+
+    monkeypatch.setattr(w, "_compile", held)
+    shaped = GenerationRequest(prompt="Name a color.", max_tokens=8, response_format={"type": "json_object"})
+    runner = threading.Thread(target=w.run, daemon=True)
+    runner.start()
+    flood = [f"job_shaped_{i}" for i in range(SHAPED_WAITING + 4)]
+    try:
+        for n, job_id in enumerate(flood, 1):  # one read each: a batch each for the lane, until it is full
+            enqueue(r, job_id, shaped.model_dump_json(exclude_none=True))
+            until("the job read", lambda n=n: r.xpending(names.stream(names.JOBS, 0),
+                                                         names.TOKENIZER_GROUP)["pending"] >= n, timeout=30)
+        enqueue(r, "job_plain", json.dumps({"prompt": "Hello there", "max_tokens": 4}))
+        until("the plain job queued while the lane is full", lambda: r.hexists(names.fair_key(0, "payload"),
+                                                                               "job_plain"), timeout=30)
+        assert not any(r.hexists(names.fair_key(0, "payload"), j) for j in flood)
+        release.set()
+        until("every job with a grammar queued", lambda: all(r.hexists(names.fair_key(0, "payload"), j)
+                                                             for j in flood), timeout=120)
+    finally:
+        release.set()
+        w.stop_event.set()
+        runner.join(60)
+    assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
+    assert not any(r.hget(names.job_key(j), "status") == "failed" for j in flood)

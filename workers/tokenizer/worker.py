@@ -97,10 +97,14 @@ class TokenizerWorker:
         # again once it answers (pending here meanwhile; another worker claims them if this one dies)
         self.held: dict[Ref, Entry] = {}
         # the jobs with a grammar, a read's batch at a time, for the compile lane (`run` starts it; without it, as a
-        # library, `process` compiles in place); bounded: past it the loop waits, as it did for every compile
+        # library, `process` compiles in place); bounded: past it a read's jobs with a grammar wait in `overflow`
         self._shaped: queue.Queue[Shaped | None] = queue.Queue(maxsize=SHAPED_WAITING)
         self._lane: threading.Thread | None = None
-        self._in_lane: set[Ref] = set()  # the entries handed to it, kept from going idle meanwhile (`step`)
+        # the entries handed to it, and those in `overflow`, kept from going idle meanwhile (`step`)
+        self._in_lane: set[Ref] = set()
+        # entries of jobs with a grammar read while the lane was full: pending here, their jobs prepared again once
+        # it has room (an entry is small; what it names stays in Redis), while the loop reads and queues the rest
+        self.overflow: dict[Ref, Entry] = {}
         self._in_lane_lock = threading.Lock()
         self._compilers_lock = threading.Lock()
 
@@ -137,7 +141,14 @@ class TokenizerWorker:
             self._recover()
             self.next_claim = time.monotonic() + max(1.0, self.settings.claim_idle_ms / 4000)
         # (a read whose reply was lost: its entries held before anything else can fail this step)
-        self.held.update((e.ref, e) for e in self.consumer.lost(known=self.held))
+        self.held.update((e.ref, e) for e in self.consumer.lost(known=self.held.keys() | self.overflow.keys()))
+        if self.overflow and not self._shaped.full():  # the lane has room: the oldest waiting, a read's worth
+            again = list(self.overflow.values())[:self.settings.tokenizer_batch]
+            for entry in again:
+                del self.overflow[entry.ref]
+            with self._in_lane_lock:
+                self._in_lane.difference_update(e.ref for e in again)
+            self.process(again)
         held = [e for e in self.held.values() if not self.consumer.masters.is_down(e.stream)]
         entries = self.consumer.read(self.settings.tokenizer_batch, block_ms=100 if self.held else 500)
         if held or entries:
@@ -154,6 +165,7 @@ class TokenizerWorker:
             keep, dead = keep + own, dead + own_dead
             for entry in keep:
                 self.held.pop(entry.ref, None)  # (held past the claim deadline: taken up here)
+                self.overflow.pop(entry.ref, None)
                 self.process([entry])
             if not keep and not dead:
                 return
@@ -295,7 +307,10 @@ class TokenizerWorker:
         if shaped and self._lane is not None:
             with self._in_lane_lock:
                 self._in_lane.update(p[0].ref for p in shaped)
-            self._shaped.put((stream, served, shaped, traces, started))  # the loop reads on meanwhile
+            try:
+                self._shaped.put_nowait((stream, served, shaped, traces, started))  # the loop reads on meanwhile
+            except queue.Full:  # (not waited for: the other jobs of every client go on)
+                self.overflow.update((p[0].ref, p[0]) for p in shaped)
         elif shaped:
             self._compile_queue((stream, served, shaped, traces, started))
 
