@@ -18,7 +18,7 @@ import pytest
 
 from harness.models import make_lora_adapter, make_tiny_model
 from shared import names
-from tests.conftest import Stack, start_stack, stop_stack
+from tests.conftest import REFERENCE_DTYPE, Stack, start_stack, stop_stack
 from tests.e2e.test_lora import PROMPTS, N, peft_text
 from tests.helpers import submit, until, wait
 
@@ -44,7 +44,8 @@ def models_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
              {"name": "b-lora", "path": second_model["lora"], "base_model_name": SECOND}]
     stack = start_stack(tmp_path_factory.mktemp(f"models-{request.param}"), "", "", args=args, autoscale=True,
                         extra={"MODELS": json.dumps(models), "LORA_MODULES": json.dumps(loras),
-                               "AUTOSCALE_PERIOD_S": "0.5", "SCALE_IN_COOLDOWN_S": "3"})
+                               "AUTOSCALE_PERIOD_S": "0.5", "SCALE_IN_COOLDOWN_S": "3",
+                               **REFERENCE_DTYPE})  # (compared with transformers' and PEFT's float32 text)
     yield stack
     stop_stack(stack)
 
