@@ -7,8 +7,8 @@ scrape of any API process sees every pool. Names follow vLLM's, under `conveyor:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 import redis
 from fastapi import APIRouter, Request
@@ -25,7 +25,12 @@ from shared.redis_client import sync_client
 from shared.signals import Snapshot, WorkerBeat, lag_per_replica, pool_groups, read_snapshot
 
 router = APIRouter(tags=["metrics"])
+T = TypeVar("T")
 READ_S = 3.0  # the operator pages' Redis reads: each is a few commands in one or two round trips
+# the most a scrape (/metrics, /scaling) takes: a master that does not answer costs each of its reads READ_S, retried
+# once, and a scrape reads several times, so the whole answers a 503 by then, within Prometheus' default scrape
+# timeout (10 s), rather than after it (12 s, the scrape lost all the same)
+SCRAPE_S = 8.0
 WAITING_KINDS = (names.JOBS, names.TOKENIZED)  # the streams whose lag is jobs waiting (not `ended`, not `tokenize`)
 
 
@@ -206,7 +211,17 @@ async def scaling(request: Request, model: str | None = None) -> dict[str, dict[
         return {names.TOKENIZER_POOL: out[names.TOKENIZER_POOL],
                 names.INFERENCE_POOL: out[names.inference_pool(settings.key_of(model))]}
 
-    return await asyncio.to_thread(read)
+    return await _within_deadline(read)
+
+
+async def _within_deadline(read: Callable[[], T]) -> T:
+    """`read()` in a thread, answered within SCRAPE_S, else a 503 (the thread ends on its own: each of its reads is
+    bounded)."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(read), SCRAPE_S)
+    except TimeoutError:
+        raise ApiError(503, f"the metrics could not be read within {SCRAPE_S:g} s: a Redis node does not answer; "
+                            "retry", headers={"Retry-After": "5"}) from None
 
 
 @router.get("/metrics")
@@ -221,5 +236,5 @@ async def metrics(request: Request) -> Response:
                                           state.settings.model_keys, state.settings.max_num_seqs))
         return generate_latest(registry)
 
-    body = await asyncio.to_thread(render)
+    body = await _within_deadline(render)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

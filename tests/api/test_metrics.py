@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -128,5 +130,36 @@ async def test_a_cluster_none_of_whose_nodes_answers_is_a_503(tmp_path: Path, mo
                 for path in ("/metrics", "/scaling", f"/v1/jobs/job_{'0' * 32}"):
                     got = await c.get(path)
                     assert got.status_code == 503, (path, got.status_code, got.text)
+    finally:
+        cluster.stop()
+
+
+async def test_a_scrape_answers_within_prometheus_timeout_while_a_master_is_silent(tmp_path: Path,
+                                                                                    model_path: str) -> None:
+    """A master paused (no failover yet: a cluster's node timeout is seconds, 5 s on the Kubernetes chart): each of
+    the scrape's reads there waits READ_S, retried once, and a scrape makes several. It answers by SCRAPE_S, a 503
+    if it must, where before it answered after Prometheus' 10 s scrape timeout (a scrape lost either way)."""
+    from api.metrics import SCRAPE_S
+    from shared.redis_client import sync_client
+
+    cluster = LocalCluster(tmp_path / "cluster", masters=3, replicas=0, appendfsync="no", node_timeout_ms=60_000)
+    url = cluster.start()
+    try:
+        app = create_app(Settings(redis_url=url, model=model_path))
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
+                assert (await c.get("/metrics")).status_code == 200
+                silent = sync_client(url).get_node_from_key(names.STATS_KEY)  # (the totals' master: read last)
+                cluster.kill(silent.port, signal.SIGSTOP)
+                try:
+                    for path in ("/metrics", "/scaling"):
+                        started = time.monotonic()
+                        got = await c.get(path)
+                        took = time.monotonic() - started
+                        assert got.status_code in (200, 503), (path, got.status_code, got.text)
+                        assert took < SCRAPE_S + 1.0, (path, took)
+                finally:
+                    cluster.kill(silent.port, signal.SIGCONT)
     finally:
         cluster.stop()
