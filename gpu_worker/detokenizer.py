@@ -22,16 +22,21 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
+        # special tokens, which decoding skips: never among the ids, so that they neither count as held text nor
+        # push out the context a decoder reads a token by (a SentencePiece word's leading space)
+        self.skipped = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         self.ids: list[int] = []
         self.read = 0  # ids[:read] are let out: context only
         self.prefix = ""  # their text
 
     def step(self, token_id: int) -> str:
+        if token_id in self.skipped:
+            return ""
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         held = len(self.ids) - self.read
         if len(text) <= len(self.prefix) or (text.endswith("\ufffd") and held < HOLD_MAX):
-            if held >= HOLD_MAX:  # nothing but tokens with no text (special ones, skipped)
+            if held >= HOLD_MAX:  # nothing but tokens with no text
                 self._cut()
             return ""
         piece = text[len(self.prefix):]
@@ -129,9 +134,11 @@ class Detokenizer:
                 return "".join(out), hit, n
         return "".join(out), None, len(token_ids)
 
-    def flush(self) -> str:
-        """At the job's end: the text held back, for an unfinished character or a possible stop string."""
-        return self.matcher.flush() + self.stream.rest()
+    def flush(self) -> tuple[str, str | None]:
+        """At the job's end: (the text held back, for an unfinished character or a possible stop string, the stop
+        string that text completes: None, none; the text then ends before it, as `push`'s)."""
+        emit, hit = self.matcher.push(self.stream.rest(), check=self.generated >= self.min_tokens)
+        return (emit, hit) if hit is not None else (emit + self.matcher.flush(), None)
 
     def resume(self, token_ids: list[int], emitted: str) -> None:
         """Rebuild state for a job continued from `token_ids` of which `emitted` was already streamed."""

@@ -245,7 +245,11 @@ class OutputLane:
                 self.feedback.put(Abort(job_id, FinishReason.stop))
             reason = FinishReason.stop.value
         elif reason is not None:
-            st.held_text += st.detok.flush()
+            held, hit = st.detok.flush()
+            st.held_text += held
+            if hit is not None:  # (completed by the character let out at the end)
+                st.stop = hit
+                reason = FinishReason.stop.value
         # Written now: the first token, the end, a fresh job's keys, else every `interval` tokens.
         if flags or reason is not None or st.n_tokens - st.written >= self.interval:
             self._write(job_id, st, flags, step)

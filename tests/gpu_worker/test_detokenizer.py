@@ -19,7 +19,7 @@ def test_incremental_equals_full_decode(tok: Tokenizer) -> None:
     text = "Héllo, wörld! 你好，世界。 Emoji: 🚀🎉 done."
     ids = tok.encode(text, add_special_tokens=False).ids
     d = Detokenizer(tok, [])
-    out = "".join(d.push([i])[0] for i in ids) + d.flush()
+    out = "".join(d.push([i])[0] for i in ids) + d.flush()[0]
     assert out == tok.decode(ids) == text
 
 
@@ -29,7 +29,7 @@ def test_any_text_streams_as_it_decodes_whole(tok: Tokenizer, text: str) -> None
     ids = tok.encode(text, add_special_tokens=False).ids
     assume(tok.decode(ids) == text)  # (the byte-level decoder does not give back every code point whole)
     d = Detokenizer(tok, [])
-    assert "".join(d.push([i])[0] for i in ids) + d.flush() == text
+    assert "".join(d.push([i])[0] for i in ids) + d.flush()[0] == text
 
 
 def test_lone_byte_tokens_come_out_as_replacement_characters_with_bounded_work(tok: Tokenizer) -> None:
@@ -43,14 +43,14 @@ def test_lone_byte_tokens_come_out_as_replacement_characters_with_bounded_work(t
         out += d.push([lead])[0]
         assert len(d.stream.ids) <= WINDOW + HOLD_MAX
         assert len(out) > n - HOLD_MAX  # let out as it goes
-    assert out + d.flush() == "\ufffd" * 3000 == tok.decode([lead] * 3000)
+    assert out + d.flush()[0] == "\ufffd" * 3000 == tok.decode([lead] * 3000)
 
 
 def test_an_end_inside_a_character_shows_it_as_decode_does(tok: Tokenizer) -> None:
     """max_tokens reached inside a character's bytes: its bytes come out as U+FFFD (they were dropped)."""
     ids = tok.encode("I like 😀", add_special_tokens=False).ids
     d = Detokenizer(tok, [])
-    out = "".join(d.push([i])[0] for i in ids[:-1]) + d.flush()
+    out = "".join(d.push([i])[0] for i in ids[:-1]) + d.flush()[0]
     assert out == tok.decode(ids[:-1]) and out.endswith("\ufffd")
 
 
@@ -62,7 +62,7 @@ def test_special_tokens_between_text_hold_nothing_back(tok: Tokenizer) -> None:
         assert d.push([eos])[0] == ""
         assert len(d.stream.ids) <= CONTEXT + HOLD_MAX
     hello = tok.encode(" Hello", add_special_tokens=False).ids
-    assert "".join(d.push([i])[0] for i in hello) + d.flush() == " Hello"
+    assert "".join(d.push([i])[0] for i in hello) + d.flush()[0] == " Hello"
 
 
 def test_stop_string_split_across_tokens_is_held_back(tok: Tokenizer) -> None:
@@ -169,3 +169,25 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_drops_what_follows
         if hit:
             break
     assert hit == "END o" and "".join(streamed) == "The answer is forty-two. END o"
+
+
+def test_special_tokens_keep_the_context_and_hold_nothing(tok: Tokenizer) -> None:
+    """Skipped special tokens between characters: they neither count towards HOLD_MAX (a character's first byte
+    after 7 of them came out as U+FFFD) nor push the text's context out."""
+    eos = tok.token_to_id("<|im_end|>")
+    ids = tok.encode("Hi! 世界 done", add_special_tokens=False).ids
+    for k in (3, 8, 20):
+        for at in range(1, len(ids)):
+            d = Detokenizer(tok, [])
+            mixed = ids[:at] + [eos] * k + ids[at:]
+            assert "".join(d.push([i])[0] for i in mixed) + d.flush()[0] == "Hi! 世界 done", (k, at)
+
+
+def test_a_stop_string_completed_by_the_text_let_out_at_the_end_stops_it(tok: Tokenizer) -> None:
+    """The text held back for an unfinished character, let out as the job ends, goes through the stop strings too."""
+    lead = tok.token_to_id("ð")  # a character's first byte: held back until the end
+    say = tok.encode("Say", add_special_tokens=False).ids
+    d = Detokenizer(tok, ["y\ufffd"])
+    emitted = "".join(d.push([i])[0] for i in say + [lead])
+    held, hit = d.flush()
+    assert hit == "y\ufffd" and "\ufffd" not in emitted + held and (emitted + held).endswith("Sa")

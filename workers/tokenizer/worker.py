@@ -20,6 +20,7 @@ the loop: a compile takes up to seconds, and the jobs read meanwhile, of every t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import signal
@@ -49,6 +50,9 @@ from workers.tokenizer.prompt import PromptBuilder, PromptError
 log = logging.getLogger("conveyor.tokenizer")
 
 SHAPED_WAITING = 8  # reads' batches of jobs with a grammar waiting for the compile lane
+# entries of jobs with a grammar kept waiting for room in the lane (`overflow`); past it the loop waits for room: a
+# worker does not hoard more than this of the pool's structured jobs, which the pool's other workers may read
+OVERFLOW_MAX = 256
 # a read's jobs with a grammar, for the compile lane: (stream, model, [(entry, job id, request, prompt text)],
 # traced jobs' (carrier, created at), when the read's tokenizing started)
 Shaped = tuple[str, "ModelTokens", list[tuple[Entry, str, GenerationRequest, str | None]],
@@ -122,6 +126,9 @@ class TokenizerWorker:
         try:
             run_loop(self.step, self.stop_event, log, "tokenizer", on_outage=self.consumer.note_outage)
         finally:
+            if self.overflow:  # for the pool's other workers at once (their delivery counted once more, as any)
+                with contextlib.suppress(*RETRYABLE):
+                    self.consumer.hand_back(list(self.overflow), self.settings.claim_idle_ms)
             self._shaped.put(None)  # the lane ends once the compiles handed to it are done
             self._lane.join(COMPILE_TIMEOUT_S * (SHAPED_WAITING + 1))
             hb.stop()
@@ -165,7 +172,9 @@ class TokenizerWorker:
             keep, dead = keep + own, dead + own_dead
             for entry in keep:
                 self.held.pop(entry.ref, None)  # (held past the claim deadline: taken up here)
-                self.overflow.pop(entry.ref, None)
+                if self.overflow.pop(entry.ref, None) is not None:
+                    with self._in_lane_lock:
+                        self._in_lane.discard(entry.ref)
                 self.process([entry])
             if not keep and not dead:
                 return
@@ -309,8 +318,11 @@ class TokenizerWorker:
                 self._in_lane.update(p[0].ref for p in shaped)
             try:
                 self._shaped.put_nowait((stream, served, shaped, traces, started))  # the loop reads on meanwhile
-            except queue.Full:  # (not waited for: the other jobs of every client go on)
-                self.overflow.update((p[0].ref, p[0]) for p in shaped)
+            except queue.Full:
+                if len(self.overflow) < OVERFLOW_MAX:  # (not waited for: the other jobs of every client go on)
+                    self.overflow.update((p[0].ref, p[0]) for p in shaped)
+                else:
+                    self._shaped.put((stream, served, shaped, traces, started))
         elif shaped:
             self._compile_queue((stream, served, shaped, traces, started))
 
