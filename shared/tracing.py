@@ -67,15 +67,25 @@ def enabled() -> bool:
     return _tracer is not None
 
 
+SHUTDOWN_S = 2.0  # the most a process that ends waits for its last spans to go out
+
+
 def shutdown() -> None:
-    """Export what is pending (a process that ends)."""
+    """Export what is pending (a process that ends), for SHUTDOWN_S at most: a collector that does not answer would
+    hold the process for the exporter's own timeout (10 s), out of its stop's grace period."""
     if _tracer is None:
         return
+    import threading
+
     from opentelemetry import trace
 
     provider = trace.get_tracer_provider()
     if hasattr(provider, "shutdown"):
-        provider.shutdown()
+        done = threading.Thread(target=provider.shutdown, name="trace-shutdown", daemon=True)
+        done.start()
+        done.join(SHUTDOWN_S)
+        if done.is_alive():
+            log.warning("spans not all exported at exit: the collector did not answer within %g s", SHUTDOWN_S)
 
 
 def _context(carrier: str) -> Any:

@@ -9,8 +9,10 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -218,3 +220,24 @@ def test_with_tracing_off_no_exporter_thread_starts() -> None:
     on = subprocess.run([sys.executable, "-c", code.format(True)], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=60)
     assert on.returncode == 0 and "OtelBatch" in on.stdout, (on.stdout, on.stderr)
+
+
+def test_a_collector_that_never_answers_holds_a_process_that_ends_for_two_seconds_at_most() -> None:
+    """A process's last spans at its exit, to a collector that takes the connection and never answers: it waited
+    the exporter's timeout (10 s) out of its stop's grace period; it gives up after tracing.SHUTDOWN_S."""
+    from shared.tracing import SHUTDOWN_S
+
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)  # (accepted by the kernel, never read)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{hung.getsockname()[1]}"}
+        parent = f"00-{'1' * 32}-{'2' * 16}-01"  # a sampled trace: its span waits in the batch processor
+        code = ("import time; from shared import tracing; assert tracing.setup('api'); "
+                f"tracing.record('stage', {parent!r}, time.time() - 1, time.time()); "
+                "t = time.monotonic(); tracing.shutdown(); print(time.monotonic() - t)")
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip().splitlines()[-1]) < SHUTDOWN_S + 1.0, (out.stdout, time.monotonic() - started)
