@@ -90,6 +90,22 @@ def test_an_entry_our_api_did_not_write_fails_its_job_alone_with_its_reason(sett
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
 
 
+def _held_compiles(w: TokenizerWorker, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """The worker's compiles held until `release` is set (`compiling`: one began)."""
+    from shared.schemas import GenerationRequest
+
+    compiling, release = threading.Event(), threading.Event()
+    compile_one = w._compile
+
+    def held(job_id: str, req: GenerationRequest, served: Any) -> bool:
+        compiling.set()
+        release.wait(60)
+        return compile_one(job_id, req, served)
+
+    monkeypatch.setattr(w, "_compile", held)
+    return compiling, release
+
+
 def test_a_grammar_compiling_holds_no_other_job(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """A running worker compiles grammars in its compile lane: while one compiles (up to seconds), the jobs read
     after it, of any tenant or model, are queued; the job with the grammar is queued once compiled, its entry
@@ -98,15 +114,7 @@ def test_a_grammar_compiling_holds_no_other_job(settings: Settings, monkeypatch:
 
     w = TokenizerWorker(settings)
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    compiling, release = threading.Event(), threading.Event()
-    compile_one = w._compile
-
-    def slow(job_id: str, req: GenerationRequest, served: Any) -> bool:
-        compiling.set()
-        release.wait(30)
-        return compile_one(job_id, req, served)
-
-    monkeypatch.setattr(w, "_compile", slow)
+    compiling, release = _held_compiles(w, monkeypatch)
     shaped = GenerationRequest(prompt="Name a color.", max_tokens=8, response_format={"type": "json_object"})
     runner = threading.Thread(target=w.run, daemon=True)
     runner.start()
@@ -137,14 +145,7 @@ def test_a_full_compile_lane_holds_no_other_job(settings: Settings, monkeypatch:
 
     w = TokenizerWorker(settings)
     r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    release = threading.Event()
-    compile_one = w._compile
-
-    def held(job_id: str, req: GenerationRequest, served: Any) -> bool:
-        release.wait(60)
-        return compile_one(job_id, req, served)
-
-    monkeypatch.setattr(w, "_compile", held)
+    _, release = _held_compiles(w, monkeypatch)
     shaped = GenerationRequest(prompt="Name a color.", max_tokens=8, response_format={"type": "json_object"})
     runner = threading.Thread(target=w.run, daemon=True)
     runner.start()
