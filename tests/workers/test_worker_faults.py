@@ -3,6 +3,7 @@ fair queue, each as its own `tokenized` record. Real Redis (a database of its ow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Iterator
@@ -90,36 +91,45 @@ def test_an_entry_our_api_did_not_write_fails_its_job_alone_with_its_reason(sett
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
 
 
-def _held_compiles(w: TokenizerWorker, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """The worker's compiles held until `release` is set (`compiling`: one began)."""
+def _shaped_json() -> str:
+    """A job with a grammar, as the API stores it."""
     from shared.schemas import GenerationRequest
 
+    shaped = GenerationRequest(prompt="Name a color.", max_tokens=8, response_format={"type": "json_object"})
+    return shaped.model_dump_json(exclude_none=True)
+
+
+@contextlib.contextmanager
+def _worker_with_held_compiles(settings: Settings, monkeypatch: pytest.MonkeyPatch
+                               ) -> Iterator[tuple[redis.Redis, threading.Event, threading.Event]]:
+    """A running tokenizer worker whose compiles wait until `release` is set (`compiling`: one began); yields
+    (a decoding client, compiling, release) and stops the worker on leaving."""
+    w = TokenizerWorker(settings)
     compiling, release = threading.Event(), threading.Event()
     compile_one = w._compile
 
-    def held(job_id: str, req: GenerationRequest, served: Any) -> bool:
+    def held(job_id: str, req: Any, served: Any) -> bool:
         compiling.set()
         release.wait(60)
         return compile_one(job_id, req, served)
 
     monkeypatch.setattr(w, "_compile", held)
-    return compiling, release
+    runner = threading.Thread(target=w.run, daemon=True)
+    runner.start()
+    try:
+        yield redis.Redis.from_url(settings.redis_url, decode_responses=True), compiling, release
+    finally:
+        release.set()
+        w.stop_event.set()
+        runner.join(60)
 
 
 def test_a_grammar_compiling_holds_no_other_job(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """A running worker compiles grammars in its compile lane: while one compiles (up to seconds), the jobs read
     after it, of any tenant or model, are queued; the job with the grammar is queued once compiled, its entry
     kept from going idle meanwhile (here CLAIM_IDLE_MS is 50 ms: it was taken up again and dead-lettered)."""
-    from shared.schemas import GenerationRequest
-
-    w = TokenizerWorker(settings)
-    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    compiling, release = _held_compiles(w, monkeypatch)
-    shaped = GenerationRequest(prompt="Name a color.", max_tokens=8, response_format={"type": "json_object"})
-    runner = threading.Thread(target=w.run, daemon=True)
-    runner.start()
-    try:
-        enqueue(r, "job_shaped", shaped.model_dump_json(exclude_none=True))
+    with _worker_with_held_compiles(settings, monkeypatch) as (r, compiling, release):
+        enqueue(r, "job_shaped", _shaped_json())
         assert compiling.wait(30)
         enqueue(r, "job_plain", json.dumps({"prompt": "Hello there", "max_tokens": 4}))
         until("the plain job queued while the grammar compiles", lambda: r.hexists(names.fair_key(0, "payload"),
@@ -128,10 +138,6 @@ def test_a_grammar_compiling_holds_no_other_job(settings: Settings, monkeypatch:
         release.set()
         until("the job with the grammar queued", lambda: r.hexists(names.fair_key(0, "payload"), "job_shaped"),
               timeout=60)
-    finally:
-        release.set()
-        w.stop_event.set()
-        runner.join(60)
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
 
 
@@ -140,19 +146,12 @@ def test_a_full_compile_lane_holds_no_other_job(settings: Settings, monkeypatch:
     reading and queuing the other jobs, and keeps the jobs with a grammar it has no room for pending (refreshed,
     not taken up again) until the lane has room. Before, the loop waited for room, holding every client's jobs
     behind the compiles."""
-    from shared.schemas import GenerationRequest
     from workers.tokenizer.worker import SHAPED_WAITING
 
-    w = TokenizerWorker(settings)
-    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    _, release = _held_compiles(w, monkeypatch)
-    shaped = GenerationRequest(prompt="Name a color.", max_tokens=8, response_format={"type": "json_object"})
-    runner = threading.Thread(target=w.run, daemon=True)
-    runner.start()
     flood = [f"job_shaped_{i}" for i in range(SHAPED_WAITING + 4)]
-    try:
+    with _worker_with_held_compiles(settings, monkeypatch) as (r, _, release):
         for n, job_id in enumerate(flood, 1):  # one read each: a batch each for the lane, until it is full
-            enqueue(r, job_id, shaped.model_dump_json(exclude_none=True))
+            enqueue(r, job_id, _shaped_json())
             until("the job read", lambda n=n: r.xpending(names.stream(names.JOBS, 0),
                                                          names.TOKENIZER_GROUP)["pending"] >= n, timeout=30)
         enqueue(r, "job_plain", json.dumps({"prompt": "Hello there", "max_tokens": 4}))
@@ -162,9 +161,5 @@ def test_a_full_compile_lane_holds_no_other_job(settings: Settings, monkeypatch:
         release.set()
         until("every job with a grammar queued", lambda: all(r.hexists(names.fair_key(0, "payload"), j)
                                                              for j in flood), timeout=120)
-    finally:
-        release.set()
-        w.stop_event.set()
-        runner.join(60)
     assert r.xpending(names.stream(names.JOBS, 0), names.TOKENIZER_GROUP)["pending"] == 0
     assert not any(r.hget(names.job_key(j), "status") == "failed" for j in flood)
