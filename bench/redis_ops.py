@@ -122,7 +122,7 @@ def job(tokens: int, every: int) -> Step:
 
     def step(r: redis.Redis, wave: int) -> int:
         if not state:
-            for stream, group in names.STREAM_GROUPS.items():
+            for stream, group in names.stream_groups().items():
                 with contextlib.suppress(redis.ResponseError):  # the group exists
                     r.xgroup_create(stream, group, id="0", mkstream=True)
             state["jobs"], state["submit"] = _ops(r), r.register_script(scripts.SUBMIT.source)

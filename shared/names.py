@@ -145,12 +145,9 @@ def stream_partition(name: bytes | str) -> int:
     return int(tagged[tagged.index("{p") + 2:tagged.index("}")])
 
 
-STREAM_GROUPS = {stream(kind, p): group for kind, group in GROUPS.items() for p in partitions()}
-
-
 def stream_groups(models: Iterable[str] = ("",)) -> dict[str, str]:
     """{stream: group} of every stream a deployment serving `models` (their queue names: '' the first) reads:
-    STREAM_GROUPS, and each other model's `tokenized` streams."""
+    each partition's stream of every kind in GROUPS, and each other model's `tokenized` streams."""
     out = {stream(kind, p): group for kind, group in GROUPS.items() for p in partitions()}
     for model in models:
         if model:

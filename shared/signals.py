@@ -210,10 +210,12 @@ async def aread_live(client: aredis.Redis, pools: Sequence[str] = WATCHED_POOLS)
 
 
 def read_snapshot(client: redis.Redis, pools: Sequence[str] = WATCHED_POOLS,
-                  streams: Mapping[str, str] = names.STREAM_GROUPS, limit: int = COUNT_LIMIT) -> Snapshot:
+                  streams: Mapping[str, str] | None = None, limit: int = COUNT_LIMIT) -> Snapshot:
     """The live workers of `pools` with their heartbeats, and the lag of each group of `streams`
     ({stream: group}), in two round trips. A lag that has to be counted is exact up to `limit` and
-    reported as `limit` above it. Either a decoding client or a raw one will do."""
+    reported as `limit` above it. Either a decoding client or a raw one will do. `streams`: the default model's
+    (`names.stream_groups()`) unless given."""
+    streams = names.stream_groups() if streams is None else streams
     now = time.time()
     pipe = client.pipeline(transaction=False)
     _queue_registries(pipe, pools)
