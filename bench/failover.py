@@ -6,6 +6,7 @@
     .venv/bin/python -m bench faults failover --fault pause-replica --rounds 5 --tiny   # a replica paused instead
     .venv/bin/python -m bench faults failover --fault pause-master --tiny   # a master paused (silent), not killed
     .venv/bin/python -m bench faults failover --fault refuse-writes --tiny  # a master refusing writes for a while
+    .venv/bin/python -m bench faults failover --fault lost-end --tiny       # ends no replica had, lost with the master
 
 The README's cluster settings on a cluster of its own, as an operator runs one (not the supervisor's, which
 would start a killed node again at once): a LocalCluster of 3 masters and 3 replicas, a single-node Redis as
@@ -39,6 +40,16 @@ job ends succeeded, its event stream whole.
 PAUSE_S (`min-replicas-to-write` above its replicas: NOREPLICAS; a failed save on a full disk, MISCONF, is the
 same to the stack), then takes writes again. Its jobs pause: every loop backs off as in an outage. A round passes
 when every job ends succeeded, its event stream whole, and no process of the stack was restarted.
+
+`--fault lost-end`: jobs end on a master that no replica follows, and the master dies: each round submits --jobs
+jobs, waits until every job on one master (not the node REDIS_URL names) runs, then cuts that master's replica off
+(SIGSTOP, its replication link killed), so that the ends written meanwhile reach no replica (the output lane's fence
+finds none connected and lets them through: availability over the copy). Once every such job reads ended, the master
+is killed -9 and its replica, running again, takes over without those ends: the records say running and the
+entries are pending for the worker that ran them, which takes them up again. A round passes when every accepted job
+ends (again) succeeded with the text of a clean run (the seed promise: a job's seed comes from its id when it names
+none) and an event stream of seqs 1..n that joins to it; `ran_again` counts the jobs read ended before the kill
+and running after it.
 """
 
 from __future__ import annotations
@@ -309,6 +320,73 @@ def pause_round(stack: Stack, cluster: LocalCluster, rnd: int, args: argparse.Na
             "restarted": len(pids - {p.pid for _, p in stack.tree()}), "healed": True}
 
 
+def lost_end_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, args: argparse.Namespace,
+                   clean: dict[int, str]) -> dict[str, Any]:
+    """`--fault lost-end`: ends that reached no replica, lost with their master."""
+    counts = {"503": 0, "transport": 0}
+    seed = cluster.nodes[0].port
+    master = next(p for p in cluster.master_ports() if p != seed)
+    held = partitions_of(cluster, master)
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        accepted = {j: i for i in range(args.jobs) if (j := submit(client, body(i, args.max_tokens), counts))}
+        at_stake = set(accepted) - elsewhere(list(accepted), held)
+
+        def statuses(jobs: set[str]) -> dict[str, str]:
+            out = {}
+            for job_id in jobs:
+                with contextlib.suppress(httpx.TransportError):
+                    r = client.get(f"/v1/jobs/{job_id}")
+                    if r.status_code == 200:
+                        out[job_id] = r.json()["status"]
+            return out
+
+        until("every job on the master to run", lambda: all(
+            s != "queued" for s in statuses(at_stake).values()), 120, every=0.05)
+        replica = cluster.replica_of(master)
+        cluster.kill(replica, signal.SIGSTOP)
+        with cluster.node(master).client() as node:
+            node.client_kill_filter(_type="replica")
+        alone = {j for j, s in statuses(at_stake).items() if s not in TERMINAL}  # their ends: on the master alone
+        until("the master's jobs to end", lambda: all(s in TERMINAL for s in statuses(at_stake).values()), 120,
+              every=0.1)
+        cluster.kill(master)
+        killed_at = time.monotonic()
+        cluster.kill(replica, signal.SIGCONT)
+        revived = reviver.revive(master)
+        until("the replica promoted", lambda: replica in cluster.master_ports(), 60, every=0.1)
+        ran_again: set[str] = set()
+        ended: dict[str, dict[str, Any]] = {}
+        while len(ended) < len(accepted) and time.monotonic() - killed_at < DRAIN_S:
+            for job_id in [j for j in accepted if j not in ended]:
+                with contextlib.suppress(httpx.TransportError):
+                    r = client.get(f"/v1/jobs/{job_id}")
+                    if r.status_code == 200 and r.json()["status"] in TERMINAL:
+                        ended[job_id] = r.json()
+                    elif r.status_code == 200:
+                        ran_again.add(job_id)
+            time.sleep(0.2)
+        drained_s = time.monotonic() - killed_at
+        wrong = 0
+        for job_id, job in ended.items():
+            events = check_events(read_events(client, job_id), job["text"])
+            if job["status"] != "succeeded" or job["text"] != clean[accepted[job_id] % 5] or events is not None:
+                wrong += 1
+                print(json.dumps({"wrong": job_id, "status": job["status"], "error": job.get("error"),
+                                  "events": events, "text": job["text"], "clean": clean[accepted[job_id] % 5]}),
+                      flush=True)
+    revived.wait(90)
+    healed = True
+    try:
+        cluster.wait_ok(timeout=60)
+        cluster.wait_in_sync(timeout=60)
+    except Exception:  # noqa: BLE001 - reported in the row
+        healed = False
+    lost = len(accepted) - len(ended)
+    return {"round": rnd + 1, "accepted": len(accepted), "at_stake": len(at_stake), "ended_alone": len(alone),
+            "ran_again": len(ran_again & at_stake), "lost": lost, "wrong": wrong, "stalled": lost > 0,
+            "drained_s": round(drained_s, 1), "healed": healed}
+
+
 def _refusals(node: Any) -> int:
     """How many writes the node has refused for too few replicas."""
     return int(node.info("errorstats").get("errorstat_NOREPLICAS", {}).get("count", 0))
@@ -318,16 +396,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__, model=False)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--jobs", type=int, default=30)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=0, help="each job's (48; 160 with --fault lost-end: its jobs "
+                                                               "run while the replica is cut off)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of the default one")
     ap.add_argument("--seeds", choices=["one", "all"], default="one", help="the nodes REDIS_URL names")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--inference", type=int, default=1, help="inference workers (a job handed out again may go to "
                                                                  "another one)")
-    ap.add_argument("--fault", choices=["kill", "pause-master", "pause-replica", "refuse-writes"], default="kill",
-                    help="kill -9 of a master (default), a master paused until its replica took over, one replica "
-                         "paused for a while, or a master refusing writes for a while")
+    ap.add_argument("--fault", choices=["kill", "pause-master", "pause-replica", "refuse-writes", "lost-end"],
+                    default="kill", help="kill -9 of a master (default), a master paused until its replica took "
+                                         "over, one replica paused for a while, a master refusing writes for a "
+                                         "while, or ends that reached no replica lost with their master")
     args = ap.parse_args(argv)
+    args.max_tokens = args.max_tokens or (160 if args.fault == "lost-end" else 48)
     if args.quick:
         args.rounds, args.jobs, args.max_tokens, args.tiny = 1, 4, 8, True
     work = Path(args.workdir or tempfile.mkdtemp(prefix="conveyor-failover-"))
@@ -357,8 +438,12 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.2)
                 clean[i] = job["text"]
         for rnd in range(args.rounds):
-            row = (pause_round(stack, cluster, rnd, args) if args.fault in ("pause-replica", "refuse-writes")
-                   else one_round(stack, cluster, reviver, rnd, args, clean))
+            if args.fault in ("pause-replica", "refuse-writes"):
+                row = pause_round(stack, cluster, rnd, args)
+            elif args.fault == "lost-end":
+                row = lost_end_round(stack, cluster, reviver, rnd, args, clean)
+            else:
+                row = one_round(stack, cluster, reviver, rnd, args, clean)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
@@ -374,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         keys = ["round", "accepted", "lost", "wrong", "ended_in_pause", "longest_gap_s", "gap_elsewhere_s",
                 "gaps_over_1s", "restarted"]
         keys += ["refusals"] if args.fault == "refuse-writes" else []
+    if args.fault == "lost-end":
+        keys = ["round", "accepted", "at_stake", "ended_alone", "ran_again", "lost", "wrong", "stalled", "drained_s",
+                "healed"]
     print(md_table(keys, [[r[k] for k in keys] for r in rows]))
     passed = sum(1 for r in rows if not r["lost"] and not r["wrong"] and r["healed"] and not r.get("restarted"))
     print(f"\n{passed} of {len(rows)} rounds passed: every accepted job ended with its clean text")
