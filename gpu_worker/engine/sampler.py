@@ -246,8 +246,20 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> l
     dev = lp.device
     chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long, device=dev)[:, None]).squeeze(1).tolist()
     k = max(ks)
-    if k:
-        vals, idx = torch.topk(lp, k, dim=-1)
-        top_v, top_i = vals.tolist(), idx.tolist()
-    return [Logprobs([c], [top_i[r][:n] if n else []], [top_v[r][:n] if n else []])
-            for r, (c, n) in enumerate(zip(chosen, ks))]
+    if not k:
+        return [Logprobs([c], [[]], [[]]) for c in chosen]
+    # one topk for the step, at its largest count; which tokens of a tie it returns, and in what order, follows
+    # that count, so each row's list is put in a total order of its own: logprob, then token id
+    vals, idx = torch.topk(lp, k, dim=-1)
+    cut = vals.gather(1, torch.tensor([[max(n, 1) - 1] for n in ks], device=dev))  # each row's n-th value
+    at_cut = (lp == cut).sum(dim=1).tolist()
+    top_v, top_i, cut_v = vals.tolist(), idx.tolist(), cut.squeeze(1).tolist()
+    out = []
+    for r, (c, n) in enumerate(zip(chosen, ks)):
+        pairs = sorted(zip(top_v[r][:n], top_i[r][:n]), key=lambda p: (-p[0], p[1]))
+        tied = [p for p in pairs if p[0] == cut_v[r]]
+        if n and len(tied) < at_cut[r]:  # a tie across the row's cut: its lowest ids, wherever topk stopped
+            ids = torch.nonzero(lp[r] == cut_v[r]).squeeze(1)[: len(tied)].tolist()
+            pairs = [p for p in pairs if p[0] != cut_v[r]] + [(cut_v[r], i) for i in ids]
+        out.append(Logprobs([c], [[i for _, i in pairs]], [[v for v, _ in pairs]]))
+    return out

@@ -19,7 +19,7 @@ import torch
 from gpu_worker.engine import cpu_kernels as ck
 from gpu_worker.engine.device import cpu_has_bf16
 from gpu_worker.engine.gemm import OneDnnGemm, choose_gemm
-from gpu_worker.engine.sampler import Sampler
+from gpu_worker.engine.sampler import Sampler, token_logprobs
 from gpu_worker.engine.sequence import Sequence
 from shared.schemas import Request
 
@@ -260,3 +260,26 @@ def test_sampler_gives_a_row_the_same_token_whatever_the_batch(sampling: dict) -
             assert [t for i, t in enumerate(got) if i % 3] == [t for i, t in enumerate(alone[:m]) if i % 3], m
         for s in (*seqs, *plain):
             s.token_ids.append(5)
+
+
+def test_top_logprobs_give_a_row_the_same_alternatives_whatever_the_batch() -> None:
+    """A row's top alternatives (its tokens and their order) alone and beside rows asking for more or fewer, among
+    bfloat16 logits' many equal values: equal logprobs are listed by token id, and a tie at a row's cut keeps the
+    lowest ids. Before, one torch.topk took the step's largest count for every row, and which of a tie it listed,
+    and in what order, followed that count (in bfloat16 a job's top_logprobs changed whenever a neighbour asked for
+    more)."""
+    g = torch.Generator().manual_seed(5)
+    logits = _tied_logits(g, 64, 49152)
+    logits[2] = -20.0
+    logits[2, torch.randperm(49152, generator=g)[:40]] = 3.0  # 40 tied for first: any count cuts inside the tie
+    for n in (1, 2, 5, 20):
+        alone = [token_logprobs(logits[i : i + 1], [0], [n])[0] for i in range(64)]
+        for i, lp in enumerate(alone):
+            ids, values = lp.top_ids[0], lp.top_lps[0]
+            assert len(ids) == n and sorted(zip([-v for v in values], ids)) == list(zip([-v for v in values], ids))
+            if i == 2:  # the lowest ids of the tie
+                assert ids == sorted(torch.nonzero(logits[2] == 3.0).squeeze(1).tolist())[:n]
+        for others in (1, 5, 20):
+            for m in (2, 8, 64):
+                got = token_logprobs(logits[:m], [0] * m, [n if i % 2 == 0 else others for i in range(m)])
+                assert [got[i] for i in range(0, m, 2)] == alone[:m:2], (n, others, m)
