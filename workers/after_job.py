@@ -51,6 +51,9 @@ from workers.webhook import WebhookSender, redact
 
 log = logging.getLogger("conveyor.after_job")
 
+# an entry's webhook being delivered: (what: the job or batch id, where: the URL redacted, its delivery)
+Hooks = dict[Ref, tuple[str, str, "Future[str | None]"]]
+
 OUTSTANDING_PER_THREAD = 4  # deliveries unfinished per delivery thread, at most, before new ends are read
 OUTAGE_BACKOFF_S = 2.0  # the longest wait between two tries while Redis is unreachable
 
@@ -218,9 +221,21 @@ class AfterJob:
         """Account every job of the batch (one pipeline), post the webhooks (jobs' and ended batches')
         in parallel, ack what is done. An entry whose webhook fails stays pending, its reason noted on
         its record; nothing in one entry stops the others."""
+        hooks, unaccounted, lettered = self._account(entries)
+        wait([f for *_, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
+        done, failures = self._outcomes(entries, hooks, unaccounted | lettered)
+        self.consumer.ack(done)
+        self._note(entries, hooks, set(done), failures)
+        counts["done"] += len(done)
+        counts["dead"] += len(lettered)
+        counts["failed"] += len(entries) - len(done) - len(lettered)
+
+    def _account(self, entries: list[Entry]) -> tuple[Hooks, set[Ref], set[Ref]]:
+        """The jobs' usage accounted, and every webhook due handed to the delivery threads: (the webhooks by entry,
+        the entries whose accounting failed, those dead-lettered)."""
         jobs = [e for e in entries if not _batch_id(e)]
         ids = [_job_id(e) for e in jobs]
-        hooks: dict[Ref, tuple[str, str, Future[str | None]]] = {}
+        hooks: Hooks = {}
         unaccounted, lettered = set(), set()
         for entry, job_id, found in zip(jobs, ids, account(self.client, ids)):
             if isinstance(found, Exception):
@@ -239,10 +254,16 @@ class AfterJob:
             if batch_id := _batch_id(entry):
                 hooks[entry.ref] = (batch_id, "its webhook",
                                     self._deliver(entry.ref, self.webhooks.send_batch, batch_id))
-        wait([f for *_, f in hooks.values()], timeout=self.settings.webhook_timeout_s * 3)
+        return hooks, unaccounted, lettered
+
+    @staticmethod
+    def _outcomes(entries: list[Entry], hooks: Hooks, skipped: set[Ref],
+                  ) -> tuple[list[Ref], dict[Ref, tuple[Entry, str]]]:
+        """The entries done (no webhook, or it went through), and those whose webhook failed, with why; those
+        `skipped` and those whose delivery has not started are neither."""
         done, failures = [], {}
         for entry in entries:
-            if entry.ref in unaccounted or entry.ref in lettered:
+            if entry.ref in skipped:
                 continue
             if entry.ref not in hooks:
                 done.append(entry.ref)
@@ -261,8 +282,12 @@ class AfterJob:
                 why = str(future.result())
             failures[entry.ref] = (entry, why)
             log.warning("webhook for %s to %s: %s; will retry", what, where, why)
-        self.consumer.ack(done)
-        acked = set(done)  # kept: deliveries going on, and those that succeeded after their round stopped waiting
+        return done, failures
+
+    def _note(self, entries: list[Entry], hooks: Hooks, acked: set[Ref],
+              failures: dict[Ref, tuple[Entry, str]]) -> None:
+        """On the records: a retried webhook that went through clears its last failure, a failed one notes why.
+        Deliveries still going on, and those that succeeded after their round stopped waiting, are kept."""
         mended = [key for e in entries if e.ref in acked and e.ref in hooks and e.deliveries > 1
                   and (key := _record_key(e))]
         if mended:  # a retry went through: the last failure noted on its record is over
@@ -280,6 +305,3 @@ class AfterJob:
                 else:
                     queue_note_failure(pipe, _job_id(entry), why)
             scripts.execute(pipe, raise_on_error=False)
-        counts["done"] += len(done)
-        counts["dead"] += len(lettered)
-        counts["failed"] += len(entries) - len(done) - len(lettered)
