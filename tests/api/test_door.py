@@ -112,6 +112,17 @@ async def test_hostile_requests_answer_4xx_with_the_error_object(api: httpx.Asyn
         _is_error_object(r)
 
 
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/chat/completions", "/v1/completions", "/v1/messages"])
+async def test_a_json_body_sent_as_a_form_is_told_its_content_type(api: httpx.AsyncClient, path: str) -> None:
+    """`curl -d '{...}'` without a content type sends the JSON as a form: the answer says what to send, where it
+    said before that the input "should be a valid dictionary"."""
+    r = await api.post(path, content='{"prompt": "Hi", "max_tokens": 4}',
+                       headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code in (400, 422), r.text
+    said = r.json()["error"]["message"]
+    assert "Content-Type: application/json" in said and "application/x-www-form-urlencoded" in said, said
+
+
 async def test_refused_requests_queue_nothing(api: httpx.AsyncClient, redis_server) -> None:  # type: ignore[no-untyped-def]
     for path, raw, _ in RAW_JSON_REFUSED:
         await api.post(path, content=raw, headers={"content-type": "application/json"})
