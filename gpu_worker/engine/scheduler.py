@@ -4,9 +4,12 @@ Two queues, as in nano-vllm: `waiting` and `running` (admission order). `waiting
 (lower first, vLLM's meaning), then arrival; a preempted sequence goes back at the front of its priority.
 Each step computes one token for every decoding sequence, then its draft tokens (speculation, ngram.py: in
 order, while the budget lasts and free blocks hold them; a draft never preempts), then spends what is left of
-the token budget on prefill chunks by priority: within a priority, first for sequences already prefilling, then for new
-admissions. (Across tenants too: an inference worker holds only a few jobs beyond its slots, and which
-tenants' jobs reach it is the fair queue's choice, shared/fair_queue.py.) KV memory is counted in blocks
+the token budget on prefill chunks, tenant by tenant: next the tenant running the fewest sequences here (counting
+those admitted in this step), among equals the one whose next sequence came first; within a tenant by priority, and
+within a priority first for sequences already prefilling, then for new admissions. So a light tenant's job is not
+held behind a heavy tenant's long prompts, nor behind its priorities: a tenant's priority orders its own jobs only.
+(Which tenants' jobs reach a worker is the fair queue's choice, shared/fair_queue.py; a worker holds up to its
+slots plus an eighth, so one tenant's prompts can be many of those waiting here.) KV memory is counted in blocks
 (block_manager.py): a sequence is admitted when blocks for all its tokens are free (prefix-cache hits cost
 none), and a decoding sequence takes a new block at each block boundary. When none is free, the newest
 sequence's tenant gives one up: its sequence of the worst priority (the newest among equals) is preempted,
@@ -53,7 +56,8 @@ class Scheduler:
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_only_tokens = max(prefill_only_tokens, self.max_num_batched_tokens)
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # by priority, then arrival (each tenant's order)
+        self._arrivals = 0
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # of those, made by _make_room: for a tenant that ran nothing, for a better priority of the same tenant
@@ -61,6 +65,8 @@ class Scheduler:
         self.num_priority_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        self._arrivals += 1
+        seq.arrival = self._arrivals
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence, first: bool = False) -> None:
@@ -120,19 +126,19 @@ class Scheduler:
         return (len(self.running) >= self.max_num_seqs
                 or self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_free)
 
-    def _make_room(self) -> None:
-        """The first waiting sequence that cannot start but has a victim goes first, into the victim's slot
-        (preempted, it waits at the front of its priority), or into the slot of a running sequence that ends
+    def _make_room(self) -> Sequence | None:
+        """The first waiting sequence that cannot start but has a victim goes first (returned), into the victim's
+        slot (preempted, it waits at the front of its priority), or into the slot of a running sequence that ends
         within FREE_SOON_STEPS."""
         if not self.waiting or not self.running:
-            return
+            return None
         running, worst = Counter(s.req.tenant for s in self.running), self._worst()
         for seq in self.waiting:
             victim = self._victim(seq, running, worst) if self._blocked(seq) else None
             if victim is not None:
                 break
         else:
-            return
+            return None
         if min(s.req.max_tokens - s.num_generated for s in self.running) > FREE_SOON_STEPS:
             self._preempt(victim)
             if victim.req.tenant == seq.req.tenant:
@@ -141,6 +147,7 @@ class Scheduler:
                 self.num_fair_preemptions += 1
         self.waiting.remove(seq)
         self.waiting.appendleft(seq)
+        return seq
 
     def _fits_ever(self, seq: Sequence) -> bool:
         return (seq.num_tokens < self.max_model_len
@@ -149,47 +156,42 @@ class Scheduler:
     def schedule(self) -> tuple[StepBatch, list[Sequence]]:
         """Returns the step's batch and the sequences that can never run (too long for the cache)."""
         rejected: list[Sequence] = []
-        self._make_room()  # before anything is scheduled: its victim must not be in this step
+        first = self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
         budget = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
         chunks: list[tuple[Sequence, int]] = []
-        # prefill by priority; within one, the sequences already prefilling before new admissions
-        prefilling = deque(sorted((s for s in self.running if s.num_uncomputed and not s.decoding),
-                                  key=lambda s: s.req.priority))
-        deferred: list[Sequence] = []
+        turns = _Turns(self.running, self.waiting, first)
         admitting = True
         while budget > 0:
-            admitting = admitting and bool(self.waiting) and len(self.running) < self.max_num_seqs
-            if prefilling and not (admitting and self.waiting[0].req.priority < prefilling[0].req.priority):
-                seq = prefilling.popleft()
-            elif admitting:
-                seq = self.waiting.popleft()
+            admitting = admitting and len(self.running) < self.max_num_seqs
+            seq = turns.next(admitting)
+            if seq is None:
+                break
+            if seq.status is SeqStatus.WAITING:
                 if not self._fits_ever(seq):
+                    self.waiting.remove(seq)
                     seq.status = SeqStatus.FINISHED
                     rejected.append(seq)
                     continue
-                if self._prefix_pending(seq):
-                    deferred.append(seq)
+                if self._prefix_pending(seq):  # (it waits in its place)
                     continue
                 if not self.blocks.allocate(seq):
-                    self.waiting.appendleft(seq)
-                    admitting = False
+                    admitting = False  # (it stays first of its tenant: a smaller one does not overtake it for good)
                     continue
+                self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                turns.started(seq)
                 seq.scheduled_at = seq.scheduled_at or time.time()
                 if seq.decoding:  # (a resumed job whose prompt and ids but its last were cached)
                     decode.append(seq)
                     budget -= 1
                     continue
-            else:
-                break
             n = min(seq.num_uncomputed, budget)
             chunks.append((seq, n))
             if seq.timeline is not None:
                 seq.timeline.append(("prefill_chunk", time.time(), n))
             budget -= n
-        self.waiting.extendleft(reversed(deferred))
         for seq in decode:  # draft tokens (speculation: a bet) after prefill, while budget and free blocks last
             if seq.draft:
                 seq.draft = seq.draft[: max(budget, 0)]
@@ -238,3 +240,53 @@ class Scheduler:
             if shared > r.num_computed // bs:
                 return True
         return False
+
+
+class _Turns:
+    """Whose prefill is next in a step: the tenant running the fewest sequences here (those started in the step
+    counted), among equals the one whose next sequence came first; a tenant's next is its best priority's,
+    and within one its sequences already prefilling before new admissions. `first` (made room for) goes
+    first."""
+
+    def __init__(self, running: list[Sequence], waiting: deque[Sequence], first: Sequence | None) -> None:
+        self.running = Counter(s.req.tenant for s in running)
+        self.prefilling: dict[str, deque[Sequence]] = {}
+        for s in sorted((s for s in running if s.num_uncomputed and not s.decoding),
+                        key=lambda s: (s.req.priority, s.arrival)):
+            self.prefilling.setdefault(s.req.tenant, deque()).append(s)
+        self.waiting: dict[str, deque[Sequence]] = {}
+        for s in waiting:  # (in priority order, then arrival: each tenant's too)
+            if s is not first:
+                self.waiting.setdefault(s.req.tenant, deque()).append(s)
+        self.first = first
+
+    def next(self, admitting: bool) -> Sequence | None:
+        """The next sequence to prefill (a waiting one only while `admitting`), taken off the turns; None when
+        none is left."""
+        if self.first is not None and admitting:
+            seq, self.first = self.first, None
+            return seq
+        best: tuple[tuple[int, int], dict[str, deque[Sequence]], str] | None = None
+        for tenant in self.prefilling.keys() | (self.waiting.keys() if admitting else set()):
+            queues = self._head(tenant, admitting)
+            key = (self.running[tenant], queues[tenant][0].arrival)
+            if best is None or key < best[0]:
+                best = (key, queues, tenant)
+        if best is None:
+            return None
+        _, queues, tenant = best
+        seq = queues[tenant].popleft()
+        if not queues[tenant]:
+            del queues[tenant]
+        return seq
+
+    def _head(self, tenant: str, admitting: bool) -> dict[str, deque[Sequence]]:
+        """Which of the tenant's queues (prefilling, waiting) goes next: a waiting sequence of a strictly better
+        priority before those prefilling."""
+        begun, new = self.prefilling.get(tenant), self.waiting.get(tenant) if admitting else None
+        if begun and not (new and new[0].req.priority < begun[0].req.priority):
+            return self.prefilling
+        return self.waiting
+
+    def started(self, seq: Sequence) -> None:
+        self.running[seq.req.tenant] += 1

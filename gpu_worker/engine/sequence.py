@@ -38,6 +38,7 @@ class Sequence:
         # preemptions, for the output lane's spans (gpu_worker/job_trace.py); None when the job is not traced
         self.timeline: list[tuple[str, float, int]] | None = [] if req.trace else None
         self.scheduled_at = 0.0  # when it was first scheduled (unix s): reported with its first output
+        self.arrival = 0  # its place in the order of arrival at its scheduler (`Scheduler.add`), kept when preempted
         self.lora: Any = None  # its LoRA adapter (gpu_worker/engine/lora.py), resident while it lives; None: the base
 
     @property

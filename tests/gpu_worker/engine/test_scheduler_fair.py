@@ -86,3 +86,46 @@ def test_no_preemption_when_a_slot_frees_soon_anyway() -> None:
     _run_step(sched)  # h0 ends within FREE_SOON_STEPS
     sched.add(_seq("l0", "light"))
     assert "l0" not in _run_step(sched) and sched.num_fair_preemptions == 0
+
+
+def _long(name: str, tenant: str, priority: int = 0, extra: int = 40) -> Sequence:
+    return Sequence(Request(name, [ord(c) for c in name] + [1, 2, 3] + [4] * extra, max_tokens=1, tenant=tenant,
+                            priority=priority))
+
+
+def test_another_tenants_priority_does_not_hold_a_newcomer() -> None:
+    """Priority orders a tenant's own jobs: tenant a's long prompts at priority -1000, always waiting, do not
+    keep tenant b's job (priority 0) from the step's prefill budget. Before, the engine's one waiting queue was
+    in priority order across tenants, and b's job waited for as long as a sent such prompts (a review: 399 s)."""
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=4), 8, 16, 1024)  # 16 tokens a step
+    for i in range(4):
+        sched.add(_long(f"a{i}", "a", priority=-1000))
+    _run_step(sched)
+    sched.add(_long("b0", "b", extra=0))
+    batch, _ = sched.schedule()
+    assert [s.id for s, _ in batch.chunks][:1] == ["b0"], batch.chunks
+
+
+def test_a_light_tenants_job_is_not_held_behind_a_heavy_tenants_prompts() -> None:
+    """At equal priorities, a tenant running nothing here goes before the prompts another tenant has waiting
+    or under way: its job's first chunk comes in the next step, not after every prompt queued before it (a
+    review: 16 s waiting for a slot behind 8 prompts of 4,000 tokens)."""
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=4), 8, 16, 1024)
+    heavy = [_long(f"h{i}", "heavy") for i in range(4)]
+    for s in heavy:
+        sched.add(s)
+    _run_step(sched)  # h0's first chunk
+    sched.add(_long("l0", "light", extra=0))
+    batch, _ = sched.schedule()
+    assert [(s.id, n) for s, n in batch.chunks] == [("l0", 5), ("h0", 11)]
+    assert [s.id for s in sched.waiting] == ["h1", "h2", "h3"]  # the heavy tenant's keep their order
+
+
+def test_a_steps_prefill_goes_round_the_tenants() -> None:
+    """Within a step too: after a tenant's job, the next of a tenant running fewer here; between tenants running
+    as many, the one whose job came first."""
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=4), 8, 16, 1024)
+    for s in (_long("x0", "x", extra=0), _long("x1", "x", extra=0), _long("y0", "y", extra=0)):
+        sched.add(s)  # 5 tokens each: all three fit the step's 16
+    batch, _ = sched.schedule()
+    assert [s.id for s, _ in batch.chunks] == ["x0", "y0", "x1"]
