@@ -158,15 +158,23 @@ class Scheduler:
         rejected: list[Sequence] = []
         first = self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
-        budget = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
+        budget = whole = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
         chunks: list[tuple[Sequence, int]] = []
         turns = _Turns(self.running, self.waiting, first)
+        tenants: set[str] = set()
         admitting = True
         while budget > 0:
             admitting = admitting and len(self.running) < self.max_num_seqs
             seq = turns.next(admitting)
             if seq is None:
                 break
+            if tenants and seq.req.tenant not in tenants and whole > self.max_num_batched_tokens:
+                # the larger prefill-only step is for one tenant's prompts: with another's in it, the step is as
+                # short as a decode step (a light tenant's first token does not wait for a heavy one's prompt)
+                budget = min(budget, self.max_num_batched_tokens - (whole - budget))
+                if budget <= 0:
+                    break
+            tenants.add(seq.req.tenant)
             if seq.status is SeqStatus.WAITING:
                 if not self._fits_ever(seq):
                     self.waiting.remove(seq)

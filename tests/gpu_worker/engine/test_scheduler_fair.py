@@ -8,6 +8,7 @@ from __future__ import annotations
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.scheduler import FREE_SOON_STEPS, Scheduler
 from gpu_worker.engine.sequence import SeqStatus, Sequence
+from gpu_worker.engine.step import StepBatch
 from shared.schemas import Request
 
 SLOTS = 4
@@ -22,6 +23,12 @@ def _run_step(sched: Scheduler) -> list[str]:
     """Schedule a step and account it as computed (one new token for each decoding sequence)."""
     batch, rejected = sched.schedule()
     assert not rejected
+    _run_step_of(batch)
+    return [s.id for s in sched.running]
+
+
+def _run_step_of(batch: StepBatch) -> None:
+    """Account a scheduled step as computed."""
     for seq, n in batch.chunks:
         seq.num_computed += n
         if seq.num_computed == seq.num_tokens:  # its prompt is in: the step samples its first token
@@ -29,7 +36,6 @@ def _run_step(sched: Scheduler) -> list[str]:
     for seq in batch.decode:
         seq.num_computed = seq.num_tokens
         seq.token_ids.append(7)
-    return [s.id for s in sched.running]
 
 
 def _scheduler() -> Scheduler:
@@ -129,3 +135,18 @@ def test_a_steps_prefill_goes_round_the_tenants() -> None:
         sched.add(s)  # 5 tokens each: all three fit the step's 16
     batch, _ = sched.schedule()
     assert [s.id for s, _ in batch.chunks] == ["x0", "y0", "x1"]
+
+
+def test_a_prefill_only_step_of_two_tenants_is_as_short_as_a_decode_step() -> None:
+    """While nothing decodes, a step takes up to the larger prefill-only budget of one tenant's prompts; with a
+    second tenant's prompt in it, no more than a decode step's: the light tenant's first token comes after a
+    short step, not after the heavy tenant's next few thousand tokens of prompt."""
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=4), 8, 16, 1024, prefill_only_tokens=64)
+    for s in (_long("h0", "heavy", extra=100), _long("h1", "heavy")):
+        sched.add(s)
+    batch, _ = sched.schedule()
+    assert [(s.id, n) for s, n in batch.chunks] == [("h0", 64)]  # one tenant's: the whole 64
+    _run_step_of(batch)
+    sched.add(_long("l0", "light", extra=0))
+    batch, _ = sched.schedule()
+    assert [(s.id, n) for s, n in batch.chunks] == [("l0", 5), ("h0", 11)]
