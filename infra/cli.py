@@ -122,11 +122,19 @@ def main(argv: list[str] | None = None) -> None:
         from shared.paths import adopt_stack_env, cache_dir
 
         adopt_stack_env(cache_dir())  # the local stack's partitions and models, as `conveyor up` set them
+    from pydantic import ValidationError
+
     from shared.settings import get_settings
 
     command = {"model": _model, "up": _up, "api": _api, "tokenizer": _worker, "inference": _worker,
                "redis": _redis, "keys": _keys, "status": _status}[args.cmd]
-    code = command(args, get_settings())
+    try:
+        settings = get_settings()
+    except ValidationError as exc:  # one line per setting, named as it is set (its environment variable)
+        sys.exit("invalid settings:\n" + "\n".join(
+            f"  {'.'.join(str(x) for x in e['loc']).upper() or 'settings'}={e.get('input')!r}: {e['msg']}"
+            for e in exc.errors()))
+    code = command(args, settings)
     if code is not None:
         sys.exit(code)
 
@@ -170,10 +178,31 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
         sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
                  "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
     settings.require_models()
+    ports = [(settings.host, settings.port)] + (
+        [(settings.internal_host, settings.internal_port_number)] if settings.auth_required else [])
+    for host, port in ports:
+        if port and not _port_free(host, port):
+            sys.exit(f"port {port} on {host} is in use (another conveyor, or another server): stop it, or set "
+                     f"{'PORT' if port == settings.port else 'INTERNAL_PORT'} to a free one")
     inference = settings.inference_min if args.inference is None else args.inference
     return run_supervisor(settings, args.tokenizers, inference, autoscale=not args.no_autoscale,
                           celery=bool(args.celery), redis_cluster=args.redis_cluster,
                           traces_port=args.traces_port if args.traces else 0)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on (host, port) now: one already listening there would answer in our stead
+    (our API would exit and restart again and again, while `conveyor up` took the other's /readyz for its own)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a closed one's TIME_WAIT is none
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _api(args: argparse.Namespace, settings: Settings) -> None:

@@ -61,7 +61,7 @@ class Settings(BaseSettings):
 
     # api/
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = Field(8000, ge=0, le=65535, description="0: any free port (a single `conveyor api`)")
     default_max_tokens: int = 256
     max_tokens_cap: int = Field(4096, description="largest max_tokens a request may ask for")
     max_prompt_chars: int = Field(200_000, description="requests with more prompt text get 413")
@@ -77,8 +77,8 @@ class Settings(BaseSettings):
     # tenants and admission (see README, "Running it for others")
     auth: str = Field("", description="required | off; empty: off while HOST is a loopback address, else required")
     allow_insecure: bool = Field(False, description="let `conveyor up` serve a non-loopback HOST with auth off")
-    internal_port: int = Field(0, description="port for /metrics, /scaling and /docs when auth is required; "
-                                              "0: PORT + 1")
+    internal_port: int = Field(0, ge=0, le=65535, description="port for /metrics, /scaling and /docs when auth is "
+                               "required; 0: PORT + 1")
     internal_host: str = Field("127.0.0.1", description="address INTERNAL_PORT listens on: it answers without a key, "
                                "so loopback unless a network policy guards it (the Kubernetes manifests: 0.0.0.0)")
     max_queued: int = Field(10_000, ge=1, description="jobs waiting at once, service-wide, before submit answers 429")
@@ -102,19 +102,20 @@ class Settings(BaseSettings):
 
     # gpu_worker/ engine
     engine: str = Field("torch", description="torch | synthetic (a zero-cost benchmark instrument)")
-    device: str = "auto"
-    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA and on "
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA and on "
                        "CPUs with native bfloat16 (AVX512-BF16, AMX), else float32")
     stream_interval: int = Field(1, ge=1, description="tokens per streamed chunk after the first; more means "
                                  "fewer events for the output lane, Redis, the API and clients to handle")
-    max_num_seqs: int = Field(64, description="most sequences running at once")
-    max_num_batched_tokens: int = Field(0, description="most tokens per step (decode + prefill chunks); "
+    max_num_seqs: int = Field(64, ge=1, description="most sequences running at once")
+    max_num_batched_tokens: int = Field(0, ge=0, description="most tokens per step (decode + prefill chunks); "
                                                        "0: 256 on CPU, 2048 on CUDA")
-    kv_cache_mb: int = Field(2048, description="KV-cache pool, in blocks of kv_block_size tokens; when no block is "
-                             "free the newest request is preempted")
+    kv_cache_mb: int = Field(2048, ge=1, description="KV-cache pool, in blocks of kv_block_size tokens; when no "
+                             "block is free the newest request is preempted")
     kv_block_size: int = Field(16, ge=1, le=1024, description="tokens per KV-cache block")
     prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
-    max_model_len: int = Field(4096, description="context cap; 0 means the model's own")
+    max_model_len: int = Field(4096, ge=0, description="context cap; 0 means the model's own")
     speculative: Literal["", "ngram"] = Field("", description="speculative decoding: ngram (draft tokens from the "
                                               "sequence's own earlier text, each kept only where sampling draws it "
                                               "anyway: outputs unchanged) or empty (off)")
@@ -133,7 +134,7 @@ class Settings(BaseSettings):
     allow_runtime_lora_updating: bool = Field(False, description="POST /v1/load_lora_adapter and "
                                               "/v1/unload_lora_adapter (where keys are required, on the internal "
                                               "port only, unauthenticated: the operator's, as /metrics)")
-    torch_threads: int = 0
+    torch_threads: int = Field(0, ge=0)
     grammar_warm: bool = Field(False, description="load xgrammar and the tokenizer's description for it when a "
                                "worker starts (the tokenizer's compiler child, the inference worker's loader) rather "
                                "than when the first structured-output request arrives, which otherwise waits for "

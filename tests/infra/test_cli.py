@@ -108,3 +108,30 @@ def test_a_sigterm_swallowed_while_starting_still_ends_the_process() -> None:
     assert out.returncode == 143, (out.returncode, out.stderr)
     assert "Exception ignored" in out.stderr and "went on" in out.stdout  # the case this covers did occur
     assert STOP_FALLBACK_S < 10
+
+
+@pytest.mark.parametrize(("setting", "value"), [("MAX_NUM_SEQS", "0"), ("PORT", "abc"), ("DTYPE", "bogus"),
+                                                ("KV_CACHE_MB", "-1"), ("DEVICE", "tpu")])
+def test_an_invalid_setting_is_one_line_naming_it(setting: str, value: str, tmp_path: Path) -> None:
+    """Not a pydantic traceback, nor (MAX_NUM_SEQS=0) a stack that says it is up and never runs a job."""
+    env = {**os.environ, setting: value, "CONVEYOR_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "up"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("invalid settings:") and f"{setting}={value!r}" in out.stderr, out.stderr
+
+
+def test_up_refuses_a_port_another_server_listens_on(tmp_path: Path, model_path: str) -> None:
+    """Another server on PORT: said at once. Before, the API exited and restarted for ever, and `conveyor up`
+    printed that it was up, having read the other server's /readyz."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        env = {**os.environ, "PORT": str(port), "CONVEYOR_CACHE": str(tmp_path), "MODEL": model_path}
+        out = subprocess.run([sys.executable, "-m", "infra.cli", "up"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+    assert out.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
