@@ -82,17 +82,20 @@ class EmbeddedRedis:
                 try:
                     server.start()
                     revived = True
-                except RuntimeError as exc:
+                except (RuntimeError, OSError) as exc:  # (OSError: its config not written, on a full disk)
                     log.error("redis-server did not come back: %s", exc)
         for port in self.cluster.dead_nodes() if self.cluster is not None else []:
             log.warning("cluster node 127.0.0.1:%d exited; restarting it (it rejoins as a replica)", port)
             try:
                 self.cluster.restart_node(port)
                 revived = True
-            except RuntimeError as exc:
+            except (RuntimeError, OSError) as exc:
                 log.error("cluster node %d did not come back: %s", port, exc)
         if revived:
-            self.write_connection_file()
+            try:
+                self.write_connection_file()
+            except OSError as exc:
+                log.error("the connection file could not be written: %s", exc)
 
     def stop(self) -> None:
         if self.cluster is not None:

