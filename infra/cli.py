@@ -194,6 +194,15 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
         if port and not _port_free(host, port):
             sys.exit(f"port {port} on {host} is in use (another conveyor, or another server): stop it, or set "
                      f"{'PORT' if port == settings.port else 'INTERNAL_PORT'} to a free one")
+    if settings.redis_url:  # asked once here: else every process would say it, each with a traceback
+        import redis
+
+        from shared.redis_client import is_cluster
+
+        try:
+            is_cluster(settings.redis_url)
+        except (redis.RedisError, ValueError, OSError) as exc:
+            sys.exit(f"REDIS_URL: {exc}")
     inference = settings.inference_min if args.inference is None else args.inference
     return run_supervisor(settings, args.tokenizers, inference, autoscale=not args.no_autoscale,
                           celery=bool(args.celery), redis_cluster=args.redis_cluster,

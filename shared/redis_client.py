@@ -104,6 +104,12 @@ def is_cluster(url: str, wait_s: float = 10.0) -> bool:
                     log.warning("REDIS_URL names one node of a cluster: a process that starts while it is down "
                                 "cannot find the others; list several, comma-separated")
                 return kind
+            except (redis.AuthenticationError, redis.ResponseError) as exc:  # it answers, and refuses us: said
+                if not isinstance(exc, redis.AuthenticationError) and "NOAUTH" not in str(exc):
+                    raise
+                host = urlsplit(seed).netloc.rpartition("@")[2]
+                what = "refused the password in" if urlsplit(seed).password else "wants a password, and none is in"
+                raise ConnectionError(f"the Redis at {host} {what} REDIS_URL ({exc})") from None
             except (ConnectionError, TimeoutError):
                 continue
             finally:

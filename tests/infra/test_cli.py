@@ -152,3 +152,21 @@ def test_up_refuses_weights_cut_short(tmp_path: Path, model_path: str) -> None:
                          text=True, timeout=120)
     assert out.returncode == 1 and "are cut short or damaged" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_up_says_when_redis_refuses_its_password(tmp_path: Path, model_path: str) -> None:
+    """A Redis that answers and refuses the password (or wants one): said so, once, at once. Before, every process
+    retried it as an unreachable Redis and said, after 10 s and six tracebacks, that no Redis answered."""
+    from infra.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis", password="right")
+    url = server.start()
+    try:
+        for given, said in ((url.replace("right", "wrong"), "refused the password in REDIS_URL"),
+                            (url.replace(":right@", ""), "wants a password, and none is in REDIS_URL")):
+            env = {**os.environ, "REDIS_URL": given, "MODEL": model_path, "CONVEYOR_CACHE": str(tmp_path / "c")}
+            out = subprocess.run([sys.executable, "-m", "infra.cli", "up"], cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=60)
+            assert out.returncode == 1 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    finally:
+        server.stop()
