@@ -142,8 +142,13 @@ class InferenceWorker:
         try:
             engine = build_engine(self.settings)
         except Exception as exc:  # its jobs' clients are told while no worker of the pool runs (shared/pool_fault.py)
-            pool_fault.report(self.client, self.pool, exc, f"loading {self.settings.model_path}: ")
-            raise
+            context = f"loading {self.settings.model_path}: "
+            if isinstance(exc, AttributeError):  # a model whose layers are not a Llama's (gpt2, ...)
+                context += "the engine runs Llama-family decoders (llama, mistral, qwen2, qwen3, ...): "
+            pool_fault.report(self.client, self.pool, exc, context)
+            # one line, each time the supervisor starts it again (the traceback with LOG_LEVEL=DEBUG)
+            log.debug("the model did not load", exc_info=True)
+            raise SystemExit(f"{context}{pool_fault.describe(exc)}") from None
         pool_fault.clear(self.client, self.pool)
         loop = EngineLoop(engine, self.inbox, self.send_to_lane, self.stats, self.stopping,
                           self.ledger.idle, self.lane.is_alive)
