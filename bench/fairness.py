@@ -11,6 +11,8 @@ scripts count their inner calls; this benchmark's own reads left out). Times com
 
     .venv/bin/python -m bench fairness                  # the default model, 200 x 64 against 10 x 8, 2 rounds
     .venv/bin/python -m bench fairness --quick          # seconds: the tiny model, 16 x 8 against 2 x 4, 1 round
+    .venv/bin/python -m bench fairness --modes fair --heavy 24 --heavy-prompt 4000 --heavy-tokens 1 \
+        --heavy-priority -1000 --light 6 --light-tokens 16    # long prompts at the best priority, inside a worker
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ from shared import names, tenants
 from shared.jobs import TERMINAL
 
 
-def _submit(c: httpx.Client, tokens: int, i: int) -> str:
-    r = c.post("/v1/jobs", json={"prompt": f"Write about the number {i}.", "max_tokens": tokens, "ignore_eos": True})
+def _submit(c: httpx.Client, tokens: int, i: int, prompt_ids: int = 0, priority: int = 0) -> str:
+    body: dict[str, Any] = {"prompt": f"Write about the number {i}.", "max_tokens": tokens, "ignore_eos": True,
+                            "priority": priority}
+    if prompt_ids:  # a long prompt of its own (distinct ids: nothing from the prefix cache)
+        del body["prompt"]
+        body["prompt_token_ids"] = [200 + (i * 7919 + k * 104729) % 40000 for k in range(prompt_ids)]
+    r = c.post("/v1/jobs", json=body)
     r.raise_for_status()
     return str(r.json()["id"])
 
@@ -81,7 +88,8 @@ def run_mode(fair: bool, args: argparse.Namespace, workdir: Path) -> dict[str, A
         alone = _records(stack, _light(light, args, 0), 600)
         commands0, sent0 = _commands(stack), SENT["commands"]
         with ThreadPoolExecutor(8) as pool:
-            flood = list(pool.map(lambda i: _submit(heavy, args.heavy_tokens, i), range(args.heavy)))
+            flood = list(pool.map(lambda i: _submit(heavy, args.heavy_tokens, i, args.heavy_prompt,
+                                                    args.heavy_priority), range(args.heavy)))
         under = _records(stack, _light(light, args, args.light), 1800)
         heavy_recs = _records(stack, flood, 3600)
         commands = _commands(stack) - commands0 - (SENT["commands"] - sent0) - 1  # and the INFO before
@@ -106,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heavy", type=int, default=200)
     p.add_argument("--heavy-tokens", type=int, default=64)
     p.add_argument("--light", type=int, default=10)
+    p.add_argument("--heavy-prompt", type=int, default=0, help="the heavy jobs' prompts: this many token ids each "
+                                                                  "(0: a short sentence)")
+    p.add_argument("--heavy-priority", type=int, default=0, help="the heavy jobs' priority (lower first, within "
+                                                                   "their tenant)")
     p.add_argument("--light-tokens", type=int, default=8)
     p.add_argument("--light-every", type=float, default=1.0)
     p.add_argument("--max-num-seqs", type=int, default=32)
