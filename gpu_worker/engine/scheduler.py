@@ -168,13 +168,6 @@ class Scheduler:
             seq = turns.next(admitting)
             if seq is None:
                 break
-            if tenants and seq.req.tenant not in tenants and whole > self.max_num_batched_tokens:
-                # the larger prefill-only step is for one tenant's prompts: with another's in it, the step is as
-                # short as a decode step (a light tenant's first token does not wait for a heavy one's prompt)
-                budget = min(budget, self.max_num_batched_tokens - (whole - budget))
-                if budget <= 0:
-                    break
-            tenants.add(seq.req.tenant)
             if seq.status is SeqStatus.WAITING:
                 if not self._fits_ever(seq):
                     self.waiting.remove(seq)
@@ -184,7 +177,7 @@ class Scheduler:
                 if self._prefix_pending(seq):  # (it waits in its place)
                     continue
                 if not self.blocks.allocate(seq):
-                    admitting = False  # (it stays first of its tenant: a smaller one does not overtake it for good)
+                    admitting = False  # (it keeps its place: no smaller one is admitted past it)
                     continue
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
@@ -195,6 +188,13 @@ class Scheduler:
                     decode.append(seq)
                     budget -= 1
                     continue
+            if tenants and seq.req.tenant not in tenants and whole > self.max_num_batched_tokens:
+                # the larger prefill-only step is for one tenant's prompts: with another's in it, the step is as
+                # short as a decode step (a light tenant's first token does not wait for a heavy one's prompt)
+                budget = min(budget, self.max_num_batched_tokens - (whole - budget))
+                if budget <= 0:
+                    break  # (admitted, it prefills from the next step)
+            tenants.add(seq.req.tenant)
             n = min(seq.num_uncomputed, budget)
             chunks.append((seq, n))
             if seq.timeline is not None:
