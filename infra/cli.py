@@ -188,12 +188,6 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
         sys.exit(f"refusing to serve {settings.host} with AUTH=off: anyone who reaches it could use it. "
                  "Set AUTH=required (and make keys with `conveyor keys create`), or ALLOW_INSECURE=1.")
     settings.require_models()
-    ports = [(settings.host, settings.port)] + (
-        [(settings.internal_host, settings.internal_port_number)] if settings.auth_required else [])
-    for host, port in ports:
-        if port and not _port_free(host, port):
-            sys.exit(f"port {port} on {host} is in use (another conveyor, or another server): stop it, or set "
-                     f"{'PORT' if port == settings.port else 'INTERNAL_PORT'} to a free one")
     if settings.redis_url:  # asked once here: else every process would say it, each with a traceback
         import redis
 
@@ -207,21 +201,6 @@ def _up(args: argparse.Namespace, settings: Settings) -> int:
     return run_supervisor(settings, args.tokenizers, inference, autoscale=not args.no_autoscale,
                           celery=bool(args.celery), redis_cluster=args.redis_cluster,
                           traces_port=args.traces_port if args.traces else 0)
-
-
-def _port_free(host: str, port: int) -> bool:
-    """Whether a server could listen on (host, port) now: one already listening there would answer in our stead
-    (our API would exit and restart again and again, while `conveyor up` took the other's /readyz for its own)."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a closed one's TIME_WAIT is none
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _api(args: argparse.Namespace, settings: Settings) -> None:

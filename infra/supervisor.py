@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -283,6 +284,29 @@ def _embedded_redis(settings: Settings, redis_cluster: int, lock: StackLock, env
     return embedded, guard
 
 
+def _require_free_ports(settings: Settings) -> None:
+    """Exit saying so when another server listens on PORT (or INTERNAL_PORT)."""
+    ports = [(settings.host, settings.port)] + (
+        [(settings.internal_host, settings.internal_port_number)] if settings.auth_required else [])
+    for host, port in ports:
+        if port and not _port_free(host, port):
+            raise SystemExit(f"port {port} on {host} is in use (another conveyor, or another server): stop it, or "
+                             f"set {'PORT' if port == settings.port else 'INTERNAL_PORT'} to a free one")
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on (host, port) now: one already listening there would answer in our stead
+    (our API would exit and restart again and again, while `conveyor up` took the other's /readyz for its own)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a closed one's TIME_WAIT is none
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, autoscale: bool = True,
                    celery: bool = True, redis_cluster: int = 0, traces_port: int = 0) -> int:
     stop = threading.Event()
@@ -295,6 +319,7 @@ def run_supervisor(settings: Settings, tokenizers: int = 1, inference: int = 1, 
     signal.signal(signal.SIGTERM, _signal)
 
     lock = StackLock(settings.cache_dir)
+    _require_free_ports(settings)
     keep = (lock.fd,)
     env = dict(os.environ)
     embedded, guard = _embedded_redis(settings, redis_cluster, lock, env)
