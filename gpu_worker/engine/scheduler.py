@@ -6,8 +6,10 @@ Each step computes one token for every decoding sequence, then its draft tokens 
 order, while the budget lasts and free blocks hold them; a draft never preempts), then spends what is left of
 the token budget on prefill chunks, tenant by tenant: next the tenant running the fewest sequences here (counting
 those admitted in this step), among equals the one whose next sequence came first; within a tenant by priority, and
-within a priority first for sequences already prefilling, then for new admissions. So a light tenant's job is not
-held behind a heavy tenant's long prompts, nor behind its priorities: a tenant's priority orders its own jobs only.
+within a priority first for sequences already prefilling, then for new admissions. With several tenants' prompts to
+prefill, a step is as short as a decode step (the larger prefill-only budget is for one tenant's prompts) and a
+tenant's turn takes at most its share of it, what is left going back to the chunks begun. So a light tenant's job is
+not held behind a heavy tenant's long prompts, nor behind its priorities: a tenant's priority orders its own jobs.
 (Which tenants' jobs reach a worker is the fair queue's choice, shared/fair_queue.py; a worker holds up to its
 slots plus an eighth, so one tenant's prompts can be many of those waiting here.) KV memory is counted in blocks
 (block_manager.py): a sequence is admitted when blocks for all its tokens are free (prefix-cache hits cost
@@ -158,10 +160,14 @@ class Scheduler:
         rejected: list[Sequence] = []
         first = self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
-        budget = whole = (self.max_num_batched_tokens if decode else self.prefill_only_tokens) - len(decode)
-        chunks: list[tuple[Sequence, int]] = []
         turns = _Turns(self.running, self.waiting, first)
-        tenants: set[str] = set()
+        sharing = turns.tenants()  # tenants with a prompt to prefill
+        # the larger prefill-only step is for one tenant's prompts; with several, a step is as short as a decode
+        # step, and each tenant's turn takes at most its share of it (what is left then goes to the chunks begun)
+        limit = self.prefill_only_tokens if not decode and sharing < 2 else self.max_num_batched_tokens
+        budget = limit - len(decode)
+        share = max(1, budget // sharing) if sharing > 1 else budget
+        chunks: list[tuple[Sequence, int]] = []
         admitting = True
         while budget > 0:
             admitting = admitting and len(self.running) < self.max_num_seqs
@@ -188,18 +194,15 @@ class Scheduler:
                     decode.append(seq)
                     budget -= 1
                     continue
-            if tenants and seq.req.tenant not in tenants and whole > self.max_num_batched_tokens:
-                # the larger prefill-only step is for one tenant's prompts: with another's in it, the step is as
-                # short as a decode step (a light tenant's first token does not wait for a heavy one's prompt)
-                budget = min(budget, self.max_num_batched_tokens - (whole - budget))
-                if budget <= 0:
-                    break  # (admitted, it prefills from the next step)
-            tenants.add(seq.req.tenant)
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, share)
             chunks.append((seq, n))
-            if seq.timeline is not None:
-                seq.timeline.append(("prefill_chunk", time.time(), n))
             budget -= n
+        for i, (seq, n) in enumerate(chunks):  # the budget shares left, to the chunks that could take more
+            more = min(seq.num_uncomputed - n, max(budget, 0))
+            chunks[i] = (seq, n + more)
+            budget -= more
+            if seq.timeline is not None:
+                seq.timeline.append(("prefill_chunk", time.time(), n + more))
         for seq in decode:  # draft tokens (speculation: a bet) after prefill, while budget and free blocks last
             if seq.draft:
                 seq.draft = seq.draft[: max(budget, 0)]
@@ -298,3 +301,7 @@ class _Turns:
 
     def started(self, seq: Sequence) -> None:
         self.running[seq.req.tenant] += 1
+
+    def tenants(self) -> int:
+        """How many tenants have a prompt to prefill: begun, or waiting (or made room for)."""
+        return len(self.prefilling.keys() | self.waiting.keys() | ({self.first.req.tenant} if self.first else set()))
