@@ -161,7 +161,7 @@ class Scheduler:
         first = self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
         turns = _Turns(self.running, self.waiting, first)
-        sharing = turns.tenants()  # tenants with a prompt to prefill
+        sharing = turns.tenants(len(self.running) < self.max_num_seqs)  # tenants with a prompt to prefill
         # the larger prefill-only step is for one tenant's prompts; with several, a step is as short as a decode
         # step, and each tenant's turn takes at most its share of it (what is left then goes to the chunks begun)
         limit = self.prefill_only_tokens if not decode and sharing < 2 else self.max_num_batched_tokens
@@ -302,6 +302,7 @@ class _Turns:
     def started(self, seq: Sequence) -> None:
         self.running[seq.req.tenant] += 1
 
-    def tenants(self) -> int:
-        """How many tenants have a prompt to prefill: begun, or waiting (or made room for)."""
-        return len(self.prefilling.keys() | self.waiting.keys() | ({self.first.req.tenant} if self.first else set()))
+    def tenants(self, admitting: bool) -> int:
+        """How many tenants have a prompt to prefill: begun, or (`admitting`: a slot is free) waiting."""
+        waiting = self.waiting.keys() | ({self.first.req.tenant} if self.first else set()) if admitting else set()
+        return len(self.prefilling.keys() | waiting)

@@ -166,3 +166,14 @@ def test_each_tenant_gets_a_share_of_a_step_whoever_goes_first() -> None:
     _run_step_of(batch)
     batch, _ = sched.schedule()
     assert [s.id for s in batch.decode] == ["l0"]  # its first token came with the first step
+
+
+def test_a_tenant_waiting_for_a_slot_does_not_shorten_the_steps() -> None:
+    """Every slot taken: a tenant that cannot be admitted this step shares nothing, and the prompts under way keep the
+    whole prefill-only step."""
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=4), 1, 16, 1024, prefill_only_tokens=64)
+    sched.add(_long("h0", "heavy", extra=100))  # 105 tokens
+    _run_step_of(sched.schedule()[0])
+    sched.add(_long("l0", "light", extra=0))
+    batch, _ = sched.schedule()
+    assert [(s.id, n) for s, n in batch.chunks] == [("h0", 41)] and [s.id for s in sched.waiting] == ["l0"]
