@@ -152,7 +152,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         kind = request.headers.get("content-type", "")
-        if "json" not in kind and any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+        if "json" not in kind.lower() and any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
             # (`curl -d '{...}'` sends a form): not "should be a valid dictionary"
             msg = f"the body must be JSON, sent with Content-Type: application/json (this one: {kind or 'none'})"
             return _answer(request, 422, msg, "invalid_request_error")

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from shared.settings import Settings
@@ -132,12 +132,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         settings = get_settings()
     except ValidationError as exc:  # one line per setting, named as it is set (its environment variable)
-        sys.exit("invalid settings:\n" + "\n".join(
-            f"  {'.'.join(str(x) for x in e['loc']).upper() or 'settings'}={e.get('input')!r}: {e['msg']}"
-            for e in exc.errors()))
+        sys.exit("invalid settings:\n" + "\n".join(f"  {_setting_error(e)}" for e in exc.errors()))
     code = command(args, settings)
     if code is not None:
         sys.exit(code)
+
+
+def _setting_error(error: Any) -> str:
+    """One setting's error, as NAME=VALUE: why; a secret's value (or, for a check across settings, every value:
+    pydantic gives them all) left out."""
+    name = ".".join(str(x) for x in error["loc"]).upper()
+    if not name or any(word in name for word in ("SECRET", "PASSWORD", "TOKEN", "KEY", "URL", "ENDPOINT")):
+        return f"{name or 'settings'}: {error['msg']}"
+    return f"{name}={error.get('input')!r}: {error['msg']}"
 
 
 def _celery(argv: list[str]) -> None:

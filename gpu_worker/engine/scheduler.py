@@ -128,19 +128,19 @@ class Scheduler:
         return (len(self.running) >= self.max_num_seqs
                 or self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_free)
 
-    def _make_room(self) -> Sequence | None:
-        """The first waiting sequence that cannot start but has a victim goes first (returned), into the victim's
-        slot (preempted, it waits at the front of its priority), or into the slot of a running sequence that ends
-        within FREE_SOON_STEPS."""
+    def _make_room(self) -> None:
+        """The first waiting sequence that cannot start but has a victim goes first (the head of its tenant's turns),
+        into the victim's slot (preempted, it waits at the front of its priority), or into the slot of a running
+        sequence that ends within FREE_SOON_STEPS."""
         if not self.waiting or not self.running:
-            return None
+            return
         running, worst = Counter(s.req.tenant for s in self.running), self._worst()
         for seq in self.waiting:
             victim = self._victim(seq, running, worst) if self._blocked(seq) else None
             if victim is not None:
                 break
         else:
-            return None
+            return
         if min(s.req.max_tokens - s.num_generated for s in self.running) > FREE_SOON_STEPS:
             self._preempt(victim)
             if victim.req.tenant == seq.req.tenant:
@@ -149,7 +149,6 @@ class Scheduler:
                 self.num_fair_preemptions += 1
         self.waiting.remove(seq)
         self.waiting.appendleft(seq)
-        return seq
 
     def _fits_ever(self, seq: Sequence) -> bool:
         return (seq.num_tokens < self.max_model_len
@@ -158,9 +157,9 @@ class Scheduler:
     def schedule(self) -> tuple[StepBatch, list[Sequence]]:
         """Returns the step's batch and the sequences that can never run (too long for the cache)."""
         rejected: list[Sequence] = []
-        first = self._make_room()  # before anything is scheduled: its victim must not be in this step
+        self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
-        turns = _Turns(self.running, self.waiting, first)
+        turns = _Turns(self.running, self.waiting)
         sharing = turns.tenants(len(self.running) < self.max_num_seqs)  # tenants with a prompt to prefill
         # the larger prefill-only step is for one tenant's prompts; with several, a step is as short as a decode
         # step, and each tenant's turn takes at most its share of it (what is left then goes to the chunks begun)
@@ -174,6 +173,9 @@ class Scheduler:
             seq = turns.next(admitting)
             if seq is None:
                 break
+            room = share - turns.given[seq.req.tenant]
+            if room <= 0:  # its tenant's share of the step is taken (the others' too: it came last)
+                continue
             if seq.status is SeqStatus.WAITING:
                 if not self._fits_ever(seq):
                     self.waiting.remove(seq)
@@ -194,8 +196,9 @@ class Scheduler:
                     decode.append(seq)
                     budget -= 1
                     continue
-            n = min(seq.num_uncomputed, budget, share)
+            n = min(seq.num_uncomputed, budget, room)
             chunks.append((seq, n))
+            turns.given[seq.req.tenant] += n
             budget -= n
         for i, (seq, n) in enumerate(chunks):  # the budget shares left, to the chunks that could take more
             more = min(seq.num_uncomputed - n, max(budget, 0))
@@ -254,33 +257,29 @@ class Scheduler:
 
 
 class _Turns:
-    """Whose prefill is next in a step: the tenant running the fewest sequences here (those started in the step
-    counted), among equals the one whose next sequence came first; a tenant's next is its best priority's,
-    and within one its sequences already prefilling before new admissions. `first` (made room for) goes
-    first."""
+    """Whose prefill is next in a step: the tenant given the fewest tokens of it so far, then the one running the
+    fewest sequences here (those started in the step counted), then the one whose next sequence came first; a
+    tenant's next is its best priority's, and within one its sequences already prefilling before new admissions (a
+    sequence made room for is the head of its tenant's waiting ones)."""
 
-    def __init__(self, running: list[Sequence], waiting: deque[Sequence], first: Sequence | None) -> None:
+    def __init__(self, running: list[Sequence], waiting: deque[Sequence]) -> None:
         self.running = Counter(s.req.tenant for s in running)
+        self.given: Counter[str] = Counter()  # tokens of the step so far, by tenant
         self.prefilling: dict[str, deque[Sequence]] = {}
         for s in sorted((s for s in running if s.num_uncomputed and not s.decoding),
                         key=lambda s: (s.req.priority, s.arrival)):
             self.prefilling.setdefault(s.req.tenant, deque()).append(s)
         self.waiting: dict[str, deque[Sequence]] = {}
         for s in waiting:  # (in priority order, then arrival: each tenant's too)
-            if s is not first:
-                self.waiting.setdefault(s.req.tenant, deque()).append(s)
-        self.first = first
+            self.waiting.setdefault(s.req.tenant, deque()).append(s)
 
     def next(self, admitting: bool) -> Sequence | None:
         """The next sequence to prefill (a waiting one only while `admitting`), taken off the turns; None when
         none is left."""
-        if self.first is not None and admitting:
-            seq, self.first = self.first, None
-            return seq
-        best: tuple[tuple[int, int], dict[str, deque[Sequence]], str] | None = None
+        best: tuple[tuple[int, int, int], dict[str, deque[Sequence]], str] | None = None
         for tenant in self.prefilling.keys() | (self.waiting.keys() if admitting else set()):
             queues = self._head(tenant, admitting)
-            key = (self.running[tenant], queues[tenant][0].arrival)
+            key = (self.given[tenant], self.running[tenant], queues[tenant][0].arrival)
             if best is None or key < best[0]:
                 best = (key, queues, tenant)
         if best is None:
@@ -304,5 +303,4 @@ class _Turns:
 
     def tenants(self, admitting: bool) -> int:
         """How many tenants have a prompt to prefill: begun, or (`admitting`: a slot is free) waiting."""
-        waiting = self.waiting.keys() | ({self.first.req.tenant} if self.first else set()) if admitting else set()
-        return len(self.prefilling.keys() | waiting)
+        return len(self.prefilling.keys() | (self.waiting.keys() if admitting else set()))

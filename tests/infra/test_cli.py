@@ -170,3 +170,13 @@ def test_up_says_when_redis_refuses_its_password(tmp_path: Path, model_path: str
             assert out.returncode == 1 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
     finally:
         server.stop()
+
+
+def test_an_invalid_setting_does_not_print_the_secrets_beside_it(tmp_path: Path) -> None:
+    """A check across settings gets every value from pydantic: none is printed, a password in REDIS_URL least."""
+    env = {**os.environ, "ENGINE": "bogus", "WEBHOOK_SECRET": "topsecret-hmac", "CONVEYOR_CACHE": str(tmp_path),
+           "REDIS_URL": "redis://:hunter2@10.0.0.5:6379/0"}
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "up"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.startswith("invalid settings:") and "ENGINE" in out.stderr, out.stderr
+    assert "hunter2" not in out.stderr and "topsecret" not in out.stderr, out.stderr
