@@ -4,12 +4,13 @@ Two queues, as in nano-vllm: `waiting` and `running` (admission order). `waiting
 (lower first, vLLM's meaning), then arrival; a preempted sequence goes back at the front of its priority.
 Each step computes one token for every decoding sequence, then its draft tokens (speculation, ngram.py: in
 order, while the budget lasts and free blocks hold them; a draft never preempts), then spends what is left of
-the token budget on prefill chunks, tenant by tenant: next the tenant running the fewest sequences here (counting
-those admitted in this step), among equals the one whose next sequence came first; within a tenant by priority, and
-within a priority first for sequences already prefilling, then for new admissions. With several tenants' prompts to
-prefill, a step is as short as a decode step (the larger prefill-only budget is for one tenant's prompts) and a
-tenant's turn takes at most its share of it, what is left going back to the chunks begun. So a light tenant's job is
-not held behind a heavy tenant's long prompts, nor behind its priorities: a tenant's priority orders its own jobs.
+the token budget on prefill chunks, tenant by tenant (`_Turns`): next the tenant given the least of the step so far,
+then the one running the fewest sequences here, then the one whose next sequence came first; within a tenant by
+priority, and within a priority first for sequences already prefilling, then for new admissions. With several
+tenants' prompts to prefill, a step is as short as a decode step (the larger prefill-only budget is for one tenant's
+prompts) and a tenant's turns together take at most its share of it, what is left going back to the chunks begun.
+So a light tenant's job is not held behind a heavy tenant's long prompts, nor behind its priorities: a tenant's
+priority orders its own jobs.
 (Which tenants' jobs reach a worker is the fair queue's choice, shared/fair_queue.py; a worker holds up to its
 slots plus an eighth, so one tenant's prompts can be many of those waiting here.) KV memory is counted in blocks
 (block_manager.py): a sequence is admitted when blocks for all its tokens are free (prefix-cache hits cost
