@@ -189,6 +189,21 @@ class Reviver(threading.Thread):
         return len([p for p in self.cluster.master_ports() if p != port]) >= self.cluster.masters
 
 
+def count_wrong(client: httpx.Client, ended: dict[str, dict[str, Any]], accepted: dict[str, int],
+                clean: dict[int, str]) -> int:
+    """The ended jobs that did not succeed with their clean text and an event stream of seqs 1..n joining to it,
+    each printed."""
+    wrong = 0
+    for job_id, job in ended.items():
+        events = check_events(read_events(client, job_id), job["text"])
+        if job["status"] != "succeeded" or job["text"] != clean[accepted[job_id] % 5] or events is not None:
+            wrong += 1
+            print(json.dumps({"wrong": job_id, "status": job["status"], "error": job.get("error"),
+                              "events": events, "text": job["text"], "clean": clean[accepted[job_id] % 5]}),
+                  flush=True)
+    return wrong
+
+
 def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, args: argparse.Namespace,
               clean: dict[int, str]) -> dict[str, Any]:
     counts = {"503": 0, "transport": 0}
@@ -249,14 +264,7 @@ def one_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: int, a
             streams.join()
             gap = max(streams.gaps(killed_at, killed_at + drained_s), default=0.0)
             gap_elsewhere = max(streams.gaps(killed_at, killed_at + drained_s, others), default=0.0)
-        wrong = 0
-        for job_id, job in ended.items():
-            events = check_events(read_events(client, job_id), job["text"])
-            if job["status"] != "succeeded" or job["text"] != clean[accepted[job_id] % 5] or events is not None:
-                wrong += 1
-                print(json.dumps({"wrong": job_id, "status": job["status"], "error": job.get("error"),
-                                  "events": events, "text": job["text"], "clean": clean[accepted[job_id] % 5]}),
-                      flush=True)
+        wrong = count_wrong(client, ended, accepted, clean)
     revived.wait(90)
     healed = True
     try:
@@ -366,14 +374,7 @@ def lost_end_round(stack: Stack, cluster: LocalCluster, reviver: Reviver, rnd: i
                         ran_again.add(job_id)
             time.sleep(0.2)
         drained_s = time.monotonic() - killed_at
-        wrong = 0
-        for job_id, job in ended.items():
-            events = check_events(read_events(client, job_id), job["text"])
-            if job["status"] != "succeeded" or job["text"] != clean[accepted[job_id] % 5] or events is not None:
-                wrong += 1
-                print(json.dumps({"wrong": job_id, "status": job["status"], "error": job.get("error"),
-                                  "events": events, "text": job["text"], "clean": clean[accepted[job_id] % 5]}),
-                      flush=True)
+        wrong = count_wrong(client, ended, accepted, clean)
     revived.wait(90)
     healed = True
     try:
