@@ -56,12 +56,13 @@ redis7:
 
 # bytecode is cached (__pycache__/, ignored by git) even where the environment says not to: the suite starts ~150
 # Python processes, and each pytest worker rewrites every test module's asserts, which would otherwise be compiled
-# again by each (a worker's collection: 12.4 -> 8.0 CPU-s)
+# again by each (a worker's collection: 12.4 -> 8.0 CPU-s). Four pytest workers on 2 cores: a quarter of the suite's
+# time is tests waiting (failovers, timeouts, stacks starting), which a fourth worker fills (docs/bench-log.md)
 test: model browser redis7 phoenix
-	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q -n 3
+	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q -n 4
 
 test-fast: setup
-	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q -n 3 -m "not slow"
+	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q -n 4 -m "not slow"
 
 bench-engine: model
 	$(PY) -m bench engine generate

@@ -99,6 +99,13 @@ def _shaped_json() -> str:
     return shaped.model_dump_json(exclude_none=True)
 
 
+def _has_group(r: redis.Redis, stream: str, group: str) -> bool:
+    try:
+        return any(g["name"] == group for g in r.xinfo_groups(stream))
+    except redis.ResponseError:  # no stream yet
+        return False
+
+
 @contextlib.contextmanager
 def _worker_with_held_compiles(settings: Settings, monkeypatch: pytest.MonkeyPatch
                                ) -> Iterator[tuple[redis.Redis, threading.Event, threading.Event]]:
@@ -116,8 +123,13 @@ def _worker_with_held_compiles(settings: Settings, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(w, "_compile", held)
     runner = threading.Thread(target=w.run, daemon=True)
     runner.start()
+    r = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     try:
-        yield redis.Redis.from_url(settings.redis_url, decode_responses=True), compiling, release
+        # its consumer group made (a job enqueued before is read all the same: the group starts at 0), so that the
+        # tests can read the group's pending entries at once
+        until("the worker's consumer group", lambda: _has_group(r, names.stream(names.JOBS, 0),
+                                                                names.TOKENIZER_GROUP), timeout=30)
+        yield r, compiling, release
     finally:
         release.set()
         w.stop_event.set()
