@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import glob
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,18 @@ def install(out: Path, target: Path) -> None:
     if target.exists():
         _say(f"replacing the incomplete {target}")
         shutil.rmtree(target)
+    _readable(out)
     out.rename(target)
+
+
+def _readable(out: Path) -> None:
+    """Each file of `out` with the mode the umask gives a new file: the conversion writes the weights 0600 (a file
+    made private, then renamed), which a worker run as another user (a container's) could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
 
 
 def _say(msg: str) -> None:
@@ -131,6 +143,11 @@ def pull(model: str, default_target: Path) -> Path:
     _say(f"{model} is not a local directory: fetching it from the hub")
     from huggingface_hub import snapshot_download
 
-    fetched = Path(snapshot_download(model))
+    try:
+        fetched = Path(snapshot_download(model))
+    except Exception as exc:  # offline, an unknown id, a gated model: huggingface_hub's many errors, in one line
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SystemExit(f"{model}: not fetched from the hub ({reason}): fetch it where the hub is reachable and "
+                         "set MODEL to its directory") from None
     _say(f"fetched {model} to {fetched}: set MODEL (or the MODELS entry's path) to that directory")
     return fetched

@@ -5,6 +5,7 @@ download and conversion themselves run in `make model`."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,13 @@ def test_an_incomplete_model_directory_is_replaced(tmp_path: Path) -> None:
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")  # its weights missing
     out = _model(tmp_path / "models" / ".M.pull" / "out")
+    (out / "model.safetensors").chmod(0o600)  # as the conversion leaves it
     install(out, target)
     assert is_complete(target) and not out.exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {(p.name, p.stat().st_mode & 0o777) for p in target.iterdir()} == {
+        (name, 0o666 & ~umask) for name in REQUIRED}  # readable by a worker run as another user, as the umask allows
 
 
 def test_a_missing_local_path_is_not_taken_for_a_hub_id(tmp_path: Path) -> None:
@@ -53,4 +59,13 @@ def test_a_missing_local_path_is_not_taken_for_a_hub_id(tmp_path: Path) -> None:
                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "MODEL": str(missing),
                                                       "CONVEYOR_CACHE": str(tmp_path)})
     assert out.returncode == 1 and f"{missing}: no such directory" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "model", "pull"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "MODEL": "someone/no-such-model",
+                                                      "CONVEYOR_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1",
+                                                      "HF_HOME": str(tmp_path / "hf")})
+    assert out.returncode == 1 and "someone/no-such-model: not fetched from the hub" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
