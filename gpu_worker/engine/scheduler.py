@@ -7,8 +7,9 @@ order, while the budget lasts and free blocks hold them; a draft never preempts)
 the token budget on prefill chunks, tenant by tenant (`_Turns`): next the tenant given the least of the step so far,
 then the one running the fewest sequences here, then the one whose next sequence came first; within a tenant by
 priority, and within a priority first for sequences already prefilling, then for new admissions. With several
-tenants' prompts to prefill, a step is as short as a decode step (the larger prefill-only budget is for one tenant's
-prompts) and a tenant's turns together take at most its share of it, what is left going back to the chunks begun.
+tenants' prompts to prefill (a waiting one counted when it could start now), a step is as short as a decode step
+(the larger prefill-only budget is for one tenant's prompts) and a tenant's turns together take at most its share of
+it, what is left going back to the chunks begun.
 So a light tenant's job is not held behind a heavy tenant's long prompts, nor behind its priorities: a tenant's
 priority orders its own jobs.
 (Which tenants' jobs reach a worker is the fair queue's choice, shared/fair_queue.py; a worker holds up to its
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.sequence import SeqStatus, Sequence
@@ -151,6 +153,11 @@ class Scheduler:
         self.waiting.remove(seq)
         self.waiting.appendleft(seq)
 
+    def _can_start(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence could start this step: it fits, blocks for it are free, and it is not waiting
+        for another's prefix."""
+        return self._fits_ever(seq) and not self._blocked(seq) and not self._prefix_pending(seq)
+
     def _fits_ever(self, seq: Sequence) -> bool:
         return (seq.num_tokens < self.max_model_len
                 and self.blocks.blocks_for(seq.num_tokens + 1) <= self.blocks.usable_blocks)
@@ -161,7 +168,7 @@ class Scheduler:
         self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
         turns = _Turns(self.running, self.waiting)
-        sharing = turns.tenants(len(self.running) < self.max_num_seqs)  # tenants with a prompt to prefill
+        sharing = turns.tenants(len(self.running) < self.max_num_seqs, self._can_start)  # with a prompt to prefill
         # the larger prefill-only step is for one tenant's prompts; with several, a step is as short as a decode
         # step, and each tenant's turn takes at most its share of it (what is left then goes to the chunks begun)
         limit = self.prefill_only_tokens if not decode and sharing < 2 else self.max_num_batched_tokens
@@ -302,6 +309,10 @@ class _Turns:
     def started(self, seq: Sequence) -> None:
         self.running[seq.req.tenant] += 1
 
-    def tenants(self, admitting: bool) -> int:
-        """How many tenants have a prompt to prefill: begun, or (`admitting`: a slot is free) waiting."""
-        return len(self.prefilling.keys() | (self.waiting.keys() if admitting else set()))
+    def tenants(self, admitting: bool, can_start: Callable[[Sequence], bool]) -> int:
+        """How many tenants have a prompt to prefill: begun, or (`admitting`: a slot is free) waiting, one of theirs
+        able to start (`can_start`: not waiting for blocks or for another's prefix; asked only of several tenants)."""
+        candidates = self.prefilling.keys() | (self.waiting.keys() if admitting else set())
+        if len(candidates) < 2:
+            return len(candidates)
+        return sum(1 for t in candidates if t in self.prefilling or any(can_start(s) for s in self.waiting[t]))

@@ -194,3 +194,23 @@ def test_a_tenants_share_is_its_turns_together() -> None:
         assert len(batch.decode) == 2 and any(s.id == "bp" for s, _ in batch.chunks), batch.chunks
         assert sum(n for s, n in batch.chunks if s.req.tenant == "a") <= 7
         _run_step_of(batch)
+
+
+def test_a_tenant_whose_prompt_cannot_start_does_not_shorten_the_steps() -> None:
+    """A tenant whose only prompt cannot start this step shares nothing: one waiting for another's prefix to be
+    computed (it takes those blocks cached), or for blocks to be free. The prompt under way keeps the whole
+    prefill-only step (before, each such tenant halved it to a decode step's size, for nothing)."""
+    sched = Scheduler(BlockManager(num_blocks=256, block_size=4), 8, 16, 1024, prefill_only_tokens=64)
+    h0 = _long("h0", "heavy", extra=100)
+    sched.add(h0)
+    _run_step_of(sched.schedule()[0])
+    sched.add(Sequence(Request("l0", list(h0.token_ids[:80]) + [9, 9], max_tokens=8, tenant="light")))  # h0's prefix
+    batch, _ = sched.schedule()
+    assert [(s.id, n) for s, n in batch.chunks] == [("h0", 41)] and [s.id for s in sched.waiting] == ["l0"]
+
+    sched = Scheduler(BlockManager(num_blocks=40, block_size=4), 8, 16, 1024, prefill_only_tokens=64)
+    sched.add(_long("h0", "heavy", extra=100))  # 105 tokens: 27 of the 40 blocks
+    _run_step_of(sched.schedule()[0])
+    sched.add(_long("l0", "light", extra=60))  # 65 tokens: 17 blocks, 13 free
+    batch, _ = sched.schedule()
+    assert [(s.id, n) for s, n in batch.chunks] == [("h0", 41)] and [s.id for s in sched.waiting] == ["l0"]
