@@ -6,6 +6,7 @@ signals as /metrics and /scaling (Redis, plus `<cache>/supervisor.json` when the
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,13 +37,25 @@ def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir
         pools[pool] = {"workers": len(workers), "lag": s.lag, "pending": s.pending,
                        "running": sum(w.running for w in workers), "waiting": sum(w.waiting for w in workers),
                        "kv": max((w.kv_cache_usage for w in workers), default=0.0)}
-    state_path = cache_dir / "supervisor.json"
-    supervisor = json.loads(state_path.read_text()) if state_path.exists() else None
+    supervisor = _supervisor_state(cache_dir / "supervisor.json")
     decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]
     return {"pools": pools, "faults": pool_fault.faults(client, list(pools)), "supervisor": supervisor,
             "decisions": decisions, "dead_letters": dead_letters(client),
             "tenants": tenant_rows(read_tenants(raw, models=models))}
 
+
+
+def _supervisor_state(path: Path) -> dict[str, Any] | None:
+    """The local supervisor's state, if its supervisor lives: one killed (SIGKILL) leaves its file behind, whose pids
+    are no stack's any more."""
+    try:
+        state = json.loads(path.read_text())
+        os.kill(int(state["pid"]), 0)
+    except PermissionError:  # alive, another user's
+        pass
+    except (OSError, ValueError, KeyError, TypeError):  # gone (ProcessLookupError), none, or not the supervisor's
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def dead_letters(client: redis.Redis) -> int:
