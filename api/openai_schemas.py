@@ -23,6 +23,7 @@ from shared.limits import (
     LogitBias,
     Logprobs,
     MaxTokens,
+    MinP,
     MinTokens,
     Name,
     Penalty,
@@ -65,6 +66,7 @@ class _Common(ClientBody):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
+    min_p: MinP | None = None  # vLLM's
     stop: StopString | StopList | None = None
     seed: Seed | None = None
     stream: bool = False
@@ -116,7 +118,7 @@ class _Common(ClientBody):
                                "repetition_penalty": self.repetition_penalty, "logit_bias": self.logit_bias or {},
                                "min_tokens": self.min_tokens, "grammar": self.grammar(),
                                "include_stop_str_in_output": self.include_stop_str_in_output}
-        for name in ("temperature", "top_p", "top_k", "seed", "stop_token_ids"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         if max_tokens is not None:

@@ -106,6 +106,7 @@ StopTokenIds = Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]
 MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Temperature = Annotated[float, Field(ge=0.0, le=TEMPERATURE_MAX, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]  # vLLM's: 0 is off
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), AfterValidator(lambda k: max(k, 0))]  # -1 (vLLM's), 0: all
 Seed = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)]
 Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]

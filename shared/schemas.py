@@ -36,6 +36,7 @@ from shared.limits import (
     LogitBias,
     Logprobs,
     MaxTokens,
+    MinP,
     MinTokens,
     Name,
     Penalty,
@@ -86,6 +87,7 @@ class SamplingParams(BaseModel):
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = 0
+    min_p: MinP = 0.0  # vLLM's: drop tokens less likely than min_p times the most likely (0: off)
     seed: Seed | None = None
     stop: StopList = Field(default_factory=list)
     stop_token_ids: StopTokenIds = Field(default_factory=list)
@@ -414,6 +416,7 @@ class Request:
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: Int64 = 0
     stop: list[str] = field(default_factory=list)  # matched on text by the output lane
     stop_token_ids: list[int] = field(default_factory=list)
@@ -473,6 +476,7 @@ class Request:
             "temperature": t == 0 or TEMPERATURE_FLOOR <= t <= TEMPERATURE_MAX,
             "top_p": TOP_P_FLOOR <= self.top_p <= 1.0,
             "top_k": self.top_k >= 0,
+            "min_p": 0.0 <= self.min_p <= 1.0,
             "min_tokens": self.min_tokens >= 0,
             "presence_penalty": PENALTY_MIN <= self.presence_penalty <= PENALTY_MAX,
             "frequency_penalty": PENALTY_MIN <= self.frequency_penalty <= PENALTY_MAX,

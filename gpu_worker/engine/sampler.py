@@ -1,4 +1,4 @@
-"""Per-request sampling inside one batch: greedy, temperature, top-k, top-p, seeded.
+"""Per-request sampling inside one batch: greedy, temperature, top-k, min-p, top-p, seeded.
 
 A sampled token depends only on the row's logits, the request's seed and the token's index,
 so a request reproduces whatever else shares its batch, and after preemption or resumption
@@ -8,13 +8,15 @@ Rows that shape their logits first (penalties, logit_bias, min_tokens, a grammar
 on a float32 copy of those rows only, each control one batched op over the rows that ask for it; rows
 without one pay nothing. Logprobs are the model's own log-softmax, before any of that (vLLM's default).
 
-All sampled rows go through one set of batched tensor ops (temperature, top-k, softmax, top-p,
-inverse-CDF draw): the cost of a step's sampling barely grows with its rows. Each row's draw is
-one uniform number made from (seed, token index) by integer arithmetic, not a torch generator, so
+All sampled rows go through one set of batched tensor ops (temperature, top-k, min-p, softmax, top-p,
+inverse-CDF draw; min-p before top-p, as vLLM): the cost of a step's sampling barely grows with its rows. Each
+row's draw is one uniform number made from (seed, token index) by integer arithmetic, not a torch generator, so
 it is the same on every device and needs no per-row generator state.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -105,6 +107,10 @@ class Sampler:
             kth = top.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=dev))
             kth.masked_fill_(torch.tensor([[k == 0] for k in ks], device=dev), float("-inf"))
             x = x.masked_fill(x < kth, float("-inf"))
+        mins = [s.req.min_p for s in seqs]
+        if any(mins):  # drop what is less likely than min_p times the row's most likely: x < max + log(min_p)
+            floor = torch.tensor([[math.log(p) if p > 0 else float("-inf")] for p in mins], device=dev)
+            x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + floor, float("-inf"))
         probs = torch.softmax(x, dim=-1)
         u = torch.tensor([[token_uniform(s.req.seed, s.num_generated + (ahead[i] if ahead else 0))]
                           for i, s in enumerate(seqs)], dtype=torch.float64, device=dev)

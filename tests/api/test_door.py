@@ -49,6 +49,7 @@ def _is_error_object(r: httpx.Response) -> None:
 RAW_JSON_REFUSED = [
     # path, raw JSON body (escapes kept as the client sent them), status
     ("/v1/jobs", '{"prompt": "hi", "top_k": 3000000000}', 422),
+    ("/v1/jobs", '{"prompt": "hi", "min_p": 1.5}', 422),
     ("/v1/jobs", '{"prompt": "hi", "stop_token_ids": [99999999999]}', 422),
     ("/v1/jobs", f'{{"prompt": "hi", "top_k": {VOCAB + 1}}}', 422),
     ("/v1/jobs", f'{{"prompt": "hi", "stop_token_ids": [{VOCAB}]}}', 422),
@@ -74,6 +75,7 @@ RAW_JSON_REFUSED = [
     ("/v1/completions", '{"prompt": "hi", "stop": [""]}', 400),
     ("/v1/completions", '{"prompt": "\\ud800"}', 400),
     ("/v1/completions", '{"prompt": "hi", "top_k": 3000000000}', 400),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "min_p": -0.1}', 400),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [99999999999]}',
      400),
@@ -445,3 +447,14 @@ async def test_include_stop_str_in_output_reaches_the_engines_request(api: httpx
     [(_, entry)] = r.xrange(names.stream(names.JOBS, names.job_partition(job["id"])))
     wire = entry[b"request"]
     assert GenerationRequest.from_wire(wire).tokenized(job["id"], [1]).include_stop_str_in_output
+
+
+def test_vllms_min_p_reaches_the_job() -> None:
+    """`min_p` (vLLM's) on either OpenAI route is the job's; left out it is off."""
+    from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], min_p=0.05)
+    [job] = chat.to_generation()
+    assert job.min_p == 0.05 and job.tokenized("job_1", [1]).min_p == 0.05
+    assert [j.min_p for j in CompletionRequest(prompt=["a", "b"], min_p=0.2).to_generation()] == [0.2, 0.2]
+    assert CompletionRequest(prompt="a").to_generation()[0].min_p == 0.0

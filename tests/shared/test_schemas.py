@@ -20,7 +20,7 @@ from shared.schemas import (
 
 
 def test_a_tokenized_record_round_trips_one_request() -> None:
-    reqs = [Request(f"job_{i}", list(range(i + 1)), max_tokens=16, temperature=0.5, top_p=0.75, top_k=40,
+    reqs = [Request(f"job_{i}", list(range(i + 1)), max_tokens=16, temperature=0.5, top_p=0.75, top_k=40, min_p=0.1,
                     seed=2**62 + i, stop=["\n\n", "END"], stop_token_ids=[2], ignore_eos=i % 2 == 0,
                     bias_ids=[7], bias_values=[-1.5], priority=-3) for i in range(3)]
     assert [decode_request(encode_request(r)) for r in reqs] == reqs
@@ -31,12 +31,13 @@ def test_a_tokenized_record_round_trips_one_request() -> None:
 def test_a_clients_floats_arrive_as_sent() -> None:
     """0.7 has no exact float32: the wire carries float64, so the engine samples with the 0.7 the client sent."""
     door = GenerationRequest(prompt="x", temperature=0.7, top_p=0.9, presence_penalty=0.3, frequency_penalty=-0.1,
-                             repetition_penalty=1.1, logit_bias={5: 0.7})
+                             repetition_penalty=1.1, logit_bias={5: 0.7}, min_p=0.1)
     req = decode_request(encode_request(door.tokenized("job_1", [1, 2])))
     assert (req.temperature, req.top_p, req.presence_penalty, req.frequency_penalty, req.repetition_penalty,
-            req.bias_values) == (0.7, 0.9, 0.3, -0.1, 1.1, [0.7])
+            req.bias_values, req.min_p) == (0.7, 0.9, 0.3, -0.1, 1.1, [0.7], 0.1)
     assert all(TOKENIZED_SCHEMA.field(n).type == pa.float64() for n in ("temperature", "top_p", "presence_penalty",
-                                                                        "frequency_penalty", "repetition_penalty"))
+                                                                        "frequency_penalty", "repetition_penalty",
+                                                                        "min_p"))
 
 
 def test_a_value_its_arrow_type_cannot_hold_names_its_field() -> None:
@@ -106,7 +107,8 @@ def test_the_deployments_bounds_are_the_requests_own() -> None:
 def test_the_engine_asserts_what_the_door_guarantees() -> None:
     assert GenerationRequest(prompt="x", temperature=1e-9, top_p=1e-9).tokenized("j", [1]).out_of_bounds() is None
     for bad in ({"temperature": 2.5}, {"temperature": 0.001}, {"temperature": float("nan")}, {"top_p": 0.0},
-                {"top_p": float("nan")}, {"max_tokens": 0}, {"top_k": -1}, {"presence_penalty": float("inf")},
+                {"top_p": float("nan")}, {"max_tokens": 0}, {"top_k": -1}, {"min_p": 1.5}, {"min_p": float("nan")},
+                {"presence_penalty": float("inf")},
                 {"repetition_penalty": 0.0}, {"bias_ids": [1], "bias_values": []},
                 {"bias_ids": [1], "bias_values": [101.0]}, {"logprobs": 21}):
         problem = Request("j", [1], **bad).out_of_bounds()  # type: ignore[arg-type]

@@ -241,7 +241,8 @@ def _tied_logits(g: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7, top_k=50),
-                                      dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_p=0.5, top_k=900)],
+                                      dict(temperature=1.0, top_p=0.9), dict(temperature=0.8, top_p=0.5, top_k=900),
+                                      dict(temperature=1.0, min_p=0.05)],
                          ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_sampler_gives_a_row_the_same_token_whatever_the_batch(sampling: dict) -> None:
     """Each of 64 rows' tokens over 8 draws, alone and in batches of 2-64 rows (every row of a batch asks the same,

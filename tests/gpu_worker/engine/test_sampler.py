@@ -42,6 +42,20 @@ def test_top_k_keeps_only_the_k_most_likely_in_proportion() -> None:
     assert (f[[1, 3, 4]] - expected).abs().max() < 0.03
 
 
+def test_min_p_drops_what_is_less_likely_than_min_p_times_the_most_likely() -> None:
+    """vLLM's min_p: tokens under min_p x the top token's probability are out, the rest drawn in proportion; applied
+    before top_p (vLLM's order), so top_p's mass is counted over what min_p kept."""
+    probs = torch.tensor([0.05, 0.4, 0.15, 0.3, 0.1])
+    tokens, _, _ = Sampler()(probs.log().repeat(DRAWS, 1), _seqs(DRAWS, min_p=0.3))
+    f = _freq(tokens, 5)  # 0.3 x 0.4 = 0.12: tokens 1, 2 and 3 stay
+    assert f[0] == 0 and f[4] == 0
+    assert (f[[1, 2, 3]] - torch.tensor([0.4, 0.15, 0.3], dtype=torch.float64) / 0.85).abs().max() < 0.03
+    tokens, _, _ = Sampler()(probs.log().repeat(DRAWS, 1), _seqs(DRAWS, min_p=0.3, top_p=0.8))
+    assert set(tokens) == {1, 3}  # of 0.4, 0.3, 0.15 (renormalised: 0.47, 0.35, 0.18) 0.8 takes the first two
+    tokens, _, _ = Sampler()(probs.log().repeat(400, 1), _seqs(400, min_p=1.0))
+    assert set(tokens) == {1}  # only the most likely
+
+
 def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
     probs = torch.tensor([0.1, 0.5, 0.1, 0.3])
     tokens, _, _ = Sampler()(probs.log().repeat(DRAWS, 1), _seqs(DRAWS, top_p=0.7))
@@ -79,9 +93,10 @@ def test_large_vocabulary_draws_land_on_the_likely_tokens_only() -> None:
 def test_a_row_draws_the_same_token_alone_or_in_any_batch() -> None:
     torch.manual_seed(0)
     logits = torch.randn(8, 2000) * 2
-    mixed = [Sequence(Request(f"m{i}", [1], seed=100 + i, temperature=t, top_k=k, top_p=p))
-             for i, (t, k, p) in enumerate([(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 40, 1.0), (0.9, 0, 0.9),
-                                            (1.2, 100, 0.8), (0.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 5, 0.5)])]
+    mixed = [Sequence(Request(f"m{i}", [1], seed=100 + i, temperature=t, top_k=k, top_p=p, min_p=m))
+             for i, (t, k, p, m) in enumerate([(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.05), (0.7, 40, 1.0, 0.0),
+                                               (0.9, 0, 0.9, 0.0), (1.2, 100, 0.8, 0.1), (0.0, 0, 1.0, 0.5),
+                                               (0.5, 0, 1.0, 0.0), (1.0, 5, 0.5, 0.0)])]
     together, _, _ = Sampler()(logits, mixed)
     alone = [Sampler()(logits[i : i + 1], [s])[0][0] for i, s in enumerate(mixed)]
     assert together == alone
