@@ -201,6 +201,17 @@ def test_prompt_longer_than_context_fails_clearly(client: httpx.Client) -> None:
     assert ok["status"] == "succeeded"
 
 
+def test_min_p_of_one_samples_the_greedy_text(real: httpx.Client) -> None:
+    """min_p 1 keeps only the most likely token: a sampled job at temperature 1 gives the greedy job's text, on the
+    real model through every stage (without it, the same seed samples another text)."""
+    ask = dict(messages=chat("Write one sentence about the sea."), max_tokens=24, seed=11)
+    greedy = wait(real, submit(real, **ask, temperature=0)["id"])
+    sampled = wait(real, submit(real, **ask, temperature=1.0, min_p=1.0)["id"])
+    free = wait(real, submit(real, **ask, temperature=1.0)["id"])
+    assert greedy["status"] == sampled["status"] == free["status"] == "succeeded"
+    assert sampled["text"] == greedy["text"] != free["text"]
+
+
 def test_stop_string_cut_and_never_streamed(real: httpx.Client) -> None:
     client = real
     free = wait(client, submit(client, messages=chat("What is the capital of France?"), temperature=0,
