@@ -58,13 +58,25 @@ class PortTaken(RuntimeError):
     """redis-server could not listen: a port chosen free (free_port) was taken before it bound it."""
 
 
+def _log_tail(log: Path) -> bytes:
+    try:
+        return log.read_bytes()[-2000:]
+    except OSError:
+        return b""
+
+
 def port_taken(log: Path) -> bool:
     """Whether a server's log ends with its failure to bind a port."""
-    try:
-        tail = log.read_bytes()[-2000:]
-    except OSError:
-        return False
-    return b"Address already in use" in tail
+    return b"Address already in use" in _log_tail(log)
+
+
+def start_advice(data_dir: Path) -> str:
+    """What to do about a failure to start that the server's log names, '' for none known. A damaged append-only
+    file: Redis advises `redis-check-aof --fix`, which the embedded server's wheel does not ship."""
+    if b"redis-check-aof" in _log_tail(data_dir / "redis.log"):
+        return (f": its append-only file (in {data_dir}) is damaged: `redis-check-aof --fix FILE` (Debian's "
+                "redis-tools) cuts it at the damage, losing what follows; or move the file aside to start empty")
+    return ""
 
 
 class RedisServer:
@@ -155,7 +167,8 @@ class RedisServer:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     kind = PortTaken if port_taken(self.data_dir / "redis.log") else RuntimeError
-                    raise kind(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
+                    raise kind(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log"
+                               f"{start_advice(self.data_dir)}")
                 try:
                     if client.ping():
                         return self.url

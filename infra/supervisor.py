@@ -280,7 +280,10 @@ def _embedded_redis(settings: Settings, redis_cluster: int, lock: StackLock, env
                              preexec_fn=preexec_die_with_parent(signal.SIGTERM))
     embedded = EmbeddedRedis(settings, redis_cluster)
     # the CLI (`conveyor keys ...`) and the benchmarks find this stack's Redis in its connection file
-    env.update(embedded.start())
+    try:
+        env.update(embedded.start())
+    except RuntimeError as exc:  # (the guard stops whatever of it did start, once this process has gone)
+        raise SystemExit(f"the stack's Redis did not start: {exc}") from None
     return embedded, guard
 
 

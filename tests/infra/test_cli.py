@@ -180,3 +180,15 @@ def test_an_invalid_setting_does_not_print_the_secrets_beside_it(tmp_path: Path)
                          text=True, timeout=120)
     assert out.returncode == 1 and out.stderr.startswith("invalid settings:") and "ENGINE" in out.stderr, out.stderr
     assert "hunter2" not in out.stderr and "topsecret" not in out.stderr, out.stderr
+
+
+def test_up_says_when_its_redis_append_only_file_is_damaged(tmp_path: Path, model_path: str) -> None:
+    """The embedded Redis refuses a damaged append-only file: `up` ends in one line that says where the file is and
+    what repairs it (the redis-check-aof its log advises is not in the embedded server's wheel), not a traceback."""
+    (tmp_path / "redis").mkdir()
+    (tmp_path / "redis" / "appendonly.aof").write_bytes(b"*2\r\n$6\r\nSELECT\r\n$1\r\n0\r\n*garbage\r\n")
+    env = {**os.environ, "CONVEYOR_CACHE": str(tmp_path), "MODEL": model_path, "PORT": "0"}
+    out = subprocess.run([sys.executable, "-m", "infra.cli", "up"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1 and "the stack's Redis did not start" in out.stderr, out.stderr
+    assert "is damaged" in out.stderr and "redis-tools" in out.stderr and "Traceback" not in out.stderr, out.stderr

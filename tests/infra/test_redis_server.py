@@ -159,3 +159,20 @@ def test_the_stacks_connection_file_names_its_partitions_and_models(tmp_path: Pa
         assert info["url"] == embedded.url and info["env"] == {"REDIS_PARTITIONS": "12", "MODELS": f"a={tmp_path}"}
     finally:
         embedded.stop()
+
+
+def test_a_damaged_append_only_file_is_said_with_what_repairs_it(tmp_path: Path) -> None:
+    """Redis refuses to start on a damaged append-only file and its log advises `redis-check-aof --fix`, which the
+    embedded server's wheel does not ship: the error says where the file is and where that tool comes from."""
+    s = RedisServer(tmp_path / "redis")
+    s.start()
+    client = redis.Redis.from_url(s.url)
+    client.set("k", "v" * 100)
+    client.close()
+    s.stop()
+    aof = max((p for p in (tmp_path / "redis").rglob("*.aof") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = aof.read_bytes()
+    aof.write_bytes(data[: len(data) // 2] + b"*garbage\r\n" + data[len(data) // 2 :])
+    with pytest.raises(RuntimeError) as failed:
+        RedisServer(tmp_path / "redis", password=s.password).start()
+    assert "is damaged" in str(failed.value) and "redis-tools" in str(failed.value), failed.value
