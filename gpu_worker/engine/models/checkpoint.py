@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+from gpu_worker.engine.models.llama import ARCHS
 
 
 class _Rope:

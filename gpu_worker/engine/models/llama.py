@@ -23,6 +23,24 @@ from gpu_worker.engine.kv_cache import KVCache
 from gpu_worker.engine.lora import LoraBatch
 from gpu_worker.engine.models.layout import Activation, CausalLM, DecoderLayer, Linear, RotaryEmbedding
 
+# the architectures whose arithmetic `Llama` computes (each checked against transformers' forward in
+# tests/gpu_worker/engine/test_engine.py); another with the same attribute names (gemma's norms and embedding scale,
+# granite's multipliers, ...) would load and compute other numbers without a word
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_architecture(cfg: Any, max_len: int) -> None:
+    """ValueError naming why the engine cannot run a model of this config for a context of `max_len`: an
+    architecture not in ARCHS, or sliding-window attention whose window is shorter than the context."""
+    arch = getattr(cfg, "model_type", None)
+    if arch not in ARCHS:
+        raise ValueError(f"model_type {arch!r}: the engine runs {', '.join(ARCHS)}")
+    window = getattr(cfg, "sliding_window", None)
+    sliding = arch == "mistral" or bool(getattr(cfg, "use_sliding_window", False))
+    if sliding and isinstance(window, int) and 0 < window < max_len:
+        raise ValueError(f"sliding-window attention (a window of {window} tokens) is not run by the engine: set "
+                         f"MAX_MODEL_LEN to at most {window}")
+
 # Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
 # in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 21 us
 # SDPA / 40 us matmuls, 4 rows 41 / 45, 8 rows 68 / 54; 400 tokens a row: 1 row 38 / 45, 2 rows 56 / 50
@@ -171,6 +189,7 @@ class Llama:
     def __init__(self, hf_model: CausalLM, max_len: int, block_size: int = 16,
                  cpu_kernels: bool = True) -> None:
         cfg, inner = hf_model.config, hf_model.model
+        check_architecture(cfg, max_len)
         self.num_heads = cfg.num_attention_heads
         self.kv_heads: int = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads

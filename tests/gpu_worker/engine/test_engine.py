@@ -270,6 +270,7 @@ def _tiny(arch: str) -> torch.nn.Module:
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),  # biases on q/k/v
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # per-head RMSNorm on q and k
+        "gemma": ("GemmaConfig", "GemmaForCausalLM"),  # the same attribute names, other arithmetic
     }[arch]
     extra = {"head_dim": 16} if arch == "qwen3" else {}
     torch.manual_seed(0)
@@ -279,6 +280,19 @@ def _tiny(arch: str) -> torch.nn.Module:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
     return model
+
+
+def test_an_architecture_the_engine_does_not_compute_is_refused_not_run() -> None:
+    """A Gemma has a Llama's attribute names (q_proj, gate_proj, input_layernorm, ...) but other arithmetic (its norms
+    scale by 1 + weight, its embeddings by sqrt(hidden)): the engine used to load it and answer with other logits
+    (argmax 181 against transformers' 254), without a word. Sliding-window attention past its window likewise."""
+    with pytest.raises(ValueError, match="model_type 'gemma': the engine runs llama, mistral, qwen2, qwen3"):
+        LLMEngine(EngineConfig(model="unused", dtype="float32"), model=_tiny("gemma"))
+    mistral = _tiny("mistral")
+    mistral.config.sliding_window = 64  # shorter than the 256 tokens the engine would serve
+    with pytest.raises(ValueError, match="a window of 64 tokens.*MAX_MODEL_LEN to at most 64"):
+        LLMEngine(EngineConfig(model="unused", dtype="float32"), model=mistral)
+    LLMEngine(EngineConfig(model="unused", dtype="float32", max_model_len=64), model=_tiny("mistral"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
