@@ -13,6 +13,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# the architectures (config.json's model_type) whose arithmetic the engine computes (gpu_worker/engine/models/llama.py)
+ENGINE_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
 
 @lru_cache(maxsize=8)
 def model_config(model_dir: str) -> dict[str, Any]:

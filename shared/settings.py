@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.lora import LoraModule, static_modules
-from shared.model_config import whole_safetensors
+from shared.model_config import ENGINE_ARCHS, model_config, whole_safetensors
 from shared.paths import default_cache_dir
 from shared.served import ServedModel, parse_models
 
@@ -38,6 +38,10 @@ def _require(path_text: str, weights: bool, what: str = "") -> str:
     if missing:
         raise SystemExit(f"{what}no model at {path} ({', '.join(missing)} missing): run `conveyor model pull` "
                          "(make run does), or set MODEL to a local model directory")
+    arch = model_config(str(path)).get("model_type") if weights else ENGINE_ARCHS[0]
+    if arch not in ENGINE_ARCHS:
+        raise SystemExit(f"{what}the model at {path} is a {arch!r} (config.json's model_type): the engine runs "
+                         f"{', '.join(ENGINE_ARCHS)}")
     for part in sorted(path.glob("*.safetensors")) if weights else []:
         if not whole_safetensors(part):
             raise SystemExit(f"{what}the weights {part} are cut short or damaged: run `conveyor model pull` again "

@@ -68,6 +68,24 @@ def test_up_refuses_a_model_without_its_weights(tmp_path: Path, model_path: str)
     assert out.returncode == 1 and f"MODELS: b: no model at {bare} (weights" in out.stderr, out.stderr
 
 
+def test_up_refuses_an_architecture_the_engine_does_not_run(tmp_path: Path, tiny_model_dir: str) -> None:
+    """A model whose config.json names an architecture the engine does not compute (gemma) is refused by `conveyor
+    up` in one line, before anything starts (a worker would refuse it too: tests/gpu_worker/engine/test_engine.py)."""
+    import json
+    import shutil
+
+    from tests.helpers import conveyor
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma"}))
+    out = conveyor("up", "--no-autoscale", env={"MODEL": str(other), "CONVEYOR_CACHE": str(tmp_path / "cache"),
+                                                "REDIS_URL": ""})
+    assert out.returncode == 1 and f"the model at {other} is a 'gemma'" in out.stderr, out.stderr
+    assert "the engine runs llama, mistral, qwen2, qwen3" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_a_model_that_may_scale_to_zero_runs_one_worker_without_the_autoscaler(model_path: str) -> None:
     """`conveyor up --no-autoscale` and a model whose MODELS entry says min_replicas 0: nothing would ever scale
     it up, so its pool runs one worker (its jobs would otherwise wait for good); with the autoscaler it starts at 0."""

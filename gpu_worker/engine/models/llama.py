@@ -22,11 +22,12 @@ from gpu_worker.engine.gemm import Gemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache
 from gpu_worker.engine.lora import LoraBatch
 from gpu_worker.engine.models.layout import Activation, CausalLM, DecoderLayer, Linear, RotaryEmbedding
+from shared.model_config import ENGINE_ARCHS
 
 # the architectures whose arithmetic `Llama` computes (each checked against transformers' forward in
 # tests/gpu_worker/engine/test_engine.py); another with the same attribute names (gemma's norms and embedding scale,
 # granite's multipliers, ...) would load and compute other numbers without a word
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ENGINE_ARCHS
 
 
 def check_architecture(cfg: Any, max_len: int) -> None:
