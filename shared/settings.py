@@ -38,8 +38,7 @@ def _require(path_text: str, weights: bool, what: str = "") -> str:
     if missing:
         raise SystemExit(f"{what}no model at {path} ({', '.join(missing)} missing): run `conveyor model pull` "
                          "(make run does), or set MODEL to a local model directory")
-    arch = model_config(str(path)).get("model_type") if weights else ENGINE_ARCHS[0]
-    if arch not in ENGINE_ARCHS:
+    if weights and (arch := model_config(str(path)).get("model_type")) not in ENGINE_ARCHS:
         raise SystemExit(f"{what}the model at {path} is a {arch!r} (config.json's model_type): the engine runs "
                          f"{', '.join(ENGINE_ARCHS)}")
     for part in sorted(path.glob("*.safetensors")) if weights else []:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.engine.models.llama import ARCHS
+from shared.model_config import ENGINE_ARCHS
 
 
 class _Rope:
@@ -70,7 +70,7 @@ def load_checkpoint(model_dir: str, dtype: torch.dtype, device: torch.device) ->
     except (OSError, ValueError):
         return None
     theta = _rope_theta(cfg)
-    if (cfg.get("model_type") not in ARCHS or cfg.get("hidden_act", "silu") != "silu" or theta is None
+    if (cfg.get("model_type") not in ENGINE_ARCHS or cfg.get("hidden_act", "silu") != "silu" or theta is None
             or cfg.get("partial_rotary_factor", 1.0) != 1.0 or cfg.get("quantization_config") or cfg.get("mlp_bias")):
         return None
     tensors = _tensors(path, dtype, device)

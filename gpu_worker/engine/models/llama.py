@@ -24,18 +24,16 @@ from gpu_worker.engine.lora import LoraBatch
 from gpu_worker.engine.models.layout import Activation, CausalLM, DecoderLayer, Linear, RotaryEmbedding
 from shared.model_config import ENGINE_ARCHS
 
-# the architectures whose arithmetic `Llama` computes (each checked against transformers' forward in
-# tests/gpu_worker/engine/test_engine.py); another with the same attribute names (gemma's norms and embedding scale,
-# granite's multipliers, ...) would load and compute other numbers without a word
-ARCHS = ENGINE_ARCHS
-
 
 def check_architecture(cfg: Any, max_len: int) -> None:
     """ValueError naming why the engine cannot run a model of this config for a context of `max_len`: an
-    architecture not in ARCHS, or sliding-window attention whose window is shorter than the context."""
+    architecture not in ENGINE_ARCHS (each checked against transformers' forward in tests/gpu_worker/engine/
+    test_engine.py: another with a Llama's attribute names, gemma's norms and embedding scale or granite's
+    multipliers, would load and compute other numbers without a word), or sliding-window attention whose window is
+    shorter than the context."""
     arch = getattr(cfg, "model_type", None)
-    if arch not in ARCHS:
-        raise ValueError(f"model_type {arch!r}: the engine runs {', '.join(ARCHS)}")
+    if arch not in ENGINE_ARCHS:
+        raise ValueError(f"model_type {arch!r}: the engine runs {', '.join(ENGINE_ARCHS)}")
     window = getattr(cfg, "sliding_window", None)
     sliding = arch == "mistral" or bool(getattr(cfg, "use_sliding_window", False))
     if sliding and isinstance(window, int) and 0 < window < max_len:
