@@ -14,6 +14,7 @@ CPU of guidellm itself, which shares the cores.
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-traced --dtype auto --levels 32   # traces
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-unbound,vllm --levels 32   # binding
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-split,conveyor-batch --levels 32   # layouts
+    .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-onednn --levels 32   # the packed GEMM
     .venv/bin/python -m bench vllm serving --quick      # seconds: a tiny model, conveyor only, one run of
                                                          # 1 stream for 4 s or 8 requests, 4 tokens per request,
                                                          # no warm-up, guidellm making 8 prompts ahead (not 4,096)
@@ -205,6 +206,15 @@ class BatchConveyor(Conveyor):
             tid, os.SCHED_BATCH, os.sched_param(0)))
 
 
+class OneDnnConveyor(Conveyor):
+    """conveyor with its linear layers on torch's oneDNN and OpenMP's threads (CPU_GEMM=onednn), as before the
+    packed GEMM (docs/bench-log.md, "Contention")."""
+    name = "conveyor-onednn"
+
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None) -> None:
+        super().__init__(model, dtype, workdir, {**(env or {}), "CPU_GEMM": "onednn"})
+
+
 class Vllm:
     name, metric_prefix = "vllm", "vllm:"
 
@@ -281,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         (workdir / name).mkdir(parents=True, exist_ok=True)
         kinds: dict[str, type[Conveyor]] = {"conveyor": Conveyor, "conveyor-traced": TracedConveyor,
                                             "conveyor-unbound": UnboundConveyor,
-                                            "conveyor-split": SplitConveyor, "conveyor-batch": BatchConveyor}
+                                            "conveyor-split": SplitConveyor, "conveyor-batch": BatchConveyor,
+                                            "conveyor-onednn": OneDnnConveyor}
         servers.append(kinds[name](args.model, args.dtype, workdir / name, env) if name in kinds
                        else Vllm(args.model, args.dtype, workdir / name))
     runs: list[dict] = []

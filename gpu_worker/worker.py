@@ -73,7 +73,8 @@ def build_engine(settings: Settings) -> Engine:
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_mb=settings.kv_cache_mb, max_model_len=model_context(path, settings.max_model_len),
         threads=settings.torch_threads, block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching,
-        cpu_kernels=settings.cpu_kernels, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank,
+        cpu_kernels=settings.cpu_kernels, cpu_gemm=settings.cpu_gemm, max_loras=settings.max_loras,
+        max_lora_rank=settings.max_lora_rank,
         speculative=NgramConfig(settings.num_speculative_tokens, settings.prompt_lookup_min,
                                 settings.prompt_lookup_max) if settings.speculative == "ngram" else None))
     return engine

@@ -133,6 +133,11 @@ class Settings(BaseSettings):
     cpu_kernels: bool = Field(True, description="on CPU, the engine's kernels compiled on first use (g++): decode "
                               "attention read from the KV cache in place, fused layer steps; off, or without a "
                               "compiler: torch ops only (K/V gathered for SDPA)")
+    cpu_gemm: Literal["packed", "onednn"] = Field("packed", description="on CPU, with CPU_KERNELS, the linear "
+                                                  "layers' matrix products: `packed`, the engine's own kernel on a "
+                                                  "pool of threads that share its work a chunk at a time (float32 "
+                                                  "with AVX512F, bfloat16 with AVX512-BF16; elsewhere oneDNN), or "
+                                                  "`onednn`, torch's oneDNN on OpenMP's threads")
     lora_modules: str = Field("", description="LoRA adapters served, in vLLM's forms: `name=path` items, or JSON "
                               "objects {name, path, base_model_name}; each is named in `model` like a model")
     max_loras: int = Field(4, ge=1, le=64, description="LoRA adapters resident in an inference worker at once (so "

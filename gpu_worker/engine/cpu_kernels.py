@@ -48,7 +48,7 @@ AVX2_ONLY = ("-mno-avx512f",)
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged decode kernel's
 PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)  # the paged prefill kernel's
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-K = TypeVar("K", "PagedDecode", "PagedPrefill", "LayerOps")
+K = TypeVar("K", "PagedDecode", "PagedPrefill", "LayerOps", "PackedGemmKernel")
 
 
 def cache_dir() -> Path:
@@ -77,7 +77,9 @@ def build(name: str, compiler: str | None = None, extra: tuple[str, ...] = (), c
     cache (`cache`, else `cache_dir()`) with `compiler` (else $CXX, else g++). Raises on failure."""
     source = CSRC / f"{name}.cpp"
     flags = FLAGS + extra
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags + LINK).encode() + _cpu_flags()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags + LINK).encode()
+                         + _cpu_flags()).hexdigest()[:16]
     out = (cache or cache_dir()) / f"{name}-{key}.so"
     if out.exists():  # built before, here or by another worker sharing the cache: no compiler needed
         return out
@@ -109,6 +111,19 @@ def _compile(cxx: str, flags: tuple[str, ...], source: Path, out: Path) -> None:
                 os.unlink(path)
 
 
+_opened: list[ctypes.CDLL] = []  # every kernel library loaded, to install the pool in
+_pool: list[int] = []  # the pool's run function (packed_gemm's conveyor_pool_run) while the pool owns the threads
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """A kernel library, its parallel loops on the pool if one is in use (csrc/parallel.h)."""
+    lib = ctypes.CDLL(str(path))
+    _opened.append(lib)
+    if _pool:
+        lib.conveyor_set_pool(ctypes.c_void_p(_pool[0]))
+    return lib
+
+
 def _function(lib: ctypes.CDLL, name: str, args: tuple[type[ctypes._SimpleCData[Any]], ...],
               restype: type[ctypes._SimpleCData[Any]] | None = None) -> CFuncPtr:
     fn: CFuncPtr = getattr(lib, name)
@@ -120,7 +135,7 @@ class PagedDecode:
     """Decode attention read in place: `__call__` attends one query per row to the row's own cached tokens."""
 
     def __init__(self, path: Path) -> None:
-        self._fn = _function(ctypes.CDLL(str(path)), "conveyor_paged_decode",
+        self._fn = _function(_open(path), "conveyor_paged_decode",
                              (_p, _p, _p, _i, _p, _i, _p, _i, _i, _i, _i, _i64, _i, _f, _p, _i), _i)
 
     def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor,
@@ -145,7 +160,7 @@ class PagedPrefill:
     AVX512-BF16); `lanes`: its vectors' float lanes (16 AVX512, 8 AVX2)."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
+        lib = _open(path)
         bits = _function(lib, "conveyor_paged_prefill_dtypes", (), _i)()
         self.dtypes = frozenset(dt for bit, dt in ((1, torch.float32), (2, torch.bfloat16)) if bits & bit)
         self.lanes: int = _function(lib, "conveyor_paged_prefill_lanes", (), _i)()
@@ -194,7 +209,7 @@ class LayerOps:
     """A layer's elementwise steps, each one pass over contiguous float32 or bfloat16 tensors."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
+        lib = _open(path)
         self._rms = _function(lib, "conveyor_rms_norm", (_p, _p, _p, _i, _i64, _i, _f, _i))
         self._silu = _function(lib, "conveyor_silu_mul", (_p, _p, _i, _i64, _i, _i))
         self._rope = _function(lib, "conveyor_rope_and_cache", (_p, _p, _p, _p, _p, _p, _p, _i, _i64, _i, _i, _i,
@@ -238,6 +253,64 @@ class LayerOps:
         self._softmax(scores.data_ptr(), starts.data_ptr(), int(scores.dtype == torch.bfloat16), bk // kv_heads,
                       kv_heads, group, grows // group, keys, row0, torch.get_num_threads())
         return scores
+
+
+class PackedGemmKernel:
+    """x @ W.T (+ bias, + residual) on weights packed once (`pack`), on the library's pool of threads, which then
+    runs the other kernels' parallel loops too (`own_threads`)."""
+
+    PANEL = 32  # output columns per packed panel
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        self._pack = _function(lib, "conveyor_gemm_pack", (_p, _i, _i, _i, _p))
+        self._gemm = _function(lib, "conveyor_gemm", (_p, _i64, _p, _p, _p, _p, _i64, _i, _i, _i, _i))
+        self._threads = _function(lib, "conveyor_gemm_threads", (_i,), _i)
+        self._spin = _function(lib, "conveyor_gemm_spin", (ctypes.c_long,))
+        run = ctypes.cast(lib.conveyor_pool_run, ctypes.c_void_p).value
+        assert run is not None  # a function's address
+        self._run: int = run
+        self.threads = 1
+
+    def own_threads(self) -> None:
+        """The process's compute threads to the pool: as many as torch had (this one and the rest its own, started
+        the first time), every kernel's parallel loops on it, and torch's own ops on this thread alone, so that no
+        OpenMP team spins beside the pool. Its threads wait for the next call spinning ~0.5 ms before they sleep,
+        unless OMP_WAIT_POLICY=PASSIVE (then at once, as OpenMP's would). `release_threads` gives them back."""
+        if _pool:
+            return
+        if self.threads == 1:
+            self._spin(0 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 20000)
+            self.threads = torch.get_num_threads()
+            self._threads(self.threads)
+        _pool.append(self._run)
+        for lib in _opened:
+            lib.conveyor_set_pool(ctypes.c_void_p(self._run))
+        torch.set_num_threads(1)
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """w [N, K] -> the same shape over memory in panels of 32 output columns (bfloat16: pairs of a column's
+        consecutive inputs), padded with zeros to whole panels (and an even K): read only by this GEMM."""
+        n, k = w.shape
+        w = w.detach().contiguous()
+        packed = torch.empty(-(-n // self.PANEL) * self.PANEL * (k + k % 2), dtype=w.dtype)
+        self._pack(w.data_ptr(), n, k, int(w.dtype == torch.bfloat16), packed.data_ptr())
+        return packed.as_strided((n, k), (k, 1))
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] (rows may be strided) @ w.T [+ bias [N]] [+ residual [M, N]], w from `pack`; x's dtype."""
+        m, k = x.shape
+        n = w.shape[0]
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if residual is not None:
+            residual = residual.contiguous()
+        y = x.new_empty(m, n)
+        self._gemm(x.data_ptr(), x.stride(0), w.data_ptr(), None if bias is None else bias.data_ptr(),
+                   None if residual is None else residual.data_ptr(), y.data_ptr(), n, m, n, k,
+                   int(x.dtype == torch.bfloat16))
+        return y
 
 
 def supports_paged_decode(device: torch.device, dtype: torch.dtype, num_heads: int, kv_heads: int,
@@ -287,6 +360,32 @@ def build_paged_prefill_avx2() -> PagedPrefill | None:
     if native is None or native.lanes != 16 or b"avx2" not in flags or b"fma" not in flags:
         return None
     return PagedPrefill(build("prefill_attention", extra=AVX2_ONLY))
+
+
+def release_threads() -> None:
+    """The compute threads back to torch (an engine on oneDNN after one on the packed GEMM, in one process): its
+    thread count as before, and the kernels' loops on OpenMP's team again."""
+    if not _pool:
+        return
+    _pool.clear()
+    for lib in _opened:
+        lib.conveyor_set_pool(None)
+    kernel = load_packed_gemm()
+    torch.set_num_threads(kernel.threads if kernel is not None else 1)
+
+
+def supports_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """The packed GEMM's dtypes on this CPU: float32 with AVX512F, bfloat16 with AVX512-BF16."""
+    flags = _cpu_flags().split()
+    need = {torch.float32: b"avx512f", torch.bfloat16: b"avx512_bf16"}.get(dtype)
+    return device.type == "cpu" and need is not None and need in flags
+
+
+@cache
+def load_packed_gemm() -> PackedGemmKernel | None:
+    """The packed GEMM, built if need be (once per process: its pool is the process's); None (logged once) where it
+    cannot be had. The caller hands it the threads (`own_threads`)."""
+    return _load(PackedGemmKernel, "packed_gemm", "oneDNN", extra=("-fno-fast-math",))
 
 
 @cache

@@ -11,6 +11,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.engine.cpu_kernels import PackedGemmKernel, load_packed_gemm, release_threads, supports_packed_gemm
+
 log = logging.getLogger(__name__)
 
 
@@ -87,6 +89,28 @@ class OneDnnGemm(Gemm):
         return out
 
 
+class PackedGemm(Gemm):
+    """Our own kernel on weights packed once (csrc/packed_gemm.cpp): as fast as oneDNN's on reordered weights at
+    decode's row counts on an idle machine, and its pool's threads claim the output a chunk at a time, so a thread the
+    OS lends to another process (the API, the output lane, Redis, a client on the same cores) holds a call up for at
+    most the chunk it holds, where oneDNN's and OpenMP's static halves wait for it at every barrier. A row's bits do
+    not depend on the rows beside it (each row's sums in one order at every row count)."""
+
+    copies_weights = True
+
+    def __init__(self, kernel: PackedGemmKernel) -> None:
+        self.kernel = kernel
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return self.kernel.pack(w)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel(x, w, b)
+
+    def linear_add(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, w, None, residual)
+
+
 def _onednn_ok(device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -97,15 +121,25 @@ def _has_amx() -> bool:
     return bool(check is not None and check())
 
 
-def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32) -> tuple[Gemm, Gemm]:
-    """(GEMM for the decoder layers, GEMM for the LM head). On CPU, oneDNN on reordered weights at every row
-    count, where the CPU has the dtype's instructions (float32 always). Measured as whole decode steps
-    (docs/bench-log.md, "GEMM"): a float32 step at 32 running takes 47 ms with oneDNN's reordered weights
-    against 89-98 ms with MKL's packed sgemm and 105 ms with F.linear, although timing each weight shape alone
-    (bench/gemm_shapes.py) had favoured MKL; at 1 and 2 rows 16 and 18 ms against F.linear's 36 and 63
-    (`bench.engine --step-time 1,2`: F.linear's matrix-vector products, the LM head's above all, are 5-10x
-    slower). F.linear was kept there once for results bit-identical with transformers' own forward; greedy
+def choose_gemm(device: torch.device, dtype: torch.dtype, batch_hint: int = 32,
+                packed: bool = False) -> tuple[Gemm, Gemm]:
+    """(GEMM for the decoder layers, GEMM for the LM head). On CPU with `packed` (CPU_GEMM=packed with CPU_KERNELS),
+    our own kernel where the CPU has the dtype's instructions (`PackedGemm`): under load it keeps more of the
+    engine's time when other processes share its cores (docs/bench-log.md, "Contention"). Otherwise oneDNN on
+    reordered weights at every row count, where the CPU has the dtype's instructions (float32 always). Measured as
+    whole decode steps (docs/bench-log.md, "GEMM"): a float32 step at 32 running takes 47 ms with oneDNN's
+    reordered weights against 89-98 ms with MKL's packed sgemm and 105 ms with F.linear, although timing each
+    weight shape alone (bench/gemm_shapes.py) had favoured MKL; at 1 and 2 rows 16 and 18 ms against F.linear's
+    36 and 63 (`bench.engine --step-time 1,2`: F.linear's matrix-vector products, the LM head's above all, are
+    5-10x slower). F.linear was kept there once for results bit-identical with transformers' own forward; greedy
     tokens still match its `generate` (tests/gpu_worker/engine)."""
+    kernel = load_packed_gemm() if packed and supports_packed_gemm(device, dtype) else None
+    if kernel is not None:
+        kernel.own_threads()
+        ours = PackedGemm(kernel)
+        return ours, ours
+    if device.type == "cpu":
+        release_threads()
     if not _onednn_ok(device):
         return Gemm(), Gemm()
     if dtype == torch.float32:

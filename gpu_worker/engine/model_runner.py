@@ -120,7 +120,8 @@ class ModelRunner:
         self.eos_token_ids = eos_ids(getattr(generation, "eos_token_id", None),
                                      getattr(self.hf_model.config, "eos_token_id", None))
         self.block_size = config.block_size
-        self.model = Llama(self.hf_model, self.max_model_len, self.block_size, config.cpu_kernels)
+        self.model = Llama(self.hf_model, self.max_model_len, self.block_size, config.cpu_kernels,
+                           config.cpu_kernels and config.cpu_gemm == "packed")
         self.vocab_size = self.model.vocab_size
         self.cache = self._allocate_cache(config)
         self._block_offsets = torch.arange(self.block_size, device=self.device)

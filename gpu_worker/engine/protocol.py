@@ -27,6 +27,7 @@ class EngineConfig:
     checkpoint_dtype: str | None = None  # the weights' saved dtype, for dtype=auto ("bfloat16", ...); None: unknown
     speculative: NgramConfig | None = None  # n-gram speculative decoding (ngram.py); None: off
     cpu_kernels: bool = True  # on CPU, the compiled kernels where they build (cpu_kernels.py)
+    cpu_gemm: str = "packed"  # with cpu_kernels: "packed" (gemm.PackedGemm where the CPU has it) or "onednn"
     max_loras: int = 4  # LoRA adapters resident at once (lora.py), so at most this many in a step
     max_lora_rank: int = 16  # each resident adapter's slot is this wide (lora.py)
 

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "parallel.h"
+
 namespace {
 
 inline float load(float x) { return x; }
@@ -35,21 +37,19 @@ constexpr int64_t kSerialBelow = 1 << 15;
 
 template <typename T>
 void rms_norm(const T* x, const T* w, T* out, int64_t n, int c, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) if (n * c >= kSerialBelow)
-    for (int64_t r = 0; r < n; ++r) {
+    conveyor::parallel_for(n, n * c >= kSerialBelow, threads, [&](int64_t r) {
         const T* xr = x + r * c;
         float ss = 0.f;
         for (int i = 0; i < c; ++i) ss += load(xr[i]) * load(xr[i]);
         const float inv = 1.f / std::sqrt(ss / c + eps);
         T* o = out + r * c;
         for (int i = 0; i < c; ++i) store(o + i, round_as(T{}, load(xr[i]) * inv) * load(w[i]));
-    }
+    });
 }
 
 template <typename T>
 void silu_mul(const T* gu, T* out, int64_t n, int inter, int threads) {
-#pragma omp parallel for num_threads(threads) if (n * inter >= kSerialBelow)
-    for (int64_t r = 0; r < n; ++r) {
+    conveyor::parallel_for(n, n * inter >= kSerialBelow, threads, [&](int64_t r) {
         const T* g = gu + r * 2 * inter;
         const T* u = g + inter;
         T* o = out + r * inter;
@@ -57,7 +57,7 @@ void silu_mul(const T* gu, T* out, int64_t n, int inter, int threads) {
             const float gv = load(g[i]);
             store(o + i, round_as(T{}, gv / (1.f + std::exp(-gv))) * load(u[i]));
         }
-    }
+    });
 }
 
 // qkv [n, H + 2 KV, D]: RoPE on its first H + KV heads in place (x * cos + roll(x, D/2) * sin_signed, the
@@ -66,8 +66,7 @@ template <typename T>
 void rope_and_cache(T* qkv, const T* cos, const T* sin, const int64_t* pos, const int64_t* slots, T* kc, T* vc,
                     int64_t n, int H, int KV, int D, int64_t cache_slots, int threads) {
     const int half = D / 2, heads = H + 2 * KV;
-#pragma omp parallel for num_threads(threads) if (n * heads * D >= kSerialBelow)
-    for (int64_t t = 0; t < n; ++t) {
+    conveyor::parallel_for(n, n * heads * D >= kSerialBelow, threads, [&](int64_t t) {
         const T* c = cos + pos[t] * D;
         const T* s = sin + pos[t] * D;
         float x[512];
@@ -85,7 +84,7 @@ void rope_and_cache(T* qkv, const T* cos, const T* sin, const int64_t* pos, cons
             std::memcpy(kc + (h * cache_slots + slots[t]) * D, k + h * D, sizeof(T) * D);
             std::memcpy(vc + (h * cache_slots + slots[t]) * D, v + h * D, sizeof(T) * D);
         }
-    }
+    });
 }
 
 // scores [chunks * KV, G * rows, keys], one block of a padded prefill batch's rows (Llama._prefill_batch): its
@@ -96,34 +95,31 @@ void causal_softmax(T* scores, const int64_t* starts, int64_t chunks, int KV, in
                     int threads) {
     const int64_t n = chunks * KV * G * rows;
     const int64_t stride = (keys + 15) / 16 * 16;
-#pragma omp parallel num_threads(threads) if (n * keys >= kSerialBelow)
-    {
-        float* buf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * stride));
-#pragma omp for schedule(static)
-        for (int64_t idx = 0; idx < n; ++idx) {
-            const int64_t b = idx / (static_cast<int64_t>(G) * rows * KV);
-            const int64_t seen = starts[b] + row0 + idx % rows + 1;
-            const int limit = seen < keys ? static_cast<int>(seen) : keys;
-            T* row = scores + idx * keys;
-            float m = -INFINITY;
-            for (int k = 0; k < limit; ++k) {
-                buf[k] = load(row[k]);
-                m = buf[k] > m ? buf[k] : m;
-            }
-            float sum = 0.f;
-            for (int k = 0; k < limit; ++k) {
-                buf[k] = std::exp(buf[k] - m);
-                sum += buf[k];
-            }
-            const float inv = 1.f / sum;
-            for (int k = 0; k < limit; ++k) store(row + k, buf[k] * inv);
-            for (int k = limit; k < keys; ++k) store(row + k, 0.f);
+    conveyor::parallel_for(n, n * keys >= kSerialBelow, threads, [&](int64_t idx) {
+        float* buf = conveyor::scratch(stride);
+        const int64_t b = idx / (static_cast<int64_t>(G) * rows * KV);
+        const int64_t seen = starts[b] + row0 + idx % rows + 1;
+        const int limit = seen < keys ? static_cast<int>(seen) : keys;
+        T* row = scores + idx * keys;
+        float m = -INFINITY;
+        for (int k = 0; k < limit; ++k) {
+            buf[k] = load(row[k]);
+            m = buf[k] > m ? buf[k] : m;
         }
-        std::free(buf);
-    }
+        float sum = 0.f;
+        for (int k = 0; k < limit; ++k) {
+            buf[k] = std::exp(buf[k] - m);
+            sum += buf[k];
+        }
+        const float inv = 1.f / sum;
+        for (int k = 0; k < limit; ++k) store(row + k, buf[k] * inv);
+        for (int k = limit; k < keys; ++k) store(row + k, 0.f);
+    }, 16);
 }
 
 }  // namespace
+
+CONVEYOR_SET_POOL
 
 extern "C" {
 

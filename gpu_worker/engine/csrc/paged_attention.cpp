@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "parallel.h"
+
 namespace {
 
 constexpr int64_t kSerialBelow = 1 << 15;
@@ -86,18 +88,12 @@ void run(const float* q, const T* kc, const T* vc, const int32_t* tables, int ma
     const int64_t stride = (longest + 15) / 16 * 16;
     // below kSerialBelow multiply-adds a step's attention runs on this thread alone: waking the others (and, on a
     // busy machine, waiting for them to get a core) costs more than the work
-#pragma omp parallel num_threads(threads) if (read * H * D >= kSerialBelow)
-    {
-        float* scores = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * G * stride));
-#pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < rows * KV; ++task) {
-            const int r = task / KV, h = task % KV;
-            attend_one<T, D>(q + (static_cast<int64_t>(r) * H + h * G) * D, kc + h * slots * D, vc + h * slots * D,
-                             tables + static_cast<int64_t>(r) * max_blocks, lens[r], slots, bs, G, scale, scores,
-                             stride, out + (static_cast<int64_t>(r) * H + h * G) * D);
-        }
-        std::free(scores);
-    }
+    conveyor::parallel_for(static_cast<int64_t>(rows) * KV, read * H * D >= kSerialBelow, threads, [&](int64_t task) {
+        const int r = static_cast<int>(task / KV), h = static_cast<int>(task % KV);
+        attend_one<T, D>(q + (static_cast<int64_t>(r) * H + h * G) * D, kc + h * slots * D, vc + h * slots * D,
+                         tables + static_cast<int64_t>(r) * max_blocks, lens[r], slots, bs, G, scale,
+                         conveyor::scratch(G * stride), stride, out + (static_cast<int64_t>(r) * H + h * G) * D);
+    });
 }
 
 template <typename T>
@@ -117,6 +113,8 @@ int dispatch(const float* q, const void* kc, const void* vc, const int32_t* tabl
 }
 
 }  // namespace
+
+CONVEYOR_SET_POOL
 
 extern "C" {
 

@@ -22,6 +22,8 @@
 #ifdef CONVEYOR_LANES
 #include <immintrin.h>
 
+#include "parallel.h"
+
 namespace {
 
 constexpr int64_t kSerialBelow = 1 << 16;  // (query, key) pairs a call must have to run on more than one thread
@@ -318,8 +320,7 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
     // pack every chunk's K/V, a block of KB keys per item
     int64_t items = 0;
     for (int b = 0; b < chunks; ++b) items += key_blocks(b);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 4) if (parallel)
-    for (int64_t it = 0; it < items; ++it) {
+    conveyor::parallel_for(items, parallel, threads, [&](int64_t it) {
         int64_t rest = it;
         const int b = chunk_of(rest, key_blocks);
         const int nblk = (c.starts[b] + c.lengths[b] + KB - 1) / KB;
@@ -327,13 +328,12 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
         const int64_t base = c.packed[b * KV + h];
         pack<T>(kc + h * slots * D, vc + h * slots * D, c.tables + static_cast<int64_t>(b) * c.max_blocks,
                 c.starts[b] + c.lengths[b], bs, D, blk, work + base, work + base + static_cast<int64_t>(nblk) * U * KB);
-    }
+    }, 4);
     // attend: an item is (chunk, KV head, RT query rows), its rows' G query heads each
     int64_t tiles = 0;
     for (int b = 0; b < chunks; ++b) tiles += row_tiles(b);
     const float scale_log2 = scale * 1.4426950408889634f;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (parallel)
-    for (int64_t it = 0; it < tiles; ++it) {
+    conveyor::parallel_for(tiles, parallel, threads, [&](int64_t it) {
         int64_t rest = it;
         const int b = chunk_of(rest, row_tiles);
         const int ntile = (c.lengths[b] + RT - 1) / RT;
@@ -358,7 +358,7 @@ void prefill(const T* q, int64_t q_stride, const T* kc, const T* vc, const Chunk
             }
             attend_tile<T, D>(qs, pos, os, nq, kp, vp, scale_log2);
         }
-    }
+    });
 }
 
 template <typename T>
@@ -380,6 +380,8 @@ int prefill_as(const void* q, int64_t q_stride, const void* kc, const void* vc, 
 }
 
 }  // namespace
+
+CONVEYOR_SET_POOL
 
 extern "C" {
 

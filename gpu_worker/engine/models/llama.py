@@ -187,7 +187,7 @@ class Llama:
     matrices are emptied."""
 
     def __init__(self, hf_model: CausalLM, max_len: int, block_size: int = 16,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, packed_gemm: bool = False) -> None:
         cfg, inner = hf_model.config, hf_model.model
         check_architecture(cfg, max_len)
         self.num_heads = cfg.num_attention_heads
@@ -197,7 +197,7 @@ class Llama:
         self.hidden_shape = (cfg.hidden_size,)
         self.embed_w = inner.embed_tokens.weight
         self.dtype, self.device = self.embed_w.dtype, self.embed_w.device
-        self.gemm, self.head_gemm = choose_gemm(self.device, self.dtype)
+        self.gemm, self.head_gemm = choose_gemm(self.device, self.dtype, packed=packed_gemm)
         with torch.no_grad():
             self.layers = [_layer_weights(layer, self.gemm) for layer in inner.layers]
             self.lm_head_w = self.head_gemm.prepare(hf_model.lm_head.weight)

@@ -1,9 +1,9 @@
 """Batch invariance, kernel by kernel: a row's output bits are the same alone as among 1, 7, 31 and 63 others (and a
-prefill step's worth), wherever it sits among them, in each dtype the build takes: the linear layers (oneDNN, and
-oneDNN held to AVX2 as an AVX2-only CPU runs it), RMSNorm, SiLU * up and RoPE, decode attention read in place (the
-other rows longer or shorter), prefill attention read in place (among other chunks, and the same prompt cut into other
-chunks), and the sampler (greedy, temperature, top-k, top-p at ties). The compiled kernels as this CPU builds them and,
-on a CPU with AVX512, as an AVX2-only CPU does."""
+prefill step's worth), wherever it sits among them, in each dtype the build takes: the linear layers (the packed
+GEMM, oneDNN, and oneDNN held to AVX2 as an AVX2-only CPU runs it), RMSNorm, SiLU * up and RoPE, decode attention
+read in place (the other rows longer or shorter), prefill attention read in place (among other chunks, and the same
+prompt cut into other chunks), and the sampler (greedy, temperature, top-k, top-p at ties). The compiled kernels as
+this CPU builds them and, on a CPU with AVX512, as an AVX2-only CPU does."""
 
 from __future__ import annotations
 
@@ -38,11 +38,11 @@ def _places(n: int) -> list[int]:
     return sorted({0, n // 2, n})
 
 
-def gemm_rows_that_differ(dtype: torch.dtype) -> list[str]:
+def gemm_rows_that_differ(dtype: torch.dtype, packed: bool = False) -> list[str]:
     """Each (shape, op, batch, place) where a row differs from the same row alone; [] when none does. Eight rows each
     alone, and each among the others at a place of its own (a bfloat16 output rounds away most differences in the
-    sums: one row in ten shows one)."""
-    gemm, _ = choose_gemm(torch.device("cpu"), dtype)
+    sums: one row in ten shows one). oneDNN, or with `packed` the packed GEMM where the CPU has it."""
+    gemm, _ = choose_gemm(torch.device("cpu"), dtype, packed=packed)
     g = torch.Generator().manual_seed(0)
     bad = []
     for n, k in GEMM_SHAPES:
@@ -63,9 +63,12 @@ def gemm_rows_that_differ(dtype: torch.dtype) -> list[str]:
     return bad
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["onednn", "packed"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_linear_layers_give_a_row_the_same_bits_whatever_the_batch(dtype: torch.dtype) -> None:
-    assert gemm_rows_that_differ(dtype) == []
+def test_linear_layers_give_a_row_the_same_bits_whatever_the_batch(dtype: torch.dtype, packed: bool) -> None:
+    if packed and not ck.supports_packed_gemm(torch.device("cpu"), dtype):
+        pytest.skip("this CPU has not the packed GEMM's instructions for this dtype")
+    assert gemm_rows_that_differ(dtype, packed) == []
 
 
 def test_a_batch_split_into_calls_of_a_few_rows_gives_each_row_its_own_output() -> None:

@@ -1,0 +1,109 @@
+"""The packed GEMM (csrc/packed_gemm.cpp, gemm.PackedGemm): x @ w.T (+ bias, + residual) at every row count and
+width, on strided rows, from several threads at once; and the other kernels' loops on its pool give the bits they
+give on OpenMP's team. (A row's bits whatever its batch: test_batch_invariance.py.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from gpu_worker.engine import cpu_kernels as ck
+from gpu_worker.engine.gemm import PackedGemm, choose_gemm
+from tests.conftest import ROOT
+
+CPU = torch.device("cpu")
+DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if ck.supports_packed_gemm(CPU, dt)]
+pytestmark = pytest.mark.skipif(not DTYPES, reason="this CPU has not AVX512F")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ck.PackedGemmKernel:
+    k = ck.load_packed_gemm()
+    assert k is not None, "packed_gemm did not build (g++ is part of the test machine)"
+    return k
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, res: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    if b is not None:
+        out += b.double()
+    if res is not None:
+        out += res.double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 960, 576), (5, 100, 64), (12, 33, 576), (13, 576, 1536),
+                                           (49, 64, 32), (130, 96, 576), (0, 64, 64), (7, 40, 9)])
+def test_it_computes_x_w_t_with_bias_and_residual(kernel: ck.PackedGemmKernel, dtype: torch.dtype, m: int, n: int,
+                                                  k: int) -> None:
+    g = torch.Generator().manual_seed(m * 7 + n)
+    wide = torch.randn(m, k + 8, generator=g).to(dtype)
+    x = wide[:, 3 : 3 + k]  # rows strided, as a slice of a wider tensor
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b, res = torch.randn(n, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
+    packed = kernel.pack(w)
+    assert packed.shape == (n, k)
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    for bias, residual in ((None, None), (b, None), (None, res), (b, res)):
+        got = kernel(x, packed, bias, residual)
+        assert got.dtype == dtype and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), _reference(x, w, bias, residual), **tol)
+
+
+def test_the_engine_takes_it_where_asked_and_the_cpu_has_it() -> None:
+    dtype = DTYPES[-1]
+    layers, head = choose_gemm(CPU, dtype, packed=True)
+    assert isinstance(layers, PackedGemm) and head is layers
+    assert not isinstance(choose_gemm(CPU, dtype)[0], PackedGemm)  # CPU_GEMM=onednn
+    assert not isinstance(choose_gemm(CPU, torch.float16, packed=True)[0], PackedGemm)  # a dtype it has no kernel for
+
+
+def test_calls_from_several_threads_at_once_each_get_their_own_product(kernel: ck.PackedGemmKernel) -> None:
+    """The pool runs one call at a time: a call made meanwhile (another thread's) runs on its own thread, whole."""
+    dtype = DTYPES[0]
+    g = torch.Generator().manual_seed(1)
+    ws = [(torch.randn(512, 256, generator=g) * 0.06).to(dtype) for _ in range(4)]
+    xs = [torch.randn(32, 256, generator=g).to(dtype) for _ in range(4)]
+    packed = [kernel.pack(w) for w in ws]
+    want = [kernel(x, p) for x, p in zip(xs, packed, strict=True)]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(lambda i: [kernel(xs[i], packed[i]) for _ in range(20)][-1], range(4)))
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_kernels_loops_on_the_pool_give_the_bits_they_give_on_openmp() -> None:
+    """Decode attention, RMSNorm and SiLU * up in a process of their own, before and after the packed GEMM's pool
+    takes the threads (their loops then run on it): the same bits."""
+    code = """
+import torch
+from gpu_worker.engine import cpu_kernels as ck
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+dec, ops = ck.load_paged_decode(), ck.load_layer_ops()
+rows, H, KV, D, bs, slots = 24, 8, 2, 64, 16, 4096
+kc, vc = torch.randn(KV, slots, D, generator=g), torch.randn(KV, slots, D, generator=g)
+tables = torch.randperm(slots // bs, generator=g)[: rows * 8].view(rows, 8).int().contiguous()
+lens = torch.randint(1, 8 * bs, (rows,), generator=g, dtype=torch.int32)
+q = torch.randn(rows, H, D, generator=g)
+x, w = torch.randn(64, 1024, generator=g), torch.randn(1024, generator=g)
+gu = torch.randn(64, 2048, generator=g)
+def run():
+    return dec(q, kc, vc, tables, lens, bs), ops.rms_norm(x, w, 1e-6), ops.silu_mul(gu)
+before = run()
+ck.load_packed_gemm().own_threads()
+assert torch.get_num_threads() == 1
+after = run()
+ck.release_threads()
+assert torch.get_num_threads() == 2
+again = run()
+print(all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(before, after, again)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "True"
