@@ -1,5 +1,6 @@
 """Per-shape CPU GEMM timing: torch's `F.linear` (MKL in float32) against oneDNN on a weight
-reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`) and, in float32,
+reordered once (`torch.ops.mkldnn._reorder_linear_weight` + `_linear_pointwise`), the engine's packed
+GEMM (`CPU_GEMM=packed`, where the CPU has it: on its pool, as many threads as torch's) and, in float32,
 MKL on a weight packed once (`torch.ops.mkl._mkl_reorder_linear_weight` + `_mkl_linear`), at several
 row counts. This is the measurement behind `choose_gemm` in gpu_worker/engine/gemm.py.
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import parser
+from gpu_worker.engine import cpu_kernels as ck
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "lm_head": (576, 49152)}
 
@@ -58,14 +60,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     mkl = dtype == torch.float32 and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    ours = ck.load_packed_gemm() if ck.supports_packed_gemm(torch.device("cpu"), dtype) else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-          f"{args.copies} copies per weight; microseconds (torch / onednn" + (" / mkl-packed)" if mkl else ")"))
+          f"{args.copies} copies per weight; microseconds (torch / onednn" + (" / packed" if ours else "")
+          + (" / mkl-packed)" if mkl else ")"))
     print("| rows | " + " | ".join(SHAPES) + " | layer |")
     print("|---" * (len(SHAPES) + 2) + "|")
     weights = {k: [torch.randn(o, i, dtype=dtype) * 0.05 for _ in range(args.copies)] for k, (i, o) in SHAPES.items()}
     packed = {k: [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] for k, ws in weights.items()}
     mkl_packed = ({k: [torch.ops.mkl._mkl_reorder_linear_weight(w, 32) for w in ws] for k, ws in weights.items()}
                   if mkl else {})
+    ours_packed = {k: [ours.pack(w) for w in ws] for k, ws in weights.items()} if ours else {}
     turn = itertools.count()
     for m in (int(r) for r in args.rows.split(",")):
         cells, layer = [], [0.0, 0.0, 0.0]
@@ -76,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
             b = timed(lambda x=x, pws=pws: torch.ops.mkldnn._linear_pointwise(x, pws[next(turn) % len(pws)], None,
                                                                                  "none", [], ""), args.n, args.warmup)
             times = [a, b]
+            if ours is not None:  # on its pool, torch's ops on one thread meanwhile (as in the engine)
+                ours.own_threads()
+                ows = ours_packed[k]
+                times.append(timed(lambda x=x, ows=ows: ours(x, ows[next(turn) % len(ows)]), args.n, args.warmup))
+                ck.release_threads()
             if mkl:  # packed for 32 rows, called with the actual rows, as the engine does
                 mws = mkl_packed[k]
 

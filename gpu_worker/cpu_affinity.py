@@ -8,7 +8,8 @@ share the same cores' first and second threads: the test suite's many stacks on 
 without (runs an hour apart, on a machine that slowed meanwhile).
 
 libgomp reads these when torch loads and pins the loading thread to the first core; what that thread starts
-afterwards inherits its mask. So the worker notes its mask first (`bind_compute_threads`), and the processes it
+afterwards inherits its mask (the packed GEMM's pool, CPU_GEMM=packed, puts each of its threads on a core of its own
+after the loading thread's). So the worker notes its mask first (`bind_compute_threads`), and the processes it
 starts take it back (`release`): the output lane is not confined to the engine's first core. An operator's own
 OMP_PROC_BIND / OMP_PLACES win; `CPU_BIND_THREADS=false` leaves placement to the OS. Torch-free: it runs before
 torch loads."""

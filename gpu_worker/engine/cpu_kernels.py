@@ -11,11 +11,15 @@
 - `LayerOps` (csrc/layer_ops.cpp): a layer's elementwise steps in one pass each (RMSNorm; SiLU(gate) * up; RoPE on
   q and k with the new K/V written to its cache slots; batched prefill's causal softmax), where torch takes several
   ops, each with its overhead.
+- `PackedGemmKernel` (csrc/packed_gemm.cpp): the linear layers' x @ W.T on weights packed once (float32 on
+  AVX512F, bfloat16 on AVX512-BF16), on a pool of threads that claim a call's work a chunk at a time.
 
 Each source is plain C++ behind a C ABI, compiled on first use for this CPU (`g++ -O3 -march=native`, 0.4-3 s
 each) into a cache keyed by its source, the flags and the CPU's feature flags, and loaded through ctypes (a call
-releases the GIL). Kernels run on torch's OpenMP runtime with torch's thread count. Where no compiler is found or
-a build fails, `load_*` returns None (logged once) and the model keeps its torch path (CPU_KERNELS=false: always)."""
+releases the GIL). Their parallel loops (csrc/parallel.h) run on the packed GEMM's pool while it owns the process's
+compute threads (`own_threads`, CPU_GEMM=packed), else on torch's OpenMP runtime with torch's thread count. Where no
+compiler is found or a build fails, `load_*` returns None (logged once) and the model keeps its torch path
+(CPU_KERNELS=false: always)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from gpu_worker.engine import cpu_kernels as ck
 from tests.conftest import ROOT
 
 # (their OpenMP threads sleep while they wait, as the suite's every process: tests/conftest.py) inductor compiles in
@@ -130,6 +132,7 @@ def test_engine_step_time(runs: QuickRuns) -> None:
 def test_gemm_shapes(runs: QuickRuns) -> None:
     out = runs.out("gemm_shapes")
     assert out.count("\n| 8 |") == 1 and "lm_head" in out
+    assert ("/ packed" in out) == ck.supports_packed_gemm(torch.device("cpu"), torch.float32)
 
 
 def test_redis_ops(runs: QuickRuns) -> None:

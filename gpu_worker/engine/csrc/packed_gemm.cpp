@@ -20,6 +20,9 @@
 namespace {
 
 // ---------------------------------------------------------------- pool
+struct Pool;
+Pool& pool();
+
 struct Pool {
     std::atomic<uint64_t> state{0};  // job seq << 32 | next chunk
     std::atomic<int> done{0};
@@ -33,7 +36,7 @@ struct Pool {
     long spin = 20000;  // pauses a worker waits for the next job before it sleeps: ~0.5 ms, a layer's few calls apart
     std::vector<std::thread> workers;
     std::mutex busy;  // one job at a time: a second caller meanwhile (another thread, a nested call) runs its own
-    pid_t owner = 0;  // the process whose threads these are
+    bool forked = false;  // set in a child process (pthread_atfork): the workers stayed in the parent
 
     static long futex(std::atomic<uint32_t>* a, int op, uint32_t v) {
         return syscall(SYS_futex, reinterpret_cast<uint32_t*>(a), op, v, nullptr, nullptr, 0);
@@ -79,7 +82,7 @@ struct Pool {
     void run(void (*f)(const void*, int), const void* a, int chunks) {
         std::unique_lock<std::mutex> mine(busy, std::try_to_lock);
         // (a process forked from this one has none of its threads: it runs its calls alone)
-        if (workers.empty() || chunks <= 1 || !mine.owns_lock() || getpid() != owner) {
+        if (workers.empty() || chunks <= 1 || !mine.owns_lock() || forked) {
             for (int c = 0; c < chunks; ++c) f(a, c);
             return;
         }
@@ -109,7 +112,8 @@ struct Pool {
         int core = 0;
         while (bound && !CPU_ISSET(core, &mine)) ++core;
         const int cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-        owner = getpid();
+        static std::once_flag once;
+        std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { pool().forked = true; }); });
         for (int i = 1; i < threads; ++i) {
             workers.emplace_back([this] { loop(); });
             pthread_setname_np(workers.back().native_handle(), "conveyor-pool");

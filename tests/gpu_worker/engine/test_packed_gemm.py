@@ -107,3 +107,24 @@ print(all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(before, aft
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "True"
+
+
+def test_a_process_forked_after_the_pool_started_computes_alone() -> None:
+    """The pool's threads stay in the parent: a child's call runs on its own thread, whole, rather than waiting for
+    workers it does not have."""
+    code = """
+import os, torch
+from gpu_worker.engine import cpu_kernels as ck
+torch.set_num_threads(2)
+k = ck.load_packed_gemm()
+k.own_threads()
+w, x = k.pack(torch.randn(4096, 256)), torch.randn(32, 256)
+want = k(x, w)
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if torch.equal(k(x, w), want) else 3)
+print(os.waitpid(pid, 0)[1])
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "0"
