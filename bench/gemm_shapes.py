@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     ours_packed = {k: [ours.pack(w) for w in ws] for k, ws in weights.items()} if ours else {}
     turn = itertools.count()
     for m in (int(r) for r in args.rows.split(",")):
-        cells, layer = [], [0.0, 0.0, 0.0]
+        cells, layer = [], [0.0] * 4
         for k, (i, _) in SHAPES.items():
             x = torch.randn(m, i, dtype=dtype)
             ws, pws = weights[k], packed[k]

@@ -8,10 +8,10 @@ share the same cores' first and second threads: the test suite's many stacks on 
 without (runs an hour apart, on a machine that slowed meanwhile).
 
 libgomp reads these when torch loads and pins the loading thread to the first core; what that thread starts
-afterwards inherits its mask (the packed GEMM's pool, CPU_GEMM=packed, puts each of its threads on a core of its own
-after the loading thread's). So the worker notes its mask first (`bind_compute_threads`), and the processes it
-starts take it back (`release`): the output lane is not confined to the engine's first core. An operator's own
-OMP_PROC_BIND / OMP_PLACES win; `CPU_BIND_THREADS=false` leaves placement to the OS. Torch-free: it runs before
+afterwards inherits its mask. So the worker notes its mask first (`bind_compute_threads`), and the processes it
+starts take it back (`release`): the output lane is not confined to the engine's first core. The packed GEMM's pool
+(CPU_GEMM=packed) takes OpenMP's place and binds alike (`compute_cpus`): the engine thread on the first core, each
+of the pool's threads on the next. An operator's own OMP_PROC_BIND / OMP_PLACES win; `CPU_BIND_THREADS=false` leaves placement to the OS. Torch-free: it runs before
 torch loads."""
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ def bind_compute_threads(enabled: bool, device: str) -> bool:
     os.environ.setdefault("OMP_PROC_BIND", "true")
     os.environ.setdefault("OMP_PLACES", "cores")
     return True
+
+
+def compute_cpus() -> list[int]:
+    """The CPUs the compute threads take one each, in order, where OpenMP is told to bind them (OMP_PROC_BIND, set by
+    `bind_compute_threads` or the operator): the worker's CPUs before torch pinned it; [] where nothing binds. For the
+    packed GEMM's pool, which takes OpenMP's place (gpu_worker/engine/cpu_kernels.py)."""
+    if os.environ.get("OMP_PROC_BIND", "").lower() not in ("true", "close", "spread", "master", "primary"):
+        return []
+    mask = os.environ.get(MASK_ENV)
+    return [int(c) for c in mask.split(",")] if mask else sorted(os.sched_getaffinity(0))
 
 
 def release() -> None:

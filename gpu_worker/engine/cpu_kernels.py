@@ -23,6 +23,7 @@ compiler is found or a build fails, `load_*` returns None (logged once) and the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
+
+from gpu_worker.cpu_affinity import compute_cpus
 
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr
@@ -286,7 +289,13 @@ class PackedGemmKernel:
         if self.threads == 1:
             self._spin(0 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 20000)
             self.threads = torch.get_num_threads()
+            cpus = compute_cpus()
+            if cpus:  # bound as OpenMP would bind its team: this thread on the first core, the pool's on the next
+                os.sched_setaffinity(0, {cpus[0]})
             self._threads(self.threads)
+            if cpus:
+                for i, tid in enumerate(_threads_named(b"conveyor-pool"), start=1):
+                    os.sched_setaffinity(tid, {cpus[i % len(cpus)]})
         _pool.append(self._run)
         for lib in _opened:
             lib.conveyor_set_pool(ctypes.c_void_p(self._run))
@@ -364,6 +373,16 @@ def build_paged_prefill_avx2() -> PagedPrefill | None:
     if native is None or native.lanes != 16 or b"avx2" not in flags or b"fma" not in flags:
         return None
     return PagedPrefill(build("prefill_attention", extra=AVX2_ONLY))
+
+
+def _threads_named(name: bytes) -> list[int]:
+    """This process's threads of that name, by thread id."""
+    tids = []
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_bytes().strip() == name:
+                tids.append(int(task.name))
+    return sorted(tids)
 
 
 def release_threads() -> None:

@@ -5,7 +5,6 @@
 // sums run over K in one order in every tile. Built and loaded by gpu_worker/engine/cpu_kernels.py (C ABI, ctypes).
 #include <immintrin.h>
 #include <pthread.h>
-#include <sched.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -106,23 +105,11 @@ struct Pool {
         for (auto& t : workers) t.join();
         workers.clear();
         stop.store(false);
-        // a caller bound to one core (CPU_BIND_THREADS) would hand its binding to the workers: each gets the next core
-        cpu_set_t mine;
-        const bool bound = sched_getaffinity(0, sizeof mine, &mine) == 0 && CPU_COUNT(&mine) == 1;
-        int core = 0;
-        while (bound && !CPU_ISSET(core, &mine)) ++core;
-        const int cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
         static std::once_flag once;
         std::call_once(once, [] { pthread_atfork(nullptr, nullptr, [] { pool().forked = true; }); });
         for (int i = 1; i < threads; ++i) {
             workers.emplace_back([this] { loop(); });
-            pthread_setname_np(workers.back().native_handle(), "conveyor-pool");
-            if (bound) {
-                cpu_set_t one;
-                CPU_ZERO(&one);
-                CPU_SET((core + i) % cores, &one);
-                pthread_setaffinity_np(workers.back().native_handle(), sizeof one, &one);
-            }
+            pthread_setname_np(workers.back().native_handle(), "conveyor-pool");  // (the loader binds them by name)
         }
     }
 };
