@@ -11,8 +11,8 @@ libgomp reads these when torch loads and pins the loading thread to the first co
 afterwards inherits its mask. So the worker notes its mask first (`bind_compute_threads`), and the processes it
 starts take it back (`release`): the output lane is not confined to the engine's first core. The packed GEMM's pool
 (CPU_GEMM=packed) takes OpenMP's place and binds alike (`compute_cpus`): the engine thread on the first core, each
-of the pool's threads on the next. An operator's own OMP_PROC_BIND / OMP_PLACES win; `CPU_BIND_THREADS=false` leaves placement to the OS. Torch-free: it runs before
-torch loads."""
+of the pool's threads on the next. An operator's own OMP_PROC_BIND / OMP_PLACES win; `CPU_BIND_THREADS=false`
+leaves placement to the OS. Torch-free: it runs before torch loads."""
 
 from __future__ import annotations
 
