@@ -24,7 +24,8 @@ Pool& pool();
 
 struct Pool {
     std::atomic<uint64_t> state{0};  // job seq << 32 | next chunk
-    std::atomic<int> done{0};
+    std::atomic<uint32_t> done{0};  // chunks of the current job computed
+    std::atomic<bool> waiting{false};  // the caller sleeps until `done` reaches the job's chunks
     std::atomic<int> sleepers{0};
     std::atomic<uint32_t> wake{0};
     std::atomic<bool> stop{false};
@@ -50,7 +51,8 @@ struct Pool {
             if (static_cast<int>(idx) >= n) return;
             if (!state.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel)) continue;
             fn(arg, static_cast<int>(idx));
-            done.fetch_add(1, std::memory_order_release);
+            done.fetch_add(1, std::memory_order_seq_cst);
+            if (waiting.load(std::memory_order_seq_cst)) futex(&done, FUTEX_WAKE_PRIVATE, 1);
         }
     }
 
@@ -94,7 +96,14 @@ struct Pool {
             futex(&wake, FUTEX_WAKE_PRIVATE, 1 << 30);
         }
         work(seq);
-        while (done.load(std::memory_order_acquire) < chunks) _mm_pause();
+        // the chunks other threads still hold: spin as a worker waits for work, then sleep until the last is done
+        const uint32_t all = static_cast<uint32_t>(chunks);
+        for (long i = 0; done.load(std::memory_order_acquire) < all && i < spin; ++i) _mm_pause();
+        if (done.load(std::memory_order_acquire) < all) {
+            waiting.store(true, std::memory_order_seq_cst);
+            for (uint32_t d; (d = done.load(std::memory_order_seq_cst)) < all;) futex(&done, FUTEX_WAIT_PRIVATE, d);
+            waiting.store(false, std::memory_order_relaxed);
+        }
     }
 
     void resize(int threads) {
