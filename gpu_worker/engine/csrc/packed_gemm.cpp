@@ -131,6 +131,11 @@ Pool& pool() {
 // ---------------------------------------------------------------- kernels
 constexpr int NR = 32;  // output columns per panel: two vectors of 16
 
+// the lanes of a vector of 16 columns that hold output columns, `left` of them from its first on
+inline __mmask16 lanes(int left) {
+    return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
 inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
 struct Args {
@@ -172,9 +177,7 @@ void tile_bf16(const Args& a, int m0, int p) {
         }
     }
     const int n0 = p * NR;
-    const int left = a.N - n0;
-    const __mmask16 k0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 k1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    const __mmask16 k0 = lanes(a.N - n0), k1 = lanes(a.N - n0 - 16);
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     if (a.bias) {
         const uint16_t* b = static_cast<const uint16_t*>(a.bias) + n0;
@@ -210,9 +213,7 @@ void tile_f32(const Args& a, int m0, int p) {
         }
     }
     const int n0 = p * NR;
-    const int left = a.N - n0;
-    const __mmask16 k0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 k1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    const __mmask16 k0 = lanes(a.N - n0), k1 = lanes(a.N - n0 - 16);
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     if (a.bias) {
         b0 = _mm512_maskz_loadu_ps(k0, static_cast<const float*>(a.bias) + n0);
