@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -281,9 +282,9 @@ class PackedGemmKernel:
 
     def own_threads(self) -> None:
         """The process's compute threads to the pool: as many as torch had (this one and the rest its own, started
-        the first time), every kernel's parallel loops on it, and torch's own ops on this thread alone, so that no
-        OpenMP team spins beside the pool. Its threads wait for the next call spinning ~0.5 ms before they sleep,
-        unless OMP_WAIT_POLICY=PASSIVE (then at once, as OpenMP's would). `release_threads` gives them back."""
+        the first time), and every kernel's parallel loops on it. Its threads wait for the next call spinning ~0.5 ms
+        before they sleep, unless OMP_WAIT_POLICY=PASSIVE (then at once, as OpenMP's would). `release_threads` gives
+        them back; `one_torch_thread` keeps torch's own ops off them while the engine computes."""
         if _pool:
             return
         if self.threads == 1:
@@ -299,7 +300,18 @@ class PackedGemmKernel:
         _pool.append(self._run)
         for lib in _opened:
             lib.conveyor_set_pool(ctypes.c_void_p(self._run))
+
+    @contextlib.contextmanager
+    def one_torch_thread(self) -> Iterator[None]:
+        """torch's own ops on this thread alone while inside (an engine step), so that no OpenMP team spins beside
+        the pool; torch's thread count as it was after, for whatever else the process computes (a benchmark's
+        other contenders, a test's reference)."""
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         """w [N, K] -> the same shape over memory in panels of 32 output columns (bfloat16: pairs of a column's
@@ -386,15 +398,12 @@ def _threads_named(name: bytes) -> list[int]:
 
 
 def release_threads() -> None:
-    """The compute threads back to torch (an engine on oneDNN after one on the packed GEMM, in one process): its
-    thread count as before, and the kernels' loops on OpenMP's team again."""
+    """The kernels' loops back on OpenMP's team (an engine on oneDNN after one on the packed GEMM, in one process)."""
     if not _pool:
         return
     _pool.clear()
     for lib in _opened:
         lib.conveyor_set_pool(None)
-    kernel = load_packed_gemm()
-    torch.set_num_threads(kernel.threads if kernel is not None else 1)
 
 
 def supports_packed_gemm(device: torch.device, dtype: torch.dtype) -> bool:

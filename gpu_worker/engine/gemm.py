@@ -6,6 +6,7 @@ Each backend prepares a weight once (`prepare`) and then multiplies with it (`li
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -20,6 +21,10 @@ class Gemm:
     """Plain torch matmuls over the weights as loaded."""
 
     copies_weights = False
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        """The context an engine step computes in (`PackedGemm`'s: torch's ops on one thread)."""
+        return contextlib.nullcontext()
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return w
@@ -100,6 +105,9 @@ class PackedGemm(Gemm):
 
     def __init__(self, kernel: PackedGemmKernel) -> None:
         self.kernel = kernel
+
+    def step(self) -> contextlib.AbstractContextManager[None]:
+        return self.kernel.one_torch_thread()
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return self.kernel.pack(w)

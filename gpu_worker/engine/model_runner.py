@@ -152,11 +152,12 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> Sampled:
         """Compute the scheduled tokens, and sample a token for every sequence that reaches its end
         this step: the decode rows first, then completed chunks, in order."""
-        inputs = self.prepare(batch)
-        h = self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache, inputs.lora)
-        self._prompt_logprobs(batch, inputs, h)
-        return Sampled(inputs.sampled, *self.sampler(self._logits(h, inputs.sample_rows), inputs.sampled,
-                                                     inputs.ahead))
+        with self.model.gemm.step():
+            inputs = self.prepare(batch)
+            h = self.model.forward(inputs.ids, inputs.positions, inputs.attn, self.cache, inputs.lora)
+            self._prompt_logprobs(batch, inputs, h)
+            return Sampled(inputs.sampled, *self.sampler(self._logits(h, inputs.sample_rows), inputs.sampled,
+                                                         inputs.ahead))
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """The batch's token ids, positions, cache slots and attention metadata, on the device."""
