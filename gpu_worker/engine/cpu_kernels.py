@@ -272,9 +272,15 @@ class PackedGemmKernel:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         self._pack = _function(lib, "conveyor_gemm_pack", (_p, _i, _i, _i, _p))
-        self._gemm = _function(lib, "conveyor_gemm", (_p, _i64, _p, _p, _p, _p, _i64, _i, _i, _i, _i))
+        self._gemm = _function(lib, "conveyor_gemm", (_p, _i64, _p, _p, _p, _p, _i64, _i, _i, _i, _i), _i)
         self._threads = _function(lib, "conveyor_gemm_threads", (_i,), _i)
         self._spin = _function(lib, "conveyor_gemm_spin", (ctypes.c_long,))
+        self._stolen = _function(lib, "conveyor_pool_stolen", (), ctypes.c_uint64)
+        self._late = _function(lib, "conveyor_pool_late", (), ctypes.c_uint64)
+        self._stall_next = _function(lib, "conveyor_pool_stall_next", (ctypes.c_uint64,))
+        # the inputs of calls whose chunks were taken from pool threads the OS had taken away: those threads may
+        # still read them, until each is back and done (`_late` reaches `_stolen`)
+        self._held: list[tuple[torch.Tensor | None, ...]] = []
         run = ctypes.cast(lib.conveyor_pool_run, ctypes.c_void_p).value
         assert run is not None  # a function's address
         self._run: int = run
@@ -322,6 +328,16 @@ class PackedGemmKernel:
         self._pack(w.data_ptr(), n, k, int(w.dtype == torch.bfloat16), packed.data_ptr())
         return packed.as_strided((n, k), (k, 1))
 
+    def stolen(self) -> int:
+        """Chunks a caller computed itself because the pool thread that held them had not finished them (the OS
+        took it away): each a wait of up to a time slice saved."""
+        return int(self._stolen())
+
+    def stall_next(self, ns: int) -> None:
+        """The next chunk a pool thread takes in a GEMM call waits `ns` first, once, as if the OS took it away
+        (tests)."""
+        self._stall_next(ns)
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] (rows may be strided) @ w.T [+ bias [N]] [+ residual [M, N]], w from `pack`; x's dtype."""
@@ -332,9 +348,12 @@ class PackedGemmKernel:
         if residual is not None:
             residual = residual.contiguous()
         y = x.new_empty(m, n)
-        self._gemm(x.data_ptr(), x.stride(0), w.data_ptr(), None if bias is None else bias.data_ptr(),
-                   None if residual is None else residual.data_ptr(), y.data_ptr(), n, m, n, k,
-                   int(x.dtype == torch.bfloat16))
+        if self._gemm(x.data_ptr(), x.stride(0), w.data_ptr(), None if bias is None else bias.data_ptr(),
+                      None if residual is None else residual.data_ptr(), y.data_ptr(), n, m, n, k,
+                      int(x.dtype == torch.bfloat16)):
+            self._held.append((x, w, bias, residual))
+        if self._held and self._late() == self._stolen():
+            self._held.clear()
         return y
 
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -19,19 +20,60 @@
 namespace {
 
 // ---------------------------------------------------------------- pool
+// A job's chunks are claimed one at a time from a counter (`state`: job seq << 32 | next chunk). A job is either a
+// kernel's loop (`run`: the caller waits for every chunk claimed) or a GEMM (`run_stealable`): there a worker
+// computes its chunk into its own scratch and writes the output only once it has committed the chunk (its slot:
+// claimed -> committing); a chunk whose worker the OS took away before it committed is computed again by the caller,
+// who takes its slot (claimed -> the caller's), so that a preempted thread holds the call up by at most the copy of a
+// chunk it had already finished. A worker that comes back to a chunk taken from it drops what it computed and counts
+// itself done (`late`): it never writes after the call returned, and the caller keeps the call's inputs alive until
+// every such worker is done reading them (`conveyor_gemm`'s answer, PackedGemmKernel in cpu_kernels.py).
 struct Pool;
 Pool& pool();
 
+enum Slot : uint64_t { FREE = 0, WORKER = 1, COMMITTING = 2, COMMITTED = 3, CALLER = 4 };
+
+// a growing buffer of a thread's own
+struct Buffer {
+    void* p = nullptr;
+    size_t cap = 0;
+    ~Buffer() { std::free(p); }
+    void* reserve(size_t bytes) {
+        if (bytes > cap) {
+            std::free(p);
+            cap = (bytes + 63) / 64 * 64;
+            p = std::aligned_alloc(64, cap);
+            if (!p) cap = 0;
+        }
+        return p;
+    }
+};
+
+struct Stealable {
+    void (*compute)(const void* args, int chunk, void* scratch) = nullptr;  // a worker's: into its scratch
+    void (*commit)(const void* args, int chunk, const void* scratch) = nullptr;  // scratch -> the output
+    void (*direct)(const void* args, int chunk) = nullptr;  // the caller's: straight into the output
+    size_t (*scratch_bytes)(const void* args) = nullptr;
+    size_t args_bytes = 0;
+};
+
 struct Pool {
-    std::atomic<uint64_t> state{0};  // job seq << 32 | next chunk
+    static constexpr uint32_t CLOSED = 0xFFFFFFFFu;  // next chunk while a job is set up: none to claim
+    static constexpr int SLOTS = 4096;  // chunks of a stealable job at most
+    std::atomic<uint64_t> state{0};  // job seq << 32 | next chunk; a stealable job's seq is odd
     std::atomic<uint32_t> done{0};  // chunks of the current job computed
     std::atomic<bool> waiting{false};  // the caller sleeps until `done` reaches the job's chunks
     std::atomic<int> sleepers{0};
     std::atomic<uint32_t> wake{0};
     std::atomic<bool> stop{false};
-    void (*fn)(const void*, int) = nullptr;
-    const void* arg = nullptr;
-    int n = 0;
+    std::atomic<void (*)(const void*, int)> fn{nullptr};
+    std::atomic<const void*> arg{nullptr};
+    std::atomic<int> n{0};
+    std::atomic<uint64_t> slots[SLOTS];  // a stealable job's chunks: seq << 8 | Slot
+    std::atomic<uint64_t> job_words[16];  // a stealable job's arguments, word by word
+    Stealable how;  // set once (conveyor_gemm's); read by workers only for a stealable job
+    // chunks the caller took from a worker computing them, workers since done with such a chunk, a test's stall
+    std::atomic<uint64_t> stolen{0}, late{0}, stall_ns{0};
     uint32_t seq = 0;
     long spin = 20000;  // pauses a worker waits for the next job before it sleeps: ~0.5 ms, a layer's few calls apart
     std::vector<std::thread> workers;
@@ -41,36 +83,87 @@ struct Pool {
     static long futex(std::atomic<uint32_t>* a, int op, uint32_t v) {
         return syscall(SYS_futex, reinterpret_cast<uint32_t*>(a), op, v, nullptr, nullptr, 0);
     }
+    static uint64_t now_ns() {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(
+            std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
 
-    // claims and runs chunks of job `s` until none is left, or job s is no longer the current one
-    void work(uint32_t s) {
+    // the next chunk of job s, or -1 when none is left or s is no longer the current job
+    int claim(uint32_t s) {
         for (;;) {
             uint64_t cur = state.load(std::memory_order_acquire);
-            if (static_cast<uint32_t>(cur >> 32) != s) return;
+            if (static_cast<uint32_t>(cur >> 32) != s) return -1;
             const uint32_t idx = static_cast<uint32_t>(cur);
-            if (static_cast<int>(idx) >= n) return;
-            if (!state.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel)) continue;
-            fn(arg, static_cast<int>(idx));
-            done.fetch_add(1, std::memory_order_seq_cst);
-            if (waiting.load(std::memory_order_seq_cst)) futex(&done, FUTEX_WAKE_PRIVATE, 1);
+            const int chunks = n.load(std::memory_order_relaxed);
+            std::atomic_thread_fence(std::memory_order_acquire);  // `chunks` is job s's if the exchange succeeds
+            if (idx == CLOSED || static_cast<int>(idx) >= chunks) return -1;
+            if (state.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel)) return static_cast<int>(idx);
         }
+    }
+
+    void finished_one() {
+        done.fetch_add(1, std::memory_order_seq_cst);
+        if (waiting.load(std::memory_order_seq_cst)) futex(&done, FUTEX_WAKE_PRIVATE, 1);
+    }
+
+    // a worker's chunks of job s until none is left
+    void work(uint32_t s) {
+        for (int idx; (idx = claim(s)) >= 0;) {
+            if (s & 1) {
+                steal_safe_chunk(s, idx);
+            } else {  // (a kernel's loop: its caller waits for this chunk, so the job's fields stay s's)
+                fn.load(std::memory_order_relaxed)(arg.load(std::memory_order_relaxed), idx);
+                finished_one();
+            }
+        }
+    }
+
+    // a worker's chunk idx of stealable job s: the arguments copied, the slot claimed (else the caller has it), the
+    // chunk computed into this thread's scratch, then committed unless the caller took it meanwhile
+    void steal_safe_chunk(uint32_t s, int idx) {
+        uint64_t words[16];
+        for (int i = 0; i < 16; ++i) words[i] = job_words[i].load(std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_acquire);  // the words are job s's if the slot is still free
+        const uint64_t tag = static_cast<uint64_t>(s) << 8;
+        uint64_t expect = tag | FREE;
+        if (!slots[idx].compare_exchange_strong(expect, tag | WORKER, std::memory_order_acq_rel)) return;
+        if (stall_ns.load(std::memory_order_relaxed))
+            if (uint64_t ns = stall_ns.exchange(0)) std::this_thread::sleep_for(std::chrono::nanoseconds(ns));
+        thread_local Buffer scratch;
+        void* mine = scratch.reserve(how.scratch_bytes(words));
+        if (mine) how.compute(words, idx, mine);
+        expect = tag | WORKER;
+        if (!mine && slots[idx].compare_exchange_strong(expect, tag | FREE, std::memory_order_acq_rel)) return;
+        if (!mine || !slots[idx].compare_exchange_strong(expect, tag | COMMITTING, std::memory_order_acq_rel)) {
+            late.fetch_add(1, std::memory_order_release);  // taken from this thread: done reading the inputs
+            return;
+        }
+        how.commit(words, idx, mine);
+        slots[idx].store(tag | COMMITTED, std::memory_order_release);
+        finished_one();
+    }
+
+    // the seq of the job open now, or `seen` while the next is being set up
+    uint32_t opened(uint32_t seen) const {
+        const uint64_t cur = state.load(std::memory_order_acquire);
+        return static_cast<uint32_t>(cur) == CLOSED ? seen : static_cast<uint32_t>(cur >> 32);
     }
 
     void loop() {
         uint32_t seen = 0;
         for (;;) {
-            uint32_t s = static_cast<uint32_t>(state.load(std::memory_order_acquire) >> 32);
+            uint32_t s = opened(seen);
             long i = 0;
             while (s == seen && i < spin) {
                 _mm_pause();
                 ++i;
-                s = static_cast<uint32_t>(state.load(std::memory_order_acquire) >> 32);
+                s = opened(seen);
             }
             if (stop.load()) return;
             if (s == seen) {
                 const uint32_t w = wake.load();
                 sleepers.fetch_add(1);
-                s = static_cast<uint32_t>(state.load() >> 32);
+                s = opened(seen);
                 if (s == seen && !stop.load()) futex(&wake, FUTEX_WAIT_PRIVATE, w);
                 sleepers.fetch_sub(1);
                 continue;
@@ -80,22 +173,42 @@ struct Pool {
         }
     }
 
-    void run(void (*f)(const void*, int), const void* a, int chunks) {
-        std::unique_lock<std::mutex> mine(busy, std::try_to_lock);
-        // (a process forked from this one has none of its threads: it runs its calls alone)
-        if (workers.empty() || chunks <= 1 || !mine.owns_lock() || forked) {
-            for (int c = 0; c < chunks; ++c) f(a, c);
-            return;
+    // a new job (seq odd when stealable): closed while its fields are written, then opened
+    void open(bool stealable, int chunks, const uint64_t* words, void (*f)(const void*, int), const void* a) {
+        seq += stealable == static_cast<bool>(seq & 1) ? 2 : 1;
+        state.store(static_cast<uint64_t>(seq) << 32 | CLOSED, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_release);
+        n.store(chunks, std::memory_order_relaxed);
+        fn.store(f, std::memory_order_relaxed);
+        arg.store(a, std::memory_order_relaxed);
+        if (stealable) {
+            for (int i = 0; i < 16; ++i) job_words[i].store(words[i], std::memory_order_relaxed);
+            for (int i = 0; i < chunks; ++i) slots[i].store(static_cast<uint64_t>(seq) << 8, std::memory_order_relaxed);
         }
-        fn = f, arg = a, n = chunks;
         done.store(0, std::memory_order_relaxed);
-        ++seq;
-        state.store(static_cast<uint64_t>(seq) << 32);
+        state.store(static_cast<uint64_t>(seq) << 32, std::memory_order_seq_cst);
         if (sleepers.load()) {
             wake.fetch_add(1);
             futex(&wake, FUTEX_WAKE_PRIVATE, 1 << 30);
         }
-        work(seq);
+    }
+
+    bool alone(int chunks, std::unique_lock<std::mutex>& mine) const {
+        // (a process forked from this one has none of its threads: it runs its calls alone)
+        return workers.empty() || chunks <= 1 || !mine.owns_lock() || forked;
+    }
+
+    void run(void (*f)(const void*, int), const void* a, int chunks) {
+        std::unique_lock<std::mutex> mine(busy, std::try_to_lock);
+        if (alone(chunks, mine)) {
+            for (int c = 0; c < chunks; ++c) f(a, c);
+            return;
+        }
+        open(false, chunks, nullptr, f, a);
+        for (int idx; (idx = claim(seq)) >= 0;) {
+            f(a, idx);
+            done.fetch_add(1, std::memory_order_seq_cst);
+        }
         // the chunks other threads still hold: spin as a worker waits for work, then sleep until the last is done
         const uint32_t all = static_cast<uint32_t>(chunks);
         for (long i = 0; done.load(std::memory_order_acquire) < all && i < spin; ++i) _mm_pause();
@@ -104,6 +217,40 @@ struct Pool {
             for (uint32_t d; (d = done.load(std::memory_order_seq_cst)) < all;) futex(&done, FUTEX_WAIT_PRIVATE, d);
             waiting.store(false, std::memory_order_relaxed);
         }
+    }
+
+    // with `busy` held, on workers (not `alone`), at most SLOTS chunks; the chunks taken from workers computing them
+    int run_stealable(const void* args, int chunks) {
+        uint64_t words[16] = {};
+        std::memcpy(words, args, how.args_bytes);
+        open(true, chunks, words, nullptr, nullptr);
+        const uint64_t tag = static_cast<uint64_t>(seq) << 8;
+        uint64_t took = 0, spent = 0;  // the caller's chunks, and the time they took
+        int from_workers = 0;
+        auto take = [&](int idx) {  // the chunk's slot, if no worker holds it yet (or holds it uncommitted)
+            uint64_t v = slots[idx].load(std::memory_order_acquire);
+            while ((v & 0xFF) == FREE || (v & 0xFF) == WORKER)
+                if (slots[idx].compare_exchange_weak(v, tag | CALLER, std::memory_order_acq_rel)) {
+                    from_workers += (v & 0xFF) == WORKER;
+                    const uint64_t t0 = now_ns();
+                    how.direct(args, idx);
+                    spent += now_ns() - t0, ++took;
+                    done.fetch_add(1, std::memory_order_seq_cst);
+                    return;
+                }
+        };
+        for (int idx; (idx = claim(seq)) >= 0;) take(idx);
+        // the chunks workers hold: as long as two of the caller's own took, then computed again here unless their
+        // worker is committing them
+        const uint32_t all = static_cast<uint32_t>(chunks);
+        const uint64_t patience = took ? 2 * spent / took : 50000, since = now_ns();
+        while (done.load(std::memory_order_acquire) < all) {
+            if (now_ns() - since > patience)
+                for (int idx = 0; idx < chunks; ++idx) take(idx);
+            _mm_pause();
+        }
+        stolen.fetch_add(from_workers, std::memory_order_relaxed);
+        return from_workers;
     }
 
     void resize(int threads) {
@@ -143,12 +290,15 @@ struct Args {
     int64_t ldx;
     const void* w;  // packed: panels of K x 32 (bfloat16: (K + 1) / 2 pairs x 32)
     const void* bias;  // N values or null
-    const void* res;  // residual [M, ldy] or null
-    void* y;
+    const void* res;  // residual [M, ldr] or null
+    int64_t ldr;
+    void* y;  // row m, column n at y + (m - y_row0) * ldy + n - y_col0 (a worker's scratch holds its chunk's alone)
     int64_t ldy;
-    int M, N, K;
+    int64_t y_row0, y_col0;
+    int M, N, K, bf16;
     int panels_per_chunk, row_blocks, rows_per_block;
 };
+static_assert(sizeof(Args) <= 16 * sizeof(uint64_t), "a job's arguments travel in Pool::job_words");
 
 // rows [m0, m0 + MR) x panel p: bfloat16
 template <int MR>
@@ -187,9 +337,9 @@ void tile_bf16(const Args& a, int m0, int p) {
     for (int m = 0; m < MR; ++m) {
         __m512 v0 = c0[m], v1 = c1[m];
         if (a.bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
-        uint16_t* y = static_cast<uint16_t*>(a.y) + (m0 + m) * a.ldy + n0;
+        uint16_t* y = static_cast<uint16_t*>(a.y) + (m0 + m - a.y_row0) * a.ldy + n0 - a.y_col0;
         if (a.res) {
-            const uint16_t* r = static_cast<const uint16_t*>(a.res) + (m0 + m) * a.ldy + n0;
+            const uint16_t* r = static_cast<const uint16_t*>(a.res) + (m0 + m) * a.ldr + n0;
             v0 = _mm512_add_ps(v0, bf16_to_f32(_mm256_maskz_loadu_epi16(k0, r)));
             v1 = _mm512_add_ps(v1, bf16_to_f32(_mm256_maskz_loadu_epi16(k1, r + 16)));
         }
@@ -222,9 +372,9 @@ void tile_f32(const Args& a, int m0, int p) {
     for (int m = 0; m < MR; ++m) {
         __m512 v0 = c0[m], v1 = c1[m];
         if (a.bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
-        float* y = static_cast<float*>(a.y) + (m0 + m) * a.ldy + n0;
+        float* y = static_cast<float*>(a.y) + (m0 + m - a.y_row0) * a.ldy + n0 - a.y_col0;
         if (a.res) {
-            const float* r = static_cast<const float*>(a.res) + (m0 + m) * a.ldy + n0;
+            const float* r = static_cast<const float*>(a.res) + (m0 + m) * a.ldr + n0;
             v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, r));
             v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, r + 16));
         }
@@ -261,14 +411,45 @@ void rows(const Args& a, int m0, int m1, int p) {
     }
 }
 
-template <bool BF16>
-void chunk(const void* raw, int c) {
-    const Args& a = *static_cast<const Args*>(raw);
+struct Bounds {
+    int m0, m1, p0, p1;
+};
+
+Bounds bounds(const Args& a, int c) {
     const int rb = c % a.row_blocks, pc = c / a.row_blocks;
     const int m0 = rb * a.rows_per_block, m1 = m0 + a.rows_per_block < a.M ? m0 + a.rows_per_block : a.M;
     const int panels = (a.N + NR - 1) / NR;
     const int p0 = pc * a.panels_per_chunk, p1 = p0 + a.panels_per_chunk < panels ? p0 + a.panels_per_chunk : panels;
-    for (int p = p0; p < p1; ++p) rows<BF16>(a, m0, m1, p);
+    return {m0, m1, p0, p1};
+}
+
+void chunk(const void* raw, int c) {
+    const Args& a = *static_cast<const Args*>(raw);
+    const Bounds b = bounds(a, c);
+    for (int p = b.p0; p < b.p1; ++p) a.bf16 ? rows<true>(a, b.m0, b.m1, p) : rows<false>(a, b.m0, b.m1, p);
+}
+
+// a worker's chunk c into its scratch: rows m0.. and columns from panel p0 on, panels_per_chunk panels wide
+void chunk_to_scratch(const void* raw, int c, void* scratch) {
+    Args a = *static_cast<const Args*>(raw);
+    const Bounds b = bounds(a, c);
+    a.y = scratch, a.ldy = int64_t(a.panels_per_chunk) * NR, a.y_row0 = b.m0, a.y_col0 = int64_t(b.p0) * NR;
+    chunk(&a, c);
+}
+
+void commit_scratch(const void* raw, int c, const void* scratch) {
+    const Args& a = *static_cast<const Args*>(raw);
+    const Bounds b = bounds(a, c);
+    const size_t elem = a.bf16 ? 2 : 4, width = size_t(a.panels_per_chunk) * NR;
+    const int n0 = b.p0 * NR, n1 = b.p1 * NR < a.N ? b.p1 * NR : a.N;
+    for (int m = b.m0; m < b.m1; ++m)
+        std::memcpy(static_cast<char*>(a.y) + (m * a.ldy + n0) * elem,
+                    static_cast<const char*>(scratch) + (m - b.m0) * width * elem, (n1 - n0) * elem);
+}
+
+size_t scratch_bytes(const void* raw) {
+    const Args& a = *static_cast<const Args*>(raw);
+    return size_t(a.rows_per_block) * a.panels_per_chunk * NR * (a.bf16 ? 2 : 4);
 }
 
 }  // namespace
@@ -279,9 +460,18 @@ extern "C" {
 void conveyor_pool_run(void (*fn)(const void*, int), const void* arg, int n) { pool().run(fn, arg, n); }
 
 int conveyor_gemm_threads(int threads) {
-    pool().resize(threads < 1 ? 1 : threads);
+    Pool& p = pool();
+    p.how = {chunk_to_scratch, commit_scratch, chunk, scratch_bytes, sizeof(Args)};
+    p.resize(threads < 1 ? 1 : threads);
     return 0;
 }
+
+// chunks taken from workers computing them, and how many of those workers have since stopped reading the inputs
+uint64_t conveyor_pool_stolen() { return pool().stolen.load(std::memory_order_relaxed); }
+uint64_t conveyor_pool_late() { return pool().late.load(std::memory_order_acquire); }
+
+// the next chunk a worker claims in a GEMM call waits this long first, once (tests)
+void conveyor_pool_stall_next(uint64_t ns) { pool().stall_ns.store(ns); }
 
 void conveyor_gemm_spin(long spin) { pool().spin = spin; }
 
@@ -312,11 +502,13 @@ void conveyor_gemm_pack(const void* w, int N, int K, int bf16, void* out) {
     }
 }
 
-// y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W.T + bias + res (res: [M, ldy] or null)
-void conveyor_gemm(const void* x, int64_t ldx, const void* wp, const void* bias, const void* res, void* y,
-                   int64_t ldy, int M, int N, int K, int bf16) {
-    if (M <= 0) return;
-    Args a{x, ldx, wp, bias, res, y, ldy, M, N, K, 0, 0, 0};
+// y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W.T + bias + res (res: [M, ldy] or null). Answers the
+// chunks taken from workers the OS took away mid-chunk: those may still read x, W, bias and res after this returns,
+// until conveyor_pool_late() reaches conveyor_pool_stolen()
+int conveyor_gemm(const void* x, int64_t ldx, const void* wp, const void* bias, const void* res, void* y,
+                  int64_t ldy, int M, int N, int K, int bf16) {
+    if (M <= 0) return 0;
+    Args a{x, ldx, wp, bias, res, ldy, y, ldy, 0, 0, M, N, K, bf16, 0, 0, 0};
     const int panels = (N + NR - 1) / NR;
     // blocks of rows of equal size, each at most ROWS_MAX
     a.row_blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
@@ -326,6 +518,12 @@ void conveyor_gemm(const void* x, int64_t ldx, const void* wp, const void* bias,
     int ppc = static_cast<int>(2000000 / (per_panel > 0 ? per_panel : 1));
     a.panels_per_chunk = ppc < 1 ? 1 : ppc > panels ? panels : ppc;
     const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
-    pool().run(bf16 ? chunk<true> : chunk<false>, &a, chunks);
+    Pool& p = pool();
+    {
+        std::unique_lock<std::mutex> mine(p.busy, std::try_to_lock);
+        if (!p.alone(chunks, mine) && chunks <= Pool::SLOTS) return p.run_stealable(&a, chunks);
+    }
+    p.run(chunk, &a, chunks);
+    return 0;
 }
 }

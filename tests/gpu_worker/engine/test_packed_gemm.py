@@ -107,6 +107,47 @@ print(all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(before, aft
     assert out.stdout.strip() == "True"
 
 
+def test_a_chunk_whose_thread_the_os_took_away_is_computed_by_the_caller_and_never_written_late() -> None:
+    """A pool thread that stops mid-chunk (as when the OS lends its core to another process) does not hold the call
+    up: the caller computes that chunk itself, the product has the bits it has otherwise, and the thread, back later,
+    writes nothing into the output it no longer owns; the call's inputs are kept until it is done reading them."""
+    code = """
+import time, torch
+from gpu_worker.engine import cpu_kernels as ck
+torch.set_num_threads(2)
+k = ck.load_packed_gemm()
+k.own_threads()
+g = torch.Generator().manual_seed(0)
+for dt in (torch.float32, torch.bfloat16):
+    w, b = k.pack(torch.randn(3000, 576, generator=g).to(dt)), torch.randn(3000, generator=g).to(dt)
+    x, r = torch.randn(32, 576, generator=g).to(dt), torch.randn(32, 3000, generator=g).to(dt)
+    want = k(x, w, b, r)
+    before, slowest = k.stolen(), 0.0
+    for _ in range(500):  # until a pool thread stops holding a chunk (it may not take one in a given call)
+        k.stall_next(1_000_000_000)
+        t = time.monotonic()
+        y = k(x, w, b, r)
+        slowest = max(slowest, time.monotonic() - t)
+        assert torch.equal(y, want)
+        if k.stolen() > before:
+            break
+    assert k.stolen() > before, "no chunk was taken over"
+    assert slowest < 0.5, slowest  # no call waited for the stopped thread (1 s)
+    assert len(k._held) == 1 and k._held[0][0] is x  # its inputs kept while it may still read them
+    kept = y.clone()
+    while k._late() < k._stolen():
+        time.sleep(0.01)
+    assert torch.equal(y, kept)  # back, it wrote nothing
+    k(x[:4], w)
+    assert k._held == []  # and the inputs are let go
+    k.stall_next(0)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
 def test_a_process_forked_after_the_pool_started_computes_alone() -> None:
     """The pool's threads stay in the parent: a child's call runs on its own thread, whole, rather than waiting for
     workers it does not have."""
