@@ -15,6 +15,7 @@ CPU of guidellm itself, which shares the cores.
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-unbound,vllm --levels 32   # binding
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-split,conveyor-batch --levels 32   # layouts
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-onednn --levels 32   # the packed GEMM
+    .venv/bin/python -m bench vllm serving --servers conveyor,conveyor@38f5d50 --levels 32   # against a revision
     .venv/bin/python -m bench vllm serving --quick      # seconds: a tiny model, conveyor only, one run of
                                                          # 1 stream for 4 s or 8 requests, 4 tokens per request,
                                                          # no warm-up, guidellm making 8 prompts ahead (not 4,096)
@@ -37,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from bench.common import chosen_model
-from harness.stack import start_stack, stop_stack
+from harness.stack import ROOT, start_stack, stop_stack
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -215,6 +216,22 @@ class OneDnnConveyor(Conveyor):
         super().__init__(model, dtype, workdir, {**(env or {}), "CPU_GEMM": "onednn"})
 
 
+class RevisionConveyor(Conveyor):
+    """conveyor as it was at another git revision (`conveyor@REV`: its tree unpacked into the run's workdir, run in
+    this environment), side by side with this one: what a change did to serving, in one run."""
+
+    def __init__(self, model: str, dtype: str, workdir: Path, env: dict[str, str] | None = None,
+                 rev: str = "HEAD") -> None:
+        self.name = f"conveyor@{rev}"
+        tree = workdir / "tree"
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        self.stack = start_stack(workdir, None, model, {"DTYPE": dtype, "LOG_LEVEL": "WARNING", **(env or {})},
+                                 timeout=600, root=tree)
+        self.url = self.stack.url
+
+
 class Vllm:
     name, metric_prefix = "vllm", "vllm:"
 
@@ -286,15 +303,18 @@ def main(argv: list[str] | None = None) -> int:
     args.model = chosen_model(args)
     workdir = Path(tempfile.mkdtemp(prefix="conveyor-cpt-"))
     env = dict(kv.split("=", 1) for kv in args.env)
-    servers = []
+    servers: list[Conveyor | Vllm] = []
     for name in args.servers.split(","):
         (workdir / name).mkdir(parents=True, exist_ok=True)
         kinds: dict[str, type[Conveyor]] = {"conveyor": Conveyor, "conveyor-traced": TracedConveyor,
                                             "conveyor-unbound": UnboundConveyor,
                                             "conveyor-split": SplitConveyor, "conveyor-batch": BatchConveyor,
                                             "conveyor-onednn": OneDnnConveyor}
-        servers.append(kinds[name](args.model, args.dtype, workdir / name, env) if name in kinds
-                       else Vllm(args.model, args.dtype, workdir / name))
+        if name.startswith("conveyor@"):
+            servers.append(RevisionConveyor(args.model, args.dtype, workdir / name, env, name.partition("@")[2]))
+        else:
+            servers.append(kinds[name](args.model, args.dtype, workdir / name, env) if name in kinds
+                           else Vllm(args.model, args.dtype, workdir / name))
     runs: list[dict] = []
     try:
         if not args.no_warmup:

@@ -97,16 +97,17 @@ def kernel_cache(env: dict[str, str]) -> str:
 
 def start_stack(workdir: Path, redis_url: str | None = None, model: str = "", extra: dict[str, str] | None = None,
                 args: list[str] | None = None, ready_path: str = "/readyz", autoscale: bool = False,
-                timeout: float = 180.0) -> Stack:
+                timeout: float = 180.0, root: Path = ROOT) -> Stack:
     """`launch_stack`, then `Stack.wait_ready`: returns once `ready_path` answers 200."""
-    return launch_stack(workdir, redis_url, model, extra, args, autoscale).wait_ready(ready_path, timeout)
+    return launch_stack(workdir, redis_url, model, extra, args, autoscale, root).wait_ready(ready_path, timeout)
 
 
 def launch_stack(workdir: Path, redis_url: str | None = None, model: str = "", extra: dict[str, str] | None = None,
-                 args: list[str] | None = None, autoscale: bool = False) -> Stack:
+                 args: list[str] | None = None, autoscale: bool = False, root: Path = ROOT) -> Stack:
     """`conveyor up` (with `--no-autoscale` unless `autoscale`) on a free port, started and not waited for;
     `CONVEYOR_CACHE` and the log (`stack.log`) under `workdir`. With `redis_url` empty the supervisor starts its own
-    redis-server and `Stack.redis_url` is read from its connection file once ready (`Stack.wait_ready`)."""
+    redis-server and `Stack.redis_url` is read from its connection file once ready (`Stack.wait_ready`). `root`: the
+    source tree it runs (a benchmark's other revision, bench/cpu_per_token.py), in this environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = dict(os.environ)
@@ -118,11 +119,13 @@ def launch_stack(workdir: Path, redis_url: str | None = None, model: str = "", e
                 "CONVEYOR_KERNEL_CACHE": kernel_cache(env)})
     if model:
         env["MODEL"] = model
+    if root != ROOT:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), env.get("PYTHONPATH"))))
     env.update(extra or {})
     log = workdir / "stack.log"
     flags = [] if autoscale else ["--no-autoscale"]
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])], env=env, cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "infra.cli", "up", *flags, *(args or [])], env=env, cwd=root,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=preexec_die_with_parent())  # a killed run leaves no stack behind
     return Stack(f"http://127.0.0.1:{port}", redis_url or "", proc, env, log)

@@ -12,12 +12,14 @@
   q and k with the new K/V written to its cache slots; batched prefill's causal softmax), where torch takes several
   ops, each with its overhead.
 - `PackedGemmKernel` (csrc/packed_gemm.cpp): the linear layers' x @ W.T on weights packed once (float32 on
-  AVX512F, bfloat16 on AVX512-BF16), on a pool of threads that claim a call's work a chunk at a time.
+  AVX512F, bfloat16 on AVX512-BF16), on a pool of threads that claim a call's work a chunk at a time; a chunk whose
+  thread the OS takes away before it is done is computed by the caller instead.
 
 Each source is plain C++ behind a C ABI, compiled on first use for this CPU (`g++ -O3 -march=native`, 0.4-3 s
 each) into a cache keyed by its source, the flags and the CPU's feature flags, and loaded through ctypes (a call
 releases the GIL). Their parallel loops (csrc/parallel.h) run on the packed GEMM's pool while it owns the process's
-compute threads (`own_threads`, CPU_GEMM=packed), else on torch's OpenMP runtime with torch's thread count. Where no
+compute threads (`own_threads`, CPU_GEMM=packed; torch's own ops then run on one thread while a step computes), else
+on torch's OpenMP runtime with torch's thread count. Where no
 compiler is found or a build fails, `load_*` returns None (logged once) and the model keeps its torch path
 (CPU_KERNELS=false: always)."""
 

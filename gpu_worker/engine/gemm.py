@@ -97,9 +97,10 @@ class OneDnnGemm(Gemm):
 class PackedGemm(Gemm):
     """Our own kernel on weights packed once (csrc/packed_gemm.cpp): as fast as oneDNN's on reordered weights at
     decode's row counts on an idle machine, and its pool's threads claim the output a chunk at a time, so a thread the
-    OS lends to another process (the API, the output lane, Redis, a client on the same cores) holds a call up for at
-    most the chunk it holds, where oneDNN's and OpenMP's static halves wait for it at every barrier. A row's bits do
-    not depend on the rows beside it (each row's sums in one order at every row count)."""
+    OS lends to another process (the API, the output lane, Redis, a client on the same cores) holds no call up: the
+    caller computes the chunk it held (and the thread, back, drops its own), where oneDNN's and OpenMP's static halves
+    wait for it at every barrier. A row's bits do not depend on the rows beside it (each row's sums in one order at
+    every row count, whichever thread computes them)."""
 
     copies_weights = True
 

@@ -1,8 +1,8 @@
 // y = x @ W.T (+ bias) (+ residual) on weights packed once into panels of 32 output columns, bfloat16 (AVX512-BF16
 // dot products, float32 sums) or float32 (AVX512F FMA), on a pool of threads that claim chunks of the output one at
-// a time: a thread the OS takes away holds up the call by at most the chunk it holds, where a static split (one
-// half each) holds it up until that thread runs again. A row's result is the same whatever the rows beside it: its
-// sums run over K in one order in every tile. Built and loaded by gpu_worker/engine/cpu_kernels.py (C ABI, ctypes).
+// a time: a thread the OS takes away holds up no call (the caller computes the chunk it held, see the pool), where a
+// static split (one half each) holds it up until that thread runs again. A row's result is the same whatever the
+// rows beside it and whichever thread computes it: its sums run over K in one order in every tile. Built and loaded by gpu_worker/engine/cpu_kernels.py (C ABI, ctypes).
 #include <immintrin.h>
 #include <pthread.h>
 #include <linux/futex.h>
