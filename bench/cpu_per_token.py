@@ -16,6 +16,7 @@ CPU of guidellm itself, which shares the cores.
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-split,conveyor-batch --levels 32   # layouts
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor-onednn --levels 32   # the packed GEMM
     .venv/bin/python -m bench vllm serving --servers conveyor,conveyor@38f5d50 --levels 32   # against a revision
+    .venv/bin/python -m bench vllm serving --servers conveyor,conveyor+GOMP_SPINCOUNT=0 --levels 32   # a setting
     .venv/bin/python -m bench vllm serving --quick      # seconds: a tiny model, conveyor only, one run of
                                                          # 1 stream for 4 s or 8 requests, 4 tokens per request,
                                                          # no warm-up, guidellm making 8 prompts ahead (not 4,096)
@@ -310,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                                             "conveyor-unbound": UnboundConveyor,
                                             "conveyor-split": SplitConveyor, "conveyor-batch": BatchConveyor,
                                             "conveyor-onednn": OneDnnConveyor}
-        if name.startswith("conveyor@"):
+        if name.startswith("conveyor+"):  # conveyor+K=V+K2=V2: with these in its environment
+            extra = dict(kv.split("=", 1) for kv in name.split("+")[1:])
+            servers.append(Conveyor(args.model, args.dtype, workdir / name, {**env, **extra}))
+            servers[-1].name = name
+        elif name.startswith("conveyor@"):
             servers.append(RevisionConveyor(args.model, args.dtype, workdir / name, env, name.partition("@")[2]))
         else:
             servers.append(kinds[name](args.model, args.dtype, workdir / name, env) if name in kinds

@@ -34,7 +34,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -290,13 +290,13 @@ class PackedGemmKernel:
 
     def own_threads(self) -> None:
         """The process's compute threads to the pool: as many as torch had (this one and the rest its own, started
-        the first time), and every kernel's parallel loops on it. Its threads wait for the next call spinning ~0.5 ms
-        before they sleep, unless OMP_WAIT_POLICY=PASSIVE (then at once, as OpenMP's would). `release_threads` gives
-        them back; `one_torch_thread` keeps torch's own ops off them while the engine computes."""
+        the first time), and every kernel's parallel loops on it. Its threads wait for the next call spinning
+        (`pool_spin`) before they sleep. `release_threads` gives them back; `one_torch_thread` keeps torch's own ops
+        off them while the engine computes."""
         if _pool:
             return
         if self.threads == 1:
-            self._spin(0 if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 20000)
+            self._spin(pool_spin(os.environ))
             self.threads = torch.get_num_threads()
             cpus = compute_cpus()
             if cpus:  # bound as OpenMP would bind its team: this thread on the first core, the pool's on the next
@@ -416,6 +416,16 @@ def _threads_named(name: bytes) -> list[int]:
             if (task / "comm").read_bytes().strip() == name:
                 tids.append(int(task.name))
     return sorted(tids)
+
+
+def pool_spin(env: Mapping[str, str]) -> int:
+    """Pauses a pool thread spins for the next call before it sleeps: GOMP_SPINCOUNT where set (libgomp's own knob
+    for its team's threads, which the pool stands in for), else none under OMP_WAIT_POLICY=PASSIVE and 20,000
+    (~0.5 ms: a layer's few calls apart) otherwise."""
+    count = env.get("GOMP_SPINCOUNT", "").strip()
+    if count.isdigit():
+        return min(int(count), 2**62)
+    return 0 if env.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 20000
 
 
 def release_threads() -> None:

@@ -63,6 +63,14 @@ def test_the_engine_takes_it_where_asked_and_the_cpu_has_it() -> None:
     assert not isinstance(choose_gemm(CPU, torch.float16, packed=True)[0], PackedGemm)  # a dtype it has no kernel for
 
 
+@pytest.mark.parametrize(("env", "spin"), [({}, 20000), ({"OMP_WAIT_POLICY": "passive"}, 0),
+                                          ({"GOMP_SPINCOUNT": "300"}, 300),
+                                          ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "5000"}, 5000),
+                                          ({"GOMP_SPINCOUNT": "infinite"}, 20000)])
+def test_the_pool_spins_as_openmps_settings_say(env: dict[str, str], spin: int) -> None:
+    assert ck.pool_spin(env) == spin
+
+
 def test_calls_from_several_threads_at_once_each_get_their_own_product(kernel: ck.PackedGemmKernel) -> None:
     """The pool runs one call at a time: a call made meanwhile (another thread's) runs on its own thread, whole."""
     dtype = DTYPES[0]
