@@ -75,7 +75,7 @@ struct Pool {
     // chunks the caller took from a worker computing them, workers since done with such a chunk, a test's stall
     std::atomic<uint64_t> stolen{0}, late{0}, stall_ns{0};
     uint32_t seq = 0;
-    long spin = 20000;  // pauses a worker waits for the next job before it sleeps: ~0.5 ms, a layer's few calls apart
+    long spin = 0;  // pauses a worker waits for the next job before it sleeps (cpu_kernels.pool_spin sets it)
     std::vector<std::thread> workers;
     std::mutex busy;  // one job at a time: a second caller meanwhile (another thread, a nested call) runs its own
     bool forked = false;  // set in a child process (pthread_atfork): the workers stayed in the parent
