@@ -71,7 +71,8 @@ def build_engine(settings: Settings) -> Engine:
     engine: Engine = LLMEngine(EngineConfig(
         model=path, device=settings.device, dtype=settings.dtype, checkpoint_dtype=checkpoint_dtype(path),
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-        kv_cache_mb=settings.kv_cache_mb, max_model_len=model_context(path, settings.max_model_len),
+        admit_every=settings.admit_every_steps, kv_cache_mb=settings.kv_cache_mb,
+        max_model_len=model_context(path, settings.max_model_len),
         threads=settings.torch_threads, block_size=settings.kv_block_size, prefix_caching=settings.prefix_caching,
         cpu_kernels=settings.cpu_kernels, cpu_gemm=settings.cpu_gemm, max_loras=settings.max_loras,
         max_lora_rank=settings.max_lora_rank,

@@ -52,7 +52,7 @@ class LLMEngine:
         batched = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS.get(device, 512)
         prefill_only = config.max_num_batched_tokens or DEFAULT_PREFILL_TOKENS.get(device, batched)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, batched, self.runner.max_model_len,
-                                   prefill_only)
+                                   prefill_only, config.admit_every)
         self.seqs: dict[str, Sequence] = {}
         self._pending: list[StepOutput] = []
         self._loras: LoraManager | None = None  # made when the first request names an adapter

@@ -53,14 +53,18 @@ FREE_SOON_STEPS = 16
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, prefill_only_tokens: int = 0) -> None:
+                 max_model_len: int, prefill_only_tokens: int = 0, admit_every: int = 1) -> None:
         """`max_num_batched_tokens`: tokens a step computes while some sequence decodes (a prefill chunk stalls
-        each decoding row for as long as it takes); `prefill_only_tokens`: while none does (0: the same)."""
+        each decoding row for as long as it takes); `prefill_only_tokens`: while none does (0: the same);
+        `admit_every`: while some sequence decodes, waiting prompts start together, on every `admit_every`-th step
+        at most (1: on every step), so that fewer of the decoding rows' steps carry a prompt's chunk."""
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.prefill_only_tokens = max(prefill_only_tokens, self.max_num_batched_tokens)
         self.max_model_len = max_model_len
+        self.admit_every = max(1, admit_every)
+        self._held = 0  # steps in a row that held waiting prompts back while sequences decoded (`admit_every`)
         self.waiting: deque[Sequence] = deque()  # by priority, then arrival (each tenant's order)
         self._arrivals = 0
         self.running: list[Sequence] = []
@@ -165,17 +169,21 @@ class Scheduler:
     def schedule(self) -> tuple[StepBatch, list[Sequence]]:
         """Returns the step's batch and the sequences that can never run (too long for the cache)."""
         rejected: list[Sequence] = []
-        self._make_room()  # before anything is scheduled: its victim must not be in this step
+        hold = (self._held + 1 < self.admit_every and bool(self.waiting)
+                and any(s.decoding for s in self.running))  # new prompts wait to start together (`admit_every`)
+        self._held = self._held + 1 if hold else 0
+        if not hold:
+            self._make_room()  # before anything is scheduled: its victim must not be in this step
         decode = self._decodes(rejected)
         turns = _Turns(self.running, self.waiting)
-        sharing = turns.tenants(len(self.running) < self.max_num_seqs, self._can_start)  # with a prompt to prefill
+        sharing = turns.tenants(len(self.running) < self.max_num_seqs and not hold, self._can_start)  # with a prompt
         # the larger prefill-only step is for one tenant's prompts; with several, a step is as short as a decode
         # step, and each tenant's turn takes at most its share of it (what is left then goes to the chunks begun)
         limit = self.prefill_only_tokens if not decode and sharing < 2 else self.max_num_batched_tokens
         budget = limit - len(decode)
         share = max(1, budget // sharing) if sharing > 1 else budget
         chunks: list[tuple[Sequence, int]] = []
-        admitting = True
+        admitting = not hold
         while budget > 0:
             admitting = admitting and len(self.running) < self.max_num_seqs
             seq = turns.next(admitting)

@@ -214,3 +214,23 @@ def test_a_tenant_whose_prompt_cannot_start_does_not_shorten_the_steps() -> None
     sched.add(_long("l0", "light", extra=60))  # 65 tokens: 17 blocks, 13 free
     batch, _ = sched.schedule()
     assert [(s.id, n) for s, n in batch.chunks] == [("h0", 41)] and [s.id for s in sched.waiting] == ["l0"]
+
+
+def test_with_admit_every_new_prompts_wait_while_others_decode_and_start_together() -> None:
+    """ADMIT_EVERY_STEPS=3: while a sequence decodes, prompts that arrive start together on the third step after the
+    last admission, not each on the step after it came; with nothing decoding, a prompt starts at once."""
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4), SLOTS, 256, 1024, admit_every=3)
+    sched.add(_seq("a", "t"))
+    assert _run_step(sched) == ["a"]  # nothing decoded: at once
+    sched.add(_seq("b", "t"))
+    assert _run_step(sched) == ["a"]  # held: 1
+    sched.add(_seq("c", "t"))
+    assert _run_step(sched) == ["a"]  # held: 2
+    assert _run_step(sched) == ["a", "b", "c"]  # the third: both at once
+    sched.add(_seq("d", "t"))
+    assert [_run_step(sched) for _ in range(3)][-1] == ["a", "b", "c", "d"]
+    default = _scheduler()
+    default.add(_seq("a", "t"))
+    _run_step(default)
+    default.add(_seq("b", "t"))
+    assert _run_step(default) == ["a", "b"]  # admit_every 1 (the default): on the next step
