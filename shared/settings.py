@@ -119,7 +119,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1, description="most sequences running at once")
     max_num_batched_tokens: int = Field(0, ge=0, description="most tokens per step (decode + prefill chunks); "
                                                        "0: 256 on CPU, 2048 on CUDA")
-    admit_every_steps: int = Field(1, ge=1, le=64, description="while requests decode, waiting prompts start "
+    admit_every_steps: int = Field(4, ge=1, le=64, description="while requests decode, waiting prompts start "
                                    "together on every Nth step at most: fewer decode steps carry a prompt's chunk "
                                    "(ITL), each new prompt waits up to N - 1 steps more (TTFT); 1: every step")
     kv_cache_mb: int = Field(2048, ge=1, description="KV-cache pool, in blocks of kv_block_size tokens; when no "

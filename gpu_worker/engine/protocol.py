@@ -19,7 +19,9 @@ class EngineConfig:
     dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 0  # 0: per device (DEFAULT_BATCHED_TOKENS)
-    admit_every: int = 1  # while sequences decode, new prompts start together on every Nth step (scheduler.py)
+    # while sequences decode, new prompts start together on every Nth step at most (scheduler.py); 1 for an engine
+    # driven directly (each step computes what is asked), the service's default is ADMIT_EVERY_STEPS (4)
+    admit_every: int = 1
     kv_cache_mb: int = 2048
     max_model_len: int = 4096  # the context served, at most the model's own; 0: the model's own
     threads: int = 0

@@ -11,7 +11,9 @@ tenants' prompts to prefill (a waiting one counted when it could start now), a s
 (the larger prefill-only budget is for one tenant's prompts) and a tenant's turns together take at most its share of
 it, what is left going back to the chunks begun.
 So a light tenant's job is not held behind a heavy tenant's long prompts, nor behind its priorities: a tenant's
-priority orders its own jobs.
+priority orders its own jobs. While sequences decode, waiting prompts may be held to start together on every
+`admit_every`-th step (ADMIT_EVERY_STEPS, 4 in the service): a step that carries a prompt's chunk is a longer one for
+every decoding row, so fewer such steps mean a shorter inter-token latency for a few steps more to the first token.
 (Which tenants' jobs reach a worker is the fair queue's choice, shared/fair_queue.py; a worker holds up to its
 slots plus an eighth, so one tenant's prompts can be many of those waiting here.) KV memory is counted in blocks
 (block_manager.py): a sequence is admitted when blocks for all its tokens are free (prefix-cache hits cost
