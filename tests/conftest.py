@@ -18,8 +18,8 @@ from _pytest.nodeid import NodeId
 # and in every process the tests start (stacks' workers, benchmarks, the lm-eval reference): a suite runs a dozen
 # stacks and runs on 2 cores, and a spinning thread takes the core from the work beside it (spinning in this process
 # alone cost ~60 CPU-s a run, 476 against 335 in all; the schema fuzzer's run took 56 s against 46 with the stacks'
-# workers spinning). Serving, spinning is faster (docs/bench-log.md: 25% more tokens at 32 streams). Set before
-# anything here loads torch.
+# workers spinning). (The engine's own pool of threads sleeps at once by default anyway: docs/bench-log.md,
+# "Contention".) Set before anything here loads torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # and nothing binds its compute threads to cores: `conveyor up` binds a lone inference worker's (infra/supervisor.py
 # `one_worker_binds`), and the suite's many stacks would all crowd the same two
