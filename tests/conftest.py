@@ -42,10 +42,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The tests that share what costs to start run in one worker (`--dist loadgroup`), which starts it once: a
     test on one of the session's shared stacks joins that stack's group, a test on a fixture of its module's own
     (module or class scope: a stack, an engine, a server) joins its module's group; groups that share a test
-    are one (`_joined_groups`)."""
-    for item, group in _joined_groups(items).items():
+    are one (`_joined_groups`).
+
+    xdist hands the groups out first, the biggest first, then the single tests in the order collected: the long ones
+    (`slow`) go first among those, so that a run does not end on one while the other workers have nothing left."""
+    grouped = _joined_groups(items)
+    for item, group in grouped.items():
         for name in group:
             item.add_marker(pytest.mark.xdist_group(name))
+    items[:] = sorted(items, key=lambda item: item in grouped or item.get_closest_marker("slow") is None)
     yield
     if getattr(config.option, "loadgroup", False):  # in a worker of --dist loadgroup
         for item in items:

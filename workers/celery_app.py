@@ -42,6 +42,9 @@ log = logging.getLogger("conveyor.celery")
 settings = get_settings()
 AFTER_JOBS_EVERY_S = 30.0
 AFTER_JOBS_RUN_S = 28.0  # the next run starts as this one ends: at most a couple of seconds without either lane
+# how long the drain's read waits for new ends at a time; a warm shutdown waits for the wait under way, so a stack
+# stops within it (at 2,000 ms, Celery was the last of a stack's processes to stop, ~2 s after the others)
+DRAIN_WAIT_MS = 500
 # Celery's broker is a single Redis (kombu has no cluster transport): CELERY_BROKER_URL, else REDIS_URL,
 # which must then be a single node; the tasks themselves reach conveyor's keys through REDIS_URL
 if not settings.celery_broker_url and settings.redis_url and is_cluster(settings.redis_url):
@@ -151,7 +154,7 @@ def after_jobs() -> dict[str, int]:
     return run_lanes(_after, _driver, AFTER_JOBS_RUN_S)
 
 
-def run_lanes(after: AfterJob, driver: BatchDriver, budget_s: float, wait_ms: int = 2000) -> dict[str, int]:
+def run_lanes(after: AfterJob, driver: BatchDriver, budget_s: float, wait_ms: int = DRAIN_WAIT_MS) -> dict[str, int]:
     """One run: the drain here for `budget_s` (waiting `wait_ms` at a time for ends), the driver ticking in a
     thread of its own until the drain returns (at its budget, at a warm shutdown, or raising), then giving up its
     batches' leases (the next run may land in another prefork child, a driver of its own: it takes them over at

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,6 +135,7 @@ async def test_a_cluster_none_of_whose_nodes_answers_is_a_503(tmp_path: Path, mo
         cluster.stop()
 
 
+@pytest.mark.slow
 async def test_a_scrape_answers_within_prometheus_timeout_while_a_master_is_silent(tmp_path: Path,
                                                                                     model_path: str) -> None:
     """A master paused (no failover yet: a cluster's node timeout is seconds, 5 s on the Kubernetes chart): each of

@@ -116,6 +116,7 @@ def test_odd_bodies_answer_4xx_never_500(api: httpx.Client, path: str, body: Any
 
 
 # --- no tokenizer running: the API in process ---------------------------------------------------------------------
+@pytest.mark.slow
 async def test_without_a_tokenizer_the_answer_is_a_503_in_time(app_client: httpx.AsyncClient) -> None:
     started = time.monotonic()
     r = await app_client.post("/tokenize", json={"prompt": "hello"})

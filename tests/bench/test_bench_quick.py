@@ -158,6 +158,7 @@ def test_serve(runs: QuickRuns) -> None:
     assert not any(r["errors"] for r in rows)
 
 
+@pytest.mark.slow
 def test_soak(runs: QuickRuns) -> None:
     out = runs.out("soak")
     assert "| succeeded | 30 |" in out and (runs.tmp / "soak.csv").exists()
@@ -169,11 +170,13 @@ def test_chaos(runs: QuickRuns) -> None:
     assert "| **lost** (never ended) | 0 |" in out
 
 
+@pytest.mark.slow
 def test_drain(runs: QuickRuns) -> None:
     out = runs.out("drain")
     assert "| where the job was once the worker stopped | rounds |" in out and "held by" not in out
 
 
+@pytest.mark.slow
 def test_seeds(runs: QuickRuns) -> None:
     out = runs.out("seeds")
     assert "| round | jobs | wall s | seeded texts as alone | all succeeded |" in out and "2 / 2 rounds held" in out
@@ -230,11 +233,13 @@ def test_invariance(runs: QuickRuns) -> None:
     assert "| bfloat16 | decode step, 4 rows, seeded top-p 0.9, ms |" in out and "| bfloat16 | prefill burst" in out
 
 
+@pytest.mark.slow
 def test_from_zero(runs: QuickRuns) -> None:
     out = runs.out("from_zero")
     assert "| empty (scaled to zero) |" in out and "| warm |" in out
 
 
+@pytest.mark.slow
 def test_vllm_lora(runs: QuickRuns) -> None:
     out = runs.out("vllm_lora")
     assert "| conveyor |" in out and "four / none" in out
@@ -252,6 +257,7 @@ def test_attention(runs: QuickRuns) -> None:
     assert "| 64 | 1 |" in out and "| 64 | 8 |" in out
 
 
+@pytest.mark.slow
 def test_fairness(runs: QuickRuns) -> None:
     """The fair mode only (FIFO is the same stack with FAIR_SHARE=false): a light tenant's jobs alone and
     under a heavy tenant's flood, all of them served."""
@@ -261,6 +267,7 @@ def test_fairness(runs: QuickRuns) -> None:
     assert run["mode"] == "fair" and run["failed"] == 0 and run["heavy_tok_s"] > 0, run
 
 
+@pytest.mark.slow
 def test_batch(runs: QuickRuns) -> None:
     out = runs.out("batch")
     assert "| batch |" in out and "| interactive |" in out and "interactive TTFT p50/p95" in out
@@ -284,6 +291,7 @@ def test_speculative(runs: QuickRuns) -> None:
     assert "| edit a text | 2 |" in out and "| open questions | 2 |" in out and "drafts kept" in out
 
 
+@pytest.mark.slow
 def test_cold_start(runs: QuickRuns) -> None:
     out = runs.out("cold_start")
     assert "| worker live, s (range) |" in out and "\n| float32 | " in out

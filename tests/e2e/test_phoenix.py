@@ -75,6 +75,7 @@ def _phoenix_processes(port: int) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow
 def test_a_job_submitted_to_a_traced_stack_is_one_trace_in_phoenix_and_on_its_page(  # type: ignore[no-untyped-def]
         tmp_path: Path, redis_server, tiny_model_dir: str) -> None:
     if phoenix.find_phoenix() is None:

@@ -257,6 +257,7 @@ def test_idempotency_key_returns_same_job(rstack: Stack, client: httpx.Client, t
     client.post(f"/v1/jobs/{c.json()['id']}/cancel")
 
 
+@pytest.mark.slow
 def test_redis_outage_503_then_recovery(tmp_path: Path, tiny_model_dir: str) -> None:
     server = RedisServer(tmp_path / "redis-outage")
     server.start()

@@ -289,6 +289,7 @@ def test_a_synthetic_worker_runs_cancels_acks_and_drains(worker_env: dict[str, s
         log.close()
 
 
+@pytest.mark.slow
 def test_a_killed_synthetic_workers_job_resumes_on_another(worker_env: dict[str, str], tmp_path: Path) -> None:
     r = redis.Redis.from_url(worker_env["REDIS_URL"])
     log = open(tmp_path / "worker.log", "ab")

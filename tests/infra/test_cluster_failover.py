@@ -45,6 +45,7 @@ TEXT = "The capital of France is Paris. It is known for the Eiffel Tower, for it
 WORKER = "inference-test-1"
 
 
+@pytest.mark.slow
 def test_the_output_lane_writes_through_a_masters_failover(tmp_path: Path, model_path: str) -> None:
     try:
         cluster_binary()

@@ -75,6 +75,7 @@ def test_live_workers_and_the_probe_read_the_same_beats(redis_db: redis.Redis, r
     assert not check_pool(settings, "inference")
 
 
+@pytest.mark.slow
 def test_the_probe_restarts_no_worker_for_a_redis_out_of_reach() -> None:
     """A Redis outage is no worker's fault: the probe passes (its beats were unreadable, not missing)."""
     with socket.create_server(("127.0.0.1", 0)) as closed:

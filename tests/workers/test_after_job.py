@@ -323,6 +323,7 @@ def test_a_failed_webhook_is_tried_again_later_and_later(redis_db: redis.Redis) 
     worker.close()
 
 
+@pytest.mark.slow
 def test_deliveries_hanging_endpoints_hold_wait_in_redis_not_in_memory(redis_db: redis.Redis) -> None:
     """A tenant whose endpoints hang (one job each: an endpoint that let a delivery time out is tried by one at a
     time, below) ends jobs faster than the pool gives up on them: the drain reads new ends only while its deliveries

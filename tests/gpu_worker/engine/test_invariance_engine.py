@@ -175,6 +175,7 @@ def test_another_process_on_one_thread(baseline: tuple[str, dict[str, list[int]]
     assert json.loads(out.strip().splitlines()[-1]) == tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_real_model_same_text_alone_and_among_other_jobs(model_path: str, dtype: str) -> None:
     """As a user checks it: 2 greedy and 2 seeded chat prompts (temperature 1, top-p 0.9), each alone, then together

@@ -141,7 +141,9 @@ for dt in (torch.float32, torch.bfloat16):
             break
     assert k.stolen() > before, "no chunk was taken over"
     assert slowest < 0.5, slowest  # no call waited for the stopped thread (1 s)
-    assert len(k._held) == 1 and k._held[0][0] is x  # its inputs kept while it may still read them
+    # its inputs kept while it may still read them (beside those of an earlier call whose thread the OS did take
+    # away, under load: the reference's call may have had a chunk taken over too)
+    assert any(held[0] is x for held in k._held)
     kept = y.clone()
     while k._late() < k._stolen():
         time.sleep(0.01)
