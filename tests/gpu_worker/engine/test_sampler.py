@@ -150,3 +150,18 @@ def test_any_accepted_sampling_settings_give_a_token_of_the_vocabulary(rows: lis
     for tok, row, (_, p, _, _, _) in zip(tokens, logits, rows):
         if p == 0.001:
             assert tok == int(row.argmax())
+
+
+def test_rows_at_temperature_one_draw_alike_alone_and_beside_greedy_and_other_temperatures() -> None:
+    """A batch where every row is at temperature 1 skips the division by it, and a batch without a greedy row skips
+    the argmax: each row's token is still the one it draws among rows that need both."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(6, 49152, generator=g).to(dtype)
+        alone = Sampler()(logits[:4], _seqs(4))[0]
+        mixed = _seqs(4) + [Sequence(Request("hot", [1], seed=9, temperature=0.7)),
+                            Sequence(Request("greedy", [1], temperature=0.0))]
+        tokens, errors, _ = Sampler()(logits, mixed)
+        assert not errors
+        assert tokens[:4] == alone, dtype
+        assert tokens[5] == int(logits[5].float().argmax())
