@@ -71,7 +71,8 @@ bench-serve: model
 	$(PY) -m bench serve load --start
 
 lint: setup
-	$(VENV)/bin/ruff check api workers gpu_worker shared infra tests bench
+	$(VENV)/bin/ruff check api workers gpu_worker shared infra tests bench harness
+	$(VENV)/bin/python -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache
