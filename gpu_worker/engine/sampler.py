@@ -80,9 +80,9 @@ class Sampler:
                 else:
                     logits = logits.to(torch.float32, copy=True)
                     logits[shaped] = x
-                greedy = [j for j, i in enumerate(shaped) if seqs[i].greedy]  # the others draw below
-                if greedy:
-                    for j, token in zip(greedy, x[greedy].max(dim=-1).indices.tolist()):
+                shaped_greedy = [j for j, i in enumerate(shaped) if seqs[i].greedy]  # the others draw below
+                if shaped_greedy:
+                    for j, token in zip(shaped_greedy, x[shaped_greedy].max(dim=-1).indices.tolist()):
                         out[shaped[j]] = token
         rows = [i for i, s in enumerate(seqs) if not s.greedy and i not in errors]
         if rows:
