@@ -30,6 +30,7 @@ from harness.models import make_lora_adapter, make_tiny_model
 from harness.stack import ROOT, Stack, stop_stack
 from infra.redis_server import RedisServer
 from shared.settings import Settings
+from tests import durations
 from tests.helpers import in_process_api
 from workers.tokenizer.grammar import GrammarCompiler
 
@@ -44,14 +45,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (module or class scope: a stack, an engine, a server) joins its module's group; groups that share a test
     are one (`_joined_groups`).
 
-    xdist hands the groups out first, the biggest first, then the single tests in the order collected: the long ones
-    (`slow`) go first among those, so that a run does not end on one while the other workers have nothing left."""
+    The units (a group, or a test alone) are ordered longest first, as the last whole run took them
+    (tests/durations.py), and xdist hands them out in that order (`--no-loadscope-reorder`)."""
     grouped = _joined_groups(items)
     for item, group in grouped.items():
         for name in group:
             item.add_marker(pytest.mark.xdist_group(name))
-    items[:] = sorted(items, key=lambda item: item in grouped or item.get_closest_marker("slow") is None)
-    yield
+    yield  # (pytest's own order first: items sharing a parametrized fixture's value side by side)
+    units: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        units.setdefault("_".join(grouped[item]) if item in grouped else item.nodeid, []).append(item)
+    took = durations.load()
+    ordered = sorted(units.items(), key=lambda unit: (-took.get(unit[0], 0.0), -len(unit[1])))
+    items[:] = [item for _, unit in ordered for item in unit]
     if getattr(config.option, "loadgroup", False):  # in a worker of --dist loadgroup
         for item in items:
             _name_group(item)
