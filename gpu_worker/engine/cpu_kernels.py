@@ -418,17 +418,22 @@ def _threads_named(name: bytes) -> list[int]:
     return sorted(tids)
 
 
+DEFAULT_SPIN = 500  # pauses (~25 ns each here)
+
+
 def pool_spin(env: Mapping[str, str]) -> int:
     """Pauses a pool thread (and a caller waiting for one) spins before it sleeps: GOMP_SPINCOUNT where set (the
-    knob of the OpenMP team the pool stands in for); else 20,000 (~0.5 ms: a layer's few calls apart) under
-    OMP_WAIT_POLICY=ACTIVE, and none by default. Where the stack's other processes and its clients share the
-    engine's cores, a spinning thread takes the core from the work beside it: under guidellm at 32 streams on 2
-    cores sleeping at once served 4-7% more tokens than 20,000 pauses, ITL the same (docs/bench-log.md,
+    knob of the OpenMP team the pool stands in for); else 20,000 (~0.5 ms) under OMP_WAIT_POLICY=ACTIVE, none under
+    PASSIVE, and by default `DEFAULT_SPIN` (~12 us): enough to be awake for the next call of a layer (a few us of
+    Python apart), so the pool's thread does not join each call a wake-up late (a bfloat16 decode step at 32 rows
+    28.8 -> 26.5 ms in process), and too short to hold a core the stack's other processes and its clients want
+    between steps (20,000 served 4-7% fewer tokens than none under guidellm on 2 cores; docs/bench-log.md,
     "Contention")."""
     count = env.get("GOMP_SPINCOUNT", "").strip()
     if count.isdigit():
         return min(int(count), 2**62)
-    return 20000 if env.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE" else 0
+    policy = env.get("OMP_WAIT_POLICY", "").upper()
+    return 20000 if policy == "ACTIVE" else 0 if policy == "PASSIVE" else DEFAULT_SPIN
 
 
 def release_threads() -> None:

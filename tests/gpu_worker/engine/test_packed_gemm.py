@@ -63,10 +63,10 @@ def test_the_engine_takes_it_where_asked_and_the_cpu_has_it() -> None:
     assert not isinstance(choose_gemm(CPU, torch.float16, packed=True)[0], PackedGemm)  # a dtype it has no kernel for
 
 
-@pytest.mark.parametrize(("env", "spin"), [({}, 0), ({"OMP_WAIT_POLICY": "passive"}, 0),
+@pytest.mark.parametrize(("env", "spin"), [({}, ck.DEFAULT_SPIN), ({"OMP_WAIT_POLICY": "passive"}, 0),
                                           ({"OMP_WAIT_POLICY": "active"}, 20000), ({"GOMP_SPINCOUNT": "300"}, 300),
                                           ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "5000"}, 5000),
-                                          ({"GOMP_SPINCOUNT": "infinite"}, 0)])
+                                          ({"GOMP_SPINCOUNT": "infinite"}, ck.DEFAULT_SPIN)])
 def test_the_pool_spins_as_openmps_settings_say(env: dict[str, str], spin: int) -> None:
     assert ck.pool_spin(env) == spin
 
