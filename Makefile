@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: help setup model browser redis7 phoenix run run-traces test test-fast bench-engine bench-serve lint clean
+.PHONY: help setup model browser redis7 phoenix run run-traces test test-fast test-durations bench-engine bench-serve lint clean
 
 help:
 	@echo "make run    - set up, fetch the model, start the stack, print the URL"
@@ -63,6 +63,10 @@ test: model browser redis7 phoenix
 
 test-fast: setup
 	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q -n 4 -m "not slow"
+
+# the whole suite, writing what each group or single test took to tests/durations.json (the order they go out in)
+test-durations: model browser redis7 phoenix
+	PYTHONDONTWRITEBYTECODE= PYTHONPATH=. $(VENV)/bin/pytest -q -n 4 -p tests.durations
 
 bench-engine: model
 	$(PY) -m bench engine generate

@@ -3,7 +3,8 @@
 A unit is what one worker runs at a time: a group (`--dist loadgroup`, tests/conftest.py) or a test alone. Handed
 out longest first, a run ends on short tests with every worker busy, rather than on a 45 s failover test with the
 CPU half idle (xdist's own order is groups by size, then single tests as collected). Units the file does not name
-(new tests) count as 0 s and go last, in xdist's order. A whole run with `-p tests.durations` writes it again."""
+(new tests) count as 0 s and go last, in xdist's order. `make test-durations` (a whole run with `-p tests.durations`)
+writes it again."""
 
 from __future__ import annotations
 
