@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     yield  # (pytest's own order first: items sharing a parametrized fixture's value side by side)
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
-        units.setdefault("_".join(grouped[item]) if item in grouped else item.nodeid, []).append(item)
+        units.setdefault(_group_name(item) or item.nodeid, []).append(item)
     took = durations.load()
     ordered = sorted(units.items(), key=lambda unit: (-took.get(unit[0], 0.0), -len(unit[1])))
     items[:] = [item for _, unit in ordered for item in unit]
@@ -107,10 +107,14 @@ def _name_group(item: pytest.Item) -> None:
     """The test's group as the suffix of its id (`test_x@stack`), which is how a worker tells the scheduler: pytest
     9.2 builds the id from its structured form, so the suffix pytest-xdist 3.8 writes is lost (pytest-dev/pytest-xdist
     issue 1386); written here where it is missing."""
-    groups = sorted(_marked_groups(item))
-    suffix = "@" + "_".join(groups)
-    if groups and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
-        item._id = NodeId.parse(item.nodeid + suffix)
+    name = _group_name(item)
+    if name and not item.nodeid.endswith("@" + name) and hasattr(item, "_id"):
+        item._id = NodeId.parse(f"{item.nodeid}@{name}")
+
+
+def _group_name(item: pytest.Item) -> str:
+    """The name xdist knows the test's group by ('' for a test alone)."""
+    return "_".join(sorted(_marked_groups(item)))
 
 
 def own_redis(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[RedisServer]:
