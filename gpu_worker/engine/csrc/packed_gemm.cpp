@@ -401,19 +401,18 @@ void tile(const Args& a, int m, int rows, int p, const char* pf) {
 }
 
 // rows [m0, m1) of panel p, in tiles of at most MR_MAX rows as even as can be (64 rows: 11 x 4 + 10 x 2, not
-// 12 x 5 + 4): a short tile does as many loads as a full one for fewer products. The first tile asks for the next
-// panel (`pf`, 128 bytes a step of its loop over K) while it computes: a step's weights come from memory once, a
-// few rows of products per byte, and the hardware's prefetcher alone left half of the bandwidth unused (30 layers of
-// the default model at 32 rows, each layer's weights cold: float32 24.2 -> 21.0 ms, bfloat16 12.6 -> 10.8; the
+// 12 x 5 + 4): a short tile does as many loads as a full one for fewer products. The first tile asks for panel
+// `next_p` (128 bytes a step of its loop over K) while it computes: a step's weights come from memory once, a few
+// rows of products per byte, and the hardware's prefetcher alone left half of the bandwidth unused (30 layers of
+// the default model at 32 rows, each layer's weights cold: float32 24.2 -> 20.1 ms, bfloat16 12.6 -> 9.7; the
 // next panel spread over all the tiles, two panels ahead, or asked into L2 only were each slower)
 template <bool BF16>
-void rows(const Args& a, int m0, int m1, int p) {
+void rows(const Args& a, int m0, int m1, int p, int next_p) {
     const int n = m1 - m0, tiles = (n + MR_MAX - 1) / MR_MAX;
     if (tiles == 0) return;
     const int base = n / tiles, longer = n % tiles;
-    const int panels = (a.N + NR - 1) / NR;
     const int64_t panel_bytes = BF16 ? int64_t((a.K + 1) / 2) * 2 * NR * 2 : int64_t(a.K) * NR * 4;
-    const char* next = p + 1 < panels ? static_cast<const char*>(a.w) + (p + 1) * panel_bytes : nullptr;
+    const char* next = next_p >= 0 ? static_cast<const char*>(a.w) + next_p * panel_bytes : nullptr;
     for (int t = 0, m = m0; t < tiles; ++t) {
         const int r = base + (t < longer ? 1 : 0);
         tile<BF16>(a, m, r, p, t == 0 ? next : nullptr);
@@ -436,7 +435,15 @@ Bounds bounds(const Args& a, int c) {
 void chunk(const void* raw, int c) {
     const Args& a = *static_cast<const Args*>(raw);
     const Bounds b = bounds(a, c);
-    for (int p = b.p0; p < b.p1; ++p) a.bf16 ? rows<true>(a, b.m0, b.m1, p) : rows<false>(a, b.m0, b.m1, p);
+    // after its own panels, a thread most likely claims the chunk as many chunks on as there are threads
+    const Pool& pl = pool();
+    const int threads = pl.forked ? 1 : static_cast<int>(pl.workers.size()) + 1;
+    const int panels = (a.N + NR - 1) / NR, chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
+    const int after = c + threads < chunks ? bounds(a, c + threads).p0 : -1;
+    for (int p = b.p0; p < b.p1; ++p) {
+        const int next = p + 1 < b.p1 ? p + 1 : after;
+        a.bf16 ? rows<true>(a, b.m0, b.m1, p, next) : rows<false>(a, b.m0, b.m1, p, next);
+    }
 }
 
 // a worker's chunk c into its scratch: rows m0.. and columns from panel p0 on, panels_per_chunk panels wide
