@@ -438,7 +438,8 @@ void chunk(const void* raw, int c) {
     // after its own panels, a thread most likely claims the chunk as many chunks on as there are threads
     const Pool& pl = pool();
     const int threads = pl.forked ? 1 : static_cast<int>(pl.workers.size()) + 1;
-    const int panels = (a.N + NR - 1) / NR, chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
+    const int panels = (a.N + NR - 1) / NR;
+    const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
     const int after = c + threads < chunks ? bounds(a, c + threads).p0 : -1;
     for (int p = b.p0; p < b.p1; ++p) {
         const int next = p + 1 < b.p1 ? p + 1 : after;

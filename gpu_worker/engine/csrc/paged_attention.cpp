@@ -23,9 +23,6 @@ inline float load(uint16_t x) {  // bfloat16: the high half of a float32
     return f;
 }
 
-// Row r, KV head h: the G query heads that share h, against the row's first len tokens. `scores` holds G rows of
-// `stride` floats, 64-byte aligned, stride a multiple of 16: the vectorised loops over a row's scores then split
-// the same way whatever else is in the batch, so a row's result never depends on its neighbours.
 // Asks for a block's rows of one head ahead of their use. A step reads each row's K/V once, long after the weights
 // have pushed it out of cache, and a row's blocks lie apart (a block of one head is a few KB), so the hardware's
 // prefetcher, which follows a stream within a page, would start every block on a miss: the K pass asks for the next
@@ -37,15 +34,18 @@ inline void prefetch_block(const T* p, int n) {
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
 }
 
+// Row r, KV head h: the G query heads that share h, against the row's first len tokens. `scores` holds G rows of
+// `stride` floats, 64-byte aligned, stride a multiple of 16: the vectorised loops over a row's scores then split
+// the same way whatever else is in the batch, so a row's result never depends on its neighbours.
 template <typename T, int D>
 void attend_one(const float* q, const T* kc, const T* vc, const int32_t* table, int len, int64_t slots, int bs,
                 int G, float scale, float* scores, int64_t stride, float* out) {
     const int nblk = (len + bs - 1) / bs;
-    auto rows_in = [&](int b) { return len - b * bs < bs ? len - b * bs : bs; };
+    auto rows_in = [&](int b) { return len - b * bs < bs ? len - b * bs : bs; };  // block b's tokens
     prefetch_block<T, D>(kc + static_cast<int64_t>(table[0]) * bs * D, rows_in(0));
     for (int b = 0, t = 0; b < nblk; ++b) {
         const int64_t base = static_cast<int64_t>(table[b]) * bs;
-        const int n = len - t < bs ? len - t : bs;
+        const int n = rows_in(b);
         if (b + 1 < nblk) prefetch_block<T, D>(kc + static_cast<int64_t>(table[b + 1]) * bs * D, rows_in(b + 1));
         prefetch_block<T, D>(vc + base * D, n);
         for (int i = 0; i < n; ++i, ++t) {
