@@ -193,6 +193,8 @@ struct Pool {
         }
     }
 
+    int threads() const { return forked ? 1 : static_cast<int>(workers.size()) + 1; }  // the caller's with workers'
+
     bool alone(int chunks, std::unique_lock<std::mutex>& mine) const {
         // (a process forked from this one has none of its threads: it runs its calls alone)
         return workers.empty() || chunks <= 1 || !mine.owns_lock() || forked;
@@ -436,8 +438,7 @@ void chunk(const void* raw, int c) {
     const Args& a = *static_cast<const Args*>(raw);
     const Bounds b = bounds(a, c);
     // after its own panels, a thread most likely claims the chunk as many chunks on as there are threads
-    const Pool& pl = pool();
-    const int threads = pl.forked ? 1 : static_cast<int>(pl.workers.size()) + 1;
+    const int threads = pool().threads();
     const int panels = (a.N + NR - 1) / NR;
     const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
     const int after = c + threads < chunks ? bounds(a, c + threads).p0 : -1;
@@ -531,12 +532,15 @@ int conveyor_gemm(const void* x, int64_t ldx, const void* wp, const void* bias, 
     // blocks of rows of equal size, each at most ROWS_MAX
     a.row_blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
     a.rows_per_block = (M + a.row_blocks - 1) / a.row_blocks;
-    // ~ 2 x 10^6 multiply-adds a chunk
+    // ~ 2 x 10^6 multiply-adds a chunk, and no fewer chunks than threads: at a row or two a layer's matrix is
+    // under 2 x 10^6 and would be one chunk, its weights streamed from memory by one thread
+    Pool& p = pool();
     long per_panel = long(a.rows_per_block) * K * NR;
     int ppc = static_cast<int>(2000000 / (per_panel > 0 ? per_panel : 1));
-    a.panels_per_chunk = ppc < 1 ? 1 : ppc > panels ? panels : ppc;
+    const int share = (panels + p.threads() - 1) / p.threads();
+    ppc = ppc > share ? share : ppc;
+    a.panels_per_chunk = ppc < 1 ? 1 : ppc;
     const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
-    Pool& p = pool();
     {
         std::unique_lock<std::mutex> mine(p.busy, std::try_to_lock);
         if (!p.alone(chunks, mine) && chunks <= Pool::SLOTS) return p.run_stealable(&a, chunks);
