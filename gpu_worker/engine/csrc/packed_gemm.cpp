@@ -532,14 +532,15 @@ int conveyor_gemm(const void* x, int64_t ldx, const void* wp, const void* bias, 
     // blocks of rows of equal size, each at most ROWS_MAX
     a.row_blocks = (M + ROWS_MAX - 1) / ROWS_MAX;
     a.rows_per_block = (M + a.row_blocks - 1) / a.row_blocks;
-    // ~ 2 x 10^6 multiply-adds a chunk, and no fewer chunks than threads: at a row or two a layer's matrix is
-    // under 2 x 10^6 and would be one chunk, its weights streamed from memory by one thread
+    // ~ 2 x 10^6 multiply-adds a chunk, and no fewer chunks than threads where each still gets 2^17 (at one row,
+    // 512 KB of float32 weights): at a row or two a layer's matrix is under 2 x 10^6 and would be one chunk, its
+    // weights streamed from memory by one thread; a smaller product is over before a second thread would help
     Pool& p = pool();
     long per_panel = long(a.rows_per_block) * K * NR;
     int ppc = static_cast<int>(2000000 / (per_panel > 0 ? per_panel : 1));
     const int share = (panels + p.threads() - 1) / p.threads();
-    ppc = ppc > share ? share : ppc;
-    a.panels_per_chunk = ppc < 1 ? 1 : ppc;
+    if (ppc > share && long(share) * per_panel >= (1L << 17)) ppc = share;
+    a.panels_per_chunk = ppc < 1 ? 1 : ppc > panels ? panels : ppc;
     const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
     {
         std::unique_lock<std::mutex> mine(p.busy, std::try_to_lock);
