@@ -538,7 +538,7 @@ int conveyor_gemm(const void* x, int64_t ldx, const void* wp, const void* bias, 
     Pool& p = pool();
     long per_panel = long(a.rows_per_block) * K * NR;
     int ppc = static_cast<int>(2000000 / (per_panel > 0 ? per_panel : 1));
-    const int share = (panels + p.threads() - 1) / p.threads();
+    const int threads = p.threads(), share = (panels + threads - 1) / threads;
     if (ppc > share && long(share) * per_panel >= (1L << 17)) ppc = share;
     a.panels_per_chunk = ppc < 1 ? 1 : ppc > panels ? panels : ppc;
     const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
