@@ -426,10 +426,17 @@ struct Bounds {
     int m0, m1, p0, p1;
 };
 
+int panels_of(const Args& a) { return (a.N + NR - 1) / NR; }
+
+// a call's chunks: its row blocks times its columns' chunks of panels_per_chunk panels
+int chunks_of(const Args& a) {
+    return a.row_blocks * ((panels_of(a) + a.panels_per_chunk - 1) / a.panels_per_chunk);
+}
+
 Bounds bounds(const Args& a, int c) {
     const int rb = c % a.row_blocks, pc = c / a.row_blocks;
     const int m0 = rb * a.rows_per_block, m1 = m0 + a.rows_per_block < a.M ? m0 + a.rows_per_block : a.M;
-    const int panels = (a.N + NR - 1) / NR;
+    const int panels = panels_of(a);
     const int p0 = pc * a.panels_per_chunk, p1 = p0 + a.panels_per_chunk < panels ? p0 + a.panels_per_chunk : panels;
     return {m0, m1, p0, p1};
 }
@@ -438,10 +445,8 @@ void chunk(const void* raw, int c) {
     const Args& a = *static_cast<const Args*>(raw);
     const Bounds b = bounds(a, c);
     // after its own panels, a thread most likely claims the chunk as many chunks on as there are threads
-    const int threads = pool().threads();
-    const int panels = (a.N + NR - 1) / NR;
-    const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
-    const int after = c + threads < chunks ? bounds(a, c + threads).p0 : -1;
+    const int ahead = c + pool().threads();
+    const int after = ahead < chunks_of(a) ? bounds(a, ahead).p0 : -1;
     for (int p = b.p0; p < b.p1; ++p) {
         const int next = p + 1 < b.p1 ? p + 1 : after;
         a.bf16 ? rows<true>(a, b.m0, b.m1, p, next) : rows<false>(a, b.m0, b.m1, p, next);
@@ -541,7 +546,7 @@ int conveyor_gemm(const void* x, int64_t ldx, const void* wp, const void* bias, 
     const int threads = p.threads(), share = (panels + threads - 1) / threads;
     if (ppc > share && long(share) * per_panel >= (1L << 17)) ppc = share;
     a.panels_per_chunk = ppc < 1 ? 1 : ppc > panels ? panels : ppc;
-    const int chunks = a.row_blocks * ((panels + a.panels_per_chunk - 1) / a.panels_per_chunk);
+    const int chunks = chunks_of(a);
     {
         std::unique_lock<std::mutex> mine(p.busy, std::try_to_lock);
         if (!p.alone(chunks, mine) && chunks <= Pool::SLOTS) return p.run_stealable(&a, chunks);
