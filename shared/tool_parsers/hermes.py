@@ -209,7 +209,7 @@ class HermesStream:
             if ended:
                 self._emit(START + block, out)
             return
-        if self.sent == 0 and (ended or scan(obj).args is None):
+        if self.sent == 0 and ended:  # a closed call without arguments takes none; one cut short keeps ""
             out.append(ArgumentsDelta(self.index, "{}"))
         self.index += 1
         self.after_call = True

@@ -29,6 +29,7 @@ TEXTS = [
     '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>\n{"na',  # cut before the 2nd's name
     'Hi.\n<tool_call>\n{"',
     'Let me look.\n<tool_call>{"name": "f"}</tool_call>\n\nWhile that runs: <tool_call>{"name": "g"}</tool_call>ok',
+    '<tool_call>{"name": "f", "argu',  # cut short after the name, before the arguments
 ]
 
 
@@ -74,6 +75,9 @@ def test_whole_texts() -> None:
     # text on both sides of a call stays apart: the whitespace after the call, else the whitespace before it
     assert parse("hermes", TEXTS[12]) == Parsed("Let me look.\n\nWhile that runs: ok",
                                                 [ToolCall("f", "{}"), ToolCall("g", "{}")])
+    # cut before its arguments began: no arguments, not the empty object of a call that takes none (an agent would
+    # run that one; this one is incomplete)
+    assert parse("hermes", TEXTS[13]) == Parsed(None, [ToolCall("f", "")])
 
 
 @pytest.mark.parametrize("text", TEXTS)
