@@ -95,9 +95,14 @@ def engine_metrics(inf: list[WorkerBeat]) -> Iterator[Metric]:
     """The inference workers' gauges and counters, by worker: KV cache, preemptions, speculation, LoRA. A worker is
     labelled by its id (pool, host, pid and a random part): a pid alone repeats across pods (each is pid 1)."""
     kv = GaugeMetricFamily("conveyor:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels=["worker"])
+    invariant = GaugeMetricFamily("conveyor:batch_invariant", "1 where the worker's engine keeps a seeded request's "
+                                  "text whatever shares its steps; 0 where it cannot (README, \"Batch invariance\")",
+                                  labels=["worker"])
     for w in inf:
         kv.add_metric([w.worker_id], w.kv_cache_usage)
+        invariant.add_metric([w.worker_id], int(w.batch_invariant))
     yield kv
+    yield invariant
     pre = CounterMetricFamily("conveyor:num_preemptions", "Sequences preempted (recomputed later), by why: "
                               "KV blocks ran out, a tenant with none running, a better priority",
                               labels=["worker", "reason"])

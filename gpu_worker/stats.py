@@ -26,6 +26,8 @@ class WorkerStats:
     lora_resident: int = 0
     lora_loads: int = 0
     lora_evictions: int = 0
+    # whether its engine keeps a request's tokens whatever shares its steps (the seed promise; Engine.batch_invariant)
+    batch_invariant: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -150,6 +150,11 @@ class InferenceWorker:
             log.debug("the model did not load", exc_info=True)
             raise SystemExit(f"{context}{pool_fault.describe(exc)}") from None
         pool_fault.clear(self.client, self.pool)
+        self.stats.batch_invariant = engine.batch_invariant
+        if not engine.batch_invariant:  # said at every start, and in its heartbeat (`conveyor status`, /metrics)
+            log.warning("this worker's engine is not batch-invariant (CUDA, CPU_KERNELS=false, or a CPU kernel that "
+                        "did not build: see the warnings above): a seeded request's text can change with what runs "
+                        "beside it")
         loop = EngineLoop(engine, self.inbox, self.send_to_lane, self.stats, self.stopping,
                           self.ledger.idle, self.lane.is_alive)
         # a drain from here on, before the reader takes a job: the handler of a process still starting ends it at

@@ -36,7 +36,8 @@ def snapshot(client: redis.Redis, raw: redis.Redis, max_num_seqs: int, cache_dir
         workers = snap.workers[pool]
         pools[pool] = {"workers": len(workers), "lag": s.lag, "pending": s.pending,
                        "running": sum(w.running for w in workers), "waiting": sum(w.waiting for w in workers),
-                       "kv": max((w.kv_cache_usage for w in workers), default=0.0)}
+                       "kv": max((w.kv_cache_usage for w in workers), default=0.0),
+                       "not_invariant": sum(not w.batch_invariant for w in workers)}
     supervisor = _supervisor_state(cache_dir / "supervisor.json")
     decisions = [fields for _id, fields in client.xrevrange(names.SCALING_DECISIONS_STREAM, count=5)]
     return {"pools": pools, "faults": pool_fault.faults(client, list(pools)), "supervisor": supervisor,
@@ -81,6 +82,11 @@ def render(snap: dict[str, Any]) -> Group:
             table.add_row(pool, str(len(local.get("pids", []))), "", "", "", "", "",
                           " ".join(map(str, local.get("pids", []))), str(local.get("restarts", "")))
     parts: list[Any] = [table, f"dead letters: {snap['dead_letters']}"]
+    for pool, p in snap["pools"].items():
+        if p.get("not_invariant"):
+            parts.append(Text(f"{pool}: {p['not_invariant']} of {p['workers']} workers not batch-invariant (CUDA, "
+                              "CPU_KERNELS=false, or a CPU kernel that did not build): a seed does not hold its text "
+                              "there", style="yellow"))
     for pool, fault in snap.get("faults", {}).items():  # why its latest worker failed to start
         ago = max(0.0, time.time() - fault.at)
         parts.append(Text(f"{pool}: failing to start ({fault.failures} failures, the latest {ago:.0f} s ago): "

@@ -102,6 +102,8 @@ class WorkerBeat:
     lora_resident: int = 0  # LoRA adapters resident now; loaded and evicted since the worker started
     lora_loads: int = 0
     lora_evictions: int = 0
+    # its engine keeps a seeded request's text whatever shares its steps; only a body that says false says otherwise
+    batch_invariant: bool = True
 
     @property
     def held(self) -> int:
@@ -169,7 +171,8 @@ def parse_beat(pool: str, worker_id: str, body: bytes | str | None) -> WorkerBea
                       draft_tokens=int(_number(data, "draft_tokens")),
                       accepted_tokens=int(_number(data, "accepted_tokens")),
                       lora_resident=int(_number(data, "lora_resident")), lora_loads=int(_number(data, "lora_loads")),
-                      lora_evictions=int(_number(data, "lora_evictions")))
+                      lora_evictions=int(_number(data, "lora_evictions")),
+                      batch_invariant=data.get("batch_invariant") is not False)
 
 
 def parse_group(groups: list[dict[str, Any]] | Exception, length: int, group: str) -> GroupLag | Uncounted:

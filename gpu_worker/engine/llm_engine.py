@@ -65,6 +65,10 @@ class LLMEngine:
         return self.runner.max_model_len
 
     @property
+    def batch_invariant(self) -> bool:
+        return self.runner.model.batch_invariant
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.runner.eos_token_ids
 

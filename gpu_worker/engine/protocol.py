@@ -40,6 +40,10 @@ class Engine(Protocol):
     def max_model_len(self) -> int:
         """The context served, in tokens."""
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a request's tokens are those it gets alone, whatever shares its steps (the seed promise)."""
+
     def add_request(self, req: Request) -> None:
         """Queue a request; a request that cannot run ends in the next step's outputs."""
 

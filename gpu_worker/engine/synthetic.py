@@ -17,6 +17,7 @@ WORD_TOKEN = 2030  # " further" in the SmolLM2 vocabulary; any ordinary token wo
 
 class SyntheticEngine:
     max_model_len: int = 1 << 20
+    batch_invariant = True  # one fixed token whatever runs beside it
 
     def __init__(self, max_num_seqs: int = 256) -> None:
         self.max_num_seqs = max_num_seqs

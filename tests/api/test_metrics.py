@@ -102,7 +102,7 @@ async def test_metrics_count_what_waits_and_tell_workers_apart(redis_db: redis.R
         redis_db.xadd(names.stream(names.ENDED, 0), {"job_id": f"done_{i}"})
     for host, usage in (("pod-a", 0.9), ("pod-b", 0.1)):
         beat(redis_db, names.INFERENCE_POOL, f"inference-{host}-1-abcdef",
-             json.dumps({"pid": 1, "host": host, "kv_cache_usage": usage}), 60_000)
+             json.dumps({"pid": 1, "host": host, "kv_cache_usage": usage, "batch_invariant": host == "pod-a"}), 60_000)
     redis_db.zadd(names.fair_key(0, "served_by"), {f"t{i:02}": 100 + i for i in range(12)} | {
         names.SERVED_TOTAL: sum(100 + i for i in range(12))})
     async with in_process_api(settings) as api:
@@ -115,6 +115,8 @@ async def test_metrics_count_what_waits_and_tell_workers_apart(redis_db: redis.R
     assert samples[("conveyor:pool_lag", (("pool", "tokenizer"),))] == 4
     usage = {labels: v for (name, labels), v in samples.items() if name == "conveyor:kv_cache_usage_perc"}
     assert usage == {(("worker", "inference-pod-a-1-abcdef"),): 0.9, (("worker", "inference-pod-b-1-abcdef"),): 0.1}
+    invariant = {labels: v for (name, labels), v in samples.items() if name == "conveyor:batch_invariant"}
+    assert invariant == {(("worker", "inference-pod-a-1-abcdef"),): 1, (("worker", "inference-pod-b-1-abcdef"),): 0}
 
 
 async def test_a_cluster_none_of_whose_nodes_answers_is_a_503(tmp_path: Path, model_path: str) -> None:

@@ -90,6 +90,8 @@ def test_killed_worker_job_resumes_on_another(rstack: Stack, client: httpx.Clien
     try:
         for pid in workers:
             wait_worker(rstack, pid)
+        beats = read_snapshot(rstack.redis(), (names.INFERENCE_POOL,), {}).workers[names.INFERENCE_POOL]
+        assert all(w.batch_invariant for w in beats if w.pid in workers)  # the promise the resume below relies on
         reference = wait(client, submit(client, **BODY)["id"])
         assert reference["status"] == "succeeded"
         job = submit(client, **BODY)

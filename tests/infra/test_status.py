@@ -12,6 +12,7 @@ from rich.console import Console
 
 from infra import status
 from shared import names, pool_fault
+from shared.heartbeat import beat
 from shared.redis_client import sync_client
 
 
@@ -25,6 +26,9 @@ def test_status_shows_the_pools_and_the_tenants_share(redis_server, tmp_path: Pa
         c.zadd(names.fair_key(0, "queue"), {"team-a:03e800000000001:job_1": 0})
         c.zadd(names.fair_key(0, "age"), {f"team-a:{int((time.time() - 3.2) * 1000):013d}:job_1": 0})
         pool_fault.report(c, names.INFERENCE_POOL, OSError("model.safetensors: truncated"), "loading /m: ")
+        for i, invariant in enumerate((True, False)):  # one worker on torch's attention paths (no compiler there)
+            beat(c, names.INFERENCE_POOL, f"inference-h-{i}-abcdef", json.dumps({"pid": i, "host": "h",
+                 "batch_invariant": invariant}), 60_000)
         console = Console(width=120, record=True)
         console.print(status.render(status.snapshot(c, raw, 64, tmp_path)))
         out = console.export_text()
@@ -40,6 +44,7 @@ def test_status_shows_the_pools_and_the_tenants_share(redis_server, tmp_path: Pa
     finally:
         c.flushdb()
     assert "inference" in out and "tokenizer" in out and "dead letters: 0" in out
+    assert "inference: 1 of 2 workers not batch-invariant" in out, out
     assert "inference: failing to start (1 failures" in out and "loading /m: OSError: model.safetensors" in out, out
     [row] = [line for line in out.splitlines() if "team-a" in line]
     assert "1200" in row and "80%" in row and " 1 " in row and "3." in row  # waiting 1, oldest ~3.2 s

@@ -248,6 +248,8 @@ def test_heartbeats_parse_into_typed_gauges() -> None:
            b'"priority_preemptions": 2}'
     assert parse_beat("inference", "w", body) == WorkerBeat("inference", "w", 7, "h", 2, 1, 0.5, 9, 40, 5, 1, 2)
     assert parse_beat("inference", "w", body).held == 3
+    assert parse_beat("inference", "w", body).batch_invariant  # a body that does not say so (an older worker's)
+    assert not parse_beat("inference", "w", body[:-1] + b', "batch_invariant": false}').batch_invariant
     for empty in (None, "", "1", "[1]", "{not json", '{"running": "2", "pid": "7"}'):
         assert parse_beat("celery", "c", empty) == WorkerBeat("celery", "c"), empty
 

@@ -18,7 +18,7 @@ from gpu_worker.engine.cpu_kernels import (
     supports_paged_decode,
     supports_paged_prefill,
 )
-from gpu_worker.engine.gemm import Gemm, choose_gemm
+from gpu_worker.engine.gemm import Gemm, OneDnnGemm, PackedGemm, choose_gemm
 from gpu_worker.engine.kv_cache import KVCache
 from gpu_worker.engine.lora import LoraBatch
 from gpu_worker.engine.models.layout import Activation, CausalLM, DecoderLayer, Linear, RotaryEmbedding
@@ -218,6 +218,16 @@ class Llama:
                     else None)
         # some layer applies RoPE through torch ops (no fused kernel, or q/k norms first): per-token cos/sin a step
         self.torch_rope = self.ops is None or any(L.q_norm is not None for L in self.layers)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a row's bits are the same whatever shares its step (README, "Batch invariance"), so that a seed
+        gives one text: on CPU with both compiled attention kernels and a GEMM that sums each row in one order at
+        every row count (ours, or oneDNN's with a lone row split). Not on CUDA, nor on torch's attention paths
+        (CPU_KERNELS=false, no compiler, bfloat16 without AVX512-BF16), which switch by batch size."""
+        summed_alike = (PackedGemm, OneDnnGemm)
+        return (self.device.type == "cpu" and self.paged_decode is not None and self.paged_prefill is not None
+                and isinstance(self.gemm, summed_alike) and isinstance(self.head_gemm, summed_alike))
 
     def _rope_tables(self, rotary_emb: RotaryEmbedding, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin per position, [max_len, head_dim]: RoPE as x * cos + roll(x, D/2) * sin_signed,

@@ -264,6 +264,7 @@ def test_engine_tokens_equal_torch_ops_alone(tiny_model_dir: str) -> None:
         eng = LLMEngine(EngineConfig(model=tiny_model_dir, dtype="float32", max_num_seqs=8, cpu_kernels=paged))
         eng.blocks = eng.scheduler.blocks = BlockManager(12, eng.runner.block_size)  # ~ 2 sequences' worth
         assert (eng.runner.model.paged_decode is not None) == paged and (eng.runner.model.ops is not None) == paged
+        assert eng.batch_invariant == paged  # torch's attention paths switch by batch size: a seed's text can change
         got[paged] = run(eng, reqs, arrivals)
         assert eng.scheduler.num_preemptions > 0
     assert got[True] == got[False]
