@@ -68,6 +68,10 @@ def build_engine(settings: Settings) -> Engine:
     from gpu_worker.engine import LLMEngine
 
     path = settings.model_path
+    own = model_context(path, 0)
+    if "max_model_len" in settings.model_fields_set and settings.max_model_len > own:  # (the default is a cap)
+        log.warning("MAX_MODEL_LEN=%d is past the model's own context (%d tokens): serving %d", settings.max_model_len,
+                    own, own)
     engine: Engine = LLMEngine(EngineConfig(
         model=path, device=settings.device, dtype=settings.dtype, checkpoint_dtype=checkpoint_dtype(path),
         max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,

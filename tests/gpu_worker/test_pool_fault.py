@@ -106,3 +106,19 @@ async def test_a_pool_that_scales_to_zero_is_refused_only_just_after_a_failure(d
         async def accepted() -> bool:
             return (await api.post("/v1/jobs", json={"prompt": "hi"})).status_code == 202
         await auntil("a job taken once the latest failure is old", accepted)
+
+
+def test_a_context_past_the_models_own_is_served_at_the_models_and_said(tiny_model_dir: str,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """MAX_MODEL_LEN past the model's own context serves the model's (as the tokenizer and /v1/models say), with a
+    warning naming both; the default (a cap) says nothing."""
+    from gpu_worker.worker import build_engine
+    from shared.model_config import model_context
+
+    own = model_context(tiny_model_dir, 0)
+    for asked, said in ((own * 2, True), (None, False)):
+        caplog.clear()
+        settings = Settings(model=tiny_model_dir, kv_cache_mb=64, **({} if asked is None else {"max_model_len": asked}))
+        assert build_engine(settings).max_model_len == min(own, settings.max_model_len)
+        warned = [r.getMessage() for r in caplog.records if "MAX_MODEL_LEN" in r.getMessage()]
+        assert bool(warned) == said and (not said or f"({own} tokens): serving {own}" in warned[0]), warned
