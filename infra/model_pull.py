@@ -62,6 +62,18 @@ def _readable(out: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
+def _others_may_read(target: Path) -> None:
+    """Each file of `target` this user owns gains the read bits the umask gives a new file, none taken away; a file
+    another user owns is left as it is."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in target.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_uid == os.getuid():
+            mode = path.stat().st_mode & 0o777
+            if mode | (0o444 & ~umask) != mode:
+                path.chmod(mode | (0o444 & ~umask))
+
+
 def _say(msg: str) -> None:
     print(f"[model] {msg}", file=sys.stderr, flush=True)
 
@@ -69,6 +81,7 @@ def _say(msg: str) -> None:
 def pull_default(target: Path) -> Path:
     if is_complete(target):
         _say(f"already present: {target}")
+        _others_may_read(target)  # (a pull before that fix left its weights 0600)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _turn(target):

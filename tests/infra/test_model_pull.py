@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from infra.model_pull import REQUIRED, install, is_complete, whole_safetensors
+from infra.model_pull import REQUIRED, install, is_complete, pull_default, whole_safetensors
 from tests.conftest import ROOT
 
 
@@ -51,6 +51,21 @@ def test_an_incomplete_model_directory_is_replaced(tmp_path: Path) -> None:
     os.umask(umask)
     assert {(p.name, p.stat().st_mode & 0o777) for p in target.iterdir()} == {
         (name, 0o666 & ~umask) for name in REQUIRED}  # readable by a worker run as another user, as the umask allows
+
+
+def test_a_model_pulled_before_with_private_weights_becomes_readable(tmp_path: Path) -> None:
+    """A model an older pull left with 0600 weights: the next pull finds it present and lets others read it (a
+    worker run as another user), taking no bit away."""
+    target = _model(tmp_path / "models" / "M")
+    (target / "model.safetensors").chmod(0o600)
+    (target / "config.json").chmod(0o640)
+    umask = os.umask(0o022)
+    try:
+        assert pull_default(target) == target
+    finally:
+        os.umask(umask)
+    assert (target / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (target / "config.json").stat().st_mode & 0o777 == 0o644
 
 
 def test_a_missing_local_path_is_not_taken_for_a_hub_id(tmp_path: Path) -> None:
