@@ -55,23 +55,31 @@ def install(out: Path, target: Path) -> None:
 def _readable(out: Path) -> None:
     """Each file of `out` with the mode the umask gives a new file: the conversion writes the weights 0600 (a file
     made private, then renamed), which a worker run as another user (a container's) could not read."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in out.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            path.chmod(0o666 & ~umask)
+    mode = 0o666 & ~_umask()
+    for path, _ in _files(out):
+        path.chmod(mode)
 
 
 def _others_may_read(target: Path) -> None:
     """Each file of `target` this user owns gains the read bits the umask gives a new file, none taken away; a file
     another user owns is left as it is."""
+    read = 0o444 & ~_umask()
+    for path, st in _files(target):
+        if st.st_uid == os.getuid() and st.st_mode & read != read:
+            path.chmod(st.st_mode & 0o777 | read)
+
+
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    for path in target.rglob("*"):
-        if path.is_file() and not path.is_symlink() and path.stat().st_uid == os.getuid():
-            mode = path.stat().st_mode & 0o777
-            if mode | (0o444 & ~umask) != mode:
-                path.chmod(mode | (0o444 & ~umask))
+    return umask
+
+
+def _files(root: Path) -> Iterator[tuple[Path, os.stat_result]]:
+    """The regular files under `root` (links left out), each with its stat."""
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            yield path, path.stat()
 
 
 def _say(msg: str) -> None:
